@@ -1,0 +1,64 @@
+"""Dependencies every route declares through these ``Annotated`` aliases.
+
+The app's lifespan puts the settings, the session factory and the object store on
+``app.state``; these functions hand them to routes. ``TenantDep`` authenticates the bearer key
+and is the only way a route learns whose rows it may touch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Annotated, Literal
+
+from fastapi import Depends, Query, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from skytrain_backend.config import Settings
+from skytrain_backend.db import keys
+from skytrain_backend.db.models import Tenant
+from skytrain_backend.errors import AuthenticationFailed
+from skytrain_backend.storage import ObjectStore
+
+_bearer = HTTPBearer(auto_error=False, description="An API key: sk-st-...")
+
+
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessionmaker() as session:
+        yield session
+
+
+def get_store(request: Request) -> ObjectStore:
+    store: ObjectStore = request.app.state.store
+    return store
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+StoreDep = Annotated[ObjectStore, Depends(get_store)]
+
+
+# The bearer key as sent; routes that authenticate in their own session (the inference
+# gateway) pass it to ``get_tenant`` themselves.
+CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+def get_tenant(session: SessionDep, credentials: CredentialsDep) -> Tenant:
+    if credentials is None:
+        raise AuthenticationFailed(
+            "no API key: send the header 'Authorization: Bearer sk-st-...' "
+            "(create a key with `skytrain keys create --tenant NAME`)"
+        )
+    return keys.authenticate(session, key=credentials.credentials)
+
+
+TenantDep = Annotated[Tenant, Depends(get_tenant)]
+
+Limit = Annotated[int, Query(ge=1, le=100, description="Items per page.")]
+OrderQuery = Annotated[Literal["asc", "desc"], Query(description="Sort direction.")]
+After = Annotated[str | None, Query(description="Cursor: the id of the last item seen.")]

@@ -1,0 +1,127 @@
+"""Checkpoints of a model: list, get, delete (objects removed, rows kept), files download."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import RedirectResponse, StreamingResponse
+
+from skytrain_backend.api.deps import After, Limit, OrderQuery, SessionDep, StoreDep, TenantDep
+from skytrain_backend.api.schemas import (
+    CheckpointFilePublic,
+    CheckpointFilesPublic,
+    CheckpointPublic,
+    CheckpointsDelete,
+    CheckpointsDeleted,
+    CheckpointsPublic,
+)
+from skytrain_backend.db import checkpoints, registry
+from skytrain_backend.errors import NotFound
+from skytrain_backend.storage import ObjectStore, keys
+
+router = APIRouter(prefix="/models/{model_id}/checkpoints", tags=["checkpoints"])
+
+
+@router.get("", response_model=CheckpointsPublic)
+def list_checkpoints(
+    model_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    after: After = None,
+    limit: Limit = 20,
+    order: OrderQuery = "asc",
+) -> CheckpointsPublic:
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    rows, has_more = checkpoints.list_checkpoints(
+        session, model_id=model.id, after=after, limit=limit, order=order
+    )
+    return CheckpointsPublic(
+        data=[CheckpointPublic.model_validate(row) for row in rows], has_more=has_more
+    )
+
+
+@router.delete("", response_model=CheckpointsDeleted)
+def delete_checkpoints(
+    model_id: str, body: CheckpointsDelete, session: SessionDep, tenant: TenantDep, store: StoreDep
+) -> CheckpointsDeleted:
+    """Remove the steps' files; rows stay, marked deleted, so pinned requests can say so."""
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    steps = sorted(set(body.steps))
+    found = checkpoints.live_checkpoints(session, model_id=model.id, steps=steps)
+    for checkpoint in found:
+        if checkpoint.uri is not None:
+            store.delete_prefix(
+                keys.checkpoint_prefix(tenant_id=tenant.id, model_id=model.id, step=checkpoint.step)
+            )
+    checkpoints.mark_deleted(session, checkpoints=found)
+    deleted = {checkpoint.step for checkpoint in found}
+    return CheckpointsDeleted(
+        deleted_count=len(deleted), not_found_steps=[s for s in steps if s not in deleted]
+    )
+
+
+@router.get("/{step}", response_model=CheckpointPublic)
+def get_checkpoint(
+    model_id: str, step: int, session: SessionDep, tenant: TenantDep
+) -> CheckpointPublic:
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    return CheckpointPublic.model_validate(
+        checkpoints.get_checkpoint(session, model_id=model.id, step=step)
+    )
+
+
+def _files(store: ObjectStore, *, tenant_id: str, model_id: str, step: int) -> dict[str, int]:
+    prefix = keys.checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step)
+    return {info.key.removeprefix(prefix): info.size for info in store.list(prefix)}
+
+
+@router.get("/{step}/files", response_model=CheckpointFilesPublic)
+def list_checkpoint_files(
+    model_id: str, step: int, session: SessionDep, tenant: TenantDep, store: StoreDep
+) -> CheckpointFilesPublic:
+    """The checkpoint's files (none for step 0, which is the base model)."""
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    checkpoints.get_checkpoint(session, model_id=model.id, step=step)
+    files = _files(store, tenant_id=tenant.id, model_id=model.id, step=step)
+    return CheckpointFilesPublic(
+        data=[CheckpointFilePublic(name=name, size=size) for name, size in sorted(files.items())]
+    )
+
+
+@router.get(
+    "/{step}/files/{name:path}",
+    response_model=None,
+    response_class=StreamingResponse,
+    responses={200: {"content": {"application/octet-stream": {}}}, 307: {}},
+)
+def download_checkpoint_file(
+    model_id: str,
+    step: int,
+    name: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    store: StoreDep,
+    redirect: bool = True,
+) -> StreamingResponse | RedirectResponse:
+    """The file's bytes, or a 307 to a presigned URL when the store has them (S3).
+
+    Pass ``redirect=false`` to have the control plane stream the bytes itself, e.g. when the
+    client cannot reach the object store.
+    """
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    checkpoints.get_checkpoint(session, model_id=model.id, step=step)
+    files = _files(store, tenant_id=tenant.id, model_id=model.id, step=step)
+    if name not in files:
+        available = ", ".join(sorted(files)) or "none"
+        raise NotFound(f"step {step} of model {model.id} has no file {name!r} (files: {available})")
+    key = keys.checkpoint_key(tenant_id=tenant.id, model_id=model.id, step=step, file=name)
+    url = store.presigned_get_url(key) if redirect else None
+    if url is not None:
+        return RedirectResponse(url, status_code=307)
+    return StreamingResponse(
+        store.iter_chunks(key),
+        media_type="application/octet-stream",
+        headers={
+            "Content-Length": str(files[name]),
+            "Content-Disposition": f'attachment; filename="{name.rpartition("/")[2]}"',
+        },
+    )

@@ -1,0 +1,15 @@
+"""Liveness without a key, for load balancers and `skytrain serve` users."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from skytrain_backend import __version__
+from skytrain_backend.api.schemas import HealthPublic
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/health", response_model=HealthPublic)
+def health() -> HealthPublic:
+    return HealthPublic(status="ok", version=__version__)

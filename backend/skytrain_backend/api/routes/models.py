@@ -1,0 +1,116 @@
+"""Models: create (or get, with return_existing), list, get, delete with everything they own."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response, status
+
+from skytrain_backend.api.deps import After, Limit, OrderQuery, SessionDep, StoreDep, TenantDep
+from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
+from skytrain_backend.db import registry
+from skytrain_backend.db.models import Model
+from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.scheduler import placement
+from skytrain_backend.scheduler.loop import wake_scheduler
+from skytrain_backend.scheduler.serving import ServingStatus, serving_status
+from skytrain_backend.storage import keys
+
+router = APIRouter(prefix="/models", tags=["models"])
+
+
+def model_public(
+    model: Model, *, latest_step: int, serving: ServingStatus | None = None
+) -> ModelPublic:
+    return ModelPublic(
+        id=model.id,
+        entity=model.entity,
+        project=model.project,
+        name=model.name,
+        base_model=model.base_model,
+        config=model.config,
+        inference_name=f"{model.entity}/{model.project}/{model.name}",
+        latest_step=latest_step,
+        run_id=model.run_id,
+        created_at=model.created_at,
+        serving=ServingPublic(**serving.public()) if serving else None,
+    )
+
+
+@router.post("", status_code=status.HTTP_201_CREATED, response_model=ModelPublic)
+def create_model(
+    body: ModelCreate,
+    session: SessionDep,
+    tenant: TenantDep,
+    response: Response,
+    request: Request,
+) -> ModelPublic:
+    """Register a model; 200 with the existing one when ``return_existing`` is set.
+
+    Registering makes the model active: the scheduler places it on a worker (starting one if
+    needed); ``serving`` says how far that got.
+    """
+    model, created = registry.create_model(
+        session,
+        tenant=tenant,
+        entity=body.entity or tenant.name,
+        project=body.project,
+        name=body.name,
+        base_model=body.base_model,
+        config=(body.config or ModelConfig()).model_dump(mode="json"),
+        return_existing=body.return_existing,
+    )
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    placement.mark_model_active(session, model=model, min_interval_s=0)
+    wake_scheduler(request.app.state)
+    return model_public(
+        model,
+        latest_step=registry.latest_step(session, model_id=model.id),
+        serving=serving_status(session, model=model),
+    )
+
+
+@router.get("", response_model=ModelsPublic)
+def list_models(
+    session: SessionDep,
+    tenant: TenantDep,
+    entity: str | None = None,
+    project: str | None = None,
+    name: str | None = None,
+    after: After = None,
+    limit: Limit = 20,
+    order: OrderQuery = "asc",
+) -> ModelsPublic:
+    models, has_more = registry.list_models(
+        session,
+        tenant_id=tenant.id,
+        entity=entity,
+        project=project,
+        name=name,
+        after=after,
+        limit=limit,
+        order=order,
+    )
+    steps = registry.latest_steps(session, model_ids=[model.id for model in models])
+    return ModelsPublic(
+        data=[model_public(model, latest_step=steps.get(model.id, 0)) for model in models],
+        has_more=has_more,
+    )
+
+
+@router.get("/{model_id}", response_model=ModelPublic)
+def get_model(model_id: str, session: SessionDep, tenant: TenantDep) -> ModelPublic:
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    return model_public(
+        model,
+        latest_step=registry.latest_step(session, model_id=model.id),
+        serving=serving_status(session, model=model),
+    )
+
+
+@router.delete("/{model_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_model(model_id: str, session: SessionDep, tenant: TenantDep, store: StoreDep) -> None:
+    """Delete the model's objects, then its rows (so a failed delete can simply be retried)."""
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    registry.check_deletable(session, model=model)
+    store.delete_prefix(keys.model_prefix(tenant_id=tenant.id, model_id=model.id))
+    registry.delete_model_rows(session, model=model)

@@ -1,0 +1,220 @@
+"""Training jobs: RL (trajectory groups) and SFT (trajectories or an uploaded file).
+
+Creating a job validates everything, stores the input batch, and records the job ``queued``;
+the scheduler hands it to a worker. Cancelling a queued job ends it at once; a running one is
+asked to stop.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from sqlalchemy.orm import Session
+
+from skytrain_backend.api import ingest
+from skytrain_backend.api.bulk import LargeBodyRoute
+from skytrain_backend.api.deps import (
+    After,
+    Limit,
+    OrderQuery,
+    SessionDep,
+    SettingsDep,
+    StoreDep,
+    TenantDep,
+)
+from skytrain_backend.api.routes.files import read_uploaded_file
+from skytrain_backend.api.schemas import (
+    SFTTrainingJobCreate,
+    TrainingJobCreate,
+    TrainingJobEventPublic,
+    TrainingJobEventsPublic,
+    TrainingJobPublic,
+    TrainingJobsPublic,
+)
+from skytrain_backend.db import jobs, registry
+from skytrain_backend.db.models import Model, TrainingJob, new_id, utcnow
+from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.protocol import (
+    JobKind,
+    JobStatus,
+    RLTrainConfig,
+    SFTTrainConfig,
+    check_trainable,
+    parse_trajectory_groups,
+)
+from skytrain_backend.scheduler.loop import wake_scheduler
+from skytrain_backend.storage import ObjectStore, keys
+
+router = APIRouter(tags=["training jobs"], route_class=LargeBodyRoute)
+
+
+def _store_job(
+    *,
+    session: Session,
+    store: ObjectStore,
+    model: Model,
+    kind: JobKind,
+    config: RLTrainConfig | SFTTrainConfig,
+    data: bytes,
+    num_groups: int,
+    num_trajectories: int,
+    max_attempts: int,
+    app_state: Any,
+) -> TrainingJobPublic:
+    job_id = new_id()
+
+    def insert(uri: str) -> TrainingJob:
+        # A job makes its model active: the scheduler places it on a worker if needed.
+        model.last_active_at = utcnow()
+        return jobs.add_job(
+            session,
+            job_id=job_id,
+            model_id=model.id,
+            kind=kind,
+            config=config.model_dump(mode="json"),
+            input_uri=uri,
+            num_groups=num_groups,
+            num_trajectories=num_trajectories,
+            max_attempts=max_attempts,
+        )
+
+    job = ingest.store_then_commit(
+        store,
+        session,
+        key=keys.job_input_key(tenant_id=model.tenant_id, model_id=model.id, job_id=job_id),
+        data=data,
+        insert=insert,
+    )
+    wake_scheduler(app_state)
+    return TrainingJobPublic.model_validate(job)
+
+
+@router.post("/training-jobs", status_code=201, response_model=TrainingJobPublic)
+def create_training_job(
+    body: TrainingJobCreate,
+    session: SessionDep,
+    tenant: TenantDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    request: Request,
+) -> TrainingJobPublic:
+    """Queue a GRPO step on the trajectory groups (ART's experimental_config is accepted)."""
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
+    if body.config is not None and body.experimental_config is not None:
+        raise InvalidRequest(
+            "send either config (skytrain's options) or experimental_config (ART's), not both"
+        )
+    config = body.config or RLTrainConfig.from_experimental(body.experimental_config)
+    groups = parse_trajectory_groups(body.trajectory_groups)
+    num_trajectories = ingest.count_trajectories(groups)
+    ingest.check_count(num_trajectories, limit=settings.max_trajectories_per_request)
+    check_trainable(groups, allow_training_without_logprobs=config.allow_training_without_logprobs)
+    return _store_job(
+        session=session,
+        store=store,
+        model=model,
+        kind="rl",
+        config=config,
+        data=ingest.to_jsonl(groups),
+        num_groups=len(groups),
+        num_trajectories=num_trajectories,
+        max_attempts=settings.job_max_attempts,
+        app_state=request.app.state,
+    )
+
+
+@router.post("/sft-training-jobs", status_code=201, response_model=TrainingJobPublic)
+def create_sft_training_job(
+    body: SFTTrainingJobCreate,
+    session: SessionDep,
+    tenant: TenantDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    request: Request,
+) -> TrainingJobPublic:
+    """Queue supervised fine-tuning on ``trajectories`` or on an uploaded JSONL file."""
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
+    if (body.trajectories is None) == (body.training_data_url is None):
+        raise InvalidRequest(
+            "send exactly one of trajectories (a list) or training_data_url "
+            "(skytrain-file://<id> from POST /v1/files)"
+        )
+    if body.trajectories is not None:
+        trajectories = ingest.parse_trajectories(body.trajectories)
+    else:
+        assert body.training_data_url is not None
+        data = read_uploaded_file(store, tenant_id=tenant.id, url=body.training_data_url)
+        trajectories = ingest.parse_trajectory_lines(data)
+    ingest.check_count(len(trajectories), limit=settings.max_trajectories_per_request)
+    return _store_job(
+        session=session,
+        store=store,
+        model=model,
+        kind="sft",
+        config=body.config or SFTTrainConfig(),
+        data=ingest.to_jsonl(trajectories),
+        num_groups=0,
+        num_trajectories=len(trajectories),
+        max_attempts=settings.job_max_attempts,
+        app_state=request.app.state,
+    )
+
+
+@router.get("/training-jobs", response_model=TrainingJobsPublic)
+def list_training_jobs(
+    session: SessionDep,
+    tenant: TenantDep,
+    model_id: str | None = None,
+    status: JobStatus | None = None,
+    after: After = None,
+    limit: Limit = 20,
+    order: OrderQuery = "asc",
+) -> TrainingJobsPublic:
+    if model_id is not None:
+        registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    rows, has_more = jobs.list_jobs(
+        session,
+        tenant_id=tenant.id,
+        model_id=model_id,
+        status=status,
+        after=after,
+        limit=limit,
+        order=order,
+    )
+    return TrainingJobsPublic(
+        data=[TrainingJobPublic.model_validate(row) for row in rows], has_more=has_more
+    )
+
+
+@router.get("/training-jobs/{job_id}", response_model=TrainingJobPublic)
+def get_training_job(job_id: str, session: SessionDep, tenant: TenantDep) -> TrainingJobPublic:
+    return TrainingJobPublic.model_validate(
+        jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
+    )
+
+
+@router.post("/training-jobs/{job_id}/cancel", response_model=TrainingJobPublic)
+def cancel_training_job(job_id: str, session: SessionDep, tenant: TenantDep) -> TrainingJobPublic:
+    job = jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
+    return TrainingJobPublic.model_validate(jobs.cancel_job(session, job=job))
+
+
+@router.get("/training-jobs/{job_id}/events", response_model=TrainingJobEventsPublic)
+def list_training_job_events(
+    job_id: str,
+    session: SessionDep,
+    tenant: TenantDep,
+    after: After = None,
+    limit: Limit = 100,
+) -> TrainingJobEventsPublic:
+    """Events in order; pass the last event's id as ``after`` to follow a job."""
+    job = jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
+    if after is not None and not after.isdigit():
+        raise InvalidRequest(f"after={after!r} is not an event id (event ids are integers)")
+    rows, has_more = jobs.list_events(
+        session, job_id=job.id, after=None if after is None else int(after), limit=limit
+    )
+    return TrainingJobEventsPublic(
+        data=[TrainingJobEventPublic.model_validate(row) for row in rows], has_more=has_more
+    )

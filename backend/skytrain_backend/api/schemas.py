@@ -1,0 +1,235 @@
+"""Request and response bodies of the REST API, named by role: ``XCreate`` (request),
+``XPublic`` (one resource), ``XsPublic`` (a page ``{data, has_more}``).
+
+Requests ignore fields they do not know (ART's client sends a few extra ones). Trajectory
+groups are typed loosely here and validated by ``protocol.parse_trajectory_groups``, whose
+messages name the group and trajectory at fault.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field
+
+from skytrain_backend.protocol import JobKind, JobStatus, ModelConfig, RLTrainConfig, SFTTrainConfig
+
+# Entity, project and model names end up in "<entity>/<project>/<name>:step<N>" references.
+Name = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=128, pattern=r"^[^/:\s]+$", strip_whitespace=True),
+]
+Split = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+
+
+class _Public(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+
+class HealthPublic(BaseModel):
+    status: str
+    version: str
+
+
+# --- models -----------------------------------------------------------------------------------
+
+
+class ModelCreate(BaseModel):
+    entity: Name | None = Field(default=None, description="Default: your tenant's name.")
+    project: Name
+    name: Name
+    base_model: str = Field(min_length=1, max_length=512, description="A Hugging Face model id.")
+    config: ModelConfig | None = None
+    return_existing: bool = Field(
+        default=False, description="Return the model if it exists instead of answering 409."
+    )
+
+
+class ModelPublic(_Public):
+    """A model. ``object``, ``created`` and ``owned_by`` make ``GET /v1/models`` also an OpenAI
+    model list, whose ids the inference gateway accepts as ``model``."""
+
+    id: str
+    entity: str
+    project: str
+    name: str
+    base_model: str
+    config: dict[str, Any]
+    inference_name: str = Field(description="What to pass as `model` to /v1/chat/completions.")
+    latest_step: int
+    run_id: str
+    created_at: datetime
+    serving: ServingPublic | None = Field(
+        default=None, description="Where the model is served (on GET and create)."
+    )
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def object(self) -> Literal["model"]:
+        return "model"
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def created(self) -> int:
+        """``created_at`` in Unix seconds, as OpenAI clients read it."""
+        return int(self.created_at.timestamp())
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def owned_by(self) -> str:
+        return self.entity
+
+
+class ServingPublic(BaseModel):
+    """Whether the model's endpoint answers now, and in words what is happening if not."""
+
+    state: Literal["waiting", "provisioning", "starting", "loading", "ready", "failed"]
+    ready: bool
+    message: str
+    worker_id: str | None = None
+    step: int | None = None
+
+
+class ModelsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelPublic]
+    has_more: bool
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+class CheckpointPublic(_Public):
+    id: str
+    step: int
+    metrics: dict[str, float]
+    created_at: datetime
+
+
+class CheckpointsPublic(BaseModel):
+    data: list[CheckpointPublic]
+    has_more: bool
+
+
+class CheckpointsDelete(BaseModel):
+    steps: list[Annotated[int, Field(ge=0)]]
+
+
+class CheckpointsDeleted(BaseModel):
+    deleted_count: int
+    not_found_steps: list[int]
+
+
+class CheckpointFilePublic(BaseModel):
+    name: str
+    size: int
+
+
+class CheckpointFilesPublic(BaseModel):
+    data: list[CheckpointFilePublic]
+
+
+# --- trajectory logs and metrics --------------------------------------------------------------
+
+
+class LogCreate(BaseModel):
+    trajectory_groups: list[Any]
+    split: Split = "val"
+    step: int | None = Field(default=None, ge=0, description="Default: the model's latest step.")
+
+
+class TrajectoryBatchPublic(_Public):
+    id: str
+    model_id: str
+    split: str
+    step: int
+    num_groups: int
+    num_trajectories: int
+    metrics: dict[str, float]
+    created_at: datetime
+
+
+class TrajectoryBatchesPublic(BaseModel):
+    data: list[TrajectoryBatchPublic]
+    has_more: bool
+
+
+class TrajectoryBatchDetail(TrajectoryBatchPublic):
+    trajectory_groups: list[dict[str, Any]]
+
+
+class MetricsPointPublic(BaseModel):
+    step: int
+    split: str
+    metrics: dict[str, float]
+
+
+class MetricsPublic(BaseModel):
+    data: list[MetricsPointPublic]
+
+
+# --- training jobs ----------------------------------------------------------------------------
+
+
+class TrainingJobCreate(BaseModel):
+    model_id: str
+    trajectory_groups: list[Any]
+    config: RLTrainConfig | None = None
+    experimental_config: dict[str, Any] | None = Field(
+        default=None, description="ART's experimental_config; mutually exclusive with config."
+    )
+
+
+class SFTTrainingJobCreate(BaseModel):
+    model_id: str
+    trajectories: list[Any] | None = None
+    training_data_url: str | None = Field(
+        default=None, description="skytrain-file://<id> from POST /v1/files."
+    )
+    config: SFTTrainConfig | None = None
+
+
+class TrainingJobPublic(_Public):
+    id: str
+    model_id: str
+    kind: JobKind
+    status: JobStatus
+    config: dict[str, Any]
+    num_groups: int
+    num_trajectories: int
+    attempts: int
+    step: int | None = Field(validation_alias="result_step", description="The step it produced.")
+    error: str | None
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+
+
+class TrainingJobsPublic(BaseModel):
+    data: list[TrainingJobPublic]
+    has_more: bool
+
+
+class TrainingJobEventPublic(_Public):
+    # Event ids are integers in SQL; clients (ART's among them) treat cursors as strings.
+    model_config = ConfigDict(from_attributes=True, coerce_numbers_to_str=True)
+
+    id: str
+    type: str
+    data: dict[str, Any]
+    created_at: datetime
+
+
+class TrainingJobEventsPublic(BaseModel):
+    data: list[TrainingJobEventPublic]
+    has_more: bool
+
+
+# --- files ------------------------------------------------------------------------------------
+
+
+class FilePublic(BaseModel):
+    id: str
+    uri: str
+    bytes: int

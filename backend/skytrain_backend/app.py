@@ -1,0 +1,69 @@
+"""The FastAPI application of the control plane: ``create_app(settings)``.
+
+The lifespan opens the database engine and the object store and checks the schema (upgrading
+it first when auto-migration is on); the server refuses to start on an outdated schema. The
+same routers serve ``/v1`` and ``/v1/preview``, the prefix ART's ``ServerlessBackend`` client
+uses, whose request and response shapes are subsets of ours.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.concurrency import run_in_threadpool
+
+from skytrain_backend import __version__
+from skytrain_backend.api.errors import install_error_handlers
+from skytrain_backend.api.limits import BodySizeLimit
+from skytrain_backend.api.routes import api_router, health, worker
+from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.db import migrations
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.provision import open_provider
+from skytrain_backend.scheduler.loop import Scheduler
+from skytrain_backend.storage import open_object_store
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = create_db_engine(settings.resolved_database_url)
+        try:
+            await run_in_threadpool(
+                migrations.prepare_schema, engine, auto_migrate=settings.should_auto_migrate
+            )
+            app.state.settings = settings
+            app.state.sessionmaker = session_factory(engine)
+            app.state.store = open_object_store(settings.resolved_object_store_url, settings)
+            app.state.scheduler = Scheduler(
+                settings=settings,
+                sessions=app.state.sessionmaker,
+                provider=open_provider(settings),
+            )
+            await app.state.scheduler.start()
+            try:
+                yield
+            finally:
+                await app.state.scheduler.stop()
+        finally:
+            engine.dispose()
+
+    app = FastAPI(
+        title="skytrain",
+        version=__version__,
+        summary="Train LLM agents with reinforcement learning (GRPO on LoRA).",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=settings.max_request_bytes, exempt_prefixes=("/v1/worker/",)
+    )
+    app.include_router(health.router)
+    app.include_router(api_router, prefix="/v1")
+    app.include_router(api_router, prefix="/v1/preview", include_in_schema=False)
+    app.include_router(worker.router, prefix="/v1")
+    return app

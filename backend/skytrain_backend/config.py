@@ -1,0 +1,219 @@
+"""skytrain's settings: the one place that reads the environment.
+
+Every variable has the prefix ``SKYTRAIN_`` (``SKYTRAIN_DATABASE_URL``...). With nothing set,
+skytrain runs embedded: SQLite and a local object directory under ``SKYTRAIN_HOME``
+(``~/.skytrain``), the ``local`` provider starting workers on this machine.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ProviderName = Literal["local", "skypilot", "none"]
+EngineKind = Literal["auto", "vllm", "hf"]
+
+
+class Settings(BaseSettings):
+    """Configuration of the control plane, the worker and the demo."""
+
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_", extra="ignore")
+
+    # --- where state lives -------------------------------------------------------------------
+    home: Path = Field(
+        default=Path("~/.skytrain"),
+        description="Directory for the embedded database, objects, worker logs and model cache.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL (postgresql+psycopg://... in production). "
+        "Default: SQLite at $SKYTRAIN_HOME/skytrain.db.",
+    )
+    object_store_url: str | None = Field(
+        default=None,
+        description="s3://bucket/prefix or file:///path. Default: file://$SKYTRAIN_HOME/objects.",
+    )
+    s3_endpoint_url: str | None = Field(
+        default=None, description="Endpoint of an S3-compatible store (MinIO, R2, moto...)."
+    )
+    s3_region: str | None = Field(default=None, description="Region of the S3 bucket.")
+    model_cache_dir: Path | None = Field(
+        default=None,
+        description="Converted local copies of base models. Default: $SKYTRAIN_HOME/models.",
+    )
+    auto_migrate: bool | None = Field(
+        default=None,
+        description="Upgrade the schema at start-up. Default: on for SQLite, off otherwise "
+        "(run `skytrain db upgrade`).",
+    )
+
+    # --- the HTTP server ---------------------------------------------------------------------
+    host: str = Field(default="127.0.0.1", description="Address `skytrain serve` listens on.")
+    port: int = Field(default=8000, description="Port `skytrain serve` listens on.")
+    public_url: str | None = Field(
+        default=None,
+        description="URL workers use to reach the control plane. Default: http://HOST:PORT.",
+    )
+    max_request_bytes: int = Field(
+        default=64 * 1024 * 1024, gt=0, description="Largest request body accepted."
+    )
+    max_trajectories_per_request: int = Field(
+        default=100_000, gt=0, description="Most trajectories in one training job or log call."
+    )
+    gateway_loading_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long an inference request waits for its checkpoint to load onto "
+        "the worker before answering 503.",
+    )
+    tenant_max_concurrent_requests: int = Field(
+        default=256, gt=0, description="Inference requests in flight per tenant before 429."
+    )
+
+    # --- scheduling and provisioning ---------------------------------------------------------
+    provider: ProviderName = Field(
+        default="local", description="How workers are started: local | skypilot | none."
+    )
+    max_workers: int = Field(default=2, ge=0, description="Most workers the provider starts.")
+    worker_idle_timeout_s: float = Field(
+        default=1800.0, gt=0, description="Stop a worker with no models and requests this long."
+    )
+    job_lease_s: float = Field(
+        default=60.0, gt=0, description="A training job's lease; the worker renews it."
+    )
+    job_max_attempts: int = Field(
+        default=3, ge=1, description="Times a job is leased before it fails for good."
+    )
+    worker_launch_backoff_s: float = Field(
+        default=300.0, ge=0, description="After a failed worker launch, wait this long to retry."
+    )
+    worker_heartbeat_timeout_s: float = Field(
+        default=45.0, gt=0, description="A worker silent this long is considered lost."
+    )
+
+    # --- the skypilot provider ---------------------------------------------------------------
+    skypilot_worker_yaml: Path | None = Field(
+        default=None,
+        description="SkyPilot task workers are launched from. Default: skytrain's sky/worker.yaml.",
+    )
+    skypilot_accelerators: str | None = Field(
+        default=None,
+        description="Accelerators a worker may get, in order of preference ('L4:1,A10G:1'); "
+        "'none' for CPU-only workers. Default: the task's list.",
+    )
+    skypilot_infra: str | None = Field(
+        default=None,
+        description="Where workers run: a cloud, cloud/region or k8s/context "
+        "('aws/us-east-1'). Default: any enabled cloud.",
+    )
+    skypilot_disk_size_gb: int | None = Field(
+        default=None, ge=1, description="Disk of a worker, in GB. Default: the task's."
+    )
+    skypilot_use_spot: bool = Field(
+        default=False, description="Use spot instances (a preempted worker is replaced)."
+    )
+    skypilot_autostop_minutes: int = Field(
+        default=10, ge=0, description="Tear a worker's cluster down once idle this long."
+    )
+    skypilot_engine_port: int = Field(
+        default=8100, ge=1, le=65535, description="Port a worker's engine is exposed on."
+    )
+    skypilot_cluster_prefix: str = Field(
+        default="skytrain-",
+        pattern=r"^[a-z][a-z0-9-]*-$",
+        description="Cluster names start with it; clusters with it that no worker owns are "
+        "stopped. One per control plane sharing a SkyPilot API server.",
+    )
+    skypilot_status_interval_s: float = Field(
+        default=20.0, ge=0, description="Least time between two `sky status` queries."
+    )
+    hf_token: SecretStr | None = Field(
+        default=None, description="Hugging Face token given to workers (gated models)."
+    )
+
+    # --- workers and engines -----------------------------------------------------------------
+    engine: EngineKind = Field(
+        default="auto", description="Inference engine: auto (vLLM with CUDA, else hf) | vllm | hf."
+    )
+    engine_startup_timeout_s: float = Field(
+        default=900.0, gt=0, description="How long a worker waits for its engine's /health."
+    )
+    engine_max_model_len: int | None = Field(
+        default=None, ge=16, description="Context length served. Default: the model's own."
+    )
+    engine_max_loras: int = Field(
+        default=4, ge=1, description="vLLM: adapters resident on the GPU at once (--max-loras)."
+    )
+    engine_max_lora_rank: int = Field(
+        default=64, ge=1, description="vLLM: largest LoRA rank it accepts (--max-lora-rank)."
+    )
+    engine_gpu_memory_utilization: float = Field(
+        default=0.8, gt=0, le=1, description="vLLM: share of GPU memory it takes."
+    )
+    engine_tensor_parallel_size: int = Field(
+        default=1, ge=1, description="vLLM: GPUs one model is split across."
+    )
+    control_plane_url: str | None = Field(
+        default=None, description="Worker: URL of the control plane it joins."
+    )
+    worker_token: str | None = Field(
+        default=None, description="Worker: the token it registers with (swt-...)."
+    )
+    worker_base_model: str | None = Field(
+        default=None, description="Worker: the base model its engine serves."
+    )
+    engine_secret: str | None = Field(
+        default=None,
+        description="Worker: the secret its engine requires. Default: a fresh random one.",
+    )
+    worker_max_models: int = Field(
+        default=8, ge=1, description="Worker: most models (LoRA adapters) placed on one worker."
+    )
+
+    @field_validator("home", "model_cache_dir", mode="after")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'skytrain.db'}"
+
+    @property
+    def resolved_object_store_url(self) -> str:
+        return self.object_store_url or (self.home / "objects").as_uri()
+
+    @property
+    def resolved_model_cache_dir(self) -> Path:
+        return self.model_cache_dir or self.home / "models"
+
+    @property
+    def resolved_public_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.resolved_database_url.startswith("sqlite")
+
+    @property
+    def should_auto_migrate(self) -> bool:
+        return self.is_sqlite if self.auto_migrate is None else self.auto_migrate
+
+
+def subprocess_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment for a child process: this one's, plus ``extra``."""
+    return {**os.environ, **extra}
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process-wide settings, read once from the environment."""
+    return Settings()

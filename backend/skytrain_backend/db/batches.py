@@ -1,0 +1,102 @@
+"""Logged trajectory batches: the rows that point at JSONL objects, with summary metrics."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db.models import TrajectoryBatch
+from skytrain_backend.db.pages import Order, fetch_page
+from skytrain_backend.errors import InvalidRequest, NotFound
+
+
+def add_batch(
+    session: Session,
+    *,
+    batch_id: str,
+    model_id: str,
+    split: str,
+    step: int,
+    uri: str,
+    num_groups: int,
+    num_trajectories: int,
+    metrics: dict[str, Any],
+) -> TrajectoryBatch:
+    """Stage the row; the caller commits once the object is in the store."""
+    batch = TrajectoryBatch(
+        id=batch_id,
+        model_id=model_id,
+        split=split,
+        step=step,
+        uri=uri,
+        num_groups=num_groups,
+        num_trajectories=num_trajectories,
+        metrics=metrics,
+    )
+    session.add(batch)
+    session.flush()
+    return batch
+
+
+def list_batches(
+    session: Session,
+    *,
+    model_id: str,
+    split: str | None = None,
+    step: int | None = None,
+    after: str | None = None,
+    limit: int,
+    order: Order,
+) -> tuple[list[TrajectoryBatch], bool]:
+    statement = select(TrajectoryBatch).where(TrajectoryBatch.model_id == model_id)
+    if split is not None:
+        statement = statement.where(TrajectoryBatch.split == split)
+    if step is not None:
+        statement = statement.where(TrajectoryBatch.step == step)
+    cursor = None
+    if after is not None:
+        anchor = session.scalar(
+            select(TrajectoryBatch).where(
+                TrajectoryBatch.id == after, TrajectoryBatch.model_id == model_id
+            )
+        )
+        if anchor is None:
+            raise InvalidRequest(f"after={after!r} is not the id of a log batch of this model")
+        cursor = (anchor.created_at, anchor.id)
+    return fetch_page(
+        session,
+        statement,
+        keys=(TrajectoryBatch.created_at, TrajectoryBatch.id),
+        after=cursor,
+        limit=limit,
+        order=order,
+    )
+
+
+def get_batch(session: Session, *, model_id: str, batch_id: str) -> TrajectoryBatch:
+    batch = session.scalar(
+        select(TrajectoryBatch).where(
+            TrajectoryBatch.id == batch_id, TrajectoryBatch.model_id == model_id
+        )
+    )
+    if batch is None:
+        raise NotFound(f"model {model_id} has no log batch {batch_id!r}")
+    return batch
+
+
+def batches_by_step(
+    session: Session, *, model_id: str, split: str | None = None
+) -> list[TrajectoryBatch]:
+    """Every batch of the model in (step, split, created_at) order, for metrics history."""
+    statement = select(TrajectoryBatch).where(TrajectoryBatch.model_id == model_id)
+    if split is not None:
+        statement = statement.where(TrajectoryBatch.split == split)
+    return list(
+        session.scalars(
+            statement.order_by(
+                TrajectoryBatch.step, TrajectoryBatch.split, TrajectoryBatch.created_at
+            )
+        )
+    )

@@ -1,0 +1,133 @@
+"""Training jobs and their events, as the API sees them.
+
+The API creates jobs ``queued`` and cancels them; leasing, heartbeats and results belong to
+the scheduler. A job is reached through its model, so a tenant only ever finds its own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db.models import Model, TrainingJob, TrainingJobEvent, utcnow
+from skytrain_backend.db.pages import Order, fetch_page
+from skytrain_backend.errors import Conflict, InvalidRequest, NotFound
+from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, EventType, JobKind, JobStatus
+
+
+def add_job(
+    session: Session,
+    *,
+    job_id: str,
+    model_id: str,
+    kind: JobKind,
+    config: dict[str, Any],
+    input_uri: str,
+    num_groups: int,
+    num_trajectories: int,
+    max_attempts: int,
+) -> TrainingJob:
+    """Stage a queued job; the caller commits once its input is in the store."""
+    job = TrainingJob(
+        id=job_id,
+        model_id=model_id,
+        kind=kind,
+        status="queued",
+        config=config,
+        input_uri=input_uri,
+        num_groups=num_groups,
+        num_trajectories=num_trajectories,
+        attempts=0,
+        max_attempts=max_attempts,
+        cancel_requested=False,
+    )
+    session.add(job)
+    session.flush()
+    return job
+
+
+def _tenant_jobs(tenant_id: str) -> Any:
+    return select(TrainingJob).join(Model).where(Model.tenant_id == tenant_id)
+
+
+def get_job(session: Session, *, tenant_id: str, job_id: str) -> TrainingJob:
+    job = session.scalar(_tenant_jobs(tenant_id).where(TrainingJob.id == job_id))
+    if job is None:
+        raise NotFound(f"training job {job_id!r} not found: list yours with GET /v1/training-jobs")
+    return job
+
+
+def list_jobs(
+    session: Session,
+    *,
+    tenant_id: str,
+    model_id: str | None = None,
+    status: JobStatus | None = None,
+    after: str | None = None,
+    limit: int,
+    order: Order,
+) -> tuple[list[TrainingJob], bool]:
+    statement = _tenant_jobs(tenant_id)
+    if model_id is not None:
+        statement = statement.where(TrainingJob.model_id == model_id)
+    if status is not None:
+        statement = statement.where(TrainingJob.status == status)
+    cursor = None
+    if after is not None:
+        anchor = session.scalar(_tenant_jobs(tenant_id).where(TrainingJob.id == after))
+        if anchor is None:
+            raise InvalidRequest(f"after={after!r} is not the id of one of your training jobs")
+        cursor = (anchor.created_at, anchor.id)
+    return fetch_page(
+        session,
+        statement,
+        keys=(TrainingJob.created_at, TrainingJob.id),
+        after=cursor,
+        limit=limit,
+        order=order,
+    )
+
+
+def add_event(
+    session: Session, *, job_id: str, type: EventType, data: dict[str, Any]
+) -> TrainingJobEvent:
+    event = TrainingJobEvent(job_id=job_id, type=type, data=data)
+    session.add(event)
+    session.flush()
+    return event
+
+
+def cancel_job(session: Session, *, job: TrainingJob) -> TrainingJob:
+    """Cancel a queued job at once; ask a running one's worker to stop at the next step."""
+    if job.status in TERMINAL_JOB_STATUSES:
+        raise Conflict(f"training job {job.id} has already ended ({job.status}): nothing to cancel")
+    if job.status == "queued":
+        job.status = "cancelled"
+        job.finished_at = utcnow()
+        # Clients following the events (ART's among them) stop on training_failed.
+        add_event(
+            session,
+            job_id=job.id,
+            type="training_failed",
+            data={"error_message": "the job was cancelled before it started"},
+        )
+    else:
+        job.cancel_requested = True
+    session.commit()
+    return job
+
+
+def list_events(
+    session: Session, *, job_id: str, after: int | None = None, limit: int
+) -> tuple[list[TrainingJobEvent], bool]:
+    statement = select(TrainingJobEvent).where(TrainingJobEvent.job_id == job_id)
+    return fetch_page(
+        session,
+        statement,
+        keys=(TrainingJobEvent.id,),
+        after=None if after is None else (after,),
+        limit=limit,
+        order="asc",
+    )

@@ -1,0 +1,271 @@
+"""The SQL schema: one class per table (SQLAlchemy 2.0 typed ORM).
+
+The schema changes only through Alembic revisions in ``migrations/``; a test checks that
+autogenerate finds no difference between these classes and the revisions, on SQLite and on
+PostgreSQL. Ids are uuid4 hex strings except the event id, an auto-incrementing integer that
+doubles as the events' cursor. Timestamps are timezone-aware UTC on both databases. JSON
+columns are JSONB on PostgreSQL and JSON on SQLite.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+ID_LENGTH = 32
+NAME_LENGTH = 128
+
+JSONType = JSON().with_variant(JSONB(), "postgresql")
+# SQLite makes only INTEGER PRIMARY KEY an alias of the auto-incrementing rowid.
+EventIdType = BigInteger().with_variant(Integer(), "sqlite")
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timezone-aware UTC datetime on every database.
+
+    PostgreSQL keeps the zone (``timestamptz``); SQLite stores naive text, so values are
+    converted to UTC on the way in and marked UTC on the way out.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: pass a timezone-aware UTC datetime")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id() -> str:
+    return uuid.uuid4().hex
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(
+        naming_convention={
+            "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+            "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+            "ck": "ck_%(table_name)s_%(constraint_name)s",
+            "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+            "pk": "pk_%(table_name)s",
+        }
+    )
+    type_annotation_map = {
+        datetime: UTCDateTime(),
+        dict[str, Any]: JSONType,
+        str: String(NAME_LENGTH),
+    }
+
+
+def _id_column() -> Mapped[str]:
+    return mapped_column(String(ID_LENGTH), primary_key=True, default=new_id)
+
+
+def _created_at() -> Mapped[datetime]:
+    return mapped_column(default=utcnow)
+
+
+class Tenant(Base):
+    """Who owns rows and objects; every API key belongs to one."""
+
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = _id_column()
+    name: Mapped[str] = mapped_column(unique=True)
+    created_at: Mapped[datetime] = _created_at()
+
+
+class ApiKey(Base):
+    """A bearer key, stored as the sha256 of its text; the key itself is shown once."""
+
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = _id_column()
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str | None]
+    prefix: Mapped[str] = mapped_column(String(16))
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    created_at: Mapped[datetime] = _created_at()
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]
+
+
+class Model(Base):
+    """A trainable model: a LoRA adapter lineage on top of a base model."""
+
+    __tablename__ = "models"
+    __table_args__ = (UniqueConstraint("tenant_id", "entity", "project", "name"),)
+
+    id: Mapped[str] = _id_column()
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    entity: Mapped[str]
+    project: Mapped[str]
+    name: Mapped[str]
+    base_model: Mapped[str] = mapped_column(String(512))
+    config: Mapped[dict[str, Any]]
+    run_id: Mapped[str] = mapped_column(String(ID_LENGTH), default=new_id)
+    created_at: Mapped[datetime] = _created_at()
+    # Placement: the worker that serves and trains this model (sticky until it goes away).
+    worker_id: Mapped[str | None] = mapped_column(
+        ForeignKey("workers.id", ondelete="SET NULL"), index=True
+    )
+    # Last registration, request or job: the scheduler keeps active models placed.
+    last_active_at: Mapped[datetime | None]
+
+
+class Checkpoint(Base):
+    """One step of a model. Step 0 is the base model and has no files (``uri`` is null).
+
+    Deleting a checkpoint removes its objects and keeps the row with ``deleted_at`` set, so a
+    request pinned to that step can be told it was deleted rather than that it never existed.
+    """
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("model_id", "step"),)
+
+    id: Mapped[str] = _id_column()
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    step: Mapped[int]
+    uri: Mapped[str | None] = mapped_column(Text)
+    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    created_at: Mapped[datetime] = _created_at()
+    deleted_at: Mapped[datetime | None]
+    # Last request pinned to this step: workers keep recently pinned steps loaded.
+    last_requested_at: Mapped[datetime | None]
+
+
+class TrajectoryBatch(Base):
+    """Logged trajectory groups: a JSONL object plus the counts and summary metrics."""
+
+    __tablename__ = "trajectory_batches"
+    __table_args__ = (Index(None, "model_id", "split", "step"),)
+
+    id: Mapped[str] = _id_column()
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    split: Mapped[str] = mapped_column(String(64))
+    step: Mapped[int]
+    uri: Mapped[str] = mapped_column(Text)
+    num_groups: Mapped[int]
+    num_trajectories: Mapped[int]
+    metrics: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = _created_at()
+
+
+class TrainingJob(Base):
+    """One RL or SFT training request; the scheduler leases queued jobs to workers."""
+
+    __tablename__ = "training_jobs"
+    __table_args__ = (Index(None, "status", "created_at"),)
+
+    id: Mapped[str] = _id_column()
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    config: Mapped[dict[str, Any]]
+    input_uri: Mapped[str] = mapped_column(Text)
+    num_groups: Mapped[int]
+    num_trajectories: Mapped[int]
+    attempts: Mapped[int] = mapped_column(default=0)
+    max_attempts: Mapped[int]
+    # The step the current attempt trains from (the model's latest when it was leased).
+    base_step: Mapped[int | None]
+    worker_id: Mapped[str | None] = mapped_column(
+        ForeignKey("workers.id", ondelete="SET NULL"), index=True
+    )
+    lease_expires_at: Mapped[datetime | None]
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    result_step: Mapped[int | None]
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = _created_at()
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+
+
+class TrainingJobEvent(Base):
+    """What happened during a job, in order; the id is the cursor clients page with."""
+
+    __tablename__ = "training_job_events"
+    # AUTOINCREMENT on SQLite too: an id is never reused, even after the newest row is gone.
+    __table_args__ = (Index(None, "job_id", "id"), {"sqlite_autoincrement": True})
+
+    id: Mapped[int] = mapped_column(EventIdType, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("training_jobs.id", ondelete="CASCADE"))
+    type: Mapped[str] = mapped_column(String(32))
+    data: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = _created_at()
+
+
+class Worker(Base):
+    """A machine serving and training models, started by a provider or joined by hand."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = _id_column()
+    provider: Mapped[str] = mapped_column(String(32))
+    cluster_name: Mapped[str | None]
+    base_model: Mapped[str] = mapped_column(String(512))
+    status: Mapped[str] = mapped_column(String(16))
+    engine_endpoint: Mapped[str | None] = mapped_column(Text)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    engine_secret: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    capacity: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    hardware: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    status_message: Mapped[str | None] = mapped_column(Text)
+    last_heartbeat_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = _created_at()
+    stopped_at: Mapped[datetime | None]
+    # The base model's name in the engine, and the checkpoints it serves: [{model_id, step}].
+    served_model_name: Mapped[str | None] = mapped_column(String(512))
+    served: Mapped[list[dict[str, Any]]] = mapped_column(JSONType, default=list)
+    # Last time the worker had work: a model placed, a request routed, a job.
+    last_active_at: Mapped[datetime | None]
+
+
+class WorkerToken(Base):
+    """A join token for workers started by hand (``sky launch sky/worker.yaml``).
+
+    Stored as a hash; scoped to one base model when ``base_model`` is set; revocable. A worker
+    that registers with it gets its own worker token for every later call.
+    """
+
+    __tablename__ = "worker_tokens"
+
+    id: Mapped[str] = _id_column()
+    name: Mapped[str | None]
+    prefix: Mapped[str] = mapped_column(String(16))
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    base_model: Mapped[str | None] = mapped_column(String(512))
+    created_at: Mapped[datetime] = _created_at()
+    last_used_at: Mapped[datetime | None]
+    revoked_at: Mapped[datetime | None]

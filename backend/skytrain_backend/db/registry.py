@@ -1,0 +1,159 @@
+"""Models: create (with their step-0 checkpoint), find, list and delete, always per tenant.
+
+Every lookup filters on the caller's tenant, so another tenant's model id is simply not
+found: the API answers 404 and never says the id exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db.models import Checkpoint, Model, Tenant, TrainingJob
+from skytrain_backend.db.pages import Order, fetch_page
+from skytrain_backend.errors import Conflict, InvalidRequest, NotFound
+
+
+def _find(
+    session: Session, *, tenant_id: str, entity: str, project: str, name: str
+) -> Model | None:
+    return session.scalar(
+        select(Model).where(
+            Model.tenant_id == tenant_id,
+            Model.entity == entity,
+            Model.project == project,
+            Model.name == name,
+        )
+    )
+
+
+def _existing(model: Model, *, base_model: str, return_existing: bool) -> Model:
+    label = f"{model.entity}/{model.project}/{model.name}"
+    if not return_existing:
+        raise Conflict(
+            f"model {label} exists already (id {model.id}): pass return_existing=true to get it"
+        )
+    if model.base_model != base_model:
+        raise Conflict(
+            f"model {label} exists with base model {model.base_model!r}, not {base_model!r}: "
+            "choose another name, or delete the model first"
+        )
+    return model
+
+
+def create_model(
+    session: Session,
+    *,
+    tenant: Tenant,
+    entity: str,
+    project: str,
+    name: str,
+    base_model: str,
+    config: dict[str, Any],
+    return_existing: bool,
+) -> tuple[Model, bool]:
+    """The model and whether it was created; its step-0 checkpoint is created with it."""
+    found = _find(session, tenant_id=tenant.id, entity=entity, project=project, name=name)
+    if found is not None:
+        return _existing(found, base_model=base_model, return_existing=return_existing), False
+    model = Model(
+        tenant_id=tenant.id,
+        entity=entity,
+        project=project,
+        name=name,
+        base_model=base_model,
+        config=config,
+    )
+    session.add(model)
+    try:
+        session.flush()
+        # Step 0 is the base model itself: a fresh LoRA adapter changes nothing, so no files.
+        session.add(Checkpoint(model_id=model.id, step=0, uri=None, metrics={}))
+        session.commit()
+    except IntegrityError:
+        # Another request created the same model between our lookup and our insert.
+        session.rollback()
+        found = _find(session, tenant_id=tenant.id, entity=entity, project=project, name=name)
+        if found is None:
+            raise
+        return _existing(found, base_model=base_model, return_existing=return_existing), False
+    return model, True
+
+
+def get_model(session: Session, *, tenant_id: str, model_id: str) -> Model:
+    model = session.scalar(select(Model).where(Model.id == model_id, Model.tenant_id == tenant_id))
+    if model is None:
+        raise NotFound(f"model {model_id!r} not found: list yours with GET /v1/models")
+    return model
+
+
+def list_models(
+    session: Session,
+    *,
+    tenant_id: str,
+    entity: str | None = None,
+    project: str | None = None,
+    name: str | None = None,
+    after: str | None = None,
+    limit: int,
+    order: Order,
+) -> tuple[list[Model], bool]:
+    statement = select(Model).where(Model.tenant_id == tenant_id)
+    for column, value in ((Model.entity, entity), (Model.project, project), (Model.name, name)):
+        if value is not None:
+            statement = statement.where(column == value)
+    cursor = None
+    if after is not None:
+        anchor = session.scalar(
+            select(Model).where(Model.id == after, Model.tenant_id == tenant_id)
+        )
+        if anchor is None:
+            raise InvalidRequest(f"after={after!r} is not the id of one of your models")
+        cursor = (anchor.created_at, anchor.id)
+    return fetch_page(
+        session,
+        statement,
+        keys=(Model.created_at, Model.id),
+        after=cursor,
+        limit=limit,
+        order=order,
+    )
+
+
+def latest_steps(session: Session, *, model_ids: Sequence[str]) -> dict[str, int]:
+    """The newest checkpoint step that still exists, per model."""
+    if not model_ids:
+        return {}
+    rows = session.execute(
+        select(Checkpoint.model_id, func.max(Checkpoint.step))
+        .where(Checkpoint.model_id.in_(model_ids), Checkpoint.deleted_at.is_(None))
+        .group_by(Checkpoint.model_id)
+    )
+    return {model_id: step for model_id, step in rows}
+
+
+def latest_step(session: Session, *, model_id: str) -> int:
+    return latest_steps(session, model_ids=[model_id]).get(model_id, 0)
+
+
+def check_deletable(session: Session, *, model: Model) -> None:
+    running = session.scalar(
+        select(TrainingJob.id).where(
+            TrainingJob.model_id == model.id, TrainingJob.status == "running"
+        )
+    )
+    if running is not None:
+        raise Conflict(
+            f"model {model.id} has a running training job ({running}): cancel it with "
+            f"POST /v1/training-jobs/{running}/cancel and delete the model once it has stopped"
+        )
+
+
+def delete_model_rows(session: Session, *, model: Model) -> None:
+    """Delete the model and, through ON DELETE CASCADE, its checkpoints, logs and jobs."""
+    session.execute(delete(Model).where(Model.id == model.id))
+    session.commit()

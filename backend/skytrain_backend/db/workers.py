@@ -1,0 +1,143 @@
+"""Worker rows: creation with a token, authentication, registration, heartbeats, listing.
+
+A worker authenticates with its own token (``swt-...``), created when the scheduler asks a
+provider for a worker, or handed out when a worker joins with an operator's join token
+(``swj-...``, ``db.worker_tokens``). Only the token's sha256 is stored.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db.models import Worker, utcnow
+from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
+
+WORKER_TOKEN_PREFIX = "swt-"
+LIVE_STATUSES = ("provisioning", "starting", "ready", "training", "draining")
+ENDED_STATUSES = ("stopped", "lost", "failed")
+REPORTED_STATUSES = frozenset({"starting", "ready", "training", "draining"})
+
+
+def hash_token(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def new_worker_token() -> str:
+    return WORKER_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def create_worker(
+    session: Session,
+    *,
+    provider: str,
+    base_model: str,
+    max_models: int,
+    status: str = "provisioning",
+    engine_secret: str | None = None,
+) -> tuple[Worker, str]:
+    """A new worker row and the token it will authenticate with (shown to nobody else)."""
+    token = new_worker_token()
+    worker = Worker(
+        provider=provider,
+        base_model=base_model,
+        status=status,
+        token_hash=hash_token(token),
+        engine_secret=engine_secret or secrets.token_urlsafe(24),
+        capacity={"max_models": max_models},
+        hardware={},
+        served=[],
+        status_message="launching" if status == "provisioning" else None,
+        last_active_at=utcnow(),
+    )
+    session.add(worker)
+    session.flush()
+    return worker, token
+
+
+def authenticate_worker(session: Session, *, token: str) -> Worker:
+    worker = session.scalar(select(Worker).where(Worker.token_hash == hash_token(token)))
+    if worker is None:
+        raise AuthenticationFailed(
+            "unknown worker token: workers use the token they were started with "
+            "(SKYTRAIN_WORKER_TOKEN), or join with `skytrain workers token create`"
+        )
+    if worker.status in ("stopped", "failed"):
+        raise AuthenticationFailed(
+            f"worker {worker.id} was {worker.status}: start a new worker to rejoin"
+        )
+    return worker
+
+
+def register(
+    session: Session,
+    *,
+    worker: Worker,
+    base_model: str,
+    served_model_name: str,
+    engine_endpoint: str,
+    engine_secret: str,
+    capacity: dict[str, Any],
+    hardware: dict[str, Any],
+) -> Worker:
+    """Record what a (re)starting worker reports about itself; it serves nothing yet."""
+    if base_model != worker.base_model:
+        raise InvalidRequest(
+            f"worker {worker.id} was started for {worker.base_model!r}, "
+            f"but its engine serves {base_model!r}"
+        )
+    now = utcnow()
+    worker.served_model_name = served_model_name
+    # A provider that knows a better (reachable) endpoint keeps it (scheduler reconciliation).
+    worker.engine_endpoint = worker.engine_endpoint or engine_endpoint
+    worker.engine_secret = engine_secret
+    worker.capacity = capacity
+    worker.hardware = hardware
+    worker.status = "ready"
+    worker.status_message = None
+    worker.served = []
+    worker.last_heartbeat_at = now
+    worker.last_active_at = now
+    session.commit()
+    return worker
+
+
+def heartbeat(
+    session: Session, *, worker: Worker, status: str, served: list[dict[str, Any]]
+) -> Worker:
+    if status not in REPORTED_STATUSES:
+        raise InvalidRequest(
+            f"status {status!r} is not one a worker reports: {sorted(REPORTED_STATUSES)}"
+        )
+    worker.last_heartbeat_at = utcnow()
+    if worker.status != "draining":
+        worker.status = status
+    worker.served = [{"model_id": str(s["model_id"]), "step": int(s["step"])} for s in served]
+    session.commit()
+    return worker
+
+
+def silent_workers(session: Session, *, timeout_s: float) -> list[Worker]:
+    """Registered workers that have not sent a heartbeat for ``timeout_s``."""
+    cutoff = utcnow() - timedelta(seconds=timeout_s)
+    return list(
+        session.scalars(
+            select(Worker).where(
+                Worker.status.in_(("ready", "training", "draining", "starting")),
+                Worker.last_heartbeat_at.is_not(None),
+                Worker.last_heartbeat_at < cutoff,
+            )
+        )
+    )
+
+
+def list_workers(session: Session, *, include_ended: bool = False) -> list[Worker]:
+    statement = select(Worker).order_by(Worker.created_at, Worker.id)
+    if not include_ended:
+        statement = statement.where(Worker.status.in_(LIVE_STATUSES))
+    return list(session.scalars(statement))

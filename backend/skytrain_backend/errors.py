@@ -1,0 +1,120 @@
+"""Every error skytrain raises on purpose.
+
+Each class also inherits the standard exception it stands for, so callers that know nothing of
+skytrain can still catch it. The API maps them to HTTP in one handler (``status_code``,
+``type``) with the body ``{"error": {"type": ..., "message": ...}}``.
+
+    SkytrainError
+    ├── InvalidRequest (ValueError)            400
+    │   └── PayloadTooLarge                     413
+    ├── AuthenticationFailed (PermissionError)  401
+    ├── NotFound (LookupError)                  404
+    ├── Conflict                                409
+    ├── RateLimited                             429
+    ├── Unavailable (ConnectionError)           503 (+ Retry-After)
+    ├── ConfigurationError (ValueError)         500; raised at start-up
+    │   └── SchemaOutdated
+    ├── StorageError (OSError)                  502
+    ├── EngineError (RuntimeError)              502
+    └── TrainingError (RuntimeError)            500
+"""
+
+from __future__ import annotations
+
+
+class SkytrainError(Exception):
+    """Root of skytrain's errors."""
+
+    status_code: int = 500
+    type: str = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidRequest(SkytrainError, ValueError):
+    """The request is malformed or asks for something impossible."""
+
+    status_code = 400
+    type = "invalid_request_error"
+
+
+class PayloadTooLarge(InvalidRequest):
+    """The request body exceeds the configured limit."""
+
+    status_code = 413
+    type = "payload_too_large"
+
+
+class AuthenticationFailed(SkytrainError, PermissionError):
+    """No key, or a key that is unknown or revoked."""
+
+    status_code = 401
+    type = "authentication_error"
+
+
+class NotFound(SkytrainError, LookupError):
+    """The resource does not exist, or belongs to another tenant."""
+
+    status_code = 404
+    type = "not_found_error"
+
+
+class Conflict(SkytrainError):
+    """The resource exists already, or is in a state that forbids the request."""
+
+    status_code = 409
+    type = "conflict_error"
+
+
+class RateLimited(SkytrainError):
+    """Too many requests in flight for this tenant."""
+
+    status_code = 429
+    type = "rate_limit_error"
+
+
+class Unavailable(SkytrainError, ConnectionError):
+    """Nothing can serve the request yet (provisioning, training); retry after a while."""
+
+    status_code = 503
+    type = "unavailable_error"
+
+    def __init__(
+        self, message: str, *, retry_after_s: float = 5.0, state: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        # What is under way, when known (a model's serving state: "loading", "starting"...).
+        self.state = state
+
+
+class ConfigurationError(SkytrainError, ValueError):
+    """Settings or environment that skytrain cannot run with."""
+
+    type = "configuration_error"
+
+
+class SchemaOutdated(ConfigurationError):
+    """The database schema is older than this version of skytrain."""
+
+
+class StorageError(SkytrainError, OSError):
+    """The object store failed."""
+
+    status_code = 502
+    type = "storage_error"
+
+
+class EngineError(SkytrainError, RuntimeError):
+    """The inference engine failed or could not be started."""
+
+    status_code = 502
+    type = "engine_error"
+
+
+class TrainingError(SkytrainError, RuntimeError):
+    """Training could not run on the given data or configuration."""
+
+    type = "training_error"

@@ -1,0 +1,425 @@
+"""The wire types shared by the control plane, the worker and the trainer.
+
+Trajectory groups arrive as ART's client sends them (``TrajectoryGroup.model_dump(mode="json")``):
+``messages_and_choices`` mixes chat message dicts (context the agent wrote or received) with
+OpenAI ``Choice`` objects (turns sampled from a skytrain endpoint, with the logprobs and token
+ids of the sampled tokens). Unknown fields are ignored so newer clients keep working; what is
+known is validated strictly, and every error names the group and trajectory it is about.
+
+This module imports neither torch nor the database: the API validates with it, the trainer
+parses its input with it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Annotated, Any, ClassVar, Literal, NotRequired
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from typing_extensions import TypedDict
+
+from skytrain_backend.errors import InvalidRequest
+
+TOKEN_ID_PREFIX = "token_id:"
+_TOKEN_ID_RE = re.compile(r"^token_id:(\d+)$")
+
+EventType = Literal["training_started", "gradient_step", "training_ended", "training_failed"]
+JobKind = Literal["rl", "sft"]
+JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class _Lenient(BaseModel):
+    """Ignores fields it does not know; newer clients may send more."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
+# --- messages and choices ---------------------------------------------------------------------
+
+
+class FunctionCall(_Lenient):
+    name: str = Field(min_length=1)
+    arguments: str = "{}"
+
+
+class ToolCall(_Lenient):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class Message(_Lenient):
+    """A chat message given as a plain dict: context, not trained on by default."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> Message:
+        if self.role == "assistant":
+            if self.content is None and not self.tool_calls:
+                raise ValueError("an assistant message needs content or tool_calls")
+        elif self.content is None:
+            raise ValueError(f"a {self.role} message needs content")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs tool_call_id")
+        return self
+
+    def text(self) -> str:
+        """The content as plain text (text parts of a multi-part content joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+
+# Token logprobs are TypedDicts, not models: a batch holds one per sampled token (hundreds of
+# thousands per request), and validating them into plain dicts is several times faster than
+# building a model object for each. Unknown keys are ignored, as on the models.
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: NotRequired[list[int] | None]
+
+
+class TokenLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: NotRequired[list[int] | None]
+    top_logprobs: NotRequired[list[TopLogprob]]
+
+
+class ChoiceLogprobs(_Lenient):
+    content: list[TokenLogprob] | None = None
+
+
+class Choice(_Lenient):
+    """An assistant turn sampled from a skytrain endpoint (an OpenAI ``Choice``)."""
+
+    index: int = 0
+    finish_reason: str | None = None
+    message: Message
+    logprobs: ChoiceLogprobs | None = None
+
+    @field_validator("message")
+    @classmethod
+    def _assistant_only(cls, message: Message) -> Message:
+        if message.role != "assistant":
+            raise ValueError("a choice's message must have role 'assistant'")
+        return message
+
+    def sampled_token_ids(self) -> list[int] | None:
+        """Ids of the sampled tokens, or None unless every token carries ``token_id:<id>``."""
+        content = self.logprobs.content if self.logprobs else None
+        if not content:
+            return None
+        ids: list[int] = []
+        for entry in content:
+            match = _TOKEN_ID_RE.match(entry["token"])
+            if match is None:
+                return None
+            ids.append(int(match.group(1)))
+        return ids
+
+    def sampled_logprobs(self) -> list[float] | None:
+        content = self.logprobs.content if self.logprobs else None
+        return [entry["logprob"] for entry in content] if content else None
+
+
+def _message_or_choice(value: Any) -> str:
+    if isinstance(value, dict):
+        return "choice" if "message" in value and "role" not in value else "message"
+    return "choice" if isinstance(value, Choice) else "message"
+
+
+MessageOrChoice = Annotated[
+    Annotated[Message, Tag("message")] | Annotated[Choice, Tag("choice")],
+    Discriminator(_message_or_choice),
+]
+
+
+# --- trajectories -----------------------------------------------------------------------------
+
+
+Scalar = float | int | bool
+
+
+def _finite_metrics(metrics: dict[str, Scalar]) -> dict[str, Scalar]:
+    for key, value in metrics.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"metric {key!r} is {value}, which is not a finite number")
+    return metrics
+
+
+class History(_Lenient):
+    """Another conversation of the same rollout (e.g. a sub-agent's), trained with its reward."""
+
+    messages_and_choices: list[MessageOrChoice] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+
+
+class Trajectory(_Lenient):
+    messages_and_choices: list[MessageOrChoice] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    additional_histories: list[History] = Field(default_factory=list)
+    reward: float = Field(allow_inf_nan=False)
+    metrics: dict[str, Scalar] = Field(default_factory=dict)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+
+    _check_metrics = field_validator("metrics")(_finite_metrics)
+
+    def histories(self) -> list[History]:
+        """The main conversation followed by the additional ones."""
+        return [
+            History(messages_and_choices=self.messages_and_choices, tools=self.tools),
+            *self.additional_histories,
+        ]
+
+
+class TrajectoryGroup(_Lenient):
+    """Rollouts of one scenario: advantages are computed within a group."""
+
+    trajectories: list[Trajectory] = Field(min_length=1)
+    exceptions: list[dict[str, Any]] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    metrics: dict[str, Scalar] = Field(default_factory=dict)
+    logs: list[str] = Field(default_factory=list)
+
+    _check_metrics = field_validator("metrics")(_finite_metrics)
+
+
+def format_validation_error(error: ValidationError, *, root: str = "") -> str:
+    """One line per problem, each with the path to the offending field.
+
+    Paths read ``trajectory_groups[0].trajectories[3].reward`` so a user finds the group and
+    trajectory at once.
+    """
+    lines = []
+    for item in error.errors(include_url=False):
+        path = root
+        for part in item["loc"]:
+            if isinstance(part, int):
+                path += f"[{part}]"
+            elif part in ("message", "choice") and path.endswith("]"):
+                continue  # the discriminator's tag, not a field the user wrote
+            else:
+                path += f".{part}" if path else str(part)
+        lines.append(f"{path or 'body'}: {item['msg']}")
+    return "; ".join(lines)
+
+
+def parse_trajectory_groups(raw: Any) -> list[TrajectoryGroup]:
+    """Validate ``trajectory_groups`` as sent by a client; InvalidRequest names each problem."""
+    if not isinstance(raw, list):
+        raise InvalidRequest("trajectory_groups must be a list of trajectory groups")
+    if not raw:
+        raise InvalidRequest("trajectory_groups is empty: send at least one group")
+    groups = []
+    for index, item in enumerate(raw):
+        try:
+            groups.append(TrajectoryGroup.model_validate(item))
+        except ValidationError as exc:
+            raise InvalidRequest(
+                format_validation_error(exc, root=f"trajectory_groups[{index}]")
+            ) from exc
+    return groups
+
+
+def check_trainable(
+    groups: list[TrajectoryGroup], *, allow_training_without_logprobs: bool = False
+) -> None:
+    """Refuse groups the RL trainer could not learn from, naming the trajectory at fault."""
+    trainable_turns = 0
+    for g, group in enumerate(groups):
+        for t, trajectory in enumerate(group.trajectories):
+            for h, history in enumerate(trajectory.histories()):
+                where = f"trajectory {t} of group {g}" + (
+                    f" (additional history {h - 1})" if h else ""
+                )
+                for m, item in enumerate(history.messages_and_choices):
+                    if isinstance(item, Message):
+                        trainable_turns += (
+                            item.role == "assistant" and allow_training_without_logprobs
+                        )
+                        continue
+                    trainable_turns += 1
+                    if allow_training_without_logprobs:
+                        continue
+                    if item.sampled_token_ids() is None:
+                        raise InvalidRequest(
+                            f"{where}: the choice at messages_and_choices[{m}] has no logprobs "
+                            "with token ids: sample it through the model's skytrain endpoint "
+                            "(which returns them) or pass allow_training_without_logprobs=True"
+                        )
+                    logprobs = item.sampled_logprobs() or []
+                    if any(not math.isfinite(value) for value in logprobs):
+                        raise InvalidRequest(
+                            f"{where}: the choice at messages_and_choices[{m}] has NaN or "
+                            "infinite logprobs: resample it, or pass "
+                            "allow_training_without_logprobs=True to recompute them"
+                        )
+    if trainable_turns == 0:
+        raise InvalidRequest(
+            "no trajectory has a sampled assistant turn to train on: include the Choice objects "
+            "returned by the model's endpoint in messages_and_choices, or pass "
+            "allow_training_without_logprobs=True to train on plain assistant messages"
+        )
+
+
+# --- configuration ----------------------------------------------------------------------------
+
+DEFAULT_LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+)
+
+
+class ModelConfig(BaseModel):
+    """Per-model settings fixed at registration: the LoRA adapter and sequence length."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_rank: int = Field(default=8, ge=1, le=256)
+    lora_alpha: int = Field(default=16, ge=1)
+    lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES), min_length=1
+    )
+    max_seq_length: int = Field(default=4096, ge=16)
+    gradient_checkpointing: bool = False
+
+
+LossFn = Literal["ppo", "cispo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+
+
+class RLTrainConfig(BaseModel):
+    """Options of one GRPO training job (ART's ``experimental_config`` keys, where supported)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = Field(default=5e-6, gt=0, allow_inf_nan=False)
+    loss_fn: LossFn = "ppo"
+    epsilon: float = Field(default=0.2, gt=0)
+    epsilon_high: float | None = Field(default=None, gt=0)
+    importance_sampling_level: ImportanceSamplingLevel = "token"
+    kl_penalty_coef: float = Field(default=0.0, ge=0)
+    scale_rewards: bool = True
+    allow_training_without_logprobs: bool = False
+    logprob_calculation_chunk_size: int = Field(default=1024, ge=1)
+    packed_sequence_length: int | None = Field(default=None, ge=16)
+    grad_accumulation_sequences: int | None = Field(default=None, ge=1)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    weight_decay: float = Field(default=0.0, ge=0)
+    seed: int = 0
+
+    # ART keys that skytrain accepts and has no use for (they change no result).
+    IGNORED_KEYS: ClassVar[frozenset[str]] = frozenset({"plot_tensors", "precalculate_logprobs"})
+
+    @classmethod
+    def from_experimental(cls, raw: dict[str, Any] | None) -> RLTrainConfig:
+        """Build from ART's ``experimental_config``: null means default, unknown keys refused."""
+        raw = {k: v for k, v in (raw or {}).items() if v is not None}
+        if "ppo" in raw:
+            raw.setdefault("loss_fn", "ppo" if raw.pop("ppo") else "cispo")
+        if "normalize_advantages" in raw:
+            raw["scale_rewards"] = bool(raw.pop("normalize_advantages")) and bool(
+                raw.get("scale_rewards", True)
+            )
+        for key in cls.IGNORED_KEYS:
+            raw.pop(key, None)
+        unknown = sorted(set(raw) - set(cls.model_fields))
+        if unknown:
+            allowed = ", ".join(sorted(cls.model_fields))
+            raise InvalidRequest(
+                f"experimental_config has unsupported keys {unknown}; skytrain supports: {allowed}"
+            )
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise InvalidRequest(format_validation_error(exc, root="experimental_config")) from exc
+
+
+class SFTTrainConfig(BaseModel):
+    """Options of one supervised fine-tuning job."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float | list[float] = 2e-5
+    batch_size: int | None = Field(default=None, ge=1)
+    assistant_turns: Literal["all", "last"] = "all"
+    num_epochs: int = Field(default=1, ge=1)
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    seed: int = 0
+
+    @field_validator("learning_rate")
+    @classmethod
+    def _positive(cls, value: float | list[float]) -> float | list[float]:
+        values = value if isinstance(value, list) else [value]
+        if not values or any(not (v > 0 and math.isfinite(v)) for v in values):
+            raise ValueError("learning_rate must be a positive number or a non-empty list of them")
+        return value
+
+
+def lora_name(model_id: str, step: int) -> str:
+    """The name a model's checkpoint is served under in a worker's engine."""
+    return f"{model_id}@{step}"
+
+
+# --- model references -------------------------------------------------------------------------
+
+ARTIFACT_PREFIX = "wandb-artifact:///"
+_REF_RE = re.compile(
+    r"^(?P<entity>[^/:]+)/(?P<project>[^/:]+)/(?P<name>[^/:]+)(?::step(?P<step>\d+))?$"
+)
+
+
+class ModelRef(BaseModel):
+    """``<entity>/<project>/<name>`` with an optional ``:step<N>`` pin."""
+
+    entity: str
+    project: str
+    name: str
+    step: int | None = None
+
+    @classmethod
+    def parse(cls, value: str) -> ModelRef:
+        text = value.removeprefix(ARTIFACT_PREFIX).removesuffix(":latest")
+        match = _REF_RE.match(text)
+        if match is None:
+            raise InvalidRequest(
+                f"model {value!r} is not a skytrain model name: use "
+                "'<entity>/<project>/<name>' or '<entity>/<project>/<name>:step<N>'"
+            )
+        step = match.group("step")
+        return cls(
+            entity=match.group("entity"),
+            project=match.group("project"),
+            name=match.group("name"),
+            step=int(step) if step is not None else None,
+        )
+
+    def __str__(self) -> str:
+        base = f"{self.entity}/{self.project}/{self.name}"
+        return base if self.step is None else f"{base}:step{self.step}"

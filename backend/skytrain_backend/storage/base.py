@@ -1,0 +1,98 @@
+"""What an object store is: payloads (trajectory batches, checkpoints, uploaded files) by key.
+
+SQL holds the small rows that are queried; the object store holds the bytes. Keys are built
+server-side only (``storage.keys``), never taken from a request, and every implementation
+refuses a key that could point outside its root.
+
+Errors: a missing object raises ``NotFound``; anything else the backing store does wrong
+raises ``StorageError`` (HTTP 502), so callers never see boto3's or the OS's own exceptions.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from skytrain_backend.errors import StorageError
+
+CHUNK_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that are empty, absolute or climb out of the store with ``..``."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or "\\" in key or any(p in ("", ".", "..") for p in parts):
+        raise StorageError(f"object key {key!r} is not a clean relative path")
+    return key
+
+
+class ObjectStore(abc.ABC):
+    """Put, read, list and delete objects under one root (a bucket prefix or a directory)."""
+
+    @property
+    @abc.abstractmethod
+    def url(self) -> str:
+        """The store's root as a URL (``s3://bucket/prefix``, ``file:///dir``), no secrets."""
+
+    def uri(self, key: str) -> str:
+        """Where ``key`` lives, as recorded in the database (``<url>/<key>``)."""
+        return f"{self.url.rstrip('/')}/{check_key(key)}"
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def put_stream(self, key: str, stream: BinaryIO) -> None:
+        """Write everything ``stream`` yields; large streams go up in parts."""
+
+    def put_file(self, key: str, path: Path) -> None:
+        with path.open("rb") as stream:
+            self.put_stream(key, stream)
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> bytes: ...
+
+    @abc.abstractmethod
+    def iter_chunks(self, key: str, *, chunk_size: int = CHUNK_BYTES) -> Iterator[bytes]:
+        """The object's bytes in chunks, for streaming responses. Raises NotFound up front."""
+
+    @abc.abstractmethod
+    def download_file(self, key: str, path: Path) -> None: ...
+
+    @abc.abstractmethod
+    def copy(self, source_key: str, dest_key: str) -> int:
+        """Copy an object inside the store without passing it through this process; returns
+        its size in bytes."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool: ...
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        """Objects whose key starts with ``prefix`` (a plain string prefix, as in S3)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove one object; a key that does not exist is not an error."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Remove every object under ``prefix``; returns how many were removed."""
+        if not prefix.endswith("/"):
+            raise StorageError(f"refusing to delete prefix {prefix!r}: it must end with '/'")
+        objects = self.list(prefix)
+        for info in objects:
+            self.delete(info.key)
+        return len(objects)
+
+    def presigned_get_url(self, key: str, *, expires_s: int = 3600) -> str | None:
+        """A URL anyone can GET the object from for a while, or None if the store has none."""
+        return None

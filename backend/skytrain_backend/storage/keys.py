@@ -1,0 +1,35 @@
+"""Object keys, built here and only here from ids the server generated.
+
+No key ever contains text a client chose, so a request cannot name another tenant's objects
+or a path outside the store. Everything a tenant owns lives under ``tenants/{tenant_id}/``.
+"""
+
+from __future__ import annotations
+
+
+def tenant_prefix(tenant_id: str) -> str:
+    return f"tenants/{tenant_id}/"
+
+
+def model_prefix(*, tenant_id: str, model_id: str) -> str:
+    return f"{tenant_prefix(tenant_id)}models/{model_id}/"
+
+
+def checkpoint_prefix(*, tenant_id: str, model_id: str, step: int) -> str:
+    return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}checkpoints/{step}/"
+
+
+def checkpoint_key(*, tenant_id: str, model_id: str, step: int, file: str) -> str:
+    return checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step) + file
+
+
+def job_input_key(*, tenant_id: str, model_id: str, job_id: str) -> str:
+    return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}jobs/{job_id}/input.jsonl"
+
+
+def log_key(*, tenant_id: str, model_id: str, batch_id: str) -> str:
+    return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}logs/{batch_id}.jsonl"
+
+
+def file_key(*, tenant_id: str, file_id: str) -> str:
+    return f"{tenant_prefix(tenant_id)}files/{file_id}.jsonl"

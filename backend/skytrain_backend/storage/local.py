@@ -1,0 +1,124 @@
+"""The object store as a local directory: the embedded default (``file://$SKYTRAIN_HOME/objects``).
+
+Writes go to a temporary file in the destination directory and are renamed into place, so a
+reader never sees half an object and a crash leaves at most a stray ``.tmp-*`` file, which
+listing ignores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, BinaryIO
+
+from skytrain_backend.errors import NotFound, StorageError
+from skytrain_backend.storage.base import CHUNK_BYTES, ObjectInfo, ObjectStore, check_key
+
+_TEMP_PREFIX = ".tmp-"
+
+
+class LocalObjectStore(ObjectStore):
+    def __init__(self, root: Path) -> None:
+        self.root = root.expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def url(self) -> str:
+        return self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / check_key(key)).resolve()
+        if not path.is_relative_to(self.root):
+            raise StorageError(f"object key {key!r} points outside the store at {self.root}")
+        return path
+
+    def _existing(self, key: str) -> Path:
+        path = self._path(key)
+        if not path.is_file():
+            raise NotFound(f"object {key!r} does not exist in {self.url}")
+        return path
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._write(key, lambda out: out.write(data))
+
+    def put_stream(self, key: str, stream: BinaryIO) -> None:
+        self._write(key, lambda out: shutil.copyfileobj(stream, out, CHUNK_BYTES))
+
+    def _write(self, key: str, fill: Callable[[IO[bytes]], object]) -> None:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX)
+            try:
+                with os.fdopen(fd, "wb") as out:
+                    fill(out)
+                os.replace(temp_name, path)
+            except BaseException:
+                Path(temp_name).unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            raise StorageError(f"could not write object {key!r} under {self.root}: {exc}") from exc
+
+    def get_bytes(self, key: str) -> bytes:
+        return self._existing(key).read_bytes()
+
+    def iter_chunks(self, key: str, *, chunk_size: int = CHUNK_BYTES) -> Iterator[bytes]:
+        stream = self._existing(key).open("rb")
+
+        def chunks() -> Iterator[bytes]:
+            with stream:
+                while chunk := stream.read(chunk_size):
+                    yield chunk
+
+        return chunks()
+
+    def download_file(self, key: str, path: Path) -> None:
+        source = self._existing(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, path)
+
+    def copy(self, source_key: str, dest_key: str) -> int:
+        source = self._existing(source_key)
+        with source.open("rb") as stream:
+            self.put_stream(dest_key, stream)
+        return source.stat().st_size
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        # Walk only the deepest directory the prefix names, then filter by the full prefix.
+        directory = prefix.rpartition("/")[0]
+        start = self._path(directory) if directory else self.root
+        if not start.is_dir():
+            return []
+        found = []
+        for dirpath, _, filenames in os.walk(start):
+            for filename in filenames:
+                if filename.startswith(_TEMP_PREFIX):
+                    continue
+                path = Path(dirpath, filename)
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    found.append(ObjectInfo(key=key, size=path.stat().st_size))
+        return sorted(found, key=lambda info: info.key)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as exc:
+            raise StorageError(f"could not delete object {key!r}: {exc}") from exc
+        self._prune_empty_dirs(path.parent)
+
+    def _prune_empty_dirs(self, directory: Path) -> None:
+        """Remove directories left empty, so deleted models leave no trace behind."""
+        while directory != self.root and directory.is_relative_to(self.root):
+            try:
+                directory.rmdir()
+            except OSError:
+                return
+            directory = directory.parent

@@ -1,0 +1,129 @@
+"""The /v1/preview routes speak ART's ServerlessBackend protocol.
+
+The client here is the OpenAI SDK's generic HTTP client, the base ART's own client is built
+on: the same cursor pagination (``after`` = the last item's id, ``has_more``), the same
+request bodies, response models with ART's fields.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from openai import OpenAI
+from openai.pagination import SyncCursorPage
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.db import jobs
+from tests.api.conftest import Caller
+from tests.api.support import group, sft_trajectory
+from tests.fixtures.art import ArtCheckpoint, ArtDeleted, ArtEvent, ArtJob, ArtModel
+from tests.fixtures.services import ControlPlane
+
+
+@pytest.fixture
+def art(control_plane: ControlPlane, caller: Caller) -> Iterator[OpenAI]:
+    with OpenAI(base_url=f"{control_plane.url}/v1", api_key=caller.key.key, max_retries=0) as c:
+        yield c
+
+
+def _checkpoints(art: OpenAI, model_id: str, **params: Any) -> list[ArtCheckpoint]:
+    page = art.get_api_list(
+        f"/preview/models/{model_id}/checkpoints",
+        model=ArtCheckpoint,
+        page=SyncCursorPage[ArtCheckpoint],
+        options={"params": params},
+    )
+    return list(page)  # iterating follows has_more with after=<last id>
+
+
+def test_art_register_log_train_and_delete_checkpoints(
+    art: OpenAI, caller: Caller, db_sessions: sessionmaker[Session]
+) -> None:
+    body = {
+        "entity": None,
+        "project": "art",
+        "name": "agent-001",
+        "base_model": "tiny/llama",
+        "return_existing": True,
+    }
+    model = art.post("/preview/models", cast_to=ArtModel, body=body)
+    assert model.entity == caller.key.tenant_name
+    assert art.post("/preview/models", cast_to=ArtModel, body=body).id == model.id
+
+    # ART's _get_step: the newest checkpoint.
+    assert [c.step for c in _checkpoints(art, model.id, limit=1, order="desc")][:1] == [0]
+
+    groups = [group(1.0, 0.0), group(0.0, 0.0)]
+    art.post(
+        f"/preview/models/{model.id}/log",
+        cast_to=type(None),
+        body={"model_id": model.id, "trajectory_groups": groups, "split": "val"},
+    )
+    experimental = {
+        "advantage_balance": None,
+        "epsilon": None,
+        "epsilon_high": None,
+        "importance_sampling_level": None,
+        "kimi_k2_tau": None,
+        "learning_rate": 5e-6,
+        "mask_prob_ratio": None,
+        "max_negative_advantage_importance_sampling_weight": None,
+        "ppo": None,
+        "precalculate_logprobs": None,
+        "scale_rewards": None,
+    }
+    job = art.post(
+        "/preview/training-jobs",
+        cast_to=ArtJob,
+        body={
+            "model_id": model.id,
+            "trajectory_groups": groups,
+            "experimental_config": experimental,
+        },
+    )
+    with db_sessions() as session:
+        jobs.add_event(session, job_id=job.id, type="training_started", data={"num_sequences": 1})
+        jobs.add_event(session, job_id=job.id, type="gradient_step", data={"loss/policy": 0.1})
+        session.commit()
+    events = list(
+        art.get_api_list(
+            f"/preview/training-jobs/{job.id}/events",
+            model=ArtEvent,
+            page=SyncCursorPage[ArtEvent],
+            options={"params": {"limit": 1}},
+        )
+    )
+    assert [e.type for e in events] == ["training_started", "gradient_step"]
+    assert events[0].data["num_sequences"] == 1
+
+    # Paging through every checkpoint, one per page, as ART's list does.
+    listed = _checkpoints(art, model.id, limit=1)
+    assert [c.step for c in listed] == [0]
+    assert listed[0].metrics["val/reward"] == pytest.approx(0.25)
+    deleted = art.delete(
+        f"/preview/models/{model.id}/checkpoints", cast_to=ArtDeleted, body={"steps": [0, 5]}
+    )
+    assert (deleted.deleted_count, deleted.not_found_steps) == (1, [5])
+    art.delete(f"/preview/models/{model.id}", cast_to=type(None))
+    assert caller.http.get(f"/v1/models/{model.id}").status_code == 404
+
+
+def test_art_sft_job_from_an_uploaded_file(art: OpenAI, caller: Caller) -> None:
+    model = caller.create_model()
+    upload = caller.http.post(
+        "/v1/preview/files",
+        files={"file": ("d.jsonl", json.dumps(sft_trajectory()).encode(), "application/jsonl")},
+    ).json()
+    job = art.post(
+        "/preview/sft-training-jobs",
+        cast_to=ArtJob,
+        body={
+            "model_id": model["id"],
+            "training_data_url": upload["uri"],
+            "config": {"batch_size": 4, "learning_rate": 1e-4},
+        },
+    )
+    assert caller.http.get(f"/v1/training-jobs/{job.id}").json()["kind"] == "sft"

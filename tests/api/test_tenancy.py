@@ -1,0 +1,125 @@
+"""Two tenants: every route tried with the other tenant's ids answers 404 and changes nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.db import jobs
+from skytrain_backend.storage import ObjectStore
+from tests.api.conftest import Caller
+from tests.api.support import add_checkpoint, group, sft_trajectory
+
+
+@dataclass
+class Owned:
+    model_id: str
+    batch_id: str
+    job_id: str
+    file_uri: str
+    checkpoint_id: str
+
+
+@pytest.fixture
+def owned(other: Caller, db_sessions: sessionmaker[Session], object_store: ObjectStore) -> Owned:
+    """A model of the other tenant's with a checkpoint with files, a log, a job with an event
+    and an uploaded file."""
+    model_id = other.create_model()["id"]
+    add_checkpoint(
+        db_sessions,
+        object_store,
+        tenant_id=other.key.tenant_id,
+        model_id=model_id,
+        step=1,
+        files={"adapter_config.json": b"{}"},
+    )
+    batch_id = other.http.post(
+        f"/v1/models/{model_id}/log", json={"trajectory_groups": [group()]}
+    ).json()["id"]
+    job_id = other.http.post(
+        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+    ).json()["id"]
+    with db_sessions() as session:
+        jobs.add_event(session, job_id=job_id, type="training_started", data={})
+        session.commit()
+    upload = other.http.post(
+        "/v1/files", files={"file": ("d.jsonl", json.dumps(sft_trajectory()).encode())}
+    ).json()
+    checkpoint_id = other.http.get(f"/v1/models/{model_id}/checkpoints").json()["data"][0]["id"]
+    return Owned(model_id, batch_id, job_id, upload["uri"], checkpoint_id)
+
+
+def _requests(o: Owned, own_model: str) -> list[tuple[str, str, dict[str, Any]]]:
+    m, log = f"/models/{o.model_id}", {"trajectory_groups": [group()]}
+    return [
+        ("GET", m, {}),
+        ("DELETE", m, {}),
+        ("GET", f"{m}/checkpoints", {}),
+        ("GET", f"{m}/checkpoints/1", {}),
+        ("DELETE", f"{m}/checkpoints", {"json": {"steps": [0, 1]}}),
+        ("GET", f"{m}/checkpoints/1/files", {}),
+        ("GET", f"{m}/checkpoints/1/files/adapter_config.json", {}),
+        ("POST", f"{m}/log", {"json": log}),
+        ("GET", f"{m}/logs", {}),
+        ("GET", f"{m}/logs/{o.batch_id}", {}),
+        ("GET", f"{m}/metrics", {}),
+        ("POST", "/training-jobs", {"json": {"model_id": o.model_id, **log}}),
+        (
+            "POST",
+            "/sft-training-jobs",
+            {"json": {"model_id": o.model_id, "trajectories": [sft_trajectory()]}},
+        ),
+        (
+            "POST",
+            "/sft-training-jobs",
+            {"json": {"model_id": own_model, "training_data_url": o.file_uri}},
+        ),
+        ("GET", "/training-jobs", {"params": {"model_id": o.model_id}}),
+        ("GET", f"/training-jobs/{o.job_id}", {}),
+        ("POST", f"/training-jobs/{o.job_id}/cancel", {}),
+        ("GET", f"/training-jobs/{o.job_id}/events", {}),
+    ]
+
+
+@pytest.mark.parametrize("prefix", ["/v1", "/v1/preview"])
+def test_every_route_hides_the_other_tenants_rows(
+    caller: Caller,
+    other: Caller,
+    owned: Owned,
+    stored: Callable[[Caller], Any],
+    prefix: str,
+) -> None:
+    own_model = caller.create_model()["id"]
+    before = stored(caller), stored(other)
+    for method, path, options in _requests(owned, own_model):
+        response = caller.http.request(method, prefix + path, **options)
+        assert response.status_code == 404, (method, path, response.text)
+        assert response.json()["error"]["type"] == "not_found_error"
+    assert (stored(caller), stored(other)) == before
+
+
+def test_lists_and_cursors_never_show_the_other_tenants_rows(
+    caller: Caller, other: Caller, owned: Owned
+) -> None:
+    own_model = caller.create_model()["id"]
+    models = caller.http.get("/v1/models").json()["data"]
+    assert owned.model_id not in [m["id"] for m in models]
+    assert caller.http.get("/v1/training-jobs").json()["data"] == []
+    assert caller.http.get("/v1/models", params={"after": owned.model_id}).status_code == 400
+    assert caller.http.get("/v1/training-jobs", params={"after": owned.job_id}).status_code == 400
+    checkpoints = caller.http.get(
+        f"/v1/models/{own_model}/checkpoints", params={"after": owned.checkpoint_id}
+    )
+    assert checkpoints.status_code == 400
+
+
+def test_tenants_can_use_the_same_model_names(caller: Caller, other: Caller) -> None:
+    mine = caller.create_model(entity="shared")
+    theirs = other.create_model(entity="shared")
+    assert mine["inference_name"] == theirs["inference_name"] == "shared/tests/agent"
+    assert mine["id"] != theirs["id"]

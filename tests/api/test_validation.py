@@ -1,0 +1,263 @@
+"""Malformed requests get a 4xx naming the problem, and nothing is stored.
+
+Each test takes a snapshot of the tenant's rows and objects before the request and checks
+it is identical afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from tests.api.conftest import Caller
+from tests.api.support import group, trajectory
+
+
+@pytest.fixture
+def model_id(caller: Caller) -> str:
+    model_id = caller.create_model()["id"]
+    # Something stored already, so "unchanged" means more than "still empty".
+    caller.http.post(f"/v1/models/{model_id}/log", json={"trajectory_groups": [group()]})
+    return model_id
+
+
+def _refused(
+    caller: Caller,
+    stored: Callable[[Caller], Any],
+    send: Callable[[], Any],
+    status: int,
+    *fragments: str,
+) -> None:
+    before = stored(caller)
+    response = send()
+    assert response.status_code == status, response.text
+    message = response.json()["error"]["message"]
+    for fragment in fragments:
+        assert fragment in message
+    assert stored(caller) == before
+
+
+@pytest.mark.parametrize("route", ["log", "training-jobs"])
+def test_bad_json_is_refused(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str, route: str
+) -> None:
+    url = f"/v1/models/{model_id}/log" if route == "log" else "/v1/training-jobs"
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(
+            url, content=b'{"trajectory_groups": [', headers={"content-type": "application/json"}
+        ),
+        400,
+        "not valid JSON",
+    )
+
+
+@pytest.mark.parametrize("route", ["log", "training-jobs"])
+def test_nan_reward_is_refused_naming_the_trajectory(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str, route: str
+) -> None:
+    bad = group(1.0, 0.0)
+    bad["trajectories"][1]["reward"] = math.nan
+    body = {"model_id": model_id, "trajectory_groups": [group(), bad]}
+    url = f"/v1/models/{model_id}/log" if route == "log" else "/v1/training-jobs"
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(
+            url, content=json.dumps(body), headers={"content-type": "application/json"}
+        ),
+        400,
+        "trajectory_groups[1].trajectories[1].reward",
+        "finite",
+    )
+
+
+def test_missing_messages_are_refused(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    bad = group()
+    del bad["trajectories"][0]["messages_and_choices"]
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(f"/v1/models/{model_id}/log", json={"trajectory_groups": [bad]}),
+        400,
+        "trajectory_groups[0].trajectories[0].messages_and_choices",
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"trajectory_groups": "all of them"}, "trajectory_groups: Input should be a valid list"),
+        ({"trajectory_groups": []}, "trajectory_groups is empty"),
+        ({"trajectory_groups": [{"trajectories": [trajectory(reward="high")]}]}, ".reward"),  # type: ignore[arg-type]
+        ({"trajectory_groups": [group()], "split": "a b"}, "split:"),
+        ({"trajectory_groups": [group()], "step": -1}, "step:"),
+        ({"split": "val"}, "trajectory_groups: Field required"),
+    ],
+)
+def test_wrong_types_are_refused_naming_the_field(
+    caller: Caller,
+    stored: Callable[[Caller], Any],
+    model_id: str,
+    body: dict[str, Any],
+    fragment: str,
+) -> None:
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(f"/v1/models/{model_id}/log", json=body),
+        400,
+        fragment,
+    )
+
+
+def test_a_body_over_the_limit_is_refused_before_parsing(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    big = json.dumps({"trajectory_groups": [group()], "padding": "x" * (2 * 1024 * 1024)})
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(
+            f"/v1/models/{model_id}/log",
+            content=big,
+            headers={"content-type": "application/json"},
+        ),
+        413,
+        "over the limit of 1048576 bytes",
+    )
+
+
+def test_a_chunked_body_over_the_limit_is_refused(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the server must count
+        yield b'{"trajectory_groups": [], "padding": "'
+        for _ in range(40):
+            yield b"x" * 64 * 1024
+        yield b'"}'
+
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(
+            f"/v1/models/{model_id}/log",
+            content=chunks(),
+            headers={"content-type": "application/json"},
+        ),
+        413,
+        "sent more than 1048576 bytes",
+    )
+
+
+def test_too_many_trajectories_are_refused(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    groups = [group(*([1.0] * 100)) for _ in range(6)]
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(
+            "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": groups}
+        ),
+        413,
+        "600 trajectories",
+        "limit of 500",
+    )
+
+
+def test_choices_without_logprobs_are_refused_unless_allowed(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    bare = group()
+    bare["trajectories"][1]["messages_and_choices"][-1]["logprobs"] = None
+    body = {"model_id": model_id, "trajectory_groups": [bare]}
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post("/v1/training-jobs", json=body),
+        400,
+        "trajectory 1 of group 0",
+        "allow_training_without_logprobs",
+    )
+    allowed = caller.http.post(
+        "/v1/training-jobs",
+        json={**body, "config": {"allow_training_without_logprobs": True}},
+    )
+    assert allowed.status_code == 201
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"config": {"learning_rate": -1}}, "config.learning_rate"),
+        ({"config": {"loss": "dpo"}}, "config.loss"),
+        ({"config": {}, "experimental_config": {}}, "not both"),
+        ({"experimental_config": {"learning_rate": "fast"}}, "experimental_config.learning_rate"),
+    ],
+)
+def test_bad_training_configs_are_refused(
+    caller: Caller,
+    stored: Callable[[Caller], Any],
+    model_id: str,
+    extra: dict[str, Any],
+    fragment: str,
+) -> None:
+    body = {"model_id": model_id, "trajectory_groups": [group()], **extra}
+    _refused(
+        caller, stored, lambda: caller.http.post("/v1/training-jobs", json=body), 400, fragment
+    )
+
+
+def test_bad_sft_data_is_refused(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    no_answer = {"messages_and_choices": [{"role": "user", "content": "hi"}], "reward": 0}
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(
+            "/v1/sft-training-jobs", json={"model_id": model_id, "trajectories": [no_answer]}
+        ),
+        400,
+        "trajectories[0]",
+        "no assistant turn",
+    )
+
+
+def test_a_file_with_a_bad_line_is_refused(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    good = json.dumps(trajectory())
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(
+            "/v1/files", files={"file": ("d.jsonl", f"{good}\n{{oops\n".encode())}
+        ),
+        400,
+        "line 2",
+    )
+
+
+def test_unknown_model_and_bad_paging_are_refused(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post("/v1/models/nope/log", json={"trajectory_groups": [group()]}),
+        404,
+        "model 'nope' not found",
+    )
+    _refused(
+        caller, stored, lambda: caller.http.get("/v1/models?limit=0"), 400, "query parameter limit"
+    )
+    _refused(caller, stored, lambda: caller.http.get("/v1/models?after=nope"), 400, "after='nope'")
