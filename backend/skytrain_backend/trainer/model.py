@@ -1,0 +1,236 @@
+"""The policy: a base model with a LoRA adapter, and its forward pass over packed rows.
+
+On CUDA with ``unsloth`` importable the model is loaded with Unsloth's ``FastLanguageModel``
+(faster kernels, its own gradient checkpointing); otherwise with transformers + peft. Both give
+a peft model with the same adapter layout, saved with peft's ``save_pretrained`` so vLLM and
+peft load it alike. Weights are bf16 on CUDA and fp32 on CPU; LoRA weights stay fp32 (peft's
+default) so small updates are not rounded away.
+
+Unsloth replaces the attention code, and custom 4D attention masks are not part of what it
+promises, so with Unsloth every sequence gets its own row (``supports_packed_rows`` is False)
+and the forward is an ordinary causal one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from skytrain_backend import hub
+from skytrain_backend.errors import TrainingError
+from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.trainer.loss import token_logprobs
+from skytrain_backend.trainer.packing import PackedRow
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# Fresh adapters are initialized from this seed, so step 0 is the same on every worker.
+LORA_INIT_SEED = 0
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _lora_config(model_config: ModelConfig) -> LoraConfig:
+    return LoraConfig(
+        r=model_config.lora_rank,
+        lora_alpha=model_config.lora_alpha,
+        lora_dropout=model_config.lora_dropout,
+        target_modules=list(model_config.lora_target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def _import_unsloth() -> Any | None:
+    if importlib.util.find_spec("unsloth") is None:
+        return None
+    try:
+        from unsloth import FastLanguageModel
+    except Exception as exc:  # unsloth refuses some GPUs and versions at import time
+        logger.warning("unsloth is installed but failed to import (%s); using peft", exc)
+        return None
+    return FastLanguageModel
+
+
+def _load_with_unsloth(
+    fast: Any, path: str, model_config: ModelConfig, device: torch.device
+) -> tuple[Any, Any]:
+    model, tokenizer = fast.from_pretrained(
+        model_name=path,
+        max_seq_length=model_config.max_seq_length,
+        dtype=torch.bfloat16,
+        load_in_4bit=False,
+        device_map={"": device.index or 0},
+    )
+    model = fast.get_peft_model(
+        model,
+        r=model_config.lora_rank,
+        lora_alpha=model_config.lora_alpha,
+        lora_dropout=model_config.lora_dropout,
+        target_modules=list(model_config.lora_target_modules),
+        bias="none",
+        use_gradient_checkpointing="unsloth" if model_config.gradient_checkpointing else False,
+        random_state=LORA_INIT_SEED,
+    )
+    return model, tokenizer
+
+
+def _load_with_peft(path: str, model_config: ModelConfig, device: torch.device) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model: Any = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
+        attn_implementation="sdpa",
+    )
+    model.to(device)
+    if model_config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # Seed LoRA's random init (A matrices) without touching the caller's random state.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(LORA_INIT_SEED)
+        model = get_peft_model(model, _lora_config(model_config))
+    return model, tokenizer
+
+
+class Policy:
+    """A peft model, its tokenizer, and the forward pass that reads logprobs at row sites."""
+
+    def __init__(self, model: PeftModel, tokenizer: Any, *, device: torch.device, unsloth: bool):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = device
+        self.uses_unsloth = unsloth
+        self.supports_packed_rows = not unsloth
+        base: Any = model.get_base_model()
+        self._decoder = base.get_decoder()
+        self._lm_head = base.get_output_embeddings()
+        self._softcap = getattr(base.config, "final_logit_softcapping", None)
+
+    @classmethod
+    def load(cls, base_model: str, *, model_config: ModelConfig, device: torch.device) -> Policy:
+        """Load ``base_model`` (through ``hub.resolve_model``) with a fresh, seeded adapter.
+
+        A fresh adapter has zero B matrices, so it computes exactly the base model (step 0).
+        """
+        path = hub.resolve_model(base_model)
+        fast = _import_unsloth() if device.type == "cuda" else None
+        if fast is not None:
+            model, tokenizer = _load_with_unsloth(fast, path, model_config, device)
+        else:
+            model, tokenizer = _load_with_peft(path, model_config, device)
+        # The adapter names the model as users do, not the local path it was loaded from.
+        model.peft_config["default"].base_model_name_or_path = base_model
+        return cls(model, tokenizer, device=device, unsloth=fast is not None)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [parameter for parameter in self.model.parameters() if parameter.requires_grad]
+
+    # --- the adapter on disk -----------------------------------------------------------------
+
+    def save_adapter(self, directory: Path) -> None:
+        """``adapter_config.json`` + ``adapter_model.safetensors``, as peft writes them."""
+        self.model.save_pretrained(str(directory), save_embedding_layers=False)
+        # peft adds a model card; a checkpoint directory holds only what loading needs.
+        (directory / "README.md").unlink(missing_ok=True)
+
+    def load_adapter(self, directory: Path, *, model_config: ModelConfig) -> None:
+        """Load adapter weights saved by ``save_adapter`` into this (same-shaped) adapter."""
+        config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+        if not config_path.is_file() or not weights_path.is_file():
+            raise TrainingError(
+                f"{directory} is not a checkpoint directory: it needs {ADAPTER_CONFIG} and "
+                f"{ADAPTER_WEIGHTS} (the files Trainer.save writes)"
+            )
+        saved = json.loads(config_path.read_text())
+        expected = {
+            "r": model_config.lora_rank,
+            "lora_alpha": model_config.lora_alpha,
+            "target_modules": sorted(model_config.lora_target_modules),
+        }
+        found = {
+            "r": saved.get("r"),
+            "lora_alpha": saved.get("lora_alpha"),
+            "target_modules": sorted(saved.get("target_modules") or []),
+        }
+        if found != expected:
+            raise TrainingError(
+                f"the adapter in {directory} was trained with {found}, but the model config "
+                f"asks for {expected}: load it with the model config it was trained with"
+            )
+        result: Any = set_peft_model_state_dict(
+            self.model, load_file(str(weights_path), device=str(self.device))
+        )
+        if result.unexpected_keys:
+            raise TrainingError(
+                f"the adapter in {directory} has weights this model has no place for "
+                f"({result.unexpected_keys[:3]}...): was it trained on another base model?"
+            )
+
+    # --- forward -----------------------------------------------------------------------------
+
+    def _head(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._lm_head(hidden)
+        if self._softcap:
+            logits = self._softcap * torch.tanh(logits / self._softcap)
+        return logits
+
+    def _attention_mask(self, row: PackedRow) -> torch.Tensor:
+        """``(1, 1, L, L)``: causal, and within a token's own segment or its shared prefix."""
+        segment = torch.tensor(row.segment_ids, device=self.device)
+        parent = torch.tensor(row.parent_ids, device=self.device)
+        same_block = (segment[None, :] == segment[:, None]) | (segment[None, :] == parent[:, None])
+        causal = torch.ones(len(row), len(row), dtype=torch.bool, device=self.device).tril()
+        allowed = (same_block & causal)[None, None]
+        if self.model.config._attn_implementation == "eager":
+            blocked = torch.finfo(self.model.dtype).min
+            return torch.zeros(
+                allowed.shape, dtype=self.model.dtype, device=self.device
+            ).masked_fill(~allowed, blocked)
+        return allowed
+
+    def hidden_states(self, row: PackedRow) -> torch.Tensor:
+        """The final hidden states of every position of ``row``, ``(L, H)``."""
+        input_ids = torch.tensor([row.input_ids], device=self.device)
+        if row.is_plain:
+            output = self._decoder(input_ids=input_ids, use_cache=False)
+        elif not self.supports_packed_rows:
+            raise TrainingError("this model cannot run packed rows; pack one sequence per row")
+        else:
+            output = self._decoder(
+                input_ids=input_ids,
+                attention_mask=self._attention_mask(row),
+                position_ids=torch.tensor([row.position_ids], device=self.device),
+                use_cache=False,
+            )
+        hidden: torch.Tensor = output.last_hidden_state[0]
+        return hidden
+
+    def site_logprobs(
+        self, row: PackedRow, *, chunk_size: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logprobs (with gradient, if enabled) and entropies at the row's prediction sites."""
+        hidden = self.hidden_states(row)
+        sources = torch.tensor(row.source_positions, device=self.device)
+        targets = torch.tensor(row.target_ids, device=self.device)
+        return token_logprobs(hidden[sources], targets, head=self._head, chunk_size=chunk_size)
+
+    @contextlib.contextmanager
+    def adapter_disabled(self) -> Iterator[None]:
+        """The base model, for the KL penalty's reference logprobs."""
+        with self.model.disable_adapter():
+            yield

@@ -1,0 +1,64 @@
+"""Supervised fine-tuning on trajectories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from skytrain_backend.errors import TrainingError
+from skytrain_backend.protocol import ModelConfig, SFTTrainConfig, Trajectory
+from skytrain_backend.trainer import Trainer
+
+
+def _conversation(answer: str) -> Trajectory:
+    return Trajectory.model_validate(
+        {
+            "messages_and_choices": [
+                {"role": "user", "content": "Name a color."},
+                {"role": "assistant", "content": "Let me think."},
+                {"role": "user", "content": "Just one word."},
+                {"role": "assistant", "content": answer},
+            ],
+            "reward": 0,
+        }
+    )
+
+
+def test_sft_lowers_the_loss_on_its_data_with_one_learning_rate_per_step(
+    tiny_model_path: Path,
+) -> None:
+    # The random model's output layer is adapted too, so it can learn a new answer quickly.
+    model_config = ModelConfig(lora_target_modules=["q_proj", "v_proj", "lm_head"])
+    tiny_trainer = Trainer.load(str(tiny_model_path), model_config=model_config, device="cpu")
+    trajectories = [_conversation(answer) for answer in ("Blue.", "Red.", "Green.", "Blue.")]
+    learning_rates = [3e-2] * 3 + [1e-2] * 3
+    run = tiny_trainer.train_sft(
+        trajectories,
+        SFTTrainConfig(learning_rate=learning_rates, batch_size=2, num_epochs=3),
+    )
+    assert run.num_gradient_steps == 6
+    steps = list(run)
+    assert [m["learning_rate"] for m in steps] == learning_rates
+    # Every epoch sees the same data: the loss of the last epoch is well below the first.
+    first_epoch = sum(m["loss"] for m in steps[:2]) / 2
+    last_epoch = sum(m["loss"] for m in steps[-2:]) / 2
+    assert last_epoch < first_epoch - 1
+    assert tiny_trainer.step == 1
+
+
+def test_sft_last_turn_only_trains_fewer_tokens(tiny_trainer: Trainer) -> None:
+    trajectories = [_conversation("Blue.")]
+    every = tiny_trainer.train_sft(trajectories, SFTTrainConfig(assistant_turns="all"))
+    last = tiny_trainer.train_sft(trajectories, SFTTrainConfig(assistant_turns="last"))
+    # "Let me think." + end-of-turn is 5 tokens; "Blue." + end-of-turn is 3.
+    assert every.summary["tokens/trainable"] == 8
+    assert last.summary["tokens/trainable"] == 3
+
+
+def test_sft_refuses_learning_rates_that_do_not_match_the_steps(tiny_trainer: Trainer) -> None:
+    with pytest.raises(TrainingError, match="learning_rate has 2 values but the job has 3"):
+        tiny_trainer.train_sft(
+            [_conversation("Blue.")] * 5,
+            SFTTrainConfig(learning_rate=[1e-3, 1e-3], batch_size=2),
+        )
