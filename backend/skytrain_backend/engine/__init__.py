@@ -1,0 +1,11 @@
+"""Inference engines and the client that drives them.
+
+- ``client.EngineClient`` — async client of an engine (health, adapters, sleep/wake).
+- ``launcher`` — start an engine subprocess, wait for ``/health``, fail fast with its log.
+- ``options`` — ``EngineOptions`` and the automatic choice of engine (vLLM with CUDA, else hf).
+- ``vllm`` — the ``vllm serve`` command line.
+- ``server``, ``serving``, ``protocol``, ``toolcalls``, ``hf/`` — skytrain's CPU engine: the
+  same HTTP surface as ``vllm serve``, on transformers + peft.
+
+Nothing is imported here, so ``import skytrain_backend.engine.client`` stays light.
+"""

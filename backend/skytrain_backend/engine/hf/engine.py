@@ -1,0 +1,546 @@
+"""skytrain's CPU engine: continuous batching over a KV cache, several LoRA adapters at once.
+
+One thread owns the model. It loops: run pending commands (load/unload an adapter, sleep,
+wake), admit waiting sequences, decode one token for every running sequence, and publish each
+new token to its request's asyncio queue as soon as it is sampled. Sequences that arrive while
+others run are prefilled as a group and join the running batch at the next step (see
+``kvcache``), so requests that arrive together are decoded together whatever adapter they use:
+one forward pass serves every adapter in the batch.
+
+Each sequence carries its own sampling parameters and random generator (seeded with
+``seed + index`` for a request with ``n`` choices, as vLLM does), so batching never changes a
+seeded result beyond floating-point noise. The logprob of each sampled token comes from the
+very logits it was sampled from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import itertools
+import logging
+import threading
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+import torch
+from transformers import DynamicCache
+
+from skytrain_backend.engine.hf import kvcache
+from skytrain_backend.engine.hf.detokenizer import IncrementalDetokenizer
+from skytrain_backend.engine.hf.runner import ModelRunner, read_adapter
+from skytrain_backend.engine.hf.sampling import SamplingParams, gather_logprobs, sample_next_tokens
+from skytrain_backend.errors import (
+    ConfigurationError,
+    EngineError,
+    InvalidRequest,
+    NotFound,
+    SkytrainError,
+    Unavailable,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+EngineFinishReason = Literal["stop", "length"]
+
+ASLEEP_MESSAGE = "the engine is sleeping: POST /wake_up before sending requests"
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprob: float
+    # The most likely (token id, logprob) pairs at this step, when top logprobs were asked for.
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step produced for one sequence (choice ``index`` of its request)."""
+
+    index: int
+    token: SampledToken
+    text: str
+    finish_reason: EngineFinishReason | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(frozen=True)
+class RequestFailed:
+    error: SkytrainError
+
+
+@dataclass(frozen=True)
+class Adapter:
+    name: str
+    path: str
+    internal_name: str
+
+
+class _Request:
+    """A submitted request as the engine thread sees it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        adapter: str | None,
+        params: SamplingParams,
+        n: int,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.adapter = adapter
+        self.params = params
+        self.n = n
+        self.queue: asyncio.Queue[SequenceUpdate | RequestFailed] = asyncio.Queue()
+        self._loop = loop
+
+    def publish(self, item: SequenceUpdate | RequestFailed) -> None:
+        # A closed event loop raises RuntimeError: nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class _Sequence:
+    def __init__(
+        self,
+        request: _Request,
+        index: int,
+        internal_adapter: str | None,
+        tokenizer: Any,
+        device: torch.device,
+    ) -> None:
+        self.request = request
+        self.index = index
+        self.internal_adapter = internal_adapter
+        self.params = request.params
+        self.prompt_len = len(request.prompt_token_ids)
+        self.num_generated = 0
+        self.finished = False
+        self.detokenizer = IncrementalDetokenizer(tokenizer, self.params)
+        self.generator = torch.Generator(device=device)
+        if self.params.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(self.params.seed + index)
+
+    def append(self, token: SampledToken, *, eos_token_ids: frozenset[int], max_len: int) -> None:
+        """Record a sampled token, decide whether the sequence is done, publish the step."""
+        params = self.params
+        self.num_generated += 1
+        finish_reason: EngineFinishReason | None = None
+        stop_reason: int | str | None = None
+        if token.token_id in params.stop_token_ids:
+            finish_reason, stop_reason = "stop", token.token_id
+        elif token.token_id in eos_token_ids and not params.ignore_eos:
+            finish_reason = "stop"
+        else:
+            matched = self.detokenizer.add(token.token_id)
+            if matched is not None:
+                finish_reason, stop_reason = "stop", matched
+        if finish_reason is None and (
+            self.num_generated >= params.max_tokens
+            or self.prompt_len + self.num_generated >= max_len
+        ):
+            finish_reason = "length"
+        if finish_reason is not None:
+            self.finished = True
+            if stop_reason is None or isinstance(stop_reason, int):
+                self.detokenizer.flush()
+        text = self.detokenizer.release(final=self.finished)
+        self.request.publish(SequenceUpdate(self.index, token, text, finish_reason, stop_reason))
+
+
+class _Batch:
+    """Running sequences, left-padded to a common length; the cache lacks each last token."""
+
+    def __init__(
+        self,
+        sequences: list[_Sequence],
+        cache: DynamicCache,
+        attention_mask_BL: torch.Tensor,
+        next_tokens_B: torch.Tensor,
+        positions_B: torch.Tensor,
+    ) -> None:
+        self.sequences = sequences
+        self.cache = cache
+        self.attention_mask_BL = attention_mask_BL
+        self.next_tokens_B = next_tokens_B
+        self.positions_B = positions_B
+
+    def absorb(self, other: _Batch) -> None:
+        width, other_width = self.attention_mask_BL.shape[1], other.attention_mask_BL.shape[1]
+        self.attention_mask_BL = kvcache.left_pad(
+            self.cache, self.attention_mask_BL, max(other_width - width, 0)
+        )
+        other.attention_mask_BL = kvcache.left_pad(
+            other.cache, other.attention_mask_BL, max(width - other_width, 0)
+        )
+        kvcache.concatenate(self.cache, other.cache)
+        self.attention_mask_BL = torch.cat([self.attention_mask_BL, other.attention_mask_BL])
+        self.next_tokens_B = torch.cat([self.next_tokens_B, other.next_tokens_B])
+        self.positions_B = torch.cat([self.positions_B, other.positions_B])
+        self.sequences += other.sequences
+
+    def drop_finished(self) -> bool:
+        """Remove finished sequences; False when none is left."""
+        keep = [i for i, sequence in enumerate(self.sequences) if not sequence.finished]
+        if not keep:
+            return False
+        if len(keep) < len(self.sequences):
+            rows = torch.tensor(keep, device=self.next_tokens_B.device)
+            self.attention_mask_BL = kvcache.keep_rows(self.cache, self.attention_mask_BL, rows)
+            self.next_tokens_B = self.next_tokens_B[rows]
+            self.positions_B = self.positions_B[rows]
+            self.sequences = [self.sequences[i] for i in keep]
+        return True
+
+
+class HFEngine:
+    """A transformers + peft model behind an asyncio API; see the module docstring."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        served_model_name: str,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        dtype: str = "auto",
+        device: str | None = None,
+    ) -> None:
+        self.runner = ModelRunner(model_path, dtype=dtype, device=device)
+        self.served_model_name = served_model_name
+        self.tokenizer = self.runner.tokenizer
+        limit = self.runner.max_position_embeddings()
+        if max_model_len is not None and limit is not None and max_model_len > limit:
+            raise ConfigurationError(
+                f"max_model_len {max_model_len} exceeds the model's "
+                f"max_position_embeddings ({limit}); pass at most {limit}"
+            )
+        resolved = max_model_len or limit
+        if resolved is None:
+            raise ConfigurationError(
+                f"{model_path} does not state its context length: pass --max-model-len"
+            )
+        self.max_model_len = resolved
+        self.max_num_seqs = max_num_seqs
+        self.eos_token_ids = self.runner.eos_token_ids()
+        self.adapters: dict[str, Adapter] = {}
+        self._internal_names = (f"lora{i}" for i in itertools.count())
+        self._retired: set[str] = set()
+        self._asleep = False
+        self._batch: _Batch | None = None
+        self._mergeable: bool | None = None
+        self._waiting: deque[_Request] = deque()
+        self._commands: deque[Callable[[], None]] = deque()
+        self._aborted: set[str] = set()
+        self._wakeup = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="skytrain-hf-engine", daemon=True)
+        self._thread.start()
+
+    # --- the asyncio side -------------------------------------------------------------------
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep
+
+    def resolve_model(self, model: str) -> str | None:
+        """The adapter a request's ``model`` names (None for the base model); 404 otherwise."""
+        if model == self.served_model_name:
+            return None
+        if model in self.adapters:
+            return model
+        served = ", ".join([self.served_model_name, *self.adapters])
+        raise NotFound(f"The model `{model}` does not exist. Served models: {served}")
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        *,
+        adapter: str | None,
+        params: SamplingParams,
+        n: int = 1,
+    ) -> AsyncIterator[SequenceUpdate]:
+        """Every step of the ``n`` sequences of one prompt, as they are sampled."""
+        if self._asleep:
+            raise Unavailable(ASLEEP_MESSAGE)
+        request = _Request(
+            request_id, prompt_token_ids, adapter, params, n, asyncio.get_running_loop()
+        )
+        with self._wakeup:
+            self._waiting.append(request)
+            self._wakeup.notify()
+        running = n
+        try:
+            while running:
+                item = await request.queue.get()
+                if isinstance(item, RequestFailed):
+                    raise item.error
+                running -= item.finish_reason is not None
+                yield item
+        finally:
+            if running:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._wakeup:
+            self._aborted.add(request_id)
+            self._wakeup.notify()
+
+    async def load_adapter(self, name: str, path: str, *, replace: bool = False) -> None:
+        self._require_awake()
+        if name == self.served_model_name:
+            raise InvalidRequest(f"The lora adapter '{name}' conflicts with the served base model.")
+        if name in self.adapters and not replace:
+            raise InvalidRequest(
+                f"The lora adapter '{name}' has already been loaded: unload it first, or pass "
+                "load_inplace=true to replace it"
+            )
+        # Reading the files is slow and touches no model state: do it off the engine thread.
+        weights = await asyncio.to_thread(read_adapter, path)
+
+        def load() -> None:
+            self._require_awake()
+            if name in self.adapters and not replace:
+                raise InvalidRequest(f"The lora adapter '{name}' has already been loaded.")
+            internal_name = next(self._internal_names)
+            self.runner.add_adapter(internal_name, weights)
+            previous = self.adapters.get(name)
+            self.adapters[name] = Adapter(name, path, internal_name)
+            if previous is not None:
+                self._retire(previous.internal_name)
+
+        await self._call(load)
+
+    async def unload_adapter(self, name: str) -> None:
+        def unload() -> None:
+            adapter = self.adapters.pop(name, None)
+            if adapter is None:
+                raise NotFound(f"The lora adapter '{name}' cannot be found.")
+            self._retire(adapter.internal_name)
+
+        await self._call(unload)
+
+    async def sleep(self) -> None:
+        await self._call(self._sleep)
+
+    async def wake_up(self) -> None:
+        await self._call(self._wake_up)
+
+    def close(self) -> None:
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify()
+        self._thread.join(timeout=30)
+
+    async def _call(self, command: Callable[[], T]) -> T:
+        """Run ``command`` on the engine thread between two decode steps."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(command())
+            except BaseException as exc:
+                future.set_exception(exc)
+
+        with self._wakeup:
+            self._commands.append(run)
+            self._wakeup.notify()
+        return await asyncio.wrap_future(future)
+
+    # --- the engine thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._wakeup:
+                    while not (
+                        self._stopping
+                        or self._commands
+                        or self._waiting
+                        or self._aborted
+                        or self._batch
+                    ):
+                        self._wakeup.wait()
+                    if self._stopping:
+                        return
+                    commands = list(self._commands)
+                    self._commands.clear()
+                    aborted = set(self._aborted)
+                    self._aborted.clear()
+                for command in commands:
+                    command()
+                self._drop_aborted(aborted)
+                admitted = self._admit()
+                try:
+                    if admitted:
+                        self._prefill(admitted)
+                    if self._batch is not None:
+                        self._step()
+                except Exception as exc:
+                    logger.exception("decode step failed")
+                    error = EngineError(f"the engine failed while decoding: {exc}")
+                    self._fail_all(error, also={s.request for s in admitted})
+
+    def _admit(self) -> list[_Sequence]:
+        """Waiting sequences that fit in the batch (a request larger than it runs alone)."""
+        running = len(self._batch.sequences) if self._batch else 0
+        if running and not self._mergeable:
+            return []
+        admitted: list[_Sequence] = []
+        with self._wakeup:
+            while self._waiting:
+                room = self.max_num_seqs - running - len(admitted)
+                if self._waiting[0].n > room and (running or admitted):
+                    break
+                request = self._waiting.popleft()
+                try:
+                    internal = self._internal_adapter(request.adapter)
+                except SkytrainError as exc:
+                    request.publish(RequestFailed(exc))
+                    continue
+                admitted += [
+                    _Sequence(request, i, internal, self.tokenizer, self.runner.device)
+                    for i in range(request.n)
+                ]
+        return admitted
+
+    def _internal_adapter(self, name: str | None) -> str | None:
+        if self._asleep:
+            raise Unavailable(ASLEEP_MESSAGE)
+        if name is None:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise NotFound(f"The lora adapter '{name}' was unloaded before the request started.")
+        return adapter.internal_name
+
+    def _prefill(self, sequences: list[_Sequence]) -> None:
+        device = self.runner.device
+        width = max(sequence.prompt_len for sequence in sequences)
+        pad = self.tokenizer.pad_token_id or 0
+        input_ids_BT = torch.tensor(
+            [[pad] * (width - s.prompt_len) + s.request.prompt_token_ids for s in sequences],
+            device=device,
+        )
+        attention_mask_BL = torch.tensor(
+            [[0] * (width - s.prompt_len) + [1] * s.prompt_len for s in sequences], device=device
+        )
+        position_ids_BT = (attention_mask_BL.cumsum(dim=-1) - 1).clamp(min=0)
+        logits_BV, cache = self.runner.forward(
+            input_ids_BT,
+            attention_mask_BL,
+            position_ids_BT,
+            None,
+            [s.internal_adapter for s in sequences],
+        )
+        if self._mergeable is None:
+            self._mergeable = kvcache.is_mergeable(cache)
+        batch = _Batch(
+            sequences,
+            cache,
+            attention_mask_BL,
+            self._sample(sequences, logits_BV),
+            torch.tensor([s.prompt_len for s in sequences], device=device),
+        )
+        if self._batch is None:
+            self._batch = batch
+        else:
+            self._batch.absorb(batch)
+        self._drop_finished()
+
+    def _step(self) -> None:
+        batch = self._batch
+        assert batch is not None
+        ones = torch.ones_like(batch.attention_mask_BL[:, :1])
+        batch.attention_mask_BL = torch.cat([batch.attention_mask_BL, ones], dim=-1)
+        logits_BV, batch.cache = self.runner.forward(
+            batch.next_tokens_B[:, None],
+            batch.attention_mask_BL,
+            batch.positions_B[:, None],
+            batch.cache,
+            [s.internal_adapter for s in batch.sequences],
+        )
+        batch.positions_B = batch.positions_B + 1
+        batch.next_tokens_B = self._sample(batch.sequences, logits_BV)
+        self._drop_finished()
+
+    def _sample(self, sequences: list[_Sequence], logits_BV: torch.Tensor) -> torch.Tensor:
+        params = [s.params for s in sequences]
+        tokens_B = sample_next_tokens(logits_BV, params, [s.generator for s in sequences])
+        top_k = max((p.num_logprobs or 0 for p in params), default=0)
+        chosen, top = gather_logprobs(logits_BV.log_softmax(dim=-1), tokens_B, top_k)
+        for sequence, token_id, logprob, candidates in zip(
+            sequences, tokens_B.tolist(), chosen, top, strict=True
+        ):
+            token = SampledToken(token_id, logprob, candidates[: sequence.params.num_logprobs or 0])
+            sequence.append(token, eos_token_ids=self.eos_token_ids, max_len=self.max_model_len)
+        return tokens_B
+
+    def _drop_finished(self) -> None:
+        if self._batch is not None and not self._batch.drop_finished():
+            self._batch = None
+        self._delete_retired()
+
+    def _drop_aborted(self, request_ids: set[str]) -> None:
+        if not request_ids:
+            return
+        with self._wakeup:
+            self._waiting = deque(r for r in self._waiting if r.request_id not in request_ids)
+        if self._batch is not None:
+            for sequence in self._batch.sequences:
+                if sequence.request.request_id in request_ids:
+                    sequence.finished = True
+            self._drop_finished()
+
+    def _retire(self, internal_name: str) -> None:
+        """Delete an adapter's weights once no running sequence uses them any more."""
+        self._retired.add(internal_name)
+        self._delete_retired()
+
+    def _delete_retired(self) -> None:
+        if not self._retired:
+            return
+        in_use = {s.internal_adapter for s in self._batch.sequences} if self._batch else set()
+        for internal_name in self._retired - in_use:
+            self.runner.remove_adapter(internal_name)
+            self._retired.discard(internal_name)
+
+    def _fail_all(self, error: SkytrainError, also: set[_Request] | None = None) -> None:
+        failed = {s.request for s in self._batch.sequences} if self._batch else set()
+        failed |= also or set()
+        self._batch = None
+        for request in failed:
+            request.publish(RequestFailed(error))
+        self._delete_retired()
+
+    def _require_awake(self) -> None:
+        if self._asleep:
+            raise Unavailable(ASLEEP_MESSAGE)
+
+    def _sleep(self) -> None:
+        if self._asleep:
+            return
+        self._asleep = True
+        self._fail_all(Unavailable("the engine was put to sleep while this request ran: retry"))
+        with self._wakeup:
+            waiting, self._waiting = list(self._waiting), deque()
+        for request in waiting:
+            request.publish(RequestFailed(Unavailable(ASLEEP_MESSAGE)))
+        self.runner.release()
+
+    def _wake_up(self) -> None:
+        if not self._asleep:
+            return
+        self.runner.restore()
+        self._asleep = False

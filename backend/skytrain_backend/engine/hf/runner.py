@@ -1,0 +1,199 @@
+"""The base model, its LoRA adapters and the forward pass, as the engine thread drives them.
+
+Adapters are injected with peft and kept side by side; a batch mixes them freely, each row
+naming its adapter (peft's ``adapter_names``, ``"__base__"`` for the base model). Every
+adapter's config and weights are also kept in memory (they are small), so ``release`` can drop
+the model entirely and ``restore`` rebuilds it, adapters included, even if the directories
+they came from are gone.
+
+Only the engine thread calls into a runner: peft mutates modules in place, which must never
+happen during a forward pass.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft.utils import load_peft_weights
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+from skytrain_backend.errors import ConfigurationError, InvalidRequest
+
+logger = logging.getLogger(__name__)
+
+BASE_ADAPTER = "__base__"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    config: LoraConfig
+    state_dict: dict[str, torch.Tensor]
+
+
+def read_adapter(path: str) -> AdapterWeights:
+    """A LoRA adapter saved by peft's ``save_pretrained``; InvalidRequest says what is wrong."""
+    directory = Path(path)
+    if not (directory / "adapter_config.json").is_file():
+        raise InvalidRequest(
+            f"no LoRA adapter at {path!r}: expected a directory with adapter_config.json and "
+            "adapter_model.safetensors (peft's save_pretrained)"
+        )
+    try:
+        config = PeftConfig.from_pretrained(str(directory))
+        state_dict = load_peft_weights(str(directory), device="cpu")
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise InvalidRequest(f"cannot read the LoRA adapter at {path!r}: {exc}") from exc
+    if not isinstance(config, LoraConfig):
+        raise InvalidRequest(
+            f"the adapter at {path!r} is a {type(config).__name__}; only LoRA adapters are served"
+        )
+    config.inference_mode = True
+    return AdapterWeights(config=config, state_dict=state_dict)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype | str:
+    """``auto`` is float32 on CPU (fast and exact there) and the checkpoint's dtype on GPUs."""
+    if dtype == "auto":
+        return torch.float32 if device.type == "cpu" else "auto"
+    if dtype not in DTYPES:
+        raise ConfigurationError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _return_freed_memory_to_os() -> None:
+    libc = ctypes.util.find_library("c")
+    if libc is not None:
+        trim = getattr(ctypes.CDLL(libc), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
+
+
+class ModelRunner:
+    def __init__(self, model_path: str, *, dtype: str = "auto", device: str | None = None) -> None:
+        self.model_path = model_path
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.config = AutoConfig.from_pretrained(model_path)
+        self.model: Any = None
+        self._adapters: dict[str, AdapterWeights] = {}
+        self.restore()
+
+    @property
+    def is_released(self) -> bool:
+        return self.model is None
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id the checkpoint calls end-of-sequence (tokenizer, model and generation config)."""
+        ids: set[int] = set()
+        sources = [self.tokenizer.eos_token_id, self.config.eos_token_id]
+        if self.model is not None and self.model.generation_config is not None:
+            sources.append(self.model.generation_config.eos_token_id)
+        for source in sources:
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, list):
+                ids.update(source)
+        return frozenset(ids)
+
+    def max_position_embeddings(self) -> int | None:
+        value = getattr(self.config, "max_position_embeddings", None)
+        return value if isinstance(value, int) else None
+
+    # --- memory ---------------------------------------------------------------------------------
+
+    def release(self) -> None:
+        """Drop the weights (and with them every cache tensor); adapters stay in memory."""
+        self.model = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        _return_freed_memory_to_os()
+
+    def restore(self) -> None:
+        """Load the base weights and re-inject every adapter."""
+        if self.model is not None:
+            return
+        logger.info("loading %s (%s on %s)", self.model_path, self.dtype, self.device)
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        self.model = model.to(self.device)
+        self.model.eval()
+        for name, adapter in self._adapters.items():
+            self._inject(name, adapter)
+
+    # --- adapters -------------------------------------------------------------------------------
+
+    def add_adapter(self, name: str, adapter: AdapterWeights) -> None:
+        """Inject an adapter under an internal ``name``; a misfit raises InvalidRequest."""
+        self._inject(name, adapter)
+        self._adapters[name] = adapter
+
+    def remove_adapter(self, name: str) -> None:
+        self._adapters.pop(name, None)
+        if self.model is not None:
+            self._eject(name)
+
+    def _inject(self, name: str, adapter: AdapterWeights) -> None:
+        try:
+            if isinstance(self.model, PeftModel):
+                self.model.add_adapter(name, adapter.config)
+            else:
+                self.model = get_peft_model(self.model, adapter.config, adapter_name=name)
+            result: Any = set_peft_model_state_dict(
+                self.model, adapter.state_dict, adapter_name=name
+            )
+            missing = [key for key in result.missing_keys if f".{name}." in key]
+            if result.unexpected_keys or missing:
+                raise ValueError(
+                    f"its weights do not match its config on this model "
+                    f"(unexpected: {result.unexpected_keys[:3]}, missing: {missing[:3]})"
+                )
+        except (ValueError, RuntimeError, KeyError) as exc:
+            self._eject(name)
+            raise InvalidRequest(
+                f"the LoRA adapter does not fit the base model {self.model_path}: {exc}"
+            ) from exc
+        self.model.eval()
+
+    def _eject(self, name: str) -> None:
+        if not isinstance(self.model, PeftModel) or name not in self.model.peft_config:
+            return
+        if len(self.model.peft_config) == 1:
+            # peft cannot run with no adapter at all: go back to the plain base model.
+            self.model = self.model.unload()
+        else:
+            self.model.delete_adapter(name)
+
+    # --- forward --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids_BT: torch.Tensor,
+        attention_mask_BL: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        cache: DynamicCache | None,
+        adapters: list[str | None],
+    ) -> tuple[torch.Tensor, DynamicCache]:
+        """Logits of the last position of every row (float32, (B, V)) and the grown cache."""
+        kwargs: dict[str, Any] = {}
+        if isinstance(self.model, PeftModel):
+            kwargs["adapter_names"] = [adapter or BASE_ADAPTER for adapter in adapters]
+        output = self.model(
+            input_ids=input_ids_BT.to(self.device),
+            attention_mask=attention_mask_BL.to(self.device),
+            position_ids=position_ids_BT.to(self.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+            **kwargs,
+        )
+        return output.logits[:, -1, :].float(), output.past_key_values

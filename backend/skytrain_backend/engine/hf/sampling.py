@@ -1,0 +1,91 @@
+"""Choosing the next token of every sequence in a batch, each with its own parameters.
+
+Logprobs are those of the model's raw distribution (``log_softmax`` of the logits, before
+temperature, top-k and top-p), which is what vLLM returns by default and what the trainer
+recomputes: the sampling logprob of a token is comparable with the policy's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+GREEDY_BELOW = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one sequence is decoded (a request with ``n`` > 1 has ``n`` sequences)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # None: no logprobs; k >= 0: the sampled token's logprob and the k most likely tokens.
+    num_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+
+def filter_top_k_top_p(
+    logits_BV: torch.Tensor, top_k_B: torch.Tensor, top_p_B: torch.Tensor
+) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k and top-p nucleus (k <= 0: no top-k)."""
+    sorted_logits, order = logits_BV.sort(dim=-1, descending=True)
+    vocab = logits_BV.shape[-1]
+    ranks = torch.arange(vocab, device=logits_BV.device).expand_as(sorted_logits)
+    k_B = torch.where(top_k_B > 0, top_k_B, torch.full_like(top_k_B, vocab))
+    outside = ranks >= k_B[:, None]
+    sorted_probs = sorted_logits.masked_fill(outside, float("-inf")).softmax(dim=-1)
+    # A token stays if the probability mass before it is below top_p (the first always stays).
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    outside |= mass_before > top_p_B[:, None]
+    sorted_logits = sorted_logits.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits_BV).scatter_(-1, order, sorted_logits)
+
+
+def sample_next_tokens(
+    logits_BV: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator],
+) -> torch.Tensor:
+    """One token id per row: argmax for greedy rows, a draw from each row's generator otherwise."""
+    tokens_B = logits_BV.argmax(dim=-1)
+    rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not rows:
+        return tokens_B
+    index = torch.tensor(rows, device=logits_BV.device)
+    temperature = torch.tensor([params[i].temperature for i in rows], device=logits_BV.device)
+    scaled = logits_BV[index] / temperature[:, None]
+    if any(params[i].top_p < 1.0 or params[i].top_k > 0 for i in rows):
+        top_k = torch.tensor([params[i].top_k for i in rows], device=logits_BV.device)
+        top_p = torch.tensor([params[i].top_p for i in rows], device=logits_BV.device)
+        scaled = filter_top_k_top_p(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    for j, i in enumerate(rows):
+        tokens_B[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    return tokens_B
+
+
+def gather_logprobs(
+    logprobs_BV: torch.Tensor, tokens_B: torch.Tensor, k: int
+) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Each row's logprob of its token, and its k most likely (token id, logprob) pairs."""
+    chosen = logprobs_BV.gather(-1, tokens_B[:, None])[:, 0].tolist()
+    if k == 0:
+        return chosen, [[] for _ in chosen]
+    values, ids = logprobs_BV.topk(k, dim=-1)
+    top = [
+        list(zip(row_ids, row_values, strict=True))
+        for row_ids, row_values in zip(ids.tolist(), values.tolist(), strict=True)
+    ]
+    return chosen, top

@@ -1,0 +1,233 @@
+"""The CPU engine's HTTP server: the same routes, bodies and errors as ``vllm serve``.
+
+Errors are vLLM's JSON (``{"error": {"message", "type", "param", "code"}}``) with the status of
+the skytrain error behind them: 400 for a malformed request or a bad adapter path, 404 for an
+unknown model or adapter, 503 while the engine sleeps. A failed request changes nothing: the
+engine keeps serving. With an API key, every ``/v1`` route requires ``Authorization: Bearer
+<key>`` (``/health``, ``/sleep`` and ``/wake_up`` stay open, as in vLLM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from skytrain_backend.engine.hf.engine import HFEngine
+from skytrain_backend.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRAAdapterRequest,
+    ModelList,
+    UnloadLoRAAdapterRequest,
+)
+from skytrain_backend.engine.serving import OpenAIServing, error_response
+from skytrain_backend.errors import (
+    AuthenticationFailed,
+    EngineError,
+    InvalidRequest,
+    SkytrainError,
+)
+
+logger = logging.getLogger(__name__)
+
+# Status of a request whose client left before the answer (nginx's convention; never sent).
+CLIENT_CLOSED_REQUEST = 499
+
+
+def _serving(request: Request) -> OpenAIServing:
+    serving: OpenAIServing = request.app.state.serving
+    return serving
+
+
+def _check_api_key(request: Request) -> None:
+    expected: str | None = request.app.state.api_key
+    if expected is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.encode(), expected.encode()):
+        raise AuthenticationFailed(
+            "missing or wrong API key: send the engine's key as 'Authorization: Bearer <key>'"
+        )
+
+
+ServingDep = Annotated[OpenAIServing, Depends(_serving)]
+
+router = APIRouter()
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+
+@router.get("/health")
+async def health() -> Response:
+    return Response(status_code=200)
+
+
+@router.post("/sleep")
+async def sleep(
+    serving: ServingDep, level: Annotated[int, Query(ge=0, le=2)] = 1
+) -> dict[str, Any]:
+    await serving.engine.sleep()
+    return {"status": "sleeping", "level": level}
+
+
+@router.post("/wake_up")
+async def wake_up(serving: ServingDep) -> dict[str, Any]:
+    await serving.engine.wake_up()
+    return {"status": "awake"}
+
+
+@router.get("/is_sleeping")
+async def is_sleeping(serving: ServingDep) -> dict[str, bool]:
+    return {"is_sleeping": serving.engine.is_sleeping}
+
+
+@v1.get("/models")
+async def models(serving: ServingDep) -> ModelList:
+    return serving.models()
+
+
+@v1.post("/chat/completions")
+async def chat_completions(
+    body: ChatCompletionRequest, serving: ServingDep, request: Request
+) -> Response:
+    return await _unless_abandoned(request, serving.chat(body))
+
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, serving: ServingDep, request: Request) -> Response:
+    return await _unless_abandoned(request, serving.completion(body))
+
+
+async def _unless_abandoned(request: Request, work: Awaitable[Any]) -> Response:
+    """The response to ``work``; if the client hangs up first, its generation is aborted.
+
+    A stream stops when its client goes away (the response's iterator is closed); a
+    non-streamed answer is computed in full before its first byte, so the disconnect is
+    watched for here and the generation cancelled, freeing its place in the batch (vLLM
+    aborts such requests too).
+    """
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        task.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        result = await task
+    except asyncio.CancelledError:
+        if watcher.done():  # cancelled because the client left, not because we are stopping
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        raise
+    finally:
+        watcher.cancel()
+    return _respond(result)
+
+
+@v1.post("/load_lora_adapter")
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, serving: ServingDep) -> Response:
+    await serving.engine.load_adapter(body.lora_name, body.lora_path, replace=body.load_inplace)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+
+@v1.post("/unload_lora_adapter")
+async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, serving: ServingDep) -> Response:
+    await serving.engine.unload_adapter(body.lora_name)
+    return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+
+def _respond(result: Any) -> Response:
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.to_json())
+
+
+def _error(error: SkytrainError) -> JSONResponse:
+    return JSONResponse(error_response(error).to_json(), status_code=error.status_code)
+
+
+async def _skytrain_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, SkytrainError)
+    return _error(exc)
+
+
+async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    problems = []
+    for item in exc.errors():
+        location = ".".join(str(part) for part in item["loc"][1:]) or "body"
+        problems.append(f"{location}: {item['msg']}")
+    return _error(InvalidRequest("; ".join(problems)))
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+    logger.exception("request failed", exc_info=exc)
+    return _error(EngineError(f"the engine failed on this request: {exc}"))
+
+
+def create_app(engine: HFEngine, *, api_key: str | None = None) -> FastAPI:
+    """The FastAPI app of a running engine; closing the app stops the engine thread."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.close()
+
+    app = FastAPI(title="skytrain engine", lifespan=lifespan)
+    app.state.serving = OpenAIServing(engine)
+    app.state.api_key = api_key
+    app.include_router(router)
+    app.include_router(v1)
+    app.add_exception_handler(SkytrainError, _skytrain_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    return app
+
+
+def default_threads() -> int:
+    """Half the cores: the engine shares its machine with the trainer (and, on a workstation,
+    everything else). A CPU engine whose threads outnumber free cores loses most of its speed:
+    every operator waits for its slowest, descheduled thread."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def serve(
+    model: str,
+    *,
+    served_model_name: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 32,
+    dtype: str = "auto",
+    threads: int | None = None,
+    log_level: str = "info",
+) -> None:
+    """Load ``model`` (a Hugging Face id or a directory) and serve it until interrupted."""
+    import torch
+    import uvicorn
+
+    from skytrain_backend.hub import resolve_model
+
+    torch.set_num_threads(threads or default_threads())
+    logging.basicConfig(
+        level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    engine = HFEngine(
+        resolve_model(model),
+        served_model_name=served_model_name or model,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        dtype=dtype,
+    )
+    uvicorn.run(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level)
