@@ -1,0 +1,172 @@
+"""Placement and the provisioning policy: which worker holds which model, and when workers
+are started and stopped.
+
+- A model is *active* while it was registered, used for inference or trained within
+  ``worker_idle_timeout_s``, or has a job queued or running. Active models are placed.
+- Placement is sticky: a model stays on its worker until that worker is gone; then it is placed
+  again (its adapters are fetched from the object store by the new worker).
+- A model with no live worker for its base model makes the provider start one, up to
+  ``max_workers``. A launch that failed is not retried for ``worker_launch_backoff_s``, so a
+  missing cloud credential shows up as the model's status instead of a launch loop.
+- A worker with no active model for ``worker_idle_timeout_s`` is stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from datetime import timedelta
+
+from sqlalchemy import exists, func, or_, select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.scheduler import queue
+
+logger = logging.getLogger(__name__)
+
+PLACEABLE_STATUSES = ("provisioning", "starting", "ready", "training")
+
+
+def _has_open_job() -> object:
+    return exists().where(
+        TrainingJob.model_id == Model.id, TrainingJob.status.in_(("queued", "running"))
+    )
+
+
+def active_models_without_worker(session: Session, *, idle_timeout_s: float) -> list[Model]:
+    """Active models that no live worker holds."""
+    since = utcnow() - timedelta(seconds=idle_timeout_s)
+    live = select(Worker.id).where(Worker.status.in_(PLACEABLE_STATUSES))
+    return list(
+        session.scalars(
+            select(Model)
+            .where(
+                or_(Model.worker_id.is_(None), Model.worker_id.not_in(live)),
+                or_(Model.last_active_at > since, _has_open_job()),  # type: ignore[arg-type]
+            )
+            .order_by(Model.last_active_at)
+        )
+    )
+
+
+def place_models(
+    session: Session,
+    *,
+    idle_timeout_s: float,
+    max_workers: int,
+    launch_backoff_s: float,
+    launch: Callable[[str], None] | None,
+) -> None:
+    """Put every active unplaced model on a worker of its base model, launching if needed.
+
+    ``launch(base_model)`` asks the provider for a new worker (None: no provider).
+    """
+    launched: set[str] = set()
+    for model in active_models_without_worker(session, idle_timeout_s=idle_timeout_s):
+        worker = _worker_with_room(session, base_model=model.base_model)
+        if worker is not None:
+            model.worker_id = worker.id
+            worker.last_active_at = utcnow()
+            session.commit()
+            logger.info("placed model %s on worker %s", model.id, worker.id)
+            continue
+        if model.worker_id is not None:
+            model.worker_id = None
+            session.commit()
+        base = model.base_model
+        if (
+            launch is None
+            or base in launched
+            or _recently_failed(session, base_model=base, backoff_s=launch_backoff_s)
+        ):
+            continue
+        if _live_worker_count(session) >= max_workers:
+            logger.info("model %s waits: max_workers=%d reached", model.id, max_workers)
+            continue
+        launched.add(base)
+        launch(base)
+
+
+def _worker_with_room(session: Session, *, base_model: str) -> Worker | None:
+    placed = select(func.count(Model.id)).where(Model.worker_id == Worker.id).scalar_subquery()
+    candidates = session.execute(
+        select(Worker, placed)
+        .where(Worker.base_model == base_model, Worker.status.in_(PLACEABLE_STATUSES))
+        .order_by(placed, Worker.created_at)
+    ).all()
+    for worker, count in candidates:
+        if count < int((worker.capacity or {}).get("max_models", 1)):
+            return worker
+    return None
+
+
+def _live_worker_count(session: Session) -> int:
+    return int(
+        session.scalar(
+            select(func.count(Worker.id)).where(Worker.status.in_(worker_rows.LIVE_STATUSES))
+        )
+        or 0
+    )
+
+
+def _recently_failed(session: Session, *, base_model: str, backoff_s: float) -> bool:
+    newest = session.scalar(
+        select(Worker)
+        .where(Worker.base_model == base_model)
+        .order_by(Worker.created_at.desc())
+        .limit(1)
+    )
+    if newest is None or newest.status != "failed":
+        return False
+    ended = newest.stopped_at or newest.created_at
+    return ended > utcnow() - timedelta(seconds=backoff_s)
+
+
+def worker_gone(session: Session, *, worker: Worker, status: str, reason: str) -> None:
+    """A worker stopped, was lost or failed: free its models and release its jobs."""
+    worker.status = status
+    worker.status_message = reason
+    worker.stopped_at = utcnow()
+    worker.served = []
+    for model in session.scalars(select(Model).where(Model.worker_id == worker.id)):
+        model.worker_id = None
+    session.commit()
+    running = list(
+        session.scalars(
+            select(TrainingJob).where(
+                TrainingJob.worker_id == worker.id, TrainingJob.status == "running"
+            )
+        )
+    )
+    queue.release_jobs(session, jobs=running, reason=f"worker {worker.id} {status}: {reason}")
+    logger.warning("worker %s %s: %s", worker.id, status, reason)
+
+
+def idle_workers(session: Session, *, idle_timeout_s: float) -> list[Worker]:
+    """Live workers that held no active model for ``idle_timeout_s``."""
+    since = utcnow() - timedelta(seconds=idle_timeout_s)
+    active_model_on_worker = exists().where(
+        Model.worker_id == Worker.id,
+        or_(Model.last_active_at > since, _has_open_job()),  # type: ignore[arg-type]
+    )
+    return list(
+        session.scalars(
+            select(Worker).where(
+                Worker.status.in_(("ready", "training")),
+                ~active_model_on_worker,
+                or_(Worker.last_active_at.is_(None), Worker.last_active_at < since),
+            )
+        )
+    )
+
+
+def mark_model_active(session: Session, *, model: Model, min_interval_s: float = 30.0) -> None:
+    """Note a use of the model; written at most every ``min_interval_s`` (a hot path)."""
+    now = utcnow()
+    if model.last_active_at is None or model.last_active_at < now - timedelta(
+        seconds=min_interval_s
+    ):
+        model.last_active_at = now
+        session.commit()

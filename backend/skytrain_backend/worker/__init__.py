@@ -1,0 +1,1 @@
+"""skytrain_backend.worker."""

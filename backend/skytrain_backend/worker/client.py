@@ -1,0 +1,212 @@
+"""The worker's own small HTTP client for the control plane (``/v1/worker/...``).
+
+The worker never touches the database: everything goes through these calls, so the same code
+works from a laptop or from a GPU on another cloud. Idempotent calls (heartbeat, renew,
+downloads) are retried through transient failures; calls that change state once (lease,
+complete, fail) are not, and the control plane's lease rules make a lost answer harmless.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+from tenacity import (
+    AsyncRetrying,
+    retry_if_exception,
+    stop_after_delay,
+    wait_exponential,
+)
+
+from skytrain_backend.errors import Conflict, SkytrainError
+
+T = TypeVar("T")
+
+
+class LeaseLost(Conflict):
+    """The job was taken from this worker (its lease expired or it was cancelled)."""
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, httpx.TransportError):
+        return True
+    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500
+
+
+class ControlPlaneClient:
+    """Calls the control plane's worker routes with the worker's token."""
+
+    def __init__(
+        self, base_url: str, token: str, *, timeout_s: float = 30.0, retry_for_s: float = 120.0
+    ) -> None:
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/") + "/v1/worker",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+        )
+        self._retry_for_s = retry_for_s
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
+        async for attempt in AsyncRetrying(
+            retry=retry_if_exception(_is_transient),
+            wait=wait_exponential(multiplier=0.5, max=10),
+            stop=stop_after_delay(self._retry_for_s),
+            reraise=True,
+        ):
+            with attempt:
+                return await call()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = await self._http.request(method, path, **kwargs)
+        if response.status_code == 409:
+            raise LeaseLost(_message(response))
+        if response.status_code >= 400:
+            if response.status_code < 500:
+                raise SkytrainError(f"control plane refused {method} {path}: {_message(response)}")
+            response.raise_for_status()
+        return response
+
+    async def register(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """Register; a worker that joined with a join token switches to the token it is given.
+
+        Not retried: a join that succeeded but whose answer was lost would leave a second
+        worker row behind (it is declared lost after the heartbeat timeout).
+        """
+        response = await self._send("POST", "/register", json=payload)
+        answer = dict(response.json())
+        if token := answer.get("worker_token"):
+            self._http.headers["Authorization"] = f"Bearer {token}"
+        return answer
+
+    async def heartbeat(self, payload: dict[str, Any]) -> dict[str, Any]:
+        response = await self._retrying(lambda: self._send("POST", "/heartbeat", json=payload))
+        return dict(response.json())
+
+    async def lease(self) -> dict[str, Any] | None:
+        response = await self._send("POST", "/jobs/lease", json={})
+        return None if response.status_code == 204 else dict(response.json()["job"])
+
+    async def renew(self, job_id: str, *, attempt: int) -> dict[str, Any]:
+        response = await self._retrying(
+            lambda: self._send("POST", f"/jobs/{job_id}/renew", json={"attempt": attempt})
+        )
+        return dict(response.json())
+
+    async def event(self, job_id: str, *, attempt: int, type: str, data: dict[str, Any]) -> None:
+        await self._retrying(
+            lambda: self._send(
+                "POST",
+                f"/jobs/{job_id}/events",
+                json={"attempt": attempt, "type": type, "data": data},
+            )
+        )
+
+    async def download_input(self, job_id: str, target: Path) -> Path:
+        return await self._retrying(lambda: self._download(f"/jobs/{job_id}/input", target))
+
+    async def list_checkpoint_files(self, model_id: str, step: int) -> list[dict[str, Any]]:
+        path = f"/models/{model_id}/checkpoints/{step}/files"
+        response = await self._retrying(lambda: self._send("GET", path))
+        return list(response.json()["data"])
+
+    async def download_checkpoint_file(
+        self, model_id: str, step: int, name: str, target: Path
+    ) -> Path:
+        path = f"/models/{model_id}/checkpoints/{step}/files/{name}"
+        return await self._retrying(lambda: self._download(path, target))
+
+    async def upload_file(self, job_id: str, path: Path, *, attempt: int) -> None:
+        async def send() -> httpx.Response:
+            return await self._send(
+                "PUT",
+                f"/jobs/{job_id}/files/{path.name}",
+                params={"attempt": attempt},
+                content=_file_chunks(path),
+                headers={"Content-Type": "application/octet-stream"},
+            )
+
+        await self._retrying(send)
+
+    async def complete(
+        self, job_id: str, *, attempt: int, step: int, metrics: dict[str, float], files: list[Path]
+    ) -> dict[str, Any]:
+        payload = {
+            "attempt": attempt,
+            "step": step,
+            "metrics": metrics,
+            "files": [{"name": f.name, "size": f.stat().st_size} for f in files],
+        }
+        response = await self._send("POST", f"/jobs/{job_id}/complete", json=payload)
+        return dict(response.json())
+
+    async def fail(
+        self,
+        job_id: str,
+        *,
+        attempt: int,
+        error_message: str,
+        retryable: bool = False,
+        cancelled: bool = False,
+    ) -> None:
+        payload = {
+            "attempt": attempt,
+            "error_message": error_message,
+            "retryable": retryable,
+            "cancelled": cancelled,
+        }
+        await self._send("POST", f"/jobs/{job_id}/fail", json=payload)
+
+    async def _download(self, path: str, target: Path) -> Path:
+        """Stream to a temporary file beside ``target``, then rename: never half a file."""
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        try:
+            with os.fdopen(handle, "wb") as out:
+                async with self._http.stream("GET", path, follow_redirects=True) as response:
+                    if response.status_code >= 400:
+                        await response.aread()
+                        await self._send_error(response, path)
+                    async for chunk in response.aiter_bytes():
+                        out.write(chunk)
+            os.replace(staging, target)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staging)
+            raise
+        return target
+
+    async def _send_error(self, response: httpx.Response, path: str) -> None:
+        if response.status_code >= 500:
+            response.raise_for_status()
+        raise SkytrainError(f"control plane refused GET {path}: {_message(response)}")
+
+
+async def _file_chunks(path: Path, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
+    """A file's bytes in chunks, read off the event loop: adapters can be gigabytes."""
+    handle = await asyncio.to_thread(open, path, "rb")
+    try:
+        while chunk := await asyncio.to_thread(handle.read, chunk_bytes):
+            yield chunk
+    finally:
+        handle.close()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or f"HTTP {response.status_code}"
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and "message" in error:
+        return str(error["message"])
+    return str(body)[:500]

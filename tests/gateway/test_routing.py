@@ -1,0 +1,375 @@
+"""What the gateway answers when it cannot serve: unknown or foreign models and steps (404),
+no engine for the checkpoint yet (503 with Retry-After and what is happening), malformed
+requests (400), engines that cannot be reached or refuse the control plane; and the activity
+marks the scheduler reads."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
+from skytrain_backend.errors import Unavailable
+from skytrain_backend.scheduler.routing import resolve_route
+from tests.gateway.conftest import (
+    ENGINE_SERVED_NAME,
+    LOADING_WAIT_S,
+    Engine,
+    Tenant,
+    add_checkpoint,
+    add_worker,
+    free_port,
+    load_adapter,
+    mark_served,
+    wait_until,
+)
+
+
+def _error(response: object) -> tuple[int, str, str]:
+    status = response.status_code  # type: ignore[attr-defined]
+    error = response.json()["error"]  # type: ignore[attr-defined]
+    return status, error["type"], error["message"]
+
+
+def test_unknown_and_foreign_models_are_not_found(
+    tenant: Callable[[], Tenant], engine_worker: str
+) -> None:
+    alice, mallory = tenant(), tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    name = model["inference_name"]
+
+    for reference in (name, f"{name}:step0", f"wandb-artifact:///{name}", model["id"]):
+        status, type_, message = _error(mallory.chat(reference))
+        assert (status, type_) == (404, "not_found_error")
+        assert repr(reference) in message and "GET /v1/models" in message
+    status, _, message = _error(alice.chat(f"{alice.name}/gw/never-created"))
+    assert status == 404 and "never-created" in message
+    with pytest.raises(openai.NotFoundError):
+        mallory.openai.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert alice.chat(name).status_code == 200  # the owner is served
+
+
+def test_missing_step_is_not_found_naming_the_latest_step(
+    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+) -> None:
+    alice = tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    add_checkpoint(gateway_db, model_id=model["id"], step=1)
+
+    status, _, message = _error(alice.chat(f"{model['inference_name']}:step7"))
+
+    assert status == 404
+    assert "no step 7" in message and "latest step is 1" in message
+
+
+def test_deleted_step_is_not_found_saying_it_was_deleted(
+    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+) -> None:
+    alice = tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    for step in (1, 2):
+        add_checkpoint(gateway_db, model_id=model["id"], step=step)
+    response = alice.http.request(
+        "DELETE", f"/v1/models/{model['id']}/checkpoints", json={"steps": [1]}
+    )
+    assert response.status_code == 200, response.text
+
+    status, _, message = _error(alice.chat(f"{model['inference_name']}:step1"))
+
+    assert status == 404
+    assert "step 1" in message and "was deleted" in message and "latest step is 2" in message
+
+
+def test_model_without_worker_is_unavailable_with_retry_after(
+    tenant: Callable[[], Tenant],
+) -> None:
+    alice = tenant()
+    name = alice.create_model(base_model="tests/nobody-serves-this")["inference_name"]
+
+    response = alice.chat(name)
+
+    status, type_, message = _error(response)
+    assert (status, type_) == (503, "unavailable_error")
+    assert "waiting for a worker for tests/nobody-serves-this" in message
+    assert int(response.headers["retry-after"]) >= 1
+    with pytest.raises(openai.InternalServerError) as caught:
+        alice.openai.chat.completions.create(
+            model=name, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert caught.value.status_code == 503
+
+
+def test_model_on_a_starting_worker_is_unavailable_saying_so(
+    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session]
+) -> None:
+    alice = tenant()
+    worker = add_worker(gateway_db, base_model="tests/starting-base", status="starting")
+    name = alice.create_model(base_model="tests/starting-base", worker_id=worker)["inference_name"]
+
+    response = alice.chat(name)
+
+    status, _, message = _error(response)
+    assert status == 503
+    assert f"worker {worker} is starting its engine" in message
+    assert int(response.headers["retry-after"]) >= 1
+
+
+def test_step_not_loaded_yet_is_unavailable_saying_it_is_loading(
+    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+) -> None:
+    alice = tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    add_checkpoint(gateway_db, model_id=model["id"], step=1)  # committed, not in `served`
+
+    for reference in (model["inference_name"], f"{model['inference_name']}:step1"):
+        response = alice.chat(reference)
+        status, _, message = _error(response)
+        assert status == 503
+        assert f"loading step 1 of {model['inference_name']}" in message
+        assert response.headers["retry-after"] == "1"
+    assert alice.chat(f"{model['inference_name']}:step0").status_code == 200
+
+
+def test_a_request_waits_for_its_checkpoint_to_finish_loading(
+    tenant: Callable[[], Tenant],
+    engine_worker: str,
+    engine: Engine,
+    gateway_db: sessionmaker[Session],
+    step1_adapter: Path,
+) -> None:
+    alice = tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    load_adapter(engine, model_id=model["id"], step=1, path=step1_adapter)
+    add_checkpoint(gateway_db, model_id=model["id"], step=1)
+    # The worker's heartbeat reports the step served a moment after the request arrives.
+    loaded = threading.Timer(
+        LOADING_WAIT_S / 3,
+        mark_served,
+        args=(gateway_db,),
+        kwargs={"worker_id": engine_worker, "model_id": model["id"], "step": 1},
+    )
+    loaded.start()
+    try:
+        response = alice.chat(f"{model['inference_name']}:step1")
+    finally:
+        loaded.join()
+    assert response.headers.get("x-skytrain-step") == "1"
+
+
+def test_unreachable_engine_is_unavailable(
+    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session]
+) -> None:
+    alice = tenant()
+    dead = f"http://127.0.0.1:{free_port()}"
+    worker = add_worker(
+        gateway_db,
+        base_model="tests/dead-engine",
+        engine_endpoint=dead,
+        served_model_name=ENGINE_SERVED_NAME,
+    )
+    name = alice.create_model(base_model="tests/dead-engine", worker_id=worker)["inference_name"]
+
+    response = alice.chat(name)
+
+    status, _, message = _error(response)
+    assert status == 503
+    assert f"engine of worker {worker} at {dead} cannot be reached" in message
+    assert "retry-after" in response.headers
+
+
+def test_engine_refusing_the_control_planes_secret_is_a_bad_gateway(
+    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session], engine: Engine
+) -> None:
+    alice = tenant()
+    worker = add_worker(
+        gateway_db,
+        base_model="tests/stale-secret",
+        engine_endpoint=engine.url,
+        engine_secret="not-the-engines-secret",
+        served_model_name=engine.served_name,
+    )
+    name = alice.create_model(base_model="tests/stale-secret", worker_id=worker)["inference_name"]
+
+    status, type_, message = _error(alice.chat(name))
+
+    assert (status, type_) == (502, "engine_error")
+    assert "refused the control plane's credentials" in message
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"messages": []}', "model is required"),
+        (b'{"model": "just-a-name", "messages": []}', "is not a skytrain model name"),
+        (b'{"model": "a/b/c", "stream": "yes", "messages": []}', "stream must be true or false"),
+    ],
+)
+def test_malformed_requests_are_refused_naming_the_problem(
+    tenant: Callable[[], Tenant], body: bytes, expected: str
+) -> None:
+    alice = tenant()
+
+    response = alice.http.post(
+        "/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}
+    )
+
+    status, type_, message = _error(response)
+    assert (status, type_) == (400, "invalid_request_error")
+    assert expected in message
+
+
+def test_requests_need_an_api_key(gateway_url: str) -> None:
+    client = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="sk-st-wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.chat.completions.create(model="a/b/c", messages=[{"role": "user", "content": "x"}])
+
+
+def test_requests_mark_the_model_and_a_pinned_step_active_at_most_every_30s(
+    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+) -> None:
+    alice = tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    long_ago = utcnow() - timedelta(hours=1)
+    with gateway_db() as session:
+        row = session.get(Model, model["id"])
+        assert row is not None
+        row.last_active_at = long_ago
+        session.commit()
+
+    def marks() -> tuple[object, object]:
+        with gateway_db() as session:
+            row = session.get(Model, model["id"])
+            step0 = session.query(Checkpoint).filter_by(model_id=model["id"], step=0).one()
+            assert row is not None
+            return row.last_active_at, step0.last_requested_at
+
+    before = utcnow()
+    assert alice.chat(model["inference_name"]).status_code == 200
+    model_mark, step_mark = marks()
+    assert model_mark is not None and model_mark >= before  # type: ignore[operator]
+    assert step_mark is None  # not pinned: no checkpoint mark
+
+    assert alice.chat(f"{model['inference_name']}:step0").status_code == 200
+    model_mark_again, step_mark = marks()
+    assert step_mark is not None and step_mark >= before  # type: ignore[operator]
+    assert model_mark_again == model_mark  # within 30 s: not written again
+    assert alice.chat(f"{model['inference_name']}:step0").status_code == 200
+    assert marks() == (model_mark, step_mark)
+
+
+def test_request_to_a_worker_marks_it_active(
+    tenant: Callable[[], Tenant], engine: Engine, gateway_db: sessionmaker[Session]
+) -> None:
+    alice = tenant()
+    model = alice.create_model(base_model="tests/marked-worker")
+    worker_id = add_worker(
+        gateway_db,
+        base_model="tests/marked-worker",
+        engine_endpoint=engine.url,
+        engine_secret=engine.secret,
+        served_model_name=engine.served_name,
+    )
+
+    def placed() -> bool:
+        with gateway_db() as session:
+            row = session.get(Model, model["id"])
+            return row is not None and row.worker_id == worker_id
+
+    # The scheduler places the model on the new worker (marking the worker as it does); from
+    # then on only requests mark it.
+    wait_until(placed, what="the scheduler placing the model on the worker")
+    with gateway_db() as session:
+        worker = session.get(Worker, worker_id)
+        assert worker is not None
+        worker.last_active_at = utcnow() - timedelta(hours=1)
+        session.commit()
+    before = utcnow()
+
+    assert alice.chat(model["inference_name"]).status_code == 200
+
+    with gateway_db() as session:
+        worker = session.get(Worker, worker_id)
+        assert worker is not None and worker.last_active_at is not None
+        assert worker.last_active_at >= before
+
+
+def test_checkpoint_missing_from_the_engine_is_unavailable_not_unknown(
+    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+) -> None:
+    alice = tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    # The worker reported step 1 as served, but its engine does not have the adapter (an
+    # engine restarted, say): the caller should retry, not conclude the model is gone.
+    add_checkpoint(gateway_db, model_id=model["id"], step=1)
+    mark_served(gateway_db, worker_id=engine_worker, model_id=model["id"], step=1)
+
+    response = alice.chat(f"{model['inference_name']}:step1")
+
+    status, _, message = _error(response)
+    assert status == 503
+    assert "does not serve step 1 of this model right now" in message
+    assert "retry-after" in response.headers
+
+
+def test_sleeping_engine_is_unavailable(
+    tenant: Callable[[], Tenant], engine_worker: str, engine: Engine
+) -> None:
+    alice = tenant()
+    name = alice.create_model(worker_id=engine_worker)["inference_name"]
+    assert httpx.post(engine.url + "/sleep", timeout=60).status_code == 200
+    try:
+        response = alice.chat(name)
+    finally:
+        assert httpx.post(engine.url + "/wake_up", timeout=60).status_code == 200
+
+    status, _, message = _error(response)
+    assert status == 503
+    assert f"the engine of worker {engine_worker} cannot serve now" in message
+    assert alice.chat(name).status_code == 200
+
+
+@pytest.mark.parametrize(("idle_timeout_s", "refreshed"), [(8.0, True), (1800.0, False)])
+def test_unplaced_model_is_marked_within_the_idle_timeout_and_the_scheduler_woken(
+    tenant: Callable[[], Tenant],
+    gateway_db: sessionmaker[Session],
+    idle_timeout_s: float,
+    refreshed: bool,
+) -> None:
+    alice = tenant()
+    model = alice.create_model(base_model="tests/nobody-serves-this-either")
+    five_seconds_ago = utcnow() - timedelta(seconds=5)
+    with gateway_db() as session:
+        row = session.get(Model, model["id"])
+        assert row is not None
+        row.last_active_at = five_seconds_ago
+        session.commit()
+        tenant_id = row.tenant_id
+    woken: list[bool] = []
+
+    with gateway_db() as session, pytest.raises(Unavailable):
+        resolve_route(
+            session,
+            tenant_id=tenant_id,
+            model=model["inference_name"],
+            idle_timeout_s=idle_timeout_s,
+            on_unplaced=lambda: woken.append(True),
+        )
+
+    assert woken == [True]
+    with gateway_db() as session:
+        row = session.get(Model, model["id"])
+        assert row is not None and row.last_active_at is not None
+        # A mark older than a quarter of the idle timeout is refreshed (the scheduler would
+        # soon see the model as idle); a fresh one within 30 s is left alone.
+        assert (row.last_active_at > five_seconds_ago) is refreshed

@@ -1,0 +1,320 @@
+"""The job queue on real databases: concurrent leasing, lease expiry and retries, exactly-once
+commits, cancellation, one running job per model."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.db import jobs as job_rows
+from skytrain_backend.db import keys, migrations, registry
+from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.models import (
+    Checkpoint,
+    Model,
+    TrainingJob,
+    TrainingJobEvent,
+    Worker,
+    utcnow,
+)
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.scheduler import placement, queue
+from skytrain_backend.storage import LocalObjectStore
+from skytrain_backend.storage import keys as object_keys
+
+LEASE_S = 60.0
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def sessions(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sessionmaker[Session]]:
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'skytrain.db'}"
+    else:
+        url = request.getfixturevalue("make_postgres_url")()
+    engine = create_db_engine(url)
+    migrations.upgrade(engine)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> LocalObjectStore:
+    return LocalObjectStore(tmp_path / "objects")
+
+
+def _model(session: Session, name: str = "agent") -> Model:
+    tenant = keys.get_or_create_tenant(session, name="tenant")
+    model, _ = registry.create_model(
+        session,
+        tenant=tenant,
+        entity="tenant",
+        project="p",
+        name=name,
+        base_model="base",
+        config={},
+        return_existing=False,
+    )
+    return model
+
+
+def _worker(session: Session) -> Worker:
+    worker, _ = worker_rows.create_worker(
+        session, provider="local", base_model="base", max_models=8, status="ready"
+    )
+    session.commit()
+    return worker
+
+
+def _job(session: Session, model: Model, *, max_attempts: int = 3) -> TrainingJob:
+    job = job_rows.add_job(
+        session,
+        job_id=f"job{session.scalar(select(func.count(TrainingJob.id))) or 0:04d}{model.id[:8]}",
+        model_id=model.id,
+        kind="rl",
+        config={},
+        input_uri="unused",
+        num_groups=1,
+        num_trajectories=2,
+        max_attempts=max_attempts,
+    )
+    session.commit()
+    return job
+
+
+def _place(session: Session, model: Model, worker: Worker) -> None:
+    model.worker_id = worker.id
+    session.commit()
+
+
+def _stage_files(store: LocalObjectStore, job: TrainingJob, model: Model, attempt: int) -> None:
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        key = queue.staged_file_key(job, tenant_id=model.tenant_id, attempt=attempt, name=name)
+        store.put_bytes(key, f"{name} of attempt {attempt}".encode())
+
+
+def test_concurrent_workers_never_lease_the_same_job(sessions: sessionmaker[Session]) -> None:
+    with sessions() as session:
+        workers = [_worker(session) for _ in range(6)]
+        for index in range(12):  # twelve models, one job each, all placed on every worker's pool
+            model = _model(session, f"m{index}")
+            _place(session, model, workers[index % len(workers)])
+            _job(session, model)
+    leased: list[str] = []
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(workers))
+
+    def work(worker_id: str) -> None:
+        try:
+            with sessions() as session:
+                worker = session.get_one(Worker, worker_id)
+                barrier.wait()
+                while (job := queue.lease_job(session, worker=worker, lease_s=LEASE_S)) is not None:
+                    leased.append(job.id)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(w.id,)) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert len(leased) == len(set(leased)) == 12
+    with sessions() as session:
+        assert (
+            session.scalar(
+                select(func.count(TrainingJob.id)).where(TrainingJob.status == "running")
+            )
+            == 12
+        )
+
+
+def test_a_model_runs_one_job_at_a_time(sessions: sessionmaker[Session]) -> None:
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        _place(session, model, worker)
+        first, second = _job(session, model), _job(session, model)
+        assert queue.lease_job(session, worker=worker, lease_s=LEASE_S).id == first.id  # type: ignore[union-attr]
+        assert queue.lease_job(session, worker=worker, lease_s=LEASE_S) is None
+        queue.fail_job(
+            session,
+            worker=worker,
+            job_id=first.id,
+            attempt=1,
+            error_message="bad data",
+            retryable=False,
+            cancelled=False,
+        )
+        assert queue.lease_job(session, worker=worker, lease_s=LEASE_S).id == second.id  # type: ignore[union-attr]
+
+
+def test_only_jobs_of_models_placed_on_the_worker_are_leased(
+    sessions: sessionmaker[Session],
+) -> None:
+    with sessions() as session:
+        mine, other = _worker(session), _worker(session)
+        model = _model(session)
+        _place(session, model, other)
+        _job(session, model)
+        assert queue.lease_job(session, worker=mine, lease_s=LEASE_S) is None
+        assert queue.lease_job(session, worker=other, lease_s=LEASE_S) is not None
+
+
+def _expire(session: Session, job_id: str) -> None:
+    """Move the lease's end into the past, as if the worker had gone silent."""
+    session.execute(
+        update(TrainingJob)
+        .where(TrainingJob.id == job_id)
+        .values(lease_expires_at=utcnow() - timedelta(seconds=1))
+    )
+    session.commit()
+
+
+def test_an_expired_lease_is_retried_then_fails_with_the_reason(
+    sessions: sessionmaker[Session],
+) -> None:
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        _place(session, model, worker)
+        job = _job(session, model, max_attempts=2)
+        for attempt in (1, 2):
+            leased = queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+            assert leased is not None and leased.attempts == attempt
+            _expire(session, job.id)
+            assert queue.expire_leases(session) == 1
+        session.refresh(job)
+        assert job.status == "failed"
+        assert "gave up after 2 attempts" in (job.error or "")
+        assert "stopped renewing its lease" in (job.error or "")
+        events = list(
+            session.scalars(select(TrainingJobEvent).where(TrainingJobEvent.job_id == job.id))
+        )
+        assert [e.type for e in events] == ["training_failed"]
+
+
+def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
+    sessions: sessionmaker[Session], store: LocalObjectStore
+) -> None:
+    with sessions() as session:
+        old_worker, new_worker, model = _worker(session), _worker(session), _model(session)
+        _place(session, model, old_worker)
+        job = _job(session, model)
+        queue.lease_job(session, worker=old_worker, lease_s=LEASE_S)
+        _stage_files(store, job, model, attempt=1)
+        _expire(session, job.id)
+        queue.expire_leases(session)  # the old worker went silent; the job is queued again
+        _place(session, model, new_worker)
+        assert queue.lease_job(session, worker=new_worker, lease_s=LEASE_S) is not None
+        _stage_files(store, job, model, attempt=2)
+        queue.complete_job(
+            session,
+            store=store,
+            worker=new_worker,
+            job_id=job.id,
+            attempt=2,
+            step=1,
+            metrics={"loss/policy": 0.5},
+            files=["adapter_config.json", "adapter_model.safetensors"],
+        )
+        # The stale first attempt wakes up and tries to commit its result and upload again.
+        with pytest.raises(queue.LeaseLost):
+            queue.complete_job(
+                session,
+                store=store,
+                worker=old_worker,
+                job_id=job.id,
+                attempt=1,
+                step=1,
+                metrics={},
+                files=["adapter_config.json"],
+            )
+        with pytest.raises(queue.LeaseLost):
+            queue.renew_lease(session, worker=old_worker, job_id=job.id, attempt=1, lease_s=LEASE_S)
+        steps = list(
+            session.scalars(select(Checkpoint.step).where(Checkpoint.model_id == model.id))
+        )
+        assert sorted(steps) == [0, 1]
+        committed = object_keys.checkpoint_key(
+            tenant_id=model.tenant_id, model_id=model.id, step=1, file="adapter_model.safetensors"
+        )
+        assert store.get_bytes(committed) == b"adapter_model.safetensors of attempt 2"
+        # Staged files are cleaned up once committed.
+        assert not [o for o in store.list() if "/attempts/" in o.key]
+        session.refresh(job)
+        assert (job.status, job.result_step, job.attempts) == ("succeeded", 1, 2)
+        assert {"model_id": model.id, "step": 1} in session.get_one(Worker, new_worker.id).served
+
+
+def test_a_running_job_is_cancelled_through_its_worker(sessions: sessionmaker[Session]) -> None:
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        _place(session, model, worker)
+        job = _job(session, model)
+        queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        job_rows.cancel_job(session, job=job)
+        renewed = queue.renew_lease(
+            session, worker=worker, job_id=job.id, attempt=1, lease_s=LEASE_S
+        )
+        assert renewed.cancel_requested
+        queue.fail_job(
+            session,
+            worker=worker,
+            job_id=job.id,
+            attempt=1,
+            error_message="cancelled by the user",
+            retryable=False,
+            cancelled=True,
+        )
+        session.refresh(job)
+        assert job.status == "cancelled"
+
+
+def test_a_lost_worker_frees_its_models_and_requeues_its_job(
+    sessions: sessionmaker[Session],
+) -> None:
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        _place(session, model, worker)
+        job = _job(session, model)
+        queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        placement.worker_gone(session, worker=worker, status="lost", reason="no heartbeat")
+        session.refresh(job)
+        session.refresh(model)
+        assert (job.status, job.worker_id, model.worker_id) == ("queued", None, None)
+
+
+def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit(
+    sessions: sessionmaker[Session],
+) -> None:
+    launches: list[str] = []
+    with sessions() as session:
+        full = _worker(session)
+        full.capacity = {"max_models": 1}
+        session.commit()
+        first, second, third = (_model(session, name) for name in ("a", "b", "c"))
+        for model in (first, second, third):
+            placement.mark_model_active(session, model=model, min_interval_s=0)
+        placement.place_models(
+            session,
+            idle_timeout_s=600,
+            max_workers=1,
+            launch_backoff_s=0,
+            launch=launches.append,
+        )
+        placed = [session.get_one(Model, m.id).worker_id for m in (first, second, third)]
+        assert placed.count(full.id) == 1 and placed.count(None) == 2
+        assert launches == []  # max_workers=1 is reached: nothing more is launched
+        placement.place_models(
+            session,
+            idle_timeout_s=600,
+            max_workers=2,
+            launch_backoff_s=0,
+            launch=launches.append,
+        )
+        assert launches == ["base"]  # one launch per base model per pass
