@@ -1,0 +1,21 @@
+"""Providers that start and stop workers: ``local`` (subprocesses) and ``skypilot``."""
+
+from __future__ import annotations
+
+from skytrain_backend.config import Settings
+from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
+
+__all__ = ["ClusterInfo", "Provider", "WorkerLaunch", "open_provider"]
+
+
+def open_provider(settings: Settings) -> Provider | None:
+    """The provider the settings name (None for ``none``: workers join by hand only)."""
+    if settings.provider == "local":
+        from skytrain_backend.provision.local import LocalProvider
+
+        return LocalProvider(log_dir=settings.home / "workers")
+    if settings.provider == "skypilot":
+        from skytrain_backend.provision.skypilot import SkyPilotProvider
+
+        return SkyPilotProvider(settings)
+    return None

@@ -1,0 +1,72 @@
+"""What a provider is: something that starts, watches and stops worker machines.
+
+The scheduler decides *when* a worker is needed (a model with no worker for its base model,
+idle workers to stop); a provider only carries it out. Providers are synchronous and never
+block the caller for long: ``launch`` returns at once and the launch goes on in the
+background; ``poll`` reports what became of it. The control plane calls them from a worker
+thread, never on the event loop.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Literal
+
+ClusterState = Literal["launching", "up", "failed", "gone"]
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """Everything a provider needs to start one worker."""
+
+    worker_id: str
+    base_model: str
+    control_plane_url: str
+    # The worker registers with this token; it identifies the worker row.
+    join_token: str
+    # The engine answers only requests carrying this secret (exposed engines on clouds).
+    engine_secret: str
+    # Extra SKYTRAIN_* settings for the worker process (engine kind, timeouts...).
+    envs: dict[str, str] = field(default_factory=dict)
+    accelerators: str | None = None
+
+
+@dataclass(frozen=True)
+class ClusterInfo:
+    """A provider's view of one worker machine."""
+
+    worker_id: str
+    cluster_name: str
+    state: ClusterState
+    # Base URL of the worker's engine as reachable from the control plane, when known.
+    engine_endpoint: str | None = None
+    # The provider's own words on why a launch failed or a cluster went away.
+    message: str | None = None
+
+
+class Provider(abc.ABC):
+    """Starts and stops workers; see the module docstring."""
+
+    name: str
+
+    @abc.abstractmethod
+    def launch(self, launch: WorkerLaunch) -> str:
+        """Start a worker in the background; return its cluster name at once."""
+
+    @abc.abstractmethod
+    def poll(self) -> list[ClusterInfo]:
+        """Every cluster this provider started that it still knows about."""
+
+    @abc.abstractmethod
+    def terminate(self, cluster_name: str) -> None:
+        """Stop a worker and release its machine. Stopping one that is gone is not an error."""
+
+    def close(self) -> list[str]:
+        """Release what the provider holds (threads, subprocesses) at control plane shutdown.
+
+        Returns the ids of the workers this stopped (workers that do not outlive the control
+        plane), so that their jobs are released; workers on machines of their own keep
+        running and are found again by the next control plane.
+        """
+        return []

@@ -1,0 +1,426 @@
+"""The ``skypilot`` provider: each worker is a SkyPilot cluster launched from sky/worker.yaml.
+
+It talks to SkyPilot through its Python SDK, which is a client of a SkyPilot API server (a
+shared one named by ``SKYPILOT_API_SERVER_ENDPOINT``, or one the SDK starts on this host):
+every call returns a request id at once, and ``sky.get`` / ``sky.stream_and_get`` wait for
+the request's result. Launches and teardowns wait in background threads, so ``launch`` and
+``terminate`` return at once; ``poll`` asks ``sky status`` (at most every
+``skypilot_status_interval_s``) which clusters exist and reports:
+
+- ``launching`` while ``sky launch`` runs (with SkyPilot's progress note when it has one);
+- ``up`` with the engine's endpoint from ``sky endpoints`` once the cluster is UP;
+- ``failed`` with SkyPilot's own error message when the launch fails (no capacity, quota,
+  missing credentials, no cloud enabled), once; a half-made cluster is torn down;
+- ``gone`` when a cluster it launched disappears or stops (spot preemption, autostop, a
+  ``sky down`` outside skytrain), once: the scheduler treats the worker as lost.
+
+Clusters whose name carries the prefix (``skytrain-``) that the provider did not launch, e.g.
+after a control plane restart, are reported too, so the scheduler adopts those of live
+workers and stops the others. The SkyPilot SDK calls sit behind ``SkyApi``; tests put a fake
+cloud there and everything else runs for real, including SkyPilot's own task parsing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import IO, Any, Literal, Protocol, cast
+
+import yaml
+
+from skytrain_backend.config import Settings
+from skytrain_backend.errors import ConfigurationError
+from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
+from skytrain_backend.provision.local import worker_log_path
+
+logger = logging.getLogger(__name__)
+
+_PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# The wheel ships sky/ as skytrain_backend/_sky; a source checkout has it at the top.
+_WORKER_YAML_CANDIDATES = (
+    _PACKAGE_DIR / "_sky" / "worker.yaml",
+    _PACKAGE_DIR.parents[1] / "sky" / "worker.yaml",
+)
+_ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+MAX_MESSAGE_CHARS = 4000
+
+
+class SkyApi(Protocol):
+    """The SkyPilot SDK calls the provider makes: its boundary with the clouds.
+
+    The ``sky`` module itself is the real implementation; tests pass a fake cloud.
+    """
+
+    def launch(
+        self, task: Any, *, cluster_name: str, idle_minutes_to_autostop: int, down: bool
+    ) -> Any: ...
+
+    def status(self, cluster_names: list[str] | None = None, *, refresh: Any) -> Any: ...
+
+    def endpoints(self, cluster: str, port: int) -> Any: ...
+
+    def down(self, cluster_name: str) -> Any: ...
+
+    def get(self, request_id: Any) -> Any: ...
+
+    def stream_and_get(self, request_id: Any, *, output_stream: IO[str]) -> Any: ...
+
+
+def default_worker_yaml() -> Path:
+    for candidate in _WORKER_YAML_CANDIDATES:
+        if candidate.is_file():
+            return candidate
+    searched = " and ".join(str(path) for path in _WORKER_YAML_CANDIDATES)
+    raise ConfigurationError(
+        f"skytrain's sky/worker.yaml is missing (looked in {searched}): "
+        "set SKYTRAIN_SKYPILOT_WORKER_YAML to a SkyPilot task for workers"
+    )
+
+
+def load_task_config(path: Path) -> dict[str, Any]:
+    try:
+        config = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigurationError(f"cannot read the worker task {path}: {exc}") from None
+    if not isinstance(config, dict):
+        raise ConfigurationError(f"the worker task {path} is not a SkyPilot task (a mapping)")
+    return config
+
+
+def accelerator_choices(spec: str) -> list[str] | None:
+    """``'L4:1, A10G:1'`` -> ``['L4:1', 'A10G:1']``; ``'none'`` -> None (a CPU-only worker)."""
+    if spec.strip().lower() == "none":
+        return None
+    choices = [item.strip() for item in spec.split(",") if item.strip()]
+    if not choices:
+        raise ConfigurationError(
+            f"accelerators {spec!r} name none: list them ('L4:1,A10G:1') or say 'none'"
+        )
+    return choices
+
+
+def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[str, Any]) -> Any:
+    """The ``sky.Task`` for one worker, parsed and validated by SkyPilot itself.
+
+    The launch's values go in as SkyPilot does for ``sky launch --env/--secret``: settings as
+    envs, and the worker token, engine secret and HF token as secrets, which SkyPilot keeps
+    out of ``sky status`` and its dashboard.
+    """
+    import sky
+
+    config = copy.deepcopy(task_config)
+    resources = config.setdefault("resources", {})
+    accelerators = launch.accelerators or settings.skypilot_accelerators
+    if accelerators:
+        choices = accelerator_choices(accelerators)
+        if choices is None:
+            resources.pop("accelerators", None)
+        else:
+            resources["accelerators"] = choices
+    if settings.skypilot_infra:
+        resources["infra"] = settings.skypilot_infra
+    if settings.skypilot_disk_size_gb is not None:
+        resources["disk_size"] = settings.skypilot_disk_size_gb
+    resources["use_spot"] = settings.skypilot_use_spot
+    resources["ports"] = settings.skypilot_engine_port
+    envs = {
+        **launch.envs,
+        "SKYTRAIN_CONTROL_PLANE_URL": launch.control_plane_url,
+        "SKYTRAIN_WORKER_BASE_MODEL": launch.base_model,
+        "ENGINE_PORT": str(settings.skypilot_engine_port),
+    }
+    secrets = {
+        "SKYTRAIN_WORKER_TOKEN": launch.join_token,
+        "SKYTRAIN_ENGINE_SECRET": launch.engine_secret,
+        "HF_TOKEN": settings.hf_token.get_secret_value() if settings.hf_token else "",
+    }
+    return sky.Task.from_yaml_config(
+        config, env_overrides=list(envs.items()), secrets_overrides=list(secrets.items())
+    )
+
+
+def describe_error(exc: BaseException) -> str:
+    """SkyPilot's own words for a failure, without the terminal colours it adds."""
+    text = _ANSI_ESCAPE.sub("", str(exc)).strip() or repr(exc)
+    message = f"{type(exc).__name__}: {text}"
+    if len(message) > MAX_MESSAGE_CHARS:
+        message = message[: MAX_MESSAGE_CHARS - 3] + "..."
+    return message
+
+
+Phase = Literal["launching", "launched", "failed", "terminated"]
+
+
+@dataclass
+class _Cluster:
+    worker_id: str
+    name: str
+    phase: Phase
+    message: str | None = None
+    endpoint: str | None = None
+    # What the last poll said about a launched cluster, repeated until `sky status` is asked
+    # again.
+    last: ClusterInfo | None = None
+
+
+class SkyPilotProvider(Provider):
+    """Starts each worker as a SkyPilot cluster; see the module docstring."""
+
+    name = "skypilot"
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        sky_api: SkyApi | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._settings = settings
+        self._prefix = settings.skypilot_cluster_prefix
+        self._log_dir = settings.home / "workers"
+        self._task_path = settings.skypilot_worker_yaml or default_worker_yaml()
+        self._task_config = load_task_config(self._task_path)
+        self._check_task()
+        self._sky: SkyApi = sky_api if sky_api is not None else _real_sky_api()
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._clusters: dict[str, _Cluster] = {}
+        # Clusters with a `sky down` in flight: never adopted, never reported as unknown.
+        self._downing: set[str] = set()
+        self._next_status_at = 0.0
+
+    def _check_task(self) -> None:
+        """Refuse to start with a worker task SkyPilot would reject at the first launch."""
+        placeholder = WorkerLaunch(
+            worker_id="0" * 32,
+            base_model="placeholder/model",
+            control_plane_url="http://127.0.0.1:8000",
+            join_token="swt-placeholder",
+            engine_secret="placeholder-secret",
+        )
+        try:
+            worker_task(placeholder, settings=self._settings, task_config=self._task_config)
+        except ConfigurationError:
+            raise
+        except Exception as exc:
+            raise ConfigurationError(
+                f"SkyPilot rejects the worker task {self._task_path} with these settings: "
+                f"{describe_error(exc)}"
+            ) from None
+
+    def cluster_name(self, worker_id: str) -> str:
+        return f"{self._prefix}{worker_id}"
+
+    def _worker_id(self, cluster_name: str) -> str | None:
+        if not cluster_name.startswith(self._prefix):
+            return None
+        return cluster_name[len(self._prefix) :] or None
+
+    # --- launch and terminate (background threads) ----------------------------------------
+
+    def launch(self, launch: WorkerLaunch) -> str:
+        name = self.cluster_name(launch.worker_id)
+        task = worker_task(launch, settings=self._settings, task_config=self._task_config)
+        with self._lock:
+            self._clusters[name] = _Cluster(
+                launch.worker_id,
+                name,
+                "launching",
+                message=f"launching cluster {name} with SkyPilot",
+            )
+        threading.Thread(
+            target=self._launch_and_wait,
+            args=(name, launch.worker_id, task),
+            name=f"sky-launch-{name}",
+            daemon=True,
+        ).start()
+        return name
+
+    def _launch_and_wait(self, name: str, worker_id: str, task: Any) -> None:
+        with self._log(worker_id) as log:
+            try:
+                request_id = self._sky.launch(
+                    task,
+                    cluster_name=name,
+                    idle_minutes_to_autostop=self._settings.skypilot_autostop_minutes,
+                    down=True,
+                )
+                self._sky.stream_and_get(request_id, output_stream=log)
+            except Exception as exc:
+                message = f"sky launch of {name} failed: {describe_error(exc)}"
+                logger.warning("%s", message)
+                log.write(f"\n{message}\n")
+                if self._finish_launch(name, "failed", message):
+                    # A launch that failed half-way may leave a cluster behind: never leak it.
+                    self._down_and_wait(name, log)
+                return
+        self._finish_launch(name, "launched", None)
+
+    def _finish_launch(self, name: str, phase: Phase, message: str | None) -> bool:
+        """Record the launch's outcome; False if the worker was terminated meanwhile."""
+        with self._lock:
+            cluster = self._clusters.get(name)
+            if cluster is None or cluster.phase != "launching":
+                return False
+            cluster.phase = phase
+            cluster.message = message
+            if phase == "failed":
+                self._downing.add(name)
+            self._next_status_at = 0.0  # look at the new cluster at the next poll
+            return True
+
+    def terminate(self, cluster_name: str) -> None:
+        with self._lock:
+            cluster = self._clusters.get(cluster_name)
+            if cluster is not None:
+                cluster.phase = "terminated"
+            if cluster_name in self._downing:
+                return
+            self._downing.add(cluster_name)
+        threading.Thread(
+            target=self._terminate_in_background,
+            args=(cluster_name,),
+            name=f"sky-down-{cluster_name}",
+            daemon=True,
+        ).start()
+
+    def _terminate_in_background(self, name: str) -> None:
+        with self._log(self._worker_id(name) or name) as log:
+            self._down_and_wait(name, log)
+
+    def _down_and_wait(self, name: str, log: IO[str]) -> None:
+        """``sky down``; a cluster that does not exist (any more) is already down."""
+        from sky import exceptions
+
+        try:
+            self._sky.stream_and_get(self._sky.down(name), output_stream=log)
+            log.write(f"\nsky down {name}: done\n")
+        except exceptions.ClusterDoesNotExist:
+            log.write(f"\nsky down {name}: no such cluster\n")
+        except Exception as exc:
+            # Left for the next poll: the cluster still exists, so it is reported as unknown
+            # and the scheduler asks for it to be stopped again.
+            logger.error("sky down %s failed: %s", name, describe_error(exc))
+            log.write(f"\nsky down {name} failed: {describe_error(exc)}\n")
+        finally:
+            with self._lock:
+                self._downing.discard(name)
+
+    @contextlib.contextmanager
+    def _log(self, worker_id: str) -> Iterator[IO[str]]:
+        """The worker's log file, where SkyPilot's launch and teardown output goes."""
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        with open(worker_log_path(self._log_dir, worker_id), "a") as log:
+            yield log
+
+    # --- poll ------------------------------------------------------------------------------
+
+    def poll(self) -> list[ClusterInfo]:
+        records = self._status_if_due()
+        with self._lock:
+            if records is not None:
+                for name in records:
+                    worker_id = self._worker_id(name)
+                    if worker_id and name not in self._clusters and name not in self._downing:
+                        self._clusters[name] = _Cluster(worker_id, name, "launched")
+            clusters = list(self._clusters.values())
+        infos = []
+        for cluster in clusters:
+            info = self._report(cluster, records)
+            if info is not None:
+                infos.append(info)
+        return infos
+
+    def _report(self, cluster: _Cluster, records: dict[str, Any] | None) -> ClusterInfo | None:
+        """What to say about one cluster; ``records`` is None when status was not asked."""
+        base = ClusterInfo(cluster.worker_id, cluster.name, "launching", message=cluster.message)
+        if cluster.phase == "launching":
+            record = (records or {}).get(cluster.name)
+            reason = record.get("init_status_reason") if record is not None else None
+            return replace(base, message=reason or cluster.message)
+        if cluster.phase in ("failed", "terminated"):
+            self._forget(cluster)
+            state: Literal["failed", "gone"] = "failed" if cluster.phase == "failed" else "gone"
+            return replace(base, state=state, message=cluster.message or "terminated")
+        if records is None:
+            return cluster.last or base
+        record = records.get(cluster.name)
+        status = _status_name(record)
+        if record is None or status == "STOPPED":
+            self._forget(cluster)
+            if status == "STOPPED":
+                # A stopped cluster still holds its disk; skytrain never restarts one.
+                self.terminate(cluster.name)
+                how = "stopped (spot preemption or autostop)"
+            else:
+                how = "no longer exists (spot preemption, autostop or a sky down outside skytrain)"
+            return replace(base, state="gone", message=f"cluster {cluster.name} {how}")
+        if status == "INIT":
+            info = replace(base, message=record.get("init_status_reason") or "initializing")
+        else:
+            if cluster.endpoint is None:
+                cluster.endpoint = self._endpoint(cluster.name)
+            info = ClusterInfo(
+                cluster.worker_id, cluster.name, "up", engine_endpoint=cluster.endpoint
+            )
+        cluster.last = info
+        return info
+
+    def _forget(self, cluster: _Cluster) -> None:
+        with self._lock:
+            if self._clusters.get(cluster.name) is cluster:
+                del self._clusters[cluster.name]
+
+    def _status_if_due(self) -> dict[str, Any] | None:
+        """Clusters with the prefix, by name, from ``sky status``; None when not asked now."""
+        import sky
+
+        now = self._clock()
+        with self._lock:
+            if now < self._next_status_at:
+                return None
+            self._next_status_at = now + self._settings.skypilot_status_interval_s
+        try:
+            records = self._sky.get(self._sky.status(refresh=sky.StatusRefreshMode.AUTO))
+        except Exception as exc:
+            logger.warning("sky status failed, trying again later: %s", describe_error(exc))
+            return None
+        return {
+            record["name"]: record
+            for record in records
+            if str(record["name"]).startswith(self._prefix)
+        }
+
+    def _endpoint(self, name: str) -> str | None:
+        """The engine's URL as SkyPilot exposes it, or None while the port is not open yet."""
+        port = self._settings.skypilot_engine_port
+        try:
+            endpoints = self._sky.get(self._sky.endpoints(name, port))
+        except Exception as exc:
+            logger.info("no endpoint for %s port %d yet: %s", name, port, describe_error(exc))
+            return None
+        url = endpoints.get(port) or endpoints.get(str(port))
+        if not url:
+            return None
+        url = str(url).rstrip("/")
+        return url if "://" in url else f"http://{url}"
+
+
+def _real_sky_api() -> SkyApi:
+    import sky
+
+    return cast(SkyApi, sky)
+
+
+def _status_name(record: Any) -> str | None:
+    if record is None:
+        return None
+    status = record["status"]
+    return str(getattr(status, "value", status))

@@ -1,0 +1,162 @@
+"""FAKE CLOUD: a stand-in for the SkyPilot SDK's cluster calls, the one fake in these tests.
+
+No cloud is reachable from the test machine, so ``FakeSky`` plays SkyPilot's API server and
+the clouds behind it: ``launch`` / ``down`` / ``status`` / ``endpoints`` return request ids and
+``get`` / ``stream_and_get`` resolve them, as in SkyPilot's client/server SDK. It returns
+SkyPilot's own types (``StatusResponse`` records, ``ClusterStatus``) and raises SkyPilot's own
+exceptions, so the provider code under test is exactly what runs against a real cloud. The
+tasks it receives are real ``sky.Task`` objects built by the provider.
+
+Tests steer it: hold launches to watch the ``launching`` state, make the next launch fail,
+pre-seed clusters, preempt or stop one.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+import sky
+from sky import exceptions
+from sky.schemas.api.responses import StatusResponse
+
+ENDPOINT_HOST = "203.0.113.7"  # TEST-NET-3: never routed anywhere
+
+
+@dataclass
+class LaunchCall:
+    task: Any
+    cluster_name: str
+    idle_minutes_to_autostop: int
+    down: bool
+
+
+@dataclass
+class _Request:
+    kind: str
+    args: dict[str, Any] = field(default_factory=dict)
+
+
+class FakeSky:
+    """Implements ``skytrain_backend.provision.skypilot.SkyApi`` over in-memory clusters."""
+
+    def __init__(self) -> None:
+        self.clusters: dict[str, StatusResponse] = {}
+        self.launches: list[LaunchCall] = []
+        self.downs: list[str] = []
+        self.status_calls = 0
+        # The next launch raises this (after leaving a half-made INIT cluster, as SkyPilot does
+        # when provisioning fails after the instances were created).
+        self.fail_next_launch: Exception | None = None
+        self.leave_cluster_on_failure = False
+        # While cleared, launches wait (their cluster stays INIT): the `launching` state.
+        self.launch_gate = threading.Event()
+        self.launch_gate.set()
+        # Ports not yet exposed: `endpoints` answers {} like SkyPilot does meanwhile.
+        self.ports_open = True
+        self._requests: dict[str, _Request] = {}
+        self._lock = threading.Lock()
+
+    # --- the SkyApi surface ------------------------------------------------------------------
+
+    def launch(
+        self, task: Any, *, cluster_name: str, idle_minutes_to_autostop: int, down: bool
+    ) -> str:
+        assert isinstance(task, sky.Task)
+        self.launches.append(LaunchCall(task, cluster_name, idle_minutes_to_autostop, down))
+        return self._request("launch", cluster_name=cluster_name)
+
+    def down(self, cluster_name: str) -> str:
+        return self._request("down", cluster_name=cluster_name)
+
+    def status(self, cluster_names: list[str] | None = None, *, refresh: Any) -> str:
+        assert refresh in tuple(sky.StatusRefreshMode)
+        self.status_calls += 1
+        return self._request("status", cluster_names=cluster_names)
+
+    def endpoints(self, cluster: str, port: int) -> str:
+        return self._request("endpoints", cluster=cluster, port=port)
+
+    def stream_and_get(self, request_id: str, *, output_stream: IO[str]) -> Any:
+        output_stream.write(f"[fake sky] request {request_id}\n")
+        return self.get(request_id)
+
+    def get(self, request_id: str) -> Any:
+        with self._lock:
+            request = self._requests.pop(request_id)
+        return getattr(self, f"_run_{request.kind}")(**request.args)
+
+    # --- what the cloud does -----------------------------------------------------------------
+
+    def _run_launch(self, cluster_name: str) -> tuple[int, None]:
+        self.add_cluster(cluster_name, sky.ClusterStatus.INIT, reason="provisioning")
+        self.launch_gate.wait(timeout=60)
+        error, self.fail_next_launch = self.fail_next_launch, None
+        if error is not None:
+            if not self.leave_cluster_on_failure:
+                self.clusters.pop(cluster_name, None)
+            raise error
+        self.add_cluster(cluster_name, sky.ClusterStatus.UP)
+        return 1, None
+
+    def _run_down(self, cluster_name: str) -> None:
+        self.downs.append(cluster_name)
+        if self.clusters.pop(cluster_name, None) is None:
+            raise exceptions.ClusterDoesNotExist(f"Cluster {cluster_name!r} does not exist.")
+
+    def _run_status(self, cluster_names: list[str] | None) -> list[StatusResponse]:
+        return [
+            record
+            for name, record in list(self.clusters.items())
+            if cluster_names is None or name in cluster_names
+        ]
+
+    def _run_endpoints(self, cluster: str, port: int) -> dict[int, str]:
+        record = self.clusters.get(cluster)
+        if record is None or record.status != sky.ClusterStatus.UP:
+            raise exceptions.ClusterNotUpError(
+                f"Cluster {cluster!r} is not in UP status.", cluster_status=None
+            )
+        return {port: f"{ENDPOINT_HOST}:{port}"} if self.ports_open else {}
+
+    # --- steering ----------------------------------------------------------------------------
+
+    def add_cluster(
+        self, name: str, status: sky.ClusterStatus, *, reason: str | None = None
+    ) -> None:
+        self.clusters[name] = StatusResponse(
+            name=name,
+            launched_at=int(time.time()),
+            status=status,
+            autostop=10,
+            to_down=True,
+            cluster_hash=uuid.uuid4().hex,
+            cluster_ever_up=status == sky.ClusterStatus.UP,
+            user_hash="fake",
+            user_name="fake",
+            workspace="default",
+            is_managed=False,
+            nodes=1,
+            init_status_reason=reason if status == sky.ClusterStatus.INIT else None,
+        )
+
+    def preempt(self, name: str) -> None:
+        """The cloud takes a spot instance back: the cluster disappears from `sky status`."""
+        del self.clusters[name]
+
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Wait for the provider's background launches and teardowns to finish."""
+        deadline = time.monotonic() + timeout_s
+        for thread in threading.enumerate():
+            if thread.name.startswith(("sky-launch-", "sky-down-")):
+                thread.join(max(0.0, deadline - time.monotonic()))
+                assert not thread.is_alive(), f"{thread.name} did not finish"
+
+    def _request(self, kind: str, **args: Any) -> str:
+        request_id = uuid.uuid4().hex
+        with self._lock:
+            self._requests[request_id] = _Request(kind, args)
+        return request_id

@@ -1,0 +1,305 @@
+"""The skypilot provider driven by the real scheduler, on SQLite and PostgreSQL.
+
+Launch on demand, reconciliation in both directions, scale-in, failures on the model's serving
+status, and preemption (lost worker, job retried elsewhere). The scheduler, placement, the job
+queue and the worker rows are skytrain's own code; the clusters live in ``FakeSky``, the fake
+cloud at the SkyPilot SDK boundary (fake_sky.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import sky
+from sky import exceptions
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.config import Settings
+from skytrain_backend.db import jobs, keys, migrations, registry
+from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.provision.skypilot import SkyPilotProvider
+from skytrain_backend.scheduler import queue
+from skytrain_backend.scheduler.loop import Scheduler
+from skytrain_backend.scheduler.serving import serving_status
+from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
+
+BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
+SKY_ENDPOINT = f"http://{ENDPOINT_HOST}:8100"
+
+
+@dataclass
+class ControlPlane:
+    settings: Settings
+    sessions: sessionmaker[Session]
+    fake: FakeSky
+    scheduler: Scheduler
+
+    def restart(self) -> None:
+        """A new control plane process: a fresh provider that launched nothing yet."""
+        provider = SkyPilotProvider(self.settings, sky_api=self.fake)
+        self.scheduler = Scheduler(
+            settings=self.settings, sessions=self.sessions, provider=provider
+        )
+
+    def tick(self) -> None:
+        self.scheduler.tick()
+
+    def workers(self) -> list[Worker]:
+        with self.sessions() as session:
+            return worker_rows.list_workers(session, include_ended=True)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'skytrain.db'}"
+    make: Callable[[], str] = request.getfixturevalue("make_postgres_url")
+    return make()
+
+
+@pytest.fixture
+def control_plane(database_url: str, tmp_path: Path) -> Iterator[ControlPlane]:
+    migrations.upgrade_url(database_url)
+    settings = Settings(
+        home=tmp_path,
+        database_url=database_url,
+        provider="skypilot",
+        public_url="https://skytrain.example.com",
+        skypilot_status_interval_s=0,
+        worker_idle_timeout_s=600,
+    )
+    engine = create_db_engine(database_url)
+    sessions = session_factory(engine)
+    fake = FakeSky()
+    plane = ControlPlane(settings, sessions, fake, scheduler=None)  # type: ignore[arg-type]
+    plane.restart()
+    yield plane
+    fake.launch_gate.set()
+    fake.settle()
+    engine.dispose()
+
+
+def _active_model(plane: ControlPlane, name: str = "agent") -> str:
+    with plane.sessions() as session:
+        tenant = keys.get_or_create_tenant(session, name="acme")
+        model, _ = registry.create_model(
+            session,
+            tenant=tenant,
+            entity="acme",
+            project="tests",
+            name=name,
+            base_model=BASE_MODEL,
+            config={},
+            return_existing=False,
+        )
+        model.last_active_at = utcnow()
+        session.commit()
+        return model.id
+
+
+def _register(plane: ControlPlane, worker_id: str) -> None:
+    """What the worker's own `POST /v1/worker/register` records, with its local engine URL."""
+    with plane.sessions() as session:
+        worker = session.get_one(Worker, worker_id)
+        worker_rows.register(
+            session,
+            worker=worker,
+            base_model=BASE_MODEL,
+            served_model_name=BASE_MODEL,
+            engine_endpoint="http://127.0.0.1:8100",
+            engine_secret=worker.engine_secret,
+            capacity={"max_models": 8},
+            hardware={"gpu_name": "NVIDIA L4"},
+        )
+
+
+def _serving(plane: ControlPlane, model_id: str) -> tuple[str, str]:
+    with plane.sessions() as session:
+        status = serving_status(session, model=session.get_one(Model, model_id))
+        return status.state, status.message
+
+
+def _up_and_registered(plane: ControlPlane, model_id: str) -> Worker:
+    """Launch a worker for the model, let SkyPilot bring it up, and the worker join."""
+    plane.tick()
+    plane.fake.settle()
+    plane.tick()
+    (worker,) = [w for w in plane.workers() if w.status == "provisioning"]
+    _register(plane, worker.id)
+    plane.tick()
+    with plane.sessions() as session:
+        assert session.get_one(Model, model_id).worker_id == worker.id
+    return worker
+
+
+def test_an_active_model_launches_one_cluster_for_its_base_model(
+    control_plane: ControlPlane,
+) -> None:
+    plane, fake = control_plane, control_plane.fake
+    model_id = _active_model(plane)
+    _active_model(plane, "second-agent")
+    fake.launch_gate.clear()
+    plane.tick()
+    plane.tick()
+    (worker,) = plane.workers()
+    (call,) = fake.launches
+    assert call.cluster_name == f"skytrain-{worker.id}" == worker.cluster_name
+    assert (worker.provider, worker.status) == ("skypilot", "provisioning")
+    state, message = _serving(plane, model_id)
+    assert state == "starting" and worker.id in message
+
+    # The task joins the worker to this control plane with the worker's own token and secret.
+    assert call.task.envs["SKYTRAIN_CONTROL_PLANE_URL"] == "https://skytrain.example.com"
+    assert call.task.envs["SKYTRAIN_WORKER_BASE_MODEL"] == BASE_MODEL
+    token = call.task.secrets["SKYTRAIN_WORKER_TOKEN"].get_secret_value()
+    with plane.sessions() as session:
+        assert worker_rows.authenticate_worker(session, token=token).id == worker.id
+    assert call.task.secrets["SKYTRAIN_ENGINE_SECRET"].get_secret_value() == worker.engine_secret
+
+
+def test_the_gateway_gets_the_endpoint_skypilot_exposes(control_plane: ControlPlane) -> None:
+    plane = control_plane
+    model_id = _active_model(plane)
+    worker = _up_and_registered(plane, model_id)
+    with plane.sessions() as session:
+        row = session.get_one(Worker, worker.id)
+        # The worker registered its local URL; SkyPilot's public endpoint wins.
+        assert (row.status, row.engine_endpoint) == ("ready", SKY_ENDPOINT)
+    state, message = _serving(plane, model_id)
+    assert state == "ready", message
+
+
+def test_a_failed_launch_shows_skypilots_message_on_the_model(
+    control_plane: ControlPlane,
+) -> None:
+    plane, fake = control_plane, control_plane.fake
+    fake.fail_next_launch = exceptions.ResourcesUnavailableError(
+        "Failed to acquire resources in all zones in us-east-1 for {A100:1}."
+    )
+    model_id = _active_model(plane)
+    plane.tick()
+    fake.settle()
+    plane.tick()
+    (worker,) = plane.workers()
+    assert worker.status == "failed"
+    state, message = _serving(plane, model_id)
+    assert state == "failed"
+    assert "ResourcesUnavailableError: Failed to acquire resources in all zones" in message
+    # No launch loop: the next attempt waits for the back-off.
+    plane.tick()
+    assert len(fake.launches) == 1
+
+
+def test_a_cluster_nobody_owns_is_torn_down(control_plane: ControlPlane) -> None:
+    plane, fake = control_plane, control_plane.fake
+    orphan = "skytrain-" + "e" * 32
+    fake.add_cluster(orphan, sky.ClusterStatus.UP)
+    fake.add_cluster("not-ours", sky.ClusterStatus.UP)
+    plane.tick()
+    fake.settle()
+    assert fake.downs == [orphan]
+    assert set(fake.clusters) == {"not-ours"}
+
+
+def test_after_a_restart_live_workers_clusters_are_kept(control_plane: ControlPlane) -> None:
+    plane, fake = control_plane, control_plane.fake
+    model_id = _active_model(plane)
+    worker = _up_and_registered(plane, model_id)
+    plane.restart()
+    plane.tick()
+    fake.settle()
+    assert fake.downs == []
+    with plane.sessions() as session:
+        assert session.get_one(Worker, worker.id).status == "ready"
+        assert session.get_one(Model, model_id).worker_id == worker.id
+
+
+def test_a_launching_worker_whose_cluster_vanished_is_lost(control_plane: ControlPlane) -> None:
+    plane, fake = control_plane, control_plane.fake
+    fake.launch_gate.clear()
+    _active_model(plane)
+    plane.tick()
+    (worker,) = plane.workers()
+    # The control plane restarts, and the launch never produced a cluster.
+    fake.fail_next_launch = exceptions.ResourcesUnavailableError("no capacity")
+    fake.launch_gate.set()
+    fake.settle()
+    plane.restart()
+    with plane.sessions() as session:
+        row = session.get_one(Worker, worker.id)
+        row.created_at = utcnow() - timedelta(hours=1)
+        session.commit()
+    plane.tick()
+    with plane.sessions() as session:
+        row = session.get_one(Worker, worker.id)
+        assert row.status == "lost"
+        assert "no longer knows" in (row.status_message or "")
+
+
+def test_scale_in_downs_the_idle_workers_cluster(control_plane: ControlPlane) -> None:
+    plane, fake = control_plane, control_plane.fake
+    model_id = _active_model(plane)
+    worker = _up_and_registered(plane, model_id)
+    long_ago = utcnow() - timedelta(hours=2)
+    with plane.sessions() as session:
+        session.get_one(Model, model_id).last_active_at = long_ago
+        session.get_one(Worker, worker.id).last_active_at = long_ago
+        session.commit()
+    plane.tick()
+    fake.settle()
+    assert fake.downs == [worker.cluster_name]
+    assert fake.clusters == {}
+    plane.tick()
+    with plane.sessions() as session:
+        assert session.get_one(Worker, worker.id).status == "stopped"
+    assert len(fake.launches) == 1
+
+
+def test_a_preempted_worker_is_lost_and_its_job_runs_on_a_new_one(
+    control_plane: ControlPlane,
+) -> None:
+    plane, fake = control_plane, control_plane.fake
+    model_id = _active_model(plane)
+    first = _up_and_registered(plane, model_id)
+    with plane.sessions() as session:
+        jobs.add_job(
+            session,
+            job_id="job-1",
+            model_id=model_id,
+            kind="rl",
+            config={},
+            input_uri="file:///nowhere/input.jsonl",
+            num_groups=1,
+            num_trajectories=2,
+            max_attempts=3,
+        )
+        session.commit()
+        leased = queue.lease_job(session, worker=session.get_one(Worker, first.id), lease_s=60)
+        assert leased is not None and (leased.status, leased.attempts) == ("running", 1)
+
+    assert first.cluster_name is not None
+    fake.preempt(first.cluster_name)
+    plane.tick()
+    with plane.sessions() as session:
+        lost = session.get_one(Worker, first.id)
+        assert lost.status == "lost"
+        assert "no longer exists" in (lost.status_message or "")
+        job = session.get_one(TrainingJob, "job-1")
+        assert (job.status, job.worker_id) == ("queued", None)
+    # The model still has work, so a replacement cluster is launched at once.
+    assert len(fake.launches) == 2
+    fake.settle()
+    plane.tick()
+    (second,) = [w for w in plane.workers() if w.status == "provisioning"]
+    _register(plane, second.id)
+    plane.tick()
+    with plane.sessions() as session:
+        leased = queue.lease_job(session, worker=session.get_one(Worker, second.id), lease_s=60)
+        assert leased is not None
+        assert (leased.id, leased.attempts, leased.worker_id) == ("job-1", 2, second.id)
