@@ -1,0 +1,239 @@
+"""The connection to a skytrain control plane: authentication, timeouts, retries, errors.
+
+Only requests that are safe to repeat are retried: GETs, DELETEs, and the few POSTs the
+server treats as idempotent (registering a model with ``return_existing``). A POST that
+creates a training job is sent once; if its answer is lost, the job may exist, and sending it
+again would train twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self, TypeVar
+
+import anyio
+import httpx
+
+from skytrain._exceptions import (
+    APIConnectionError,
+    APIError,
+    APITimeoutError,
+    ConfigurationError,
+    ServerError,
+    _error_from_response,
+)
+from skytrain._version import __version__
+
+_DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+_RETRY_STATUSES = frozenset({429, 502, 503, 504})
+_IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE"})
+_RETRY_BASE_DELAY_S = 0.5
+_RETRY_MAX_DELAY_S = 30.0
+_PAGE_SIZE = 100
+
+_T = TypeVar("_T")
+
+
+def _retry_delay_s(attempt: int, error: Exception) -> float:
+    """The server's Retry-After when it gave one, else exponential backoff with jitter."""
+    retry_after = error.retry_after if isinstance(error, APIError) else None
+    if retry_after is not None:
+        return min(retry_after, _RETRY_MAX_DELAY_S)
+    backoff = min(_RETRY_BASE_DELAY_S * 2**attempt, _RETRY_MAX_DELAY_S)
+    return backoff * (0.5 + random.random() / 2)
+
+
+def _json(response: httpx.Response) -> Any:
+    if response.status_code == 204 or not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError as exc:
+        raise ServerError(
+            f"{response.request.method} {response.request.url} answered "
+            f"{response.status_code} with a body that is not JSON",
+            status_code=response.status_code,
+            type="invalid_response",
+        ) from exc
+
+
+class Backend:
+    """A skytrain control plane, reached over HTTP with an API key.
+
+    ``base_url`` defaults to ``$SKYTRAIN_BASE_URL`` or ``http://127.0.0.1:8000`` (a trailing
+    ``/v1`` is accepted and dropped); ``api_key`` to ``$SKYTRAIN_API_KEY``. ``timeout`` bounds
+    each HTTP request in seconds; waits that span many requests (``register``, ``train``) have
+    their own. ``transport`` is passed to httpx (e.g. ``httpx.AsyncHTTPTransport(uds=...)`` for
+    a control plane on a Unix socket, or one with client certificates).
+
+    Use it as ``async with Backend() as backend: ...`` or call ``await backend.close()``.
+    """
+
+    def __init__(
+        self,
+        base_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = 60.0,
+        max_retries: int = 3,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        base_url = base_url or os.environ.get("SKYTRAIN_BASE_URL") or _DEFAULT_BASE_URL
+        api_key = api_key or os.environ.get("SKYTRAIN_API_KEY")
+        if not api_key:
+            raise ConfigurationError(
+                "no skytrain API key: pass Backend(api_key=...) or set SKYTRAIN_API_KEY "
+                "(`skytrain keys create --tenant NAME` on the server makes one)"
+            )
+        url = httpx.URL(base_url)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ConfigurationError(
+                f"base_url {base_url!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000"
+            )
+        if timeout <= 0:
+            raise ConfigurationError(f"timeout={timeout} must be a positive number of seconds")
+        if max_retries < 0:
+            raise ConfigurationError(f"max_retries={max_retries} must not be negative")
+        self.base_url = str(url).rstrip("/").removesuffix("/v1")
+        self.api_key = api_key
+        self.timeout = timeout
+        self.max_retries = max_retries
+        self._client = httpx.AsyncClient(
+            base_url=self.base_url,
+            headers={
+                "Authorization": f"Bearer {api_key}",
+                "User-Agent": f"skytrain-python/{__version__}",
+            },
+            timeout=httpx.Timeout(timeout),
+            transport=transport,
+        )
+
+    def __repr__(self) -> str:
+        return f"Backend(base_url={self.base_url!r})"
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection pool."""
+        await self._client.aclose()
+
+    # --- requests ---------------------------------------------------------------------------
+
+    async def _get(self, path: str, *, params: dict[str, Any] | None = None) -> Any:
+        return await self._send("GET", path, params=params)
+
+    async def _post(self, path: str, *, json: Any, idempotent: bool = False) -> Any:
+        return await self._send("POST", path, json=json, idempotent=idempotent)
+
+    async def _delete(self, path: str, *, json: Any = None) -> Any:
+        return await self._send("DELETE", path, json=json)
+
+    async def _paginate(
+        self, path: str, *, params: dict[str, Any] | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Every item of a cursor-paginated list, fetching the next page as needed."""
+        after: str | None = None
+        while True:
+            page_params = {**(params or {}), "limit": _PAGE_SIZE}
+            if after is not None:
+                page_params["after"] = after
+            page = await self._get(path, params=page_params)
+            items = page["data"]
+            for item in items:
+                yield item
+            if not page.get("has_more") or not items:
+                return
+            after = str(items[-1]["id"])
+
+    async def _send(
+        self,
+        method: str,
+        path: str,
+        *,
+        params: dict[str, Any] | None = None,
+        json: Any = None,
+        idempotent: bool | None = None,
+    ) -> Any:
+        async def attempt() -> Any:
+            response = await self._client.request(method, path, params=params, json=json)
+            if not response.is_success:
+                raise _error_from_response(response)
+            return _json(response)
+
+        retryable = method in _IDEMPOTENT_METHODS if idempotent is None else idempotent
+        return await self._retrying(f"{method} {path}", attempt, retryable=retryable)
+
+    async def _download(self, path: str, destination: Path, *, expected_size: int | None) -> int:
+        """Stream a file to ``destination``, following a redirect to a presigned URL.
+
+        httpx drops the Authorization header when a redirect leaves this server, so the API
+        key never reaches the object store.
+        """
+
+        async def attempt() -> int:
+            written = 0
+            async with self._client.stream("GET", path, follow_redirects=True) as response:
+                if not response.is_success:
+                    await response.aread()
+                    raise _error_from_response(response)
+                async with await anyio.open_file(destination, "wb") as out:
+                    async for chunk in response.aiter_bytes():
+                        await out.write(chunk)
+                        written += len(chunk)
+            if expected_size is not None and written != expected_size:
+                raise APIConnectionError(
+                    f"GET {path}: received {written} bytes of {expected_size}; the download "
+                    "was cut short"
+                )
+            return written
+
+        return await self._retrying(f"GET {path}", attempt, retryable=True)
+
+    async def _retrying(
+        self, what: str, attempt: Callable[[], Awaitable[_T]], *, retryable: bool
+    ) -> _T:
+        """Run ``attempt``, turning transport failures into SDK errors and retrying if allowed.
+
+        Retried: connection failures, timeouts and 429/502/503/504, at most ``max_retries``
+        times, waiting the server's Retry-After or an exponential backoff.
+        """
+        attempt_number = 0
+        while True:
+            error: APIConnectionError | APIError
+            try:
+                return await attempt()
+            except httpx.TimeoutException as exc:
+                error = APITimeoutError(
+                    f"{what}: no answer from {self.base_url} within {self.timeout:g} s"
+                )
+                error.__cause__ = exc
+            except httpx.TransportError as exc:
+                error = APIConnectionError(
+                    f"{what}: could not reach the skytrain server at {self.base_url} ({exc!r}); "
+                    "is `skytrain serve` running there?"
+                )
+                error.__cause__ = exc
+            except APIConnectionError as exc:
+                error = exc
+            except APIError as exc:
+                if exc.status_code not in _RETRY_STATUSES:
+                    raise
+                error = exc
+            if not retryable or attempt_number >= self.max_retries:
+                raise error
+            await asyncio.sleep(_retry_delay_s(attempt_number, error))
+            attempt_number += 1

@@ -1,0 +1,95 @@
+"""Configuration objects the SDK sends, and the results it hands back.
+
+The configs mirror the server's ``ModelConfig``, ``RLTrainConfig`` and ``SFTTrainConfig``
+field for field, with every field optional: a field left ``None`` is not sent, so the server's
+default applies and a newer server's defaults reach old clients. The server validates the
+values; the SDK only checks what it can name early (types and allowed choices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _SentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    def _to_request(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+class ModelConfig(_SentConfig):
+    """Fixed at registration: the LoRA adapter's shape and the longest sequence trained on."""
+
+    lora_rank: int | None = Field(default=None, ge=1, le=256)
+    lora_alpha: int | None = Field(default=None, ge=1)
+    lora_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
+    lora_target_modules: list[str] | None = Field(default=None, min_length=1)
+    max_seq_length: int | None = Field(default=None, ge=16)
+    gradient_checkpointing: bool | None = None
+
+
+class TrainConfig(_SentConfig):
+    """Options of one GRPO training job (``model.train``)."""
+
+    learning_rate: float | None = Field(default=None, gt=0)
+    loss_fn: Literal["ppo", "cispo"] | None = None
+    epsilon: float | None = Field(default=None, gt=0)
+    epsilon_high: float | None = Field(default=None, gt=0)
+    importance_sampling_level: Literal["token", "sequence"] | None = None
+    kl_penalty_coef: float | None = Field(default=None, ge=0)
+    scale_rewards: bool | None = None
+    allow_training_without_logprobs: bool | None = None
+    logprob_calculation_chunk_size: int | None = Field(default=None, ge=1)
+    packed_sequence_length: int | None = Field(default=None, ge=16)
+    grad_accumulation_sequences: int | None = Field(default=None, ge=1)
+    max_grad_norm: float | None = Field(default=None, gt=0)
+    weight_decay: float | None = Field(default=None, ge=0)
+    seed: int | None = None
+
+
+class SFTConfig(_SentConfig):
+    """Options of one supervised fine-tuning job (``model.train_sft``)."""
+
+    learning_rate: float | list[float] | None = None
+    batch_size: int | None = Field(default=None, ge=1)
+    assistant_turns: Literal["all", "last"] | None = None
+    num_epochs: int | None = Field(default=None, ge=1)
+    max_grad_norm: float | None = Field(default=None, gt=0)
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a finished training job produced: the new step and its training metrics.
+
+    ``metrics`` holds the mean of each per-gradient-step metric over the job, overlaid with the
+    summary the job reported when it ended.
+    """
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One saved step of a trainable model (step 0 is the base model itself)."""
+
+    id: str
+    step: int
+    metrics: dict[str, float]
+    created_at: datetime | None
+
+    @classmethod
+    def _from_api(cls, item: dict[str, Any]) -> Checkpoint:
+        created = item.get("created_at")
+        return cls(
+            id=str(item["id"]),
+            step=int(item["step"]),
+            metrics=dict(item.get("metrics") or {}),
+            created_at=datetime.fromisoformat(created) if created else None,
+        )

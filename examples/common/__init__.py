@@ -1,0 +1,1 @@
+"""What the example tasks share: the episode state machine and the training loop."""

@@ -1,0 +1,96 @@
+"""The SDK's configs mirror the server's, and what they send is what the server accepts."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+import skytrain
+from skytrain_backend import protocol
+
+MIRRORS = [
+    (skytrain.ModelConfig, protocol.ModelConfig),
+    (skytrain.TrainConfig, protocol.RLTrainConfig),
+    (skytrain.SFTConfig, protocol.SFTTrainConfig),
+]
+
+
+@pytest.mark.parametrize(("client", "server"), MIRRORS)
+def test_client_config_has_exactly_the_servers_fields(
+    client: type[BaseModel], server: type[BaseModel]
+) -> None:
+    assert set(client.model_fields) == set(server.model_fields)
+
+
+def _bounds(model: type[BaseModel], name: str) -> set[tuple[str, object]]:
+    metadata = model.model_fields[name].metadata
+    return {
+        (type(item).__name__, value)
+        for item in metadata
+        for value in [getattr(item, type(item).__name__.lower(), None)]
+        if type(item).__name__ in ("Ge", "Gt", "Le", "Lt", "MinLen", "MaxLen")
+    }
+
+
+@pytest.mark.parametrize(("client", "server"), MIRRORS)
+def test_client_config_refuses_what_the_server_refuses(
+    client: type[BaseModel], server: type[BaseModel]
+) -> None:
+    """Same bounds on both sides: a bad value fails in the SDK, before any request."""
+    for name in server.model_fields:
+        assert _bounds(client, name) == _bounds(server, name), name
+
+
+@pytest.mark.parametrize(("client", "server"), MIRRORS)
+def test_unset_fields_are_not_sent_so_server_defaults_apply(
+    client: type[BaseModel], server: type[BaseModel]
+) -> None:
+    assert client()._to_request() == {}  # type: ignore[attr-defined]
+    assert server.model_validate({}) == server()
+
+
+def test_every_set_field_is_accepted_by_the_server() -> None:
+    sent = skytrain.TrainConfig(
+        learning_rate=1e-5,
+        loss_fn="cispo",
+        epsilon=0.1,
+        epsilon_high=0.3,
+        importance_sampling_level="sequence",
+        kl_penalty_coef=0.01,
+        scale_rewards=False,
+        allow_training_without_logprobs=True,
+        logprob_calculation_chunk_size=256,
+        packed_sequence_length=2048,
+        grad_accumulation_sequences=4,
+        max_grad_norm=0.5,
+        weight_decay=0.1,
+        seed=7,
+    )._to_request()
+    assert protocol.RLTrainConfig.model_validate(sent).model_dump() == sent
+    model = skytrain.ModelConfig(
+        lora_rank=16,
+        lora_alpha=32,
+        lora_dropout=0.05,
+        lora_target_modules=["q_proj", "v_proj"],
+        max_seq_length=1024,
+        gradient_checkpointing=True,
+    )._to_request()
+    assert protocol.ModelConfig.model_validate(model).model_dump() == model
+    sft = skytrain.SFTConfig(
+        learning_rate=[1e-4, 5e-5],
+        batch_size=4,
+        assistant_turns="last",
+        num_epochs=2,
+        max_grad_norm=2.0,
+        seed=1,
+    )._to_request()
+    assert protocol.SFTTrainConfig.model_validate(sft).model_dump() == sft
+
+
+def test_unknown_or_invalid_options_fail_in_the_client() -> None:
+    with pytest.raises(ValidationError, match="learning_rat"):
+        skytrain.TrainConfig(learning_rat=1e-5)  # type: ignore[call-arg]
+    with pytest.raises(ValidationError, match="'ppo' or 'cispo'"):
+        skytrain.TrainConfig(loss_fn="dpo")
+    with pytest.raises(ValidationError, match="lora_rank"):
+        skytrain.ModelConfig(lora_rank=0)
