@@ -1,0 +1,217 @@
+"""Ingest of a large trajectory batch through the API into S3, next to a plain boto3 upload.
+
+Starts a moto S3 server and `skytrain serve` as separate processes (SQLite by default, or
+--database-url), creates a key and a model, then times:
+
+- api:   POST /v1/training-jobs (or /v1/models/{id}/log) with N trajectories: the server
+         parses and validates every group, writes the JSONL batch to S3, records the job.
+- boto3: one put_object of the same request bytes to the same S3 server.
+
+Usage:
+    .venv/bin/python bench/ingest_trajectories.py [--trajectories 10000] [--route log]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import boto3
+import httpx
+import machine
+
+BIN = Path(sys.executable).parent
+
+
+def _wait(url: str, process: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"{process.args} exited with {process.returncode}")
+        try:
+            httpx.get(url, timeout=1)
+            return
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise SystemExit(f"{url} did not answer within 60 s")
+
+
+@contextmanager
+def _process(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[None]:
+    process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait(ready_url, process)
+        yield
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def _choice(tokens: int, index: int) -> dict[str, Any]:
+    return {
+        "finish_reason": "stop",
+        "index": 0,
+        "logprobs": {
+            "content": [
+                {
+                    "token": f"token_id:{1000 + (index + t) % 30000}",
+                    "bytes": None,
+                    "logprob": -0.25,
+                    "top_logprobs": [],
+                }
+                for t in range(tokens)
+            ]
+        },
+        "message": {"role": "assistant", "content": "word " * tokens, "tool_calls": None},
+    }
+
+
+def _groups(trajectories: int, group_size: int, tokens: int) -> list[dict[str, Any]]:
+    groups = []
+    for g in range(trajectories // group_size):
+        groups.append(
+            {
+                "trajectories": [
+                    {
+                        "messages_and_choices": [
+                            {"role": "system", "content": "You play 2048. Answer with a move."},
+                            {"role": "user", "content": f"Board {g}: " + "2 4 8 16 " * 8},
+                            _choice(tokens, g * group_size + t),
+                        ],
+                        "reward": float(t % 3),
+                        "metrics": {"max_tile": 64.0 * (t + 1), "invalid": 0.0},
+                        "metadata": {"scenario": g},
+                        "logs": [],
+                    }
+                    for t in range(group_size)
+                ],
+                "exceptions": [],
+                "metadata": {},
+                "metrics": {},
+                "logs": [],
+            }
+        )
+    return groups
+
+
+def _timed(repeats: int, action: Any) -> list[float]:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        action()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _hardware() -> str:
+    return f"{machine.cpu_name()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trajectories", type=int, default=10_000)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per trajectory")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--route", choices=["training-jobs", "log"], default="training-jobs")
+    parser.add_argument("--database-url", help="default: SQLite in a temporary SKYTRAIN_HOME")
+    args = parser.parse_args()
+
+    home = Path(tempfile.mkdtemp(prefix="skytrain-bench-"))
+    s3_port, api_port = machine.free_port(), machine.free_port()
+    endpoint, api = f"http://127.0.0.1:{s3_port}", f"http://127.0.0.1:{api_port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYTRAIN_")}
+    env.update(
+        AWS_ACCESS_KEY_ID="bench",
+        AWS_SECRET_ACCESS_KEY="bench",
+        AWS_DEFAULT_REGION="us-east-1",
+        SKYTRAIN_HOME=str(home),
+        SKYTRAIN_OBJECT_STORE_URL="s3://bench/skytrain",
+        SKYTRAIN_S3_ENDPOINT_URL=endpoint,
+        SKYTRAIN_MAX_REQUEST_BYTES=str(1024**3),
+        SKYTRAIN_PROVIDER="none",
+    )
+    if args.database_url:
+        env["SKYTRAIN_DATABASE_URL"] = args.database_url
+        subprocess.run([BIN / "skytrain", "db", "upgrade"], env=env, check=True)
+    os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
+
+    groups = _groups(args.trajectories, args.group_size, args.tokens)
+    try:
+        with _process(
+            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)], env, endpoint
+        ):
+            s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+            s3.create_bucket(Bucket="bench")
+            key = subprocess.run(
+                [BIN / "skytrain", "keys", "create", "--tenant", "bench"],
+                env=env,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout.strip()
+            serve = [str(BIN / "skytrain"), "serve", "--port", str(api_port)]
+            with (
+                _process(serve, env, f"{api}/health"),
+                httpx.Client(
+                    base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=600
+                ) as http,
+            ):
+                model = http.post(
+                    "/v1/models", json={"project": "bench", "name": "ingest", "base_model": "b"}
+                ).json()
+                if args.route == "log":
+                    url, body = f"/v1/models/{model['id']}/log", {"trajectory_groups": groups}
+                else:
+                    url = "/v1/training-jobs"
+                    body = {"model_id": model["id"], "trajectory_groups": groups}
+                payload = json.dumps(body).encode()
+
+                def through_api() -> None:
+                    response = http.post(
+                        url, content=payload, headers={"content-type": "application/json"}
+                    )
+                    response.raise_for_status()
+
+                def plain_boto3() -> None:
+                    s3.put_object(Bucket="bench", Key="plain/batch.json", Body=payload)
+
+                through_api()  # warm-up: imports, connection pools, first-use caches
+                plain_boto3()
+                api_times = _timed(args.repeats, through_api)
+                boto3_times = _timed(args.repeats, plain_boto3)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+    api_s, boto3_s = statistics.median(api_times), statistics.median(boto3_times)
+    database = "PostgreSQL" if args.database_url else "SQLite"
+    print(f"hardware: {_hardware()}, no GPU")
+    # Other processes on the machine slow both sides; the figures are only as clean as this.
+    print(f"load:     1-minute load average {os.getloadavg()[0]:.1f} at the end of the run")
+    print(
+        f"batch:    {args.trajectories} trajectories in {len(groups)} groups, "
+        f"{args.tokens} sampled tokens each, {len(payload) / 1e6:.1f} MB of JSON"
+    )
+    print(f"setup:    skytrain serve ({database}) and moto_server on loopback, separate processes")
+    print(
+        f"api:      POST {url.replace(model['id'], '{id}')}  median {api_s:.2f} s "
+        f"({args.trajectories / api_s:,.0f} trajectories/s) over {args.repeats} runs"
+    )
+    print(f"boto3:    put_object of the same bytes  median {boto3_s:.2f} s")
+    print(f"ratio:    api / boto3 = {api_s / boto3_s:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
