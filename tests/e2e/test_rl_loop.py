@@ -74,23 +74,10 @@ def test_sample_train_and_serve_the_new_step(service: Service, tiny_model_path: 
 def test_a_killed_worker_loses_nothing(embedded_service: Service, tiny_model_path: Path) -> None:
     service = embedded_service
     model = _register(service, "alice", "survivor", tiny_model_path)
-    client = support.openai_client(service.url, service.key("alice"))
     with service.http("alice") as http:
         serving = support.wait_until_served(http, model["id"])
         first_worker = serving["worker_id"]
-        groups = support.sample_groups(client, model["inference_name"], groups=16, n=8)
-        response = http.post(
-            "/v1/training-jobs",
-            json={
-                "model_id": model["id"],
-                "trajectory_groups": groups,
-                # one optimizer step per packed sequence: a long job, to kill in the middle
-                "config": {"learning_rate": LEARNING_RATE, "grad_accumulation_sequences": 1},
-            },
-        )
-        assert response.status_code == 201, response.text
-        job_id = response.json()["id"]
-        _wait_for_event(http, job_id, "gradient_step")
+        job_id = _long_job(service, http, model)
         pid = _worker_pid(service, first_worker)
         os.killpg(pid, signal.SIGKILL)  # the machine is gone: worker and engine at once
 
@@ -229,8 +216,8 @@ def _process_alive(pid: int) -> bool:
 
 
 def _long_job(service: Service, http, model: dict) -> str:  # type: ignore[no-untyped-def]
-    """Queue a job that outlasts a shutdown (short rows, an optimizer step for each: over a
-    hundred steps); return once it trains."""
+    """Queue a job long enough to stop a worker or the control plane in its middle (short
+    rows, an optimizer step for each: over a hundred steps); return once it trains."""
     client = support.openai_client(service.url, service.key("alice"))
     groups = support.sample_groups(client, model["inference_name"], groups=16, n=8)
     response = http.post(
