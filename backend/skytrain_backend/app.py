@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend import __version__
 from skytrain_backend.api.errors import install_error_handlers
+from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.limits import BodySizeLimit
 from skytrain_backend.api.routes import api_router, health, worker
 from skytrain_backend.config import Settings, get_settings
@@ -44,11 +45,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 sessions=app.state.sessionmaker,
                 provider=open_provider(settings),
             )
+            app.state.gateway = Gateway(
+                settings=settings,
+                sessions=app.state.sessionmaker,
+                on_unplaced=app.state.scheduler.wake,
+            )
             await app.state.scheduler.start()
             try:
                 yield
             finally:
                 await app.state.scheduler.stop()
+                await app.state.gateway.aclose()
         finally:
             engine.dispose()
 

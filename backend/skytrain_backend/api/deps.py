@@ -1,14 +1,15 @@
 """Dependencies every route declares through these ``Annotated`` aliases.
 
-The app's lifespan puts the settings, the session factory and the object store on
-``app.state``; these functions hand them to routes. ``TenantDep`` authenticates the bearer key
+The app's lifespan puts the settings, the session factory, the object store, the scheduler
+and the inference gateway on ``app.state``; these functions hand them to routes (no other
+module reads ``app.state``). ``TenantDep`` authenticates the bearer key
 and is the only way a route learns whose rows it may touch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
@@ -18,7 +19,11 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import keys
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.errors import AuthenticationFailed
+from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import ObjectStore
+
+if TYPE_CHECKING:
+    from skytrain_backend.api.gateway import Gateway
 
 _bearer = HTTPBearer(auto_error=False, description="An API key: sk-st-...")
 
@@ -38,9 +43,21 @@ def get_store(request: Request) -> ObjectStore:
     return store
 
 
+def get_scheduler(request: Request) -> Scheduler:
+    scheduler: Scheduler = request.app.state.scheduler
+    return scheduler
+
+
+def get_gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
+SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
+GatewayDep = Annotated["Gateway", Depends(get_gateway)]
 
 
 # The bearer key as sent; routes that authenticate in their own session (the inference

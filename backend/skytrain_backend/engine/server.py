@@ -9,7 +9,6 @@ engine keeps serving. With an API key, every ``/v1`` route requires ``Authorizat
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
@@ -21,6 +20,7 @@ from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.engine.hf.engine import HFEngine
 from skytrain_backend.engine.protocol import (
     ChatCompletionRequest,
@@ -38,9 +38,6 @@ from skytrain_backend.errors import (
 )
 
 logger = logging.getLogger(__name__)
-
-# Status of a request whose client left before the answer (nginx's convention; never sent).
-CLIENT_CLOSED_REQUEST = 499
 
 
 def _serving(request: Request) -> OpenAIServing:
@@ -114,22 +111,9 @@ async def _unless_abandoned(request: Request, work: Awaitable[Any]) -> Response:
     watched for here and the generation cancelled, freeing its place in the batch (vLLM
     aborts such requests too).
     """
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-        task.cancel()
-
-    watcher = asyncio.create_task(watch())
-    try:
-        result = await task
-    except asyncio.CancelledError:
-        if watcher.done():  # cancelled because the client left, not because we are stopping
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        raise
-    finally:
-        watcher.cancel()
+    result = await until_disconnected(request.receive, work)
+    if result is None:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     return _respond(result)
 
 

@@ -219,10 +219,3 @@ class Scheduler:
             worker.status = "draining"
             worker.status_message = "idle: asked to drain"
             session.commit()
-
-
-def wake_scheduler(app_state: Any) -> None:
-    """Wake the app's scheduler, if it runs one (``request.app.state``)."""
-    scheduler: Scheduler | None = getattr(app_state, "scheduler", None)
-    if scheduler is not None:
-        scheduler.wake()

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response, status
+from fastapi import APIRouter, Response, status
 
-from skytrain_backend.api.deps import After, Limit, OrderQuery, SessionDep, StoreDep, TenantDep
+from skytrain_backend.api.deps import (
+    After,
+    Limit,
+    OrderQuery,
+    SchedulerDep,
+    SessionDep,
+    StoreDep,
+    TenantDep,
+)
 from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
 from skytrain_backend.db import registry
 from skytrain_backend.db.models import Model
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import placement
-from skytrain_backend.scheduler.loop import wake_scheduler
 from skytrain_backend.scheduler.serving import ServingStatus, serving_status
 from skytrain_backend.storage import keys
 
@@ -41,7 +48,7 @@ def create_model(
     session: SessionDep,
     tenant: TenantDep,
     response: Response,
-    request: Request,
+    scheduler: SchedulerDep,
 ) -> ModelPublic:
     """Register a model; 200 with the existing one when ``return_existing`` is set.
 
@@ -61,7 +68,7 @@ def create_model(
     if not created:
         response.status_code = status.HTTP_200_OK
     placement.mark_model_active(session, model=model, min_interval_s=0)
-    wake_scheduler(request.app.state)
+    scheduler.wake()
     return model_public(
         model,
         latest_step=registry.latest_step(session, model_id=model.id),

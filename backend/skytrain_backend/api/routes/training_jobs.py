@@ -7,9 +7,7 @@ asked to stop.
 
 from __future__ import annotations
 
-from typing import Any
-
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from sqlalchemy.orm import Session
 
 from skytrain_backend.api import ingest
@@ -18,6 +16,7 @@ from skytrain_backend.api.deps import (
     After,
     Limit,
     OrderQuery,
+    SchedulerDep,
     SessionDep,
     SettingsDep,
     StoreDep,
@@ -43,7 +42,7 @@ from skytrain_backend.protocol import (
     check_trainable,
     parse_trajectory_groups,
 )
-from skytrain_backend.scheduler.loop import wake_scheduler
+from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import ObjectStore, keys
 
 router = APIRouter(tags=["training jobs"], route_class=LargeBodyRoute)
@@ -60,7 +59,7 @@ def _store_job(
     num_groups: int,
     num_trajectories: int,
     max_attempts: int,
-    app_state: Any,
+    scheduler: Scheduler,
 ) -> TrainingJobPublic:
     job_id = new_id()
 
@@ -86,7 +85,7 @@ def _store_job(
         data=data,
         insert=insert,
     )
-    wake_scheduler(app_state)
+    scheduler.wake()
     return TrainingJobPublic.model_validate(job)
 
 
@@ -97,7 +96,7 @@ def create_training_job(
     tenant: TenantDep,
     store: StoreDep,
     settings: SettingsDep,
-    request: Request,
+    scheduler: SchedulerDep,
 ) -> TrainingJobPublic:
     """Queue a GRPO step on the trajectory groups (ART's experimental_config is accepted)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
@@ -120,7 +119,7 @@ def create_training_job(
         num_groups=len(groups),
         num_trajectories=num_trajectories,
         max_attempts=settings.job_max_attempts,
-        app_state=request.app.state,
+        scheduler=scheduler,
     )
 
 
@@ -131,7 +130,7 @@ def create_sft_training_job(
     tenant: TenantDep,
     store: StoreDep,
     settings: SettingsDep,
-    request: Request,
+    scheduler: SchedulerDep,
 ) -> TrainingJobPublic:
     """Queue supervised fine-tuning on ``trajectories`` or on an uploaded JSONL file."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
@@ -157,7 +156,7 @@ def create_sft_training_job(
         num_groups=0,
         num_trajectories=len(trajectories),
         max_attempts=settings.job_max_attempts,
-        app_state=request.app.state,
+        scheduler=scheduler,
     )
 
 

@@ -17,13 +17,12 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend.api.deps import SessionDep, SettingsDep, StoreDep
+from skytrain_backend.api.deps import SchedulerDep, SessionDep, SettingsDep, StoreDep
 from skytrain_backend.db import worker_tokens, workers
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, NotFound
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import queue
-from skytrain_backend.scheduler.loop import wake_scheduler
 from skytrain_backend.storage import keys
 
 router = APIRouter(prefix="/worker", tags=["workers"], include_in_schema=False)
@@ -95,7 +94,7 @@ def register(
     body: RegisterRequest,
     session: SessionDep,
     settings: SettingsDep,
-    request: Request,
+    scheduler: SchedulerDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> dict[str, Any]:
     """Register with a worker token, or join with an operator's join token (``swj-...``).
@@ -129,7 +128,7 @@ def register(
         capacity=body.capacity,
         hardware={**body.hardware, "version": body.version},
     )
-    wake_scheduler(request.app.state)
+    scheduler.wake()
     answer: dict[str, Any] = {
         "worker_id": worker.id,
         "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
@@ -267,7 +266,7 @@ def complete(
 
 @router.post("/jobs/{job_id}/fail")
 def fail(
-    job_id: str, body: FailRequest, worker: WorkerDep, session: SessionDep, request: Request
+    job_id: str, body: FailRequest, worker: WorkerDep, session: SessionDep, scheduler: SchedulerDep
 ) -> dict[str, Any]:
     job = queue.fail_job(
         session,
@@ -278,7 +277,7 @@ def fail(
         retryable=body.retryable,
         cancelled=body.cancelled,
     )
-    wake_scheduler(request.app.state)
+    scheduler.wake()
     return {"status": job.status}
 
 
