@@ -23,6 +23,7 @@ from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.db import migrations
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.provision import open_provider
+from skytrain_backend.scheduler.leader import open_leadership
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import open_object_store
 
@@ -44,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings=settings,
                 sessions=app.state.sessionmaker,
                 provider=open_provider(settings),
+                leadership=open_leadership(settings.resolved_database_url),
             )
             app.state.gateway = Gateway(
                 settings=settings,

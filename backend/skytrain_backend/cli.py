@@ -109,7 +109,18 @@ def serve(
     typer.echo(f"skytrain {__version__} listening on http://{settings.host}:{settings.port}")
     typer.echo(f"  database:     {database}")
     typer.echo(f"  object store: {store}")
+    _log_to_stderr()  # the scheduler's decisions (leadership, launches, placements) show
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+
+
+def _log_to_stderr() -> None:
+    """skytrain's own log lines (INFO and up) on stderr, with a time and the logger's name."""
+    import logging
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
 
 
 @keys_app.command("create")
@@ -293,16 +304,12 @@ def worker(
 ) -> None:
     """Run a worker: start the inference engine, join the control plane, serve and train."""
     import asyncio
-    import logging
 
     from skytrain_backend.config import get_settings
     from skytrain_backend.errors import SkytrainError
     from skytrain_backend.worker.main import WorkerConfig, run_worker
 
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+    _log_to_stderr()
     settings = get_settings()
     try:
         config = WorkerConfig.from_settings(

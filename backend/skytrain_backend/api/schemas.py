@@ -30,6 +30,9 @@ class _Public(BaseModel):
 class HealthPublic(BaseModel):
     status: str
     version: str
+    scheduler: Literal["leader", "follower"] = Field(
+        description="Whether this process runs the scheduler (one per database) or follows."
+    )
 
 
 # --- models -----------------------------------------------------------------------------------

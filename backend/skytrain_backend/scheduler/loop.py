@@ -4,6 +4,11 @@ Each pass (about once a second, or at once when woken by a registration, a reque
 job): expire job leases, declare silent workers lost, reconcile with the provider, place
 active models (launching workers when needed), and stop idle workers. A pass runs in a
 thread with its own session; nothing in it blocks API requests.
+
+Several control-plane processes may share one database: every one runs this loop, but only
+the leader (``scheduler.leader``) runs passes. The others follow: they try to take the
+leadership at every pass and never provision, expire leases or stop workers meanwhile.
+Leadership changes are logged.
 """
 
 from __future__ import annotations
@@ -23,12 +28,16 @@ from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
 from skytrain_backend.scheduler import placement, queue
+from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
 
 logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Owns the provider and runs the scheduling passes; one per control plane."""
+    """Owns the provider and runs the scheduling passes while this process leads.
+
+    ``leadership`` decides whether it leads (default: always, the only scheduler).
+    """
 
     def __init__(
         self,
@@ -36,12 +45,16 @@ class Scheduler:
         settings: Settings,
         sessions: sessionmaker[Session],
         provider: Provider | None,
+        leadership: Leadership | None = None,
         interval_s: float = 1.0,
     ) -> None:
         self.settings = settings
         self.provider = provider
+        self.is_leader = False
+        self._leadership = leadership or SoleLeadership()
         self._sessions = sessions
         self._interval_s = interval_s
+        self._role_logged = False
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -59,6 +72,10 @@ class Scheduler:
         if self.provider is not None:
             stopped = await asyncio.to_thread(self.provider.close)
             await asyncio.to_thread(self._record_stopped, stopped)
+        await asyncio.to_thread(self._leadership.release)
+        if self.is_leader:
+            logger.info("scheduler: %s stopped leading", process_name())
+            self.is_leader = False
 
     def _record_stopped(self, worker_ids: list[str]) -> None:
         """Workers that ended with the control plane: their models are free, their running
@@ -81,14 +98,39 @@ class Scheduler:
         while True:
             self._wake.clear()
             try:
-                await asyncio.to_thread(self.tick)
+                await asyncio.to_thread(self.run_pass)
             except Exception:
                 logger.exception("scheduler pass failed; trying again")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._interval_s)
 
+    def run_pass(self) -> bool:
+        """Take or keep the leadership, then run a pass if this process leads; whether it
+        leads."""
+        leading = self._leadership.hold()
+        if leading != self.is_leader or not self._role_logged:
+            self._role_logged = True
+            if leading:
+                logger.info("scheduler: %s is the leader; it runs the passes", process_name())
+            elif self.is_leader:
+                logger.warning(
+                    "scheduler: %s lost the leadership (its database connection broke); "
+                    "another process takes over",
+                    process_name(),
+                )
+            else:
+                logger.info(
+                    "scheduler: %s follows; another process leads (it takes over if that "
+                    "one stops)",
+                    process_name(),
+                )
+            self.is_leader = leading
+        if leading:
+            self.tick()
+        return leading
+
     def tick(self) -> None:
-        """One scheduling pass."""
+        """One scheduling pass (whoever calls it acts: ``run_pass`` checks leadership)."""
         s = self.settings
         with self._sessions() as session:
             queue.expire_leases(session)

@@ -5,11 +5,16 @@ from __future__ import annotations
 from fastapi import APIRouter
 
 from skytrain_backend import __version__
+from skytrain_backend.api.deps import SchedulerDep
 from skytrain_backend.api.schemas import HealthPublic
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health", response_model=HealthPublic)
-def health() -> HealthPublic:
-    return HealthPublic(status="ok", version=__version__)
+def health(scheduler: SchedulerDep) -> HealthPublic:
+    return HealthPublic(
+        status="ok",
+        version=__version__,
+        scheduler="leader" if scheduler.is_leader else "follower",
+    )
