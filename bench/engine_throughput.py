@@ -1,10 +1,17 @@
-"""Throughput of skytrain's CPU engine at concurrency 1, 4 and 16, and adapter load latency.
+"""Throughput of skytrain's CPU engine at concurrency 1, 4 and 16, the engine next to plain
+transformers ``generate`` on the same batch, and adapter load latency.
 
 Starts `skytrain engine serve` (the CPU engine) as a subprocess, then:
 
 - throughput: at each concurrency C, C clients each send chat completions back to back (every
   request generates exactly --max-tokens tokens: ignore_eos) until --requests-per-client each
   are done; completion tokens / wall time. The ratio 16 vs 1 is what batching buys.
+- the same batch as ``generate``: one request for --batch completions of --max-tokens tokens
+  (ignore_eos) to the engine, and ``model.generate`` of the same model (fp32, as the engine
+  loads it on CPU) in this process on the same prompt repeated --batch times (sampling at
+  temperature 1, no top-k, min_new_tokens = max_new_tokens), with as many torch threads as the
+  engine; they alternate for --generate-rounds rounds, and the medians' ratio is printed
+  (below 1: the engine is faster).
 - adapter load latency: a LoRA adapter (rank --lora-rank on every linear layer, made with
   peft) loaded at run time through /v1/load_lora_adapter, several times; and the latency of
   the first request served by it.
@@ -22,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import machine
@@ -68,6 +76,54 @@ async def _throughput(
     return tokens / elapsed, tokens, elapsed
 
 
+async def _engine_batch(client: openai.AsyncOpenAI, batch: int, max_tokens: int) -> float:
+    start = time.perf_counter()
+    response = await client.chat.completions.create(
+        model="bench",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        n=batch,
+        max_tokens=max_tokens,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    elapsed = time.perf_counter() - start
+    assert response.usage is not None and response.usage.completion_tokens == batch * max_tokens
+    return elapsed
+
+
+def _generate_batch(model_path: str, threads: int) -> Callable[[int, int], float]:
+    """Plain ``generate`` of the same model in this process: a function timing one batch."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+    def run(batch: int, max_tokens: int) -> float:
+        input_ids = prompt_ids.repeat(batch, 1)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            output = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        elapsed = time.perf_counter() - start
+        assert output.shape == (batch, input_ids.shape[1] + max_tokens)
+        return elapsed
+
+    return run
+
+
 def _make_adapter(model_path: str, directory: Path, rank: int) -> Path:
     import torch
     from peft import LoraConfig, get_peft_model
@@ -109,6 +165,8 @@ async def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--lora-rank", type=int, default=16)
     parser.add_argument("--adapter-rounds", type=int, default=5)
+    parser.add_argument("--batch", type=int, default=8, help="completions in the generate batch")
+    parser.add_argument("--generate-rounds", type=int, default=5)
     args = parser.parse_args()
 
     model = hub.resolve_model(args.model, cache_dir=REPO / ".cache" / "models")
@@ -150,6 +208,21 @@ async def main() -> None:
                     f"({tokens} tokens in {elapsed:.1f} s)"
                 )
             print(f"batching: concurrency 16 vs 1 = {rates[16] / rates[1]:.1f}x tokens/s")
+
+            generate = _generate_batch(model, args.threads)
+            generate(args.batch, 4)  # warm-up
+            engine_times, generate_times = [], []
+            for _ in range(args.generate_rounds):
+                engine_times.append(await _engine_batch(client, args.batch, args.max_tokens))
+                generate_times.append(generate(args.batch, args.max_tokens))
+            engine_s = statistics.median(engine_times)
+            generate_s = statistics.median(generate_times)
+            print(
+                f"same batch ({args.batch} completions x {args.max_tokens} tokens, one prompt; "
+                f"median of {args.generate_rounds}, alternating): engine {engine_s:.2f} s, "
+                f"transformers generate {generate_s:.2f} s; engine / generate = "
+                f"{engine_s / generate_s:.2f}"
+            )
 
             adapter = _make_adapter(model, Path(scratch) / "adapter", args.lora_rank)
             loads, firsts = await _adapter_latency(base_url, adapter, args.adapter_rounds)

@@ -145,7 +145,12 @@ def test_a_model_registered_through_the_follower_is_placed_by_the_leader_only(
     groups = support.sample_groups(client, first["inference_name"], groups=2, n=4)
     with leader.http("alice") as http:
         _, events = support.train(http, first["id"], groups, learning_rate=LEARNING_RATE)
-    assert events[-1]["type"] == "training_ended" and events[-1]["data"]["step"] == 1
+    ended = events[-1]["data"]
+    assert events[-1]["type"] == "training_ended" and ended["step"] == 1
+    # The worker reports how long each phase took (bench/rl_step.py prints them).
+    phases = ("download", "save", "upload", "engine_load", "training")
+    assert all(ended[f"time/{phase}_s"] >= 0 for phase in phases), ended
+    assert ended["time/training_s"] >= ended["time/save_s"] + ended["time/upload_s"]
     for service in (leader, follower):
         client = support.openai_client(service.url, service.key("alice"))
         _, headers = support.sample(client, first["inference_name"], "Say hello.", n=1)

@@ -327,7 +327,9 @@ class WorkerAgent:
         step = base_step + 1
         model_config = ModelConfig.model_validate(job.get("model_config") or {})
         job_dir = self._options.work_dir / "jobs" / running.id
-        batch_path = await self._cp.download_input(running.id, job_dir / "input.jsonl")
+        times: dict[str, float] = {}  # time/<phase>_s, reported with the result
+        with _timed(times, "download"):
+            batch_path = await self._cp.download_input(running.id, job_dir / "input.jsonl")
         trainer = await self._trainer_for(model_id, base_step, model_config)
         self._check(running)
 
@@ -368,21 +370,24 @@ class WorkerAgent:
 
         checkpoint_dir = self._options.work_dir / "checkpoints" / model_id / str(step)
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
-        await asyncio.to_thread(trainer.save, checkpoint_dir)
+        with _timed(times, "save"):
+            await asyncio.to_thread(trainer.save, checkpoint_dir)
         files = sorted(p for p in checkpoint_dir.iterdir() if p.is_file())
-        for path in files:
-            await self._cp.upload_file(running.id, path, attempt=running.attempt)
+        with _timed(times, "upload"):
+            for path in files:
+                await self._cp.upload_file(running.id, path, attempt=running.attempt)
         await self._wake_engine()
 
         name = lora_name(model_id, step)
-        async with self._engine_lock:
-            await self._engine.load_lora(name, str(checkpoint_dir))
-            self._served[(model_id, step)] = checkpoint_dir
-        if not await self._engine.is_serving(name):
-            raise SkytrainError(f"the engine does not serve {name} after loading it")
+        with _timed(times, "engine_load"):
+            async with self._engine_lock:
+                await self._engine.load_lora(name, str(checkpoint_dir))
+                self._served[(model_id, step)] = checkpoint_dir
+            if not await self._engine.is_serving(name):
+                raise SkytrainError(f"the engine does not serve {name} after loading it")
         self._check(running)
 
-        summary = {**_mean_metrics(step_metrics), **_floats(run.summary)}
+        summary = {**_mean_metrics(step_metrics), **_floats(run.summary), **times}
         summary["time/training_s"] = time.monotonic() - started
         try:
             await self._cp.complete(
@@ -431,6 +436,14 @@ class WorkerAgent:
         async with self._engine_lock:
             await self._engine.wake_up()
             self._engine_asleep = False
+
+
+@contextlib.contextmanager
+def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
+    """Record how long the block took as ``times["time/<phase>_s"]``."""
+    start = time.monotonic()
+    yield
+    times[f"time/{phase}_s"] = time.monotonic() - start
 
 
 def _read_batch(path: Path, kind: type[BatchItem]) -> list[BatchItem]:
