@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -55,6 +56,8 @@ class Scheduler:
         self._sessions = sessions
         self._interval_s = interval_s
         self._role_logged = False
+        # Held by a pass: shutting down waits for one still running in its thread.
+        self._pass_lock = threading.Lock()
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -69,13 +72,17 @@ class Scheduler:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self.provider is not None:
-            stopped = await asyncio.to_thread(self.provider.close)
-            await asyncio.to_thread(self._record_stopped, stopped)
-        await asyncio.to_thread(self._leadership.release)
-        if self.is_leader:
-            logger.info("scheduler: %s stopped leading", process_name())
-            self.is_leader = False
+        await asyncio.to_thread(self._shut_down)
+
+    def _shut_down(self) -> None:
+        """Stop the provider's own workers, then give the leadership up."""
+        with self._pass_lock:
+            if self.provider is not None:
+                self._record_stopped(self.provider.close())
+            self._leadership.release()
+            if self.is_leader:
+                logger.info("scheduler: %s stopped leading", process_name())
+                self.is_leader = False
 
     def _record_stopped(self, worker_ids: list[str]) -> None:
         """Workers that ended with the control plane: their models are free, their running
@@ -107,6 +114,10 @@ class Scheduler:
     def run_pass(self) -> bool:
         """Take or keep the leadership, then run a pass if this process leads; whether it
         leads."""
+        with self._pass_lock:
+            return self._run_pass()
+
+    def _run_pass(self) -> bool:
         leading = self._leadership.hold()
         if leading != self.is_leader or not self._role_logged:
             self._role_logged = True
