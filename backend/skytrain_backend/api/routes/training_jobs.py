@@ -31,17 +31,20 @@ from skytrain_backend.api.schemas import (
     TrainingJobPublic,
     TrainingJobsPublic,
 )
+from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs, registry
 from skytrain_backend.db.models import Model, TrainingJob, new_id, utcnow
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import (
     JobKind,
     JobStatus,
+    ModelConfig,
     RLTrainConfig,
     SFTTrainConfig,
     check_trainable,
     parse_trajectory_groups,
 )
+from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import ObjectStore, keys
 
@@ -89,6 +92,16 @@ def _store_job(
     return TrainingJobPublic.model_validate(job)
 
 
+def _check_servable(session: Session, *, model: Model, settings: Settings) -> None:
+    """A job whose adapter no worker would load is refused now, not after training."""
+    placement.check_lora_rank(
+        session,
+        base_model=model.base_model,
+        lora_rank=ModelConfig.model_validate(model.config or {}).lora_rank,
+        default_limit=settings.engine_max_lora_rank,
+    )
+
+
 @router.post("/training-jobs", status_code=201, response_model=TrainingJobPublic)
 def create_training_job(
     body: TrainingJobCreate,
@@ -100,6 +113,7 @@ def create_training_job(
 ) -> TrainingJobPublic:
     """Queue a GRPO step on the trajectory groups (ART's experimental_config is accepted)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
+    _check_servable(session, model=model, settings=settings)
     if body.config is not None and body.experimental_config is not None:
         raise InvalidRequest(
             "send either config (skytrain's options) or experimental_config (ART's), not both"
@@ -134,6 +148,7 @@ def create_sft_training_job(
 ) -> TrainingJobPublic:
     """Queue supervised fine-tuning on ``trajectories`` or on an uploaded JSONL file."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
+    _check_servable(session, model=model, settings=settings)
     if (body.trajectories is None) == (body.training_data_url is None):
         raise InvalidRequest(
             "send exactly one of trajectories (a list) or training_data_url "
