@@ -333,7 +333,8 @@ def worker(
 def workers_list(
     all_: bool = typer.Option(False, "--all", help="Include stopped, lost and failed workers."),
 ) -> None:
-    """List workers: status, base model, models placed, last heartbeat."""
+    """List workers: status, base model, models placed, the address the control plane
+    reaches them at, last heartbeat."""
     from sqlalchemy import func, select
 
     from skytrain_backend.db import workers
@@ -350,13 +351,14 @@ def workers_list(
                     row.status,
                     row.base_model,
                     str(placed),
+                    row.engine_endpoint or "",
                     _ago(row.last_heartbeat_at),
                     row.status_message or "",
                 ]
             )
     _table(
         "workers",
-        ["id", "provider", "status", "base model", "models", "heartbeat", "message"],
+        ["id", "provider", "status", "base model", "models", "address", "heartbeat", "message"],
         rows,
     )
 

@@ -16,8 +16,10 @@ the request's result. Launches and teardowns wait in background threads, so ``la
 
 Clusters whose name carries the prefix (``skytrain-``) that the provider did not launch, e.g.
 after a control plane restart, are reported too, so the scheduler adopts those of live
-workers and stops the others. The SkyPilot SDK calls sit behind ``SkyApi``; tests put a fake
-cloud there and everything else runs for real, including SkyPilot's own task parsing.
+workers and stops the others. At start-up it runs ``sky check`` in the background and writes
+what SkyPilot says (which clouds workers can launch on, or why none) to the control plane's
+log. The SkyPilot SDK calls sit behind ``SkyApi``; tests put a fake cloud there and
+everything else runs for real, including SkyPilot's own task parsing.
 """
 
 from __future__ import annotations
