@@ -187,7 +187,8 @@ def test_the_gateway_gets_the_endpoint_skypilot_exposes(control_plane: ControlPl
         assert (row.status, row.engine_endpoint) == ("unreachable", SKY_ENDPOINT)
         assert SKY_ENDPOINT in (row.status_message or "")
     state, message = _serving(plane, model_id)
-    assert state == "unreachable" and SKY_ENDPOINT in message
+    assert state == "unreachable" and "skytrain workers list" in message
+    assert ENDPOINT_HOST not in message  # the address is the operator's, not the tenant's
     with plane.sessions() as session:
         # What the heartbeat route records once its probe reached the front door.
         row = session.get_one(Worker, worker.id)

@@ -76,8 +76,10 @@ def serving_status(session: Session, *, model: Model, step: int | None = None) -
             state="unreachable",
             ready=False,
             worker_id=worker.id,
-            message=f"worker {worker.id} for {model.base_model} is running, but "
-            f"{worker.status_message or 'the control plane cannot reach it'}",
+            # The address tried is the operator's (`skytrain workers list`), not the tenant's.
+            message=f"worker {worker.id} for {model.base_model} is running, but the control "
+            "plane cannot reach it yet; its operator sees the address tried and what to do in "
+            "`skytrain workers list`",
             retry_after_s=15.0,
         )
     if worker.status == "sleeping":
