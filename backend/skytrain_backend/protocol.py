@@ -33,7 +33,9 @@ from skytrain_backend.errors import InvalidRequest
 TOKEN_ID_PREFIX = "token_id:"
 _TOKEN_ID_RE = re.compile(r"^token_id:(\d+)$")
 
-EventType = Literal["training_started", "gradient_step", "training_ended", "training_failed"]
+EventType = Literal[
+    "training_started", "gradient_step", "job_timeline", "training_ended", "training_failed"
+]
 JobKind = Literal["rl", "sft"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
