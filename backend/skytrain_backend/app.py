@@ -23,6 +23,7 @@ from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.db import migrations
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.provision import open_provider
+from skytrain_backend.provision.package import WorkerPackage
 from skytrain_backend.scheduler.leader import open_leadership
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import open_object_store
@@ -52,6 +53,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 sessions=app.state.sessionmaker,
                 on_unplaced=app.state.scheduler.wake,
             )
+            app.state.scheduler.on_worker_gone = app.state.gateway.forget_worker
+            app.state.worker_package = WorkerPackage(settings)
             await app.state.scheduler.start()
             try:
                 yield

@@ -293,16 +293,24 @@ def worker(
     engine: str | None = typer.Option(
         None, help="auto (vLLM with CUDA), vllm or hf. [default: SKYTRAIN_ENGINE]"
     ),
-    engine_host: str | None = typer.Option(
-        None, help="Address the engine listens on (0.0.0.0 to expose it). [default: 127.0.0.1]"
+    host: str | None = typer.Option(
+        None,
+        help="Address the worker's front door (HTTPS, engine secret) listens on. "
+        "[default: SKYTRAIN_WORKER_HOST, 0.0.0.0]",
     ),
-    engine_port: int | None = typer.Option(None, help="Engine port. [default: a free one]"),
+    port: int | None = typer.Option(
+        None,
+        help="Port of the worker's front door; 0: a free one. [default: SKYTRAIN_WORKER_PORT, 8100]",
+    ),
     advertise_url: str | None = typer.Option(
-        None, help="The engine's URL as the control plane reaches it. [default: local URL]"
+        None,
+        help="The front door's URL as the control plane reaches it (https://HOST:PORT). "
+        "[default: the address the worker's registration comes from, on --port]",
     ),
     device: str | None = typer.Option(None, help="Trainer device (cuda, cpu). [default: auto]"),
 ) -> None:
-    """Run a worker: start the inference engine, join the control plane, serve and train."""
+    """Run a worker: start the inference engine (on 127.0.0.1) and the front door the control
+    plane reaches it through, join the control plane, serve and train."""
     import asyncio
 
     from skytrain_backend.config import get_settings
@@ -318,8 +326,8 @@ def worker(
             token=token,
             base_model=base_model,
             engine=engine,
-            engine_host=engine_host,
-            engine_port=engine_port,
+            host=host,
+            port=port,
             advertise_url=advertise_url,
             device=device,
         )
@@ -332,7 +340,8 @@ def worker(
 def workers_list(
     all_: bool = typer.Option(False, "--all", help="Include stopped, lost and failed workers."),
 ) -> None:
-    """List workers: status, base model, models placed, last heartbeat."""
+    """List workers: status, base model, models placed, the address the control plane
+    reaches them at, last heartbeat."""
     from sqlalchemy import func, select
 
     from skytrain_backend.db import workers
@@ -349,13 +358,14 @@ def workers_list(
                     row.status,
                     row.base_model,
                     str(placed),
+                    row.engine_endpoint or "",
                     _ago(row.last_heartbeat_at),
                     row.status_message or "",
                 ]
             )
     _table(
         "workers",
-        ["id", "provider", "status", "base model", "models", "heartbeat", "message"],
+        ["id", "provider", "status", "base model", "models", "address", "heartbeat", "message"],
         rows,
     )
 

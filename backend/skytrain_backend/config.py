@@ -120,8 +120,11 @@ class Settings(BaseSettings):
     skypilot_autostop_minutes: int = Field(
         default=10, ge=0, description="Tear a worker's cluster down once idle this long."
     )
-    skypilot_engine_port: int = Field(
-        default=8100, ge=1, le=65535, description="Port a worker's engine is exposed on."
+    skypilot_worker_port: int = Field(
+        default=8100,
+        ge=1,
+        le=65535,
+        description="Port SkyPilot opens for a worker's front door (HTTPS, engine secret).",
     )
     skypilot_cluster_prefix: str = Field(
         default="skytrain-",
@@ -150,7 +153,10 @@ class Settings(BaseSettings):
         default=4, ge=1, description="vLLM: adapters resident on the GPU at once (--max-loras)."
     )
     engine_max_lora_rank: int = Field(
-        default=64, ge=1, description="vLLM: largest LoRA rank it accepts (--max-lora-rank)."
+        default=64,
+        ge=1,
+        description="Largest LoRA rank a worker's engine loads (vLLM's --max-lora-rank); "
+        "models of a higher rank are refused at creation.",
     )
     engine_gpu_memory_utilization: float = Field(
         default=0.8, gt=0, le=1, description="vLLM: share of GPU memory it takes."
@@ -169,13 +175,38 @@ class Settings(BaseSettings):
     )
     engine_secret: str | None = Field(
         default=None,
-        description="Worker: the secret its engine requires. Default: a fresh random one.",
+        description="Worker: the secret its front door requires on every request (the "
+        "control plane sends it). Default: a fresh random one.",
     )
     worker_max_models: int = Field(
         default=8, ge=1, description="Worker: most models (LoRA adapters) placed on one worker."
     )
+    worker_host: str = Field(
+        default="0.0.0.0",
+        description="Worker: address its front door (HTTPS, engine secret) listens on.",
+    )
+    worker_port: int = Field(
+        default=8100, ge=0, le=65535, description="Worker: its front door's port; 0: a free one."
+    )
+    worker_sleep_engine: bool | None = Field(
+        default=None,
+        description="Worker: put the engine to sleep while a job trains. Default: on with "
+        "vLLM (it shares the GPU with the trainer), off with the CPU engine.",
+    )
+    trainer_memory_limit_mb: int | None = Field(
+        default=None,
+        ge=1,
+        description="Worker: most memory one training step's activations may take; a job "
+        "whose step needs more fails as out of memory. Default: the GPU's free memory on "
+        "CUDA, no limit on CPU.",
+    )
+    worker_wheel: Path | None = Field(
+        default=None,
+        description="The skytrain wheel workers install (served to them at "
+        "/v1/worker/package); it must be this version. Default: built from this installation.",
+    )
 
-    @field_validator("home", "model_cache_dir", mode="after")
+    @field_validator("home", "model_cache_dir", "worker_wheel", mode="after")
     @classmethod
     def _expand(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None

@@ -10,13 +10,16 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
     ├── AuthenticationFailed (PermissionError)  401
     ├── NotFound (LookupError)                  404
     ├── Conflict                                409
+    │   └── LeaseLost
     ├── RateLimited                             429
     ├── Unavailable (ConnectionError)           503 (+ Retry-After)
     ├── ConfigurationError (ValueError)         500; raised at start-up
     │   └── SchemaOutdated
     ├── StorageError (OSError)                  502
     ├── EngineError (RuntimeError)              502
+    │   └── EngineRefused                       (the engine answered 4xx)
     └── TrainingError (RuntimeError)            500
+        └── OutOfMemory (MemoryError)
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ class Conflict(SkytrainError):
     type = "conflict_error"
 
 
+class LeaseLost(Conflict):
+    """A worker no longer holds the training job it reports on (its lease expired, another
+    attempt leased it, or it ended): the control plane answers 409 and the worker drops it."""
+
+
 class RateLimited(SkytrainError):
     """Too many requests in flight for this tenant."""
 
@@ -114,7 +122,18 @@ class EngineError(SkytrainError, RuntimeError):
     type = "engine_error"
 
 
+class EngineRefused(EngineError):
+    """The engine refused a request as malformed (a 4xx): sending it again changes nothing.
+
+    An adapter whose rank is above the engine's limit, or a path it cannot read, says so here.
+    """
+
+
 class TrainingError(SkytrainError, RuntimeError):
     """Training could not run on the given data or configuration."""
 
     type = "training_error"
+
+
+class OutOfMemory(TrainingError, MemoryError):
+    """A job needed more (GPU) memory than the worker has; the same job would fail again."""

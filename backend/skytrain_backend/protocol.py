@@ -33,7 +33,9 @@ from skytrain_backend.errors import InvalidRequest
 TOKEN_ID_PREFIX = "token_id:"
 _TOKEN_ID_RE = re.compile(r"^token_id:(\d+)$")
 
-EventType = Literal["training_started", "gradient_step", "training_ended", "training_failed"]
+EventType = Literal[
+    "training_started", "gradient_step", "job_timeline", "training_ended", "training_failed"
+]
 JobKind = Literal["rl", "sft"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
@@ -423,3 +425,140 @@ class ModelRef(BaseModel):
     def __str__(self) -> str:
         base = f"{self.entity}/{self.project}/{self.name}"
         return base if self.step is None else f"{base}:step{self.step}"
+
+
+# --- the worker protocol (``/v1/worker/...``) ---------------------------------------------------
+#
+# What workers and the control plane say to each other: the routes declare these as their
+# bodies and ``response_model``, and the worker's client validates every answer with them, so a
+# worker and a control plane of different versions fail loudly at the first call.
+
+WorkerStatus = Literal["starting", "ready", "training", "sleeping", "draining"]
+# Events a worker reports during a job; the control plane writes the end events itself.
+WorkerEventType = Literal["training_started", "gradient_step", "job_timeline"]
+# The largest PEM certificate a worker may register (a self-signed EC certificate is ~700 B).
+MAX_CERTIFICATE_CHARS = 16_384
+
+
+class WorkerCapacity(BaseModel):
+    max_models: int = Field(ge=1, le=10_000)
+    # The largest LoRA rank the worker's engine loads (vLLM's --max-lora-rank); None: any.
+    max_lora_rank: int | None = Field(default=None, ge=1)
+
+
+class WorkerRegistration(BaseModel):
+    """``POST /register``: who the worker is and where its front door is."""
+
+    base_model: str = Field(min_length=1, max_length=512)
+    served_model_name: str = Field(min_length=1, max_length=512)
+    engine_secret: str = Field(min_length=16, max_length=128)
+    # The worker's front door: HTTPS on this port, with this self-signed certificate (PEM).
+    port: int = Field(ge=1, le=65535)
+    certificate: str = Field(min_length=1, max_length=MAX_CERTIFICATE_CHARS)
+    # The front door's URL as the control plane reaches it; None: the registration's address.
+    advertise_url: str | None = Field(default=None, max_length=2048)
+    capacity: WorkerCapacity
+    hardware: dict[str, Any] = Field(default_factory=dict)
+    version: str = Field(default="", max_length=64)
+
+
+class WorkerRegistered(BaseModel):
+    worker_id: str
+    heartbeat_interval_s: float
+    lease_s: float
+    # The worker's own token, when it joined with a join token (``swj-``).
+    worker_token: str | None = None
+    # The address the control plane reaches the worker at, and whether it did just now.
+    endpoint: str
+    reachable: bool
+    message: str | None = None
+
+
+class ServedCheckpoint(BaseModel):
+    model_id: str = Field(max_length=64)
+    step: int = Field(ge=0)
+
+
+class Heartbeat(BaseModel):
+    status: WorkerStatus
+    served: list[ServedCheckpoint] = Field(default_factory=list, max_length=10_000)
+    job_id: str | None = Field(default=None, max_length=64)
+
+
+class PlacedModel(BaseModel):
+    """A model placed on the worker: the steps to serve and its adapter's shape."""
+
+    model_id: str
+    latest_step: int
+    steps: list[int]
+    model_config_: ModelConfig = Field(alias="model_config")
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+
+class HeartbeatAnswer(BaseModel):
+    models: list[PlacedModel]
+    cancel_job_ids: list[str]
+    drain: bool
+
+
+class LeasedJob(BaseModel):
+    """What a worker needs to run the job it leased."""
+
+    id: str
+    kind: JobKind
+    model_id: str
+    base_model: str
+    config: dict[str, Any] | None = None
+    model_config_: ModelConfig = Field(alias="model_config")
+    base_step: int = Field(ge=0)
+    attempt: int = Field(ge=1)
+
+    model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+
+class JobLease(BaseModel):
+    job: LeasedJob
+
+
+class JobAttempt(BaseModel):
+    """The attempt of the job the worker holds; a stale attempt is answered 409."""
+
+    attempt: int = Field(ge=1)
+
+
+class LeaseRenewed(BaseModel):
+    cancel_requested: bool
+
+
+class JobEventReport(JobAttempt):
+    type: WorkerEventType
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class CheckpointFile(BaseModel):
+    name: str = Field(min_length=1, max_length=255)
+    size: int = Field(ge=0)
+
+
+class JobCompletion(JobAttempt):
+    step: int = Field(ge=1)
+    metrics: dict[str, float] = Field(default_factory=dict)
+    files: list[CheckpointFile] = Field(min_length=1, max_length=64)
+
+
+class JobCompleted(BaseModel):
+    step: int
+    checkpoint_id: str
+
+
+class JobFailure(JobAttempt):
+    error_message: str = Field(max_length=16_384)
+    # False for what a retry cannot fix: a bad config, an adapter the engine refuses, a job
+    # that ran out of memory (it would again, at the same size).
+    retryable: bool = False
+    cancelled: bool = False
+
+
+class JobFailed(BaseModel):
+    status: JobStatus

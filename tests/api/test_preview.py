@@ -86,6 +86,8 @@ def test_art_register_log_train_and_delete_checkpoints(
     )
     with db_sessions() as session:
         jobs.add_event(session, job_id=job.id, type="training_started", data={"num_sequences": 1})
+        # skytrain's own event, which ART's client has no type for: left out of its routes.
+        jobs.add_event(session, job_id=job.id, type="job_timeline", data={"trainer": []})
         jobs.add_event(session, job_id=job.id, type="gradient_step", data={"loss/policy": 0.1})
         session.commit()
     events = list(
@@ -98,6 +100,8 @@ def test_art_register_log_train_and_delete_checkpoints(
     )
     assert [e.type for e in events] == ["training_started", "gradient_step"]
     assert events[0].data["num_sequences"] == 1
+    ours = caller.http.get(f"/v1/training-jobs/{job.id}/events").json()["data"]
+    assert [e["type"] for e in ours] == ["training_started", "job_timeline", "gradient_step"]
 
     # Paging through every checkpoint, one per page, as ART's list does.
     listed = _checkpoints(art, model.id, limit=1)

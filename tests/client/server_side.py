@@ -7,17 +7,24 @@
   worker routes do.
 - ``JoinedWorker``: the worker's side of the worker protocol played over real HTTP (register,
   heartbeat), so the control plane's real scheduler places models on it and reports real
-  serving states. It has no engine: nothing here serves a completion.
+  serving states. Its front door is real TLS on loopback with a registered certificate, but
+  answers only ``/health`` (which the control plane checks at registration): it has no
+  engine, and nothing here serves a completion.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import httpx
 from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
 import skytrain
 from skytrain_backend.db import jobs, workers
@@ -26,6 +33,7 @@ from skytrain_backend.protocol import EventType
 from skytrain_backend.storage import ObjectStore, keys
 from tests.client.test_trajectories import make_choice
 from tests.fixtures.services import ApiKey
+from tests.fixtures.tls import serve_tls
 
 
 def sampled_trajectory(reward: float) -> skytrain.Trajectory:
@@ -114,11 +122,21 @@ class JoinedWorker:
             session.commit()
             self.id = row.id
         self.base_model = base_model
+        self._secret = secrets.token_urlsafe(24)
         self._http = httpx.Client(
             base_url=control_plane_url,
             headers={"Authorization": f"Bearer {token}"},
             timeout=30.0,
         )
+        self._stack = ExitStack()
+        self._front_door = self._stack.enter_context(serve_tls(self._health_only()))
+
+    def _health_only(self) -> Starlette:
+        async def health(request: Request) -> Response:
+            authorized = request.headers.get("authorization") == f"Bearer {self._secret}"
+            return Response(status_code=200 if authorized else 401)
+
+        return Starlette(routes=[Route("/health", health)])
 
     def register(self) -> None:
         response = self._http.post(
@@ -126,11 +144,14 @@ class JoinedWorker:
             json={
                 "base_model": self.base_model,
                 "served_model_name": self.base_model,
-                "engine_endpoint": "http://127.0.0.1:9",  # never called: nothing is sampled
-                "engine_secret": secrets.token_urlsafe(24),
+                "engine_secret": self._secret,
+                "port": self._front_door.port,
+                "certificate": self._front_door.certificate,
+                "capacity": {"max_models": 4, "max_lora_rank": 64},
             },
         )
         response.raise_for_status()
+        assert response.json()["reachable"], response.json()
 
     def heartbeat(self, *, status: str = "ready", served: Sequence[tuple[str, int]] = ()) -> Any:
         response = self._http.post(
@@ -145,3 +166,4 @@ class JoinedWorker:
 
     def close(self) -> None:
         self._http.close()
+        self._stack.close()

@@ -53,6 +53,9 @@ def test_a_hand_started_worker_joins_with_a_join_token(
                 "SKYTRAIN_CONTROL_PLANE_URL": service.url,
                 "SKYTRAIN_WORKER_TOKEN": join_token,
                 "SKYTRAIN_WORKER_BASE_MODEL": str(tiny_model_path),
+                # Its front door on loopback, on a free port: the control plane is on this host.
+                "SKYTRAIN_WORKER_HOST": "127.0.0.1",
+                "SKYTRAIN_WORKER_PORT": "0",
             }
             with open(tmp_path / "worker.log", "wb") as log:
                 worker = subprocess.Popen(

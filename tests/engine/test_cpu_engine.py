@@ -356,6 +356,57 @@ async def test_sleep_refuses_requests_with_503_and_wake_up_serves_them_again(
     assert _ids(_greedy(tiny_engine, "Before sleeping.", 6).choices[0]) == before
 
 
+async def _stream_until_done(engine: RunningEngine, started: asyncio.Event) -> list[str]:
+    """A long completion streamed to its end; ``started`` is set at its first event."""
+    body = {
+        "model": "tiny",
+        "prompt": "Count:",
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    events = []
+    async with (
+        httpx.AsyncClient(timeout=300) as http,
+        http.stream("POST", f"{engine.base_url}/v1/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                started.set()
+    return events
+
+
+async def test_a_sleep_that_waits_lets_running_requests_finish_and_refuses_new_ones(
+    tiny_engine: RunningEngine,
+) -> None:
+    started = asyncio.Event()
+    streaming = asyncio.create_task(_stream_until_done(tiny_engine, started))
+    await asyncio.wait_for(started.wait(), 120)
+    async with tiny_engine.client() as client:
+        sleeping = asyncio.create_task(client.sleep(mode="wait"))
+        try:
+            await asyncio.sleep(0.2)
+            async with httpx.AsyncClient(timeout=60) as http:
+                late = await http.post(
+                    f"{tiny_engine.base_url}/v1/completions",
+                    json={"model": "tiny", "prompt": "Late", "max_tokens": 2},
+                )
+            assert late.status_code == 503
+            assert "going to sleep" in late.json()["error"]["message"]
+            events = await streaming
+            await sleeping
+            assert await client.is_sleeping()
+        finally:
+            await client.wake_up()
+    # The running request got every token it asked for, and ended normally.
+    assert events[-1] == "data: [DONE]"
+    tokens = [e for e in events[:-1] if '"text"' in e]
+    assert len(tokens) == 64
+    assert '"finish_reason":"length"' in events[-2].replace(" ", "")
+
+
 def test_with_an_api_key_every_v1_route_needs_it(
     tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:

@@ -35,7 +35,7 @@ def test_vllm_command_enables_runtime_lora_sleep_mode_and_hermes_tool_calls(tmp_
     options = EngineOptions(
         model=str(tmp_path),
         served_model_name="Qwen/Qwen2.5-7B-Instruct",
-        host="0.0.0.0",
+        host="127.0.0.1",
         port=8123,
         api_key="secret-1",
         max_model_len=8192,
@@ -48,7 +48,7 @@ def test_vllm_command_enables_runtime_lora_sleep_mode_and_hermes_tool_calls(tmp_
     argv = command.argv
     assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(tmp_path)]
     assert _flag(argv, "--served-model-name") == "Qwen/Qwen2.5-7B-Instruct"
-    assert (_flag(argv, "--host"), _flag(argv, "--port")) == ("0.0.0.0", "8123")
+    assert (_flag(argv, "--host"), _flag(argv, "--port")) == ("127.0.0.1", "8123")
     assert "--enable-lora" in argv
     assert _flag(argv, "--max-lora-rank") == "32"  # vLLM accepts only its fixed set of ranks
     assert _flag(argv, "--max-loras") == "6"
@@ -64,6 +64,12 @@ def test_vllm_command_enables_runtime_lora_sleep_mode_and_hermes_tool_calls(tmp_
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_API_KEY": "secret-1",
     }
+
+
+def test_vllm_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Its dev-mode routes (sleep, collective_rpc, weight updates) take no key: never exposed."""
+    with pytest.raises(ConfigurationError, match=r"listens on 127\.0\.0\.1 only"):
+        vllm_command(EngineOptions(model=str(tmp_path), host="0.0.0.0"))
 
 
 def test_vllm_command_serves_the_model_under_its_given_name_by_default(tmp_path: Path) -> None:

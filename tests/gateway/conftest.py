@@ -195,8 +195,13 @@ def add_worker(
     engine_endpoint: str | None = None,
     engine_secret: str = "unused",
     served_model_name: str | None = None,
+    engine_certificate: str | None = None,
 ) -> str:
-    """A worker row as the worker agent leaves it once registered; returns its id."""
+    """A worker row as the worker agent leaves it once registered; returns its id.
+
+    Without ``engine_certificate`` the gateway reaches ``engine_endpoint`` over plain HTTP,
+    which it allows on loopback only: a bare engine standing in for a worker's front door.
+    """
     with sessions() as session:
         worker = Worker(
             provider="manual",
@@ -205,6 +210,7 @@ def add_worker(
             engine_endpoint=engine_endpoint,
             token_hash=secrets.token_hex(32),
             engine_secret=engine_secret,
+            engine_certificate=engine_certificate,
             capacity={"max_models": 10_000},
             hardware={"cpu_count": 2},
             served_model_name=served_model_name,

@@ -207,10 +207,13 @@ def test_worker_image_is_vllm_with_a_worker_entrypoint() -> None:
     instructions = _instructions(DOCKERFILES[1])
     image = next(a for i, a in instructions if i == "ARG" and a.startswith("VLLM_IMAGE="))
     assert re.fullmatch(r"VLLM_IMAGE=vllm/vllm-openai:v\d+\.\d+\.\d+", image)
+    # The same vLLM as the SkyPilot worker task.
+    sky_image = yaml.safe_load((ROOT / "sky" / "worker.yaml").read_text())["resources"]["image_id"]
+    assert sky_image == "docker:" + image.removeprefix("VLLM_IMAGE=")
     entrypoint = json.loads(dict(instructions)["ENTRYPOINT"])
     assert entrypoint[:2] == ["skytrain", "worker"]
     options = _help("worker")
     for flag in (word for word in entrypoint if word.startswith("--")):
         assert flag in options, f"`skytrain worker` has no option {flag}"
-    port = entrypoint[entrypoint.index("--engine-port") + 1]
+    port = entrypoint[entrypoint.index("--port") + 1]
     assert f"EXPOSE {port}" in DOCKERFILES[1].read_text()

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "operators.md"
 SKYTRAIN = str(Path(sys.executable).parent / "skytrain")
 # Variables the guide names that are not server settings: the SDK's, sky/*.yaml's install spec.
-NOT_SETTINGS = {"SKYTRAIN_API_KEY", "SKYTRAIN_BASE_URL", "SKYTRAIN_PACKAGE"}
+NOT_SETTINGS = {"SKYTRAIN_API_KEY", "SKYTRAIN_BASE_URL"}
 
 
 def _shell_blocks(section: str | None = None) -> list[str]:

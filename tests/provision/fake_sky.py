@@ -57,6 +57,10 @@ class FakeSky:
         self.launch_gate.set()
         # Ports not yet exposed: `endpoints` answers {} like SkyPilot does meanwhile.
         self.ports_open = True
+        # `sky check`: what it prints and finds, or the error it raises.
+        self.enabled_clouds = ["AWS", "Kubernetes"]
+        self.check_output = "Checking credentials to enable infra for SkyPilot.\n  AWS: enabled\n"
+        self.check_error: Exception | None = None
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
 
@@ -80,8 +84,15 @@ class FakeSky:
     def endpoints(self, cluster: str, port: int) -> str:
         return self._request("endpoints", cluster=cluster, port=port)
 
+    def check(self, infra_list: tuple[str, ...] | None, verbose: bool) -> str:
+        return self._request("check")
+
     def stream_and_get(self, request_id: str, *, output_stream: IO[str]) -> Any:
         output_stream.write(f"[fake sky] request {request_id}\n")
+        with self._lock:
+            kind = self._requests[request_id].kind
+        if kind == "check":
+            output_stream.write(self.check_output)
         return self.get(request_id)
 
     def get(self, request_id: str) -> Any:
@@ -113,6 +124,12 @@ class FakeSky:
             for name, record in list(self.clusters.items())
             if cluster_names is None or name in cluster_names
         ]
+
+    def _run_check(self) -> dict[str, dict[str, list[str]]]:
+        """What `sky check` finds: the clouds whose credentials the fake cloud has."""
+        if self.check_error is not None:
+            raise self.check_error
+        return {"default": {cloud: ["compute"] for cloud in self.enabled_clouds}}
 
     def _run_endpoints(self, cluster: str, port: int) -> dict[int, str]:
         record = self.clusters.get(cluster)

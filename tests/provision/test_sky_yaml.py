@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,6 @@ import yaml
 from sky.utils import dag_utils
 from typer.testing import CliRunner
 
-from skytrain_backend import __version__
 from skytrain_backend.cli import app
 from skytrain_backend.config import Settings
 from skytrain_backend.provision.base import WorkerLaunch
@@ -29,8 +29,6 @@ from skytrain_backend.provision.skypilot import default_worker_yaml, load_task_c
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_YAML = ROOT / "sky" / "worker.yaml"
 CONTROL_PLANE_YAML = ROOT / "sky" / "control-plane.yaml"
-# Variables the tasks read that are not skytrain settings.
-NOT_SETTINGS = {"SKYTRAIN_PACKAGE"}
 
 
 def _config(path: Path) -> dict[str, Any]:
@@ -113,20 +111,37 @@ def test_worker_task_resources() -> None:
     accelerators = [resources.accelerators for resources in task.resources]
     assert {"L4": 1} in accelerators and {"H100": 1} in accelerators
     for resources in task.resources:
-        assert resources.ports == [task.envs["ENGINE_PORT"]]
+        assert resources.ports == [task.envs["WORKER_PORT"]]
         assert resources.disk_size == 256
         assert resources.use_spot is False
+        # The official vLLM image, at the vLLM release the `gpu` extra pins.
+        assert resources.image_id == {None: "docker:vllm/vllm-openai:v0.34.0"}
     assert task.envs["SKYTRAIN_ENGINE"] == "vllm"
     # The join token travels as a secret, never as an env.
     assert "SKYTRAIN_WORKER_TOKEN" in task.secrets
     assert "SKYTRAIN_WORKER_TOKEN" not in task.envs
 
 
-@pytest.mark.parametrize("path", [WORKER_YAML, CONTROL_PLANE_YAML], ids=lambda p: p.name)
-def test_setup_installs_this_version_of_skytrain(path: Path) -> None:
-    package = _config(path)["envs"]["SKYTRAIN_PACKAGE"]
-    assert re.fullmatch(rf"skytrain\[[a-z,]+\]=={re.escape(__version__)}", package)
-    assert '"${SKYTRAIN_PACKAGE}"' in _config(path)["setup"]
+def test_the_worker_image_is_the_vllm_release_the_gpu_extra_pins() -> None:
+    image = _config(WORKER_YAML)["resources"]["image_id"]
+    version = image.rsplit(":v", 1)[1]
+    major, minor, _ = version.split(".")
+    assert (
+        f'"vllm>={major}.{minor},<{major}.{int(minor) + 1}"'
+        in (ROOT / "pyproject.toml").read_text()
+    )
+
+
+def test_control_plane_installs_the_checkout_it_is_launched_from() -> None:
+    config = _config(CONTROL_PLANE_YAML)
+    assert config["workdir"] == "."
+    assert '"./[server,${CLOUD_EXTRAS}]"' in config["setup"]
+    clouds = config["envs"]["CLOUD_EXTRAS"].split(",")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for cloud in clouds:
+        assert f"skypilot[{cloud}]>=0.14.1" in extras[cloud]
 
 
 @pytest.mark.parametrize("path", [WORKER_YAML, CONTROL_PLANE_YAML], ids=lambda p: p.name)
@@ -134,7 +149,7 @@ def test_every_skytrain_variable_is_a_setting(path: Path) -> None:
     config = _config(path)
     names = set(config.get("envs", {})) | set(config.get("secrets", {}))
     settings = {f"SKYTRAIN_{field.upper()}" for field in Settings.model_fields}
-    unknown = {n for n in names if n.startswith("SKYTRAIN_")} - settings - NOT_SETTINGS
+    unknown = {n for n in names if n.startswith("SKYTRAIN_")} - settings
     assert not unknown, f"{path.name} sets variables no setting reads: {sorted(unknown)}"
 
 
@@ -180,6 +195,7 @@ def test_generated_worker_task_survives_the_sdk_round_trip(tmp_path: Path) -> No
     }
     assert sorted(map(repr, parsed.resources)) == sorted(map(repr, task.resources))
     assert all(r.use_spot and r.ports == ["8100"] for r in parsed.resources)
+    assert parsed.envs["WORKER_PORT"] == "8100"
     assert parsed.run == task.run and parsed.setup == task.setup
 
 
@@ -220,4 +236,5 @@ def test_scripts_read_only_variables_the_task_sets(path: Path) -> None:
     for part in ("setup", "run"):
         references = re.findall(r"\$\{([A-Z_][A-Z0-9_]*)([^}]*)\}", config[part])
         used = {name for name, rest in references if not rest.startswith((":-", ":="))}
+        used -= {"HOME", "PATH"}  # every login shell has them
         assert used <= declared, f"{path.name} {part} reads unset {sorted(used - declared)}"

@@ -117,7 +117,7 @@ def test_settings_override_the_task_resources(tmp_path: Path, fake: FakeSky) -> 
         skypilot_infra="aws/us-east-1",
         skypilot_disk_size_gb=512,
         skypilot_use_spot=True,
-        skypilot_engine_port=9000,
+        skypilot_worker_port=9000,
         hf_token="hf_secret_token",
     )
     provider = SkyPilotProvider(settings, sky_api=fake)
@@ -132,7 +132,7 @@ def test_settings_override_the_task_resources(tmp_path: Path, fake: FakeSky) -> 
         assert str(resources.cloud) == "AWS" and resources.region == "us-east-1"
         assert resources.disk_size == 512 and resources.use_spot
         assert resources.ports == ["9000"]
-    assert task.envs["ENGINE_PORT"] == "9000"
+    assert task.envs["WORKER_PORT"] == "9000"
     assert task.secrets["HF_TOKEN"].get_secret_value() == "hf_secret_token"
 
 
@@ -149,12 +149,14 @@ def test_a_launch_can_ask_for_other_accelerators_or_none(
     assert [r.accelerators for r in cpu.resources] == [None]
 
 
-def test_up_cluster_reports_the_engine_endpoint(provider: SkyPilotProvider, fake: FakeSky) -> None:
+def test_up_cluster_reports_the_front_door_endpoint_over_https(
+    provider: SkyPilotProvider, fake: FakeSky
+) -> None:
     name = provider.launch(_launch())
     fake.settle()
     (info,) = provider.poll()
     assert (info.state, info.cluster_name) == ("up", name)
-    assert info.engine_endpoint == f"http://{ENDPOINT_HOST}:8100"
+    assert info.engine_endpoint == f"https://{ENDPOINT_HOST}:8100"
     assert provider.poll() == [info]
 
 
@@ -168,7 +170,7 @@ def test_endpoint_is_reported_once_the_port_is_exposed(
     assert (info.state, info.engine_endpoint) == ("up", None)
     fake.ports_open = True
     (info,) = provider.poll()
-    assert info.engine_endpoint == f"http://{ENDPOINT_HOST}:8100"
+    assert info.engine_endpoint == f"https://{ENDPOINT_HOST}:8100"
 
 
 @pytest.mark.parametrize(
@@ -282,7 +284,7 @@ def test_unknown_clusters_with_the_prefix_are_reported(
     infos = {info.worker_id: info for info in provider.poll()}
     assert set(infos) == {"c" * 32, "d" * 32}
     assert infos["c" * 32].state == "up"
-    assert infos["c" * 32].engine_endpoint == f"http://{ENDPOINT_HOST}:8100"
+    assert infos["c" * 32].engine_endpoint == f"https://{ENDPOINT_HOST}:8100"
     assert (infos["d" * 32].state, infos["d" * 32].message) == ("launching", "running setup")
 
 
@@ -326,3 +328,26 @@ def test_accelerators_setting_must_name_some(tmp_path: Path, fake: FakeSky) -> N
     settings = Settings(home=tmp_path, skypilot_accelerators=" , ")
     with pytest.raises(ConfigurationError, match="list them"):
         SkyPilotProvider(settings, sky_api=fake)
+
+
+def test_sky_check_runs_at_start_up_into_the_log(
+    settings: Settings, fake: FakeSky, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("INFO", logger="skytrain_backend.provision.skypilot")
+    provider = SkyPilotProvider(settings, sky_api=fake)
+    provider.check_report.join(30)
+    assert not provider.check_report.is_alive()
+    [record] = [r for r in caplog.records if "sky check" in r.getMessage()]
+    assert record.levelname == "INFO"
+    assert "AWS: enabled" in record.getMessage() and "Kubernetes" in record.getMessage()
+
+
+def test_a_failing_sky_check_is_a_warning_naming_its_reason(
+    settings: Settings, fake: FakeSky, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake.check_error = exceptions.NoCloudAccessError("Cloud access is not set up. Run: sky check")
+    provider = SkyPilotProvider(settings, sky_api=fake)
+    provider.check_report.join(30)
+    [record] = [r for r in caplog.records if "sky check" in r.getMessage()]
+    assert record.levelname == "WARNING"
+    assert "NoCloudAccessError: Cloud access is not set up" in record.getMessage()

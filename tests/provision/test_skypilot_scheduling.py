@@ -18,6 +18,7 @@ import sky
 from sky import exceptions
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend import tls
 from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs, keys, migrations, registry
 from skytrain_backend.db import workers as worker_rows
@@ -30,7 +31,10 @@ from skytrain_backend.scheduler.serving import serving_status
 from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
 
 BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
-SKY_ENDPOINT = f"http://{ENDPOINT_HOST}:8100"
+SKY_ENDPOINT = f"https://{ENDPOINT_HOST}:8100"
+# The address a worker's registration came from (behind the cloud's NAT, say).
+REGISTERED_FROM = "https://198.51.100.1:8100"
+CERTIFICATE, _ = tls.self_signed_certificate(["127.0.0.1"])
 
 
 @dataclass
@@ -104,7 +108,9 @@ def _active_model(plane: ControlPlane, name: str = "agent") -> str:
 
 
 def _register(plane: ControlPlane, worker_id: str) -> None:
-    """What the worker's own `POST /v1/worker/register` records, with its local engine URL."""
+    """What the worker's own `POST /v1/worker/register` records when the control plane reached
+    its front door: at SkyPilot's endpoint once the provider knows it, else at the address the
+    registration came from."""
     with plane.sessions() as session:
         worker = session.get_one(Worker, worker_id)
         worker_rows.register(
@@ -112,10 +118,12 @@ def _register(plane: ControlPlane, worker_id: str) -> None:
             worker=worker,
             base_model=BASE_MODEL,
             served_model_name=BASE_MODEL,
-            engine_endpoint="http://127.0.0.1:8100",
+            engine_endpoint=worker.engine_endpoint or REGISTERED_FROM,
             engine_secret=worker.engine_secret,
-            capacity={"max_models": 8},
+            engine_certificate=CERTIFICATE,
+            capacity={"max_models": 8, "max_lora_rank": 64},
             hardware={"gpu_name": "NVIDIA L4"},
+            unreachable=None,
         )
 
 
@@ -164,13 +172,27 @@ def test_an_active_model_launches_one_cluster_for_its_base_model(
 
 
 def test_the_gateway_gets_the_endpoint_skypilot_exposes(control_plane: ControlPlane) -> None:
-    plane = control_plane
+    plane, fake = control_plane, control_plane.fake
     model_id = _active_model(plane)
+    fake.ports_open = False  # the worker registers before SkyPilot reports its port
     worker = _up_and_registered(plane, model_id)
     with plane.sessions() as session:
+        assert session.get_one(Worker, worker.id).engine_endpoint == REGISTERED_FROM
+    fake.ports_open = True
+    plane.tick()
+    with plane.sessions() as session:
         row = session.get_one(Worker, worker.id)
-        # The worker registered its local URL; SkyPilot's public endpoint wins.
-        assert (row.status, row.engine_endpoint) == ("ready", SKY_ENDPOINT)
+        # SkyPilot's public endpoint replaces the address the registration came from; the
+        # worker is routed to again once a heartbeat reaches it there.
+        assert (row.status, row.engine_endpoint) == ("unreachable", SKY_ENDPOINT)
+        assert SKY_ENDPOINT in (row.status_message or "")
+    state, message = _serving(plane, model_id)
+    assert state == "unreachable" and "skytrain workers list" in message
+    assert ENDPOINT_HOST not in message  # the address is the operator's, not the tenant's
+    with plane.sessions() as session:
+        # What the heartbeat route records once its probe reached the front door.
+        row = session.get_one(Worker, worker.id)
+        worker_rows.heartbeat(session, worker=row, status="ready", served=[], unreachable=None)
     state, message = _serving(plane, model_id)
     assert state == "ready", message
 

@@ -124,8 +124,10 @@ def _ready_worker(cluster: Cluster, base_model: str, *, cluster_up: bool) -> str
             served_model_name=base_model,
             engine_endpoint="http://127.0.0.1:8100",
             engine_secret=worker.engine_secret,
+            engine_certificate="",
             capacity={"max_models": 8},
             hardware={},
+            unreachable=None,
         )
         return worker.id
 

@@ -1,4 +1,6 @@
-"""The trainer on CUDA: bf16 base weights, fp32 adapter, Unsloth when it is installed."""
+"""The trainer on CUDA: bf16 base weights, fp32 adapter, Unsloth when it is installed; its
+memory released for the engine to wake into; out of memory as a job's error, with the GPU left
+clean. Run by scripts/gpu-check.sh on a CUDA machine."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from skytrain_backend.errors import OutOfMemory
 from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGroup
 from skytrain_backend.trainer import Trainer
 from tests.fixtures.sampling import sample_choices
@@ -57,3 +60,63 @@ def test_cuda_training_step_in_bf16_saves_a_loadable_checkpoint(
     )
     for a, b in zip(after, resumed.policy.trainable_parameters(), strict=True):
         assert torch.equal(a.detach(), b.detach())
+    assert resumed.events[0]["event"] == "loaded"
+
+
+def test_release_gives_the_gpu_memory_back(tiny_model_path: Path, tmp_path: Path) -> None:
+    before = torch.cuda.memory_allocated()
+    trainer = Trainer.load(str(tiny_model_path), model_config=ModelConfig())
+    _train_one_step(trainer)
+    trainer.save(tmp_path / "step1")
+    assert torch.cuda.memory_allocated() > before
+    trainer.release()
+    assert torch.cuda.memory_allocated() - before < 1024 * 1024
+    with pytest.raises(Exception, match="released"):
+        trainer.save(tmp_path / "again")
+
+
+def test_a_step_past_the_gpus_real_limit_is_an_out_of_memory_error_and_frees_it(
+    tiny_model_path: Path,
+) -> None:
+    """A real CUDA out-of-memory: the caching allocator is capped just above what the loaded
+    trainer holds, and a long row's logits do not fit."""
+    trainer = Trainer.load(
+        str(tiny_model_path),
+        model_config=ModelConfig(max_seq_length=4096),
+        activation_memory_limit_bytes=1 << 40,  # the estimate lets it through: CUDA decides
+    )
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = torch.cuda.memory_reserved() + 64 * 1024 * 1024
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        long_group = _group(trainer, max_new_tokens=1024)
+        run = trainer.train_rl(
+            [long_group], RLTrainConfig(learning_rate=1e-3, logprob_calculation_chunk_size=4096)
+        )
+        with pytest.raises(OutOfMemory, match="out of memory while training step 1"):
+            list(run)
+        held = torch.cuda.memory_allocated()
+        trainer.release()
+        assert torch.cuda.memory_allocated() < held
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+def _group(trainer: Trainer, *, max_new_tokens: int = 8) -> TrajectoryGroup:
+    policy = trainer.policy
+    prompt = [{"role": "user", "content": "Name a color."}]
+    choices = sample_choices(
+        policy.model, policy.tokenizer, prompt, n=4, max_new_tokens=max_new_tokens, seed=0
+    )
+    return TrajectoryGroup.model_validate(
+        {
+            "trajectories": [
+                {"messages_and_choices": [*prompt, c], "reward": float(i)}
+                for i, c in enumerate(choices)
+            ]
+        }
+    )
+
+
+def _train_one_step(trainer: Trainer) -> None:
+    assert list(trainer.train_rl([_group(trainer)], RLTrainConfig(learning_rate=1e-2)))

@@ -1,8 +1,8 @@
 """Dependencies every route declares through these ``Annotated`` aliases.
 
-The app's lifespan puts the settings, the session factory, the object store, the scheduler
-and the inference gateway on ``app.state``; these functions hand them to routes (no other
-module reads ``app.state``). ``TenantDep`` authenticates the bearer key
+The app's lifespan puts the settings, the session factory, the object store, the scheduler,
+the inference gateway and the workers' wheel on ``app.state``; these functions hand them to
+routes (no other module reads ``app.state``). ``TenantDep`` authenticates the bearer key
 and is the only way a route learns whose rows it may touch.
 """
 
@@ -19,6 +19,7 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import keys
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.errors import AuthenticationFailed
+from skytrain_backend.provision.package import WorkerPackage
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import ObjectStore
 
@@ -53,11 +54,17 @@ def get_gateway(request: Request) -> Gateway:
     return gateway
 
 
+def get_worker_package(request: Request) -> WorkerPackage:
+    worker_package: WorkerPackage = request.app.state.worker_package
+    return worker_package
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 GatewayDep = Annotated["Gateway", Depends(get_gateway)]
+PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
 
 
 # The bearer key as sent; routes that authenticate in their own session (the inference

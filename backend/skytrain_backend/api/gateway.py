@@ -12,10 +12,17 @@ Streams are passed through event by event as the engine sends them. When the cal
 away (mid-stream, or while a non-streamed request is still generating) the upstream request
 is closed at once, which makes the engine stop generating for it.
 
+Workers are reached at their front door over TLS pinned to the certificate each registered
+(one client per worker, closed when the worker goes): a worker that presents any other
+certificate gets nothing, not even the engine secret. A worker row without a certificate is
+reached only on this host over loopback HTTP (a bare engine standing in for a worker in the
+gateway's tests); anything else without one is refused.
+
 Engine refusals of the request itself (4xx) pass through with the engine's status and
-OpenAI-style body. Failures that are not the caller's doing are said in skytrain's words: an
-unreachable engine or one that no longer serves the checkpoint is a 503 to retry, an engine
-that rejects the control plane's credentials or fails is a 502.
+OpenAI-style body. Failures that are not the caller's doing are said in skytrain's words, and
+never with a worker's address (that goes to the operator's log): an unreachable engine or one
+that no longer serves the checkpoint is a 503 to retry, an engine that rejects the control
+plane's credentials, presents the wrong certificate or fails is a 502.
 
 Each tenant may have ``tenant_max_concurrent_requests`` requests in flight in this process
 (streams count until they end); the next one gets 429.
@@ -23,8 +30,12 @@ Each tenant may have ``tenant_max_concurrent_requests`` requests in flight in th
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import ipaddress
 import json
+import logging
+import ssl
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
@@ -39,6 +50,7 @@ from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Receive, Scope, Send
 
+from skytrain_backend import tls
 from skytrain_backend.api.deps import get_tenant
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import Settings
@@ -49,6 +61,8 @@ from skytrain_backend.errors import (
     Unavailable,
 )
 from skytrain_backend.scheduler.routing import EngineRoute, resolve_route
+
+logger = logging.getLogger(__name__)
 
 # Generation on a CPU engine can take minutes before a non-streamed answer's first byte.
 ENGINE_TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
@@ -99,8 +113,8 @@ class _Routed:
 
 
 class Gateway:
-    """One per app, opened in its lifespan: the pooled HTTP client to worker engines, requests
-    in flight per tenant, and the forwarding of one request."""
+    """One per app, opened in its lifespan: a pooled HTTP client per worker (pinned to its
+    certificate), requests in flight per tenant, and the forwarding of one request."""
 
     def __init__(
         self,
@@ -113,13 +127,64 @@ class Gateway:
         self._sessions = sessions
         # Called when a request names a model that no worker holds: wakes the scheduler.
         self._on_unplaced = on_unplaced
+        # Engines on this host over loopback HTTP (worker rows without a certificate).
         self.http = httpx.AsyncClient(timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS)
+        # worker id -> (the certificate it registered, a client that trusts only it)
+        self._pinned: dict[str, tuple[str, httpx.AsyncClient]] = {}
         self.resolvers = anyio.CapacityLimiter(RESOLVE_CONCURRENCY)
         self.max_in_flight_per_tenant = settings.tenant_max_concurrent_requests
         self._in_flight: Counter[str] = Counter()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closing: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        pinned, self._pinned = list(self._pinned.values()), {}
+        for _, client in pinned:
+            await client.aclose()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """Close the client of a worker that ended; safe to call from any thread."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._drop_client, worker_id)
+
+    def _drop_client(self, worker_id: str) -> None:
+        held = self._pinned.pop(worker_id, None)
+        if held is not None:
+            task = asyncio.get_running_loop().create_task(held[1].aclose())
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+
+    def _client(self, route: EngineRoute) -> httpx.AsyncClient:
+        """The client for the route's worker: pinned to its certificate (a new certificate, a
+        restarted worker, gets a new client)."""
+        self._loop = asyncio.get_running_loop()
+        certificate = route.engine_certificate
+        if certificate is None:
+            if not _is_loopback_http(route.engine_endpoint):
+                logger.error(
+                    "worker %s at %s registered no certificate: refusing to send it requests",
+                    route.worker_id,
+                    route.engine_endpoint,
+                )
+                raise EngineError(
+                    f"worker {route.worker_id} registered no TLS certificate, so the control "
+                    "plane will not send it requests: its operator must replace it with a "
+                    "worker of this control plane's version"
+                )
+            return self.http
+        held = self._pinned.get(route.worker_id)
+        if held is not None and held[0] == certificate:
+            return held[1]
+        if held is not None:
+            self._drop_client(route.worker_id)
+        client = httpx.AsyncClient(
+            verify=tls.pinned_context(certificate), timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS
+        )
+        self._pinned[route.worker_id] = (certificate, client)
+        return client
 
     def admit(self, tenant_id: str) -> Callable[[], None]:
         """Count a request in; returns the function that counts it out (safe to call twice).
@@ -228,7 +293,8 @@ class Gateway:
 
     async def _send(self, *, route: EngineRoute, path: str, body: dict[str, Any]) -> httpx.Response:
         """The engine's response, its body not read yet."""
-        request = self.http.build_request(
+        client = self._client(route)
+        request = client.build_request(
             "POST",
             route.engine_endpoint + path,
             json=body,
@@ -236,21 +302,62 @@ class Gateway:
         )
         try:
             try:
-                return await self.http.send(request, stream=True)
+                return await client.send(request, stream=True)
             except STALE_CONNECTION_ERRORS:
-                return await self.http.send(request, stream=True)
+                return await client.send(request, stream=True)
         except httpx.TimeoutException as exc:
             raise EngineError(
                 f"the engine of worker {route.worker_id} did not answer in time "
                 f"({type(exc).__name__}): retry, with a smaller max_tokens if it keeps happening"
             ) from exc
         except httpx.TransportError as exc:
+            if _certificate_refused(exc):
+                logger.error(
+                    "worker %s at %s presented a certificate other than the one it registered "
+                    "(%s): nothing was sent to it",
+                    route.worker_id,
+                    route.engine_endpoint,
+                    exc,
+                )
+                raise EngineError(
+                    f"worker {route.worker_id} did not present the certificate it registered, so "
+                    "the control plane sent it nothing: retry shortly (a restarting worker "
+                    "registers its new certificate); the operator's log has the details"
+                ) from exc
+            logger.warning(
+                "the engine of worker %s at %s cannot be reached: %s: %s",
+                route.worker_id,
+                route.engine_endpoint,
+                type(exc).__name__,
+                exc,
+            )
             raise Unavailable(
-                f"the engine of worker {route.worker_id} at {route.engine_endpoint} cannot be "
-                f"reached ({type(exc).__name__}: {exc}); the worker may be restarting: retry "
-                "shortly",
+                f"the engine of worker {route.worker_id} cannot be reached; the worker may be "
+                "restarting: retry shortly",
                 retry_after_s=5.0,
             ) from exc
+
+
+def _is_loopback_http(url: str) -> bool:
+    parsed = httpx.URL(url)
+    if parsed.scheme != "http":
+        return False
+    if parsed.host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(parsed.host).is_loopback
+    except ValueError:
+        return False
+
+
+def _certificate_refused(exc: BaseException) -> bool:
+    """Whether a connection failed because the peer's certificate is not the pinned one."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if isinstance(cause, ssl.SSLCertVerificationError):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def _parse_body(raw: bytes) -> dict[str, Any]:

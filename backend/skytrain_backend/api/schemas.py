@@ -87,7 +87,16 @@ class ModelPublic(_Public):
 class ServingPublic(BaseModel):
     """Whether the model's endpoint answers now, and in words what is happening if not."""
 
-    state: Literal["waiting", "provisioning", "starting", "loading", "ready", "failed"]
+    state: Literal[
+        "waiting",
+        "provisioning",
+        "starting",
+        "unreachable",
+        "training",
+        "loading",
+        "ready",
+        "failed",
+    ]
     ready: bool
     message: str
     worker_id: str | None = None

@@ -120,9 +120,17 @@ def cancel_job(session: Session, *, job: TrainingJob) -> TrainingJob:
 
 
 def list_events(
-    session: Session, *, job_id: str, after: int | None = None, limit: int
+    session: Session,
+    *,
+    job_id: str,
+    after: int | None = None,
+    limit: int,
+    types: frozenset[str] | None = None,
 ) -> tuple[list[TrainingJobEvent], bool]:
+    """A page of the job's events in order; only those of ``types`` when given."""
     statement = select(TrainingJobEvent).where(TrainingJobEvent.job_id == job_id)
+    if types is not None:
+        statement = statement.where(TrainingJobEvent.type.in_(sorted(types)))
     return fetch_page(
         session,
         statement,

@@ -239,6 +239,10 @@ class Worker(Base):
     engine_endpoint: Mapped[str | None] = mapped_column(Text)
     token_hash: Mapped[str] = mapped_column(String(64), unique=True)
     engine_secret: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    # The PEM certificate of the worker's front door, which the gateway pins. Without one the
+    # gateway reaches only an engine on its own host over loopback HTTP (the gateway's tests
+    # stand a bare engine in for a worker that way) and refuses anything else.
+    engine_certificate: Mapped[str | None] = mapped_column(Text)
     capacity: Mapped[dict[str, Any]] = mapped_column(default=dict)
     hardware: Mapped[dict[str, Any]] = mapped_column(default=dict)
     status_message: Mapped[str | None] = mapped_column(Text)

@@ -19,9 +19,20 @@ from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
 
 WORKER_TOKEN_PREFIX = "swt-"
-LIVE_STATUSES = ("provisioning", "starting", "ready", "training", "draining")
+# "unreachable": registered, but the control plane cannot reach its front door (yet);
+# "sleeping": its engine sleeps while a job trains on the GPU it shares.
+LIVE_STATUSES = (
+    "provisioning",
+    "starting",
+    "unreachable",
+    "ready",
+    "training",
+    "sleeping",
+    "draining",
+)
 ENDED_STATUSES = ("stopped", "lost", "failed")
-REPORTED_STATUSES = frozenset({"starting", "ready", "training", "draining"})
+# Statuses of workers that send heartbeats.
+REGISTERED_STATUSES = ("starting", "unreachable", "ready", "training", "sleeping", "draining")
 
 
 def hash_token(token: str) -> str:
@@ -74,6 +85,14 @@ def authenticate_worker(session: Session, *, token: str) -> Worker:
     return worker
 
 
+def check_base_model(worker: Worker, *, base_model: str) -> None:
+    if base_model != worker.base_model:
+        raise InvalidRequest(
+            f"worker {worker.id} was started for {worker.base_model!r}, "
+            f"but its engine serves {base_model!r}"
+        )
+
+
 def register(
     session: Session,
     *,
@@ -82,24 +101,26 @@ def register(
     served_model_name: str,
     engine_endpoint: str,
     engine_secret: str,
+    engine_certificate: str,
     capacity: dict[str, Any],
     hardware: dict[str, Any],
+    unreachable: str | None,
 ) -> Worker:
-    """Record what a (re)starting worker reports about itself; it serves nothing yet."""
-    if base_model != worker.base_model:
-        raise InvalidRequest(
-            f"worker {worker.id} was started for {worker.base_model!r}, "
-            f"but its engine serves {base_model!r}"
-        )
+    """Record what a (re)starting worker reports about itself; it serves nothing yet.
+
+    ``unreachable`` is why the control plane could not reach the worker at
+    ``engine_endpoint`` (None: it did); such a worker is not routed to until it is reached.
+    """
+    check_base_model(worker, base_model=base_model)
     now = utcnow()
     worker.served_model_name = served_model_name
-    # A provider that knows a better (reachable) endpoint keeps it (scheduler reconciliation).
-    worker.engine_endpoint = worker.engine_endpoint or engine_endpoint
+    worker.engine_endpoint = engine_endpoint
     worker.engine_secret = engine_secret
+    worker.engine_certificate = engine_certificate
     worker.capacity = capacity
     worker.hardware = hardware
-    worker.status = "ready"
-    worker.status_message = None
+    worker.status = "ready" if unreachable is None else "unreachable"
+    worker.status_message = unreachable
     worker.served = []
     worker.last_heartbeat_at = now
     worker.last_active_at = now
@@ -108,14 +129,21 @@ def register(
 
 
 def heartbeat(
-    session: Session, *, worker: Worker, status: str, served: list[dict[str, Any]]
+    session: Session,
+    *,
+    worker: Worker,
+    status: str,
+    served: list[dict[str, Any]],
+    unreachable: str | None = None,
 ) -> Worker:
-    if status not in REPORTED_STATUSES:
-        raise InvalidRequest(
-            f"status {status!r} is not one a worker reports: {sorted(REPORTED_STATUSES)}"
-        )
+    """Record a heartbeat; ``unreachable`` (why the front door was not reached) keeps an
+    unreachable worker so, with the reason, instead of taking the status it reports."""
     worker.last_heartbeat_at = utcnow()
-    if worker.status != "draining":
+    if worker.status == "unreachable" and unreachable is not None:
+        worker.status_message = unreachable
+    elif worker.status != "draining":
+        if worker.status == "unreachable":
+            worker.status_message = None
         worker.status = status
     worker.served = [{"model_id": str(s["model_id"]), "step": int(s["step"])} for s in served]
     session.commit()
@@ -128,7 +156,7 @@ def silent_workers(session: Session, *, timeout_s: float) -> list[Worker]:
     return list(
         session.scalars(
             select(Worker).where(
-                Worker.status.in_(("ready", "training", "draining", "starting")),
+                Worker.status.in_(REGISTERED_STATUSES),
                 Worker.last_heartbeat_at.is_not(None),
                 Worker.last_heartbeat_at < cutoff,
             )

@@ -50,6 +50,11 @@ def serve(
     threads: int | None = typer.Option(
         None, min=1, help="CPU engine: torch threads. Default: half the CPU cores."
     ),
+    max_lora_rank: int | None = typer.Option(
+        None,
+        min=1,
+        help="Largest LoRA rank of an adapter it loads. Default: $SKYTRAIN_ENGINE_MAX_LORA_RANK.",
+    ),
     log_level: str = typer.Option("info", help="debug | info | warning | error."),
 ) -> None:
     """Serve a base model and its LoRA adapters over vLLM's OpenAI-compatible HTTP API."""
@@ -71,6 +76,7 @@ def serve(
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             threads=threads,
+            max_lora_rank=max_lora_rank,
         )
         if kind == "vllm":
             from skytrain_backend.engine.vllm import vllm_command
@@ -89,6 +95,7 @@ def serve(
             max_num_seqs=options.max_num_seqs or 32,
             dtype=options.dtype,
             threads=options.threads,
+            max_lora_rank=options.max_lora_rank,
             log_level=log_level,
         )
     except SkytrainError as exc:

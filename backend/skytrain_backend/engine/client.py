@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from skytrain_backend.errors import EngineError
+from skytrain_backend.errors import EngineError, EngineRefused
 from skytrain_backend.protocol import TOKEN_ID_PREFIX
 
 
@@ -63,7 +63,10 @@ class EngineClient:
                 f"engine at {self.base_url} did not answer {method} {path}: {exc}"
             ) from exc
         if response.is_error:
-            raise EngineError(
+            # A 4xx is the request's own fault (sending it again changes nothing); 401/403
+            # and 5xx are the engine's or the credentials'.
+            refused = 400 <= response.status_code < 500 and response.status_code not in (401, 403)
+            raise (EngineRefused if refused else EngineError)(
                 f"engine at {self.base_url} refused {method} {path} "
                 f"({response.status_code}): {_error_message(response)}"
             )
@@ -121,8 +124,10 @@ class EngineClient:
     async def unload_lora(self, name: str) -> None:
         await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
-    async def sleep(self, level: int = 1) -> None:
-        await self._request("POST", "/sleep", params={"level": level})
+    async def sleep(self, level: int = 1, *, mode: str = "wait") -> None:
+        """Put the engine to sleep; ``wait`` (the default here, unlike vLLM's ``abort``) lets
+        the requests in flight finish first, refusing new ones."""
+        await self._request("POST", "/sleep", params={"level": level, "mode": mode})
 
     async def wake_up(self) -> None:
         await self._request("POST", "/wake_up")
@@ -130,6 +135,23 @@ class EngineClient:
     async def is_sleeping(self) -> bool:
         response = await self._request("GET", "/is_sleeping")
         return bool(response.json()["is_sleeping"])
+
+    async def control_log(self) -> list[dict[str, Any]] | None:
+        """The control calls the engine carried out, with their times (the CPU engine keeps
+        them); None for an engine that keeps no such log (vLLM)."""
+        response = await self._http.get("/control_log")
+        if response.status_code == 404:
+            return None
+        if response.is_error:
+            raise EngineError(
+                f"engine at {self.base_url} refused GET /control_log "
+                f"({response.status_code}): {_error_message(response)}"
+            )
+        return list(response.json()["data"])
+
+    async def check_generates(self, name: str, prompt: str = "Hello") -> None:
+        """One greedy token through ``name``: EngineError unless the engine generates with it."""
+        await self._greedy(name, prompt, 1)
 
     async def verify_adapter(
         self,

@@ -59,6 +59,7 @@ def hf_command(options: EngineOptions) -> EngineCommand:
         argv += ["--max-num-seqs", str(options.max_num_seqs)]
     if options.threads is not None:
         argv += ["--threads", str(options.threads)]
+    argv += ["--max-lora-rank", str(options.max_lora_rank)]
     env = {API_KEY_ENV: options.api_key} if options.api_key else {}
     return EngineCommand(argv=argv + list(options.extra_args), env=env)
 

@@ -3,8 +3,11 @@
 Errors are vLLM's JSON (``{"error": {"message", "type", "param", "code"}}``) with the status of
 the skytrain error behind them: 400 for a malformed request or a bad adapter path, 404 for an
 unknown model or adapter, 503 while the engine sleeps. A failed request changes nothing: the
-engine keeps serving. With an API key, every ``/v1`` route requires ``Authorization: Bearer
-<key>`` (``/health``, ``/sleep`` and ``/wake_up`` stay open, as in vLLM).
+engine keeps serving. With an API key, every route but ``/health`` requires ``Authorization:
+Bearer <key>``: the ``/v1`` routes, and the control routes (``/sleep``, ``/wake_up``,
+``/is_sleeping``, ``/control_log``), which vLLM leaves open and skytrain keeps to its worker.
+``/control_log`` (skytrain's own) lists the control calls the engine carried out, with their
+times: what the worker's job timeline reports.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
-from skytrain_backend.engine.hf.engine import HFEngine
+from skytrain_backend.engine.hf.engine import HFEngine, SleepMode
 from skytrain_backend.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,6 +62,7 @@ def _check_api_key(request: Request) -> None:
 ServingDep = Annotated[OpenAIServing, Depends(_serving)]
 
 router = APIRouter()
+control = APIRouter(dependencies=[Depends(_check_api_key)])
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
 
@@ -67,23 +71,30 @@ async def health() -> Response:
     return Response(status_code=200)
 
 
-@router.post("/sleep")
+@control.post("/sleep")
 async def sleep(
-    serving: ServingDep, level: Annotated[int, Query(ge=0, le=2)] = 1
+    serving: ServingDep,
+    level: Annotated[int, Query(ge=0, le=2)] = 1,
+    mode: SleepMode = "abort",
 ) -> dict[str, Any]:
-    await serving.engine.sleep()
+    await serving.engine.sleep(mode)
     return {"status": "sleeping", "level": level}
 
 
-@router.post("/wake_up")
+@control.post("/wake_up")
 async def wake_up(serving: ServingDep) -> dict[str, Any]:
     await serving.engine.wake_up()
     return {"status": "awake"}
 
 
-@router.get("/is_sleeping")
+@control.get("/is_sleeping")
 async def is_sleeping(serving: ServingDep) -> dict[str, bool]:
     return {"is_sleeping": serving.engine.is_sleeping}
+
+
+@control.get("/control_log")
+async def control_log(serving: ServingDep) -> dict[str, Any]:
+    return {"data": list(serving.engine.control_log)}
 
 
 @v1.get("/models")
@@ -170,6 +181,7 @@ def create_app(engine: HFEngine, *, api_key: str | None = None) -> FastAPI:
     app.state.serving = OpenAIServing(engine)
     app.state.api_key = api_key
     app.include_router(router)
+    app.include_router(control)
     app.include_router(v1)
     app.add_exception_handler(SkytrainError, _skytrain_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
@@ -195,6 +207,7 @@ def serve(
     max_num_seqs: int = 32,
     dtype: str = "auto",
     threads: int | None = None,
+    max_lora_rank: int | None = None,
     log_level: str = "info",
 ) -> None:
     """Load ``model`` (a Hugging Face id or a directory) and serve it until interrupted."""
@@ -213,5 +226,6 @@ def serve(
         max_model_len=max_model_len,
         max_num_seqs=max_num_seqs,
         dtype=dtype,
+        max_lora_rank=max_lora_rank,
     )
     uvicorn.run(create_app(engine, api_key=api_key), host=host, port=port, log_level=log_level)

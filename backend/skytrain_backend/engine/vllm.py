@@ -4,10 +4,13 @@ Flags as of vLLM 0.34 (``vllm/engine/arg_utils.py``, ``vllm/entrypoints/common/c
 LoRA must be enabled at start-up with a maximum rank and a number of adapters resident at once;
 adapters are then loaded at run time through ``/v1/load_lora_adapter``, which vLLM only allows
 with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``. ``/sleep`` and ``/wake_up`` need
-``--enable-sleep-mode`` and exist only in dev mode (``VLLM_SERVER_DEV_MODE=1``). Tool calls are
-parsed with the ``hermes`` parser, the format skytrain's chat templates use. The API key goes
-through ``VLLM_API_KEY`` rather than the command line, where any user of the machine could
-read it.
+``--enable-sleep-mode`` and exist only in dev mode (``VLLM_SERVER_DEV_MODE=1``), which also
+opens ``/collective_rpc``, ``/pause``, weight updates... that vLLM's API key does not guard. So
+the worker runs vLLM on 127.0.0.1 only: nothing outside the worker reaches it, and the outside
+world talks to the worker's front door (``worker.frontdoor``), which forwards inference routes
+alone. Tool calls are parsed with the ``hermes`` parser, the format skytrain's chat templates
+use. The API key goes through ``VLLM_API_KEY`` rather than the command line, where any user of
+the machine could read it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,16 @@ def lora_rank_slot(rank: int) -> int:
     raise ConfigurationError(f"LoRA rank {rank} is above vLLM's largest ({LORA_RANKS[-1]})")
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
 def vllm_command(options: EngineOptions) -> EngineCommand:
+    if options.host not in LOOPBACK_HOSTS:
+        raise ConfigurationError(
+            f"vLLM would listen on {options.host}, but its dev-mode routes (sleep, "
+            "collective_rpc, weight updates) are open to anyone who reaches it: it listens on "
+            "127.0.0.1 only. Reach it from outside through `skytrain worker`'s front door"
+        )
     argv = [
         sys.executable,
         "-m",

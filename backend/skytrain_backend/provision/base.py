@@ -39,7 +39,7 @@ class ClusterInfo:
     worker_id: str
     cluster_name: str
     state: ClusterState
-    # Base URL of the worker's engine as reachable from the control plane, when known.
+    # The worker's front door (https) as the control plane reaches it, when known.
     engine_endpoint: str | None = None
     # The provider's own words on why a launch failed or a cluster went away.
     message: str | None = None

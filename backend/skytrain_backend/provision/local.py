@@ -69,6 +69,9 @@ class LocalProvider(Provider):
                 "SKYTRAIN_WORKER_TOKEN": launch.join_token,
                 "SKYTRAIN_WORKER_BASE_MODEL": launch.base_model,
                 "SKYTRAIN_ENGINE_SECRET": launch.engine_secret,
+                # The front door on loopback, on a port of its own: the control plane is here.
+                "SKYTRAIN_WORKER_HOST": "127.0.0.1",
+                "SKYTRAIN_WORKER_PORT": "0",
                 "PYTHONUNBUFFERED": "1",
             }
         )

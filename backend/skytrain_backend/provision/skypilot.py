@@ -8,7 +8,7 @@ the request's result. Launches and teardowns wait in background threads, so ``la
 ``skypilot_status_interval_s``) which clusters exist and reports:
 
 - ``launching`` while ``sky launch`` runs (with SkyPilot's progress note when it has one);
-- ``up`` with the engine's endpoint from ``sky endpoints`` once the cluster is UP;
+- ``up`` with the worker's front door endpoint from ``sky endpoints`` once the cluster is UP;
 - ``failed`` with SkyPilot's own error message when the launch fails (no capacity, quota,
   missing credentials, no cloud enabled), once; a half-made cluster is torn down;
 - ``gone`` when a cluster it launched disappears or stops (spot preemption, autostop, a
@@ -16,14 +16,17 @@ the request's result. Launches and teardowns wait in background threads, so ``la
 
 Clusters whose name carries the prefix (``skytrain-``) that the provider did not launch, e.g.
 after a control plane restart, are reported too, so the scheduler adopts those of live
-workers and stops the others. The SkyPilot SDK calls sit behind ``SkyApi``; tests put a fake
-cloud there and everything else runs for real, including SkyPilot's own task parsing.
+workers and stops the others. At start-up it runs ``sky check`` in the background and writes
+what SkyPilot says (which clouds workers can launch on, or why none) to the control plane's
+log. The SkyPilot SDK calls sit behind ``SkyApi``; tests put a fake cloud there and
+everything else runs for real, including SkyPilot's own task parsing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import logging
 import re
 import threading
@@ -50,6 +53,8 @@ _WORKER_YAML_CANDIDATES = (
 )
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 MAX_MESSAGE_CHARS = 4000
+# `sky check` at start-up may start SkyPilot's API server and ask every cloud: give it time.
+SKY_CHECK_TIMEOUT_S = 180.0
 
 
 class SkyApi(Protocol):
@@ -71,6 +76,54 @@ class SkyApi(Protocol):
     def get(self, request_id: Any) -> Any: ...
 
     def stream_and_get(self, request_id: Any, *, output_stream: IO[str]) -> Any: ...
+
+    def check(self, infra_list: tuple[str, ...] | None, verbose: bool) -> Any: ...
+
+
+class _SkyPilotSdk:
+    """The real ``SkyApi``: SkyPilot's client SDK."""
+
+    def launch(
+        self, task: Any, *, cluster_name: str, idle_minutes_to_autostop: int, down: bool
+    ) -> Any:
+        import sky
+
+        return sky.launch(
+            task,
+            cluster_name=cluster_name,
+            idle_minutes_to_autostop=idle_minutes_to_autostop,
+            down=down,
+        )
+
+    def status(self, cluster_names: list[str] | None = None, *, refresh: Any) -> Any:
+        import sky
+
+        return sky.status(cluster_names, refresh=refresh)
+
+    def endpoints(self, cluster: str, port: int) -> Any:
+        import sky
+
+        return sky.endpoints(cluster, port)
+
+    def down(self, cluster_name: str) -> Any:
+        import sky
+
+        return sky.down(cluster_name)
+
+    def get(self, request_id: Any) -> Any:
+        import sky
+
+        return sky.get(request_id)
+
+    def stream_and_get(self, request_id: Any, *, output_stream: IO[str]) -> Any:
+        import sky
+
+        return sky.stream_and_get(request_id, output_stream=cast(io.TextIOBase, output_stream))
+
+    def check(self, infra_list: tuple[str, ...] | None, verbose: bool) -> Any:
+        from sky.client import sdk
+
+        return sdk.check(infra_list, verbose)
 
 
 def default_worker_yaml() -> Path:
@@ -129,12 +182,12 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
     if settings.skypilot_disk_size_gb is not None:
         resources["disk_size"] = settings.skypilot_disk_size_gb
     resources["use_spot"] = settings.skypilot_use_spot
-    resources["ports"] = settings.skypilot_engine_port
+    resources["ports"] = settings.skypilot_worker_port
     envs = {
         **launch.envs,
         "SKYTRAIN_CONTROL_PLANE_URL": launch.control_plane_url,
         "SKYTRAIN_WORKER_BASE_MODEL": launch.base_model,
-        "ENGINE_PORT": str(settings.skypilot_engine_port),
+        "WORKER_PORT": str(settings.skypilot_worker_port),
     }
     secrets = {
         "SKYTRAIN_WORKER_TOKEN": launch.join_token,
@@ -188,13 +241,51 @@ class SkyPilotProvider(Provider):
         self._task_path = settings.skypilot_worker_yaml or default_worker_yaml()
         self._task_config = load_task_config(self._task_path)
         self._check_task()
-        self._sky: SkyApi = sky_api if sky_api is not None else _real_sky_api()
+        self._sky: SkyApi = sky_api if sky_api is not None else _SkyPilotSdk()
         self._clock = clock
         self._lock = threading.Lock()
         self._clusters: dict[str, _Cluster] = {}
         # Clusters with a `sky down` in flight: never adopted, never reported as unknown.
         self._downing: set[str] = set()
         self._next_status_at = 0.0
+        self.check_report = threading.Thread(
+            target=self._report_sky_check, name="sky-check", daemon=True
+        )
+        self.check_report.start()
+
+    def _report_sky_check(self) -> None:
+        """``sky check`` once at start-up, into the control plane's log: which clouds workers
+        can launch on, or why none. Off the request path, and given up after a while."""
+        output = io.StringIO()
+        outcome: list[str] = []
+
+        def check() -> None:
+            try:
+                enabled = self._sky.stream_and_get(
+                    self._sky.check(None, False), output_stream=output
+                )
+                outcome.append(f"enabled: {enabled}")
+            except Exception as exc:
+                outcome.append(f"failed: {describe_error(exc)}")
+
+        running = threading.Thread(target=check, name="sky-check-request", daemon=True)
+        running.start()
+        running.join(SKY_CHECK_TIMEOUT_S)
+        said = _ANSI_ESCAPE.sub("", output.getvalue()).strip()
+        if not outcome:
+            logger.warning(
+                "sky check did not finish within %.0fs; its output so far:\n%s",
+                SKY_CHECK_TIMEOUT_S,
+                said,
+            )
+        elif outcome[0].startswith("failed"):
+            logger.warning(
+                "sky check %s: workers cannot launch until it passes. Its output:\n%s",
+                outcome[0],
+                said,
+            )
+        else:
+            logger.info("sky check (%s):\n%s", outcome[0], said)
 
     def _check_task(self) -> None:
         """Refuse to start with a worker task SkyPilot would reject at the first launch."""
@@ -399,8 +490,11 @@ class SkyPilotProvider(Provider):
         }
 
     def _endpoint(self, name: str) -> str | None:
-        """The engine's URL as SkyPilot exposes it, or None while the port is not open yet."""
-        port = self._settings.skypilot_engine_port
+        """The front door's URL as SkyPilot exposes it, or None while the port is not open yet.
+
+        The front door speaks HTTPS only, whatever scheme SkyPilot's answer names.
+        """
+        port = self._settings.skypilot_worker_port
         try:
             endpoints = self._sky.get(self._sky.endpoints(name, port))
         except Exception as exc:
@@ -410,13 +504,7 @@ class SkyPilotProvider(Provider):
         if not url:
             return None
         url = str(url).rstrip("/")
-        return url if "://" in url else f"http://{url}"
-
-
-def _real_sky_api() -> SkyApi:
-    import sky
-
-    return cast(SkyApi, sky)
+        return "https://" + url.split("://", 1)[-1]
 
 
 def _status_name(record: Any) -> str | None:

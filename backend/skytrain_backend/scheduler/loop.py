@@ -18,6 +18,7 @@ import contextlib
 import logging
 import secrets
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -58,6 +59,9 @@ class Scheduler:
         self._role_logged = False
         # Held by a pass: shutting down waits for one still running in its thread.
         self._pass_lock = threading.Lock()
+        # Told the id of each worker that ended (the gateway closes its connection to it);
+        # called from the scheduler's thread.
+        self.on_worker_gone: Callable[[str], None] = lambda worker_id: None
         self._wake: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -91,9 +95,13 @@ class Scheduler:
             for worker_id in worker_ids:
                 worker = session.get(Worker, worker_id)
                 if worker is not None and worker.status in worker_rows.LIVE_STATUSES:
-                    placement.worker_gone(
+                    self._worker_gone(
                         session, worker=worker, status="stopped", reason="the control plane stopped"
                     )
+
+    def _worker_gone(self, session: Session, *, worker: Worker, status: str, reason: str) -> None:
+        placement.worker_gone(session, worker=worker, status=status, reason=reason)
+        self.on_worker_gone(worker.id)
 
     def wake(self) -> None:
         """Run a pass soon; safe to call from any thread."""
@@ -149,7 +157,7 @@ class Scheduler:
                 session, timeout_s=s.worker_heartbeat_timeout_s
             ):
                 drained = worker.status == "draining"
-                placement.worker_gone(
+                self._worker_gone(
                     session,
                     worker=worker,
                     status="stopped" if drained else "lost",
@@ -192,7 +200,7 @@ class Scheduler:
             worker.cluster_name = self.provider.launch(launch)
         except Exception as exc:
             logger.exception("launching a worker for %s failed", base_model)
-            placement.worker_gone(session, worker=worker, status="failed", reason=str(exc))
+            self._worker_gone(session, worker=worker, status="failed", reason=str(exc))
             return
         session.commit()
         logger.info("launching worker %s for %s (%s)", worker.id, base_model, worker.cluster_name)
@@ -209,6 +217,8 @@ class Scheduler:
             "SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE": s.engine_tensor_parallel_size,
             "SKYTRAIN_ENGINE_MAX_MODEL_LEN": s.engine_max_model_len,
             "SKYTRAIN_WORKER_MAX_MODELS": s.worker_max_models,
+            "SKYTRAIN_WORKER_SLEEP_ENGINE": s.worker_sleep_engine,
+            "SKYTRAIN_TRAINER_MEMORY_LIMIT_MB": s.trainer_memory_limit_mb,
         }
         return {key: str(value) for key, value in envs.items() if value is not None}
 
@@ -227,16 +237,23 @@ class Scheduler:
                 # A worker that never registered failed to start (no retry for a while); one
                 # that ran and died is lost, and a replacement is started at once.
                 status = "lost" if worker.last_heartbeat_at is not None else "failed"
-                placement.worker_gone(
+                self._worker_gone(
                     session, worker=worker, status=status, reason=info.message or "failed"
                 )
             elif info.state == "gone":
                 status = "stopped" if worker.status == "draining" else "lost"
-                placement.worker_gone(
+                self._worker_gone(
                     session, worker=worker, status=status, reason=info.message or "gone"
                 )
             elif info.engine_endpoint and worker.engine_endpoint != info.engine_endpoint:
                 worker.engine_endpoint = info.engine_endpoint
+                if worker.status in ("ready", "training", "sleeping"):
+                    # Routed to again once its next heartbeat reaches it there.
+                    worker.status = "unreachable"
+                    worker.status_message = (
+                        f"trying the address {self.provider.name} reports for this worker: "
+                        f"{info.engine_endpoint}"
+                    )
                 session.commit()
             elif info.state == "launching" and info.message != worker.status_message:
                 worker.status_message = info.message
@@ -252,7 +269,7 @@ class Scheduler:
             )
         ):
             if worker.id not in known:
-                placement.worker_gone(
+                self._worker_gone(
                     session,
                     worker=worker,
                     status="lost",
@@ -266,7 +283,7 @@ class Scheduler:
             session.commit()
             if worker.cluster_name:
                 self.provider.terminate(worker.cluster_name)
-            placement.worker_gone(session, worker=worker, status="stopped", reason="idle")
+            self._worker_gone(session, worker=worker, status="stopped", reason="idle")
         else:
             # A worker started by hand: ask it to drain; it exits at its next heartbeat.
             worker.status = "draining"

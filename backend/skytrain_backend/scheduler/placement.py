@@ -9,6 +9,8 @@ are started and stopped.
   ``max_workers``. A launch that failed is not retried for ``worker_launch_backoff_s``, so a
   missing cloud credential shows up as the model's status instead of a launch loop.
 - A worker with no active model for ``worker_idle_timeout_s`` is stopped.
+- A model goes only to a worker whose engine loads adapters of its LoRA rank; a model (or a
+  job) no worker for its base model could serve is refused up front (``check_lora_rank``).
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import queue
 
 logger = logging.getLogger(__name__)
 
-PLACEABLE_STATUSES = ("provisioning", "starting", "ready", "training")
+# Models wait on an unreachable worker (it may be reached once the provider reports its
+# address) and on one whose engine sleeps during a job.
+PLACEABLE_STATUSES = ("provisioning", "starting", "unreachable", "ready", "training", "sleeping")
 
 
 def _has_open_job() -> object:
@@ -65,7 +71,9 @@ def place_models(
     """
     launched: set[str] = set()
     for model in active_models_without_worker(session, idle_timeout_s=idle_timeout_s):
-        worker = _worker_with_room(session, base_model=model.base_model)
+        worker = _worker_with_room(
+            session, base_model=model.base_model, lora_rank=_lora_rank(model)
+        )
         if worker is not None:
             model.worker_id = worker.id
             worker.last_active_at = utcnow()
@@ -89,7 +97,17 @@ def place_models(
         launch(base)
 
 
-def _worker_with_room(session: Session, *, base_model: str) -> Worker | None:
+def _lora_rank(model: Model) -> int:
+    return ModelConfig.model_validate(model.config or {}).lora_rank
+
+
+def _rank_limit(worker: Worker) -> int | None:
+    """The largest LoRA rank the worker's engine loads, as it registered it (None: any)."""
+    limit = (worker.capacity or {}).get("max_lora_rank")
+    return None if limit is None else int(limit)
+
+
+def _worker_with_room(session: Session, *, base_model: str, lora_rank: int) -> Worker | None:
     placed = select(func.count(Model.id)).where(Model.worker_id == Worker.id).scalar_subquery()
     candidates = session.execute(
         select(Worker, placed)
@@ -97,9 +115,44 @@ def _worker_with_room(session: Session, *, base_model: str) -> Worker | None:
         .order_by(placed, Worker.created_at)
     ).all()
     for worker, count in candidates:
+        limit = _rank_limit(worker)
+        if limit is not None and lora_rank > limit:
+            continue
         if count < int((worker.capacity or {}).get("max_models", 1)):
             return worker
     return None
+
+
+def check_lora_rank(
+    session: Session, *, base_model: str, lora_rank: int, default_limit: int
+) -> None:
+    """Refuse a LoRA rank that no worker for ``base_model`` would load (InvalidRequest).
+
+    The limit is the largest that a live registered worker for the base model reported, or,
+    with none registered yet, ``default_limit`` (``SKYTRAIN_ENGINE_MAX_LORA_RANK``: what the
+    workers this control plane starts are given).
+    """
+    workers = session.scalars(
+        select(Worker).where(
+            Worker.base_model == base_model, Worker.status.in_(worker_rows.REGISTERED_STATUSES)
+        )
+    ).all()
+    limits = [_rank_limit(worker) for worker in workers]
+    if any(limit is None for limit in limits):
+        return
+    largest = max([limit for limit in limits if limit is not None] or [default_limit])
+    if lora_rank <= largest:
+        return
+    whose = (
+        f"the largest the workers serving {base_model} load"
+        if limits
+        else "the largest a worker loads (SKYTRAIN_ENGINE_MAX_LORA_RANK)"
+    )
+    raise InvalidRequest(
+        f"lora_rank {lora_rank} is above {largest}, {whose}: choose a lora_rank of at most "
+        f"{largest}, or have the operator raise SKYTRAIN_ENGINE_MAX_LORA_RANK and start "
+        "workers with it"
+    )
 
 
 def _live_worker_count(session: Session) -> int:
@@ -154,7 +207,7 @@ def idle_workers(session: Session, *, idle_timeout_s: float) -> list[Worker]:
     return list(
         session.scalars(
             select(Worker).where(
-                Worker.status.in_(("ready", "training")),
+                Worker.status.in_(("unreachable", "ready", "training", "sleeping")),
                 ~active_model_on_worker,
                 or_(Worker.last_active_at.is_(None), Worker.last_active_at < since),
             )

@@ -25,18 +25,15 @@ from sqlalchemy.orm import Session, aliased
 
 from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
-from skytrain_backend.errors import Conflict, InvalidRequest, NotFound
+from skytrain_backend.errors import InvalidRequest, LeaseLost, NotFound
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
 
 _SQLITE_LEASE_LOCK = threading.Lock()
 
-WORKER_EVENT_TYPES = frozenset({"training_started", "gradient_step"})
-
-
-class LeaseLost(Conflict):
-    """The worker no longer holds the job (another attempt leased it, or it ended)."""
+# What a worker reports during a job: the end events are the control plane's own.
+WORKER_EVENT_TYPES = frozenset({"training_started", "gradient_step", "job_timeline"})
 
 
 def latest_step(session: Session, *, model_id: str) -> int:

@@ -46,6 +46,8 @@ class EngineRoute:
     worker_id: str
     engine_endpoint: str
     engine_secret: str
+    # The certificate the worker registered, which its front door must present.
+    engine_certificate: str | None
     engine_model: str
 
 
@@ -93,6 +95,7 @@ def resolve_route(
             worker_id=worker.id,
             engine_endpoint=worker.engine_endpoint.rstrip("/"),
             engine_secret=worker.engine_secret,
+            engine_certificate=worker.engine_certificate,
             engine_model=engine_model_name(worker, model_id=found.id, step=step),
         )
     finally:

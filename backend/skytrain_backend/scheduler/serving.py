@@ -17,9 +17,11 @@ from skytrain_backend.db.models import Model, TrainingJob, Worker
 from skytrain_backend.protocol import lora_name
 from skytrain_backend.scheduler.queue import latest_step
 
-ServingState = Literal["waiting", "provisioning", "starting", "loading", "ready", "failed"]
+ServingState = Literal[
+    "waiting", "provisioning", "starting", "unreachable", "training", "loading", "ready", "failed"
+]
 
-LIVE_WORKER_STATUSES = ("provisioning", "starting", "ready", "training")
+LIVE_WORKER_STATUSES = ("provisioning", "starting", "unreachable", "ready", "training", "sleeping")
 ROUTABLE_WORKER_STATUSES = ("ready", "training")
 
 
@@ -68,6 +70,27 @@ def serving_status(session: Session, *, model: Model, step: int | None = None) -
             worker_id=worker.id,
             message=f"worker {worker.id} is starting its engine for {model.base_model}",
             retry_after_s=10.0,
+        )
+    if worker.status == "unreachable":
+        return ServingStatus(
+            state="unreachable",
+            ready=False,
+            worker_id=worker.id,
+            # The address tried is the operator's (`skytrain workers list`), not the tenant's.
+            message=f"worker {worker.id} for {model.base_model} is running, but the control "
+            "plane cannot reach it yet; its operator sees the address tried and what to do in "
+            "`skytrain workers list`",
+            retry_after_s=15.0,
+        )
+    if worker.status == "sleeping":
+        return ServingStatus(
+            state="training",
+            ready=False,
+            worker_id=worker.id,
+            step=target,
+            message=f"worker {worker.id} is training: its engine sleeps while a job uses the "
+            "GPU, and serves again when the job ends",
+            retry_after_s=30.0,
         )
     if not is_served(worker, model_id=model.id, step=target):
         return ServingStatus(

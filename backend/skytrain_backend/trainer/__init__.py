@@ -16,6 +16,9 @@ runs alone on CPU (fp32) or CUDA (bf16; Unsloth when importable). Public API::
                              #  "entropy", "grad_norm", "train/num_trainable_tokens", ...}
     trainer.save(directory)  # adapter_config.json, adapter_model.safetensors (peft: vLLM and
                              # peft load it), optimizer.pt, trainer_state.json {"step", ...}
+    trainer.release()        # frees its memory, the GPU's too (a worker's engine wakes next)
+    trainer.events           # [{"event": "loaded" | "gradient_step" | "saved" | "released",
+                             #   "at": unix time, ...}]
     run = trainer.train_sft(trajectories, SFTTrainConfig(...))
     trainer.logprob_agreement(groups)  # {"max_abs_diff", "mean_abs_diff", "num_tokens"}
 
@@ -23,6 +26,10 @@ runs alone on CPU (fp32) or CUDA (bf16; Unsloth when importable). Public API::
   Hugging Face id). Without ``adapter_dir`` the adapter is fresh and seeded: its B matrices are
   zero, so it computes exactly the base model (step 0). With a checkpoint directory the adapter
   weights, the optimizer state and the step are restored, so a resumed run continues exactly.
+- Out of memory (loading, a step, saving) is ``errors.OutOfMemory``: ``memory`` refuses a row
+  whose estimated activations exceed ``activation_memory_limit_bytes`` (``Trainer.load``; on
+  CUDA, by default, the memory free then) before its forward pass, and turns CUDA's own error
+  into the same one after freeing what the step held.
 - ``trainer.step`` is the checkpoint step the adapter is at; it advances by one when a run has
   been iterated to its end (even a run with no steps, when every group had zero reward
   variance: nothing changes, but the worker still commits the next step).
@@ -33,7 +40,7 @@ runs alone on CPU (fp32) or CUDA (bf16; Unsloth when importable). Public API::
   penalty against the base model (``loss``).
 
 Modules: ``advantages``, ``tokenize``, ``packing``, ``loss`` (pure functions), ``model`` (loading
-and the forward pass), ``trainer`` (the loop).
+and the forward pass), ``memory`` (activation estimates, out of memory), ``trainer`` (the loop).
 """
 
 from skytrain_backend.trainer.trainer import Trainer, TrainingRun

@@ -8,7 +8,9 @@ default) so small updates are not rounded away.
 
 Unsloth replaces the attention code, and custom 4D attention masks are not part of what it
 promises, so with Unsloth every sequence gets its own row (``supports_packed_rows`` is False)
-and the forward is an ordinary causal one.
+and the forward is an ordinary causal one. It loads the exact repository asked for
+(``use_exact_model_name``), the one the engine serves; the worker imports it before
+transformers and peft, as it needs.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from skytrain_backend import hub
 from skytrain_backend.errors import TrainingError
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.trainer.loss import token_logprobs
+from skytrain_backend.trainer.memory import ActivationBudget
 from skytrain_backend.trainer.packing import PackedRow
 
 logger = logging.getLogger(__name__)
@@ -74,6 +77,9 @@ def _load_with_unsloth(
         dtype=torch.bfloat16,
         load_in_4bit=False,
         device_map={"": device.index or 0},
+        # Train exactly the repository the engine serves: without it, Unsloth swaps in its
+        # own copy of well-known models (unsloth/...), whose weights may differ.
+        use_exact_model_name=True,
     )
     model = fast.get_peft_model(
         model,
@@ -120,6 +126,8 @@ class Policy:
         self._decoder = base.get_decoder()
         self._lm_head = base.get_output_embeddings()
         self._softcap = getattr(base.config, "final_logit_softcapping", None)
+        # Set by the trainer: refuses rows whose activations would not fit (None: no check).
+        self.budget: ActivationBudget | None = None
 
     @classmethod
     def load(cls, base_model: str, *, model_config: ModelConfig, device: torch.device) -> Policy:
@@ -224,6 +232,8 @@ class Policy:
         self, row: PackedRow, *, chunk_size: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs (with gradient, if enabled) and entropies at the row's prediction sites."""
+        if self.budget is not None and torch.is_grad_enabled():
+            self.budget.check(row_tokens=len(row), chunk_size=chunk_size)
         hidden = self.hidden_states(row)
         sources = torch.tensor(row.source_positions, device=self.device)
         targets = torch.tensor(row.target_ids, device=self.device)

@@ -12,9 +12,11 @@ import functools
 import json
 import math
 import random
+import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,6 +35,12 @@ from skytrain_backend.trainer.loss import (
     kl_penalty,
     policy_loss_function,
     token_mean,
+)
+from skytrain_backend.trainer.memory import (
+    ActivationBudget,
+    ModelShape,
+    out_of_memory_as_error,
+    release_device_memory,
 )
 from skytrain_backend.trainer.model import Policy, default_device
 from skytrain_backend.trainer.packing import (
@@ -66,10 +74,14 @@ class TrainingRun:
         *,
         summary: Metrics,
         on_finished: Callable[[], None],
+        device: torch.device | None = None,
+        on_step: Callable[[Metrics], None] = lambda metrics: None,
     ) -> None:
         self._steps = list(steps)
         self.summary = summary
         self._on_finished = on_finished
+        self._device = device or torch.device("cpu")
+        self._on_step = on_step
         self._started = False
 
     @property
@@ -80,8 +92,11 @@ class TrainingRun:
         if self._started:
             raise RuntimeError("a TrainingRun performs its steps once; start a new run")
         self._started = True
-        for step in self._steps:
-            yield step()
+        for number, step in enumerate(self._steps, start=1):
+            with out_of_memory_as_error(f"training step {number}", self._device):
+                metrics = step()
+            self._on_step(metrics)
+            yield metrics
         self._on_finished()
 
 
@@ -114,6 +129,10 @@ class Trainer:
         self.step = step
         # The learning rate and weight decay are set from each job's config before each step.
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.0)
+        # What happened to this trainer, with Unix times: {"event", "at", ...}. The worker
+        # reports it with each job (its timeline: loaded, steps, saved, released).
+        self.events: list[dict[str, Any]] = []
+        self.released = False
 
     @classmethod
     def load(
@@ -123,18 +142,55 @@ class Trainer:
         model_config: ModelConfig,
         adapter_dir: Path | None = None,
         device: str | None = None,
+        activation_memory_limit_bytes: int | None = None,
     ) -> Trainer:
         """The base model with a fresh adapter (step 0), or a checkpoint directory's adapter.
 
         A checkpoint directory also restores the optimizer state and step, so training resumes
-        exactly where the worker that wrote it stopped.
+        exactly where the worker that wrote it stopped. A row whose activations would not fit
+        ``activation_memory_limit_bytes`` (default: on CUDA, the memory free then; on CPU, no
+        limit) fails its step with ``OutOfMemory`` (``trainer.memory``).
         """
         torch_device = torch.device(device) if device else default_device()
-        policy = Policy.load(base_model, model_config=model_config, device=torch_device)
-        trainer = cls(policy, base_model=base_model, model_config=model_config)
-        if adapter_dir is not None:
-            trainer._restore(Path(adapter_dir))
+        with out_of_memory_as_error(f"loading {base_model}", torch_device):
+            policy = Policy.load(base_model, model_config=model_config, device=torch_device)
+            trainer = cls(policy, base_model=base_model, model_config=model_config)
+            if adapter_dir is not None:
+                trainer._restore(Path(adapter_dir))
+        policy.budget = ActivationBudget(
+            ModelShape.of(policy.model.config),
+            device=torch_device,
+            # bf16 weights on CUDA, fp32 on CPU (trainer.model).
+            dtype_bytes=2 if torch_device.type == "cuda" else 4,
+            gradient_checkpointing=model_config.gradient_checkpointing,
+            limit_bytes=activation_memory_limit_bytes,
+        )
+        trainer._record("loaded", device=str(torch_device), step=trainer.step)
         return trainer
+
+    def _record(self, event: str, **data: Any) -> None:
+        self.events.append({"event": event, "at": time.time(), **data})
+
+    def _record_step(self, metrics: Metrics) -> None:
+        self._record("gradient_step", loss=metrics.get("loss"))
+
+    def release(self) -> None:
+        """Free the trainer's memory, on the GPU too; it cannot train or save afterwards.
+
+        The weights move to the meta device (no storage) and the optimizer state is dropped,
+        then CUDA's cache is emptied, so an engine waking up next can map that memory again.
+        """
+        if self.released:
+            return
+        self.released = True
+        self.optimizer.state.clear()
+        self.policy.model.to("meta")
+        release_device_memory(self.policy.device)
+        self._record("released")
+
+    def _check_not_released(self) -> None:
+        if self.released:
+            raise TrainingError("this trainer was released: load it again from its checkpoint")
 
     def _restore(self, directory: Path) -> None:
         self.policy.load_adapter(directory, model_config=self.model_config)
@@ -153,16 +209,19 @@ class Trainer:
 
     def save(self, directory: Path) -> None:
         """Write a checkpoint directory: the peft adapter, optimizer state and trainer state."""
+        self._check_not_released()
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        self.policy.save_adapter(directory)
-        torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_STATE)
+        with out_of_memory_as_error("saving the checkpoint", self.policy.device):
+            self.policy.save_adapter(directory)
+            torch.save(self.optimizer.state_dict(), directory / OPTIMIZER_STATE)
         state = {
             "step": self.step,
             "base_model": self.base_model,
             "config": self.model_config.model_dump(mode="json"),
         }
         (directory / TRAINER_STATE).write_text(json.dumps(state, indent=2) + "\n")
+        self._record("saved", step=self.step)
 
     # --- data --------------------------------------------------------------------------------
 
@@ -201,6 +260,7 @@ class Trainer:
         with zero reward variance are skipped; if all are, the run has no steps and iterating
         it still advances ``step`` (the worker commits the next checkpoint all the same).
         """
+        self._check_not_released()
         policy_loss_function(config.loss_fn)  # an unknown loss fails before any work
         try:
             check_trainable(
@@ -230,7 +290,13 @@ class Trainer:
         # LoRA dropout draws from torch's global generator: seeded per job and step, a rerun of
         # the same job on a new worker draws the same masks.
         torch.manual_seed(config.seed + self.step)
-        return TrainingRun(steps, summary=summary, on_finished=self._finish_step)
+        return TrainingRun(
+            steps,
+            summary=summary,
+            on_finished=self._finish_step,
+            device=self.policy.device,
+            on_step=self._record_step,
+        )
 
     def _rl_step(
         self, rows: Sequence[PackedRow], packing: Packing, config: RLTrainConfig
@@ -300,6 +366,7 @@ class Trainer:
         and an optimizer state shared with RL checkpoints. The splice tokenizer and loop here
         already do both jobs.
         """
+        self._check_not_released()
         if not trajectories:
             raise TrainingError("no trajectories to train on: send at least one")
         sequences = tokenize_sft_trajectories(
@@ -351,7 +418,13 @@ class Trainer:
             "train/num_gradient_steps": float(len(steps)),
         }
         torch.manual_seed(config.seed + self.step)
-        return TrainingRun(steps, summary=summary, on_finished=self._finish_step)
+        return TrainingRun(
+            steps,
+            summary=summary,
+            on_finished=self._finish_step,
+            device=self.policy.device,
+            on_step=self._record_step,
+        )
 
     def _sft_step(self, packing: Packing, learning_rate: float, config: SFTTrainConfig) -> Metrics:
         self.policy.model.train()

@@ -5,9 +5,26 @@ Two loops run side by side:
 - the heartbeat loop tells the control plane what the engine serves, learns which models (and
   which of their steps) are placed here, keeps the engine's adapters in line with that, and
   restarts the engine if it dies;
-- the job loop leases a training job, trains it with the trainer library, uploads the new
-  checkpoint, hot-loads it into the engine, verifies it is served, and only then commits it,
-  so a client that sees ``training_ended`` gets the new step on its next request.
+- the job loop leases a training job and runs it.
+
+A job on a worker whose engine shares the GPU with the trainer goes in this order, so that
+the two never hold the GPU at once:
+
+1. tell the control plane the worker is ``sleeping`` (it stops routing requests here and
+   answers 503 with ``Retry-After``), then put the engine to sleep, letting the requests in
+   flight finish (``/sleep?mode=wait``), not aborting them;
+2. load the trainer onto the memory the engine freed, train, save the checkpoint;
+3. free the trainer's memory and empty the CUDA cache (vLLM's wake-up maps all of its
+   memory again), then wake the engine;
+4. load the new adapter, check that the engine generates with it, upload the checkpoint,
+   report the job's timeline (the engine's own log of its control calls, and the trainer's
+   events) and only then commit, so a client that sees ``training_ended`` gets the new step
+   on its next request.
+
+A job that fails, out of memory included, is reported and the worker goes on serving: its
+trainer is freed and the engine woken (or restarted) whatever happened. Failures a retry
+cannot fix (bad config, an adapter the engine refuses, out of memory at the same size) are
+reported as not retryable.
 
 Every change of state goes through the control plane over HTTP (``ControlPlaneClient``).
 """
@@ -25,16 +42,27 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from skytrain_backend.errors import SkytrainError, TrainingError
+from skytrain_backend.errors import (
+    EngineRefused,
+    LeaseLost,
+    SkytrainError,
+    TrainingError,
+)
 from skytrain_backend.protocol import (
+    Heartbeat,
+    LeasedJob,
     ModelConfig,
     RLTrainConfig,
+    ServedCheckpoint,
     SFTTrainConfig,
     Trajectory,
     TrajectoryGroup,
+    WorkerCapacity,
+    WorkerRegistration,
+    WorkerStatus,
     lora_name,
 )
-from skytrain_backend.worker.client import ControlPlaneClient, LeaseLost
+from skytrain_backend.worker.client import ControlPlaneClient
 
 if TYPE_CHECKING:
     from skytrain_backend.engine.client import EngineClient
@@ -74,8 +102,20 @@ class _RunningJob:
     id: str
     model_id: str
     attempt: int
+    started_at: float = field(default_factory=time.time)
     cancelled: bool = False
     lease_lost: bool = False
+    # The job's trainer while it holds memory; freed (or cached) when the job ends.
+    trainer: Trainer | None = None
+    # The trainer freed after a failure, whose events the failure's timeline reports.
+    released_trainer: Trainer | None = None
+
+
+@dataclass(frozen=True)
+class _Failure:
+    message: str
+    retryable: bool = False
+    cancelled: bool = False
 
 
 @dataclass
@@ -83,12 +123,19 @@ class AgentOptions:
     base_model: str
     served_model_name: str
     work_dir: Path
-    engine_endpoint: str
+    # The front door: its port and certificate, and its URL when the worker knows it.
+    port: int
+    certificate: str
     engine_secret: str
+    advertise_url: str | None = None
     # Put the engine to sleep while training (an engine sharing the GPU with the trainer).
     sleep_engine_during_training: bool = False
     device: str | None = None
     max_models: int = 8
+    # The largest LoRA rank the engine loads (None: any).
+    max_lora_rank: int | None = None
+    # Most bytes one training step's activations may take (None: the trainer's default).
+    trainer_memory_limit_bytes: int | None = None
     hardware: dict[str, Any] = field(default_factory=dict)
     version: str = ""
     job_poll_interval_s: float = 1.0
@@ -114,6 +161,7 @@ class WorkerAgent:
         self._served: dict[tuple[str, int], Path] = {}
         self._trainers: dict[str, tuple[int, Trainer]] = {}
         self._engine_lock = asyncio.Lock()
+        # True from the moment the engine is told to sleep until it is awake again.
         self._engine_asleep = False
         self._job: _RunningJob | None = None
         self._stopping = asyncio.Event()
@@ -124,21 +172,34 @@ class WorkerAgent:
     # --- lifecycle -----------------------------------------------------------------------------
 
     async def run(self) -> None:
+        options = self._options
         registered = await self._cp.register(
-            {
-                "base_model": self._options.base_model,
-                "served_model_name": self._options.served_model_name,
-                "engine_endpoint": self._options.engine_endpoint,
-                "engine_secret": self._options.engine_secret,
-                "capacity": {"max_models": self._options.max_models},
-                "hardware": self._options.hardware,
-                "version": self._options.version,
-            }
+            WorkerRegistration(
+                base_model=options.base_model,
+                served_model_name=options.served_model_name,
+                engine_secret=options.engine_secret,
+                port=options.port,
+                certificate=options.certificate,
+                advertise_url=options.advertise_url,
+                capacity=WorkerCapacity(
+                    max_models=options.max_models, max_lora_rank=options.max_lora_rank
+                ),
+                hardware=options.hardware,
+                version=options.version,
+            )
         )
-        self.worker_id = registered["worker_id"]
-        self._heartbeat_interval_s = float(registered.get("heartbeat_interval_s", 2.0))
-        self._lease_s = float(registered.get("lease_s", 60.0))
-        logger.info("registered as worker %s for %s", self.worker_id, self._options.base_model)
+        self.worker_id = registered.worker_id
+        self._heartbeat_interval_s = registered.heartbeat_interval_s
+        self._lease_s = registered.lease_s
+        if registered.reachable:
+            logger.info(
+                "registered as worker %s for %s; the control plane reaches it at %s",
+                self.worker_id,
+                options.base_model,
+                registered.endpoint,
+            )
+        else:
+            logger.error("registered as worker %s, but %s", self.worker_id, registered.message)
         heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
         try:
             await self._job_loop()
@@ -155,41 +216,43 @@ class WorkerAgent:
     async def _heartbeat_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                await self._heartbeat_once()
+                await self._supervise_engine()
+                await self._send_heartbeat()
+                await self._sync_adapters()
             except Exception:
                 logger.exception("heartbeat failed; retrying")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), self._heartbeat_interval_s)
 
-    async def _heartbeat_once(self) -> None:
-        await self._supervise_engine()
-        job = self._job
-        status = "training" if job else "ready"
+    def _status(self) -> WorkerStatus:
         if self._stopping.is_set():
-            status = "draining"
+            return "draining"
+        if self._engine_asleep:
+            return "sleeping"
+        return "training" if self._job else "ready"
+
+    async def _send_heartbeat(self) -> None:
+        """Tell the control plane what the worker does and serves; learn its placements."""
+        job = self._job
+        served = [ServedCheckpoint(model_id=m, step=s) for (m, s) in self._served]
+        served += [ServedCheckpoint(model_id=m, step=0) for m in self._placements]
         answer = await self._cp.heartbeat(
-            {
-                "status": status,
-                "served": [{"model_id": m, "step": s} for (m, s) in self._served]
-                + [{"model_id": m, "step": 0} for m in self._placements],
-                "job_id": job.id if job else None,
-            }
+            Heartbeat(status=self._status(), served=served, job_id=job.id if job else None)
         )
         self._placements = {
-            item["model_id"]: _Placement(
-                model_id=item["model_id"],
-                latest_step=int(item["latest_step"]),
-                steps=[int(s) for s in item["steps"]],
-                model_config=ModelConfig.model_validate(item.get("model_config") or {}),
+            item.model_id: _Placement(
+                model_id=item.model_id,
+                latest_step=item.latest_step,
+                steps=item.steps,
+                model_config=item.model_config_,
             )
-            for item in answer.get("models", [])
+            for item in answer.models
         }
-        if job is not None and job.id in answer.get("cancel_job_ids", []):
+        if job is not None and job.id in answer.cancel_job_ids:
             job.cancelled = True
-        if answer.get("drain"):
+        if answer.drain:
             logger.info("the control plane asked this worker to drain")
             self.stop()
-        await self._sync_adapters()
 
     async def _supervise_engine(self) -> None:
         process = self._engine_process
@@ -197,8 +260,14 @@ class WorkerAgent:
             return
         logger.error("the engine died; restarting it. Its last lines:\n%s", process.log_tail())
         async with self._engine_lock:
-            self._served.clear()
-            await process.restart()
+            await self._restart_engine(process)
+
+    async def _restart_engine(self, process: EngineProcess) -> None:
+        """Start the engine again (under the engine lock): it comes back awake, serving the
+        base model only; the heartbeat loads the adapters again."""
+        self._served.clear()
+        await process.restart()
+        self._engine_asleep = False
 
     async def _sync_adapters(self) -> None:
         """Load the checkpoints placed here into the engine; unload those no longer wanted."""
@@ -209,6 +278,8 @@ class WorkerAgent:
             try:
                 directory = await self._fetch_checkpoint(*key, ENGINE_ADAPTER_FILES)
                 async with self._engine_lock:
+                    if self._engine_asleep:
+                        return
                     await self._engine.load_lora(lora_name(*key), str(directory))
                     self._served[key] = directory
                 logger.info("serving %s step %d", *key)
@@ -250,51 +321,78 @@ class WorkerAgent:
                 continue
             await self._run_job(job)
 
-    async def _run_job(self, job: dict[str, Any]) -> None:
-        running = _RunningJob(id=job["id"], model_id=job["model_id"], attempt=int(job["attempt"]))
+    async def _run_job(self, job: LeasedJob) -> None:
+        running = _RunningJob(id=job.id, model_id=job.model_id, attempt=job.attempt)
         self._job = running
         renew = asyncio.create_task(self._renew_loop(running), name=f"renew-{running.id}")
-        logger.info("job %s (attempt %d): %s", running.id, running.attempt, job["kind"])
+        logger.info("job %s (attempt %d): %s", running.id, running.attempt, job.kind)
         try:
-            await self._train_and_commit(job, running)
-        except LeaseLost as exc:
-            logger.warning("job %s: lease lost (%s); its result is discarded", running.id, exc)
-            self._trainers.pop(job["model_id"], None)
-        except _JobCancelled:
-            logger.info("job %s cancelled", running.id)
-            self._trainers.pop(job["model_id"], None)
-            await self._report_failure(running, "cancelled by the user", cancelled=True)
-        except (TrainingError, ValueError) as exc:
-            logger.warning("job %s failed: %s", running.id, exc)
-            self._trainers.pop(job["model_id"], None)
-            await self._report_failure(running, str(exc), retryable=False)
-        except Exception as exc:
-            logger.exception("job %s failed unexpectedly", running.id)
-            self._trainers.pop(job["model_id"], None)
-            await self._report_failure(running, f"{type(exc).__name__}: {exc}", retryable=True)
+            failure = await self._attempt(job, running)
+            # Recovered first, so the failure's timeline shows the trainer freed and the
+            # engine awake again; the lease is still renewed meanwhile.
+            await self._recover(running)
+            if failure is not None:
+                await self._report_failure(running, failure)
         finally:
             renew.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await renew
-            await self._wake_engine()
             self._job = None
             shutil.rmtree(self._options.work_dir / "jobs" / running.id, ignore_errors=True)
 
-    async def _report_failure(
-        self,
-        running: _RunningJob,
-        message: str,
-        *,
-        retryable: bool = False,
-        cancelled: bool = False,
-    ) -> None:
+    async def _attempt(self, job: LeasedJob, running: _RunningJob) -> _Failure | None:
+        """Run the job; what to report if it failed (None when it committed or was lost)."""
         try:
+            await self._train_and_commit(job, running)
+        except LeaseLost as exc:
+            logger.warning("job %s: lease lost (%s); its result is discarded", running.id, exc)
+            self._trainers.pop(job.model_id, None)
+        except _JobCancelled:
+            logger.info("job %s cancelled", running.id)
+            return _Failure("cancelled by the user", cancelled=True)
+        except (TrainingError, EngineRefused, ValueError) as exc:
+            # Bad data or config, an adapter the engine refuses, out of memory: the same job
+            # would fail the same way again.
+            logger.warning("job %s failed: %s", running.id, exc)
+            return _Failure(str(exc))
+        except Exception as exc:
+            if type(exc).__name__ == "OutOfMemoryError":  # torch's, raised outside the trainer
+                logger.warning("job %s ran out of memory: %s", running.id, exc)
+                return _Failure(f"out of memory: {exc}")
+            logger.exception("job %s failed unexpectedly", running.id)
+            return _Failure(f"{type(exc).__name__}: {exc}", retryable=True)
+        return None
+
+    async def _recover(self, running: _RunningJob) -> None:
+        """After a job, whatever became of it: no trainer left holding memory, the engine
+        awake (restarted if it will not wake), the control plane told."""
+        trainer, running.trainer = running.trainer, None
+        if trainer is not None:
+            running.released_trainer = trainer
+            self._trainers.pop(running.model_id, None)
+            try:
+                await asyncio.to_thread(trainer.release)
+            except Exception:
+                logger.exception("freeing the trainer of job %s failed", running.id)
+        try:
+            await self._wake_engine()
+        except Exception:
+            logger.exception("the engine did not wake up after job %s; restarting it", running.id)
+            if self._engine_process is not None:
+                async with self._engine_lock:
+                    await self._restart_engine(self._engine_process)
+        with contextlib.suppress(Exception):
+            await self._send_heartbeat()
+
+    async def _report_failure(self, running: _RunningJob, failure: _Failure) -> None:
+        try:
+            await self._report_timeline(running)
             await self._cp.fail(
                 running.id,
                 attempt=running.attempt,
-                error_message=message,
-                retryable=retryable,
-                cancelled=cancelled,
+                error_message=failure.message,
+                retryable=failure.retryable,
+                cancelled=failure.cancelled,
             )
         except LeaseLost:
             pass
@@ -312,7 +410,7 @@ class WorkerAgent:
             except Exception:
                 logger.exception("renewing the lease of job %s failed", running.id)
                 continue
-            if answer.get("cancel_requested"):
+            if answer.cancel_requested:
                 running.cancelled = True
 
     def _check(self, running: _RunningJob) -> None:
@@ -321,29 +419,34 @@ class WorkerAgent:
         if running.cancelled:
             raise _JobCancelled(f"job {running.id} was cancelled")
 
-    async def _train_and_commit(self, job: dict[str, Any], running: _RunningJob) -> None:
-        model_id: str = job["model_id"]
-        base_step = int(job["base_step"])
-        step = base_step + 1
-        model_config = ModelConfig.model_validate(job.get("model_config") or {})
+    async def _train_and_commit(self, job: LeasedJob, running: _RunningJob) -> None:
+        model_id = job.model_id
+        step = job.base_step + 1
         job_dir = self._options.work_dir / "jobs" / running.id
         times: dict[str, float] = {}  # time/<phase>_s, reported with the result
+        # Downloads first: they need the network, not the GPU the engine still holds.
         with _timed(times, "download"):
             batch_path = await self._cp.download_input(running.id, job_dir / "input.jsonl")
-        trainer = await self._trainer_for(model_id, base_step, model_config)
+            base_dir = (
+                None
+                if job.base_step == 0
+                else await self._fetch_checkpoint(model_id, job.base_step)
+            )
         self._check(running)
 
         await self._sleep_engine()
+        trainer = await self._trainer_for(model_id, job.base_step, job.model_config_, base_dir)
+        running.trainer = trainer
         started = time.monotonic()
         # Parsing, tokenizing and packing a large batch takes a while: all off the event loop.
-        if job["kind"] == "sft":
+        if job.kind == "sft":
             trajectories = await asyncio.to_thread(_read_batch, batch_path, Trajectory)
-            sft_config = SFTTrainConfig.model_validate(job.get("config") or {})
+            sft_config = SFTTrainConfig.model_validate(job.config or {})
             run = await asyncio.to_thread(trainer.train_sft, trajectories, sft_config)
             num_trajectories = len(trajectories)
         else:
             groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
-            rl_config = RLTrainConfig.model_validate(job.get("config") or {})
+            rl_config = RLTrainConfig.model_validate(job.config or {})
             run = await asyncio.to_thread(trainer.train_rl, groups, rl_config)
             num_trajectories = sum(len(g.trajectories) for g in groups)
         await self._cp.event(
@@ -373,9 +476,7 @@ class WorkerAgent:
         with _timed(times, "save"):
             await asyncio.to_thread(trainer.save, checkpoint_dir)
         files = sorted(p for p in checkpoint_dir.iterdir() if p.is_file())
-        with _timed(times, "upload"):
-            for path in files:
-                await self._cp.upload_file(running.id, path, attempt=running.attempt)
+        await self._put_trainer_away(running, model_id, step)
         await self._wake_engine()
 
         name = lora_name(model_id, step)
@@ -385,7 +486,12 @@ class WorkerAgent:
                 self._served[(model_id, step)] = checkpoint_dir
             if not await self._engine.is_serving(name):
                 raise SkytrainError(f"the engine does not serve {name} after loading it")
+            await self._engine.check_generates(name)
         self._check(running)
+        with _timed(times, "upload"):
+            for path in files:
+                await self._cp.upload_file(running.id, path, attempt=running.attempt)
+        await self._report_timeline(running, trainer)
 
         summary = {**_mean_metrics(step_metrics), **_floats(run.summary), **times}
         summary["time/training_s"] = time.monotonic() - started
@@ -398,37 +504,73 @@ class WorkerAgent:
                 with contextlib.suppress(Exception):
                     await self._engine.unload_lora(name)
                 self._served.pop((model_id, step), None)
+            self._trainers.pop(model_id, None)
             raise
-        self._remember_trainer(model_id, step, trainer)
         logger.info("job %s committed step %d of model %s", running.id, step, model_id)
 
-    async def _trainer_for(self, model_id: str, step: int, model_config: ModelConfig) -> Trainer:
+    async def _trainer_for(
+        self, model_id: str, step: int, model_config: ModelConfig, adapter_dir: Path | None
+    ) -> Trainer:
         """The model's trainer at ``step``: cached from its last job, or loaded from storage."""
         cached = self._trainers.pop(model_id, None)
         if cached is not None and cached[0] == step:
             return cached[1]
+        if cached is not None:
+            await asyncio.to_thread(cached[1].release)
         from skytrain_backend.trainer import Trainer
 
-        adapter_dir = None if step == 0 else await self._fetch_checkpoint(model_id, step)
         return await asyncio.to_thread(
             Trainer.load,
             self._options.base_model,
             model_config=model_config,
             adapter_dir=adapter_dir,
             device=self._options.device,
+            activation_memory_limit_bytes=self._options.trainer_memory_limit_bytes,
         )
 
-    def _remember_trainer(self, model_id: str, step: int, trainer: Trainer) -> None:
+    async def _put_trainer_away(self, running: _RunningJob, model_id: str, step: int) -> None:
+        """After saving: a trainer that shares the GPU with the engine is freed (the next job
+        loads it again from the checkpoint just written); otherwise it is kept for the next
+        job of its model."""
+        trainer, running.trainer = running.trainer, None
+        if trainer is None:
+            return
+        if self._options.sleep_engine_during_training:
+            await asyncio.to_thread(trainer.release)
+            return
         self._trainers[model_id] = (step, trainer)
         while len(self._trainers) > self._options.max_cached_trainers:
-            self._trainers.pop(next(iter(self._trainers)))
+            _, evicted = self._trainers.pop(next(iter(self._trainers)))
+            await asyncio.to_thread(evicted.release)
+
+    async def _report_timeline(self, running: _RunningJob, trainer: Trainer | None = None) -> None:
+        """The job's ``job_timeline`` event: what the engine and the trainer recorded of it."""
+        trainer = trainer or running.trainer or running.released_trainer
+        engine_log = None
+        with contextlib.suppress(Exception):
+            engine_log = await self._engine.control_log()
+        since = running.started_at
+        data = {
+            "engine": None
+            if engine_log is None
+            else [entry for entry in engine_log if entry["at"] >= since],
+            "trainer": []
+            if trainer is None
+            else [entry for entry in trainer.events if entry["at"] >= since],
+        }
+        await self._cp.event(running.id, attempt=running.attempt, type="job_timeline", data=data)
 
     async def _sleep_engine(self) -> None:
+        """Stop routing here, then sleep the engine once its requests in flight finished."""
         if not self._options.sleep_engine_during_training or self._engine_asleep:
             return
         async with self._engine_lock:
-            await self._engine.sleep()
             self._engine_asleep = True
+            try:
+                await self._send_heartbeat()
+            except Exception:
+                logger.exception("could not tell the control plane the engine sleeps")
+            await self._engine.sleep(mode="wait")
 
     async def _wake_engine(self) -> None:
         if not self._engine_asleep:

@@ -1,9 +1,12 @@
 """The worker's own small HTTP client for the control plane (``/v1/worker/...``).
 
 The worker never touches the database: everything goes through these calls, so the same code
-works from a laptop or from a GPU on another cloud. Idempotent calls (heartbeat, renew,
-downloads) are retried through transient failures; calls that change state once (lease,
-complete, fail) are not, and the control plane's lease rules make a lost answer harmless.
+works from a laptop or from a GPU on another cloud. Bodies and answers are the worker protocol's
+types (``protocol.py``); an answer that does not validate fails the call with the control
+plane's version in the message, since it means the two were not installed from the same
+release. Idempotent calls (heartbeat, renew, downloads) are retried through transient failures;
+calls that change state once (lease, complete, fail) are not, and the control plane's lease
+rules make a lost answer harmless.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
 from tenacity import (
     AsyncRetrying,
     retry_if_exception,
@@ -24,13 +28,27 @@ from tenacity import (
     wait_exponential,
 )
 
-from skytrain_backend.errors import Conflict, SkytrainError
+from skytrain_backend.errors import LeaseLost, SkytrainError
+from skytrain_backend.protocol import (
+    CheckpointFile,
+    Heartbeat,
+    HeartbeatAnswer,
+    JobAttempt,
+    JobCompleted,
+    JobCompletion,
+    JobEventReport,
+    JobFailed,
+    JobFailure,
+    JobLease,
+    LeasedJob,
+    LeaseRenewed,
+    WorkerEventType,
+    WorkerRegistered,
+    WorkerRegistration,
+)
 
 T = TypeVar("T")
-
-
-class LeaseLost(Conflict):
-    """The job was taken from this worker (its lease expired or it was cancelled)."""
+Answer = TypeVar("Answer", bound=BaseModel)
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -76,40 +94,40 @@ class ControlPlaneClient:
             response.raise_for_status()
         return response
 
-    async def register(self, payload: dict[str, Any]) -> dict[str, Any]:
+    async def register(self, registration: WorkerRegistration) -> WorkerRegistered:
         """Register; a worker that joined with a join token switches to the token it is given.
 
         Not retried: a join that succeeded but whose answer was lost would leave a second
         worker row behind (it is declared lost after the heartbeat timeout).
         """
-        response = await self._send("POST", "/register", json=payload)
-        answer = dict(response.json())
-        if token := answer.get("worker_token"):
-            self._http.headers["Authorization"] = f"Bearer {token}"
+        response = await self._send("POST", "/register", json=_body(registration))
+        answer = _answer(WorkerRegistered, response)
+        if answer.worker_token:
+            self._http.headers["Authorization"] = f"Bearer {answer.worker_token}"
         return answer
 
-    async def heartbeat(self, payload: dict[str, Any]) -> dict[str, Any]:
-        response = await self._retrying(lambda: self._send("POST", "/heartbeat", json=payload))
-        return dict(response.json())
-
-    async def lease(self) -> dict[str, Any] | None:
-        response = await self._send("POST", "/jobs/lease", json={})
-        return None if response.status_code == 204 else dict(response.json()["job"])
-
-    async def renew(self, job_id: str, *, attempt: int) -> dict[str, Any]:
+    async def heartbeat(self, heartbeat: Heartbeat) -> HeartbeatAnswer:
         response = await self._retrying(
-            lambda: self._send("POST", f"/jobs/{job_id}/renew", json={"attempt": attempt})
+            lambda: self._send("POST", "/heartbeat", json=_body(heartbeat))
         )
-        return dict(response.json())
+        return _answer(HeartbeatAnswer, response)
 
-    async def event(self, job_id: str, *, attempt: int, type: str, data: dict[str, Any]) -> None:
-        await self._retrying(
-            lambda: self._send(
-                "POST",
-                f"/jobs/{job_id}/events",
-                json={"attempt": attempt, "type": type, "data": data},
-            )
+    async def lease(self) -> LeasedJob | None:
+        response = await self._send("POST", "/jobs/lease", json={})
+        return None if response.status_code == 204 else _answer(JobLease, response).job
+
+    async def renew(self, job_id: str, *, attempt: int) -> LeaseRenewed:
+        body = _body(JobAttempt(attempt=attempt))
+        response = await self._retrying(
+            lambda: self._send("POST", f"/jobs/{job_id}/renew", json=body)
         )
+        return _answer(LeaseRenewed, response)
+
+    async def event(
+        self, job_id: str, *, attempt: int, type: WorkerEventType, data: dict[str, Any]
+    ) -> None:
+        body = _body(JobEventReport(attempt=attempt, type=type, data=data))
+        await self._retrying(lambda: self._send("POST", f"/jobs/{job_id}/events", json=body))
 
     async def download_input(self, job_id: str, target: Path) -> Path:
         return await self._retrying(lambda: self._download(f"/jobs/{job_id}/input", target))
@@ -139,15 +157,15 @@ class ControlPlaneClient:
 
     async def complete(
         self, job_id: str, *, attempt: int, step: int, metrics: dict[str, float], files: list[Path]
-    ) -> dict[str, Any]:
-        payload = {
-            "attempt": attempt,
-            "step": step,
-            "metrics": metrics,
-            "files": [{"name": f.name, "size": f.stat().st_size} for f in files],
-        }
-        response = await self._send("POST", f"/jobs/{job_id}/complete", json=payload)
-        return dict(response.json())
+    ) -> JobCompleted:
+        body = JobCompletion(
+            attempt=attempt,
+            step=step,
+            metrics=metrics,
+            files=[CheckpointFile(name=f.name, size=f.stat().st_size) for f in files],
+        )
+        response = await self._send("POST", f"/jobs/{job_id}/complete", json=_body(body))
+        return _answer(JobCompleted, response)
 
     async def fail(
         self,
@@ -157,14 +175,15 @@ class ControlPlaneClient:
         error_message: str,
         retryable: bool = False,
         cancelled: bool = False,
-    ) -> None:
-        payload = {
-            "attempt": attempt,
-            "error_message": error_message,
-            "retryable": retryable,
-            "cancelled": cancelled,
-        }
-        await self._send("POST", f"/jobs/{job_id}/fail", json=payload)
+    ) -> JobFailed:
+        body = JobFailure(
+            attempt=attempt,
+            error_message=error_message,
+            retryable=retryable,
+            cancelled=cancelled,
+        )
+        response = await self._send("POST", f"/jobs/{job_id}/fail", json=_body(body))
+        return _answer(JobFailed, response)
 
     async def _download(self, path: str, target: Path) -> Path:
         """Stream to a temporary file beside ``target``, then rename: never half a file."""
@@ -199,6 +218,22 @@ async def _file_chunks(path: Path, chunk_bytes: int = 1 << 20) -> AsyncIterator[
             yield chunk
     finally:
         handle.close()
+
+
+def _body(model: BaseModel) -> dict[str, Any]:
+    return model.model_dump(mode="json", by_alias=True)
+
+
+def _answer(kind: type[Answer], response: httpx.Response) -> Answer:
+    """The control plane's answer as ``kind``; a mismatch means mismatched versions."""
+    try:
+        return kind.model_validate(response.json())
+    except (ValueError, ValidationError) as exc:
+        path = response.request.url.path
+        raise SkytrainError(
+            f"the control plane answered {path} in a shape this worker does not know "
+            f"({exc}): install the control plane's version of skytrain on the worker"
+        ) from None
 
 
 def _message(response: httpx.Response) -> str:

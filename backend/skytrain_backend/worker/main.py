@@ -1,7 +1,11 @@
-"""``skytrain worker``: start the engine, then run the agent until told to stop.
+"""``skytrain worker``: start the engine and the front door, then run the agent until told to
+stop.
 
 The same entry point serves every kind of worker: a subprocess of the embedded control plane
-(the ``local`` provider), a SkyPilot cluster, or a machine an operator started by hand.
+(the ``local`` provider), a SkyPilot cluster, or a machine an operator started by hand. The
+engine listens on 127.0.0.1 with a secret only this process knows; the front door
+(``frontdoor``) is the worker's one public port: HTTPS with a certificate made here at start,
+which the worker registers and the control plane pins.
 """
 
 from __future__ import annotations
@@ -10,21 +14,28 @@ import asyncio
 import contextlib
 import hashlib
 import importlib
+import importlib.util
 import logging
 import os
 import platform
 import secrets
 import signal
 import socket
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from skytrain_backend import __version__
+import httpx
+import uvicorn
+
+from skytrain_backend import __version__, tls
 from skytrain_backend.config import EngineKind, Settings
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.worker.agent import AgentOptions, WorkerAgent
 from skytrain_backend.worker.client import ControlPlaneClient
+from skytrain_backend.worker.frontdoor import FrontDoor
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +46,21 @@ class WorkerConfig:
     token: str
     base_model: str
     engine: EngineKind
-    engine_host: str
-    engine_port: int
-    # The engine's URL as the control plane reaches it (default: http://127.0.0.1:PORT).
+    # Where the front door (HTTPS, engine secret) listens; port 0: a free one.
+    host: str
+    port: int
+    # The front door's URL as the control plane reaches it (default: the control plane takes
+    # the address the registration came from).
     advertise_url: str | None
     work_dir: Path
     device: str | None
     engine_secret: str
     startup_timeout_s: float
     max_models: int
+    # None: sleep the engine during jobs when it is vLLM (it shares the GPU with the trainer).
+    sleep_engine: bool | None
+    trainer_memory_limit_mb: int | None
+    max_request_bytes: int
 
     @classmethod
     def from_settings(cls, settings: Settings, **overrides: Any) -> WorkerConfig:
@@ -64,13 +81,19 @@ class WorkerConfig:
         if missing:
             raise ConfigurationError(f"a worker needs {', '.join(missing)}")
         assert control_plane_url and token and base_model
+        advertise_url = given.get("advertise_url")
+        if advertise_url is not None and not advertise_url.startswith("https://"):
+            raise ConfigurationError(
+                f"--advertise-url {advertise_url!r} must be an https:// URL: the worker's front "
+                "door speaks TLS only (https://HOST:PORT, the address the control plane reaches)"
+            )
         values: dict[str, Any] = {
             "control_plane_url": control_plane_url.rstrip("/"),
             "token": token,
             "base_model": base_model,
             "engine": settings.engine,
-            "engine_host": "127.0.0.1",
-            "engine_port": 0,
+            "host": settings.worker_host,
+            "port": settings.worker_port,
             "advertise_url": None,
             # One directory per worker token: several workers can share a host and a home.
             "work_dir": settings.home / "worker" / hashlib.sha256(token.encode()).hexdigest()[:12],
@@ -78,14 +101,17 @@ class WorkerConfig:
             "engine_secret": settings.engine_secret or secrets.token_urlsafe(24),
             "startup_timeout_s": settings.engine_startup_timeout_s,
             "max_models": settings.worker_max_models,
+            "sleep_engine": settings.worker_sleep_engine,
+            "trainer_memory_limit_mb": settings.trainer_memory_limit_mb,
+            "max_request_bytes": settings.max_request_bytes,
         }
         values.update(given)
         return cls(**values)
 
 
-def _free_port(host: str) -> int:
+def _free_port() -> int:
     with socket.socket() as sock:
-        sock.bind((host if host not in ("0.0.0.0", "::") else "127.0.0.1", 0))
+        sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
 
@@ -105,24 +131,76 @@ def _hardware() -> dict[str, Any]:
     return info
 
 
+def import_unsloth_first() -> None:
+    """Import Unsloth before anything imports transformers, peft or trl: it patches them at
+    import time and warns (losing its optimisations) when it comes second."""
+    if importlib.util.find_spec("unsloth") is None:
+        return
+    late = sorted(name for name in ("transformers", "peft", "trl") if name in sys.modules)
+    if late:
+        logger.warning("unsloth is imported after %s: its patches may not apply", late)
+    try:
+        importlib.import_module("unsloth")
+    except Exception as exc:  # unsloth refuses some GPUs and versions at import time
+        logger.warning("unsloth is installed but failed to import (%s); training uses peft", exc)
+
+
+def _certificate_hosts(config: WorkerConfig) -> list[str]:
+    hosts = ["127.0.0.1", "localhost", socket.gethostname()]
+    if config.advertise_url:
+        hosts.insert(0, httpx.URL(config.advertise_url).host)
+    if config.host not in ("0.0.0.0", "::", ""):
+        hosts.insert(0, config.host)
+    return hosts
+
+
+def _write_tls_files(directory: Path, certificate: str, key: str) -> tuple[Path, Path]:
+    directory.mkdir(parents=True, exist_ok=True)
+    certificate_path, key_path = directory / "front-door.crt", directory / "front-door.key"
+    certificate_path.write_text(certificate)
+    key_path.touch(mode=0o600)
+    key_path.chmod(0o600)
+    key_path.write_text(key)
+    return certificate_path, key_path
+
+
+class _FrontDoorServer(uvicorn.Server):
+    """uvicorn inside the worker's event loop: the worker handles SIGTERM/SIGINT itself."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
 async def run_worker(config: WorkerConfig, settings: Settings) -> None:
-    """Start the engine, register, serve and train until SIGTERM/SIGINT or a drain request."""
-    from skytrain_backend.engine.client import EngineClient
-    from skytrain_backend.engine.launcher import EngineProcess
-    from skytrain_backend.engine.options import EngineOptions, select_engine
+    """Start the engine and the front door, register, serve and train until SIGTERM/SIGINT
+    or a drain request."""
+    from skytrain_backend.engine.options import select_engine
 
     kind = select_engine(config.engine)
-    port = config.engine_port or _free_port(config.engine_host)
+    if kind == "vllm":
+        import_unsloth_first()
+    from skytrain_backend.engine.client import EngineClient
+    from skytrain_backend.engine.launcher import EngineProcess
+    from skytrain_backend.engine.options import EngineOptions
+    from skytrain_backend.engine.vllm import lora_rank_slot
+
+    # The engine listens on loopback with a secret of its own: only this worker reaches it.
+    engine_key = secrets.token_urlsafe(32)
     options = EngineOptions.from_settings(
         settings,
         model=config.base_model,
-        port=port,
-        host=config.engine_host,
-        api_key=config.engine_secret,
+        port=_free_port(),
+        host="127.0.0.1",
+        api_key=engine_key,
         served_model_name=config.base_model,
     )
     config.work_dir.mkdir(parents=True, exist_ok=True)
-    logger.info("starting the %s engine for %s on port %d", kind, config.base_model, port)
+    certificate, key = tls.self_signed_certificate(_certificate_hosts(config))
+    certificate_path, key_path = _write_tls_files(config.work_dir / "tls", certificate, key)
+    logger.info(
+        "starting the %s engine for %s on 127.0.0.1:%d", kind, config.base_model, options.port
+    )
     engine_process = EngineProcess.for_engine(
         options,
         kind=kind,
@@ -133,8 +211,45 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     # torch, transformers and peft take seconds to import: do it now, off the event loop, so
     # the first job does not stall heartbeats and lease renewals.
     await asyncio.to_thread(importlib.import_module, "skytrain_backend.trainer")
+
+    front_door = FrontDoor(
+        engine_url=options.base_url,
+        engine_api_key=engine_key,
+        secret=config.engine_secret,
+        max_body_bytes=config.max_request_bytes,
+    )
+    listener = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((config.host, config.port))
+    port = int(listener.getsockname()[1])
+    server = _FrontDoorServer(
+        uvicorn.Config(
+            front_door,
+            ssl_certfile=str(certificate_path),
+            ssl_keyfile=str(key_path),
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+    )
+    serving = asyncio.create_task(server.serve(sockets=[listener]), name="front-door")
+    while not server.started:
+        if serving.done():
+            await serving
+            raise ConfigurationError(
+                f"the worker's front door could not listen on {config.host}:{port}"
+            )
+        await asyncio.sleep(0.05)
+    logger.info(
+        "front door on https://%s:%d (certificate %s)",
+        config.host,
+        port,
+        tls.fingerprint(certificate),
+    )
+
     control_plane = ControlPlaneClient(config.control_plane_url, config.token)
-    engine = EngineClient(options.base_url, api_key=config.engine_secret)
+    engine = EngineClient(options.base_url, api_key=engine_key)
+    sleep_engine = kind == "vllm" if config.sleep_engine is None else config.sleep_engine
+    limit_mb = config.trainer_memory_limit_mb
     agent = WorkerAgent(
         control_plane=control_plane,
         engine=engine,
@@ -143,12 +258,17 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             base_model=config.base_model,
             served_model_name=options.name,
             work_dir=config.work_dir,
-            engine_endpoint=config.advertise_url or options.base_url,
+            port=port,
+            certificate=certificate,
+            advertise_url=config.advertise_url,
             engine_secret=config.engine_secret,
-            # vLLM shares the GPU with the trainer: it sleeps while the trainer runs.
-            sleep_engine_during_training=kind == "vllm",
+            sleep_engine_during_training=sleep_engine,
             device=config.device,
             max_models=config.max_models,
+            max_lora_rank=lora_rank_slot(options.max_lora_rank)
+            if kind == "vllm"
+            else options.max_lora_rank,
+            trainer_memory_limit_bytes=limit_mb * 1024 * 1024 if limit_mb else None,
             hardware=_hardware(),
             version=__version__,
         ),
@@ -159,6 +279,9 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     try:
         await agent.run()
     finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await serving
         await control_plane.aclose()
         await engine.aclose()
         await asyncio.to_thread(engine_process.stop)

@@ -10,6 +10,7 @@ from skytrain_backend.api.deps import (
     OrderQuery,
     SchedulerDep,
     SessionDep,
+    SettingsDep,
     StoreDep,
     TenantDep,
 )
@@ -49,12 +50,20 @@ def create_model(
     tenant: TenantDep,
     response: Response,
     scheduler: SchedulerDep,
+    settings: SettingsDep,
 ) -> ModelPublic:
     """Register a model; 200 with the existing one when ``return_existing`` is set.
 
     Registering makes the model active: the scheduler places it on a worker (starting one if
-    needed); ``serving`` says how far that got.
+    needed); ``serving`` says how far that got. A LoRA rank no worker would load is refused.
     """
+    config = body.config or ModelConfig()
+    placement.check_lora_rank(
+        session,
+        base_model=body.base_model,
+        lora_rank=config.lora_rank,
+        default_limit=settings.engine_max_lora_rank,
+    )
     model, created = registry.create_model(
         session,
         tenant=tenant,
@@ -62,7 +71,7 @@ def create_model(
         project=body.project,
         name=body.name,
         base_model=body.base_model,
-        config=(body.config or ModelConfig()).model_dump(mode="json"),
+        config=config.model_dump(mode="json"),
         return_existing=body.return_existing,
     )
     if not created:

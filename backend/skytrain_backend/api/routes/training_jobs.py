@@ -7,7 +7,7 @@ asked to stop.
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
 
 from skytrain_backend.api import ingest
@@ -31,21 +31,28 @@ from skytrain_backend.api.schemas import (
     TrainingJobPublic,
     TrainingJobsPublic,
 )
+from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs, registry
 from skytrain_backend.db.models import Model, TrainingJob, new_id, utcnow
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import (
     JobKind,
     JobStatus,
+    ModelConfig,
     RLTrainConfig,
     SFTTrainConfig,
     check_trainable,
     parse_trajectory_groups,
 )
+from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import ObjectStore, keys
 
 router = APIRouter(tags=["training jobs"], route_class=LargeBodyRoute)
+
+ART_EVENT_TYPES = frozenset(
+    {"training_started", "gradient_step", "training_ended", "training_failed"}
+)
 
 
 def _store_job(
@@ -89,6 +96,16 @@ def _store_job(
     return TrainingJobPublic.model_validate(job)
 
 
+def _check_servable(session: Session, *, model: Model, settings: Settings) -> None:
+    """A job whose adapter no worker would load is refused now, not after training."""
+    placement.check_lora_rank(
+        session,
+        base_model=model.base_model,
+        lora_rank=ModelConfig.model_validate(model.config or {}).lora_rank,
+        default_limit=settings.engine_max_lora_rank,
+    )
+
+
 @router.post("/training-jobs", status_code=201, response_model=TrainingJobPublic)
 def create_training_job(
     body: TrainingJobCreate,
@@ -100,6 +117,7 @@ def create_training_job(
 ) -> TrainingJobPublic:
     """Queue a GRPO step on the trajectory groups (ART's experimental_config is accepted)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
+    _check_servable(session, model=model, settings=settings)
     if body.config is not None and body.experimental_config is not None:
         raise InvalidRequest(
             "send either config (skytrain's options) or experimental_config (ART's), not both"
@@ -134,6 +152,7 @@ def create_sft_training_job(
 ) -> TrainingJobPublic:
     """Queue supervised fine-tuning on ``trajectories`` or on an uploaded JSONL file."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
+    _check_servable(session, model=model, settings=settings)
     if (body.trajectories is None) == (body.training_data_url is None):
         raise InvalidRequest(
             "send exactly one of trajectories (a list) or training_data_url "
@@ -202,6 +221,7 @@ def cancel_training_job(job_id: str, session: SessionDep, tenant: TenantDep) -> 
 @router.get("/training-jobs/{job_id}/events", response_model=TrainingJobEventsPublic)
 def list_training_job_events(
     job_id: str,
+    request: Request,
     session: SessionDep,
     tenant: TenantDep,
     after: After = None,
@@ -212,7 +232,12 @@ def list_training_job_events(
     if after is not None and not after.isdigit():
         raise InvalidRequest(f"after={after!r} is not an event id (event ids are integers)")
     rows, has_more = jobs.list_events(
-        session, job_id=job.id, after=None if after is None else int(after), limit=limit
+        session,
+        job_id=job.id,
+        after=None if after is None else int(after),
+        limit=limit,
+        # ART's client knows these four types only (its event model is a Literal of them).
+        types=ART_EVENT_TYPES if request.url.path.startswith("/v1/preview/") else None,
     )
     return TrainingJobEventsPublic(
         data=[TrainingJobEventPublic.model_validate(row) for row in rows], has_more=has_more

@@ -1,7 +1,9 @@
 """The routes workers call (``/v1/worker/...``), authenticated with a worker token.
 
-Workers pull: they register, heartbeat, lease jobs, report events and upload results. See the
-"Worker <-> control plane" table in DEVELOPERS.md for the whole protocol.
+Workers pull: they install the control plane's own wheel, register, heartbeat, lease jobs,
+report events and upload results. Bodies and answers are the worker protocol's types in
+``protocol.py``. See the "Worker <-> control plane" table in DEVELOPERS.md for the whole
+protocol.
 """
 
 from __future__ import annotations
@@ -11,17 +13,39 @@ from datetime import timedelta
 from typing import Annotated, Any, BinaryIO, cast
 
 from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field
 from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend.api.deps import SchedulerDep, SessionDep, SettingsDep, StoreDep
+from skytrain_backend import tls
+from skytrain_backend.api.deps import (
+    PackageDep,
+    SchedulerDep,
+    SessionDep,
+    SettingsDep,
+    StoreDep,
+)
 from skytrain_backend.db import worker_tokens, workers
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
-from skytrain_backend.errors import AuthenticationFailed, NotFound
-from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.errors import AuthenticationFailed, InvalidRequest, NotFound
+from skytrain_backend.protocol import (
+    Heartbeat,
+    HeartbeatAnswer,
+    JobAttempt,
+    JobCompleted,
+    JobCompletion,
+    JobEventReport,
+    JobFailed,
+    JobFailure,
+    JobLease,
+    LeasedJob,
+    LeaseRenewed,
+    ModelConfig,
+    PlacedModel,
+    WorkerRegistered,
+    WorkerRegistration,
+)
 from skytrain_backend.scheduler import queue
 from skytrain_backend.storage import keys
 
@@ -47,110 +71,124 @@ def get_worker(
 WorkerDep = Annotated[Worker, Depends(get_worker)]
 
 
-class RegisterRequest(BaseModel):
-    base_model: str
-    served_model_name: str
-    engine_endpoint: str
-    engine_secret: str = Field(min_length=16)
-    capacity: dict[str, Any] = Field(default_factory=dict)
-    hardware: dict[str, Any] = Field(default_factory=dict)
-    version: str = ""
+def _endpoint(worker: Worker | None, body: WorkerRegistration, request: Request) -> str:
+    """Where the control plane reaches the worker's front door.
+
+    The worker's own ``advertise_url`` first; then the endpoint the provider found for the
+    worker's cluster (SkyPilot's ``sky endpoints``); else the address the registration came
+    from, on the port the worker listens on.
+    """
+    if body.advertise_url:
+        return body.advertise_url.rstrip("/")
+    if worker is not None and worker.provider == "skypilot" and worker.engine_endpoint:
+        return worker.engine_endpoint
+    host = request.client.host if request.client else "127.0.0.1"
+    return f"https://[{host}]:{body.port}" if ":" in host else f"https://{host}:{body.port}"
 
 
-class ServedCheckpoint(BaseModel):
-    model_id: str
-    step: int = Field(ge=0)
+def unreachable_message(endpoint: str, problem: str) -> str:
+    return (
+        f"the control plane cannot reach the worker's front door at {endpoint} ({problem}): "
+        "open that port to the control plane, or start the worker with --advertise-url "
+        "https://HOST:PORT at an address the control plane reaches"
+    )
 
 
-class HeartbeatRequest(BaseModel):
-    status: str
-    served: list[ServedCheckpoint] = Field(default_factory=list)
-    job_id: str | None = None
-
-
-class AttemptRequest(BaseModel):
-    attempt: int = Field(ge=1)
-
-
-class EventRequest(AttemptRequest):
-    type: str
-    data: dict[str, Any] = Field(default_factory=dict)
-
-
-class CompleteRequest(AttemptRequest):
-    step: int = Field(ge=1)
-    metrics: dict[str, float] = Field(default_factory=dict)
-    files: list[dict[str, Any]] = Field(min_length=1)
-
-
-class FailRequest(AttemptRequest):
-    error_message: str
-    retryable: bool = False
-    cancelled: bool = False
-
-
-@router.post("/register")
+@router.post("/register", response_model=WorkerRegistered)
 def register(
-    body: RegisterRequest,
+    body: WorkerRegistration,
+    request: Request,
     session: SessionDep,
     settings: SettingsDep,
     scheduler: SchedulerDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> dict[str, Any]:
+) -> WorkerRegistered:
     """Register with a worker token, or join with an operator's join token (``swj-...``).
 
     A worker joining with a join token gets its own worker row and token (in the answer's
-    ``worker_token``), which it uses from then on.
+    ``worker_token``), which it uses from then on. The control plane reaches the worker's
+    front door (pinned to the certificate it registers) before answering; a worker it cannot
+    reach is recorded as ``unreachable`` with the address tried, and is not routed to.
     """
     if credentials is None:
         raise AuthenticationFailed("no worker token: send 'Authorization: Bearer swt-...'")
-    issued: str | None = None
-    if worker_tokens.is_join_token(credentials.credentials):
+    if body.advertise_url is not None and not body.advertise_url.startswith("https://"):
+        raise InvalidRequest(
+            f"advertise_url {body.advertise_url!r} must be an https:// URL: the worker's "
+            "front door speaks TLS only"
+        )
+    try:
+        tls.check_certificate(body.certificate)
+    except ValueError as exc:
+        raise InvalidRequest(f"certificate: {exc}") from None
+    joining = worker_tokens.is_join_token(credentials.credentials)
+    worker: Worker | None = None
+    if joining:
         worker_tokens.verify_join_token(
             session, token=credentials.credentials, base_model=body.base_model
         )
+    else:
+        worker = workers.authenticate_worker(session, token=credentials.credentials)
+        workers.check_base_model(worker, base_model=body.base_model)
+    endpoint = _endpoint(worker, body, request)
+    # Nothing is locked while the worker is reached: that takes up to a few seconds.
+    session.rollback()
+    problem = tls.probe(endpoint, certificate_pem=body.certificate, secret=body.engine_secret)
+    issued: str | None = None
+    if joining:
         worker, issued = workers.create_worker(
             session,
             provider="manual",
             base_model=body.base_model,
-            max_models=int(body.capacity.get("max_models", settings.worker_max_models)),
+            max_models=body.capacity.max_models,
             status="starting",
         )
-    else:
-        worker = workers.authenticate_worker(session, token=credentials.credentials)
+    assert worker is not None
     workers.register(
         session,
         worker=worker,
         base_model=body.base_model,
         served_model_name=body.served_model_name,
-        engine_endpoint=body.engine_endpoint,
+        engine_endpoint=endpoint,
         engine_secret=body.engine_secret,
-        capacity=body.capacity,
+        engine_certificate=body.certificate,
+        capacity=body.capacity.model_dump(),
         hardware={**body.hardware, "version": body.version},
+        unreachable=None if problem is None else unreachable_message(endpoint, problem),
     )
     scheduler.wake()
-    answer: dict[str, Any] = {
-        "worker_id": worker.id,
-        "heartbeat_interval_s": HEARTBEAT_INTERVAL_S,
-        "lease_s": settings.job_lease_s,
-    }
-    if issued is not None:
-        answer["worker_token"] = issued
-    return answer
+    return WorkerRegistered(
+        worker_id=worker.id,
+        heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+        lease_s=settings.job_lease_s,
+        worker_token=issued,
+        endpoint=endpoint,
+        reachable=problem is None,
+        message=worker.status_message,
+    )
 
 
-@router.post("/heartbeat")
-def heartbeat(body: HeartbeatRequest, worker: WorkerDep, session: SessionDep) -> dict[str, Any]:
+@router.post("/heartbeat", response_model=HeartbeatAnswer)
+def heartbeat(body: Heartbeat, worker: WorkerDep, session: SessionDep) -> HeartbeatAnswer:
+    """Record what the worker serves; an unreachable worker is tried again first."""
+    unreachable = None
+    if worker.status == "unreachable" and worker.engine_endpoint and worker.engine_certificate:
+        endpoint, certificate = worker.engine_endpoint, worker.engine_certificate
+        secret = worker.engine_secret
+        session.rollback()
+        problem = tls.probe(endpoint, certificate_pem=certificate, secret=secret)
+        unreachable = None if problem is None else unreachable_message(endpoint, problem)
     workers.heartbeat(
         session,
         worker=worker,
         status=body.status,
         served=[item.model_dump() for item in body.served],
+        unreachable=unreachable,
     )
     return _assignments(session, worker=worker)
 
 
-def _assignments(session: SessionDep, *, worker: Worker) -> dict[str, Any]:
+def _assignments(session: SessionDep, *, worker: Worker) -> HeartbeatAnswer:
     """The models placed on the worker and the steps it should serve; jobs to cancel."""
     placed = list(session.scalars(select(Model).where(Model.worker_id == worker.id)))
     pinned_since = utcnow() - PIN_TTL
@@ -165,12 +203,12 @@ def _assignments(session: SessionDep, *, worker: Worker) -> dict[str, Any]:
             )
         )
         models.append(
-            {
-                "model_id": model.id,
-                "latest_step": latest,
-                "steps": sorted({latest, *pinned}),
-                "model_config": ModelConfig.model_validate(model.config or {}).model_dump(),
-            }
+            PlacedModel(
+                model_id=model.id,
+                latest_step=latest,
+                steps=sorted({latest, *pinned}),
+                model_config_=ModelConfig.model_validate(model.config or {}),
+            )
         )
     cancel = session.scalars(
         select(TrainingJob.id).where(
@@ -179,31 +217,29 @@ def _assignments(session: SessionDep, *, worker: Worker) -> dict[str, Any]:
             TrainingJob.cancel_requested.is_(True),
         )
     )
-    return {
-        "models": models,
-        "cancel_job_ids": list(cancel),
-        "drain": worker.status == "draining",
-    }
+    return HeartbeatAnswer(
+        models=models, cancel_job_ids=list(cancel), drain=worker.status == "draining"
+    )
 
 
-@router.post("/jobs/lease")
-def lease(worker: WorkerDep, session: SessionDep, settings: SettingsDep) -> Response:
+@router.post("/jobs/lease", response_model=JobLease, responses={204: {"description": "No job"}})
+def lease(worker: WorkerDep, session: SessionDep, settings: SettingsDep) -> Response | JobLease:
     if worker.status == "draining":
         return Response(status_code=204)
     job = queue.lease_job(session, worker=worker, lease_s=settings.job_lease_s)
     if job is None:
         return Response(status_code=204)
-    return JSONResponse({"job": queue.job_for_worker(session, job)})
+    return JobLease(job=LeasedJob.model_validate(queue.job_for_worker(session, job)))
 
 
-@router.post("/jobs/{job_id}/renew")
+@router.post("/jobs/{job_id}/renew", response_model=LeaseRenewed)
 def renew(
-    job_id: str, body: AttemptRequest, worker: WorkerDep, session: SessionDep, settings: SettingsDep
-) -> dict[str, Any]:
+    job_id: str, body: JobAttempt, worker: WorkerDep, session: SessionDep, settings: SettingsDep
+) -> LeaseRenewed:
     job = queue.renew_lease(
         session, worker=worker, job_id=job_id, attempt=body.attempt, lease_s=settings.job_lease_s
     )
-    return {"cancel_requested": job.cancel_requested}
+    return LeaseRenewed(cancel_requested=job.cancel_requested)
 
 
 @router.get("/jobs/{job_id}/input")
@@ -217,7 +253,7 @@ def job_input(
 
 
 @router.post("/jobs/{job_id}/events", status_code=201)
-def job_event(job_id: str, body: EventRequest, worker: WorkerDep, session: SessionDep) -> None:
+def job_event(job_id: str, body: JobEventReport, worker: WorkerDep, session: SessionDep) -> None:
     queue.record_event(
         session, worker=worker, job_id=job_id, attempt=body.attempt, type=body.type, data=body.data
     )
@@ -247,10 +283,10 @@ async def upload_file(
         await run_in_threadpool(store.put_stream, key, cast(BinaryIO, spool))
 
 
-@router.post("/jobs/{job_id}/complete")
+@router.post("/jobs/{job_id}/complete", response_model=JobCompleted)
 def complete(
-    job_id: str, body: CompleteRequest, worker: WorkerDep, session: SessionDep, store: StoreDep
-) -> dict[str, Any]:
+    job_id: str, body: JobCompletion, worker: WorkerDep, session: SessionDep, store: StoreDep
+) -> JobCompleted:
     checkpoint = queue.complete_job(
         session,
         store=store,
@@ -259,15 +295,15 @@ def complete(
         attempt=body.attempt,
         step=body.step,
         metrics=body.metrics,
-        files=[str(item["name"]) for item in body.files],
+        files=[item.name for item in body.files],
     )
-    return {"step": checkpoint.step, "checkpoint_id": checkpoint.id}
+    return JobCompleted(step=checkpoint.step, checkpoint_id=checkpoint.id)
 
 
-@router.post("/jobs/{job_id}/fail")
+@router.post("/jobs/{job_id}/fail", response_model=JobFailed)
 def fail(
-    job_id: str, body: FailRequest, worker: WorkerDep, session: SessionDep, scheduler: SchedulerDep
-) -> dict[str, Any]:
+    job_id: str, body: JobFailure, worker: WorkerDep, session: SessionDep, scheduler: SchedulerDep
+) -> JobFailed:
     job = queue.fail_job(
         session,
         worker=worker,
@@ -278,7 +314,7 @@ def fail(
         cancelled=body.cancelled,
     )
     scheduler.wake()
-    return {"status": job.status}
+    return JobFailed(status=job.status)
 
 
 @router.get("/models/{model_id}/checkpoints/{step}/files")
@@ -302,6 +338,30 @@ def checkpoint_file(
     model = _placed_model(session, worker=worker, model_id=model_id)
     key = keys.checkpoint_key(tenant_id=model.tenant_id, model_id=model.id, step=step, file=name)
     return StreamingResponse(store.iter_chunks(key), media_type="application/octet-stream")
+
+
+@router.get("/package", response_class=FileResponse)
+def package(
+    session: SessionDep,
+    worker_package: PackageDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> FileResponse:
+    """This control plane's own skytrain wheel, for a worker's setup to install.
+
+    Any worker token or live join token may download it; its file name (in the
+    ``Content-Disposition``) carries the version, as pip needs.
+    """
+    if credentials is None:
+        raise AuthenticationFailed(
+            "no token: send 'Authorization: Bearer swj-...' (a join token) or a worker token"
+        )
+    if worker_tokens.is_join_token(credentials.credentials):
+        worker_tokens.live_join_token(session, token=credentials.credentials)
+    else:
+        workers.authenticate_worker(session, token=credentials.credentials)
+    session.rollback()
+    path = worker_package.path()
+    return FileResponse(path, filename=path.name, media_type="application/octet-stream")
 
 
 def _worker_job(session: SessionDep, *, worker: Worker, job_id: str) -> TrainingJob:

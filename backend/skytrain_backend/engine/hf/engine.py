@@ -21,6 +21,7 @@ import contextlib
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ T = TypeVar("T")
 EngineFinishReason = Literal["stop", "length"]
 
 ASLEEP_MESSAGE = "the engine is sleeping: POST /wake_up before sending requests"
+PAUSING_MESSAGE = "the engine is going to sleep once its running requests finish: retry later"
+
+# What ``sleep`` does with requests in flight (vLLM's ``/sleep?mode=``): abort them, or let
+# them finish while new ones are refused.
+SleepMode = Literal["abort", "wait"]
 
 
 @dataclass(frozen=True)
@@ -215,8 +221,10 @@ class HFEngine:
         max_num_seqs: int = 32,
         dtype: str = "auto",
         device: str | None = None,
+        max_lora_rank: int | None = None,
     ) -> None:
         self.runner = ModelRunner(model_path, dtype=dtype, device=device)
+        self.max_lora_rank = max_lora_rank
         self.served_model_name = served_model_name
         self.tokenizer = self.runner.tokenizer
         limit = self.runner.max_position_embeddings()
@@ -237,6 +245,12 @@ class HFEngine:
         self._internal_names = (f"lora{i}" for i in itertools.count())
         self._retired: set[str] = set()
         self._asleep = False
+        # Set while a sleep waits for running requests: new requests are refused meanwhile.
+        self._pausing = False
+        # Sleeps waiting for the running requests to finish (``sleep(mode="wait")``).
+        self._pending_sleeps: list[concurrent.futures.Future[None]] = []
+        # Control calls as the engine thread carried them out: {"call", "at" (Unix time), ...}.
+        self.control_log: list[dict[str, Any]] = []
         self._batch: _Batch | None = None
         self._mergeable: bool | None = None
         self._waiting: deque[_Request] = deque()
@@ -274,6 +288,8 @@ class HFEngine:
         """Every step of the ``n`` sequences of one prompt, as they are sampled."""
         if self._asleep:
             raise Unavailable(ASLEEP_MESSAGE)
+        if self._pausing:
+            raise Unavailable(PAUSING_MESSAGE)
         request = _Request(
             request_id, prompt_token_ids, adapter, params, n, asyncio.get_running_loop()
         )
@@ -308,6 +324,12 @@ class HFEngine:
             )
         # Reading the files is slow and touches no model state: do it off the engine thread.
         weights = await asyncio.to_thread(read_adapter, path)
+        rank = int(weights.config.r)
+        if self.max_lora_rank is not None and rank > self.max_lora_rank:
+            raise InvalidRequest(
+                f"LoRA rank {rank} of adapter '{name}' is greater than max_lora_rank "
+                f"{self.max_lora_rank}: start the engine with a larger --max-lora-rank"
+            )
 
         def load() -> None:
             self._require_awake()
@@ -319,6 +341,7 @@ class HFEngine:
             self.adapters[name] = Adapter(name, path, internal_name)
             if previous is not None:
                 self._retire(previous.internal_name)
+            self._record("load_lora_adapter", lora_name=name)
 
         await self._call(load)
 
@@ -328,11 +351,22 @@ class HFEngine:
             if adapter is None:
                 raise NotFound(f"The lora adapter '{name}' cannot be found.")
             self._retire(adapter.internal_name)
+            self._record("unload_lora_adapter", lora_name=name)
 
         await self._call(unload)
 
-    async def sleep(self) -> None:
-        await self._call(self._sleep)
+    async def sleep(self, mode: SleepMode = "abort") -> None:
+        """Drop the weights. ``abort`` fails the requests in flight at once; ``wait`` refuses
+        new requests and lets those in flight (running or admitted) finish first."""
+        if mode == "abort" or self._asleep:
+            await self._call(self._sleep)
+            return
+        future: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._wakeup:
+            self._pausing = True
+            self._pending_sleeps.append(future)
+            self._wakeup.notify()
+        await asyncio.wrap_future(future)
 
     async def wake_up(self) -> None:
         await self._call(self._wake_up)
@@ -370,6 +404,7 @@ class HFEngine:
                         or self._waiting
                         or self._aborted
                         or self._batch
+                        or self._pending_sleeps
                     ):
                         self._wakeup.wait()
                     if self._stopping:
@@ -391,6 +426,22 @@ class HFEngine:
                     logger.exception("decode step failed")
                     error = EngineError(f"the engine failed while decoding: {exc}")
                     self._fail_all(error, also={s.request for s in admitted})
+                self._sleep_when_idle()
+
+    def _sleep_when_idle(self) -> None:
+        """Carry out the sleeps that wait, once no request runs or waits any more."""
+        with self._wakeup:
+            if not self._pending_sleeps or self._batch is not None or self._waiting:
+                return
+            pending, self._pending_sleeps = self._pending_sleeps, []
+        try:
+            self._sleep()
+        except BaseException as exc:
+            for future in pending:
+                future.set_exception(exc)
+        else:
+            for future in pending:
+                future.set_result(None)
 
     def _admit(self) -> list[_Sequence]:
         """Waiting sequences that fit in the batch (a request larger than it runs alone)."""
@@ -532,15 +583,22 @@ class HFEngine:
         if self._asleep:
             return
         self._asleep = True
+        running = {s.request.request_id for s in self._batch.sequences} if self._batch else set()
         self._fail_all(Unavailable("the engine was put to sleep while this request ran: retry"))
         with self._wakeup:
             waiting, self._waiting = list(self._waiting), deque()
         for request in waiting:
             request.publish(RequestFailed(Unavailable(ASLEEP_MESSAGE)))
         self.runner.release()
+        self._record("sleep", aborted_requests=len(running) + len(waiting))
 
     def _wake_up(self) -> None:
         if not self._asleep:
             return
         self.runner.restore()
         self._asleep = False
+        self._pausing = False
+        self._record("wake_up")
+
+    def _record(self, call: str, **data: Any) -> None:
+        self.control_log.append({"call": call, "at": time.time(), **data})

@@ -1,0 +1,144 @@
+"""The trainer's memory: what a step will need, what there is, and what to do when it runs out.
+
+A training step's activation memory grows with the length of the packed rows it runs; a job
+whose rows are too long for the device fails at its first such row. Two things make that a
+clean failure instead of a dead worker:
+
+- ``ActivationBudget`` estimates a row's activation memory before its forward pass and
+  refuses a row that would not fit the limit (the worker's ``SKYTRAIN_TRAINER_MEMORY_LIMIT_MB``,
+  or on CUDA the memory free at that moment), raising ``OutOfMemory`` with the sizes;
+- ``out_of_memory_as_error`` turns CUDA's own out-of-memory error, where the estimate fell
+  short, into the same ``OutOfMemory`` after freeing what the failed step held.
+
+The estimate counts the tensors kept for the backward pass: per layer about ``10 * hidden +
+3 * intermediate`` values per token (attention projections, norms, residuals, the MLP), one
+layer's worth plus each layer's input with gradient checkpointing, every layer's without; and
+the output layer's fp32 logits, their log-softmax and gradient for one chunk of tokens.
+Attention scores are not counted: the SDPA kernels on CUDA never materialize them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from skytrain_backend.errors import OutOfMemory
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, config: Any) -> ModelShape:
+        hidden = int(config.hidden_size)
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(getattr(config, "intermediate_size", None) or 4 * hidden),
+            num_layers=int(config.num_hidden_layers),
+            vocab_size=int(config.vocab_size),
+        )
+
+
+def activation_bytes(
+    shape: ModelShape,
+    *,
+    row_tokens: int,
+    chunk_size: int,
+    dtype_bytes: int,
+    gradient_checkpointing: bool,
+) -> int:
+    """Bytes a forward and backward pass over one row of ``row_tokens`` keeps alive at once."""
+    per_layer = row_tokens * dtype_bytes * (10 * shape.hidden_size + 3 * shape.intermediate_size)
+    if gradient_checkpointing:
+        layers = per_layer + shape.num_layers * row_tokens * shape.hidden_size * dtype_bytes
+    else:
+        layers = shape.num_layers * per_layer
+    logits = 3 * min(row_tokens, chunk_size) * shape.vocab_size * 4
+    return layers + logits
+
+
+class ActivationBudget:
+    """Refuses rows whose activations would not fit; see the module docstring."""
+
+    def __init__(
+        self,
+        shape: ModelShape,
+        *,
+        device: torch.device,
+        dtype_bytes: int,
+        gradient_checkpointing: bool,
+        limit_bytes: int | None,
+    ) -> None:
+        self.shape = shape
+        self.device = device
+        self.dtype_bytes = dtype_bytes
+        self.gradient_checkpointing = gradient_checkpointing
+        self.limit_bytes = limit_bytes
+
+    def available(self) -> tuple[int, str] | None:
+        """The bytes a step may use and where that number comes from; None: no limit."""
+        if self.limit_bytes is not None:
+            return self.limit_bytes, "the worker's limit (SKYTRAIN_TRAINER_MEMORY_LIMIT_MB)"
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        # Memory torch's allocator holds but does not use is free for this step too.
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + cached, f"free on {self.device}"
+
+    def check(self, *, row_tokens: int, chunk_size: int) -> None:
+        """Raise OutOfMemory if a row of ``row_tokens`` would not fit."""
+        available = self.available()
+        if available is None:
+            return
+        limit, source = available
+        needed = activation_bytes(
+            self.shape,
+            row_tokens=row_tokens,
+            chunk_size=chunk_size,
+            dtype_bytes=self.dtype_bytes,
+            gradient_checkpointing=self.gradient_checkpointing,
+        )
+        if needed > limit:
+            raise OutOfMemory(
+                f"out of memory: a training step over a row of {row_tokens} tokens needs about "
+                f"{needed / MIB:.1f} MiB of activations, more than the {limit / MIB:.1f} MiB "
+                f"{source}: lower packed_sequence_length (or the model's max_seq_length), "
+                "turn on gradient_checkpointing, or train on a GPU with more memory"
+            )
+
+
+def release_device_memory(device: torch.device) -> None:
+    """Return what freed tensors held to the device (CUDA's cache included)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def out_of_memory_as_error(what: str, device: torch.device) -> Iterator[None]:
+    """CUDA's out-of-memory error in ``what`` as OutOfMemory, after freeing its leftovers."""
+    detail: str | None = None
+    try:
+        yield
+    except torch.OutOfMemoryError as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
+    if detail is not None:
+        # Out of the except block: the failed step's frames, and the tensors they held, are gone.
+        release_device_memory(device)
+        raise OutOfMemory(
+            f"out of memory while {what} on {device} ({detail}): lower packed_sequence_length "
+            "(or the model's max_seq_length), turn on gradient_checkpointing, or train on a "
+            "GPU with more memory"
+        ) from None

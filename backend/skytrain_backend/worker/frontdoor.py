@@ -1,0 +1,162 @@
+"""The worker's front door: the only port of a worker that anything outside it reaches.
+
+The engine (vLLM or the CPU engine) listens on 127.0.0.1 only, where its control routes
+(adapter loading, sleep and wake-up, and vLLM's dev-mode routes) serve the worker agent
+alone. The front door listens on the worker's public address and:
+
+- speaks HTTPS only, with a certificate the worker made at start and registered with the
+  control plane, which pins it (``skytrain_backend.tls``); plain HTTP gets no answer;
+- refuses every request that lacks the worker's engine secret (compared in constant time),
+  before looking at anything else;
+- forwards only what the gateway needs: chat completions, completions, the model list and
+  health. Every other path is a 404, with or without the secret;
+- streams the engine's answer back as it comes, and closes the request to the engine as soon
+  as the caller leaves (the engine then stops generating).
+
+The engine is called with its own secret, which never leaves the worker.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+
+import httpx
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
+
+# (method, path) pairs forwarded to the engine; anything else is not found.
+FORWARDED_ROUTES = frozenset(
+    {
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/completions"),
+        ("GET", "/v1/models"),
+        ("GET", "/health"),
+    }
+)
+# The engine's answer headers worth passing on; hop-by-hop and length headers are the
+# front door's own business.
+PASSED_HEADERS = ("content-type", "cache-control")
+# Generation on a CPU engine can take minutes before a non-streamed answer's first byte.
+ENGINE_TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
+ENGINE_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+
+
+def _error(status: int, type_: str, message: str) -> JSONResponse:
+    """An error in the engines' own shape, so the gateway reads it like any engine error."""
+    return JSONResponse(
+        {"error": {"message": message, "type": type_, "param": None, "code": status}},
+        status_code=status,
+    )
+
+
+class FrontDoor:
+    """The front door's ASGI app; see the module docstring."""
+
+    def __init__(
+        self,
+        *,
+        engine_url: str,
+        engine_api_key: str | None,
+        secret: str,
+        max_body_bytes: int,
+    ) -> None:
+        self._secret = secret.encode()
+        self._max_body_bytes = max_body_bytes
+        headers = {"Authorization": f"Bearer {engine_api_key}"} if engine_api_key else {}
+        self._engine = httpx.AsyncClient(
+            base_url=engine_url.rstrip("/"),
+            headers=headers,
+            timeout=ENGINE_TIMEOUT,
+            limits=ENGINE_LIMITS,
+        )
+
+    async def aclose(self) -> None:
+        await self._engine.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        response = await self._answer(Request(scope, receive))
+        await response(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _authorized(self, request: Request) -> bool:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), self._secret)
+
+    async def _answer(self, request: Request) -> Response:
+        if not self._authorized(request):
+            return _error(
+                401,
+                "authentication_error",
+                "missing or wrong engine secret: send 'Authorization: Bearer <secret>'",
+            )
+        if (request.method, request.url.path) not in FORWARDED_ROUTES:
+            return _error(404, "not_found_error", f"{request.method} {request.url.path} not found")
+        body = await self._body(request)
+        if body is None:
+            return _error(
+                413,
+                "payload_too_large",
+                f"the request body is over {self._max_body_bytes} bytes",
+            )
+        upstream = await until_disconnected(
+            request.receive,
+            self._engine.send(
+                self._engine.build_request(
+                    request.method,
+                    request.url.path,
+                    params=request.query_params,
+                    content=body,
+                    headers={"Content-Type": request.headers.get("content-type", "")},
+                ),
+                stream=True,
+            ),
+        )
+        if upstream is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        headers = {k: v for k in PASSED_HEADERS if (v := upstream.headers.get(k)) is not None}
+        return StreamingResponse(
+            _relay(upstream), status_code=upstream.status_code, headers=headers
+        )
+
+    async def _body(self, request: Request) -> bytes | None:
+        """The request body, or None once it passes the limit (read no further)."""
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self._max_body_bytes:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
+    """The engine's body as it arrives; closing it (the caller left) closes the upstream."""
+    try:
+        async for chunk in upstream.aiter_raw():
+            yield chunk
+    except httpx.HTTPError as exc:
+        # The status line is long sent: say what happened as a last server-sent event.
+        message = f"the engine broke off its answer ({type(exc).__name__})"
+        yield f"data: {json.dumps({'error': {'message': message}})}\n\n".encode()
+    finally:
+        await upstream.aclose()

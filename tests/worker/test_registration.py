@@ -1,0 +1,173 @@
+"""Where the control plane reaches a worker, and what it says when it cannot: the worker's
+side of ``/v1/worker/register`` and ``/heartbeat`` played over real HTTP against the real
+control plane, with a front door over real TLS on loopback (answering ``/health`` only: no
+engine is needed to be reached)."""
+
+from __future__ import annotations
+
+import secrets
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from skytrain_backend import tls
+from skytrain_backend.db import worker_tokens
+from skytrain_backend.db.models import Worker
+from tests.fixtures.services import ApiKey, ControlPlane
+from tests.fixtures.tls import serve_tls
+
+BASE_MODEL = "tests/registration"
+# Its own base model: no other test's worker takes its models.
+UNREACHABLE_BASE_MODEL = "tests/unreachable"
+
+
+def _health_only(secret: str) -> Starlette:
+    async def health(request: Request) -> Response:
+        ok = request.headers.get("authorization") == f"Bearer {secret}"
+        return Response(status_code=200 if ok else 401)
+
+    return Starlette(routes=[Route("/health", health)])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture
+def join(control_plane: ControlPlane, db_sessions: sessionmaker[Session]) -> Iterator[httpx.Client]:
+    """A worker's client of the control plane, holding a fresh join token."""
+    with db_sessions() as session:
+        _, token = worker_tokens.create_join_token(session, name=None, base_model=None)
+    with httpx.Client(
+        base_url=control_plane.url + "/v1/worker",
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    ) as http:
+        yield http
+
+
+def _register(
+    http: httpx.Client,
+    *,
+    secret: str,
+    port: int,
+    certificate: str,
+    base_model: str = BASE_MODEL,
+    **extra: Any,
+) -> dict[str, Any]:
+    response = http.post(
+        "/register",
+        json={
+            "base_model": base_model,
+            "served_model_name": base_model,
+            "engine_secret": secret,
+            "port": port,
+            "certificate": certificate,
+            "capacity": {"max_models": 2, "max_lora_rank": 64},
+            **extra,
+        },
+    )
+    assert response.status_code == 200, response.text
+    answer = dict(response.json())
+    http.headers["Authorization"] = f"Bearer {answer['worker_token']}"
+    return answer
+
+
+def _row(sessions: sessionmaker[Session], worker_id: str) -> Worker:
+    with sessions() as session:
+        row = session.get(Worker, worker_id)
+        assert row is not None
+        return row
+
+
+def test_a_worker_is_reached_at_the_address_its_registration_came_from(
+    join: httpx.Client, db_sessions: sessionmaker[Session]
+) -> None:
+    secret = secrets.token_urlsafe(24)
+    with serve_tls(_health_only(secret)) as door:
+        answer = _register(join, secret=secret, port=door.port, certificate=door.certificate)
+    assert answer["reachable"] is True and answer["message"] is None
+    assert answer["endpoint"] == f"https://127.0.0.1:{door.port}"
+    row = _row(db_sessions, answer["worker_id"])
+    assert (row.status, row.engine_endpoint) == ("ready", answer["endpoint"])
+    assert row.engine_certificate == door.certificate
+
+
+def test_an_unreachable_worker_says_where_it_was_tried_and_is_routed_to_once_reached(
+    join: httpx.Client,
+    db_sessions: sessionmaker[Session],
+    control_plane: ControlPlane,
+    api_key: Callable[..., ApiKey],
+) -> None:
+    secret = secrets.token_urlsafe(24)
+    credentials = tls.self_signed_certificate(["127.0.0.1"])
+    address = f"https://127.0.0.1:{_free_port()}"  # nothing listens there yet
+    answer = _register(
+        join,
+        secret=secret,
+        port=8100,
+        certificate=credentials[0],
+        base_model=UNREACHABLE_BASE_MODEL,
+        advertise_url=address,
+    )
+    assert answer["reachable"] is False and answer["endpoint"] == address
+    assert address in answer["message"] and "--advertise-url" in answer["message"]
+    row = _row(db_sessions, answer["worker_id"])
+    assert (row.status, row.status_message) == ("unreachable", answer["message"])
+
+    # Its models wait, told why without the address (the operator's, not the tenant's).
+    key = api_key()
+    with httpx.Client(base_url=control_plane.url, headers=key.headers, timeout=60) as user:
+        model = user.post(
+            "/v1/models",
+            json={"project": "reach", "name": "m", "base_model": UNREACHABLE_BASE_MODEL},
+        ).json()
+        heartbeat = join.post("/heartbeat", json={"status": "ready"})
+        assert heartbeat.status_code == 200
+        assert _row(db_sessions, answer["worker_id"]).status == "unreachable"
+        serving = user.get(f"/v1/models/{model['id']}").json()["serving"]
+        assert serving["state"] == "unreachable" and not serving["ready"]
+        assert "127.0.0.1" not in serving["message"]
+        assert "skytrain workers list" in serving["message"]
+
+        # The front door comes up there: the next heartbeat reaches it, and it serves.
+        port = int(address.rsplit(":", 1)[1])
+        with serve_tls(_health_only(secret), port=port, credentials=credentials):
+            assert join.post("/heartbeat", json={"status": "ready"}).status_code == 200
+        row = _row(db_sessions, answer["worker_id"])
+        assert (row.status, row.status_message) == ("ready", None)
+        serving = user.get(f"/v1/models/{model['id']}").json()["serving"]
+        assert serving["state"] == "ready", serving
+
+
+def test_a_worker_must_register_a_pinnable_certificate_and_an_https_address(
+    join: httpx.Client,
+) -> None:
+    secret = secrets.token_urlsafe(24)
+    certificate, _ = tls.self_signed_certificate(["127.0.0.1"])
+    base = {
+        "base_model": BASE_MODEL,
+        "served_model_name": BASE_MODEL,
+        "engine_secret": secret,
+        "port": 8100,
+        "capacity": {"max_models": 1},
+    }
+    refused = join.post("/register", json={**base, "certificate": "not a certificate"})
+    assert refused.status_code == 400
+    assert "certificate" in refused.json()["error"]["message"]
+    plain = join.post(
+        "/register",
+        json={**base, "certificate": certificate, "advertise_url": "http://gpu.example.com:8100"},
+    )
+    assert plain.status_code == 400
+    assert "must be an https:// URL" in plain.json()["error"]["message"]
