@@ -10,8 +10,6 @@
   ``docs/screenshots`` to refresh the committed ones), else to a temporary directory.
 - ``run_async(coroutine)``: runs SDK code in a thread of its own (Playwright's sync API keeps
   an event loop in this one).
-
-The routes without a browser run on the embedded settings only (``settings`` below).
 """
 
 from __future__ import annotations
@@ -29,18 +27,11 @@ from typing import Any, TypeVar
 import pytest
 from playwright.sync_api import Browser, ConsoleMessage, Page, expect, sync_playwright
 
-from skytrain_backend.config import Settings
-
 T = TypeVar("T")
 VIEWPORT = {"width": 1280, "height": 900}
 # Waits for what a page shows: the worker and its trainer share two busy cores with the tests.
 EXPECT_TIMEOUT_MS = 60_000
 expect.set_options(timeout=EXPECT_TIMEOUT_MS)
-
-
-@pytest.fixture(scope="session")
-def settings(embedded_settings: Settings) -> Settings:
-    return embedded_settings
 
 
 @pytest.fixture(scope="session")

@@ -1,21 +1,31 @@
-"""The page and its files as the control plane serves them, read without a browser."""
+"""The page and its files as ``skytrain serve`` serves them, read without a browser."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from urllib.parse import urljoin
 
 import httpx
+import pytest
 
-from tests.fixtures.services import ControlPlane
+from tests.fixtures.service import Service, start_service, stop_service
 
 # Where index.html and the scripts name other files: src/href attributes and module imports.
 REFERENCE = re.compile(r'(?:src|href)="([^"#]+)"|(?:from|import)\s+"([^"]+)"')
 CONTENT_TYPES = {".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
 
 
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """``skytrain serve`` on SQLite, starting no workers."""
+    service = start_service({"SKYTRAIN_PROVIDER": "none"}, tmp_path_factory.mktemp("routes"))
+    yield service
+    stop_service(service)
+
+
 def test_the_page_is_served_at_the_root_with_a_policy_that_keeps_it_on_this_server(
-    control_plane: ControlPlane,
+    control_plane: Service,
 ) -> None:
     page = httpx.get(f"{control_plane.url}/")
     assert page.status_code == 200
@@ -28,7 +38,7 @@ def test_the_page_is_served_at_the_root_with_a_policy_that_keeps_it_on_this_serv
     assert httpx.head(f"{control_plane.url}/").status_code == 200
 
 
-def test_every_file_the_page_loads_comes_from_the_package(control_plane: ControlPlane) -> None:
+def test_every_file_the_page_loads_comes_from_the_package(control_plane: Service) -> None:
     """Follows index.html's links and every module's imports: all of them are on this server
     (nothing from a CDN: the page works offline) and are served with their type."""
     pending, seen = [f"{control_plane.url}/"], set()
@@ -53,7 +63,7 @@ def test_every_file_the_page_loads_comes_from_the_package(control_plane: Control
     assert len(seen) > 15
 
 
-def test_the_api_its_docs_and_health_keep_their_places(control_plane: ControlPlane) -> None:
+def test_the_api_its_docs_and_health_keep_their_places(control_plane: Service) -> None:
     assert httpx.get(f"{control_plane.url}/health").json()["status"] == "ok"
     assert httpx.get(f"{control_plane.url}/docs").status_code == 200
     paths = httpx.get(f"{control_plane.url}/openapi.json").json()["paths"]
