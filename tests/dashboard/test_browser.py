@@ -424,9 +424,15 @@ def test_checkpoints_give_each_steps_inference_name_and_files(
     assert json.loads(saved.read_text())["peft_type"] == "LORA"
 
 
-def test_a_jobs_events_appear_on_its_page_while_it_runs(
+def test_a_jobs_events_appear_on_its_page_while_it_runs_and_its_step_on_the_charts(
     service: Service, runs: Runs, open_page: Callable[..., Page], screenshot: Any
 ) -> None:
+    # The model's page, open before the job: its charts appear when the job's step lands.
+    watcher = open_page(runs.key)
+    goto(watcher, service, f"#/models/{runs.live_id}")
+    expect(watcher.locator(".tab-content")).to_contain_text("No metrics yet")
+    watcher.evaluate("window.__loaded = true")  # gone if the page were loaded again
+
     groups = run_async(_sample_for(service, runs, groups=2, size=4))
     # Short rows: the batch takes several of them, one gradient step each.
     config = {**JOB_CONFIG, "packed_sequence_length": 64}
@@ -467,6 +473,10 @@ def test_a_jobs_events_appear_on_its_page_while_it_runs(
     expect(page.locator(".progress-row")).to_contain_text(f"{steps} of {steps} gradient steps")
     expect(page.locator('[data-chart="gradient-steps"]')).to_be_visible()
     screenshot(page, "job")
+
+    expect(watcher.locator('[data-chart="loss/policy"] canvas')).to_be_visible()
+    assert chart_data(watcher, "grad_norm")["data"][0] == [1]
+    assert watcher.evaluate("window.__loaded") is True
 
 
 def test_a_failed_jobs_message_is_shown_on_its_page_and_in_the_jobs_tab(
