@@ -71,6 +71,7 @@ function plotSpec(steps, series, axis) {
   series.forEach((item, index) => {
     if (!item.band) return;
     const dashed = {
+      class: "band-edge", // drawn, left out of the legend
       stroke: translucent(color(index), 0.6),
       width: 1,
       dash: [4, 4],
