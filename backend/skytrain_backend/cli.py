@@ -91,7 +91,8 @@ def serve(
     host: str | None = typer.Option(None, help="Address to listen on. [default: SKYTRAIN_HOST]"),
     port: int | None = typer.Option(None, help="Port to listen on. [default: SKYTRAIN_PORT]"),
 ) -> None:
-    """Run the control plane: the REST API, with the database and object store of the settings."""
+    """Run the control plane: the REST API under /v1 and the web dashboard at /, with the
+    database and object store of the settings."""
     import uvicorn
     from sqlalchemy.engine import make_url
 
@@ -109,6 +110,7 @@ def serve(
     typer.echo(f"skytrain {__version__} listening on http://{settings.host}:{settings.port}")
     typer.echo(f"  database:     {database}")
     typer.echo(f"  object store: {store}")
+    typer.echo(f"  dashboard:    http://{settings.host}:{settings.port}/ (sign in with an API key)")
     _log_to_stderr()  # the scheduler's decisions (leadership, launches, placements) show
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
 

@@ -93,6 +93,27 @@ def test_delete_checkpoints_removes_files_keeps_rows_and_reports_missing_steps(
     assert caller.http.get(f"/v1/models/{model_id}").json()["latest_step"] == 2
 
 
+def test_deleted_steps_are_listed_with_their_metrics_on_request(
+    caller: Caller, trained: Callable[[int], str]
+) -> None:
+    model_id = trained(3)
+    caller.http.request("DELETE", f"/v1/models/{model_id}/checkpoints", json={"steps": [1, 2]})
+    url = f"/v1/models/{model_id}/checkpoints"
+
+    live = caller.http.get(url).json()["data"]
+    assert [(c["step"], c["deleted_at"]) for c in live] == [(0, None), (3, None)]
+    first = caller.http.get(url, params={"include_deleted": "true", "limit": 2}).json()
+    assert [c["step"] for c in first["data"]] == [0, 1]
+    assert first["has_more"] is True
+    deleted = first["data"][1]
+    assert deleted["deleted_at"] is not None
+    assert deleted["metrics"] == {"train/reward": 0.5}  # the step's history outlives its files
+    rest = caller.http.get(
+        url, params={"include_deleted": "true", "after": deleted["id"], "order": "asc"}
+    ).json()
+    assert [(c["step"], c["deleted_at"] is None) for c in rest["data"]] == [(2, False), (3, True)]
+
+
 def test_checkpoint_files_are_listed_and_downloaded(
     caller: Caller, trained: Callable[[int], str]
 ) -> None:

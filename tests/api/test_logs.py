@@ -49,6 +49,20 @@ def test_log_merges_split_metrics_into_the_checkpoint_at_that_step(caller: Calle
     assert step0["metrics"]["val/num_trajectories"] == 2
 
 
+def test_the_checkpoint_gets_every_batch_of_a_step_combined_as_the_history_shows(
+    caller: Caller,
+) -> None:
+    model_id = caller.create_model()["id"]
+    url = f"/v1/models/{model_id}/log"
+    caller.http.post(url, json={"trajectory_groups": [group(0.0, 0.0)]})
+    caller.http.post(url, json={"trajectory_groups": [group(1.0, 1.0)]})
+    step0 = caller.http.get(f"/v1/models/{model_id}/checkpoints/0").json()["metrics"]
+    (history,) = caller.http.get(f"/v1/models/{model_id}/metrics").json()["data"]
+    assert step0["val/reward"] == pytest.approx(0.5)  # not the last batch's 1.0
+    assert step0["val/num_trajectories"] == 4
+    assert step0 == pytest.approx({f"val/{k}": v for k, v in history["metrics"].items()})
+
+
 def test_logs_list_filters_by_split_and_step(caller: Caller) -> None:
     model_id = caller.create_model()["id"]
     url = f"/v1/models/{model_id}/log"

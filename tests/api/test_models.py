@@ -32,6 +32,14 @@ def test_create_model_defaults_entity_to_tenant_and_starts_at_step_zero(caller: 
     assert [c["step"] for c in checkpoints["data"]] == [0]
 
 
+def test_models_report_their_last_activity(caller: Caller) -> None:
+    created = caller.create_model()
+    assert created["last_active_at"] is not None  # registering a model is using it
+    (listed,) = caller.http.get("/v1/models").json()["data"]
+    fetched = caller.http.get(f"/v1/models/{created['id']}").json()
+    assert listed["last_active_at"] == fetched["last_active_at"] == created["last_active_at"]
+
+
 def test_create_existing_model_conflicts_unless_return_existing(caller: Caller) -> None:
     first = caller.create_model()
     body = {"project": "tests", "name": "agent", "base_model": "tiny/llama"}

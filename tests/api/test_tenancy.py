@@ -60,6 +60,7 @@ def _requests(o: Owned, own_model: str) -> list[tuple[str, str, dict[str, Any]]]
         ("GET", m, {}),
         ("DELETE", m, {}),
         ("GET", f"{m}/checkpoints", {}),
+        ("GET", f"{m}/checkpoints", {"params": {"include_deleted": "true"}}),
         ("GET", f"{m}/checkpoints/1", {}),
         ("DELETE", f"{m}/checkpoints", {"json": {"steps": [0, 1]}}),
         ("GET", f"{m}/checkpoints/1/files", {}),

@@ -63,6 +63,9 @@ class ModelPublic(_Public):
     latest_step: int
     run_id: str
     created_at: datetime
+    last_active_at: datetime | None = Field(
+        description="Last registration, inference request or job (written at most every 30 s)."
+    )
     serving: ServingPublic | None = Field(
         default=None, description="Where the model is served (on GET and create)."
     )
@@ -117,6 +120,9 @@ class CheckpointPublic(_Public):
     step: int
     metrics: dict[str, float]
     created_at: datetime
+    deleted_at: datetime | None = Field(
+        default=None, description="When its files were deleted (listed with include_deleted)."
+    )
 
 
 class CheckpointsPublic(BaseModel):

@@ -87,12 +87,15 @@ def get_batch(session: Session, *, model_id: str, batch_id: str) -> TrajectoryBa
 
 
 def batches_by_step(
-    session: Session, *, model_id: str, split: str | None = None
+    session: Session, *, model_id: str, split: str | None = None, step: int | None = None
 ) -> list[TrajectoryBatch]:
-    """Every batch of the model in (step, split, created_at) order, for metrics history."""
+    """The model's batches (of one split, at one step, when given) in (step, split,
+    created_at) order, for metrics history."""
     statement = select(TrajectoryBatch).where(TrajectoryBatch.model_id == model_id)
     if split is not None:
         statement = statement.where(TrajectoryBatch.split == split)
+    if step is not None:
+        statement = statement.where(TrajectoryBatch.step == step)
     return list(
         session.scalars(
             statement.order_by(

@@ -17,9 +17,16 @@ from skytrain_backend.errors import InvalidRequest, NotFound
 
 
 def list_checkpoints(
-    session: Session, *, model_id: str, after: str | None = None, limit: int, order: Order
+    session: Session,
+    *,
+    model_id: str,
+    after: str | None = None,
+    limit: int,
+    order: Order,
+    include_deleted: bool = False,
 ) -> tuple[list[Checkpoint], bool]:
-    """Checkpoints that still exist, by step; ``after`` is a checkpoint id (the page cursor)."""
+    """Checkpoints by step (with the deleted ones, whose rows keep their metrics, when
+    ``include_deleted``); ``after`` is a checkpoint id (the page cursor)."""
     cursor = None
     if after is not None:
         anchor = session.scalar(
@@ -28,9 +35,9 @@ def list_checkpoints(
         if anchor is None:
             raise InvalidRequest(f"after={after!r} is not the id of a checkpoint of this model")
         cursor = (anchor,)
-    statement = select(Checkpoint).where(
-        Checkpoint.model_id == model_id, Checkpoint.deleted_at.is_(None)
-    )
+    statement = select(Checkpoint).where(Checkpoint.model_id == model_id)
+    if not include_deleted:
+        statement = statement.where(Checkpoint.deleted_at.is_(None))
     return fetch_page(
         session, statement, keys=(Checkpoint.step,), after=cursor, limit=limit, order=order
     )
@@ -74,9 +81,11 @@ def mark_deleted(session: Session, *, checkpoints: list[Checkpoint]) -> None:
     session.commit()
 
 
-def merge_metrics(session: Session, *, model_id: str, step: int, metrics: dict[str, Any]) -> None:
-    """Add ``metrics`` to the checkpoint at ``step``, if there is one (no commit)."""
-    checkpoint = session.scalar(
+def lock_live_checkpoint(session: Session, *, model_id: str, step: int) -> Checkpoint | None:
+    """The checkpoint at ``step`` if it exists and is not deleted, locked until the
+    transaction ends (a concurrent writer of its metrics waits, then reads what this one
+    wrote)."""
+    return session.scalar(
         select(Checkpoint)
         .where(
             Checkpoint.model_id == model_id,
@@ -85,6 +94,9 @@ def merge_metrics(session: Session, *, model_id: str, step: int, metrics: dict[s
         )
         .with_for_update()
     )
-    if checkpoint is not None:
-        # A new dict: the JSON column only notices assignment, not in-place mutation.
-        checkpoint.metrics = {**checkpoint.metrics, **metrics}
+
+
+def merge_metrics(*, checkpoint: Checkpoint, metrics: dict[str, Any]) -> None:
+    """Add ``metrics`` to the checkpoint's (no commit)."""
+    # A new dict: the JSON column only notices assignment, not in-place mutation.
+    checkpoint.metrics = {**checkpoint.metrics, **metrics}

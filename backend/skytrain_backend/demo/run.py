@@ -42,6 +42,12 @@ def say(message: str) -> None:
     print(message, flush=True)
 
 
+def dashboard_link(service: EmbeddedService) -> str:
+    """The dashboard's address with a sign-in link: the page stores the key and drops it from
+    the address (a URL fragment never reaches the server)."""
+    return f"{service.url}/#key={service.api_key}"
+
+
 def prepare_base_model(base_model: str, cache_dir: Path) -> None:
     """Convert a GGUF-packaged base model once, here, where its progress bars can be seen.
 
@@ -103,6 +109,7 @@ def run_demo(options: DemoOptions) -> DemoResult:
         options.home, port=port, model_cache_dir=options.model_cache_dir
     ) as service:
         say(f"    log: {service.log_path}")
+        say(f"    dashboard (open it while the demo runs): {dashboard_link(service)}")
         try:
             rows, training_seconds = asyncio.run(_train_model(service, options))
         except KeyboardInterrupt:

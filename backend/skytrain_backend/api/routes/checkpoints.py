@@ -1,8 +1,11 @@
-"""Checkpoints of a model: list, get, delete (objects removed, rows kept), files download."""
+"""Checkpoints of a model: list (deleted ones too, on request), get, delete (objects removed,
+rows kept), files download."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Annotated
+
+from fastapi import APIRouter, Query
 from fastapi.responses import RedirectResponse, StreamingResponse
 
 from skytrain_backend.api.deps import After, Limit, OrderQuery, SessionDep, StoreDep, TenantDep
@@ -29,10 +32,19 @@ def list_checkpoints(
     after: After = None,
     limit: Limit = 20,
     order: OrderQuery = "asc",
+    include_deleted: Annotated[
+        bool,
+        Query(description="Also list deleted steps (their metrics stay; their files are gone)."),
+    ] = False,
 ) -> CheckpointsPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     rows, has_more = checkpoints.list_checkpoints(
-        session, model_id=model.id, after=after, limit=limit, order=order
+        session,
+        model_id=model.id,
+        after=after,
+        limit=limit,
+        order=order,
+        include_deleted=include_deleted,
     )
     return CheckpointsPublic(
         data=[CheckpointPublic.model_validate(row) for row in rows], has_more=has_more

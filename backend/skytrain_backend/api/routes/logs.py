@@ -42,8 +42,8 @@ def log_trajectories(
     store: StoreDep,
     settings: SettingsDep,
 ) -> TrajectoryBatchPublic:
-    """Store a batch at ``step`` (default: the latest) and merge its metrics into the
-    checkpoint at that step as ``{split}/{metric}``."""
+    """Store a batch at ``step`` (default: the latest) and merge the metrics of the step's
+    batches of that split, combined, into the checkpoint at that step as ``{split}/{metric}``."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     groups = parse_trajectory_groups(body.trajectory_groups)
     num_trajectories = ingest.count_trajectories(groups)
@@ -64,12 +64,18 @@ def log_trajectories(
             num_trajectories=num_trajectories,
             metrics=metrics,
         )
-        checkpoints.merge_metrics(
-            session,
-            model_id=model.id,
-            step=step,
-            metrics={f"{body.split}/{key}": value for key, value in metrics.items()},
-        )
+        # The checkpoint first: a concurrent log of the same step waits for this one, then
+        # reads both batches. Then every batch of this step and split, as /metrics shows them.
+        checkpoint = checkpoints.lock_live_checkpoint(session, model_id=model.id, step=step)
+        if checkpoint is not None:
+            logged = batches.batches_by_step(
+                session, model_id=model.id, split=body.split, step=step
+            )
+            combined = ingest.combine([row.metrics for row in logged])
+            checkpoints.merge_metrics(
+                checkpoint=checkpoint,
+                metrics={f"{body.split}/{key}": value for key, value in combined.items()},
+            )
         return TrajectoryBatchPublic.model_validate(batch)
 
     return ingest.store_then_commit(

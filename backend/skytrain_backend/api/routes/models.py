@@ -39,6 +39,7 @@ def model_public(
         latest_step=latest_step,
         run_id=model.run_id,
         created_at=model.created_at,
+        last_active_at=model.last_active_at,
         serving=ServingPublic(**serving.public()) if serving else None,
     )
 
