@@ -149,6 +149,7 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             sleep_engine_during_training=kind == "vllm",
             device=config.device,
             max_models=config.max_models,
+            tinker_max_runs=settings.worker_tinker_max_runs,
             hardware=_hardware(),
             version=__version__,
         ),
