@@ -18,7 +18,6 @@ control plane validates requests against it before storing them, and the trainer
 
 from __future__ import annotations
 
-import itertools
 import math
 import sys
 from array import array
@@ -532,16 +531,3 @@ def encode_sample_response(sequences: Sequence[SampledSequence]) -> bytes:
         item.tokens = _pack(sequence.tokens, "i")
         item.logprobs = _pack(sequence.logprobs, "f")
     return bytes(message.SerializeToString())
-
-
-def decode_forward_backward_output(body: bytes) -> tuple[list[list[float]], dict[str, float]]:
-    """The inverse of ``encode_forward_backward_output`` (for skytrain's own checks)."""
-    message: Any = ForwardBackwardOutputMessage()
-    message.ParseFromString(body)
-    logprobs: list[list[float]] = []
-    for record in message.loss_fn_outputs:
-        batched = record.fields["logprobs"]
-        values = _unpack(batched.data, "f")
-        offsets = [offset // 4 for offset in _unpack(batched.offsets, "q")]
-        logprobs += [values[start:end] for start, end in itertools.pairwise(offsets)]
-    return logprobs, dict(message.metrics)

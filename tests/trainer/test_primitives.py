@@ -113,6 +113,25 @@ def test_gradients_accumulate_over_forward_backward_calls(trainer: Trainer) -> N
         assert torch.allclose(kept, single, atol=1e-6)
 
 
+def test_datums_sharing_a_forward_pass_are_computed_as_if_alone(trainer: Trainer) -> None:
+    rows = p.pack_examples([FIRST, SECOND], row_tokens=64, packed=True)
+    assert [indices for _, indices in rows] == [[0, 1]]  # one row, one forward pass
+    together, _ = p.forward_backward(
+        trainer.policy, [FIRST, SECOND], loss_fn="cross_entropy", config={}, backward=False
+    )
+    alone = [
+        p.forward_backward(
+            trainer.policy, [example], loss_fn="cross_entropy", config={}, backward=False
+        )[0][0]
+        for example in (FIRST, SECOND)
+    ]
+    for packed, single in zip(together, alone, strict=True):
+        assert packed == pytest.approx(single, abs=1e-5)
+    assert [
+        len(indices) for _, indices in p.pack_examples([FIRST, SECOND], row_tokens=5, packed=True)
+    ] == [1, 1]
+
+
 def test_the_adam_step_is_adamw_with_the_given_hyperparameters(trainer: Trainer) -> None:
     parameters = trainer.policy.trainable_parameters()
     copies = [param.detach().clone().requires_grad_(True) for param in parameters]

@@ -31,6 +31,8 @@ from skytrain_backend.trainer.trainer import OPTIMIZER_STATE, TRAINER_STATE, Tra
 
 # Tokens per output-layer chunk: the (chunk, vocabulary) logits block is all memory holds.
 LOGPROB_CHUNK_SIZE = 1024
+# Datums packed into one forward pass, up to this many tokens (the attention mask is L x L).
+ROW_TOKENS = 4096
 
 Inputs = dict[str, torch.Tensor]
 LossFunction = Callable[[torch.Tensor, Inputs, dict[str, float]], torch.Tensor]
@@ -99,21 +101,6 @@ class Example:
     inputs: dict[str, list[float] | list[int]]
 
 
-def target_logprobs(policy: Policy, tokens: Sequence[int], targets: Sequence[int]) -> torch.Tensor:
-    """``(N,)``: the policy's logprob of ``targets[i]`` after ``tokens[: i + 1]``."""
-    n = len(tokens)
-    row = PackedRow(
-        input_ids=list(tokens),
-        position_ids=list(range(n)),
-        segment_ids=[0] * n,
-        parent_ids=[0] * n,
-        source_positions=list(range(n)),
-        target_ids=list(targets),
-    )
-    logprobs, _ = policy.site_logprobs(row, chunk_size=LOGPROB_CHUNK_SIZE)
-    return logprobs
-
-
 def _vocabulary_size(policy: Policy) -> int:
     base: Any = policy.model.get_base_model()
     return int(base.get_output_embeddings().weight.shape[0])
@@ -131,6 +118,34 @@ def check_examples(policy: Policy, examples: Sequence[Example]) -> None:
             )
 
 
+def pack_examples(
+    examples: Sequence[Example], *, row_tokens: int, packed: bool
+) -> list[tuple[PackedRow, list[int]]]:
+    """Rows of whole datums, each row with the indices of the datums it holds in order.
+
+    With ``packed``, datums share a row (up to ``row_tokens`` tokens; a longer datum has a row
+    of its own): each is a segment of its own, attending only to itself, its positions from 0,
+    so it is computed as if alone, in one forward pass for many short datums.
+    """
+    rows: list[tuple[PackedRow, list[int]]] = []
+    for index, example in enumerate(examples):
+        n = len(example.tokens)
+        row = rows[-1][0] if rows else None
+        if row is None or not packed or len(row) + n > row_tokens:
+            row = PackedRow()
+            rows.append((row, []))
+        segment = len(rows[-1][1])
+        offset = len(row)
+        row.input_ids += list(example.tokens)
+        row.position_ids += list(range(n))
+        row.segment_ids += [segment] * n
+        row.parent_ids += [segment] * n
+        row.source_positions += list(range(offset, offset + n))
+        row.target_ids += [int(token) for token in example.inputs["target_tokens"]]
+        rows[-1][1].append(index)
+    return rows
+
+
 def forward_backward(
     policy: Policy,
     examples: Sequence[Example],
@@ -144,22 +159,30 @@ def forward_backward(
     loss_function = LOSS_FUNCTIONS[loss_fn]
     check_examples(policy, examples)
     policy.model.train(backward)
-    outputs: list[list[float]] = []
+    outputs: list[list[float]] = [[] for _ in examples]
     total = 0.0
+    rows = pack_examples(examples, row_tokens=ROW_TOKENS, packed=policy.supports_packed_rows)
     with torch.set_grad_enabled(backward):
-        for example in examples:
-            targets = [int(token) for token in example.inputs["target_tokens"]]
-            logprobs = target_logprobs(policy, example.tokens, targets)
+        for row, indices in rows:
+            logprobs, _ = policy.site_logprobs(row, chunk_size=LOGPROB_CHUNK_SIZE)  # (L,)
+            names = [name for name in examples[indices[0]].inputs if name != "target_tokens"]
             inputs = {
-                name: torch.tensor(values, dtype=torch.float32, device=policy.device)
-                for name, values in example.inputs.items()
-                if name != "target_tokens"
+                name: torch.tensor(
+                    [value for i in indices for value in examples[i].inputs[name]],
+                    dtype=torch.float32,
+                    device=policy.device,
+                )
+                for name in names
             }
             loss = loss_function(logprobs, inputs, config).sum()
             if backward:
                 loss.backward()
             total += float(loss.detach())
-            outputs.append(logprobs.detach().float().cpu().tolist())
+            values = logprobs.detach().float().cpu().tolist()
+            start = 0
+            for i in indices:
+                outputs[i] = values[start : start + len(examples[i].tokens)]
+                start += len(examples[i].tokens)
     return outputs, {"loss:sum": total}
 
 

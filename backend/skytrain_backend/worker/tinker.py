@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import logging
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -72,7 +72,6 @@ class _Run:
     saved_step: int | None = None
     ended: str | None = None
     cancelled: bool = False
-    tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
     def check(self) -> None:
         if self.ended is not None:
@@ -103,10 +102,6 @@ class TinkerExecutor:
         self._poll_interval_s = poll_interval_s
         self._runs: dict[str, _Run] = {}
         self._compute = asyncio.Lock()
-
-    @property
-    def run_count(self) -> int:
-        return len(self._runs)
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Lease runs while there is room, until ``stopping`` is set."""

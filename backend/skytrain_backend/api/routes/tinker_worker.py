@@ -258,11 +258,11 @@ def checkpoint_file(
         session, worker=worker, job_id=job_id, attempt=attempt, model_id=model_id, step=step
     )
     return StreamingResponse(
-        store.iter_chunks(prefix + keys_safe(name)), media_type="application/octet-stream"
+        store.iter_chunks(prefix + _file_name(name)), media_type="application/octet-stream"
     )
 
 
-def keys_safe(name: str) -> str:
+def _file_name(name: str) -> str:
     """A checkpoint file's name: one path segment, never a way out of the prefix."""
     if not name or "/" in name or name in (".", ".."):
         raise InvalidRequest(f"{name!r} is not a checkpoint file name")
