@@ -169,7 +169,12 @@ class TinkerExecutor:
             raise
         except Exception as exc:
             logger.exception("Tinker run %s failed; its state is dropped", run.run_id)
-            await self._fail_run(run, f"{type(exc).__name__}: {exc}", retryable=True)
+            # The tenant reads this: the details (paths, addresses) stay in this worker's log.
+            await self._fail_run(
+                run,
+                f"the worker failed running it ({type(exc).__name__}); its log says why",
+                retryable=True,
+            )
         finally:
             renew.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -290,12 +295,14 @@ class TinkerExecutor:
             try:
                 await self._build(run, _restore(operation["params"]))
             except Exception as exc:
+                logger.exception("Tinker run %s: creating the model failed", run.run_id)
+                message = _creation_error(exc, run.base_model, operation["params"].get("path"))
                 await self._cp.request(
                     "POST",
                     f"{path}/fail",
-                    json={"attempt": run.attempt, "error": str(exc), "category": "user"},
+                    json={"attempt": run.attempt, "error": message, "category": "user"},
                 )
-                raise _CreationFailed(str(exc)) from exc
+                raise _CreationFailed(message) from exc
             await self._complete(run, path, {})
             return
         if kind in SAVES:
@@ -416,6 +423,14 @@ class TinkerExecutor:
         await self._cp.request("POST", f"{path}/save", json=payload, retry=True)
         run.latest_step = max(run.latest_step, step)
         run.saved_step = step
+
+
+def _creation_error(exc: Exception, base_model: str, path: str | None) -> str:
+    """What the tenant is told: the trainer's own refusals, else what could not be loaded."""
+    if isinstance(exc, TrainingError):
+        return exc.message
+    what = f"{base_model!r} with the weights of {path}" if path else repr(base_model)
+    return f"{what} could not be loaded ({type(exc).__name__}): check the base model's name"
 
 
 def _restore(params: dict[str, Any]) -> dict[str, Any]:
