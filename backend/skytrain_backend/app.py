@@ -19,7 +19,8 @@ from skytrain_backend import __version__
 from skytrain_backend.api.errors import install_error_handlers
 from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.limits import BodySizeLimit
-from skytrain_backend.api.routes import api_router, health, worker
+from skytrain_backend.api.routes import api_router, health, tinker, tinker_worker, worker
+from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.dashboard import install_dashboard
 from skytrain_backend.db import migrations
@@ -57,10 +58,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             app.state.scheduler.on_worker_gone = app.state.gateway.forget_worker
             app.state.worker_package = WorkerPackage(settings)
+            app.state.tinker = TinkerService(
+                settings=settings,
+                sessions=app.state.sessionmaker,
+                store=app.state.store,
+                gateway=app.state.gateway,
+            )
             await app.state.scheduler.start()
             try:
                 yield
             finally:
+                await app.state.tinker.aclose()
                 await app.state.scheduler.stop()
                 await app.state.gateway.aclose()
         finally:
@@ -81,4 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api_router, prefix="/v1/preview", include_in_schema=False)
     app.include_router(worker.router, prefix="/v1")
     install_dashboard(app)
+    app.include_router(tinker_worker.router, prefix="/v1")
+    # The Tinker protocol, at the paths the official tinker SDK calls.
+    app.include_router(tinker.router)
     return app

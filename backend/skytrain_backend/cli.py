@@ -129,8 +129,15 @@ def _log_to_stderr() -> None:
 def keys_create(
     tenant: str = typer.Option(..., help="Tenant the key acts for; created if new."),
     name: str | None = typer.Option(None, help="A label to recognise the key by."),
+    tinker: bool = typer.Option(
+        False,
+        "--tinker",
+        help="Print it in the tinker SDK's form ('tml-' + the key, for TINKER_API_KEY); the "
+        "same key works both ways.",
+    ),
 ) -> None:
     """Create an API key and print it (the key alone on stdout). It is shown only once."""
+    from skytrain_backend.api.deps import TINKER_KEY_PREFIX
     from skytrain_backend.db import keys
     from skytrain_backend.errors import SkytrainError
 
@@ -141,7 +148,7 @@ def keys_create(
             raise _fail(exc.message) from None
     typer.echo(f"Created key {row.id} ({row.prefix}...) for tenant {tenant!r}.", err=True)
     typer.echo("Store it now: it is not shown again.", err=True)
-    typer.echo(key)
+    typer.echo(TINKER_KEY_PREFIX + key if tinker else key)
 
 
 def _when(moment: datetime | None, default: str = "") -> str:

@@ -96,6 +96,17 @@ class Settings(BaseSettings):
         default=45.0, gt=0, description="A worker silent this long is considered lost."
     )
 
+    # --- the Tinker protocol -----------------------------------------------------------------
+    tinker_session_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="A Tinker SDK session that stopped heartbeating this long ends: its "
+        "training runs close and free their workers.",
+    )
+    tinker_sample_timeout_s: float = Field(
+        default=900.0, gt=0, description="A Tinker sampling request not answered by then fails."
+    )
+
     # --- the skypilot provider ---------------------------------------------------------------
     skypilot_worker_yaml: Path | None = Field(
         default=None,
@@ -204,6 +215,12 @@ class Settings(BaseSettings):
         default=None,
         description="The skytrain wheel workers install (served to them at "
         "/v1/worker/package); it must be this version. Default: built from this installation.",
+    )
+    worker_tinker_max_runs: int = Field(
+        default=2,
+        ge=1,
+        description="Worker: most Tinker training runs it holds in memory at once (each keeps "
+        "a trainer); more wait in the queue.",
     )
 
     @field_validator("home", "model_cache_dir", "worker_wheel", mode="after")

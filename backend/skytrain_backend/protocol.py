@@ -36,7 +36,8 @@ _TOKEN_ID_RE = re.compile(r"^token_id:(\d+)$")
 EventType = Literal[
     "training_started", "gradient_step", "job_timeline", "training_ended", "training_failed"
 ]
-JobKind = Literal["rl", "sft"]
+# "tinker": a Tinker training run's lease on its model (see scheduler.tinker).
+JobKind = Literal["rl", "sft", "tinker"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
 

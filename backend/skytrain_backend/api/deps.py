@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from fastapi import Depends, Query, Request
+from fastapi import Depends, Header, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -25,6 +25,7 @@ from skytrain_backend.storage import ObjectStore
 
 if TYPE_CHECKING:
     from skytrain_backend.api.gateway import Gateway
+    from skytrain_backend.api.tinker import TinkerService
 
 _bearer = HTTPBearer(auto_error=False, description="An API key: sk-st-...")
 
@@ -59,12 +60,18 @@ def get_worker_package(request: Request) -> WorkerPackage:
     return worker_package
 
 
+def get_tinker(request: Request) -> TinkerService:
+    tinker: TinkerService = request.app.state.tinker
+    return tinker
+
+
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 GatewayDep = Annotated["Gateway", Depends(get_gateway)]
 PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
+TinkerDep = Annotated["TinkerService", Depends(get_tinker)]
 
 
 # The bearer key as sent; routes that authenticate in their own session (the inference
@@ -82,6 +89,26 @@ def get_tenant(session: SessionDep, credentials: CredentialsDep) -> Tenant:
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
+
+# The Tinker SDK's keys are "tml-" + a skytrain key, sent as X-API-Key.
+TINKER_KEY_PREFIX = "tml-"
+
+
+def get_tinker_tenant(
+    session: SessionDep,
+    credentials: CredentialsDep,
+    x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
+) -> Tenant:
+    key = x_api_key or (credentials.credentials if credentials else None)
+    if not key:
+        raise AuthenticationFailed(
+            "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
+            "(`skytrain keys create --tenant NAME --tinker` prints it)"
+        )
+    return keys.authenticate(session, key=key.removeprefix(TINKER_KEY_PREFIX))
+
+
+TinkerTenantDep = Annotated[Tenant, Depends(get_tinker_tenant)]
 
 Limit = Annotated[int, Query(ge=1, le=100, description="Items per page.")]
 OrderQuery = Annotated[Literal["asc", "desc"], Query(description="Sort direction.")]

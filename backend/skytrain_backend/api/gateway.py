@@ -291,6 +291,47 @@ class Gateway:
             content["model"] = body["model"]
         return JSONResponse(content, headers=headers)
 
+    async def complete_tokens(
+        self, *, tenant_id: str, model: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """A non-streamed ``/v1/completions`` answer for the tenant's ``model`` (a checkpoint
+        being loaded is waited for, as for ``forward``), counted in the tenant's limit. The
+        Tinker protocol's sampling calls it; an engine's refusal raises ``InvalidRequest``."""
+        deadline = time.monotonic() + self.settings.gateway_loading_wait_s
+
+        def resolve() -> EngineRoute:
+            with self._sessions() as session:
+                return resolve_route(
+                    session,
+                    tenant_id=tenant_id,
+                    model=model,
+                    idle_timeout_s=self.settings.worker_idle_timeout_s,
+                    on_unplaced=self._on_unplaced,
+                )
+
+        while True:
+            try:
+                route = await anyio.to_thread.run_sync(resolve, limiter=self.resolvers)
+                break
+            except Unavailable as exc:
+                if exc.state != "loading" or time.monotonic() >= deadline:
+                    raise
+            await anyio.sleep(LOADING_POLL_S)
+        release = self.admit(tenant_id)
+        try:
+            upstream_body = {**body, "model": route.engine_model}
+            COMPLETIONS.ask_for_logprobs(upstream_body)
+            upstream = await self._send(route=route, path=COMPLETIONS.path, body=upstream_body)
+            if upstream.status_code != 200:
+                await _refusal(upstream, route=route)  # raises unless the request was refused
+                raise InvalidRequest(f"the engine refused the request: {_engine_message(upstream)}")
+            content = await _read_json(upstream, route=route)
+        finally:
+            release()
+        if not isinstance(content, dict):
+            raise EngineError(f"the engine of worker {route.worker_id} answered no JSON object")
+        return content
+
     async def _send(self, *, route: EngineRoute, path: str, body: dict[str, Any]) -> httpx.Response:
         """The engine's response, its body not read yet."""
         client = self._client(route)

@@ -273,3 +273,100 @@ class WorkerToken(Base):
     created_at: Mapped[datetime] = _created_at()
     last_used_at: Mapped[datetime | None]
     revoked_at: Mapped[datetime | None]
+
+
+# --- the Tinker protocol ------------------------------------------------------------------------
+
+
+class TinkerSession(Base):
+    """A Tinker SDK session (one ``ServiceClient``): it heartbeats while its script runs."""
+
+    __tablename__ = "tinker_sessions"
+
+    id: Mapped[str] = _id_column()
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    sdk_version: Mapped[str] = mapped_column(String(64))
+    tags: Mapped[list[str]] = mapped_column(JSONType, default=list)
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = _created_at()
+    last_heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+    finish_status: Mapped[str | None] = mapped_column(String(32))
+
+
+class TinkerRun(Base):
+    """A Tinker training client's model (``<session>:train:<n>``): a skytrain model trained
+    by its ordered operations, leased to a worker through a ``tinker`` training job."""
+
+    __tablename__ = "tinker_runs"
+
+    id: Mapped[str] = mapped_column(String(NAME_LENGTH), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    session_id: Mapped[str] = mapped_column(
+        ForeignKey("tinker_sessions.id", ondelete="CASCADE"), index=True
+    )
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), unique=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("training_jobs.id", ondelete="CASCADE"))
+    lora_config: Mapped[dict[str, Any]]
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = _created_at()
+    last_request_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TinkerSampler(Base):
+    """A sampling session: a checkpoint (model and step) or a base model to sample from."""
+
+    __tablename__ = "tinker_samplers"
+
+    id: Mapped[str] = _id_column()
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    base_model: Mapped[str] = mapped_column(String(512))
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
+    step: Mapped[int]
+    model_path: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = _created_at()
+
+
+class TinkerRequest(Base):
+    """A future: one operation of a run (in ``seq_id`` order) or one sampling request.
+
+    Small inputs and results are JSON here; tensors (a forward-backward's batch and output)
+    live in the object store under the run's prefix.
+    """
+
+    __tablename__ = "tinker_requests"
+    __table_args__ = (UniqueConstraint("run_id", "seq_id"),)
+
+    id: Mapped[str] = _id_column()
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    run_id: Mapped[str | None] = mapped_column(ForeignKey("tinker_runs.id", ondelete="CASCADE"))
+    seq_id: Mapped[int | None]
+    sampler_id: Mapped[str | None] = mapped_column(
+        ForeignKey("tinker_samplers.id", ondelete="CASCADE"), index=True
+    )
+    kind: Mapped[str] = mapped_column(String(32))
+    status: Mapped[str] = mapped_column(String(16), default="queued")
+    params: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    input_uri: Mapped[str | None] = mapped_column(Text)
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
+    result_uri: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[str | None] = mapped_column(Text)
+    error_category: Mapped[str | None] = mapped_column(String(16))
+    created_at: Mapped[datetime] = _created_at()
+    finished_at: Mapped[datetime | None]
+
+
+class TinkerCheckpoint(Base):
+    """A named save of a run, ``tinker://<run>/weights/<name>`` (kind ``training``) or
+    ``.../sampler_weights/<name>`` (kind ``sampler``): a name for one of its model's steps."""
+
+    __tablename__ = "tinker_checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "kind", "name"),)
+
+    id: Mapped[str] = _id_column()
+    run_id: Mapped[str] = mapped_column(ForeignKey("tinker_runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str] = mapped_column(String(NAME_LENGTH))
+    step: Mapped[int]
+    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = _created_at()

@@ -29,7 +29,7 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
-from skytrain_backend.scheduler import placement, queue
+from skytrain_backend.scheduler import placement, queue, tinker
 from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
 
 logger = logging.getLogger(__name__)
@@ -153,6 +153,7 @@ class Scheduler:
         s = self.settings
         with self._sessions() as session:
             queue.expire_leases(session)
+            tinker.expire_sessions(session, timeout_s=s.tinker_session_timeout_s)
             for worker in worker_rows.silent_workers(
                 session, timeout_s=s.worker_heartbeat_timeout_s
             ):
@@ -219,6 +220,7 @@ class Scheduler:
             "SKYTRAIN_WORKER_MAX_MODELS": s.worker_max_models,
             "SKYTRAIN_WORKER_SLEEP_ENGINE": s.worker_sleep_engine,
             "SKYTRAIN_TRAINER_MEMORY_LIMIT_MB": s.trainer_memory_limit_mb,
+            "SKYTRAIN_WORKER_TINKER_MAX_RUNS": s.worker_tinker_max_runs,
         }
         return {key: str(value) for key, value in envs.items() if value is not None}
 

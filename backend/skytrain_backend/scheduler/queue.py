@@ -17,6 +17,7 @@ job; SQLite serializes writers, and a process lock keeps its read-then-write ato
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -34,6 +35,9 @@ _SQLITE_LEASE_LOCK = threading.Lock()
 
 # What a worker reports during a job: the end events are the control plane's own.
 WORKER_EVENT_TYPES = frozenset({"training_started", "gradient_step", "job_timeline"})
+# The jobs a worker's training loop leases; ``tinker`` jobs (a Tinker training run's lease on
+# its model) are leased by the worker's Tinker executor.
+TRAINING_JOB_KINDS = ("rl", "sft")
 
 
 def latest_step(session: Session, *, model_id: str) -> int:
@@ -44,19 +48,25 @@ def latest_step(session: Session, *, model_id: str) -> int:
     )
 
 
-def lease_job(session: Session, *, worker: Worker, lease_s: float) -> TrainingJob | None:
-    """Give ``worker`` the oldest queued job of a model placed on it, if any.
+def lease_job(
+    session: Session,
+    *,
+    worker: Worker,
+    lease_s: float,
+    kinds: Sequence[str] = TRAINING_JOB_KINDS,
+) -> TrainingJob | None:
+    """Give ``worker`` the oldest queued job (of ``kinds``) of a model placed on it, if any.
 
     A model never has two running jobs: its next job waits until the running one ends.
     """
     if session.get_bind().dialect.name == "sqlite":
         with _SQLITE_LEASE_LOCK:
-            return _lease(session, worker=worker, lease_s=lease_s, skip_locked=False)
-    return _lease(session, worker=worker, lease_s=lease_s, skip_locked=True)
+            return _lease(session, worker=worker, lease_s=lease_s, kinds=kinds, skip_locked=False)
+    return _lease(session, worker=worker, lease_s=lease_s, kinds=kinds, skip_locked=True)
 
 
 def _lease(
-    session: Session, *, worker: Worker, lease_s: float, skip_locked: bool
+    session: Session, *, worker: Worker, lease_s: float, kinds: Sequence[str], skip_locked: bool
 ) -> TrainingJob | None:
     running = aliased(TrainingJob)
     statement = (
@@ -64,6 +74,7 @@ def _lease(
         .join(Model, Model.id == TrainingJob.model_id)
         .where(
             TrainingJob.status == "queued",
+            TrainingJob.kind.in_(kinds),
             Model.worker_id == worker.id,
             ~exists().where(running.model_id == TrainingJob.model_id, running.status == "running"),
         )

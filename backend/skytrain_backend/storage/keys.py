@@ -33,3 +33,8 @@ def log_key(*, tenant_id: str, model_id: str, batch_id: str) -> str:
 
 def file_key(*, tenant_id: str, file_id: str) -> str:
     return f"{tenant_prefix(tenant_id)}files/{file_id}.jsonl"
+
+
+def tinker_op_key(*, tenant_id: str, model_id: str, seq_id: int, name: str) -> str:
+    """A Tinker operation's input or output (``input.pb``, ``output.pb``)."""
+    return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}tinker/ops/{seq_id}/{name}"

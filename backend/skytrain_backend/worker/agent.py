@@ -63,6 +63,7 @@ from skytrain_backend.protocol import (
     lora_name,
 )
 from skytrain_backend.worker.client import ControlPlaneClient
+from skytrain_backend.worker.tinker import TinkerExecutor
 
 if TYPE_CHECKING:
     from skytrain_backend.engine.client import EngineClient
@@ -140,6 +141,8 @@ class AgentOptions:
     version: str = ""
     job_poll_interval_s: float = 1.0
     max_cached_trainers: int = 2
+    # Tinker training runs held at once (worker.tinker), beside the job loop.
+    tinker_max_runs: int = 2
 
 
 class WorkerAgent:
@@ -168,6 +171,14 @@ class WorkerAgent:
         self.worker_id: str | None = None
         self._heartbeat_interval_s = 2.0
         self._lease_s = 60.0
+        self._tinker = TinkerExecutor(
+            control_plane=control_plane,
+            adapters=self,
+            work_dir=options.work_dir,
+            device=options.device,
+            max_runs=options.tinker_max_runs,
+            poll_interval_s=options.job_poll_interval_s,
+        )
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -201,12 +212,15 @@ class WorkerAgent:
         else:
             logger.error("registered as worker %s, but %s", self.worker_id, registered.message)
         heartbeat = asyncio.create_task(self._heartbeat_loop(), name="heartbeat")
+        self._tinker.lease_s = self._lease_s
+        tinker = asyncio.create_task(self._tinker.run(self._stopping), name="tinker")
         try:
             await self._job_loop()
         finally:
-            heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await heartbeat
+            for task in (heartbeat, tinker):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     def stop(self) -> None:
         self._stopping.set()
@@ -292,6 +306,19 @@ class WorkerAgent:
                 with contextlib.suppress(Exception):
                     await self._engine.unload_lora(lora_name(*key))
                 self._served.pop(key, None)
+
+    async def serve_checkpoint(self, model_id: str, step: int, directory: Path) -> bool:
+        """Load a checkpoint written on this worker into the engine (the Tinker executor's
+        sampler saves); False while the engine sleeps (the heartbeat loads it on waking)."""
+        if self._engine_asleep:
+            return False
+        name = lora_name(model_id, step)
+        async with self._engine_lock:
+            await self._engine.load_lora(name, str(directory))
+            self._served[(model_id, step)] = directory
+        if not await self._engine.is_serving(name):
+            raise SkytrainError(f"the engine does not serve {name} after loading it")
+        return True
 
     async def _fetch_checkpoint(
         self, model_id: str, step: int, names: tuple[str, ...] | None = None

@@ -185,6 +185,19 @@ class ControlPlaneClient:
         response = await self._send("POST", f"/jobs/{job_id}/fail", json=_body(body))
         return _answer(JobFailed, response)
 
+    async def request(
+        self, method: str, path: str, *, retry: bool = False, **kwargs: Any
+    ) -> httpx.Response:
+        """Any worker route (a path under ``/v1/worker``), for callers with a protocol of their
+        own (the Tinker executor); ``retry`` for idempotent calls."""
+        if retry:
+            return await self._retrying(lambda: self._send(method, path, **kwargs))
+        return await self._send(method, path, **kwargs)
+
+    async def download(self, path: str, target: Path) -> Path:
+        """A worker route's body into ``target`` (never half a file), retried."""
+        return await self._retrying(lambda: self._download(path, target))
+
     async def _download(self, path: str, target: Path) -> Path:
         """Stream to a temporary file beside ``target``, then rename: never half a file."""
         target.parent.mkdir(parents=True, exist_ok=True)

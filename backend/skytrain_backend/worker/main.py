@@ -269,6 +269,7 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             if kind == "vllm"
             else options.max_lora_rank,
             trainer_memory_limit_bytes=limit_mb * 1024 * 1024 if limit_mb else None,
+            tinker_max_runs=settings.worker_tinker_max_runs,
             hardware=_hardware(),
             version=__version__,
         ),

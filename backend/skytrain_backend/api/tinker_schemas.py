@@ -1,0 +1,328 @@
+"""Request and response shapes of the Tinker protocol (``/api/v1``), as the official ``tinker``
+SDK sends and reads them (its ``tinker.types``; only the fields skytrain uses are declared).
+
+Requests ignore fields they do not know, so newer SDKs keep working; known options that
+skytrain does not implement are refused by the routes with a message saying so. Responses are
+what the SDK validates: the field names and types are its own.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+
+MAX_SAMPLES = 128
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+# --- sessions and configuration -----------------------------------------------------------------
+
+
+class ClientConfigResponse(BaseModel):
+    """Feature flags for the SDK: plain API keys (no JWT exchange), httpx transport, protobuf
+    forward-backward bodies without compression, one future polled at a time."""
+
+    pjwt_auth_enabled: bool = False
+    credential_default_source: str = "api_key"
+    parallel_fwdbwd_chunks: bool = True
+    proto_compress_fwdbwd: bool = False
+    use_pyqwest_transport: bool = False
+    sample_use_retrieve_futures: bool = False
+    custom_loss_server_side: bool = False
+    sample_join_sampling_session: bool = False
+
+
+class DynamicConfigResponse(BaseModel):
+    refresh_interval_sec: int = 300
+    sample_cancel_enabled: bool = False
+
+
+class CreateSessionRequest(_Request):
+    tags: list[str] = Field(default_factory=list, max_length=100)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str = Field(default="", max_length=64)
+
+
+class CreateSessionResponse(BaseModel):
+    type: Literal["create_session"] = "create_session"
+    session_id: str
+    info_message: str | None = None
+
+
+class SessionHeartbeatRequest(_Request):
+    session_id: str
+
+
+class FinishSessionRequest(_Request):
+    reason: dict[str, Any] = Field(default_factory=dict)
+    detail: str | None = None
+
+
+class SupportedModel(BaseModel):
+    model_name: str
+    trainable: bool = True
+    sampleable: bool = True
+
+
+class ServerCapabilities(BaseModel):
+    supported_models: list[SupportedModel]
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+class LoraConfig(_Request):
+    rank: int = Field(ge=1, le=256)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfig(_Request):
+    model_config = ConfigDict(extra="allow")
+
+    type: str = "adamw"
+
+
+class CreateModelRequest(_Request):
+    session_id: str
+    model_seq_id: int = Field(ge=0, le=2**31 - 1)
+    base_model: str = Field(min_length=1, max_length=512)
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfig | None = None
+    optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
+
+
+class UntypedAPIFuture(BaseModel):
+    request_id: str
+    model_id: str | None = None
+    sample_sequence_ids: list[str] | None = None
+
+
+class GetInfoRequest(_Request):
+    model_id: str
+
+
+class ModelData(BaseModel):
+    arch: str | None = None
+    model_name: str
+    tokenizer_id: str
+
+
+class GetInfoResponse(BaseModel):
+    type: Literal["get_info"] = "get_info"
+    model_data: ModelData
+    model_id: str
+    optimizer_config: dict[str, str] = Field(default_factory=lambda: {"type": "adamw"})
+    is_lora: bool = True
+    lora_rank: int
+    model_name: str
+
+
+class AdamParams(_Request):
+    model_config = ConfigDict(extra="forbid")
+
+    learning_rate: float = Field(default=1e-4, ge=0, allow_inf_nan=False)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-12, gt=0, allow_inf_nan=False)
+    weight_decay: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    grad_clip_norm: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+
+
+class OptimStepRequest(_Request):
+    # Checked by the route: an invalid one fails its future (the SDK numbered it already).
+    adam_params: dict[str, Any] | None = None
+    optimizer_params: dict[str, Any] | None = None
+    model_id: str
+    seq_id: int | None = None
+
+
+class SaveWeightsRequest(_Request):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveWeightsForSamplerRequest(_Request):
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    kind: str = "snapshot"
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class LoadWeightsRequest(_Request):
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    path: str
+    optimizer: bool
+    optimizer_config: OptimizerConfig | None = None
+    weights_access_token: str | None = None
+
+
+# --- sampling -----------------------------------------------------------------------------------
+
+
+class CreateSamplingSessionRequest(_Request):
+    session_id: str
+    sampling_session_seq_id: int = 0
+    base_model: str | None = Field(default=None, max_length=512)
+    model_path: str | None = None
+
+
+class CreateSamplingSessionResponse(BaseModel):
+    type: Literal["create_sampling_session"] = "create_sampling_session"
+    sampling_session_id: str
+
+
+class GetSamplerResponse(BaseModel):
+    sampler_id: str
+    base_model: str
+    model_path: str | None = None
+
+
+class EncodedTextChunk(_Request):
+    tokens: list[int] = Field(max_length=1_000_000)
+    type: Literal["encoded_text"] = "encoded_text"
+
+
+class ModelInput(_Request):
+    chunks: list[dict[str, Any]]
+
+    def token_ids(self) -> list[int]:
+        """The prompt's token ids; image chunks are refused (ValueError naming the chunk)."""
+        tokens: list[int] = []
+        for index, chunk in enumerate(self.chunks):
+            if chunk.get("type", "encoded_text") != "encoded_text":
+                raise ValueError(
+                    f"prompt chunk {index} is {chunk.get('type')!r}: skytrain samples from token "
+                    "prompts only (ModelInput.from_ints)"
+                )
+            tokens += EncodedTextChunk.model_validate(chunk).tokens
+        return tokens
+
+
+class SamplingParams(_Request):
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
+    top_k: int = Field(default=-1, ge=-1)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class SampleRequest(_Request):
+    num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES)
+    prompt: ModelInput
+    sampling_params: SamplingParams
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
+
+
+# --- futures ------------------------------------------------------------------------------------
+
+
+class FutureRetrieveRequest(_Request):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class TryAgainResponse(BaseModel):
+    type: Literal["try_again"] = "try_again"
+    request_id: str
+    queue_state: Literal["active", "paused_capacity", "paused_rate_limit"]
+    queue_state_reason: str | None = None
+
+
+class RequestFailedResponse(BaseModel):
+    error: str
+    category: Literal["unknown", "server", "user"]
+
+
+# --- training runs and checkpoints ----------------------------------------------------------------
+
+
+class TinkerCheckpointPublic(BaseModel):
+    checkpoint_id: str
+    checkpoint_type: Literal["training", "sampler"]
+    time: datetime
+    tinker_path: str
+    size_bytes: int | None = None
+    public: bool = False
+    user_metadata: dict[str, str] | None = None
+    expires_at: datetime | None = None
+
+
+class Cursor(BaseModel):
+    offset: int
+    limit: int
+    total_count: int
+
+
+class CheckpointsListResponse(BaseModel):
+    checkpoints: list[TinkerCheckpointPublic]
+    cursor: Cursor | None = None
+
+
+class TrainingRunPublic(BaseModel):
+    training_run_id: str
+    base_model: str
+    model_owner: str
+    is_lora: bool = True
+    corrupted: bool = False
+    lora_rank: int | None = None
+    last_request_time: datetime
+    last_checkpoint: TinkerCheckpointPublic | None = None
+    last_sampler_checkpoint: TinkerCheckpointPublic | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class TrainingRunsResponse(BaseModel):
+    training_runs: list[TrainingRunPublic]
+    cursor: Cursor
+
+
+class WeightsInfoRequest(_Request):
+    tinker_path: str = Field(validation_alias=AliasChoices("tinker_path", "path"))
+
+
+class WeightsInfoResponse(BaseModel):
+    base_model: str
+    is_lora: bool = True
+    lora_rank: int
+    train_unembed: bool = False
+    train_mlp: bool
+    train_attn: bool

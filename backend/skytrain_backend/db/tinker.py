@@ -1,0 +1,155 @@
+"""Tinker sessions, training runs, futures, samplers and named checkpoints, per tenant.
+
+Every lookup filters on the caller's tenant: another tenant's run, future or sampler is not
+found (404), and nothing says it exists.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db.models import (
+    Checkpoint,
+    TinkerCheckpoint,
+    TinkerRequest,
+    TinkerRun,
+    TinkerSampler,
+    TinkerSession,
+    utcnow,
+)
+from skytrain_backend.errors import InvalidRequest, NotFound
+
+# last_request_at and heartbeats are informative: written at most this often per row.
+ACTIVITY_RESOLUTION = timedelta(seconds=10)
+
+
+def create_session(
+    session: Session,
+    *,
+    tenant_id: str,
+    sdk_version: str,
+    tags: list[str],
+    user_metadata: dict[str, Any],
+) -> TinkerSession:
+    row = TinkerSession(
+        tenant_id=tenant_id,
+        sdk_version=sdk_version,
+        tags=sorted(set(tags)),
+        user_metadata=user_metadata,
+    )
+    session.add(row)
+    session.commit()
+    return row
+
+
+def get_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerSession:
+    row = session.scalar(
+        select(TinkerSession).where(
+            TinkerSession.id == session_id, TinkerSession.tenant_id == tenant_id
+        )
+    )
+    if row is None:
+        raise NotFound(f"session {session_id!r} not found: create one with a new ServiceClient")
+    return row
+
+
+def open_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerSession:
+    """The session, refused once it finished (nothing new may start in it)."""
+    row = get_session(session, tenant_id=tenant_id, session_id=session_id)
+    if row.finished_at is not None:
+        raise InvalidRequest(
+            f"session {session_id} has finished ({row.finish_status}): create a new ServiceClient"
+        )
+    return row
+
+
+def heartbeat(session: Session, *, row: TinkerSession) -> None:
+    now = utcnow()
+    if row.last_heartbeat_at < now - ACTIVITY_RESOLUTION:
+        row.last_heartbeat_at = now
+        session.commit()
+
+
+def get_run(session: Session, *, tenant_id: str, run_id: str) -> TinkerRun:
+    run = session.scalar(
+        select(TinkerRun).where(TinkerRun.id == run_id, TinkerRun.tenant_id == tenant_id)
+    )
+    if run is None:
+        raise NotFound(
+            f"training run {run_id!r} not found: create one with "
+            "ServiceClient.create_lora_training_client"
+        )
+    return run
+
+
+def touch_run(session: Session, *, run: TinkerRun) -> None:
+    now = utcnow()
+    if run.last_request_at < now - ACTIVITY_RESOLUTION:
+        run.last_request_at = now
+        session.commit()
+
+
+def list_runs(
+    session: Session, *, tenant_id: str, limit: int, offset: int
+) -> tuple[list[TinkerRun], int]:
+    """The tenant's runs, newest first, and how many there are."""
+    where = TinkerRun.tenant_id == tenant_id
+    total = int(session.scalar(select(func.count(TinkerRun.id)).where(where)) or 0)
+    runs = session.scalars(
+        select(TinkerRun)
+        .where(where)
+        .order_by(TinkerRun.created_at.desc(), TinkerRun.id)
+        .limit(limit)
+        .offset(offset)
+    )
+    return list(runs), total
+
+
+def get_request(session: Session, *, tenant_id: str, request_id: str) -> TinkerRequest:
+    row = session.scalar(
+        select(TinkerRequest).where(
+            TinkerRequest.id == request_id, TinkerRequest.tenant_id == tenant_id
+        )
+    )
+    if row is None:
+        raise NotFound(f"future {request_id!r} not found")
+    return row
+
+
+def get_sampler(session: Session, *, tenant_id: str, sampler_id: str) -> TinkerSampler:
+    row = session.scalar(
+        select(TinkerSampler).where(
+            TinkerSampler.id == sampler_id, TinkerSampler.tenant_id == tenant_id
+        )
+    )
+    if row is None:
+        raise NotFound(
+            f"sampling session {sampler_id!r} not found: create one with "
+            "ServiceClient.create_sampling_client"
+        )
+    return row
+
+
+def named_checkpoints(
+    session: Session, *, tenant_id: str, run_id: str | None = None
+) -> list[tuple[TinkerCheckpoint, Checkpoint]]:
+    """Named checkpoints (of one run, or all the tenant's) whose step was not deleted, newest
+    first, with their skytrain checkpoint."""
+    statement = (
+        select(TinkerCheckpoint, Checkpoint)
+        .join(TinkerRun, TinkerRun.id == TinkerCheckpoint.run_id)
+        .join(
+            Checkpoint,
+            (Checkpoint.model_id == TinkerRun.model_id)
+            & (Checkpoint.step == TinkerCheckpoint.step),
+        )
+        .where(TinkerRun.tenant_id == tenant_id, Checkpoint.deleted_at.is_(None))
+        .order_by(TinkerCheckpoint.created_at.desc(), TinkerCheckpoint.id)
+    )
+    if run_id is not None:
+        statement = statement.where(TinkerCheckpoint.run_id == run_id)
+    return [(named, checkpoint) for named, checkpoint in session.execute(statement)]
