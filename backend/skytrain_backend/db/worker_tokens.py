@@ -85,12 +85,8 @@ def revoke_join_token(session: Session, *, id_or_prefix: str) -> WorkerToken:
     return row
 
 
-def verify_join_token(session: Session, *, token: str, base_model: str) -> WorkerToken:
-    """The join token a worker for ``base_model`` registers with.
-
-    Raises AuthenticationFailed when the token is unknown, revoked, or scoped to another base
-    model, with what the operator can do about it.
-    """
+def find_join_token(session: Session, *, token: str) -> WorkerToken:
+    """The join token ``token``; AuthenticationFailed when it is unknown or revoked."""
     row = session.scalar(select(WorkerToken).where(WorkerToken.token_hash == hash_key(token)))
     if row is None:
         raise AuthenticationFailed(
@@ -102,6 +98,16 @@ def verify_join_token(session: Session, *, token: str, base_model: str) -> Worke
             f"the join token {row.prefix}... was revoked: create a new one with "
             "`skytrain workers token create`"
         )
+    return row
+
+
+def verify_join_token(session: Session, *, token: str, base_model: str) -> WorkerToken:
+    """The join token a worker for ``base_model`` registers with.
+
+    Raises AuthenticationFailed when the token is unknown, revoked, or scoped to another base
+    model, with what the operator can do about it.
+    """
+    row = find_join_token(session, token=token)
     if row.base_model is not None and row.base_model != base_model:
         raise AuthenticationFailed(
             f"the join token {row.prefix}... only joins workers for {row.base_model!r}, "

@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import worker_tokens
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
 
@@ -72,6 +73,16 @@ def authenticate_worker(session: Session, *, token: str) -> Worker:
             f"worker {worker.id} was {worker.status}: start a new worker to rejoin"
         )
     return worker
+
+
+def check_worker_token(session: Session, *, token: str, path: str) -> None:
+    """Whether ``token`` may call the worker route at ``path``, before its body is read: a
+    live worker's token anywhere, a valid join token on ``/v1/worker/register`` (whose scope
+    the route checks against the body). Raises AuthenticationFailed saying why not."""
+    if path.endswith("/worker/register") and worker_tokens.is_join_token(token):
+        worker_tokens.find_join_token(session, token=token)
+    else:
+        authenticate_worker(session, token=token)
 
 
 def register(
