@@ -14,13 +14,18 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import migrations
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.storage import ObjectStore, open_object_store
 from tests.api import support
 from tests.api.conftest import Caller
 from tests.fixtures.models import model_cache_dir
 from tests.fixtures.services import ApiKey, ControlPlane
+from tests.gateway.conftest import serve_in_thread
 
 INFERENCE_LIMIT = 256 * 1024
 
@@ -48,6 +53,29 @@ def settings(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     )
     migrations.upgrade_url(built.resolved_database_url)
     return built
+
+
+# The session fixtures that depend on ``settings`` are overridden too: pytest would otherwise
+# hand this package the control plane another package's settings made first.
+
+
+@pytest.fixture(scope="session")
+def control_plane(settings: Settings) -> Iterator[ControlPlane]:
+    served = settings.model_copy(update={"host": "127.0.0.1"})
+    with serve_in_thread(create_app(served)) as url:
+        yield ControlPlane(url=url, settings=served)
+
+
+@pytest.fixture(scope="session")
+def db_sessions(settings: Settings) -> Iterator[sessionmaker[Session]]:
+    engine = create_db_engine(settings.resolved_database_url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def object_store(settings: Settings) -> ObjectStore:
+    return open_object_store(settings.resolved_object_store_url, settings)
 
 
 @pytest.fixture

@@ -26,7 +26,8 @@ import re
 import statistics
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import IO, Any, BinaryIO, TypeVar
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
 import ijson
 import msgspec
@@ -79,7 +80,8 @@ class Spool:
             self._memory += data
             return
         if self._file is None:
-            self._file = tempfile.TemporaryFile()  # noqa: SIM115 - closed by close()
+            # Named: the store uploads it by path, reading one part at a time.
+            self._file = tempfile.NamedTemporaryFile()  # noqa: SIM115 - closed by close()
             self._file.write(self._memory)
             self._memory = bytearray()
         self._file.write(data)
@@ -100,12 +102,13 @@ class Spool:
             with contextlib.suppress(BufferError):
                 mapped.close()
 
-    def reader(self) -> BinaryIO:
-        """The bytes from the start, as a file to upload."""
+    def put(self, store: ObjectStore, key: str) -> None:
+        """Write the bytes to ``store`` at ``key``; a file goes up part by part from disk."""
         if self._file is None:
-            return io.BytesIO(self._memory)
-        self._file.seek(0)
-        return self._file  # type: ignore[return-value]
+            store.put_bytes(key, bytes(self._memory))
+            return
+        self._file.flush()
+        store.put_file(key, Path(self._file.name))
 
     def close(self) -> None:
         if self._file is not None:
@@ -365,14 +368,14 @@ def store_then_commit(
     session: Session,
     *,
     key: str,
-    data: bytes | BinaryIO,
+    data: bytes | Spool,
     insert: Callable[[str], T],
 ) -> T:
     """Write ``data`` at ``key``, then run ``insert(uri)`` and commit; undo the write on failure."""
     if isinstance(data, bytes):
         store.put_bytes(key, data)
     else:
-        store.put_stream(key, data)
+        data.put(store, key)
     try:
         result = insert(store.uri(key))
         session.commit()

@@ -29,7 +29,7 @@ def upload_file(
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()
-        store.put_stream(keys.file_key(tenant_id=tenant.id, file_id=file_id), batch.spool.reader())
+        batch.spool.put(store, keys.file_key(tenant_id=tenant.id, file_id=file_id))
         return FilePublic(id=file_id, uri=f"{FILE_SCHEME}{file_id}", bytes=batch.spool.size)
     finally:
         batch.close()

@@ -114,7 +114,7 @@ def _log(
             store,
             session,
             key=keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch_id),
-            data=batch.spool.reader(),
+            data=batch.spool,
             insert=insert,
         )
     finally:

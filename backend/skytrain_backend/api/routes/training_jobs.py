@@ -85,7 +85,7 @@ def _store_job(
         store,
         session,
         key=keys.job_input_key(tenant_id=model.tenant_id, model_id=model.id, job_id=job_id),
-        data=batch.spool.reader(),
+        data=batch.spool,
         insert=insert,
     )
     scheduler.wake()
