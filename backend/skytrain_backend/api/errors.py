@@ -1,9 +1,9 @@
 """One place that turns errors into HTTP answers: ``{"error": {"type", "message"}}``.
 
 ``SkytrainError`` subclasses carry their status (a storage error's own words, which name
-buckets, directories and tenants' keys, go to the log only); FastAPI's request validation errors become
-400 with one line per problem naming the field; Starlette's own HTTP errors (unknown route,
-wrong method) keep their status and get the same body shape.
+buckets, directories and tenants' keys, go to the log only); FastAPI's request validation
+errors become 400 with one line per problem naming the field; Starlette's own HTTP errors
+(unknown route, wrong method) keep their status and get the same body shape.
 """
 
 from __future__ import annotations

@@ -264,11 +264,6 @@ class Batch:
         self.spool.close()
 
 
-def to_jsonl(items: Iterable[TrajectoryGroup | Trajectory]) -> bytes:
-    """One JSON document per line, exactly as validated (``model_dump(mode="json")``)."""
-    return b"".join(item.model_dump_json().encode() + b"\n" for item in items)
-
-
 def groups_from_jsonl(data: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in data.splitlines() if line.strip()]
 
