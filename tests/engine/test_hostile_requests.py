@@ -43,6 +43,30 @@ def test_a_seed_past_64_bits_is_a_400_and_the_engine_keeps_serving(
     assert served.json()["usage"]["completion_tokens"] == 2
 
 
+def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_it_is_tokenized(
+    tiny_engine: RunningEngine,
+) -> None:
+    """Megabytes of prompt are refused by their length, not after tokenizing them (which
+    held the engine's server up for every other request: 30 s for 20 MB)."""
+    huge = "word " * 400_000  # 2 MB; the tiny engine's context is 512 tokens
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+        ("/v1/completions", {"prompt": huge}),
+    ):
+        response = httpx.post(
+            f"{tiny_engine.base_url}{path}", json={"model": "tiny", **body}, timeout=HANG_S
+        )
+        assert response.status_code == 400, response.text
+        message = response.json()["error"]["message"]
+        assert "characters" in message and "shorten the prompt" in message
+    served = httpx.post(
+        f"{tiny_engine.base_url}/v1/chat/completions",
+        json={"model": "tiny", "messages": MESSAGES, "max_tokens": 2},
+        timeout=HANG_S,
+    )
+    assert served.status_code == 200, served.text
+
+
 async def _run(
     engine: HFEngine, request_id: str, prompt: list[int], params: SamplingParams
 ) -> list[SequenceUpdate]:
