@@ -7,6 +7,8 @@ Starts a moto S3 server and `skytrain serve` as separate processes (SQLite by de
          parses and validates every group, writes the JSONL batch to S3, records the job.
 - boto3: one put_object of the same request bytes to the same S3 server.
 
+and the server's resident memory before the first batch and at its peak (Linux /proc).
+
 Usage:
     .venv/bin/python bench/ingest_trajectories.py [--trajectories 10000] [--route log]
 """
@@ -22,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -49,11 +52,13 @@ def _wait(url: str, process: subprocess.Popen[bytes]) -> None:
 
 
 @contextmanager
-def _process(args: list[str], env: dict[str, str], ready_url: str) -> Iterator[None]:
+def _process(
+    args: list[str], env: dict[str, str], ready_url: str
+) -> Iterator[subprocess.Popen[bytes]]:
     process = subprocess.Popen(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait(ready_url, process)
-        yield
+        yield process
     finally:
         process.terminate()
         process.wait(30)
@@ -115,6 +120,38 @@ def _timed(repeats: int, action: Any) -> list[float]:
     return times
 
 
+def _memory_mb(pid: int, field: str) -> float:
+    """A figure of /proc/<pid>/status in MB: VmRSS (resident now), VmHWM (its peak so far),
+    RssAnon (the process's own memory), RssFile (mapped file pages the kernel can drop)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise SystemExit(f"no {field} for process {pid}")
+
+
+class _PeakSampler:
+    """The largest RssAnon and RssFile of a process, sampled every 20 ms while it runs."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.anon_mb = self.file_mb = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.02):
+            self.anon_mb = max(self.anon_mb, _memory_mb(self.pid, "RssAnon"))
+            self.file_mb = max(self.file_mb, _memory_mb(self.pid, "RssFile"))
+
+    def __enter__(self) -> _PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def _hardware() -> str:
     return f"{machine.cpu_name()}, {os.cpu_count()} CPU cores, Python {platform.python_version()}"
 
@@ -164,7 +201,7 @@ def main() -> None:
             ).stdout.strip()
             serve = [str(BIN / "skytrain"), "serve", "--port", str(api_port)]
             with (
-                _process(serve, env, f"{api}/health"),
+                _process(serve, env, f"{api}/health") as server,
                 httpx.Client(
                     base_url=api, headers={"Authorization": f"Bearer {key}"}, timeout=600
                 ) as http,
@@ -188,10 +225,14 @@ def main() -> None:
                 def plain_boto3() -> None:
                     s3.put_object(Bucket="bench", Key="plain/batch.json", Body=payload)
 
-                through_api()  # warm-up: imports, connection pools, first-use caches
-                plain_boto3()
-                api_times = _timed(args.repeats, through_api)
+                idle_mb = _memory_mb(server.pid, "VmRSS")
+                idle_anon_mb = _memory_mb(server.pid, "RssAnon")
+                with _PeakSampler(server.pid) as sampled:
+                    through_api()  # warm-up: imports, connection pools, first-use caches
+                    plain_boto3()
+                    api_times = _timed(args.repeats, through_api)
                 boto3_times = _timed(args.repeats, plain_boto3)
+                peak_mb = _memory_mb(server.pid, "VmHWM")
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
@@ -211,6 +252,12 @@ def main() -> None:
     )
     print(f"boto3:    put_object of the same bytes  median {boto3_s:.2f} s")
     print(f"ratio:    api / boto3 = {api_s / boto3_s:.1f}x")
+    print(
+        f"memory:   server resident {idle_mb:.0f} MB before the first batch, peak "
+        f"{peak_mb:.0f} MB over all runs (+{peak_mb - idle_mb:.0f} MB for a "
+        f"{len(payload) / 1e6:.1f} MB body); its own (anonymous) memory peaked "
+        f"+{sampled.anon_mb - idle_anon_mb:.0f} MB, mapped file pages at {sampled.file_mb:.0f} MB"
+    )
 
 
 if __name__ == "__main__":

@@ -11,19 +11,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend import __version__
+from skytrain_backend.api.bulk import add_json_body_docs
 from skytrain_backend.api.errors import install_error_handlers
 from skytrain_backend.api.gateway import Gateway
-from skytrain_backend.api.limits import BodySizeLimit
+from skytrain_backend.api.limits import RequestLimits
 from skytrain_backend.api.routes import api_router, health, tinker, tinker_worker, worker
 from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.dashboard import install_dashboard
-from skytrain_backend.db import migrations
+from skytrain_backend.db import migrations, workers
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.provision import open_provider
 from skytrain_backend.provision.package import WorkerPackage
@@ -81,9 +83,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    app.add_middleware(
-        BodySizeLimit, max_bytes=settings.max_request_bytes, exempt_prefixes=("/v1/worker/",)
-    )
+
+    def check_worker_token(token: str, path: str) -> None:
+        with app.state.sessionmaker() as session:
+            workers.check_worker_token(session, token=token, path=path)
+
+    app.add_middleware(RequestLimits, settings=settings, check_worker_token=check_worker_token)
     app.include_router(health.router)
     app.include_router(api_router, prefix="/v1")
     app.include_router(api_router, prefix="/v1/preview", include_in_schema=False)
@@ -92,4 +97,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(tinker_worker.router, prefix="/v1")
     # The Tinker protocol, at the paths the official tinker SDK calls.
     app.include_router(tinker.router)
+    _add_json_body_docs(app)
     return app
+
+
+def _add_json_body_docs(app: FastAPI) -> None:
+    """The OpenAPI document, with the bodies the trajectory routes read themselves."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            add_json_body_docs(generate())
+        return generate()
+
+    app.openapi = openapi  # type: ignore[method-assign]

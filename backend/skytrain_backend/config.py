@@ -62,8 +62,25 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(
         default=64 * 1024 * 1024, gt=0, description="Largest request body accepted."
     )
+    max_inference_request_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest body of an inference request (chat completions, completions): "
+        "the prompt's size, before a worker tokenizes it.",
+    )
     max_trajectories_per_request: int = Field(
         default=100_000, gt=0, description="Most trajectories in one training job or log call."
+    )
+    request_body_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Longest a client may take to send a request body before it gets 408 "
+        "(checkpoint uploads from workers excepted).",
+    )
+    base_model_dirs: str | None = Field(
+        default=None,
+        description="Directories, separated by ':', under which tenants may name a base model "
+        "by its path; '' for none (Hugging Face ids only). Default: the model cache.",
     )
     gateway_loading_wait_s: float = Field(
         default=30.0,
@@ -239,6 +256,12 @@ class Settings(BaseSettings):
     @property
     def resolved_model_cache_dir(self) -> Path:
         return self.model_cache_dir or self.home / "models"
+
+    @property
+    def resolved_base_model_dirs(self) -> list[Path]:
+        if self.base_model_dirs is None:
+            return [self.resolved_model_cache_dir]
+        return [Path(part).expanduser() for part in self.base_model_dirs.split(":") if part]
 
     @property
     def resolved_public_url(self) -> str:

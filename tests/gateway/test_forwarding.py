@@ -220,8 +220,10 @@ def test_preview_prefix_serves_the_same_gateway(
 @pytest.mark.parametrize(
     ("path", "body", "logprobs"),
     [
-        ("/v1/chat/completions", {"messages": PROMPT, "max_tokens": -3}, True),
-        ("/v1/completions", {"prompt": "Hi", "max_tokens": -3}, 0),
+        # Options the gateway lets through and only the engine refuses (ranges the gateway
+        # checks itself never reach the engine).
+        ("/v1/chat/completions", {"messages": PROMPT, "presence_penalty": 0.5}, True),
+        ("/v1/completions", {"prompt": "Hi", "presence_penalty": 0.5}, 0),
     ],
 )
 def test_engine_refusal_passes_through_with_its_status_and_body(
@@ -248,5 +250,5 @@ def test_engine_refusal_passes_through_with_its_status_and_body(
 
     assert direct.status_code == 400
     assert through.status_code == 400
-    assert "max_tokens" in through.json()["error"]["message"]
+    assert "presence_penalty" in through.json()["error"]["message"]
     assert through.json() == direct.json()

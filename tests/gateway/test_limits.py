@@ -28,6 +28,7 @@ def test_requests_over_the_tenant_limit_get_429_until_a_stream_ends(
         assert error["type"] == "rate_limit_error"
         assert f"{TENANT_LIMIT} inference requests of yours are in flight" in error["message"]
         assert "SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS" in error["message"]
+        assert refused.headers["Retry-After"] == "1"
         with pytest.raises(openai.RateLimitError):
             alice.openai.completions.create(model=name, prompt="Hi", max_tokens=1)
         assert bob.chat(bobs).status_code == 200  # the limit is per tenant

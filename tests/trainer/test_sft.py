@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -62,3 +63,28 @@ def test_sft_refuses_learning_rates_that_do_not_match_the_steps(tiny_trainer: Tr
             [_conversation("Blue.")] * 5,
             SFTTrainConfig(learning_rate=[1e-3, 1e-3], batch_size=2),
         )
+
+
+def test_an_sft_run_of_many_epochs_holds_no_more_than_a_run_of_one(
+    tiny_trainer: Trainer,
+) -> None:
+    """Epochs are batched as they come: 100 epochs (the most a job may ask) hold what one does.
+    A run used to build every epoch's batches and packings up front: a job asking for 10^9
+    epochs took its shared worker down (15.5 GB)."""
+    trajectories = [_conversation(f"Answer {n}.") for n in range(64)]
+
+    def prepared(epochs: int) -> tuple[int, int]:
+        tracemalloc.start()
+        try:
+            run = tiny_trainer.train_sft(
+                trajectories, SFTTrainConfig(num_epochs=epochs, batch_size=1)
+            )
+            held, _ = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        return run.num_gradient_steps, held
+
+    one_steps, one_held = prepared(1)
+    many_steps, many_held = prepared(100)
+    assert (one_steps, many_steps) == (64, 6400)
+    assert many_held < 2 * one_held, f"{many_held} bytes held for 100 epochs, {one_held} for 1"

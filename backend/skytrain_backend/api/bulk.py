@@ -1,4 +1,5 @@
-"""Requests with large JSON bodies (trajectory batches) run with the cyclic GC paused.
+"""Requests with large JSON bodies (trajectory batches): how the OpenAPI document describes
+their bodies, which ``api.ingest`` reads itself, and the cyclic GC paused while they run.
 
 Parsing and validating a batch of 10,000 trajectories (60 MB of JSON) allocates millions of
 small containers, and CPython's generational collector, triggered by those allocations, scans
@@ -16,6 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -68,3 +70,29 @@ class LargeBodyRoute(APIRoute):
                 return await handle(request)
 
         return handle_large_bodies
+
+
+# Bodies the routes read themselves, by schema name: ``add_json_body_docs`` adds them
+# (and the schemas they use) to the OpenAPI document's components.
+_JSON_BODIES: dict[str, type[BaseModel]] = {}
+_COMPONENTS = "#/components/schemas/{model}"
+
+
+def json_body_doc(schema: type[BaseModel]) -> dict[str, Any]:
+    """The ``openapi_extra`` of a route that reads its JSON body itself: the body is
+    documented as ``schema``, as if FastAPI had parsed it."""
+    _JSON_BODIES[schema.__name__] = schema
+    reference = {"$ref": _COMPONENTS.format(model=schema.__name__)}
+    return {
+        "requestBody": {"required": True, "content": {"application/json": {"schema": reference}}}
+    }
+
+
+def add_json_body_docs(openapi: dict[str, Any]) -> None:
+    """Add the schemas of the streamed bodies to an OpenAPI document's components."""
+    components = openapi.setdefault("components", {}).setdefault("schemas", {})
+    for name, schema in _JSON_BODIES.items():
+        document = schema.model_json_schema(ref_template=_COMPONENTS, mode="validation")
+        for def_name, definition in document.pop("$defs", {}).items():
+            components.setdefault(def_name, definition)
+        components.setdefault(name, document)

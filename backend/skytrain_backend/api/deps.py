@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from fastapi import Depends, Header, Query, Request
+from fastapi import Depends, Header, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -20,6 +20,15 @@ from skytrain_backend.db import keys
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.errors import AuthenticationFailed
 from skytrain_backend.provision.package import WorkerPackage
+from skytrain_backend.ranges import (
+    EVENT_ID_PATTERN,
+    ID_MAX_LENGTH,
+    ID_PATTERN,
+    MAX_STEP,
+    NAME_MAX_LENGTH,
+    NAME_PATTERN,
+    SPLIT_PATTERN,
+)
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import ObjectStore
 
@@ -112,4 +121,29 @@ TinkerTenantDep = Annotated[Tenant, Depends(get_tinker_tenant)]
 
 Limit = Annotated[int, Query(ge=1, le=100, description="Items per page.")]
 OrderQuery = Annotated[Literal["asc", "desc"], Query(description="Sort direction.")]
-After = Annotated[str | None, Query(description="Cursor: the id of the last item seen.")]
+After = Annotated[
+    str | None,
+    Query(
+        max_length=ID_MAX_LENGTH,
+        pattern=ID_PATTERN,
+        description="Cursor: the id of the last item seen.",
+    ),
+]
+EventCursor = Annotated[
+    str | None,
+    Query(
+        pattern=EVENT_ID_PATTERN,
+        description="Cursor: the id of the last event seen (digits; event ids are integers).",
+    ),
+]
+
+# Ids in paths: what skytrain issues are 32 hex digits; anything of this shape that is not one
+# of yours is a 404, anything else a 400 naming the parameter.
+ModelId = Annotated[str, Path(max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
+JobId = Annotated[str, Path(max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
+ModelIdQuery = Annotated[str | None, Query(max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
+BatchId = Annotated[str, Path(max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
+StepPath = Annotated[int, Path(ge=0, le=MAX_STEP, description="A checkpoint step.")]
+StepQuery = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="A checkpoint step.")]
+NameQuery = Annotated[str | None, Query(max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN)]
+SplitQuery = Annotated[str | None, Query(max_length=64, pattern=SPLIT_PATTERN)]

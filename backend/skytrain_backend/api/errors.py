@@ -1,13 +1,15 @@
 """One place that turns errors into HTTP answers: ``{"error": {"type", "message"}}``.
 
-``SkytrainError`` subclasses carry their status; FastAPI's request validation errors become
-400 with one line per problem naming the field; Starlette's own HTTP errors (unknown route,
-wrong method) keep their status and get the same body shape.
+``SkytrainError`` subclasses carry their status (a storage error's own words, which name
+buckets, directories and tenants' keys, go to the log only); FastAPI's request validation
+errors become 400 with one line per problem naming the field; Starlette's own HTTP errors
+(unknown route, wrong method) keep their status and get the same body shape.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,7 +18,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from skytrain_backend.errors import SkytrainError, Unavailable
+from skytrain_backend.errors import (
+    ObjectMissing,
+    RateLimited,
+    SkytrainError,
+    StorageError,
+    Unavailable,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +62,19 @@ def describe_validation_errors(errors: Sequence[Any]) -> str:
 async def _skytrain_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, SkytrainError)
     headers = {}
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, Unavailable | RateLimited):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
+    if isinstance(exc, StorageError | ObjectMissing):
+        # The store's own words name buckets, directories and tenants' keys: the operator's.
+        reference = secrets.token_hex(4)
+        logger.error("%s [%s]: %s", type(exc).__name__, reference, exc.message)
+        what = "failed" if isinstance(exc, StorageError) else "lacks an object this needs"
+        return error_response(
+            exc.status_code,
+            exc.type,
+            f"the object store {what} (reference {reference} in the control plane's log): "
+            "retry shortly; if it keeps failing, tell the operator",
+        )
     if exc.status_code >= 500:
         logger.error("%s: %s", type(exc).__name__, exc.message)
     return error_response(exc.status_code, exc.type, exc.message, **headers)

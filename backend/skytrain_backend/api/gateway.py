@@ -47,11 +47,13 @@ import httpx
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
+from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Receive, Scope, Send
 
 from skytrain_backend import tls
 from skytrain_backend.api.deps import get_tenant
+from skytrain_backend.api.schemas import ChatCompletionCreate, CompletionCreate
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import (
@@ -60,6 +62,7 @@ from skytrain_backend.errors import (
     RateLimited,
     Unavailable,
 )
+from skytrain_backend.protocol import format_validation_error
 from skytrain_backend.scheduler.routing import EngineRoute, resolve_route
 
 logger = logging.getLogger(__name__)
@@ -87,6 +90,8 @@ RESOLVE_CONCURRENCY = 4
 class Endpoint:
     path: str
     ask_for_logprobs: Callable[[dict[str, Any]], None]
+    # The options checked before the request goes to a worker.
+    schema: type[ChatCompletionCreate | CompletionCreate]
 
 
 def _chat_logprobs(body: dict[str, Any]) -> None:
@@ -101,8 +106,8 @@ def _completion_logprobs(body: dict[str, Any]) -> None:
     body["return_tokens_as_token_ids"] = True
 
 
-CHAT = Endpoint("/v1/chat/completions", _chat_logprobs)
-COMPLETIONS = Endpoint("/v1/completions", _completion_logprobs)
+CHAT = Endpoint("/v1/chat/completions", _chat_logprobs, ChatCompletionCreate)
+COMPLETIONS = Endpoint("/v1/completions", _completion_logprobs, CompletionCreate)
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,7 @@ class Gateway:
     ) -> Response:
         """The engine's answer to the caller's request, or the reason there is none."""
         raw = await request.body()
-        routed = await self._route(credentials=credentials, raw=raw)
+        routed = await self._route(credentials=credentials, raw=raw, endpoint=endpoint)
         release = self.admit(routed.tenant_id)
         try:
             response = await self._proxy(request, routed=routed, endpoint=endpoint)
@@ -233,7 +238,7 @@ class Gateway:
         return response
 
     async def _route(
-        self, *, credentials: HTTPAuthorizationCredentials | None, raw: bytes
+        self, *, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
     ) -> _Routed:
         """Where the request goes; a checkpoint being loaded onto its worker is waited for.
 
@@ -244,19 +249,21 @@ class Gateway:
         while True:
             try:
                 return await anyio.to_thread.run_sync(
-                    self._resolve, credentials, raw, limiter=self.resolvers
+                    self._resolve, credentials, raw, endpoint, limiter=self.resolvers
                 )
             except Unavailable as exc:
                 if exc.state != "loading" or time.monotonic() >= deadline:
                     raise
             await anyio.sleep(LOADING_POLL_S)
 
-    def _resolve(self, credentials: HTTPAuthorizationCredentials | None, raw: bytes) -> _Routed:
+    def _resolve(
+        self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
+    ) -> _Routed:
         """Authenticate, parse and route in one session, held only for these few queries (a
         connection held across the request would starve the pool under concurrent streams)."""
         with self._sessions() as session:
             tenant_id = get_tenant(session, credentials).id
-            body = _parse_body(raw)
+            body = _parse_body(raw, endpoint)
             route = resolve_route(
                 session,
                 tenant_id=tenant_id,
@@ -401,9 +408,16 @@ def _certificate_refused(exc: BaseException) -> bool:
     return False
 
 
-def _parse_body(raw: bytes) -> dict[str, Any]:
+def _parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
+    """The caller's JSON, its options checked against their ranges (``endpoint.schema``)."""
+    constants: list[str] = []
+
+    def constant(name: str) -> float:
+        constants.append(name)
+        return float(name)
+
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=constant)
     except ValueError as exc:
         raise InvalidRequest(f"the body is not valid JSON ({exc})") from None
     if not isinstance(body, dict):
@@ -415,6 +429,14 @@ def _parse_body(raw: bytes) -> dict[str, Any]:
         )
     if "stream" in body and not isinstance(body["stream"], bool | None):
         raise InvalidRequest(f"stream must be true or false, not {body['stream']!r}")
+    try:
+        endpoint.schema.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(format_validation_error(exc)) from None
+    if constants:
+        raise InvalidRequest(
+            f"the body holds {constants[0]}, which is not a JSON number: send finite numbers"
+        )
     return body
 
 

@@ -1,4 +1,12 @@
-"""Taking trajectories in: validate, summarise, serialise, store.
+"""Taking trajectories in: read, validate, summarise, serialise, store.
+
+A bulk body (a training job, a log, an SFT job: tens of megabytes of trajectories) is never
+turned into Python objects as a whole. Its bytes are spooled as they arrive (in memory up to
+1 MiB, then in a temporary file); one pass of msgspec's C parser splits it into its small
+fields and the raw bytes of each item of its list (``trajectory_groups``, ``trajectories``);
+then each item is validated alone, by pydantic's JSON parser, and appended as one JSONL line
+to a spooled output. Memory stays at one item plus the spools' buffers whatever the size of
+the body, and the count limit stops the work as soon as it is passed.
 
 A batch is stored atomically from the client's point of view: everything is validated before
 anything is written; then the JSONL object is written, then the rows are inserted in one
@@ -8,15 +16,25 @@ no row and no object behind.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
+import mmap
+import re
 import statistics
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+import tempfile
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import IO, Any, TypeVar
 
-from pydantic import ValidationError
+import ijson
+import msgspec
+from pydantic import BaseModel, ValidationError
 from sqlalchemy.orm import Session
+from starlette.requests import Request
+from typing_extensions import Buffer
 
 from skytrain_backend.errors import InvalidRequest, PayloadTooLarge
 from skytrain_backend.protocol import (
@@ -29,61 +47,145 @@ from skytrain_backend.storage import ObjectStore
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+# Bodies and outputs up to this size stay in memory; larger ones go to a temporary file.
+SPOOL_IN_MEMORY_BYTES = 1024 * 1024
+# The fields of a bulk body besides its list: a model id, a config, a split...
+MAX_FIELDS_BYTES = 1024 * 1024
 
 
 def check_count(num_trajectories: int, *, limit: int) -> None:
     if num_trajectories > limit:
         raise PayloadTooLarge(
-            f"the request holds {num_trajectories} trajectories, more than the limit of {limit} "
+            f"the request holds more than {limit} trajectories, the limit "
             "(SKYTRAIN_MAX_TRAJECTORIES_PER_REQUEST): split it into several requests"
         )
 
 
-def count_trajectories(groups: Sequence[TrajectoryGroup]) -> int:
-    return sum(len(group.trajectories) for group in groups)
+# --- the request body ---------------------------------------------------------------------------
 
 
-def to_jsonl(items: Iterable[TrajectoryGroup | Trajectory]) -> bytes:
-    """One JSON document per line, exactly as validated (``model_dump(mode="json")``)."""
-    return b"".join(item.model_dump_json().encode() + b"\n" for item in items)
+class Spool:
+    """Bytes written in pieces: kept in memory up to 1 MiB, then in a temporary file."""
 
+    def __init__(self) -> None:
+        self._memory = bytearray()
+        self._file: IO[bytes] | None = None
+        self.size = 0
 
-def groups_from_jsonl(data: bytes) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in data.splitlines() if line.strip()]
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self._file is None and self.size <= SPOOL_IN_MEMORY_BYTES:
+            self._memory += data
+            return
+        if self._file is None:
+            # Named: the store uploads it by path, reading one part at a time.
+            self._file = tempfile.NamedTemporaryFile()  # noqa: SIM115 - closed by close()
+            self._file.write(self._memory)
+            self._memory = bytearray()
+        self._file.write(data)
 
-
-def parse_trajectories(raw: Sequence[Any], *, field: str = "trajectories") -> list[Trajectory]:
-    """Validate SFT trajectories; each must hold an assistant turn to learn from."""
-    if not raw:
-        raise InvalidRequest(f"{field} is empty: send at least one trajectory")
-    trajectories = []
-    for index, item in enumerate(raw):
-        where = f"{field}[{index}]"
+    @contextlib.contextmanager
+    def view(self) -> Iterator[Buffer]:
+        """The bytes: a copy while they are in memory, a memory map of the file after."""
+        if self._file is None:
+            yield bytes(self._memory)
+            return
+        self._file.flush()
+        mapped = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            trajectory = Trajectory.model_validate(item)
-        except ValidationError as exc:
-            raise InvalidRequest(format_validation_error(exc, root=where)) from exc
-        trajectories.append(_with_assistant_turn(trajectory, where))
-    return trajectories
+            yield mapped
+        finally:
+            # Items still referenced (by an exception's traceback) keep the map open; it
+            # closes itself once they are gone.
+            with contextlib.suppress(BufferError):
+                mapped.close()
+
+    def put(self, store: ObjectStore, key: str) -> None:
+        """Write the bytes to ``store`` at ``key``; a file goes up part by part from disk."""
+        if self._file is None:
+            store.put_bytes(key, bytes(self._memory))
+            return
+        self._file.flush()
+        store.put_file(key, Path(self._file.name))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._memory = bytearray()
 
 
-def parse_trajectory_lines(data: bytes) -> list[Trajectory]:
-    """Validate a JSONL upload: one trajectory per line; errors name the line."""
-    trajectories = []
-    for number, line in enumerate(data.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            trajectory = Trajectory.model_validate_json(line)
-        except ValidationError as exc:
-            raise InvalidRequest(format_validation_error(exc, root=f"line {number}")) from exc
-        trajectories.append(_with_assistant_turn(trajectory, f"line {number}"))
-    if not trajectories:
-        raise InvalidRequest("the file holds no trajectories: send one JSON trajectory per line")
-    return trajectories
+async def read_body(request: Request) -> Spool:
+    """The request's body, spooled. Its size and time limits are the middleware's
+    (``api.limits``), applied as the bytes arrive."""
+    spool = Spool()
+    try:
+        async for chunk in request.stream():
+            spool.write(chunk)
+    except BaseException:
+        spool.close()
+        raise
+    return spool
 
 
-def _with_assistant_turn(trajectory: Trajectory, where: str) -> Trajectory:
+def split_body(
+    buffer: Buffer, *, schema: type[M], list_field: str
+) -> tuple[M, list[msgspec.Raw] | None]:
+    """The body's fields validated by ``schema`` (its list left empty), and the raw bytes of
+    each item of ``list_field`` (None when the body has no such field)."""
+    try:
+        top = msgspec.json.decode(buffer, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        raise InvalidRequest("the body must be a JSON object") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(_not_json(buffer, exc)) from None
+    raw_items = top.pop(list_field, None)
+    fields = [msgspec.json.encode(key) + b":" + bytes(value) for key, value in top.items()]
+    if raw_items is not None:
+        fields.append(msgspec.json.encode(list_field) + b":[]")
+    document = b"{" + b",".join(fields) + b"}"
+    if len(document) > MAX_FIELDS_BYTES:
+        raise PayloadTooLarge(
+            f"the fields besides {list_field} take {len(document)} bytes, more than "
+            f"{MAX_FIELDS_BYTES}: send the data in {list_field}"
+        )
+    try:
+        header = schema.model_validate_json(document)
+    except ValidationError as exc:
+        raise InvalidRequest(format_validation_error(exc)) from None
+    if raw_items is None:
+        return header, None
+    try:
+        items = msgspec.json.decode(raw_items, type=list[msgspec.Raw])
+    except msgspec.ValidationError:
+        raise InvalidRequest(f"{list_field}: Input should be a valid list") from None
+    return header, items
+
+
+def each_item(
+    items: Sequence[msgspec.Raw], parse: Callable[[bytes, str], T], *, field: str
+) -> Iterator[T]:
+    """Each item parsed alone by ``parse(raw, where)``; refuses an empty list."""
+    if not items:
+        raise InvalidRequest(f"{field} is empty: send at least one item")
+    for index, raw in enumerate(items):
+        yield parse(bytes(raw), f"{field}[{index}]")
+
+
+def parse_group(raw: bytes, where: str) -> TrajectoryGroup:
+    try:
+        return TrajectoryGroup.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(format_validation_error(exc, root=where)) from None
+
+
+def parse_trajectory(raw: bytes | str, where: str) -> Trajectory:
+    """An SFT trajectory: it must hold an assistant turn to learn from."""
+    try:
+        trajectory = Trajectory.model_validate_json(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(format_validation_error(exc, root=where)) from None
     for item in trajectory.messages_and_choices:
         if not isinstance(item, Message) or item.role == "assistant":
             return trajectory
@@ -93,30 +195,132 @@ def _with_assistant_turn(trajectory: Trajectory, where: str) -> Trajectory:
     )
 
 
-def summarize(groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
-    """Summary metrics of a batch: reward statistics, counts, and the mean of each metric.
+def _not_json(buffer: Buffer, error: msgspec.DecodeError) -> str:
+    """Why the body is not JSON. NaN and Infinity (which Python's json writes) are named with
+    the field that holds them, found by re-reading the body up to them."""
+    found = re.search(r"\s*\(byte (\d+)\)", str(error))
+    reason = str(error).replace(found.group(0), "") if found else str(error)
+    if found is None:
+        return f"the body is not valid JSON ({reason})"
+    position = int(found.group(1))
+    if bytes(memoryview(buffer)[position : position + 3]) in (b"NaN", b"Inf", b"-In"):
+        path = _path_to_first_error(buffer)
+        return f"{path}: Input should be a finite number (NaN and Infinity are not JSON numbers)"
+    return f"the body is not valid JSON ({reason} at byte {position})"
+
+
+def _path_to_first_error(buffer: Buffer) -> str:
+    """The JSON path (``trajectory_groups[1].reward``) of the value the parser stopped at."""
+    if isinstance(buffer, mmap.mmap):
+        buffer.seek(0)
+    source = buffer if isinstance(buffer, mmap.mmap) else io.BytesIO(buffer)
+    path: list[str | int | None] = []
+
+    def next_value() -> None:
+        if path and isinstance(path[-1], int):
+            path[-1] += 1
+
+    with contextlib.suppress(ijson.JSONError):
+        for event, value in ijson.basic_parse(source, use_float=True):
+            if event == "map_key":
+                path[-1] = value
+            elif event in ("start_map", "start_array"):
+                next_value()
+                path.append(None if event == "start_map" else -1)
+            elif event in ("end_map", "end_array"):
+                path.pop()
+            else:
+                next_value()
+    next_value()
+    text = ""
+    for part in path:
+        if isinstance(part, int):
+            text += f"[{part}]"
+        elif part is not None:
+            text += f".{part}" if text else part
+    return text or "body"
+
+
+# --- the batch written to the store -------------------------------------------------------------
+
+
+class Batch:
+    """Validated items as JSONL (``model_dump(mode="json")``, one per line), spooled, with a
+    count of trajectories that refuses the request as soon as it passes ``limit``."""
+
+    def __init__(self, *, limit: int) -> None:
+        self.limit = limit
+        self.spool = Spool()
+        self.num_items = 0
+        self.num_trajectories = 0
+
+    def add(self, item: TrajectoryGroup | Trajectory) -> None:
+        self.num_items += 1
+        self.num_trajectories += len(item.trajectories) if isinstance(item, TrajectoryGroup) else 1
+        check_count(self.num_trajectories, limit=self.limit)
+        self.spool.write(item.model_dump_json().encode() + b"\n")
+
+    def close(self) -> None:
+        self.spool.close()
+
+
+def groups_from_jsonl(data: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in data.splitlines() if line.strip()]
+
+
+def parse_trajectory_lines(lines: Iterable[bytes], batch: Batch) -> None:
+    """Validate a JSONL upload into ``batch``: one trajectory per line; errors name the line."""
+    for number, line in enumerate(lines, start=1):
+        if line.strip():
+            batch.add(parse_trajectory(line, f"line {number}"))
+    if not batch.num_items:
+        raise InvalidRequest("the file holds no trajectories: send one JSON trajectory per line")
+
+
+# --- summaries ----------------------------------------------------------------------------------
+
+
+class Summary:
+    """Summary metrics of a batch, gathered a group at a time: reward statistics, counts,
+    and the mean of each trajectory metric.
 
     ``reward`` and ``reward_std_dev`` are named as ART names them, so checkpoint metrics read
     ``val/reward`` for ``delete_checkpoints(best_checkpoint_metric="val/reward")``.
     """
-    rewards = [t.reward for group in groups for t in group.trajectories]
-    values: dict[str, list[float]] = {}
-    for group in groups:
+
+    def __init__(self) -> None:
+        self.rewards: list[float] = []
+        self.values: dict[str, list[float]] = {}
+        self.num_groups = 0
+
+    def add(self, group: TrajectoryGroup) -> None:
+        self.num_groups += 1
         for trajectory in group.trajectories:
+            self.rewards.append(trajectory.reward)
             for key, value in trajectory.metrics.items():
-                values.setdefault(key, []).append(float(value))
-    summary = {key: statistics.fmean(series) for key, series in sorted(values.items())}
-    summary.update(
-        {
-            "reward": statistics.fmean(rewards),
-            "reward_std_dev": statistics.pstdev(rewards),
-            "reward/min": min(rewards),
-            "reward/max": max(rewards),
-            "num_trajectories": float(len(rewards)),
-            "num_groups": float(len(groups)),
-        }
-    )
-    return summary
+                self.values.setdefault(key, []).append(float(value))
+
+    def result(self) -> dict[str, float]:
+        rewards = self.rewards
+        summary = {key: statistics.fmean(series) for key, series in sorted(self.values.items())}
+        summary.update(
+            {
+                "reward": statistics.fmean(rewards),
+                "reward_std_dev": statistics.pstdev(rewards),
+                "reward/min": min(rewards),
+                "reward/max": max(rewards),
+                "num_trajectories": float(len(rewards)),
+                "num_groups": float(self.num_groups),
+            }
+        )
+        return summary
+
+
+def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
+    summary = Summary()
+    for group in groups:
+        summary.add(group)
+    return summary.result()
 
 
 def combine(summaries: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -151,11 +355,22 @@ def combine(summaries: Sequence[dict[str, float]]) -> dict[str, float]:
     return combined
 
 
+# --- storing ------------------------------------------------------------------------------------
+
+
 def store_then_commit(
-    store: ObjectStore, session: Session, *, key: str, data: bytes, insert: Callable[[str], T]
+    store: ObjectStore,
+    session: Session,
+    *,
+    key: str,
+    data: bytes | Spool,
+    insert: Callable[[str], T],
 ) -> T:
     """Write ``data`` at ``key``, then run ``insert(uri)`` and commit; undo the write on failure."""
-    store.put_bytes(key, data)
+    if isinstance(data, bytes):
+        store.put_bytes(key, data)
+    else:
+        data.put(store, key)
     try:
         result = insert(store.uri(key))
         session.commit()

@@ -1,63 +1,172 @@
-"""The request body size limit, enforced before anything parses the body.
+"""Limits every request meets before anything reads its body.
 
-A declared ``Content-Length`` over the limit is refused at once; a body sent in chunks is
-counted as it arrives and refused as soon as it passes the limit, so an oversize request
-costs at most the limit in memory and never reaches a route.
+- **Size.** A declared ``Content-Length`` over the route's limit is refused at once (413); a
+  body sent in chunks is counted as the route reads it and refused as soon as it passes the
+  limit, so an oversize request costs at most the limit in memory. Inference requests have
+  their own, smaller limit (``SKYTRAIN_MAX_INFERENCE_REQUEST_BYTES``): a prompt is not a
+  batch of trajectories.
+- **Time.** A client that has not sent its whole body within
+  ``SKYTRAIN_REQUEST_BODY_TIMEOUT_S`` of the request's start is cut off with 408, however
+  slowly it trickles.
+- **Worker token.** Routes under ``/v1/worker/`` check the bearer token before the body is
+  read: a request without a valid worker token gets 401 having cost nothing.
+
+Checkpoint uploads from workers (gigabytes, ``PUT /v1/worker/jobs/{id}/files/{name}``) have no
+size or time limit once their token is checked: the route streams them to the object store.
 """
 
 from __future__ import annotations
 
+import re
+import time
+from collections.abc import Callable
+
+import anyio
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skytrain_backend.api.errors import error_response
+from skytrain_backend.config import Settings
+from skytrain_backend.errors import AuthenticationFailed
+
+WORKER_PREFIX = "/v1/worker/"
+_CHECKPOINT_UPLOAD = re.compile(r"^/v1/worker/jobs/[^/]+/files/[^/]+$")
+_INFERENCE = re.compile(r"^/v1(/preview)?/(chat/)?completions$")
+
+# check_worker_token(token, path) raises AuthenticationFailed unless the token may call path.
+CheckWorkerToken = Callable[[str, str], None]
 
 
-class BodySizeLimit:
-    """Refuses bodies over ``max_bytes``, except on paths under ``exempt_prefixes``.
+class _Refused(Exception):
+    """Raised into the app from ``receive`` when the body broke a limit."""
 
-    Workers upload checkpoint files (gigabytes for large adapters) under ``/v1/worker/``;
-    those routes stream the body to the object store themselves.
-    """
+
+class RequestLimits:
+    """The size, time and worker-token limits above, as ASGI middleware."""
 
     def __init__(
-        self, app: ASGIApp, *, max_bytes: int, exempt_prefixes: tuple[str, ...] = ()
+        self, app: ASGIApp, *, settings: Settings, check_worker_token: CheckWorkerToken
     ) -> None:
         self.app = app
-        self.max_bytes = max_bytes
-        self.exempt_prefixes = exempt_prefixes
+        self.settings = settings
+        self.check_worker_token = check_worker_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"].startswith(self.exempt_prefixes):
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            await self._refuse(scope, receive, send, f"declares {int(declared)} bytes")
-            return
-        chunks: list[Message] = []
-        size = 0
-        while True:
-            message = await receive()
-            chunks.append(message)
-            if message["type"] != "http.request":
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._refuse(scope, receive, send, f"sent more than {self.max_bytes} bytes")
+        path: str = scope["path"]
+        if path.startswith(WORKER_PREFIX):
+            refusal = await self._worker_refusal(scope)
+            if refusal is not None:
+                await refusal(scope, receive, send)
                 return
-            if not message.get("more_body", False):
-                break
-
-        async def replay() -> Message:
-            return chunks.pop(0) if chunks else await receive()
-
-        await self.app(scope, replay, send)
-
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send, what: str) -> None:
-        response = error_response(
-            413,
-            "payload_too_large",
-            f"the request body {what}, over the limit of {self.max_bytes} bytes "
-            "(SKYTRAIN_MAX_REQUEST_BYTES): send fewer trajectories per request",
+            if scope["method"] == "PUT" and _CHECKPOINT_UPLOAD.match(path):
+                await self.app(scope, receive, send)
+                return
+        if _INFERENCE.match(path):
+            limit, setting = self.settings.max_inference_request_bytes, "INFERENCE_REQUEST_BYTES"
+        else:
+            limit, setting = self.settings.max_request_bytes, "REQUEST_BYTES"
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > limit:
+            await _too_large(f"declares {int(declared)} bytes", limit, setting)(
+                scope, receive, send
+            )
+            return
+        await _Limited(self.app, limit, setting, self.settings.request_body_timeout_s)(
+            scope, receive, send
         )
-        await response(scope, receive, send)
+
+    async def _worker_refusal(self, scope: Scope) -> Response | None:
+        scheme, _, token = (
+            dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
+        )
+        if scheme.lower() != "bearer" or not token:
+            return _unauthorized("no worker token: send 'Authorization: Bearer swt-...'")
+        try:
+            await anyio.to_thread.run_sync(self.check_worker_token, token, scope["path"])
+        except AuthenticationFailed as exc:
+            return _unauthorized(exc.message)
+        return None
+
+
+class _Limited:
+    """One request whose body is counted and timed as the app reads it; when it breaks a
+    limit, the app's own answer (whatever it made of the broken body) is replaced by ours."""
+
+    def __init__(self, app: ASGIApp, limit: int, setting: str, timeout_s: float) -> None:
+        self.app = app
+        self.limit = limit
+        self.setting = setting
+        self.timeout_s = timeout_s
+        self.received = 0
+        self.body_done = False
+        self.refusal: Response | None = None
+        self.started = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        deadline = time.monotonic() + self.timeout_s
+
+        async def limited_receive() -> Message:
+            if self.body_done:  # past the body: waiting for a disconnect has no deadline
+                return await receive()
+            try:
+                with anyio.fail_after(max(deadline - time.monotonic(), 0)):
+                    message = await receive()
+            except TimeoutError:
+                self.refusal = _timed_out(self.received, self.timeout_s)
+                raise _Refused from None
+            if message["type"] != "http.request":
+                self.body_done = True
+                return message
+            self.received += len(message.get("body", b""))
+            if self.received > self.limit:
+                self.refusal = _too_large(
+                    f"sent more than {self.limit} bytes", self.limit, self.setting
+                )
+                raise _Refused
+            self.body_done = not message.get("more_body", False)
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if self.refusal is not None and not self.started:
+                return
+            if message["type"] == "http.response.start":
+                self.started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if self.refusal is None or self.started:
+                raise
+        if self.refusal is not None and not self.started:
+            await self.refusal(scope, receive, send)
+
+
+def _too_large(what: str, limit: int, setting: str) -> Response:
+    return error_response(
+        413,
+        "payload_too_large",
+        f"the request body {what}, over the limit of {limit} bytes (SKYTRAIN_MAX_{setting}): "
+        + (
+            "shorten the prompt"
+            if setting == "INFERENCE_REQUEST_BYTES"
+            else "send fewer trajectories per request"
+        ),
+    )
+
+
+def _timed_out(received: int, timeout_s: float) -> Response:
+    return error_response(
+        408,
+        "request_timeout",
+        f"the request body did not arrive within {timeout_s:g} s (SKYTRAIN_REQUEST_BODY_"
+        f"TIMEOUT_S; {received} bytes came): send it faster, or in smaller requests",
+        Connection="close",
+    )
+
+
+def _unauthorized(message: str) -> Response:
+    return error_response(401, "authentication_error", message, **{"WWW-Authenticate": "Bearer"})

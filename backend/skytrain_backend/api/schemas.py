@@ -1,9 +1,10 @@
 """Request and response bodies of the REST API, named by role: ``XCreate`` (request),
 ``XPublic`` (one resource), ``XsPublic`` (a page ``{data, has_more}``).
 
-Requests ignore fields they do not know (ART's client sends a few extra ones). Trajectory
-groups are typed loosely here and validated by ``protocol.parse_trajectory_groups``, whose
-messages name the group and trajectory at fault.
+Requests ignore fields they do not know (ART's client sends a few extra ones). Numbers and
+text carry their ranges (``ranges``), so the OpenAPI document states them. The bodies that
+hold trajectories are read by ``api.ingest`` a group at a time: these classes describe them
+and validate their other fields.
 """
 
 from __future__ import annotations
@@ -13,14 +14,38 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field
 
-from skytrain_backend.protocol import JobKind, JobStatus, ModelConfig, RLTrainConfig, SFTTrainConfig
+from skytrain_backend.protocol import (
+    JobKind,
+    JobStatus,
+    ModelConfig,
+    RLTrainConfig,
+    SFTTrainConfig,
+    Trajectory,
+    TrajectoryGroup,
+)
+from skytrain_backend.ranges import (
+    ID_MAX_LENGTH,
+    ID_PATTERN,
+    INT32_MAX,
+    NAME_MAX_LENGTH,
+    NAME_PATTERN,
+    NO_NUL_PATTERN,
+    SPLIT_PATTERN,
+    Seed,
+    Step,
+)
 
 # Entity, project and model names end up in "<entity>/<project>/<name>:step<N>" references.
 Name = Annotated[
     str,
-    StringConstraints(min_length=1, max_length=128, pattern=r"^[^/:\s]+$", strip_whitespace=True),
+    StringConstraints(
+        min_length=1, max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN, strip_whitespace=True
+    ),
 ]
-Split = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+Split = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=SPLIT_PATTERN)]
+Id = Annotated[str, StringConstraints(min_length=1, max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
+# Most steps one delete names.
+MAX_STEPS_PER_DELETE = 10_000
 
 
 class _Public(BaseModel):
@@ -42,7 +67,13 @@ class ModelCreate(BaseModel):
     entity: Name | None = Field(default=None, description="Default: your tenant's name.")
     project: Name
     name: Name
-    base_model: str = Field(min_length=1, max_length=512, description="A Hugging Face model id.")
+    base_model: str = Field(
+        min_length=1,
+        max_length=512,
+        pattern=NO_NUL_PATTERN,
+        description="A Hugging Face model id ('Qwen/Qwen2.5-0.5B-Instruct'), or the path of a "
+        "model directory inside one the operator allows (SKYTRAIN_BASE_MODEL_DIRS).",
+    )
     config: ModelConfig | None = None
     return_existing: bool = Field(
         default=False, description="Return the model if it exists instead of answering 409."
@@ -131,7 +162,7 @@ class CheckpointsPublic(BaseModel):
 
 
 class CheckpointsDelete(BaseModel):
-    steps: list[Annotated[int, Field(ge=0)]]
+    steps: list[Step] = Field(max_length=MAX_STEPS_PER_DELETE)
 
 
 class CheckpointsDeleted(BaseModel):
@@ -152,9 +183,9 @@ class CheckpointFilesPublic(BaseModel):
 
 
 class LogCreate(BaseModel):
-    trajectory_groups: list[Any]
+    trajectory_groups: list[TrajectoryGroup]
     split: Split = "val"
-    step: int | None = Field(default=None, ge=0, description="Default: the model's latest step.")
+    step: Step | None = Field(default=None, description="Default: the model's latest step.")
 
 
 class TrajectoryBatchPublic(_Public):
@@ -191,8 +222,8 @@ class MetricsPublic(BaseModel):
 
 
 class TrainingJobCreate(BaseModel):
-    model_id: str
-    trajectory_groups: list[Any]
+    model_id: Id
+    trajectory_groups: list[TrajectoryGroup]
     config: RLTrainConfig | None = None
     experimental_config: dict[str, Any] | None = Field(
         default=None, description="ART's experimental_config; mutually exclusive with config."
@@ -200,10 +231,10 @@ class TrainingJobCreate(BaseModel):
 
 
 class SFTTrainingJobCreate(BaseModel):
-    model_id: str
-    trajectories: list[Any] | None = None
+    model_id: Id
+    trajectories: list[Trajectory] | None = None
     training_data_url: str | None = Field(
-        default=None, description="skytrain-file://<id> from POST /v1/files."
+        default=None, max_length=1024, description="skytrain-file://<id> from POST /v1/files."
     )
     config: SFTTrainConfig | None = None
 
@@ -251,3 +282,45 @@ class FilePublic(BaseModel):
     id: str
     uri: str
     bytes: int
+
+
+# --- inference --------------------------------------------------------------------------------
+
+MAX_CHOICES = 128
+MAX_TOP_LOGPROBS = 20
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+class _InferenceCreate(BaseModel):
+    """The OpenAI options the gateway checks before a request reaches a worker; every other
+    field is passed on as sent (the engine refuses what it does not support)."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+    model: str = Field(
+        min_length=1,
+        max_length=1024,
+        pattern=NO_NUL_PATTERN,
+        description="'<entity>/<project>/<name>' (latest step) or '...:step<N>', also as "
+        "'wandb-artifact:///...', or a model id (with an optional ':step<N>').",
+    )
+    stream: bool | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    seed: Seed | None = None
+    stop_token_ids: list[TokenId] | None = None
+
+
+class ChatCompletionCreate(_InferenceCreate):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class CompletionCreate(_InferenceCreate):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)

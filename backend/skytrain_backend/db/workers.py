@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import worker_tokens
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
 
@@ -91,6 +92,21 @@ def check_base_model(worker: Worker, *, base_model: str) -> None:
             f"worker {worker.id} was started for {worker.base_model!r}, "
             f"but its engine serves {base_model!r}"
         )
+
+
+# The worker routes a join token (swj-...) may call: joining, and fetching what to install.
+JOIN_TOKEN_PATHS = ("/worker/register", "/worker/package")
+
+
+def check_worker_token(session: Session, *, token: str, path: str) -> None:
+    """Whether ``token`` may call the worker route at ``path``, before its body is read: a
+    live worker's token anywhere, a valid join token on ``/v1/worker/register`` (whose scope
+    the route checks against the body) and ``/v1/worker/package`` (the wheel a joining worker
+    installs). Raises AuthenticationFailed saying why not."""
+    if path.endswith(JOIN_TOKEN_PATHS) and worker_tokens.is_join_token(token):
+        worker_tokens.live_join_token(session, token=token)
+    else:
+        authenticate_worker(session, token=token)
 
 
 def register(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -13,6 +13,7 @@ import httpx
 
 import skytrain
 from skytrain_backend import hub
+from skytrain_backend.base_models import is_hub_id
 from skytrain_backend.demo import report, task
 from skytrain_backend.demo.service import EmbeddedService, embedded_service, free_port
 from skytrain_backend.demo.training import LoopOptions, StepRow, train
@@ -103,10 +104,20 @@ async def _train_model(
 def run_demo(options: DemoOptions) -> DemoResult:
     """Run the whole demo; the control plane and its workers are stopped however it ends."""
     prepare_base_model(options.base_model, options.model_cache_dir)
+    # A base model given as a directory: named by its absolute path, and its parent directory
+    # allowed on the embedded control plane (which refuses other host paths).
+    local = Path(options.base_model).expanduser()
+    base_model_dirs: list[Path] = []
+    if not is_hub_id(options.base_model) and local.is_dir():
+        options = replace(options, base_model=str(local.resolve()))
+        base_model_dirs.append(local.resolve().parent)
     port = options.port or free_port()
     say(f"==> starting the embedded control plane on http://127.0.0.1:{port} (home {options.home})")
     with embedded_service(
-        options.home, port=port, model_cache_dir=options.model_cache_dir
+        options.home,
+        port=port,
+        model_cache_dir=options.model_cache_dir,
+        base_model_dirs=base_model_dirs,
     ) as service:
         say(f"    log: {service.log_path}")
         say(f"    dashboard (open it while the demo runs): {dashboard_link(service)}")

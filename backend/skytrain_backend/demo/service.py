@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,14 +89,18 @@ class EmbeddedService:
             return False
 
 
-def service_env(home: Path, *, port: int, model_cache_dir: Path) -> dict[str, str]:
-    """The environment of the embedded server: everything under ``home``, workers local."""
+def service_env(
+    home: Path, *, port: int, model_cache_dir: Path, base_model_dirs: Sequence[Path] = ()
+) -> dict[str, str]:
+    """The environment of the embedded server: everything under ``home``, workers local,
+    base models from the model cache and ``base_model_dirs``."""
     return subprocess_env(
         {
             "SKYTRAIN_HOME": str(home),
             "SKYTRAIN_DATABASE_URL": f"sqlite:///{home / 'skytrain.db'}",
             "SKYTRAIN_OBJECT_STORE_URL": (home / "objects").as_uri(),
             "SKYTRAIN_MODEL_CACHE_DIR": str(model_cache_dir),
+            "SKYTRAIN_BASE_MODEL_DIRS": ":".join(map(str, [model_cache_dir, *base_model_dirs])),
             "SKYTRAIN_HOST": "127.0.0.1",
             "SKYTRAIN_PORT": str(port),
             "SKYTRAIN_PUBLIC_URL": f"http://127.0.0.1:{port}",
@@ -148,10 +152,14 @@ def _tail(path: Path, lines: int = 20) -> str:
 
 
 @contextlib.contextmanager
-def embedded_service(home: Path, *, port: int, model_cache_dir: Path) -> Iterator[EmbeddedService]:
+def embedded_service(
+    home: Path, *, port: int, model_cache_dir: Path, base_model_dirs: Sequence[Path] = ()
+) -> Iterator[EmbeddedService]:
     """Start ``skytrain serve`` under ``home`` on ``port``; stop it (and its workers) on exit."""
     home.mkdir(parents=True, exist_ok=True)
-    env = service_env(home, port=port, model_cache_dir=model_cache_dir)
+    env = service_env(
+        home, port=port, model_cache_dir=model_cache_dir, base_model_dirs=base_model_dirs
+    )
     api_key = _create_key(env["SKYTRAIN_DATABASE_URL"])
     log_path = home / "serve.log"
     with open(log_path, "ab") as log:

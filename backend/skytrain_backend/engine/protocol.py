@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from skytrain_backend.protocol import Message
+from skytrain_backend.ranges import INT32_MAX, Seed
 
 FinishReason = Literal["stop", "length", "tool_calls"]
 
@@ -70,13 +71,14 @@ class StreamOptions(BaseModel):
 class _SamplingFields(_Request):
     model: str = Field(min_length=1)
     n: int = Field(default=1, ge=1, le=128)
-    temperature: float | None = Field(default=None, ge=0.0)
+    temperature: float | None = Field(default=None, ge=0.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=-1)
-    max_tokens: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    # A signed 64-bit integer, as vLLM takes: the generator of each choice is seeded with it.
+    seed: Seed | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling parameters.
@@ -111,7 +113,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
     tool_choice: Literal["none", "auto"] | None = None
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
@@ -154,7 +156,7 @@ Prompt = str | list[str] | list[int] | list[list[int]]
 
 class CompletionRequest(_SamplingFields):
     prompt: Prompt
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")

@@ -82,6 +82,11 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._token_text: dict[int, str] = {}
+        # No token covers more characters than the longest in the vocabulary: a text longer
+        # than the context times that cannot fit, and is refused before it is tokenized
+        # (tokenizing megabytes would hold up every other request on the server's loop).
+        longest_token = max(len(token) for token in self.tokenizer.get_vocab())
+        self.max_prompt_chars = engine.max_model_len * longest_token
 
     def models(self) -> ModelList:
         base = self.engine.served_model_name
@@ -136,7 +141,16 @@ class OpenAIServing:
             raise InvalidRequest(
                 f"the model's chat template cannot render these messages: {exc}"
             ) from exc
+        self._check_prompt_length(str(text))
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def _check_prompt_length(self, text: str) -> None:
+        if len(text) > self.max_prompt_chars:
+            raise InvalidRequest(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens, "
+                f"which no prompt of more than {self.max_prompt_chars} characters fits, and the "
+                f"prompt has {len(text)}: shorten the prompt"
+            )
 
     def _chat_choice(
         self, request: ChatCompletionRequest, index: int, choice: _Choice
@@ -304,6 +318,9 @@ class OpenAIServing:
         items: list[str | int | list[int]] = [prompt] if isinstance(prompt, str) else list(prompt)
         if all(isinstance(item, int) for item in items):
             items = [[item for item in items if isinstance(item, int)]]
+        for item in items:
+            if isinstance(item, str):
+                self._check_prompt_length(item)
         prompts: list[list[int]] = [
             list(self.tokenizer(item).input_ids) if isinstance(item, str) else item
             for item in items

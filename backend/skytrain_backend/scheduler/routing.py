@@ -26,6 +26,7 @@ from skytrain_backend.db import registry
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
 from skytrain_backend.errors import NotFound, Unavailable
 from skytrain_backend.protocol import ModelRef
+from skytrain_backend.ranges import parse_step
 from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.serving import engine_model_name, serving_status
 
@@ -34,7 +35,7 @@ ACTIVITY_RESOLUTION_S = 30.0
 # Serving states in which no live worker holds the model: the scheduler has work to do.
 UNPLACED_STATES = frozenset({"waiting", "provisioning", "failed"})
 
-_MODEL_ID_RE = re.compile(r"^(?P<id>[0-9a-f]{32})(?::step(?P<step>\d+))?$")
+_MODEL_ID_RE = re.compile(r"^(?P<id>[0-9a-f]{32})(?::step(?P<step>[0-9]+))?$")
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def _find_model(session: Session, *, tenant_id: str, model: str) -> tuple[Model,
             select(Model).where(Model.id == by_id.group("id"), Model.tenant_id == tenant_id)
         )
         step = by_id.group("step")
-        pinned = int(step) if step is not None else None
+        pinned = parse_step(step, where="the model's :step<N>") if step is not None else None
     else:
         ref = ModelRef.parse(model)
         found = session.scalar(

@@ -133,11 +133,16 @@ def _unplaced(session: Session, *, model: Model) -> ServingStatus:
             retry_after_s=15.0,
         )
     if newest is not None and newest.status == "failed":
+        # Why it failed (a launch error, a stack trace with the host's paths) is the
+        # operator's to read, in the control plane's log and `skytrain logs`.
         return ServingStatus(
             state="failed",
             ready=False,
             worker_id=newest.id,
-            message=f"the last worker for {model.base_model} failed: {newest.status_message}",
+            message=f"the last worker for base model {model.base_model!r} failed to start: "
+            "check that the name is right (a Hugging Face model id you may use, or a directory "
+            f"the operator allows); otherwise the operator can see why with `skytrain logs "
+            f"{newest.id}`",
             retry_after_s=30.0,
         )
     return ServingStatus(

@@ -4,8 +4,10 @@ SQL holds the small rows that are queried; the object store holds the bytes. Key
 server-side only (``storage.keys``), never taken from a request, and every implementation
 refuses a key that could point outside its root.
 
-Errors: a missing object raises ``NotFound``; anything else the backing store does wrong
-raises ``StorageError`` (HTTP 502), so callers never see boto3's or the OS's own exceptions.
+Errors: a missing object raises ``ObjectMissing`` (a ``NotFound``); anything else the backing
+store does wrong raises ``StorageError`` (HTTP 502), so callers never see boto3's or the OS's
+own exceptions. Both messages name keys and the store's location: the API shows them to the
+operator's log only.
 """
 
 from __future__ import annotations

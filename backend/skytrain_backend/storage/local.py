@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import IO, BinaryIO
 
-from skytrain_backend.errors import NotFound, StorageError
+from skytrain_backend.errors import ObjectMissing, StorageError
 from skytrain_backend.storage.base import CHUNK_BYTES, ObjectInfo, ObjectStore, check_key
 
 _TEMP_PREFIX = ".tmp-"
@@ -38,7 +38,7 @@ class LocalObjectStore(ObjectStore):
     def _existing(self, key: str) -> Path:
         path = self._path(key)
         if not path.is_file():
-            raise NotFound(f"object {key!r} does not exist in {self.url}")
+            raise ObjectMissing(f"object {key!r} does not exist in {self.url}")
         return path
 
     def put_bytes(self, key: str, data: bytes) -> None:

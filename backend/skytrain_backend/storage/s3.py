@@ -17,7 +17,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
-from skytrain_backend.errors import NotFound, StorageError
+from skytrain_backend.errors import NotFound, ObjectMissing, StorageError
 from skytrain_backend.storage.base import CHUNK_BYTES, ObjectInfo, ObjectStore, check_key
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class S3ObjectStore(ObjectStore):
         if isinstance(exc, ClientError):
             code = str(exc.response.get("Error", {}).get("Code", ""))
             if code in _MISSING_CODES:
-                return NotFound(f"object {key!r} does not exist in {self.url}")
+                return ObjectMissing(f"object {key!r} does not exist in {self.url}")
             if code == "NoSuchBucket":
                 return StorageError(
                     f"bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'}: "

@@ -14,7 +14,7 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,27 +66,29 @@ Metrics = dict[str, float]
 
 
 class TrainingRun:
-    """The optimizer steps of one training job, performed as it is iterated (once)."""
+    """The optimizer steps of one training job, performed as it is iterated (once).
+
+    ``steps`` may be made as they are reached (SFT makes each epoch's when it starts), so a
+    long run holds one step's data at a time; ``num_gradient_steps`` is known up front.
+    """
 
     def __init__(
         self,
-        steps: Sequence[Callable[[], Metrics]],
+        steps: Iterable[Callable[[], Metrics]],
         *,
+        num_gradient_steps: int,
         summary: Metrics,
         on_finished: Callable[[], None],
         device: torch.device | None = None,
         on_step: Callable[[Metrics], None] = lambda metrics: None,
     ) -> None:
-        self._steps = list(steps)
+        self._steps = steps
+        self.num_gradient_steps = num_gradient_steps
         self.summary = summary
         self._on_finished = on_finished
         self._device = device or torch.device("cpu")
         self._on_step = on_step
         self._started = False
-
-    @property
-    def num_gradient_steps(self) -> int:
-        return len(self._steps)
 
     def __iter__(self) -> Iterator[Metrics]:
         if self._started:
@@ -292,6 +294,7 @@ class Trainer:
         torch.manual_seed(config.seed + self.step)
         return TrainingRun(
             steps,
+            num_gradient_steps=len(steps),
             summary=summary,
             on_finished=self._finish_step,
             device=self.policy.device,
@@ -358,7 +361,10 @@ class Trainer:
         """Supervised fine-tuning on the assistant turns (all, or the last) of trajectories.
 
         Each epoch shuffles the trajectories (seeded) and takes ``batch_size`` of them per
-        optimizer step (8 when unset). ``learning_rate`` is one number or one per step.
+        optimizer step (8 when unset). ``learning_rate`` is one number or one per step. A step's
+        batch is made and packed when the step runs, so the run holds one step's data however
+        many epochs it has; trajectories with nothing to learn within ``max_seq_length`` are
+        left out of the batches.
 
         TRL's SFTTrainer is not used: its assistant-only loss needs ``{% generation %}`` markers
         in the chat template, which real templates lack, it would re-tokenize sampled turns
@@ -372,61 +378,72 @@ class Trainer:
         sequences = tokenize_sft_trajectories(
             self.policy.tokenizer, trajectories, assistant_turns=config.assistant_turns
         )
-        batch_size = config.batch_size or DEFAULT_SFT_BATCH_SIZE
-        order = random.Random(config.seed)
-        batches: list[list[int]] = []
-        for _ in range(config.num_epochs):
-            indices = list(range(len(trajectories)))
-            order.shuffle(indices)
-            batches += [indices[i : i + batch_size] for i in range(0, len(indices), batch_size)]
-        learning_rates = (
-            config.learning_rate
-            if isinstance(config.learning_rate, list)
-            else [config.learning_rate] * len(batches)
-        )
-        if len(learning_rates) != len(batches):
-            raise TrainingError(
-                f"learning_rate has {len(learning_rates)} values but the job has {len(batches)} "
-                f"optimizer steps ({config.num_epochs} epochs of {len(trajectories)} trajectories "
-                f"in batches of {batch_size}): give one value per step or a single number"
-            )
+        row_length = self.model_config.max_seq_length
         by_trajectory: defaultdict[int, list[TokenizedSequence]] = defaultdict(list)
         for sequence in sequences:
             by_trajectory[sequence.trajectory_index].append(sequence)
-        packings = [
-            self._pack(
-                [s for index in batch for s in by_trajectory[index]],
-                self.model_config.max_seq_length,
-            )
-            for batch in batches
-        ]
-        if not any(packing.rows for packing in packings):
+        # Truncation is per sequence: what a trajectory adds to a step is the same in every
+        # batch, so it is measured once, and trajectories with nothing to learn within
+        # max_seq_length are left out of the batches (every step has data).
+        learnable: list[int] = []
+        per_epoch: defaultdict[str, float] = defaultdict(float)
+        for index in range(len(trajectories)):
+            alone = self._pack(by_trajectory[index], row_length)
+            if alone.rows:
+                learnable.append(index)
+            for key in ("sequences/trained", "tokens/trainable", "tokens/truncated"):
+                per_epoch[key] += alone.stats[key]
+        if not learnable:
             raise TrainingError(
-                f"every assistant token lies beyond max_seq_length={self.model_config.max_seq_length}"
+                f"every assistant token lies beyond max_seq_length={row_length}"
                 ": raise it or send shorter trajectories"
             )
-        steps = [
-            functools.partial(self._sft_step, packing, learning_rate, config)
-            for packing, learning_rate in zip(packings, learning_rates, strict=True)
-            if packing.rows
-        ]
+        batch_size = config.batch_size or DEFAULT_SFT_BATCH_SIZE
+        num_steps = math.ceil(len(learnable) / batch_size) * config.num_epochs
+        learning_rates = (
+            config.learning_rate
+            if isinstance(config.learning_rate, list)
+            else [config.learning_rate] * num_steps
+        )
+        if len(learning_rates) != num_steps:
+            raise TrainingError(
+                f"learning_rate has {len(learning_rates)} values but the job has {num_steps} "
+                f"optimizer steps ({config.num_epochs} epochs of {len(learnable)} trajectories "
+                f"in batches of {batch_size}): give one value per step or a single number"
+            )
+
+        def steps() -> Iterator[Callable[[], Metrics]]:
+            """Each epoch's batches, shuffled (seeded) when the epoch starts."""
+            order = random.Random(config.seed)
+            rates = iter(learning_rates)
+            for _ in range(config.num_epochs):
+                indices = list(learnable)
+                order.shuffle(indices)
+                for start in range(0, len(indices), batch_size):
+                    batch = [
+                        s for i in indices[start : start + batch_size] for s in by_trajectory[i]
+                    ]
+                    yield functools.partial(self._sft_step, batch, next(rates), config)
+
         summary = {
             "trajectories/total": float(len(trajectories)),
-            "sequences/trained": float(sum(len(p.sequences) for p in packings)),
-            "tokens/trainable": float(sum(p.stats["tokens/trainable"] for p in packings)),
-            "tokens/truncated": float(sum(p.stats["tokens/truncated"] for p in packings)),
-            "train/num_gradient_steps": float(len(steps)),
+            **{key: value * config.num_epochs for key, value in per_epoch.items()},
+            "train/num_gradient_steps": float(num_steps),
         }
         torch.manual_seed(config.seed + self.step)
         return TrainingRun(
-            steps,
+            steps(),
+            num_gradient_steps=num_steps,
             summary=summary,
             on_finished=self._finish_step,
             device=self.policy.device,
             on_step=self._record_step,
         )
 
-    def _sft_step(self, packing: Packing, learning_rate: float, config: SFTTrainConfig) -> Metrics:
+    def _sft_step(
+        self, sequences: list[TokenizedSequence], learning_rate: float, config: SFTTrainConfig
+    ) -> Metrics:
+        packing = self._pack(sequences, self.model_config.max_seq_length)
         self.policy.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         num_tokens = sum(row.num_sites for row in packing.rows)

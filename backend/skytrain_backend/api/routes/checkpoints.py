@@ -8,7 +8,16 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import RedirectResponse, StreamingResponse
 
-from skytrain_backend.api.deps import After, Limit, OrderQuery, SessionDep, StoreDep, TenantDep
+from skytrain_backend.api.deps import (
+    After,
+    Limit,
+    ModelId,
+    OrderQuery,
+    SessionDep,
+    StepPath,
+    StoreDep,
+    TenantDep,
+)
 from skytrain_backend.api.schemas import (
     CheckpointFilePublic,
     CheckpointFilesPublic,
@@ -26,7 +35,7 @@ router = APIRouter(prefix="/models/{model_id}/checkpoints", tags=["checkpoints"]
 
 @router.get("", response_model=CheckpointsPublic)
 def list_checkpoints(
-    model_id: str,
+    model_id: ModelId,
     session: SessionDep,
     tenant: TenantDep,
     after: After = None,
@@ -53,7 +62,11 @@ def list_checkpoints(
 
 @router.delete("", response_model=CheckpointsDeleted)
 def delete_checkpoints(
-    model_id: str, body: CheckpointsDelete, session: SessionDep, tenant: TenantDep, store: StoreDep
+    model_id: ModelId,
+    body: CheckpointsDelete,
+    session: SessionDep,
+    tenant: TenantDep,
+    store: StoreDep,
 ) -> CheckpointsDeleted:
     """Remove the steps' files; rows stay, marked deleted, so pinned requests can say so."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
@@ -73,7 +86,7 @@ def delete_checkpoints(
 
 @router.get("/{step}", response_model=CheckpointPublic)
 def get_checkpoint(
-    model_id: str, step: int, session: SessionDep, tenant: TenantDep
+    model_id: ModelId, step: StepPath, session: SessionDep, tenant: TenantDep
 ) -> CheckpointPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     return CheckpointPublic.model_validate(
@@ -88,7 +101,7 @@ def _files(store: ObjectStore, *, tenant_id: str, model_id: str, step: int) -> d
 
 @router.get("/{step}/files", response_model=CheckpointFilesPublic)
 def list_checkpoint_files(
-    model_id: str, step: int, session: SessionDep, tenant: TenantDep, store: StoreDep
+    model_id: ModelId, step: StepPath, session: SessionDep, tenant: TenantDep, store: StoreDep
 ) -> CheckpointFilesPublic:
     """The checkpoint's files (none for step 0, which is the base model)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
@@ -106,8 +119,8 @@ def list_checkpoint_files(
     responses={200: {"content": {"application/octet-stream": {}}}, 307: {}},
 )
 def download_checkpoint_file(
-    model_id: str,
-    step: int,
+    model_id: ModelId,
+    step: StepPath,
     name: str,
     session: SessionDep,
     tenant: TenantDep,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator
 
 from fastapi import APIRouter, UploadFile
 
@@ -24,16 +25,18 @@ def upload_file(
     file: UploadFile, tenant: TenantDep, store: StoreDep, settings: SettingsDep
 ) -> FilePublic:
     """Upload JSONL, one trajectory per line; every line is validated before it is stored."""
-    trajectories = ingest.parse_trajectory_lines(file.file.read())
-    ingest.check_count(len(trajectories), limit=settings.max_trajectories_per_request)
-    data = ingest.to_jsonl(trajectories)
-    file_id = new_id()
-    store.put_bytes(keys.file_key(tenant_id=tenant.id, file_id=file_id), data)
-    return FilePublic(id=file_id, uri=f"{FILE_SCHEME}{file_id}", bytes=len(data))
+    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    try:
+        ingest.parse_trajectory_lines(file.file, batch)
+        file_id = new_id()
+        batch.spool.put(store, keys.file_key(tenant_id=tenant.id, file_id=file_id))
+        return FilePublic(id=file_id, uri=f"{FILE_SCHEME}{file_id}", bytes=batch.spool.size)
+    finally:
+        batch.close()
 
 
-def read_uploaded_file(store: ObjectStore, *, tenant_id: str, url: str) -> bytes:
-    """The bytes behind a ``skytrain-file://<id>`` URL, if the file is the tenant's."""
+def read_uploaded_file(store: ObjectStore, *, tenant_id: str, url: str) -> Iterator[bytes]:
+    """The lines of a ``skytrain-file://<id>`` file, if the file is the tenant's."""
     if not url.startswith(FILE_SCHEME):
         raise InvalidRequest(
             f"training_data_url {url!r} is not supported: skytrain reads skytrain-file://<id> "
@@ -44,6 +47,16 @@ def read_uploaded_file(store: ObjectStore, *, tenant_id: str, url: str) -> bytes
     if not _FILE_ID_RE.match(file_id):
         raise NotFound(f"file {file_id!r} not found: upload it with POST /v1/files")
     try:
-        return store.get_bytes(keys.file_key(tenant_id=tenant_id, file_id=file_id))
+        chunks = store.iter_chunks(keys.file_key(tenant_id=tenant_id, file_id=file_id))
     except NotFound:
         raise NotFound(f"file {file_id!r} not found: upload it with POST /v1/files") from None
+    return _lines(chunks)
+
+
+def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    rest = b""
+    for chunk in chunks:
+        *complete, rest = (rest + chunk).split(b"\n")
+        yield from complete
+    if rest:
+        yield rest

@@ -5,29 +5,15 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
+from skytrain_backend.api.bulk import json_body_doc
 from skytrain_backend.api.deps import CredentialsDep, GatewayDep
 from skytrain_backend.api.gateway import CHAT, COMPLETIONS
+from skytrain_backend.api.schemas import ChatCompletionCreate, CompletionCreate
 
 router = APIRouter(tags=["inference"])
 
-_BODY_DOC = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "application/json": {
-                "schema": {
-                    "type": "object",
-                    "description": "An OpenAI request; `model` is '<entity>/<project>/<name>' "
-                    "(latest step) or '...:step<N>', also as 'wandb-artifact:///...', or a "
-                    "model id.",
-                }
-            }
-        },
-    }
-}
 
-
-@router.post("/chat/completions", openapi_extra=_BODY_DOC)
+@router.post("/chat/completions", openapi_extra=json_body_doc(ChatCompletionCreate))
 async def chat_completions(
     request: Request, credentials: CredentialsDep, gateway: GatewayDep
 ) -> Response:
@@ -35,7 +21,7 @@ async def chat_completions(
     return await gateway.forward(request, credentials=credentials, endpoint=CHAT)
 
 
-@router.post("/completions", openapi_extra=_BODY_DOC)
+@router.post("/completions", openapi_extra=json_body_doc(CompletionCreate))
 async def completions(
     request: Request, credentials: CredentialsDep, gateway: GatewayDep
 ) -> Response:

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 from itertools import groupby
 
-from fastapi import APIRouter, status
+from fastapi import APIRouter, Request, status
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend.api import ingest
-from skytrain_backend.api.bulk import LargeBodyRoute
+from skytrain_backend.api.bulk import LargeBodyRoute, json_body_doc
 from skytrain_backend.api.deps import (
     After,
+    BatchId,
     Limit,
+    ModelId,
     OrderQuery,
     SessionDep,
     SettingsDep,
+    SplitQuery,
+    StepQuery,
     StoreDep,
     TenantDep,
 )
@@ -25,18 +31,23 @@ from skytrain_backend.api.schemas import (
     TrajectoryBatchesPublic,
     TrajectoryBatchPublic,
 )
+from skytrain_backend.config import Settings
 from skytrain_backend.db import batches, checkpoints, registry
-from skytrain_backend.db.models import new_id
-from skytrain_backend.protocol import parse_trajectory_groups
-from skytrain_backend.storage import keys
+from skytrain_backend.db.models import Tenant, new_id
+from skytrain_backend.storage import ObjectStore, keys
 
 router = APIRouter(prefix="/models/{model_id}", tags=["logs"], route_class=LargeBodyRoute)
 
 
-@router.post("/log", status_code=status.HTTP_201_CREATED, response_model=TrajectoryBatchPublic)
-def log_trajectories(
-    model_id: str,
-    body: LogCreate,
+@router.post(
+    "/log",
+    status_code=status.HTTP_201_CREATED,
+    response_model=TrajectoryBatchPublic,
+    openapi_extra=json_body_doc(LogCreate),
+)
+async def log_trajectories(
+    model_id: ModelId,
+    request: Request,
     session: SessionDep,
     tenant: TenantDep,
     store: StoreDep,
@@ -44,56 +55,86 @@ def log_trajectories(
 ) -> TrajectoryBatchPublic:
     """Store a batch at ``step`` (default: the latest) and merge the metrics of the step's
     batches of that split, combined, into the checkpoint at that step as ``{split}/{metric}``."""
-    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    groups = parse_trajectory_groups(body.trajectory_groups)
-    num_trajectories = ingest.count_trajectories(groups)
-    ingest.check_count(num_trajectories, limit=settings.max_trajectories_per_request)
-    step = body.step if body.step is not None else registry.latest_step(session, model_id=model.id)
-    metrics = ingest.summarize(groups)
-    batch_id = new_id()
+    body = await ingest.read_body(request)
+    try:
+        return await run_in_threadpool(_log, body, model_id, session, tenant, store, settings)
+    finally:
+        body.close()
 
-    def insert(uri: str) -> TrajectoryBatchPublic:
-        batch = batches.add_batch(
+
+def _log(
+    body: ingest.Spool,
+    model_id: str,
+    session: Session,
+    tenant: Tenant,
+    store: ObjectStore,
+    settings: Settings,
+) -> TrajectoryBatchPublic:
+    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    summary = ingest.Summary()
+    try:
+        with body.view() as buffer:
+            request, items = ingest.split_body(
+                buffer, schema=LogCreate, list_field="trajectory_groups"
+            )
+            model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+            for group in ingest.each_item(
+                items or [], ingest.parse_group, field="trajectory_groups"
+            ):
+                summary.add(group)
+                batch.add(group)
+            del items  # the raw items point into the buffer, which closes with this block
+        step = request.step
+        if step is None:
+            step = registry.latest_step(session, model_id=model.id)
+        metrics = summary.result()
+        batch_id = new_id()
+
+        def insert(uri: str) -> TrajectoryBatchPublic:
+            row = batches.add_batch(
+                session,
+                batch_id=batch_id,
+                model_id=model.id,
+                split=request.split,
+                step=step,
+                uri=uri,
+                num_groups=batch.num_items,
+                num_trajectories=batch.num_trajectories,
+                metrics=metrics,
+            )
+            # The checkpoint first: a concurrent log of the same step waits for this one, then
+            # reads both batches. Then every batch of this step and split, as /metrics shows
+            # them.
+            checkpoint = checkpoints.lock_live_checkpoint(session, model_id=model.id, step=step)
+            if checkpoint is not None:
+                logged = batches.batches_by_step(
+                    session, model_id=model.id, split=request.split, step=step
+                )
+                combined = ingest.combine([batch.metrics for batch in logged])
+                checkpoints.merge_metrics(
+                    checkpoint=checkpoint,
+                    metrics={f"{request.split}/{key}": value for key, value in combined.items()},
+                )
+            return TrajectoryBatchPublic.model_validate(row)
+
+        return ingest.store_then_commit(
+            store,
             session,
-            batch_id=batch_id,
-            model_id=model.id,
-            split=body.split,
-            step=step,
-            uri=uri,
-            num_groups=len(groups),
-            num_trajectories=num_trajectories,
-            metrics=metrics,
+            key=keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch_id),
+            data=batch.spool,
+            insert=insert,
         )
-        # The checkpoint first: a concurrent log of the same step waits for this one, then
-        # reads both batches. Then every batch of this step and split, as /metrics shows them.
-        checkpoint = checkpoints.lock_live_checkpoint(session, model_id=model.id, step=step)
-        if checkpoint is not None:
-            logged = batches.batches_by_step(
-                session, model_id=model.id, split=body.split, step=step
-            )
-            combined = ingest.combine([row.metrics for row in logged])
-            checkpoints.merge_metrics(
-                checkpoint=checkpoint,
-                metrics={f"{body.split}/{key}": value for key, value in combined.items()},
-            )
-        return TrajectoryBatchPublic.model_validate(batch)
-
-    return ingest.store_then_commit(
-        store,
-        session,
-        key=keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch_id),
-        data=ingest.to_jsonl(groups),
-        insert=insert,
-    )
+    finally:
+        batch.close()
 
 
 @router.get("/logs", response_model=TrajectoryBatchesPublic)
 def list_logs(
-    model_id: str,
+    model_id: ModelId,
     session: SessionDep,
     tenant: TenantDep,
-    split: str | None = None,
-    step: int | None = None,
+    split: SplitQuery = None,
+    step: StepQuery = None,
     after: After = None,
     limit: Limit = 20,
     order: OrderQuery = "asc",
@@ -109,7 +150,7 @@ def list_logs(
 
 @router.get("/logs/{batch_id}", response_model=TrajectoryBatchDetail)
 def get_log(
-    model_id: str, batch_id: str, session: SessionDep, tenant: TenantDep, store: StoreDep
+    model_id: ModelId, batch_id: BatchId, session: SessionDep, tenant: TenantDep, store: StoreDep
 ) -> TrajectoryBatchDetail:
     """The batch with its trajectory groups, as stored."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
@@ -123,7 +164,7 @@ def get_log(
 
 @router.get("/metrics", response_model=MetricsPublic)
 def get_metrics(
-    model_id: str, session: SessionDep, tenant: TenantDep, split: str | None = None
+    model_id: ModelId, session: SessionDep, tenant: TenantDep, split: SplitQuery = None
 ) -> MetricsPublic:
     """Metrics history: one point per step and split (batches logged together are combined)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)

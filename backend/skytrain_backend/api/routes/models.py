@@ -7,6 +7,8 @@ from fastapi import APIRouter, Response, status
 from skytrain_backend.api.deps import (
     After,
     Limit,
+    ModelId,
+    NameQuery,
     OrderQuery,
     SchedulerDep,
     SessionDep,
@@ -15,6 +17,7 @@ from skytrain_backend.api.deps import (
     TenantDep,
 )
 from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
+from skytrain_backend.base_models import check_base_model
 from skytrain_backend.db import registry
 from skytrain_backend.db.models import Model
 from skytrain_backend.protocol import ModelConfig
@@ -55,13 +58,15 @@ def create_model(
 ) -> ModelPublic:
     """Register a model; 200 with the existing one when ``return_existing`` is set.
 
+    ``base_model`` is a Hugging Face model id, or a directory inside one the operator allows.
     Registering makes the model active: the scheduler places it on a worker (starting one if
     needed); ``serving`` says how far that got. A LoRA rank no worker would load is refused.
     """
+    base_model = check_base_model(body.base_model, allowed_dirs=settings.resolved_base_model_dirs)
     config = body.config or ModelConfig()
     placement.check_lora_rank(
         session,
-        base_model=body.base_model,
+        base_model=base_model,
         lora_rank=config.lora_rank,
         default_limit=settings.engine_max_lora_rank,
     )
@@ -71,7 +76,7 @@ def create_model(
         entity=body.entity or tenant.name,
         project=body.project,
         name=body.name,
-        base_model=body.base_model,
+        base_model=base_model,
         config=config.model_dump(mode="json"),
         return_existing=body.return_existing,
     )
@@ -90,9 +95,9 @@ def create_model(
 def list_models(
     session: SessionDep,
     tenant: TenantDep,
-    entity: str | None = None,
-    project: str | None = None,
-    name: str | None = None,
+    entity: NameQuery = None,
+    project: NameQuery = None,
+    name: NameQuery = None,
     after: After = None,
     limit: Limit = 20,
     order: OrderQuery = "asc",
@@ -115,7 +120,7 @@ def list_models(
 
 
 @router.get("/{model_id}", response_model=ModelPublic)
-def get_model(model_id: str, session: SessionDep, tenant: TenantDep) -> ModelPublic:
+def get_model(model_id: ModelId, session: SessionDep, tenant: TenantDep) -> ModelPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     return model_public(
         model,
@@ -125,7 +130,9 @@ def get_model(model_id: str, session: SessionDep, tenant: TenantDep) -> ModelPub
 
 
 @router.delete("/{model_id}", status_code=status.HTTP_204_NO_CONTENT)
-def delete_model(model_id: str, session: SessionDep, tenant: TenantDep, store: StoreDep) -> None:
+def delete_model(
+    model_id: ModelId, session: SessionDep, tenant: TenantDep, store: StoreDep
+) -> None:
     """Delete the model's objects, then its rows (so a failed delete can simply be retried)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     registry.check_deletable(session, model=model)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend.api import ingest
-from skytrain_backend.api.bulk import LargeBodyRoute
+from skytrain_backend.api.bulk import LargeBodyRoute, json_body_doc
 from skytrain_backend.api.deps import (
     After,
+    EventCursor,
+    JobId,
     Limit,
+    ModelIdQuery,
     OrderQuery,
     SchedulerDep,
     SessionDep,
@@ -33,7 +37,7 @@ from skytrain_backend.api.schemas import (
 )
 from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs, registry
-from skytrain_backend.db.models import Model, TrainingJob, new_id, utcnow
+from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import (
     JobKind,
@@ -41,8 +45,8 @@ from skytrain_backend.protocol import (
     ModelConfig,
     RLTrainConfig,
     SFTTrainConfig,
-    check_trainable,
-    parse_trajectory_groups,
+    check_trainable_turns,
+    count_trainable_turns,
 )
 from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.loop import Scheduler
@@ -62,9 +66,7 @@ def _store_job(
     model: Model,
     kind: JobKind,
     config: RLTrainConfig | SFTTrainConfig,
-    data: bytes,
-    num_groups: int,
-    num_trajectories: int,
+    batch: ingest.Batch,
     max_attempts: int,
     scheduler: Scheduler,
 ) -> TrainingJobPublic:
@@ -80,8 +82,8 @@ def _store_job(
             kind=kind,
             config=config.model_dump(mode="json"),
             input_uri=uri,
-            num_groups=num_groups,
-            num_trajectories=num_trajectories,
+            num_groups=batch.num_items if kind == "rl" else 0,
+            num_trajectories=batch.num_trajectories,
             max_attempts=max_attempts,
         )
 
@@ -89,7 +91,7 @@ def _store_job(
         store,
         session,
         key=keys.job_input_key(tenant_id=model.tenant_id, model_id=model.id, job_id=job_id),
-        data=data,
+        data=batch.spool,
         insert=insert,
     )
     scheduler.wake()
@@ -106,9 +108,14 @@ def _check_servable(session: Session, *, model: Model, settings: Settings) -> No
     )
 
 
-@router.post("/training-jobs", status_code=201, response_model=TrainingJobPublic)
-def create_training_job(
-    body: TrainingJobCreate,
+@router.post(
+    "/training-jobs",
+    status_code=201,
+    response_model=TrainingJobPublic,
+    openapi_extra=json_body_doc(TrainingJobCreate),
+)
+async def create_training_job(
+    request: Request,
     session: SessionDep,
     tenant: TenantDep,
     store: StoreDep,
@@ -116,34 +123,70 @@ def create_training_job(
     scheduler: SchedulerDep,
 ) -> TrainingJobPublic:
     """Queue a GRPO step on the trajectory groups (ART's experimental_config is accepted)."""
-    model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
-    _check_servable(session, model=model, settings=settings)
-    if body.config is not None and body.experimental_config is not None:
-        raise InvalidRequest(
-            "send either config (skytrain's options) or experimental_config (ART's), not both"
+    body = await ingest.read_body(request)
+    try:
+        return await run_in_threadpool(
+            _queue_rl_job, body, session, tenant, store, settings, scheduler
         )
-    config = body.config or RLTrainConfig.from_experimental(body.experimental_config)
-    groups = parse_trajectory_groups(body.trajectory_groups)
-    num_trajectories = ingest.count_trajectories(groups)
-    ingest.check_count(num_trajectories, limit=settings.max_trajectories_per_request)
-    check_trainable(groups, allow_training_without_logprobs=config.allow_training_without_logprobs)
-    return _store_job(
-        session=session,
-        store=store,
-        model=model,
-        kind="rl",
-        config=config,
-        data=ingest.to_jsonl(groups),
-        num_groups=len(groups),
-        num_trajectories=num_trajectories,
-        max_attempts=settings.job_max_attempts,
-        scheduler=scheduler,
-    )
+    finally:
+        body.close()
 
 
-@router.post("/sft-training-jobs", status_code=201, response_model=TrainingJobPublic)
-def create_sft_training_job(
-    body: SFTTrainingJobCreate,
+def _queue_rl_job(
+    body: ingest.Spool,
+    session: Session,
+    tenant: Tenant,
+    store: ObjectStore,
+    settings: Settings,
+    scheduler: Scheduler,
+) -> TrainingJobPublic:
+    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    try:
+        with body.view() as buffer:
+            request, items = ingest.split_body(
+                buffer, schema=TrainingJobCreate, list_field="trajectory_groups"
+            )
+            model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
+            _check_servable(session, model=model, settings=settings)
+            if request.config is not None and request.experimental_config is not None:
+                raise InvalidRequest(
+                    "send either config (skytrain's options) or experimental_config (ART's), "
+                    "not both"
+                )
+            config = request.config or RLTrainConfig.from_experimental(request.experimental_config)
+            allow = config.allow_training_without_logprobs
+            trainable_turns = 0
+            for index, group in enumerate(
+                ingest.each_item(items or [], ingest.parse_group, field="trajectory_groups")
+            ):
+                trainable_turns += count_trainable_turns(
+                    group, index, allow_training_without_logprobs=allow
+                )
+                batch.add(group)
+            del items  # the raw items point into the buffer, which closes with this block
+        check_trainable_turns(trainable_turns)
+        return _store_job(
+            session=session,
+            store=store,
+            model=model,
+            kind="rl",
+            config=config,
+            batch=batch,
+            max_attempts=settings.job_max_attempts,
+            scheduler=scheduler,
+        )
+    finally:
+        batch.close()
+
+
+@router.post(
+    "/sft-training-jobs",
+    status_code=201,
+    response_model=TrainingJobPublic,
+    openapi_extra=json_body_doc(SFTTrainingJobCreate),
+)
+async def create_sft_training_job(
+    request: Request,
     session: SessionDep,
     tenant: TenantDep,
     store: StoreDep,
@@ -151,39 +194,64 @@ def create_sft_training_job(
     scheduler: SchedulerDep,
 ) -> TrainingJobPublic:
     """Queue supervised fine-tuning on ``trajectories`` or on an uploaded JSONL file."""
-    model = registry.get_model(session, tenant_id=tenant.id, model_id=body.model_id)
-    _check_servable(session, model=model, settings=settings)
-    if (body.trajectories is None) == (body.training_data_url is None):
-        raise InvalidRequest(
-            "send exactly one of trajectories (a list) or training_data_url "
-            "(skytrain-file://<id> from POST /v1/files)"
+    body = await ingest.read_body(request)
+    try:
+        return await run_in_threadpool(
+            _queue_sft_job, body, session, tenant, store, settings, scheduler
         )
-    if body.trajectories is not None:
-        trajectories = ingest.parse_trajectories(body.trajectories)
-    else:
-        assert body.training_data_url is not None
-        data = read_uploaded_file(store, tenant_id=tenant.id, url=body.training_data_url)
-        trajectories = ingest.parse_trajectory_lines(data)
-    ingest.check_count(len(trajectories), limit=settings.max_trajectories_per_request)
-    return _store_job(
-        session=session,
-        store=store,
-        model=model,
-        kind="sft",
-        config=body.config or SFTTrainConfig(),
-        data=ingest.to_jsonl(trajectories),
-        num_groups=0,
-        num_trajectories=len(trajectories),
-        max_attempts=settings.job_max_attempts,
-        scheduler=scheduler,
-    )
+    finally:
+        body.close()
+
+
+def _queue_sft_job(
+    body: ingest.Spool,
+    session: Session,
+    tenant: Tenant,
+    store: ObjectStore,
+    settings: Settings,
+    scheduler: Scheduler,
+) -> TrainingJobPublic:
+    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    try:
+        with body.view() as buffer:
+            request, items = ingest.split_body(
+                buffer, schema=SFTTrainingJobCreate, list_field="trajectories"
+            )
+            model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
+            _check_servable(session, model=model, settings=settings)
+            if (items is None) == (request.training_data_url is None):
+                raise InvalidRequest(
+                    "send exactly one of trajectories (a list) or training_data_url "
+                    "(skytrain-file://<id> from POST /v1/files)"
+                )
+            if items is not None:
+                for trajectory in ingest.each_item(
+                    items, ingest.parse_trajectory, field="trajectories"
+                ):
+                    batch.add(trajectory)
+            del items  # the raw items point into the buffer, which closes with this block
+        if request.training_data_url is not None:
+            lines = read_uploaded_file(store, tenant_id=tenant.id, url=request.training_data_url)
+            ingest.parse_trajectory_lines(lines, batch)
+        return _store_job(
+            session=session,
+            store=store,
+            model=model,
+            kind="sft",
+            config=request.config or SFTTrainConfig(),
+            batch=batch,
+            max_attempts=settings.job_max_attempts,
+            scheduler=scheduler,
+        )
+    finally:
+        batch.close()
 
 
 @router.get("/training-jobs", response_model=TrainingJobsPublic)
 def list_training_jobs(
     session: SessionDep,
     tenant: TenantDep,
-    model_id: str | None = None,
+    model_id: ModelIdQuery = None,
     status: JobStatus | None = None,
     after: After = None,
     limit: Limit = 20,
@@ -206,31 +274,29 @@ def list_training_jobs(
 
 
 @router.get("/training-jobs/{job_id}", response_model=TrainingJobPublic)
-def get_training_job(job_id: str, session: SessionDep, tenant: TenantDep) -> TrainingJobPublic:
+def get_training_job(job_id: JobId, session: SessionDep, tenant: TenantDep) -> TrainingJobPublic:
     return TrainingJobPublic.model_validate(
         jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
     )
 
 
 @router.post("/training-jobs/{job_id}/cancel", response_model=TrainingJobPublic)
-def cancel_training_job(job_id: str, session: SessionDep, tenant: TenantDep) -> TrainingJobPublic:
+def cancel_training_job(job_id: JobId, session: SessionDep, tenant: TenantDep) -> TrainingJobPublic:
     job = jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
     return TrainingJobPublic.model_validate(jobs.cancel_job(session, job=job))
 
 
 @router.get("/training-jobs/{job_id}/events", response_model=TrainingJobEventsPublic)
 def list_training_job_events(
-    job_id: str,
+    job_id: JobId,
     request: Request,
     session: SessionDep,
     tenant: TenantDep,
-    after: After = None,
+    after: EventCursor = None,
     limit: Limit = 100,
 ) -> TrainingJobEventsPublic:
     """Events in order; pass the last event's id as ``after`` to follow a job."""
     job = jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
-    if after is not None and not after.isdigit():
-        raise InvalidRequest(f"after={after!r} is not an event id (event ids are integers)")
     rows, has_more = jobs.list_events(
         session,
         job_id=job.id,

@@ -413,19 +413,19 @@ class HFEngine:
                     self._commands.clear()
                     aborted = set(self._aborted)
                     self._aborted.clear()
-                for command in commands:
-                    command()
-                self._drop_aborted(aborted)
-                admitted = self._admit()
+                # Nothing a request does may end this thread: every later request would hang.
                 try:
+                    for command in commands:
+                        command()
+                    self._drop_aborted(aborted)
+                    admitted = self._admit()
                     if admitted:
-                        self._prefill(admitted)
+                        self._prefill_each_alone_if_needed(admitted)
                     if self._batch is not None:
                         self._step()
                 except Exception as exc:
                     logger.exception("decode step failed")
-                    error = EngineError(f"the engine failed while decoding: {exc}")
-                    self._fail_all(error, also={s.request for s in admitted})
+                    self._fail_all(EngineError(f"the engine failed while decoding: {exc}"))
                 self._sleep_when_idle()
 
     def _sleep_when_idle(self) -> None:
@@ -457,14 +457,31 @@ class HFEngine:
                 request = self._waiting.popleft()
                 try:
                     internal = self._internal_adapter(request.adapter)
-                except SkytrainError as exc:
-                    request.publish(RequestFailed(exc))
-                    continue
-                admitted += [
-                    _Sequence(request, i, internal, self.tokenizer, self.runner.device)
-                    for i in range(request.n)
-                ]
+                    admitted += [
+                        _Sequence(request, i, internal, self.tokenizer, self.runner.device)
+                        for i in range(request.n)
+                    ]
+                except Exception as exc:
+                    request.publish(RequestFailed(_request_error(exc)))
         return admitted
+
+    def _prefill_each_alone_if_needed(self, sequences: list[_Sequence]) -> None:
+        """Prefill the admitted sequences together; if that fails, each request's alone, so
+        a request that cannot run fails by itself while the others (and the running batch,
+        which a failed prefill leaves untouched) go on."""
+        requests = list(dict.fromkeys(s.request for s in sequences))
+        if len(requests) > 1:
+            try:
+                self._prefill(sequences)
+                return
+            except Exception:
+                logger.warning("prefill of %d requests failed; retrying each alone", len(requests))
+        for request in requests:
+            try:
+                self._prefill([s for s in sequences if s.request is request])
+            except Exception as exc:
+                logger.exception("request %s failed in prefill", request.request_id)
+                request.publish(RequestFailed(_request_error(exc)))
 
     def _internal_adapter(self, name: str | None) -> str | None:
         if self._asleep:
@@ -567,9 +584,8 @@ class HFEngine:
             self.runner.remove_adapter(internal_name)
             self._retired.discard(internal_name)
 
-    def _fail_all(self, error: SkytrainError, also: set[_Request] | None = None) -> None:
+    def _fail_all(self, error: SkytrainError) -> None:
         failed = {s.request for s in self._batch.sequences} if self._batch else set()
-        failed |= also or set()
         self._batch = None
         for request in failed:
             request.publish(RequestFailed(error))
@@ -602,3 +618,10 @@ class HFEngine:
 
     def _record(self, call: str, **data: Any) -> None:
         self.control_log.append({"call": call, "at": time.time(), **data})
+
+
+def _request_error(exc: Exception) -> SkytrainError:
+    """What a request that failed on the engine thread is told."""
+    if isinstance(exc, SkytrainError):
+        return exc
+    return EngineError(f"the engine could not run this request ({type(exc).__name__}: {exc})")

@@ -1,0 +1,61 @@
+"""The ranges every number and text a client sends must lie in, stated once.
+
+Request schemas use these types, so the OpenAPI document states each range and a value
+outside it is refused (400, naming the field and the range) before any work is done. The
+limits come from where the value ends up:
+
+- steps are ``integer`` columns: 32-bit on PostgreSQL, so at most 2^31 - 1 on every database
+  (SQLite's 64-bit integers would take more, and the two must agree);
+- event ids (the events' cursor) are ``bigint``: at most 2^63 - 1;
+- seeds go to ``torch.Generator.manual_seed`` (64 bits) and Python's ``random``: a signed
+  64-bit integer, as vLLM accepts;
+- metric values are JSON numbers summed as floats: finite floats and integers of at most
+  64 bits (a 400-digit integer cannot be a float);
+- text never holds NUL: PostgreSQL cannot store it in a text column or in JSONB.
+
+No torch and no database here: the API, the engines and the trainer all import it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
+
+from skytrain_backend.errors import InvalidRequest
+
+INT32_MAX = 2**31 - 1
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+MAX_STEP = INT32_MAX
+MAX_EVENT_ID = INT64_MAX
+MIN_SEED, MAX_SEED = INT64_MIN, INT64_MAX
+
+# Text that may reach SQL: any character but NUL (and, for names, no control character).
+NO_NUL_PATTERN = r"^[^\x00]*$"
+# Ids skytrain issues are 32 hex digits; cursors and path ids are checked for this shape.
+ID_PATTERN = r"^[0-9A-Za-z_-]+$"
+ID_MAX_LENGTH = 64
+# Entity, project and model names end up in "<entity>/<project>/<name>:step<N>" references.
+NAME_PATTERN = r"^[^/:\s\x00-\x1f\x7f]+$"
+NAME_MAX_LENGTH = 128
+SPLIT_PATTERN = r"^[A-Za-z0-9._-]+$"
+# Event ids as cursors: at most 18 digits, well inside the bigint column.
+EVENT_ID_PATTERN = r"^[0-9]{1,18}$"
+
+Step = Annotated[int, Field(ge=0, le=MAX_STEP, description="A checkpoint step (0 to 2^31-1).")]
+Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED, description="A 64-bit signed seed.")]
+# A metric: a finite float, or an integer of at most 64 bits (bools are integers too).
+MetricInt = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+MetricFloat = Annotated[float, Field(allow_inf_nan=False)]
+MetricValue = MetricFloat | MetricInt | bool
+
+Text = Annotated[str, StringConstraints(pattern=NO_NUL_PATTERN)]
+
+
+def parse_step(digits: str, *, where: str) -> int:
+    """The step written as ``digits``; InvalidRequest naming ``where`` if it is out of range."""
+    if digits.isascii() and digits.isdigit() and len(digits) <= 10 and int(digits) <= MAX_STEP:
+        return int(digits)
+    raise InvalidRequest(f"{where}: step {digits[:20]} is out of range: steps are 0 to {MAX_STEP}")
