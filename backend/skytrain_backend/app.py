@@ -44,6 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 settings=settings,
                 sessions=app.state.sessionmaker,
                 provider=open_provider(settings),
+                store=app.state.store,
             )
             app.state.gateway = Gateway(
                 settings=settings,

@@ -71,8 +71,39 @@ class Settings(BaseSettings):
         description="How long an inference request waits for its checkpoint to load onto "
         "the worker before answering 503.",
     )
+    # --- per-tenant limits and quotas: defaults, which `skytrain tenants limits` overrides ---
     tenant_max_concurrent_requests: int = Field(
         default=256, gt=0, description="Inference requests in flight per tenant before 429."
+    )
+    tenant_max_sequences_in_flight: int = Field(
+        default=256,
+        gt=0,
+        description="Sequences being generated per tenant (n of each request in flight, times "
+        "its prompts) before 429.",
+    )
+    tenant_max_tokens_in_flight: int = Field(
+        default=1_048_576,
+        gt=0,
+        description="Tokens per tenant in flight before 429: each request counts its body's "
+        "bytes (an upper bound of its prompt tokens) plus n x max_tokens.",
+    )
+    gateway_counted_max_tokens: int = Field(
+        default=2048,
+        gt=0,
+        description="What a request without max_tokens counts per sequence towards its "
+        "tenant's tokens in flight.",
+    )
+    tenant_max_models: int = Field(
+        default=100, ge=0, description="Models a tenant may own; creating one more is a 403."
+    )
+    tenant_max_placed_models: int = Field(
+        default=8,
+        ge=0,
+        description="A tenant's models placed on workers at once; the next one waits (its "
+        "requests get 429) until one goes idle.",
+    )
+    tenant_max_workers: int = Field(
+        default=2, ge=0, description="Workers a tenant's models may occupy at once."
     )
 
     # --- scheduling and provisioning ---------------------------------------------------------
@@ -94,6 +125,12 @@ class Settings(BaseSettings):
     )
     worker_heartbeat_timeout_s: float = Field(
         default=45.0, gt=0, description="A worker silent this long is considered lost."
+    )
+    sweep_interval_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How often the scheduler removes objects left behind: files of deleted "
+        "checkpoints the store failed to delete.",
     )
 
     # --- the skypilot provider ---------------------------------------------------------------

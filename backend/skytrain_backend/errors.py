@@ -8,9 +8,10 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
     ├── InvalidRequest (ValueError)            400
     │   └── PayloadTooLarge                     413
     ├── AuthenticationFailed (PermissionError)  401
+    ├── QuotaExceeded (PermissionError)         403
     ├── NotFound (LookupError)                  404
     ├── Conflict                                409
-    ├── RateLimited                             429
+    ├── RateLimited                             429 (+ Retry-After)
     ├── Unavailable (ConnectionError)           503 (+ Retry-After)
     ├── ConfigurationError (ValueError)         500; raised at start-up
     │   └── SchemaOutdated
@@ -54,6 +55,13 @@ class AuthenticationFailed(SkytrainError, PermissionError):
     type = "authentication_error"
 
 
+class QuotaExceeded(SkytrainError, PermissionError):
+    """The tenant's quota forbids the request, and waiting will not change that."""
+
+    status_code = 403
+    type = "quota_exceeded"
+
+
 class NotFound(SkytrainError, LookupError):
     """The resource does not exist, or belongs to another tenant."""
 
@@ -69,10 +77,14 @@ class Conflict(SkytrainError):
 
 
 class RateLimited(SkytrainError):
-    """Too many requests in flight for this tenant."""
+    """The tenant has too much in flight, or in use, right now; retry after a while."""
 
     status_code = 429
     type = "rate_limit_error"
+
+    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class Unavailable(SkytrainError, ConnectionError):

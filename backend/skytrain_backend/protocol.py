@@ -387,6 +387,11 @@ def lora_name(model_id: str, step: int) -> str:
     return f"{model_id}@{step}"
 
 
+# Who asked, on every request the gateway sends to an engine: the CPU engine takes turns
+# between tenants by it (vLLM ignores it).
+TENANT_HEADER = "X-Skytrain-Tenant"
+
+
 # --- model references -------------------------------------------------------------------------
 
 ARTIFACT_PREFIX = "wandb-artifact:///"

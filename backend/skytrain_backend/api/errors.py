@@ -16,7 +16,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from skytrain_backend.errors import SkytrainError, Unavailable
+from skytrain_backend.errors import RateLimited, SkytrainError, Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def describe_validation_errors(errors: Sequence[Any]) -> str:
 async def _skytrain_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, SkytrainError)
     headers = {}
-    if isinstance(exc, Unavailable):
+    if isinstance(exc, Unavailable | RateLimited):
         headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
     if exc.status_code >= 500:
         logger.error("%s: %s", type(exc).__name__, exc.message)

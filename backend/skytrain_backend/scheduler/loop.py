@@ -2,7 +2,9 @@
 
 Each pass (about once a second, or at once when woken by a registration, a request or a
 job): expire job leases, declare silent workers lost, reconcile with the provider, place
-active models (launching workers when needed), and stop idle workers. A pass runs in a
+active models (launching workers when needed), and stop idle workers. Every
+``sweep_interval_s`` it also removes the files of deleted checkpoints that are still there
+(``garbage``). A pass runs in a
 thread with its own session; nothing in it blocks API requests.
 """
 
@@ -12,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import secrets
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -19,10 +22,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
+from skytrain_backend.db import tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
-from skytrain_backend.scheduler import placement, queue
+from skytrain_backend.scheduler import garbage, placement, queue
+from skytrain_backend.storage import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +41,14 @@ class Scheduler:
         settings: Settings,
         sessions: sessionmaker[Session],
         provider: Provider | None,
+        store: ObjectStore | None = None,
         interval_s: float = 1.0,
     ) -> None:
         self.settings = settings
         self.provider = provider
+        # Where the sweeps remove objects no row refers to any more (None: no sweeping).
+        self.store = store
+        self._next_sweep = 0.0
         self._sessions = sessions
         self._interval_s = interval_s
         self._wake: asyncio.Event | None = None
@@ -112,9 +121,13 @@ class Scheduler:
                 max_workers=s.max_workers,
                 launch_backoff_s=s.worker_launch_backoff_s,
                 launch=(lambda base: self._launch(session, base)) if self.provider else None,
+                limits=tenants.limits_by_id(session, s),
             )
             for worker in placement.idle_workers(session, idle_timeout_s=s.worker_idle_timeout_s):
                 self._stop_idle(session, worker)
+            if self.store is not None and time.monotonic() >= self._next_sweep:
+                self._next_sweep = time.monotonic() + s.sweep_interval_s
+                garbage.purge_deleted_checkpoints(session, store=self.store)
 
     def _launch(self, session: Session, base_model: str) -> None:
         assert self.provider is not None

@@ -324,7 +324,7 @@ class WorkerAgent:
     async def _train_and_commit(self, job: dict[str, Any], running: _RunningJob) -> None:
         model_id: str = job["model_id"]
         base_step = int(job["base_step"])
-        step = base_step + 1
+        step = int(job["step"])  # base_step + 1 unless newer steps were deleted
         model_config = ModelConfig.model_validate(job.get("model_config") or {})
         job_dir = self._options.work_dir / "jobs" / running.id
         batch_path = await self._cp.download_input(running.id, job_dir / "input.jsonl")
@@ -368,6 +368,7 @@ class WorkerAgent:
 
         checkpoint_dir = self._options.work_dir / "checkpoints" / model_id / str(step)
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        trainer.step = step
         await asyncio.to_thread(trainer.save, checkpoint_dir)
         files = sorted(p for p in checkpoint_dir.iterdir() if p.is_file())
         for path in files:
@@ -388,7 +389,9 @@ class WorkerAgent:
             await self._cp.complete(
                 running.id, attempt=running.attempt, step=step, metrics=summary, files=files
             )
-        except LeaseLost:
+        except Exception:
+            # Not committed (lease lost, store failure...): the step must not stay loaded, or
+            # the job's next attempt could not load its own result under the same name.
             async with self._engine_lock:
                 with contextlib.suppress(Exception):
                     await self._engine.unload_lora(name)

@@ -10,11 +10,12 @@ from skytrain_backend.api.deps import (
     OrderQuery,
     SchedulerDep,
     SessionDep,
+    SettingsDep,
     StoreDep,
     TenantDep,
 )
 from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
-from skytrain_backend.db import registry
+from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import Model
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import placement
@@ -49,12 +50,14 @@ def create_model(
     tenant: TenantDep,
     response: Response,
     scheduler: SchedulerDep,
+    settings: SettingsDep,
 ) -> ModelPublic:
     """Register a model; 200 with the existing one when ``return_existing`` is set.
 
     Registering makes the model active: the scheduler places it on a worker (starting one if
     needed); ``serving`` says how far that got.
     """
+    limits = tenants.limits_of(tenant, settings)
     model, created = registry.create_model(
         session,
         tenant=tenant,
@@ -64,6 +67,7 @@ def create_model(
         base_model=body.base_model,
         config=(body.config or ModelConfig()).model_dump(mode="json"),
         return_existing=body.return_existing,
+        max_models=limits.max_models,
     )
     if not created:
         response.status_code = status.HTTP_200_OK
@@ -72,7 +76,7 @@ def create_model(
     return model_public(
         model,
         latest_step=registry.latest_step(session, model_id=model.id),
-        serving=serving_status(session, model=model),
+        serving=serving_status(session, model=model, limits=limits),
     )
 
 
@@ -105,12 +109,14 @@ def list_models(
 
 
 @router.get("/{model_id}", response_model=ModelPublic)
-def get_model(model_id: str, session: SessionDep, tenant: TenantDep) -> ModelPublic:
+def get_model(
+    model_id: str, session: SessionDep, tenant: TenantDep, settings: SettingsDep
+) -> ModelPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     return model_public(
         model,
         latest_step=registry.latest_step(session, model_id=model.id),
-        serving=serving_status(session, model=model),
+        serving=serving_status(session, model=model, limits=tenants.limits_of(tenant, settings)),
     )
 
 

@@ -18,7 +18,7 @@ from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend.api.deps import SchedulerDep, SessionDep, SettingsDep, StoreDep
-from skytrain_backend.db import worker_tokens, workers
+from skytrain_backend.db import registry, worker_tokens, workers
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, NotFound
 from skytrain_backend.protocol import ModelConfig
@@ -156,7 +156,7 @@ def _assignments(session: SessionDep, *, worker: Worker) -> dict[str, Any]:
     pinned_since = utcnow() - PIN_TTL
     models = []
     for model in placed:
-        latest = queue.latest_step(session, model_id=model.id)
+        latest = registry.latest_step(session, model_id=model.id)
         pinned = session.scalars(
             select(Checkpoint.step).where(
                 Checkpoint.model_id == model.id,
