@@ -4,7 +4,8 @@ Errors are vLLM's JSON (``{"error": {"message", "type", "param", "code"}}``) wit
 the skytrain error behind them: 400 for a malformed request or a bad adapter path, 404 for an
 unknown model or adapter, 503 while the engine sleeps. A failed request changes nothing: the
 engine keeps serving. With an API key, every ``/v1`` route requires ``Authorization: Bearer
-<key>`` (``/health``, ``/sleep`` and ``/wake_up`` stay open, as in vLLM).
+<key>`` (``/health``, ``/sleep`` and ``/wake_up`` stay open, as in vLLM). The gateway's
+``X-Skytrain-Tenant`` header says whose turn a request takes in the batch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from skytrain_backend.errors import (
     InvalidRequest,
     SkytrainError,
 )
+from skytrain_backend.protocol import TENANT_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -95,12 +97,14 @@ async def models(serving: ServingDep) -> ModelList:
 async def chat_completions(
     body: ChatCompletionRequest, serving: ServingDep, request: Request
 ) -> Response:
-    return await _unless_abandoned(request, serving.chat(body))
+    tenant = request.headers.get(TENANT_HEADER)
+    return await _unless_abandoned(request, serving.chat(body, tenant=tenant))
 
 
 @v1.post("/completions")
 async def completions(body: CompletionRequest, serving: ServingDep, request: Request) -> Response:
-    return await _unless_abandoned(request, serving.completion(body))
+    tenant = request.headers.get(TENANT_HEADER)
+    return await _unless_abandoned(request, serving.completion(body, tenant=tenant))
 
 
 async def _unless_abandoned(request: Request, work: Awaitable[Any]) -> Response:

@@ -1,0 +1,82 @@
+"""One tenant's flood cannot starve another tenant on a shared CPU engine.
+
+Through the real gateway to the real CPU engine with the tiny model: tenant B floods the
+engine within its (raised) limits with 8 streamed requests of n=128, and tenant A's small
+request is timed before and during the flood, in the same run. The engine admits waiting
+sequences tenant by tenant, and keeps places for a newcomer, so A's request starts at once:
+its latency grows with the batch's size, never with B's backlog (before, it waited for all
+1024 of B's sequences: minutes).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+
+import httpx
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.db import tenants
+from tests.gateway.conftest import Tenant
+
+# A's loaded latency over its unloaded latency. A step of a batch of 29 sequences costs about
+# six times a step of one with the tiny model (its vocabulary-wide softmax, sampling and
+# logprobs are per sequence), and B's new sequences are prefilled between A's steps: about
+# x6 measured on 2 busy cores; the bound leaves room for a noisy machine. B's backlog alone
+# (before the engine took turns) made A wait minutes: x1000 and more.
+FACTOR = 15.0
+SAMPLES = 5
+
+
+def _latency(who: Tenant, model: str) -> float:
+    """Seconds for a small request: 8 tokens, no early stop."""
+    started = time.perf_counter()
+    response = who.chat(model, max_tokens=8, ignore_eos=True)
+    elapsed = time.perf_counter() - started
+    assert response.status_code == 200, response.text
+    return elapsed
+
+
+def test_a_flood_by_one_tenant_multiplies_anothers_latency_by_a_small_factor_only(
+    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+) -> None:
+    alice, bob = tenant(), tenant()
+    with gateway_db() as session:
+        tenants.set_limits(
+            session,
+            tenant_name=bob.name,
+            values={"max_concurrent_requests": 8, "max_sequences_in_flight": 1024},
+            reset=[],
+        )
+    alices = alice.create_model(worker_id=engine_worker)["inference_name"]
+    bobs = bob.create_model(worker_id=engine_worker)["inference_name"]
+    alice.http.timeout = httpx.Timeout(120)
+
+    _latency(alice, alices)  # warm up
+    unloaded = statistics.median(_latency(alice, alices) for _ in range(SAMPLES))
+
+    flood = {
+        "model": bobs,
+        "messages": [{"role": "user", "content": "Write a long story about the sea."}],
+        "n": 128,
+        "max_tokens": 64,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with ExitStack() as streams:
+        lines = []
+        for _ in range(8):
+            response = streams.enter_context(
+                bob.http.stream("POST", "/v1/chat/completions", json=flood)
+            )
+            assert response.status_code == 200, response.read()
+            lines.append(response.iter_lines())  # held: dropping it closes the stream
+            assert next(lines[-1]).startswith("data: ")  # the engine has the request
+        loaded = statistics.median(_latency(alice, alices) for _ in range(SAMPLES))
+        assert all(next(stream) is not None for stream in lines)  # B was still being served
+
+    ratio = loaded / unloaded
+    print(f"A's latency: {unloaded:.3f}s alone, {loaded:.3f}s during B's flood: x{ratio:.1f}")
+    assert ratio < FACTOR, f"A's latency grew x{ratio:.1f} ({unloaded:.3f}s -> {loaded:.3f}s)"
