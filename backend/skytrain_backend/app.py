@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.scheduler = Scheduler(
                 settings=settings,
                 sessions=app.state.sessionmaker,
-                provider=open_provider(settings),
+                provider=open_provider(settings, app.state.sessionmaker),
                 store=app.state.store,
             )
             app.state.gateway = Gateway(

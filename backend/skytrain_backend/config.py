@@ -132,6 +132,18 @@ class Settings(BaseSettings):
         description="How often the scheduler removes objects left behind: files of deleted "
         "checkpoints the store failed to delete.",
     )
+    garbage_interval_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="How often the scheduler lists the object store for objects no row "
+        "refers to (left by a crash or a failed delete) and deletes them.",
+    )
+    garbage_grace_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="Objects no row refers to are deleted only once this old (a row may be "
+        "about to refer to a newer one).",
+    )
 
     # --- the skypilot provider ---------------------------------------------------------------
     skypilot_worker_yaml: Path | None = Field(
@@ -248,6 +260,33 @@ class Settings(BaseSettings):
 def subprocess_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment for a child process: this one's, plus ``extra``."""
     return {**os.environ, **extra}
+
+
+# What a local worker takes from the control plane's environment: how to run programs, and
+# where caches and devices are. Never the control plane's settings (its database URL), nor
+# credentials (the worker reaches the database and the store only through the control plane).
+_WORKER_ENV_NAMES = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
+        "TEMP", "TMP", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME",
+        "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+        "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN", "TRANSFORMERS_OFFLINE",
+        "TORCH_HOME", "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+    }
+)  # fmt: skip
+_WORKER_ENV_PREFIXES = ("LC_",)
+
+
+def worker_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a local worker: the few variables of this one it needs to run
+    (``_WORKER_ENV_NAMES``, proxies in either case), plus ``extra`` (its own settings)."""
+    inherited = {
+        name: value
+        for name, value in os.environ.items()
+        if name.upper() in _WORKER_ENV_NAMES or name.startswith(_WORKER_ENV_PREFIXES)
+    }
+    return {**inherited, **extra}
 
 
 @lru_cache

@@ -3,8 +3,8 @@
 Each pass (about once a second, or at once when woken by a registration, a request or a
 job): expire job leases, declare silent workers lost, reconcile with the provider, place
 active models (launching workers when needed), and stop idle workers. Every
-``sweep_interval_s`` it also removes the files of deleted checkpoints that are still there
-(``garbage``). A pass runs in a
+``sweep_interval_s`` it also removes the files of deleted checkpoints that are still there,
+and every ``garbage_interval_s`` the objects no row refers to (``garbage``). A pass runs in a
 thread with its own session; nothing in it blocks API requests.
 """
 
@@ -49,6 +49,7 @@ class Scheduler:
         # Where the sweeps remove objects no row refers to any more (None: no sweeping).
         self.store = store
         self._next_sweep = 0.0
+        self._next_garbage = 0.0
         self._sessions = sessions
         self._interval_s = interval_s
         self._wake: asyncio.Event | None = None
@@ -56,6 +57,10 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        """Stop what an earlier control plane left running, then start the passes."""
+        if self.provider is not None:
+            orphans = await asyncio.to_thread(self.provider.stop_orphans)
+            await asyncio.to_thread(self._record_stopped, orphans, "its control plane is gone")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="skytrain-scheduler")
@@ -67,18 +72,16 @@ class Scheduler:
                 await self._task
         if self.provider is not None:
             stopped = await asyncio.to_thread(self.provider.close)
-            await asyncio.to_thread(self._record_stopped, stopped)
+            await asyncio.to_thread(self._record_stopped, stopped, "the control plane stopped")
 
-    def _record_stopped(self, worker_ids: list[str]) -> None:
-        """Workers that ended with the control plane: their models are free, their running
+    def _record_stopped(self, worker_ids: list[str], reason: str) -> None:
+        """Workers that ended with a control plane: their models are free, their running
         jobs go back to the queue (or end, if cancelled) for the next start to hand out."""
         with self._sessions() as session:
             for worker_id in worker_ids:
                 worker = session.get(Worker, worker_id)
                 if worker is not None and worker.status in worker_rows.LIVE_STATUSES:
-                    placement.worker_gone(
-                        session, worker=worker, status="stopped", reason="the control plane stopped"
-                    )
+                    placement.worker_gone(session, worker=worker, status="stopped", reason=reason)
 
     def wake(self) -> None:
         """Run a pass soon; safe to call from any thread."""
@@ -128,6 +131,13 @@ class Scheduler:
             if self.store is not None and time.monotonic() >= self._next_sweep:
                 self._next_sweep = time.monotonic() + s.sweep_interval_s
                 garbage.purge_deleted_checkpoints(session, store=self.store)
+            if self.store is not None and time.monotonic() >= self._next_garbage:
+                self._next_garbage = time.monotonic() + s.garbage_interval_s
+                garbage.collect_garbage(
+                    session,
+                    store=self.store,
+                    written_before=utcnow() - timedelta(seconds=s.garbage_grace_s),
+                )
 
     def _launch(self, session: Session, base_model: str) -> None:
         assert self.provider is not None
