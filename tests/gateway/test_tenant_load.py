@@ -7,10 +7,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import ExitStack
 
+import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import tenants
 from tests.gateway.conftest import LONG_STREAM, Tenant
+
+# What is counted and scheduled does not depend on the database: SQLite only.
+pytestmark = pytest.mark.parametrize("gateway_settings", ["sqlite"], indirect=True)
 
 
 def _limit(sessions: sessionmaker[Session], who: Tenant, **values: int) -> None:

@@ -152,7 +152,7 @@ class Gateway:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    def in_flight(self, tenant_id: str) -> Load:
+    def _held(self, tenant_id: str) -> Load:
         return self._in_flight.get(tenant_id, Load())
 
     def admit(self, tenant_id: str, *, limits: TenantLimits, cost: Load) -> Callable[[], None]:
@@ -160,7 +160,7 @@ class Gateway:
 
         Only the event loop calls this, so the counters need no lock.
         """
-        held = self.in_flight(tenant_id)
+        held = self._held(tenant_id)
         if held.requests >= limits.max_concurrent_requests:
             raise RateLimited(
                 f"{limits.max_concurrent_requests} inference requests of yours are in flight, "
@@ -188,7 +188,7 @@ class Gateway:
             nonlocal released
             if not released:
                 released = True
-                left = self.in_flight(tenant_id) - cost
+                left = self._held(tenant_id) - cost
                 if left.requests:
                     self._in_flight[tenant_id] = left
                 else:
