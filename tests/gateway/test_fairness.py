@@ -26,7 +26,9 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import tenants
-from tests.gateway.conftest import ENGINE_BASE_MODEL, Engine, Tenant, add_worker, run_engine
+from skytrain_backend.db.models import Worker
+from skytrain_backend.scheduler import placement
+from tests.gateway.conftest import ENGINE_BASE_MODEL, Tenant, add_worker, run_engine
 
 # What is counted and scheduled does not depend on the database: SQLite only.
 pytestmark = pytest.mark.parametrize("gateway_settings", ["sqlite"], indirect=True)
@@ -41,11 +43,27 @@ SAMPLES = 5
 
 
 @pytest.fixture
-def small_batch_engine(tiny_model_path: Path, tmp_path: Path) -> Iterator[Engine]:
+def small_batch_worker(
+    tiny_model_path: Path, tmp_path: Path, gateway_db: sessionmaker[Session]
+) -> Iterator[str]:
+    """A worker row for an engine of its own, gone again after the test (the scheduler
+    would place other tests' models on it otherwise)."""
     with run_engine(
         tiny_model_path, tmp_path / "engine.log", "--max-num-seqs", str(MAX_NUM_SEQS)
     ) as engine:
-        yield engine
+        worker_id = add_worker(
+            gateway_db,
+            base_model=ENGINE_BASE_MODEL,
+            engine_endpoint=engine.url,
+            engine_secret=engine.secret,
+            served_model_name=engine.served_name,
+        )
+        try:
+            yield worker_id
+        finally:
+            with gateway_db() as session:
+                worker = session.get_one(Worker, worker_id)
+                placement.worker_gone(session, worker=worker, status="stopped", reason="test")
 
 
 def _latency(who: Tenant, model: str) -> float:
@@ -59,16 +77,10 @@ def _latency(who: Tenant, model: str) -> float:
 
 def test_a_flood_by_one_tenant_multiplies_anothers_latency_by_a_small_factor_only(
     tenant: Callable[[], Tenant],
-    small_batch_engine: Engine,
+    small_batch_worker: str,
     gateway_db: sessionmaker[Session],
 ) -> None:
-    engine_worker = add_worker(
-        gateway_db,
-        base_model=ENGINE_BASE_MODEL,
-        engine_endpoint=small_batch_engine.url,
-        engine_secret=small_batch_engine.secret,
-        served_model_name=small_batch_engine.served_name,
-    )
+    engine_worker = small_batch_worker
     alice, bob = tenant(), tenant()
     with gateway_db() as session:
         tenants.set_limits(
