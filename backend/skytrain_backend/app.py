@@ -50,8 +50,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.scheduler = Scheduler(
                 settings=settings,
                 sessions=app.state.sessionmaker,
-                provider=open_provider(settings),
+                provider=open_provider(settings, app.state.sessionmaker),
                 leadership=open_leadership(settings.resolved_database_url),
+                store=app.state.store,
             )
             app.state.gateway = Gateway(
                 settings=settings,

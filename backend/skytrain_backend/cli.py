@@ -204,6 +204,101 @@ def keys_revoke(
     typer.echo(f"Revoked key {row.id} ({row.prefix}...).")
 
 
+tenants_app = typer.Typer(
+    help="See tenants and set their limits and quotas (defaults: SKYTRAIN_TENANT_*).",
+    no_args_is_help=True,
+)
+app.add_typer(tenants_app, name="tenants")
+
+
+@tenants_app.command("list")
+def tenants_list() -> None:
+    """List tenants: models owned and every limit in force ('*': set for this tenant)."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db import tenants
+
+    names = tenants.TenantLimits.names()
+    rows = [("tenant", "models", *names)]
+    with _session() as session:
+        for tenant, owned in tenants.list_tenants(session):
+            limits = vars(tenants.limits_of(tenant, get_settings()))
+            own = tenant.limits or {}
+            rows.append(
+                (
+                    tenant.name,
+                    str(owned),
+                    *(f"{limits[name]}{'*' if name in own else ''}" for name in names),
+                )
+            )
+    _columns(rows)
+
+
+@tenants_app.command("limits")
+def tenants_limits(
+    tenant: str = typer.Argument(..., help="The tenant's name (see `skytrain tenants list`)."),
+    max_concurrent_requests: int | None = typer.Option(
+        None, min=1, help="Inference requests in flight at once."
+    ),
+    max_sequences_in_flight: int | None = typer.Option(
+        None, min=1, help="Sequences being generated at once (n x prompts of each request)."
+    ),
+    max_tokens_in_flight: int | None = typer.Option(
+        None, min=1, help="Tokens in flight at once (body bytes + n x max_tokens per request)."
+    ),
+    max_models: int | None = typer.Option(None, min=0, help="Models the tenant may own."),
+    max_placed_models: int | None = typer.Option(
+        None, min=0, help="Models placed on workers at once."
+    ),
+    max_workers: int | None = typer.Option(
+        None, min=0, help="Workers the tenant's models may occupy at once."
+    ),
+    reset: list[str] = typer.Option(
+        [], "--reset", help="A limit to return to its default (the setting); repeatable."
+    ),
+) -> None:
+    """Set a tenant's limits and quotas, then print those in force.
+
+    Limits not given stay as they are; a limit never set for the tenant follows its default
+    setting (SKYTRAIN_TENANT_MAX_MODELS, ...). Over a quota, creating a model is a 403;
+    models over the placement quotas wait, and their requests get 429 with Retry-After.
+    """
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db import tenants
+    from skytrain_backend.errors import SkytrainError
+
+    given = {
+        "max_concurrent_requests": max_concurrent_requests,
+        "max_sequences_in_flight": max_sequences_in_flight,
+        "max_tokens_in_flight": max_tokens_in_flight,
+        "max_models": max_models,
+        "max_placed_models": max_placed_models,
+        "max_workers": max_workers,
+    }
+    values = {name: value for name, value in given.items() if value is not None}
+    with _session() as session:
+        try:
+            if values or reset:
+                row = tenants.set_limits(
+                    session,
+                    tenant_name=tenant,
+                    values=values,
+                    reset=[r.replace("-", "_") for r in reset],
+                )
+            else:
+                row = tenants.get_tenant_by_name(session, name=tenant)
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
+        limits = vars(tenants.limits_of(row, get_settings()))
+        own = row.limits or {}
+    _columns(
+        [("limit", "value", "set by")]
+        + [
+            (name, str(value), "this tenant" if name in own else "default")
+            for name, value in limits.items()
+        ]
+    )
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Upgrade the schema of SKYTRAIN_DATABASE_URL (to the newest revision by default)."""

@@ -88,8 +88,39 @@ class Settings(BaseSettings):
         description="How long an inference request waits for its checkpoint to load onto "
         "the worker before answering 503.",
     )
+    # --- per-tenant limits and quotas: defaults, which `skytrain tenants limits` overrides ---
     tenant_max_concurrent_requests: int = Field(
         default=256, gt=0, description="Inference requests in flight per tenant before 429."
+    )
+    tenant_max_sequences_in_flight: int = Field(
+        default=256,
+        gt=0,
+        description="Sequences being generated per tenant (n of each request in flight, times "
+        "its prompts) before 429.",
+    )
+    tenant_max_tokens_in_flight: int = Field(
+        default=1_048_576,
+        gt=0,
+        description="Tokens per tenant in flight before 429: each request counts its body's "
+        "bytes (an upper bound of its prompt tokens) plus n x max_tokens.",
+    )
+    gateway_counted_max_tokens: int = Field(
+        default=2048,
+        gt=0,
+        description="What a request without max_tokens counts per sequence towards its "
+        "tenant's tokens in flight.",
+    )
+    tenant_max_models: int = Field(
+        default=100, ge=0, description="Models a tenant may own; creating one more is a 403."
+    )
+    tenant_max_placed_models: int = Field(
+        default=8,
+        ge=0,
+        description="A tenant's models placed on workers at once; the next one waits (its "
+        "requests get 429) until one goes idle.",
+    )
+    tenant_max_workers: int = Field(
+        default=2, ge=0, description="Workers a tenant's models may occupy at once."
     )
 
     # --- scheduling and provisioning ---------------------------------------------------------
@@ -111,6 +142,24 @@ class Settings(BaseSettings):
     )
     worker_heartbeat_timeout_s: float = Field(
         default=45.0, gt=0, description="A worker silent this long is considered lost."
+    )
+    sweep_interval_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="How often the scheduler removes objects left behind: files of deleted "
+        "checkpoints the store failed to delete.",
+    )
+    garbage_interval_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="How often the scheduler lists the object store for objects no row "
+        "refers to (left by a crash or a failed delete) and deletes them.",
+    )
+    garbage_grace_s: float = Field(
+        default=3600.0,
+        ge=0,
+        description="Objects no row refers to are deleted only once this old (a row may be "
+        "about to refer to a newer one).",
     )
 
     # --- the Tinker protocol -----------------------------------------------------------------
@@ -282,6 +331,33 @@ class Settings(BaseSettings):
 def subprocess_env(extra: dict[str, str]) -> dict[str, str]:
     """The environment for a child process: this one's, plus ``extra``."""
     return {**os.environ, **extra}
+
+
+# What a local worker takes from the control plane's environment: how to run programs, and
+# where caches and devices are. Never the control plane's settings (its database URL), nor
+# credentials (the worker reaches the database and the store only through the control plane).
+_WORKER_ENV_NAMES = frozenset(
+    {
+        "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TERM", "TMPDIR",
+        "TEMP", "TMP", "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CUDA_HOME",
+        "CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
+        "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "HF_TOKEN", "TRANSFORMERS_OFFLINE",
+        "TORCH_HOME", "XDG_CACHE_HOME", "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE",
+        "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+    }
+)  # fmt: skip
+_WORKER_ENV_PREFIXES = ("LC_",)
+
+
+def worker_env(extra: dict[str, str]) -> dict[str, str]:
+    """The environment of a local worker: the few variables of this one it needs to run
+    (``_WORKER_ENV_NAMES``, proxies in either case), plus ``extra`` (its own settings)."""
+    inherited = {
+        name: value
+        for name, value in os.environ.items()
+        if name.upper() in _WORKER_ENV_NAMES or name.startswith(_WORKER_ENV_PREFIXES)
+    }
+    return {**inherited, **extra}
 
 
 @lru_cache

@@ -8,6 +8,7 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
     ├── InvalidRequest (ValueError)            400
     │   └── PayloadTooLarge                     413
     ├── AuthenticationFailed (PermissionError)  401
+    ├── QuotaExceeded (PermissionError)         403
     ├── NotFound (LookupError)                  404
     │   └── ObjectMissing
     ├── Conflict                                409
@@ -58,6 +59,13 @@ class AuthenticationFailed(SkytrainError, PermissionError):
     type = "authentication_error"
 
 
+class QuotaExceeded(SkytrainError, PermissionError):
+    """The tenant's quota forbids the request, and waiting will not change that."""
+
+    status_code = 403
+    type = "quota_exceeded"
+
+
 class NotFound(SkytrainError, LookupError):
     """The resource does not exist, or belongs to another tenant."""
 
@@ -82,7 +90,7 @@ class LeaseLost(Conflict):
 
 
 class RateLimited(SkytrainError):
-    """Too many requests in flight for this tenant; retry after ``retry_after_s``."""
+    """The tenant has too much in flight, or in use, right now; retry after ``retry_after_s``."""
 
     status_code = 429
     type = "rate_limit_error"

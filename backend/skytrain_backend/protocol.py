@@ -417,6 +417,11 @@ def lora_name(model_id: str, step: int) -> str:
     return f"{model_id}@{step}"
 
 
+# Who asked, on every request the gateway sends to an engine: the CPU engine takes turns
+# between tenants by it (vLLM ignores it).
+TENANT_HEADER = "X-Skytrain-Tenant"
+
+
 # --- model references -------------------------------------------------------------------------
 
 ARTIFACT_PREFIX = "wandb-artifact:///"
@@ -540,6 +545,9 @@ class LeasedJob(BaseModel):
     config: dict[str, Any] | None = None
     model_config_: ModelConfig = Field(alias="model_config")
     base_step: int = Field(ge=0)
+    # The step the job commits: base_step + 1, or higher when newer steps were deleted (a
+    # deleted step's number is never given again).
+    step: int = Field(ge=1)
     attempt: int = Field(ge=1)
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)

@@ -12,13 +12,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from openai import OpenAI
+from openai import ConflictError, OpenAI
 from openai.pagination import SyncCursorPage
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import jobs
+from skytrain_backend.storage import ObjectStore
 from tests.api.conftest import Caller
-from tests.api.support import group, sft_trajectory
+from tests.api.support import add_checkpoint, group, sft_trajectory
 from tests.fixtures.art import ArtCheckpoint, ArtDeleted, ArtEvent, ArtJob, ArtModel
 from tests.fixtures.services import ControlPlane
 
@@ -40,7 +41,7 @@ def _checkpoints(art: OpenAI, model_id: str, **params: Any) -> list[ArtCheckpoin
 
 
 def test_art_register_log_train_and_delete_checkpoints(
-    art: OpenAI, caller: Caller, db_sessions: sessionmaker[Session]
+    art: OpenAI, caller: Caller, db_sessions: sessionmaker[Session], object_store: ObjectStore
 ) -> None:
     body = {
         "entity": None,
@@ -107,6 +108,19 @@ def test_art_register_log_train_and_delete_checkpoints(
     listed = _checkpoints(art, model.id, limit=1)
     assert [c.step for c in listed] == [0]
     assert listed[0].metrics["val/reward"] == pytest.approx(0.25)
+    # Step 0 is the model's only checkpoint: deleting it is refused.
+    with pytest.raises(ConflictError, match="would leave model"):
+        art.delete(
+            f"/preview/models/{model.id}/checkpoints", cast_to=ArtDeleted, body={"steps": [0]}
+        )
+    add_checkpoint(
+        db_sessions,
+        object_store,
+        tenant_id=caller.key.tenant_id,
+        model_id=model.id,
+        step=1,
+        files={"adapter_config.json": b"{}"},
+    )
     deleted = art.delete(
         f"/preview/models/{model.id}/checkpoints", cast_to=ArtDeleted, body={"steps": [0, 5]}
     )

@@ -50,7 +50,8 @@ def sdk_service(
 
     Leases get lengths that survive a worker loading the trainer on two busy cores; the
     e2e suite's short ones are for noticing killed workers, which these tests do not do. One
-    worker holds every model the tests register, so none waits for a second to start.
+    worker holds every model the tests register (all of one tenant: its placement quota is
+    raised to match), so none waits for a second to start.
     """
     overrides = {
         "SKYTRAIN_DATABASE_URL": request.getfixturevalue("make_postgres_url")(),
@@ -59,6 +60,7 @@ def sdk_service(
         "SKYTRAIN_JOB_LEASE_S": "60",
         "SKYTRAIN_WORKER_HEARTBEAT_TIMEOUT_S": "45",
         "SKYTRAIN_WORKER_MAX_MODELS": "16",
+        "SKYTRAIN_TENANT_MAX_PLACED_MODELS": "16",
     }
     subprocess.run(
         [sys.executable, "-m", "skytrain_backend", "db", "upgrade"],

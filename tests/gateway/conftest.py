@@ -148,13 +148,13 @@ class Engine:
 
 
 @contextmanager
-def run_engine(model_path: Path, log_path: Path) -> Iterator[Engine]:
+def run_engine(model_path: Path, log_path: Path, *extra_args: str) -> Iterator[Engine]:
     """``skytrain engine serve`` (the CPU engine) with ``model_path``, as its own process."""
     port = free_port()
     secret = secrets.token_urlsafe(16)
     argv = [sys.executable, "-m", "skytrain_backend", "engine", "serve", "--engine", "hf"]
     argv += ["--model", str(model_path), "--served-model-name", ENGINE_SERVED_NAME]
-    argv += ["--port", str(port), "--api-key", secret]
+    argv += ["--port", str(port), "--api-key", secret, *extra_args]
     url = f"http://127.0.0.1:{port}"
     with open(log_path, "wb") as log:
         process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)

@@ -55,7 +55,7 @@ def _help(*command: str) -> str | None:
 
 def _skytrain_invocations() -> list[tuple[list[str], list[str]]]:
     """(command words, options) of every `skytrain ...` the guide's shell blocks run."""
-    top = {"serve", "keys", "db", "workers", "worker", "jobs", "logs", "engine"}
+    top = {"serve", "keys", "db", "workers", "worker", "jobs", "logs", "engine", "tenants"}
     found = []
     for block in _shell_blocks():
         for command in _commands(block):

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db import keys, migrations, registry
 from skytrain_backend.db import workers as worker_rows
@@ -24,11 +25,13 @@ from skytrain_backend.db.models import (
     utcnow,
 )
 from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.scheduler import placement, queue
 from skytrain_backend.storage import LocalObjectStore
 from skytrain_backend.storage import keys as object_keys
 
 LEASE_S = 60.0
+NO_QUOTA = TenantLimits.defaults(Settings(tenant_max_placed_models=100, tenant_max_workers=100))
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
@@ -306,6 +309,7 @@ def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit
             max_workers=1,
             launch_backoff_s=0,
             launch=launches.append,
+            limits=lambda _tenant_id: NO_QUOTA,
         )
         placed = [session.get_one(Model, m.id).worker_id for m in (first, second, third)]
         assert placed.count(full.id) == 1 and placed.count(None) == 2
@@ -316,5 +320,6 @@ def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit
             max_workers=2,
             launch_backoff_s=0,
             launch=launches.append,
+            limits=lambda _tenant_id: NO_QUOTA,
         )
         assert launches == ["base"]  # one launch per base model per pass

@@ -24,8 +24,13 @@ never with a worker's address (that goes to the operator's log): an unreachable 
 that no longer serves the checkpoint is a 503 to retry, an engine that rejects the control
 plane's credentials, presents the wrong certificate or fails is a 502.
 
-Each tenant may have ``tenant_max_concurrent_requests`` requests in flight in this process
-(streams count until they end); the next one gets 429.
+Each tenant's requests in flight in this process (streams count until they end) are counted
+three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
+times the number of prompts) and tokens (the body's bytes, an upper bound of the prompt's
+tokens, plus ``n`` x ``max_tokens``). The request that would pass one gets 429 with
+``Retry-After``; one that could never fit (more sequences or tokens than the limit itself)
+gets 400. Each request tells the engine whose it is (``TENANT_HEADER``), so an engine shared
+by several tenants can take turns between them.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ import json
 import logging
 import ssl
 import time
-from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -56,13 +60,16 @@ from skytrain_backend.api.deps import get_tenant
 from skytrain_backend.api.schemas import ChatCompletionCreate, CompletionCreate
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import Settings
+from skytrain_backend.db import tenants
+from skytrain_backend.db.models import Tenant
+from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import (
     EngineError,
     InvalidRequest,
     RateLimited,
     Unavailable,
 )
-from skytrain_backend.protocol import format_validation_error
+from skytrain_backend.protocol import TENANT_HEADER, format_validation_error
 from skytrain_backend.scheduler.routing import EngineRoute, resolve_route
 
 logger = logging.getLogger(__name__)
@@ -111,9 +118,34 @@ COMPLETIONS = Endpoint("/v1/completions", _completion_logprobs, CompletionCreate
 
 
 @dataclass(frozen=True)
+class Load:
+    """What requests hold while in flight."""
+
+    requests: int = 0
+    sequences: int = 0
+    tokens: int = 0
+
+    def __add__(self, other: Load) -> Load:
+        return Load(
+            self.requests + other.requests,
+            self.sequences + other.sequences,
+            self.tokens + other.tokens,
+        )
+
+    def __sub__(self, other: Load) -> Load:
+        return Load(
+            self.requests - other.requests,
+            self.sequences - other.sequences,
+            self.tokens - other.tokens,
+        )
+
+
+@dataclass(frozen=True)
 class _Routed:
     tenant_id: str
+    limits: TenantLimits
     body: dict[str, Any]
+    cost: Load
     route: EngineRoute
 
 
@@ -137,8 +169,7 @@ class Gateway:
         # worker id -> (the certificate it registered, a client that trusts only it)
         self._pinned: dict[str, tuple[str, httpx.AsyncClient]] = {}
         self.resolvers = anyio.CapacityLimiter(RESOLVE_CONCURRENCY)
-        self.max_in_flight_per_tenant = settings.tenant_max_concurrent_requests
-        self._in_flight: Counter[str] = Counter()
+        self._in_flight: dict[str, Load] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -191,27 +222,47 @@ class Gateway:
         self._pinned[route.worker_id] = (certificate, client)
         return client
 
-    def admit(self, tenant_id: str) -> Callable[[], None]:
+    def _held(self, tenant_id: str) -> Load:
+        return self._in_flight.get(tenant_id, Load())
+
+    def admit(self, tenant_id: str, *, limits: TenantLimits, cost: Load) -> Callable[[], None]:
         """Count a request in; returns the function that counts it out (safe to call twice).
 
-        Only the event loop calls this, so the counter needs no lock.
+        Only the event loop calls this, so the counters need no lock.
         """
-        if self._in_flight[tenant_id] >= self.max_in_flight_per_tenant:
+        held = self._held(tenant_id)
+        if held.requests >= limits.max_concurrent_requests:
             raise RateLimited(
-                f"{self.max_in_flight_per_tenant} inference requests of yours are in flight, "
-                "the most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS): wait for "
-                "some to finish, or lower your client's concurrency"
+                f"{limits.max_concurrent_requests} inference requests of yours are in flight, "
+                "the most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS, or your "
+                "tenant's max_concurrent_requests): wait for some to finish, or lower your "
+                "client's concurrency"
             )
-        self._in_flight[tenant_id] += 1
+        if held.sequences + cost.sequences > limits.max_sequences_in_flight:
+            raise RateLimited(
+                f"{held.sequences} sequences of yours are being generated and this request "
+                f"adds {cost.sequences}, over the {limits.max_sequences_in_flight} allowed at "
+                "once (max_sequences_in_flight): wait for some to finish, or lower n"
+            )
+        if held.tokens + cost.tokens > limits.max_tokens_in_flight:
+            raise RateLimited(
+                f"your requests in flight count {held.tokens} tokens and this one "
+                f"{cost.tokens}, over the {limits.max_tokens_in_flight} allowed at once "
+                "(max_tokens_in_flight: body bytes plus n x max_tokens): wait for some to "
+                "finish, or lower max_tokens"
+            )
+        self._in_flight[tenant_id] = held + cost
         released = False
 
         def release() -> None:
             nonlocal released
             if not released:
                 released = True
-                self._in_flight[tenant_id] -= 1
-                if not self._in_flight[tenant_id]:
-                    del self._in_flight[tenant_id]
+                left = self._held(tenant_id) - cost
+                if left.requests:
+                    self._in_flight[tenant_id] = left
+                else:
+                    self._in_flight.pop(tenant_id, None)
 
         return release
 
@@ -225,7 +276,7 @@ class Gateway:
         """The engine's answer to the caller's request, or the reason there is none."""
         raw = await request.body()
         routed = await self._route(credentials=credentials, raw=raw, endpoint=endpoint)
-        release = self.admit(routed.tenant_id)
+        release = self.admit(routed.tenant_id, limits=routed.limits, cost=routed.cost)
         try:
             response = await self._proxy(request, routed=routed, endpoint=endpoint)
         except BaseException:
@@ -262,16 +313,22 @@ class Gateway:
         """Authenticate, parse and route in one session, held only for these few queries (a
         connection held across the request would starve the pool under concurrent streams)."""
         with self._sessions() as session:
-            tenant_id = get_tenant(session, credentials).id
+            tenant = get_tenant(session, credentials)
+            tenant_id, limits = tenant.id, tenants.limits_of(tenant, self.settings)
             body = _parse_body(raw, endpoint)
+            cost = _cost(
+                body, size=len(raw), counted_max_tokens=self.settings.gateway_counted_max_tokens
+            )
+            _check_fits(limits, cost)
             route = resolve_route(
                 session,
                 tenant_id=tenant_id,
                 model=body["model"],
                 idle_timeout_s=self.settings.worker_idle_timeout_s,
+                limits=limits,
                 on_unplaced=self._on_unplaced,
             )
-        return _Routed(tenant_id=tenant_id, body=body, route=route)
+        return _Routed(tenant_id=tenant_id, limits=limits, body=body, cost=cost, route=route)
 
     async def _proxy(self, request: Request, *, routed: _Routed, endpoint: Endpoint) -> Response:
         body, route = routed.body, routed.route
@@ -283,7 +340,10 @@ class Gateway:
             "X-Skytrain-Worker": route.worker_id,
         }
         upstream = await until_disconnected(
-            request.receive, self._send(route=route, path=endpoint.path, body=upstream_body)
+            request.receive,
+            self._send(
+                route=route, path=endpoint.path, body=upstream_body, tenant_id=routed.tenant_id
+            ),
         )
         if upstream is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -306,29 +366,39 @@ class Gateway:
         Tinker protocol's sampling calls it; an engine's refusal raises ``InvalidRequest``."""
         deadline = time.monotonic() + self.settings.gateway_loading_wait_s
 
-        def resolve() -> EngineRoute:
+        def resolve() -> tuple[EngineRoute, TenantLimits]:
             with self._sessions() as session:
-                return resolve_route(
+                limits = tenants.limits_of(session.get_one(Tenant, tenant_id), self.settings)
+                route = resolve_route(
                     session,
                     tenant_id=tenant_id,
                     model=model,
                     idle_timeout_s=self.settings.worker_idle_timeout_s,
                     on_unplaced=self._on_unplaced,
                 )
+            return route, limits
 
         while True:
             try:
-                route = await anyio.to_thread.run_sync(resolve, limiter=self.resolvers)
+                route, limits = await anyio.to_thread.run_sync(resolve, limiter=self.resolvers)
                 break
             except Unavailable as exc:
                 if exc.state != "loading" or time.monotonic() >= deadline:
                     raise
             await anyio.sleep(LOADING_POLL_S)
-        release = self.admit(tenant_id)
+        cost = _cost(
+            body,
+            size=len(json.dumps(body)),
+            counted_max_tokens=self.settings.gateway_counted_max_tokens,
+        )
+        _check_fits(limits, cost)
+        release = self.admit(tenant_id, limits=limits, cost=cost)
         try:
             upstream_body = {**body, "model": route.engine_model}
             COMPLETIONS.ask_for_logprobs(upstream_body)
-            upstream = await self._send(route=route, path=COMPLETIONS.path, body=upstream_body)
+            upstream = await self._send(
+                route=route, path=COMPLETIONS.path, body=upstream_body, tenant_id=tenant_id
+            )
             if upstream.status_code != 200:
                 await _refusal(upstream, route=route)  # raises unless the request was refused
                 raise InvalidRequest(f"the engine refused the request: {_engine_message(upstream)}")
@@ -339,14 +409,16 @@ class Gateway:
             raise EngineError(f"the engine of worker {route.worker_id} answered no JSON object")
         return content
 
-    async def _send(self, *, route: EngineRoute, path: str, body: dict[str, Any]) -> httpx.Response:
+    async def _send(
+        self, *, route: EngineRoute, path: str, body: dict[str, Any], tenant_id: str
+    ) -> httpx.Response:
         """The engine's response, its body not read yet."""
         client = self._client(route)
         request = client.build_request(
             "POST",
             route.engine_endpoint + path,
             json=body,
-            headers={"Authorization": f"Bearer {route.engine_secret}"},
+            headers={"Authorization": f"Bearer {route.engine_secret}", TENANT_HEADER: tenant_id},
         )
         try:
             try:
@@ -438,6 +510,49 @@ def _parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
             f"the body holds {constants[0]}, which is not a JSON number: send finite numbers"
         )
     return body
+
+
+def _cost(body: dict[str, Any], *, size: int, counted_max_tokens: int) -> Load:
+    """What the request holds while in flight. Values the engine will refuse (a negative
+    ``n``, a string ``max_tokens``) count as their defaults: the engine's 400 follows."""
+    n = _positive_int(body.get("n")) or 1
+    prompt = body.get("prompt")
+    prompts = (
+        len(prompt) if isinstance(prompt, list) and prompt and not _is_token_ids(prompt) else 1
+    )
+    max_tokens = (
+        _positive_int(body.get("max_completion_tokens"))
+        or _positive_int(body.get("max_tokens"))
+        or counted_max_tokens
+    )
+    sequences = n * prompts
+    return Load(requests=1, sequences=sequences, tokens=size + sequences * max_tokens)
+
+
+def _positive_int(value: object) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _is_token_ids(prompt: list[Any]) -> bool:
+    """A completion prompt given as one list of token ids (not a list of prompts)."""
+    return all(isinstance(item, int) for item in prompt)
+
+
+def _check_fits(limits: TenantLimits, cost: Load) -> None:
+    """A request larger than its tenant's whole allowance can never be admitted: 400."""
+    if cost.sequences > limits.max_sequences_in_flight:
+        raise InvalidRequest(
+            f"this request asks for {cost.sequences} sequences (n times the number of "
+            f"prompts), more than the {limits.max_sequences_in_flight} your tenant may have "
+            "in flight (max_sequences_in_flight): lower n, or split the request"
+        )
+    if cost.tokens > limits.max_tokens_in_flight:
+        raise InvalidRequest(
+            f"this request counts {cost.tokens} tokens (its body's bytes plus n x max_tokens), "
+            "more than the "
+            f"{limits.max_tokens_in_flight} your tenant may have in flight "
+            "(max_tokens_in_flight): send a shorter prompt, or lower n or max_tokens"
+        )
 
 
 async def _read_json(upstream: httpx.Response, *, route: EngineRoute) -> Any:

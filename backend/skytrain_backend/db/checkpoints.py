@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import Checkpoint, utcnow
 from skytrain_backend.db.pages import Order, fetch_page
-from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.errors import Conflict, InvalidRequest, NotFound
 
 
 def list_checkpoints(
@@ -57,9 +57,15 @@ def get_checkpoint(session: Session, *, model_id: str, step: int) -> Checkpoint:
     return checkpoint
 
 
-def live_checkpoints(session: Session, *, model_id: str, steps: list[int]) -> list[Checkpoint]:
-    """The checkpoints at ``steps`` that exist and are not deleted."""
-    return list(
+def mark_deleted(session: Session, *, model_id: str, steps: list[int]) -> list[Checkpoint]:
+    """Mark the live checkpoints at ``steps`` deleted, all in one transaction; returns them.
+
+    Rows are kept (``deleted_at`` set) so a pinned request can be told the step was deleted.
+    Their files are removed afterwards (``scheduler.garbage``): a row is never live without
+    its files, whatever the store does. A model keeps at least one live checkpoint, so step 0
+    cannot be deleted while it is the only one.
+    """
+    found = list(
         session.scalars(
             select(Checkpoint)
             .where(
@@ -68,17 +74,28 @@ def live_checkpoints(session: Session, *, model_id: str, steps: list[int]) -> li
                 Checkpoint.deleted_at.is_(None),
             )
             .order_by(Checkpoint.step)
+            .with_for_update()
         )
     )
-
-
-def mark_deleted(session: Session, *, checkpoints: list[Checkpoint]) -> None:
-    """Keep the rows with deleted_at set, so a pinned step can say it was deleted."""
+    live = session.scalar(
+        select(func.count(Checkpoint.id)).where(
+            Checkpoint.model_id == model_id, Checkpoint.deleted_at.is_(None)
+        )
+    )
+    if found and len(found) >= (live or 0):
+        session.rollback()
+        listed = ", ".join(str(checkpoint.step) for checkpoint in found)
+        raise Conflict(
+            f"deleting step(s) {listed} would leave model {model_id} with no checkpoint: a "
+            "model keeps at least one (step 0, the base model, when it was never trained); "
+            f"delete the model instead with DELETE /v1/models/{model_id}"
+        )
     now = utcnow()
-    for checkpoint in checkpoints:
+    for checkpoint in found:
         checkpoint.deleted_at = now
         checkpoint.size_bytes = 0
     session.commit()
+    return found
 
 
 def lock_live_checkpoint(session: Session, *, model_id: str, step: int) -> Checkpoint | None:

@@ -19,6 +19,7 @@ from sqlalchemy import (
     Boolean,
     DateTime,
     Dialect,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -103,6 +104,9 @@ class Tenant(Base):
     id: Mapped[str] = _id_column()
     name: Mapped[str] = mapped_column(unique=True)
     created_at: Mapped[datetime] = _created_at()
+    # The operator's limits for this tenant, {limit name: value}; absent ones are the
+    # settings' defaults (``db.tenants``).
+    limits: Mapped[dict[str, Any]] = mapped_column(default=dict)
 
 
 class ApiKey(Base):
@@ -369,4 +373,25 @@ class TinkerCheckpoint(Base):
     name: Mapped[str] = mapped_column(String(NAME_LENGTH))
     step: Mapped[int]
     user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = _created_at()
+
+
+class ManagedProcess(Base):
+    """A process a control plane started on its host (a local worker), so that the processes
+    no live control plane owns any more can be found and stopped.
+
+    A process is named by its host, pid and start time (a pid alone may have been reused);
+    its owner, the control plane that started it, the same way.
+    """
+
+    __tablename__ = "processes"
+
+    id: Mapped[str] = _id_column()
+    kind: Mapped[str] = mapped_column(String(32))
+    worker_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    host: Mapped[str] = mapped_column(index=True)
+    pid: Mapped[int]
+    start_time: Mapped[float] = mapped_column(Float)
+    owner_pid: Mapped[int]
+    owner_start_time: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = _created_at()

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import Checkpoint, Model, Tenant, TrainingJob
 from skytrain_backend.db.pages import Order, fetch_page
-from skytrain_backend.errors import Conflict, InvalidRequest, NotFound
+from skytrain_backend.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 
 
 def _find(
@@ -55,11 +55,22 @@ def create_model(
     base_model: str,
     config: dict[str, Any],
     return_existing: bool,
+    max_models: int | None = None,
 ) -> tuple[Model, bool]:
-    """The model and whether it was created; its step-0 checkpoint is created with it."""
+    """The model and whether it was created; its step-0 checkpoint is created with it.
+
+    A tenant that owns ``max_models`` models already gets ``QuotaExceeded``.
+    """
     found = _find(session, tenant_id=tenant.id, entity=entity, project=project, name=name)
     if found is not None:
         return _existing(found, base_model=base_model, return_existing=return_existing), False
+    owned = session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant.id)) or 0
+    if max_models is not None and owned >= max_models:
+        raise QuotaExceeded(
+            f"your tenant owns {owned} models, the most its quota allows ({max_models}): "
+            "delete one with DELETE /v1/models/{id}, or ask the operator to raise it "
+            "(`skytrain tenants limits`)"
+        )
     model = Model(
         tenant_id=tenant.id,
         entity=entity,
@@ -125,7 +136,12 @@ def list_models(
 
 
 def latest_steps(session: Session, *, model_ids: Sequence[str]) -> dict[str, int]:
-    """The newest checkpoint step that still exists, per model."""
+    """The newest checkpoint step that still exists, per model.
+
+    This is the one definition of a model's latest step: what requests without ``:step<N>``
+    are served, what workers are asked to load, and what the next training job starts from.
+    A deleted checkpoint is never the latest.
+    """
     if not model_ids:
         return {}
     rows = session.execute(
@@ -138,6 +154,19 @@ def latest_steps(session: Session, *, model_ids: Sequence[str]) -> dict[str, int
 
 def latest_step(session: Session, *, model_id: str) -> int:
     return latest_steps(session, model_ids=[model_id]).get(model_id, 0)
+
+
+def next_step(session: Session, *, model_id: str) -> int:
+    """The step the model's next checkpoint gets: above every step it ever had.
+
+    A deleted step's number is never given again, so ``:step<N>`` always names the same
+    weights (training after deleting the latest step starts from the live latest, and
+    skips the deleted number).
+    """
+    newest = session.scalar(
+        select(func.max(Checkpoint.step)).where(Checkpoint.model_id == model_id)
+    )
+    return int(newest or 0) + 1
 
 
 def check_deletable(session: Session, *, model: Model) -> None:

@@ -7,14 +7,13 @@ from the environment they inherit, which is the child's, so the demo's home reac
 without touching this process's environment.
 
 Stopping it sends SIGINT (the server stops its workers on the way out), waits, and kills
-what is left. On Linux the child also gets SIGTERM if the demo dies without stopping it.
+what is left. It is a ``processes.ChildProcess``: if the demo dies without stopping it, it
+is killed, and its workers with it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import os
 import signal
 import socket
 import subprocess
@@ -28,24 +27,18 @@ import httpx
 
 from skytrain_backend.config import subprocess_env
 from skytrain_backend.errors import ConfigurationError
+from skytrain_backend.processes import ChildProcess
 
 STARTUP_TIMEOUT_S = 120.0
 # The server stops each worker with SIGTERM and up to 15 s of grace before SIGKILL.
 SHUTDOWN_TIMEOUT_S = 90.0
 DEMO_TENANT = "demo"
-_PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGTERM when the demo process dies (Linux only)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -55,7 +48,7 @@ class EmbeddedService:
     url: str
     home: Path
     api_key: str
-    process: subprocess.Popen[bytes]
+    process: ChildProcess
     log_path: Path
 
     def cancel_open_jobs(self) -> int:
@@ -80,12 +73,10 @@ class EmbeddedService:
             return True
         self.process.send_signal(signal.SIGINT)
         try:
-            self.process.wait(timeout=SHUTDOWN_TIMEOUT_S)
+            self.process.wait(timeout_s=SHUTDOWN_TIMEOUT_S)
             return True
         except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+            self.process.stop(grace_s=0)
             return False
 
 
@@ -126,7 +117,7 @@ def _create_key(database_url: str) -> str:
     return key
 
 
-def _wait_for_health(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
+def _wait_for_health(url: str, process: ChildProcess, log_path: Path) -> None:
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         if process.poll() is not None:
@@ -163,16 +154,10 @@ def embedded_service(
     api_key = _create_key(env["SKYTRAIN_DATABASE_URL"])
     log_path = home / "serve.log"
     with open(log_path, "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "skytrain_backend", "serve"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            # Its own session: a Ctrl-C in the terminal reaches the demo, which stops the
-            # server in order (workers first) instead of everything dying at once.
-            start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        # Its own process group: a Ctrl-C in the terminal reaches the demo, which stops the
+        # server in order (workers first) instead of everything dying at once.
+        process = ChildProcess.start(
+            [sys.executable, "-m", "skytrain_backend", "serve"], env=env, stdout=log
         )
     service = EmbeddedService(
         url=f"http://127.0.0.1:{port}",

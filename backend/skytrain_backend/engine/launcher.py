@@ -10,14 +10,12 @@ letting the caller wait out the whole timeout.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
+from skytrain_backend.config import subprocess_env
 from skytrain_backend.engine.client import EngineClient
 from skytrain_backend.engine.options import (
     EngineCommand,
@@ -25,12 +23,12 @@ from skytrain_backend.engine.options import (
     ResolvedEngine,
 )
 from skytrain_backend.engine.vllm import vllm_command
+from skytrain_backend.processes import ChildProcess
 
 logger = logging.getLogger(__name__)
 
 # The CPU engine reads its API key from skytrain's settings (SKYTRAIN_ENGINE_SECRET), not argv.
 API_KEY_ENV = "SKYTRAIN_ENGINE_SECRET"
-PR_SET_PDEATHSIG = 1  # from <sys/prctl.h>
 
 
 def hf_command(options: EngineOptions) -> EngineCommand:
@@ -64,19 +62,6 @@ def hf_command(options: EngineOptions) -> EngineCommand:
     return EngineCommand(argv=argv + list(options.extra_args), env=env)
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: get SIGKILL when the parent (the worker) dies.
-
-    The engine runs in its own process group (so ``stop`` can signal all of it), which means
-    a worker killed outright would otherwise leave its engine running, holding the port and
-    the model's memory. Linux only; elsewhere the worker's own shutdown stops the engine.
-    """
-    if sys.platform != "linux":
-        return
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def engine_command(options: EngineOptions, kind: ResolvedEngine) -> EngineCommand:
     return vllm_command(options) if kind == "vllm" else hf_command(options)
 
@@ -98,7 +83,7 @@ class EngineProcess:
         self.log_path = log_path
         self.api_key = api_key
         self.startup_timeout_s = startup_timeout_s
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: ChildProcess | None = None
 
     @classmethod
     def for_engine(
@@ -125,15 +110,10 @@ class EngineProcess:
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         logger.info("starting engine: %s (log: %s)", " ".join(self.command.argv), self.log_path)
+        # A child process of its own group that dies with the worker (processes.ChildProcess).
         with open(self.log_path, "ab") as log:
-            self._process = subprocess.Popen(
-                self.command.argv,
-                env=os.environ | self.command.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=_die_with_parent,
+            self._process = ChildProcess.start(
+                self.command.argv, env=subprocess_env(self.command.env), stdout=log
             )
 
     def poll(self) -> int | None:
@@ -175,12 +155,4 @@ class EngineProcess:
         process = self._process
         if process is None or process.poll() is not None:
             return
-        try:
-            os.killpg(process.pid, signal.SIGTERM)
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            logger.warning("engine %d ignored SIGTERM for %.0fs; killing it", process.pid, grace_s)
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        except ProcessLookupError:
-            process.wait()
+        process.stop(grace_s=grace_s)

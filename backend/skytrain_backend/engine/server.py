@@ -7,7 +7,8 @@ engine keeps serving. With an API key, every route but ``/health`` requires ``Au
 Bearer <key>``: the ``/v1`` routes, and the control routes (``/sleep``, ``/wake_up``,
 ``/is_sleeping``, ``/control_log``), which vLLM leaves open and skytrain keeps to its worker.
 ``/control_log`` (skytrain's own) lists the control calls the engine carried out, with their
-times: what the worker's job timeline reports.
+times: what the worker's job timeline reports. The gateway's
+``X-Skytrain-Tenant`` header says whose turn a request takes in the batch.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from skytrain_backend.errors import (
     InvalidRequest,
     SkytrainError,
 )
+from skytrain_backend.protocol import TENANT_HEADER
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +108,14 @@ async def models(serving: ServingDep) -> ModelList:
 async def chat_completions(
     body: ChatCompletionRequest, serving: ServingDep, request: Request
 ) -> Response:
-    return await _unless_abandoned(request, serving.chat(body))
+    tenant = request.headers.get(TENANT_HEADER)
+    return await _unless_abandoned(request, serving.chat(body, tenant=tenant))
 
 
 @v1.post("/completions")
 async def completions(body: CompletionRequest, serving: ServingDep, request: Request) -> Response:
-    return await _unless_abandoned(request, serving.completion(body))
+    tenant = request.headers.get(TENANT_HEADER)
+    return await _unless_abandoned(request, serving.completion(body, tenant=tenant))
 
 
 async def _unless_abandoned(request: Request, work: Awaitable[Any]) -> Response:

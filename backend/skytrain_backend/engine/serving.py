@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from skytrain_backend.engine.hf.engine import HFEngine, SampledToken, SequenceUpdate
 from skytrain_backend.engine.hf.sampling import SamplingParams
@@ -55,6 +56,9 @@ from skytrain_backend.protocol import TOKEN_ID_PREFIX, Message
 
 SSE_DONE = "data: [DONE]\n\n"
 
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
 
 def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
@@ -87,6 +91,8 @@ class OpenAIServing:
         # (tokenizing megabytes would hold up every other request on the server's loop).
         longest_token = max(len(token) for token in self.tokenizer.get_vocab())
         self.max_prompt_chars = engine.max_model_len * longest_token
+        # The tokenizer is not safe to call from several threads at once.
+        self._tokenizer_lock = threading.Lock()
 
     def models(self) -> ModelList:
         base = self.engine.served_model_name
@@ -103,12 +109,15 @@ class OpenAIServing:
 
     # --- chat completions -------------------------------------------------------------------
 
-    async def chat(self, request: ChatCompletionRequest) -> ChatCompletion | AsyncIterator[str]:
+    async def chat(
+        self, request: ChatCompletionRequest, *, tenant: str | None = None
+    ) -> ChatCompletion | AsyncIterator[str]:
+        """The answer to ``request``; ``tenant`` (who asked) is whose turn it takes."""
         adapter = self._check_servable(request.model)
-        prompt_ids = self._chat_prompt(request)
+        prompt_ids = await self._tokenize(self._chat_prompt, request)
         params = self._sampling_params(request, len(prompt_ids))
         updates = self.engine.generate(
-            random_id("req"), prompt_ids, adapter=adapter, params=params, n=request.n
+            random_id("req"), prompt_ids, adapter=adapter, params=params, n=request.n, tenant=tenant
         )
         response_id, created = random_id("chatcmpl"), int(time.time())
         if request.stream:
@@ -276,15 +285,23 @@ class OpenAIServing:
 
     # --- completions --------------------------------------------------------------------------
 
-    async def completion(self, request: CompletionRequest) -> Completion | AsyncIterator[str]:
+    async def completion(
+        self, request: CompletionRequest, *, tenant: str | None = None
+    ) -> Completion | AsyncIterator[str]:
+        """The answer to ``request``; ``tenant`` (who asked) is whose turn it takes."""
         adapter = self._check_servable(request.model)
-        prompts = self._completion_prompts(request.prompt)
+        prompts = await self._tokenize(self._completion_prompts, request.prompt)
         runs = []
         for prompt_ids in prompts:
             params = self._sampling_params(request, len(prompt_ids))
             runs.append(
                 self.engine.generate(
-                    random_id("req"), prompt_ids, adapter=adapter, params=params, n=request.n
+                    random_id("req"),
+                    prompt_ids,
+                    adapter=adapter,
+                    params=params,
+                    n=request.n,
+                    tenant=tenant,
                 )
             )
         prompt_tokens = sum(len(p) for p in prompts)
@@ -396,6 +413,15 @@ class OpenAIServing:
         return result
 
     # --- shared -------------------------------------------------------------------------------
+
+    async def _tokenize(self, render: Callable[[_T], _R], item: _T) -> _R:
+        """``render(item)`` (templating and tokenizing) off the event loop, one at a time: a
+        long prompt delays the next prompt's tokenizing, never the streams being sent."""
+        return await asyncio.to_thread(self._tokenizing_one_at_a_time, render, item)
+
+    def _tokenizing_one_at_a_time(self, render: Callable[[_T], _R], item: _T) -> _R:
+        with self._tokenizer_lock:
+            return render(item)
 
     def _check_servable(self, model: str) -> str | None:
         adapter = self.engine.resolve_model(model)

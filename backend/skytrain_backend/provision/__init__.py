@@ -2,18 +2,27 @@
 
 from __future__ import annotations
 
+from sqlalchemy.orm import Session, sessionmaker
+
 from skytrain_backend.config import Settings
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
 
 __all__ = ["ClusterInfo", "Provider", "WorkerLaunch", "open_provider"]
 
 
-def open_provider(settings: Settings) -> Provider | None:
+def open_provider(settings: Settings, sessions: sessionmaker[Session]) -> Provider | None:
     """The provider the settings name (None for ``none``: workers join by hand only)."""
     if settings.provider == "local":
         from skytrain_backend.provision.local import LocalProvider
 
-        return LocalProvider(log_dir=settings.home / "workers")
+        return LocalProvider(
+            log_dir=settings.home / "workers",
+            sessions=sessions,
+            envs={
+                "SKYTRAIN_HOME": str(settings.home),
+                "SKYTRAIN_MODEL_CACHE_DIR": str(settings.resolved_model_cache_dir),
+            },
+        )
     if settings.provider == "skypilot":
         from skytrain_backend.provision.skypilot import SkyPilotProvider
 

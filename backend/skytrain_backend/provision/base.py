@@ -62,6 +62,11 @@ class Provider(abc.ABC):
     def terminate(self, cluster_name: str) -> None:
         """Stop a worker and release its machine. Stopping one that is gone is not an error."""
 
+    def stop_orphans(self) -> list[str]:
+        """At start-up: stop the workers that an earlier control plane started and left
+        behind; returns their ids (the scheduler records them stopped)."""
+        return []
+
     def close(self) -> list[str]:
         """Release what the provider holds (threads, subprocesses) at control plane shutdown.
 

@@ -1,25 +1,37 @@
 """The ``local`` provider: workers as subprocesses of the control plane's host.
 
-The embedded default. Each worker runs ``python -m skytrain_backend worker`` in its own
-process group (its engine is a child of it), writing everything it prints to
+The embedded default. Each worker runs ``python -m skytrain_backend worker`` as a
+``processes.ChildProcess`` (its own process group, so its engine stops with it; killed if the
+control plane dies), with only the environment it needs (``config.worker_env``: never the
+control plane's database URL), writing everything it prints to
 ``$SKYTRAIN_HOME/workers/<worker_id>.log``, the file ``skytrain logs WORKER`` shows.
+
+Each worker process is also recorded in SQL with this control plane as its owner
+(``db.processes``): ``stop_orphans`` stops the ones whose control plane no longer runs (at
+start-up), and ``close`` stops every one this control plane owns, whether or not it still
+knows it in memory.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
+import logging
+import socket
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from skytrain_backend.config import subprocess_env
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.config import worker_env
+from skytrain_backend.db import processes as process_rows
+from skytrain_backend.processes import ChildProcess, ProcessIdentity, stop_process
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
+
+logger = logging.getLogger(__name__)
 
 _LOG_TAIL_LINES = 20
 
@@ -27,7 +39,7 @@ _LOG_TAIL_LINES = 20
 @dataclass
 class _LocalWorker:
     worker_id: str
-    process: subprocess.Popen[bytes]
+    process: ChildProcess
     log_path: Path
     log_file: IO[bytes]
     terminated: bool = False
@@ -51,19 +63,32 @@ class LocalProvider(Provider):
 
     name = "local"
 
-    def __init__(self, *, log_dir: Path, python: str = sys.executable) -> None:
+    def __init__(
+        self,
+        *,
+        log_dir: Path,
+        sessions: sessionmaker[Session],
+        envs: dict[str, str] | None = None,
+        python: str = sys.executable,
+    ) -> None:
         self._log_dir = log_dir
+        self._sessions = sessions
+        # Settings every worker gets (its home and model cache), on top of each launch's.
+        self._envs = envs or {}
         self._python = python
         self._workers: dict[str, _LocalWorker] = {}
         self._lock = threading.Lock()
+        self.host = socket.gethostname()
+        self.owner = ProcessIdentity.current()
 
     def launch(self, launch: WorkerLaunch) -> str:
         cluster_name = f"local-{launch.worker_id}"
         self._log_dir.mkdir(parents=True, exist_ok=True)
         log_path = worker_log_path(self._log_dir, launch.worker_id)
         log_file = open(log_path, "ab")  # noqa: SIM115 - owned by the worker record, closed on reap
-        env = subprocess_env(
+        env = worker_env(
             {
+                **self._envs,
                 **launch.envs,
                 "SKYTRAIN_CONTROL_PLANE_URL": launch.control_plane_url,
                 "SKYTRAIN_WORKER_TOKEN": launch.join_token,
@@ -75,14 +100,18 @@ class LocalProvider(Provider):
                 "PYTHONUNBUFFERED": "1",
             }
         )
-        process = subprocess.Popen(
-            [self._python, "-m", "skytrain_backend", "worker"],
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,  # its own process group: terminate() takes the engine too
+        process = ChildProcess.start(
+            [self._python, "-m", "skytrain_backend", "worker"], env=env, stdout=log_file
         )
+        with self._sessions() as session:
+            process_rows.record(
+                session,
+                kind="worker",
+                worker_id=launch.worker_id,
+                host=self.host,
+                process=process.identity,
+                owner=self.owner,
+            )
         with self._lock:
             self._workers[cluster_name] = _LocalWorker(
                 worker_id=launch.worker_id, process=process, log_path=log_path, log_file=log_file
@@ -100,6 +129,7 @@ class LocalProvider(Provider):
                 infos.append(ClusterInfo(worker.worker_id, cluster_name, "up"))
                 continue
             worker.log_file.close()
+            self._forget(worker)
             with self._lock:
                 self._workers.pop(cluster_name, None)
             if worker.terminated:
@@ -118,27 +148,46 @@ class LocalProvider(Provider):
         if worker is None:
             return
         worker.terminated = True
-        _stop_process_group(worker.process)
+        # SIGTERM the group (worker and engine), then SIGKILL what is left.
+        worker.process.stop(grace_s=15.0)
         worker.log_file.close()
+        self._forget(worker)
 
     def close(self) -> list[str]:
-        """Stop every worker process: they are the control plane's children."""
+        """Stop every worker process this control plane owns: those it knows in memory, and
+        any other its SQL records name (the control plane's children never outlive it)."""
         with self._lock:
             workers = dict(self._workers)
         for name in workers:
             self.terminate(name)
-        return [worker.worker_id for worker in workers.values()]
+        stopped = [worker.worker_id for worker in workers.values()]
+        stopped += self._stop_recorded(lambda owner: owner == self.owner)
+        return stopped
 
+    def stop_orphans(self) -> list[str]:
+        """Stop the worker processes on this host whose control plane no longer runs."""
+        return self._stop_recorded(lambda owner: owner != self.owner and not owner.is_running())
 
-def _stop_process_group(process: subprocess.Popen[bytes], timeout_s: float = 15.0) -> None:
-    """SIGTERM the group (worker and engine), then SIGKILL what is left after ``timeout_s``.
+    def _stop_recorded(self, whose: Callable[[ProcessIdentity], bool]) -> list[str]:
+        stopped = []
+        with self._sessions() as session:
+            rows = process_rows.on_host(session, host=self.host)
+            chosen = [row for row in rows if whose(process_rows.owner(row))]
+            for row in chosen:
+                identity = process_rows.identity(row)
+                if stop_process(identity):
+                    logger.warning(
+                        "stopped worker process %d (worker %s): its control plane (pid %d) "
+                        "no longer owns it",
+                        identity.pid,
+                        row.worker_id,
+                        row.owner_pid,
+                    )
+                if row.worker_id is not None:
+                    stopped.append(row.worker_id)
+                process_rows.forget(session, host=self.host, process=identity)
+        return stopped
 
-    The group is signalled even when the worker itself has exited: its engine may not have.
-    """
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=timeout_s)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+    def _forget(self, worker: _LocalWorker) -> None:
+        with self._sessions() as session:
+            process_rows.forget(session, host=self.host, process=worker.process.identity)

@@ -2,7 +2,9 @@
 
 Each pass (about once a second, or at once when woken by a registration, a request or a
 job): expire job leases, declare silent workers lost, reconcile with the provider, place
-active models (launching workers when needed), and stop idle workers. A pass runs in a
+active models (launching workers when needed), and stop idle workers. Every
+``sweep_interval_s`` it also removes the files of deleted checkpoints that are still there,
+and every ``garbage_interval_s`` the objects no row refers to (``garbage``). A pass runs in a
 thread with its own session; nothing in it blocks API requests.
 
 Several control-plane processes may share one database: every one runs this loop, but only
@@ -18,6 +20,7 @@ import contextlib
 import logging
 import secrets
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -26,11 +29,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
+from skytrain_backend.db import tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
-from skytrain_backend.scheduler import placement, queue, tinker
+from skytrain_backend.scheduler import garbage, placement, queue, tinker
 from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
+from skytrain_backend.storage import ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +53,17 @@ class Scheduler:
         sessions: sessionmaker[Session],
         provider: Provider | None,
         leadership: Leadership | None = None,
+        store: ObjectStore | None = None,
         interval_s: float = 1.0,
     ) -> None:
         self.settings = settings
         self.provider = provider
         self.is_leader = False
         self._leadership = leadership or SoleLeadership()
+        # Where the sweeps remove objects no row refers to any more (None: no sweeping).
+        self.store = store
+        self._next_sweep = 0.0
+        self._next_garbage = 0.0
         self._sessions = sessions
         self._interval_s = interval_s
         self._role_logged = False
@@ -67,6 +77,10 @@ class Scheduler:
         self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
+        """Stop what an earlier control plane left running, then start the passes."""
+        if self.provider is not None:
+            orphans = await asyncio.to_thread(self.provider.stop_orphans)
+            await asyncio.to_thread(self._record_stopped, orphans, "its control plane is gone")
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
         self._task = asyncio.create_task(self._run(), name="skytrain-scheduler")
@@ -82,22 +96,20 @@ class Scheduler:
         """Stop the provider's own workers, then give the leadership up."""
         with self._pass_lock:
             if self.provider is not None:
-                self._record_stopped(self.provider.close())
+                self._record_stopped(self.provider.close(), "the control plane stopped")
             self._leadership.release()
             if self.is_leader:
                 logger.info("scheduler: %s stopped leading", process_name())
                 self.is_leader = False
 
-    def _record_stopped(self, worker_ids: list[str]) -> None:
-        """Workers that ended with the control plane: their models are free, their running
+    def _record_stopped(self, worker_ids: list[str], reason: str) -> None:
+        """Workers that ended with a control plane: their models are free, their running
         jobs go back to the queue (or end, if cancelled) for the next start to hand out."""
         with self._sessions() as session:
             for worker_id in worker_ids:
                 worker = session.get(Worker, worker_id)
                 if worker is not None and worker.status in worker_rows.LIVE_STATUSES:
-                    self._worker_gone(
-                        session, worker=worker, status="stopped", reason="the control plane stopped"
-                    )
+                    self._worker_gone(session, worker=worker, status="stopped", reason=reason)
 
     def _worker_gone(self, session: Session, *, worker: Worker, status: str, reason: str) -> None:
         placement.worker_gone(session, worker=worker, status=status, reason=reason)
@@ -174,9 +186,20 @@ class Scheduler:
                 max_workers=s.max_workers,
                 launch_backoff_s=s.worker_launch_backoff_s,
                 launch=(lambda base: self._launch(session, base)) if self.provider else None,
+                limits=tenants.limits_by_id(session, s),
             )
             for worker in placement.idle_workers(session, idle_timeout_s=s.worker_idle_timeout_s):
                 self._stop_idle(session, worker)
+            if self.store is not None and time.monotonic() >= self._next_sweep:
+                self._next_sweep = time.monotonic() + s.sweep_interval_s
+                garbage.purge_deleted_checkpoints(session, store=self.store)
+            if self.store is not None and time.monotonic() >= self._next_garbage:
+                self._next_garbage = time.monotonic() + s.garbage_interval_s
+                garbage.collect_garbage(
+                    session,
+                    store=self.store,
+                    written_before=utcnow() - timedelta(seconds=s.garbage_grace_s),
+                )
 
     def _launch(self, session: Session, base_model: str) -> None:
         assert self.provider is not None

@@ -11,6 +11,9 @@ are started and stopped.
 - A worker with no active model for ``worker_idle_timeout_s`` is stopped.
 - A model goes only to a worker whose engine loads adapters of its LoRA rank; a model (or a
   job) no worker for its base model could serve is refused up front (``check_lora_rank``).
+- Quotas: a tenant has at most ``max_placed_models`` models placed at once, on at most
+  ``max_workers`` workers (``db.tenants``); its next model waits until one goes idle, so one
+  tenant's models cannot fill every worker while another tenant's model waits forever.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import queue
@@ -57,6 +61,41 @@ def active_models_without_worker(session: Session, *, idle_timeout_s: float) -> 
     )
 
 
+def tenant_placements(session: Session, *, tenant_id: str) -> dict[str, int]:
+    """The live workers holding the tenant's models, with how many of them each holds."""
+    rows = session.execute(
+        select(Model.worker_id, func.count(Model.id))
+        .join(Worker, Worker.id == Model.worker_id)
+        .where(Model.tenant_id == tenant_id, Worker.status.in_(PLACEABLE_STATUSES))
+        .group_by(Model.worker_id)
+    )
+    return {str(worker_id): int(count) for worker_id, count in rows}
+
+
+def quota_wait(session: Session, *, model: Model, limits: TenantLimits) -> str | None:
+    """Why the tenant's quota keeps ``model`` off the workers now (None: it does not)."""
+    held = tenant_placements(session, tenant_id=model.tenant_id)
+    if sum(held.values()) >= limits.max_placed_models:
+        return (
+            f"your tenant has {sum(held.values())} models on workers, the most its quota allows "
+            f"(max_placed_models={limits.max_placed_models}): this model is placed once one "
+            "of them goes idle, or when the operator raises the quota"
+        )
+    if len(held) >= limits.max_workers and (
+        _worker_with_room(
+            session, base_model=model.base_model, lora_rank=_lora_rank(model), among=set(held)
+        )
+        is None
+    ):
+        return (
+            f"your tenant's models occupy {len(held)} workers, the most its quota allows "
+            f"(max_workers={limits.max_workers}), and none of them has room for this model: "
+            "it is placed once one of your models goes idle, or when the operator raises "
+            "the quota"
+        )
+    return None
+
+
 def place_models(
     session: Session,
     *,
@@ -64,15 +103,26 @@ def place_models(
     max_workers: int,
     launch_backoff_s: float,
     launch: Callable[[str], None] | None,
+    limits: Callable[[str], TenantLimits],
 ) -> None:
     """Put every active unplaced model on a worker of its base model, launching if needed.
 
-    ``launch(base_model)`` asks the provider for a new worker (None: no provider).
+    ``launch(base_model)`` asks the provider for a new worker (None: no provider);
+    ``limits(tenant_id)`` are the tenant's quotas.
     """
     launched: set[str] = set()
     for model in active_models_without_worker(session, idle_timeout_s=idle_timeout_s):
+        quota = limits(model.tenant_id)
+        held = tenant_placements(session, tenant_id=model.tenant_id)
+        if sum(held.values()) >= quota.max_placed_models:
+            _unplace(session, model)
+            continue
+        at_worker_quota = len(held) >= quota.max_workers
         worker = _worker_with_room(
-            session, base_model=model.base_model, lora_rank=_lora_rank(model)
+            session,
+            base_model=model.base_model,
+            lora_rank=_lora_rank(model),
+            among=set(held) if at_worker_quota else None,
         )
         if worker is not None:
             model.worker_id = worker.id
@@ -80,12 +130,11 @@ def place_models(
             session.commit()
             logger.info("placed model %s on worker %s", model.id, worker.id)
             continue
-        if model.worker_id is not None:
-            model.worker_id = None
-            session.commit()
+        _unplace(session, model)
         base = model.base_model
         if (
             launch is None
+            or at_worker_quota
             or base in launched
             or _recently_failed(session, base_model=base, backoff_s=launch_backoff_s)
         ):
@@ -107,13 +156,27 @@ def _rank_limit(worker: Worker) -> int | None:
     return None if limit is None else int(limit)
 
 
-def _worker_with_room(session: Session, *, base_model: str, lora_rank: int) -> Worker | None:
+def _unplace(session: Session, model: Model) -> None:
+    """Forget the model's worker that is gone, so the model shows as waiting."""
+    if model.worker_id is not None:
+        model.worker_id = None
+        session.commit()
+
+
+def _worker_with_room(
+    session: Session, *, base_model: str, lora_rank: int, among: set[str] | None = None
+) -> Worker | None:
+    """The live worker of ``base_model`` (one of ``among``, when given) holding the fewest
+    models, if it has room for one more and loads adapters of ``lora_rank``."""
     placed = select(func.count(Model.id)).where(Model.worker_id == Worker.id).scalar_subquery()
-    candidates = session.execute(
+    statement = (
         select(Worker, placed)
         .where(Worker.base_model == base_model, Worker.status.in_(PLACEABLE_STATUSES))
         .order_by(placed, Worker.created_at)
-    ).all()
+    )
+    if among is not None:
+        statement = statement.where(Worker.id.in_(among))
+    candidates = session.execute(statement).all()
     for worker, count in candidates:
         limit = _rank_limit(worker)
         if limit is not None and lora_rank > limit:

@@ -16,6 +16,7 @@ job; SQLite serializes writers, and a process lock keeps its read-then-write ato
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
@@ -25,11 +26,14 @@ from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session, aliased
 
 from skytrain_backend.db import jobs as job_rows
+from skytrain_backend.db import registry
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
-from skytrain_backend.errors import InvalidRequest, LeaseLost, NotFound
+from skytrain_backend.errors import InvalidRequest, LeaseLost, NotFound, StorageError
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
+
+logger = logging.getLogger(__name__)
 
 _SQLITE_LEASE_LOCK = threading.Lock()
 
@@ -40,14 +44,6 @@ WORKER_EVENT_TYPES = frozenset({"training_started", "gradient_step", "job_timeli
 TRAINING_JOB_KINDS = ("rl", "sft")
 
 
-def latest_step(session: Session, *, model_id: str) -> int:
-    """The model's newest committed step (0 for a model never trained)."""
-    return int(
-        session.scalar(select(func.max(Checkpoint.step)).where(Checkpoint.model_id == model_id))
-        or 0
-    )
-
-
 def lease_job(
     session: Session,
     *,
@@ -55,9 +51,12 @@ def lease_job(
     lease_s: float,
     kinds: Sequence[str] = TRAINING_JOB_KINDS,
 ) -> TrainingJob | None:
-    """Give ``worker`` the oldest queued job (of ``kinds``) of a model placed on it, if any.
+    """Give ``worker`` a queued job (of ``kinds``) of a model placed on it, if any.
 
-    A model never has two running jobs: its next job waits until the running one ends.
+    Tenants take turns: the job goes to the tenant whose last job started longest ago (one
+    that never had a job first), and within a tenant to its oldest queued job. So one
+    tenant's thirty queued jobs do not all run before another tenant's one. A model never
+    has two running jobs: its next job waits until the running one ends.
     """
     if session.get_bind().dialect.name == "sqlite":
         with _SQLITE_LEASE_LOCK:
@@ -69,6 +68,13 @@ def _lease(
     session: Session, *, worker: Worker, lease_s: float, kinds: Sequence[str], skip_locked: bool
 ) -> TrainingJob | None:
     running = aliased(TrainingJob)
+    started, owned = aliased(TrainingJob), aliased(Model)
+    tenant_last_started = (
+        select(func.max(started.started_at))
+        .join(owned, owned.id == started.model_id)
+        .where(owned.tenant_id == Model.tenant_id)
+        .scalar_subquery()
+    )
     statement = (
         select(TrainingJob)
         .join(Model, Model.id == TrainingJob.model_id)
@@ -78,7 +84,7 @@ def _lease(
             Model.worker_id == worker.id,
             ~exists().where(running.model_id == TrainingJob.model_id, running.status == "running"),
         )
-        .order_by(TrainingJob.created_at, TrainingJob.id)
+        .order_by(tenant_last_started.asc().nulls_first(), TrainingJob.created_at, TrainingJob.id)
         .limit(1)
     )
     if skip_locked:
@@ -91,7 +97,7 @@ def _lease(
     job.status = "running"
     job.worker_id = worker.id
     job.attempts += 1
-    job.base_step = latest_step(session, model_id=job.model_id)
+    job.base_step = registry.latest_step(session, model_id=job.model_id)
     job.lease_expires_at = now + timedelta(seconds=lease_s)
     job.started_at = job.started_at or now
     session.commit()
@@ -157,19 +163,24 @@ def complete_job(
     """Commit the attempt's checkpoint and finish the job, once."""
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
     model = session.get_one(Model, job.model_id)
-    expected = (job.base_step or 0) + 1
+    expected = registry.next_step(session, model_id=model.id)
     if step != expected:
         raise InvalidRequest(f"job {job_id} trains step {expected}, not step {step}")
     if not files:
         raise InvalidRequest("a checkpoint needs its files")
-    total = 0
-    for name in files:
-        source = staged_file_key(job, tenant_id=model.tenant_id, attempt=attempt, name=name)
-        target = keys.checkpoint_key(
-            tenant_id=model.tenant_id, model_id=model.id, step=step, file=name
-        )
-        total += store.copy(source, target)
     prefix = keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
+    staged = keys.model_prefix(tenant_id=model.tenant_id, model_id=model.id) + f"jobs/{job.id}/"
+    total = 0
+    try:
+        for name in files:
+            source = staged_file_key(job, tenant_id=model.tenant_id, attempt=attempt, name=name)
+            total += store.copy(source, prefix + name)
+    except StorageError as exc:
+        _fail_commit(session, store=store, job=job, step=step, prefixes=(prefix, staged), exc=exc)
+        raise StorageError(
+            f"the object store failed while committing step {step} of job {job.id}; the job "
+            "has failed and its files were removed"
+        ) from exc
     checkpoint = Checkpoint(
         model_id=model.id,
         step=step,
@@ -191,10 +202,42 @@ def complete_job(
         session, job_id=job.id, type="training_ended", data={"step": step, **metrics}
     )
     session.commit()
-    store.delete_prefix(
-        keys.model_prefix(tenant_id=model.tenant_id, model_id=model.id) + f"jobs/{job.id}/attempts/"
-    )
+    _delete_quietly(store, staged + "attempts/")
     return checkpoint
+
+
+def _fail_commit(
+    session: Session,
+    *,
+    store: ObjectStore,
+    job: TrainingJob,
+    step: int,
+    prefixes: tuple[str, str],
+    exc: StorageError,
+) -> None:
+    """End a job whose checkpoint the store could not take. ``prefixes``: the checkpoint's
+    (files copied so far) and the job's (files staged by its attempts); both are deleted,
+    and the sweep collects what the store refuses now."""
+    logger.error("committing step %d of job %s failed: %s", step, job.id, exc.message)
+    checkpoint_prefix, job_prefix = prefixes
+    _delete_quietly(store, checkpoint_prefix)
+    _delete_quietly(store, job_prefix + "attempts/")
+    _finish(
+        session,
+        job,
+        status="failed",
+        error=f"the object store failed while saving the checkpoint of step {step}, so "
+        "nothing was committed: submit the job again (the operator's log has the store's "
+        "error)",
+    )
+    session.commit()
+
+
+def _delete_quietly(store: ObjectStore, prefix: str) -> None:
+    try:
+        store.delete_prefix(prefix)
+    except StorageError as exc:
+        logger.warning("could not delete %s (left to the sweep): %s", prefix, exc.message)
 
 
 def fail_job(
@@ -277,5 +320,7 @@ def job_for_worker(session: Session, job: TrainingJob) -> dict[str, Any]:
         "config": job.config,
         "model_config": ModelConfig.model_validate(model.config or {}).model_dump(),
         "base_step": job.base_step,
+        # Usually base_step + 1; higher when newer steps were deleted (never reused).
+        "step": registry.next_step(session, model_id=job.model_id),
         "attempt": job.attempts,
     }

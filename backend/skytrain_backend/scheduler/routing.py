@@ -24,7 +24,8 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import registry
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
-from skytrain_backend.errors import NotFound, Unavailable
+from skytrain_backend.db.tenants import TenantLimits
+from skytrain_backend.errors import NotFound, RateLimited, Unavailable
 from skytrain_backend.protocol import ModelRef
 from skytrain_backend.ranges import parse_step
 from skytrain_backend.scheduler import placement
@@ -58,13 +59,15 @@ def resolve_route(
     tenant_id: str,
     model: str,
     idle_timeout_s: float,
+    limits: TenantLimits | None = None,
     on_unplaced: Callable[[], None] | None = None,
 ) -> EngineRoute:
     """The engine serving ``model`` for the tenant.
 
-    Raises ``NotFound`` for an unknown model or step, ``InvalidRequest`` for a malformed name
-    and ``Unavailable`` (with the serving state's message and retry delay) when no engine
-    serves the checkpoint yet; ``on_unplaced`` is called first when no worker holds the model,
+    Raises ``NotFound`` for an unknown model or step, ``InvalidRequest`` for a malformed name,
+    ``RateLimited`` when the tenant's quota (``limits``) keeps the model off the workers, and
+    ``Unavailable`` (with the serving state's message and retry delay) when no engine serves
+    the checkpoint yet; ``on_unplaced`` is called first when no worker holds the model,
     so the scheduler can place it now rather than at its next pass. ``idle_timeout_s`` is the
     scheduler's: activity marks are refreshed well within it. The session's transaction is
     over when this returns, so a long stream holds no database connection.
@@ -74,7 +77,9 @@ def resolve_route(
         found, pinned = _find_model(session, tenant_id=tenant_id, model=model)
         step = _target_step(session, model=found, pinned=pinned, interval_s=interval_s)
         placement.mark_model_active(session, model=found, min_interval_s=interval_s)
-        status = serving_status(session, model=found, step=step)
+        status = serving_status(session, model=found, step=step, limits=limits)
+        if status.over_quota:
+            raise RateLimited(status.message, retry_after_s=status.retry_after_s)
         if not status.ready:
             if status.state in UNPLACED_STATES and on_unplaced is not None:
                 on_unplaced()

@@ -13,9 +13,11 @@ from typing import Any, Literal
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import registry
 from skytrain_backend.db.models import Model, TrainingJob, Worker
+from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.protocol import lora_name
-from skytrain_backend.scheduler.queue import latest_step
+from skytrain_backend.scheduler import placement
 
 ServingState = Literal[
     "waiting", "provisioning", "starting", "unreachable", "training", "loading", "ready", "failed"
@@ -33,10 +35,13 @@ class ServingStatus:
     worker_id: str | None = None
     step: int | None = None
     retry_after_s: float = 5.0
+    # Waiting because of the tenant's quota: its requests get 429 rather than 503.
+    over_quota: bool = False
 
     def public(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("retry_after_s")
+        data.pop("over_quota")
         return data
 
 
@@ -57,11 +62,23 @@ def engine_model_name(worker: Worker, *, model_id: str, step: int) -> str:
     return lora_name(model_id, step)
 
 
-def serving_status(session: Session, *, model: Model, step: int | None = None) -> ServingStatus:
-    """The model's serving state for ``step`` (default: its latest)."""
-    target = latest_step(session, model_id=model.id) if step is None else step
+def serving_status(
+    session: Session,
+    *,
+    model: Model,
+    step: int | None = None,
+    limits: TenantLimits | None = None,
+) -> ServingStatus:
+    """The model's serving state for ``step`` (default: its latest); with the tenant's
+    ``limits``, an unplaced model says when its quota is what keeps it waiting."""
+    target = registry.latest_step(session, model_id=model.id) if step is None else step
     worker = session.get(Worker, model.worker_id) if model.worker_id else None
     if worker is None or worker.status not in LIVE_WORKER_STATUSES:
+        reason = placement.quota_wait(session, model=model, limits=limits) if limits else None
+        if reason is not None:
+            return ServingStatus(
+                state="waiting", ready=False, message=reason, retry_after_s=30.0, over_quota=True
+            )
         return _unplaced(session, model=model)
     if worker.status in ("provisioning", "starting"):
         return ServingStatus(

@@ -35,6 +35,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import jobs as job_rows
+from skytrain_backend.db import registry
 from skytrain_backend.db.models import (
     Checkpoint,
     Model,
@@ -333,7 +334,8 @@ def lease_run(session: Session, *, worker: Worker, lease_s: float) -> dict[str, 
         "model_id": model.id,
         "base_model": model.base_model,
         "model_config": ModelConfig.model_validate(model.config).model_dump(),
-        "latest_step": queue.latest_step(session, model_id=model.id),
+        # The newest step number the model ever had (deleted ones too): its saves go above it.
+        "latest_step": registry.next_step(session, model_id=model.id) - 1,
         "plan": plan(session, run=run),
     }
 
@@ -617,7 +619,7 @@ def commit_save(
     else:
         if not files:
             raise InvalidRequest("a save needs its checkpoint files")
-        expected = queue.latest_step(session, model_id=model.id) + 1
+        expected = registry.next_step(session, model_id=model.id)
         if step != expected:
             raise InvalidRequest(f"run {run.id} saves step {expected} next, not step {step}")
         total = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import BinaryIO
 
@@ -27,6 +28,8 @@ CHUNK_BYTES = 1024 * 1024
 class ObjectInfo:
     key: str
     size: int
+    # When the object was last written (UTC), as the store reports it.
+    modified: datetime
 
 
 def check_key(key: str) -> str:

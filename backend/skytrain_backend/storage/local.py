@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, BinaryIO
 
@@ -103,7 +104,9 @@ class LocalObjectStore(ObjectStore):
                 path = Path(dirpath, filename)
                 key = path.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
-                    found.append(ObjectInfo(key=key, size=path.stat().st_size))
+                    stat = path.stat()
+                    modified = datetime.fromtimestamp(stat.st_mtime, UTC)
+                    found.append(ObjectInfo(key=key, size=stat.st_size, modified=modified))
         return sorted(found, key=lambda info: info.key)
 
     def delete(self, key: str) -> None:

@@ -164,7 +164,13 @@ class S3ObjectStore(ObjectStore):
             )
             for page in pages:
                 for item in page.get("Contents", []):
-                    found.append(ObjectInfo(key=item["Key"].removeprefix(root), size=item["Size"]))
+                    found.append(
+                        ObjectInfo(
+                            key=item["Key"].removeprefix(root),
+                            size=item["Size"],
+                            modified=item["LastModified"],
+                        )
+                    )
         except (BotoCoreError, ClientError) as exc:
             raise self._fail("list", prefix, exc) from exc
         return sorted(found, key=lambda info: info.key)

@@ -448,7 +448,7 @@ class WorkerAgent:
 
     async def _train_and_commit(self, job: LeasedJob, running: _RunningJob) -> None:
         model_id = job.model_id
-        step = job.base_step + 1
+        step = job.step  # base_step + 1 unless newer steps were deleted
         job_dir = self._options.work_dir / "jobs" / running.id
         times: dict[str, float] = {}  # time/<phase>_s, reported with the result
         # Downloads first: they need the network, not the GPU the engine still holds.
@@ -500,6 +500,7 @@ class WorkerAgent:
 
         checkpoint_dir = self._options.work_dir / "checkpoints" / model_id / str(step)
         shutil.rmtree(checkpoint_dir, ignore_errors=True)
+        trainer.step = step
         with _timed(times, "save"):
             await asyncio.to_thread(trainer.save, checkpoint_dir)
         files = sorted(p for p in checkpoint_dir.iterdir() if p.is_file())
@@ -526,7 +527,9 @@ class WorkerAgent:
             await self._cp.complete(
                 running.id, attempt=running.attempt, step=step, metrics=summary, files=files
             )
-        except LeaseLost:
+        except Exception:
+            # Not committed (lease lost, store failure...): the step must not stay loaded, or
+            # the job's next attempt could not load its own result under the same name.
             async with self._engine_lock:
                 with contextlib.suppress(Exception):
                     await self._engine.unload_lora(name)

@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
+from skytrain_backend.protocol import TENANT_HEADER
 
 # (method, path) pairs forwarded to the engine; anything else is not found.
 FORWARDED_ROUTES = frozenset(
@@ -125,7 +126,7 @@ class FrontDoor:
                     request.url.path,
                     params=request.query_params,
                     content=body,
-                    headers={"Content-Type": request.headers.get("content-type", "")},
+                    headers=_forwarded_headers(request),
                 ),
                 stream=True,
             ),
@@ -160,3 +161,12 @@ async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps({'error': {'message': message}})}\n\n".encode()
     finally:
         await upstream.aclose()
+
+
+def _forwarded_headers(request: Request) -> dict[str, str]:
+    """What the engine needs of the caller's headers: the body's type, and whose request it is
+    (the engine takes turns between tenants)."""
+    headers = {"Content-Type": request.headers.get("content-type", "")}
+    if (tenant := request.headers.get(TENANT_HEADER)) is not None:
+        headers[TENANT_HEADER] = tenant
+    return headers

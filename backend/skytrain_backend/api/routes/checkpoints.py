@@ -1,5 +1,5 @@
-"""Checkpoints of a model: list (deleted ones too, on request), get, delete (objects removed,
-rows kept), files download."""
+"""Checkpoints of a model: list (deleted ones too, on request), get, delete (rows marked, then
+objects removed), files download."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from skytrain_backend.api.schemas import (
 )
 from skytrain_backend.db import checkpoints, registry
 from skytrain_backend.errors import NotFound
+from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import ObjectStore, keys
 
 router = APIRouter(prefix="/models/{model_id}/checkpoints", tags=["checkpoints"])
@@ -68,17 +69,13 @@ def delete_checkpoints(
     tenant: TenantDep,
     store: StoreDep,
 ) -> CheckpointsDeleted:
-    """Remove the steps' files; rows stay, marked deleted, so pinned requests can say so."""
+    """Mark the steps deleted, then remove their files; rows stay, so pinned requests can say
+    so. Files the store fails to remove now are removed by the scheduler's next sweep."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     steps = sorted(set(body.steps))
-    found = checkpoints.live_checkpoints(session, model_id=model.id, steps=steps)
-    for checkpoint in found:
-        if checkpoint.uri is not None:
-            store.delete_prefix(
-                keys.checkpoint_prefix(tenant_id=tenant.id, model_id=model.id, step=checkpoint.step)
-            )
-    checkpoints.mark_deleted(session, checkpoints=found)
+    found = checkpoints.mark_deleted(session, model_id=model.id, steps=steps)
     deleted = {checkpoint.step for checkpoint in found}
+    garbage.purge_deleted_checkpoints(session, store=store, model_id=model.id)
     return CheckpointsDeleted(
         deleted_count=len(deleted), not_found_steps=[s for s in steps if s not in deleted]
     )

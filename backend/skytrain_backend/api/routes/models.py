@@ -18,7 +18,7 @@ from skytrain_backend.api.deps import (
 )
 from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
 from skytrain_backend.base_models import check_base_model
-from skytrain_backend.db import registry
+from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import Model
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import placement
@@ -70,6 +70,7 @@ def create_model(
         lora_rank=config.lora_rank,
         default_limit=settings.engine_max_lora_rank,
     )
+    limits = tenants.limits_of(tenant, settings)
     model, created = registry.create_model(
         session,
         tenant=tenant,
@@ -79,6 +80,7 @@ def create_model(
         base_model=base_model,
         config=config.model_dump(mode="json"),
         return_existing=body.return_existing,
+        max_models=limits.max_models,
     )
     if not created:
         response.status_code = status.HTTP_200_OK
@@ -87,7 +89,7 @@ def create_model(
     return model_public(
         model,
         latest_step=registry.latest_step(session, model_id=model.id),
-        serving=serving_status(session, model=model),
+        serving=serving_status(session, model=model, limits=limits),
     )
 
 
@@ -120,12 +122,14 @@ def list_models(
 
 
 @router.get("/{model_id}", response_model=ModelPublic)
-def get_model(model_id: ModelId, session: SessionDep, tenant: TenantDep) -> ModelPublic:
+def get_model(
+    model_id: ModelId, session: SessionDep, tenant: TenantDep, settings: SettingsDep
+) -> ModelPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     return model_public(
         model,
         latest_step=registry.latest_step(session, model_id=model.id),
-        serving=serving_status(session, model=model),
+        serving=serving_status(session, model=model, limits=tenants.limits_of(tenant, settings)),
     )
 
 

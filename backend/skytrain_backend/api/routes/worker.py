@@ -26,7 +26,7 @@ from skytrain_backend.api.deps import (
     SettingsDep,
     StoreDep,
 )
-from skytrain_backend.db import worker_tokens, workers
+from skytrain_backend.db import registry, worker_tokens, workers
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest, NotFound
 from skytrain_backend.protocol import (
@@ -194,7 +194,7 @@ def _assignments(session: SessionDep, *, worker: Worker) -> HeartbeatAnswer:
     pinned_since = utcnow() - PIN_TTL
     models = []
     for model in placed:
-        latest = queue.latest_step(session, model_id=model.id)
+        latest = registry.latest_step(session, model_id=model.id)
         pinned = session.scalars(
             select(Checkpoint.step).where(
                 Checkpoint.model_id == model.id,

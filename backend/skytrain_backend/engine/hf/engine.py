@@ -11,6 +11,14 @@ Each sequence carries its own sampling parameters and random generator (seeded w
 ``seed + index`` for a request with ``n`` choices, as vLLM does), so batching never changes a
 seeded result beyond floating-point noise. The logprob of each sampled token comes from the
 very logits it was sampled from.
+
+Fair sharing: waiting requests are queued per *key* (the tenant the gateway names, else the
+model or adapter asked for), and the batch is filled one sequence at a time, the keys taking
+turns. A request's ``n`` sequences join as room frees (one with ``n`` above the batch size
+does not need the batch to itself), and no key holds more than ``max_num_seqs -
+reserved_seqs`` places, so a new tenant's request starts at the next step however much
+another tenant has queued: its latency grows with the batch's size, not with the other
+tenant's backlog.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import itertools
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
@@ -98,6 +106,7 @@ class _Request:
         adapter: str | None,
         params: SamplingParams,
         n: int,
+        key: str,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         self.request_id = request_id
@@ -105,13 +114,76 @@ class _Request:
         self.adapter = adapter
         self.params = params
         self.n = n
+        # Whose turn it takes (see the module docstring), and its sequences admitted so far.
+        self.key = key
+        self.admitted = 0
         self.queue: asyncio.Queue[SequenceUpdate | RequestFailed] = asyncio.Queue()
-        self._loop = loop
+        self.loop = loop
 
     def publish(self, item: SequenceUpdate | RequestFailed) -> None:
+        _publish_all([(self, item)])
+
+
+def _publish_all(items: list[tuple[_Request, SequenceUpdate | RequestFailed]]) -> None:
+    """Hand each item to its request's queue: one wake-up of each event loop for all of them
+    (a step's tokens for a whole batch), rather than one per token."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, Any]]] = {}
+    for request, item in items:
+        by_loop.setdefault(request.loop, []).append((request, item))
+    for loop, delivered in by_loop.items():
         # A closed event loop raises RuntimeError: nobody is listening any more.
         with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_deliver, delivered)
+
+
+def _deliver(items: list[tuple[_Request, SequenceUpdate | RequestFailed]]) -> None:
+    for request, item in items:
+        request.queue.put_nowait(item)
+
+
+class _FairQueue:
+    """Waiting requests, one queue per key; the keys take turns, one sequence at a time.
+
+    The dict's order is the order of turns: a key that was served moves to the end.
+    """
+
+    def __init__(self) -> None:
+        self._queues: dict[str, deque[_Request]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._queues)
+
+    def push(self, request: _Request) -> None:
+        self._queues.setdefault(request.key, deque()).append(request)
+
+    def next_request(self, held: Counter[str], cap: int) -> _Request | None:
+        """The head request of the first key in turn that holds fewer than ``cap`` places;
+        that key's turn passes (it moves to the end)."""
+        for key, queue in self._queues.items():
+            if held[key] < cap:
+                self._queues[key] = self._queues.pop(key)
+                return queue[0]
+        return None
+
+    def done(self, request: _Request) -> None:
+        """Take a request out (all its sequences admitted, or failed)."""
+        queue = self._queues.get(request.key)
+        if queue is None:
+            return
+        with contextlib.suppress(ValueError):
+            queue.remove(request)
+        if not queue:
+            del self._queues[request.key]
+
+    def remove(self, request_ids: set[str]) -> None:
+        for queue in list(self._queues.values()):
+            for request in [r for r in queue if r.request_id in request_ids]:
+                self.done(request)
+
+    def drain(self) -> list[_Request]:
+        requests = [request for queue in self._queues.values() for request in queue]
+        self._queues.clear()
+        return requests
 
 
 class _Sequence:
@@ -137,8 +209,10 @@ class _Sequence:
         else:
             self.generator.manual_seed(self.params.seed + index)
 
-    def append(self, token: SampledToken, *, eos_token_ids: frozenset[int], max_len: int) -> None:
-        """Record a sampled token, decide whether the sequence is done, publish the step."""
+    def append(
+        self, token: SampledToken, *, eos_token_ids: frozenset[int], max_len: int
+    ) -> SequenceUpdate:
+        """Record a sampled token, decide whether the sequence is done; the step to publish."""
         params = self.params
         self.num_generated += 1
         finish_reason: EngineFinishReason | None = None
@@ -161,7 +235,7 @@ class _Sequence:
             if stop_reason is None or isinstance(stop_reason, int):
                 self.detokenizer.flush()
         text = self.detokenizer.release(final=self.finished)
-        self.request.publish(SequenceUpdate(self.index, token, text, finish_reason, stop_reason))
+        return SequenceUpdate(self.index, token, text, finish_reason, stop_reason)
 
 
 class _Batch:
@@ -219,6 +293,7 @@ class HFEngine:
         served_model_name: str,
         max_model_len: int | None = None,
         max_num_seqs: int = 32,
+        reserved_seqs: int | None = None,
         dtype: str = "auto",
         device: str | None = None,
         max_lora_rank: int | None = None,
@@ -240,6 +315,14 @@ class HFEngine:
             )
         self.max_model_len = resolved
         self.max_num_seqs = max_num_seqs
+        # Places no single key may take, kept for the next one to arrive (default: an eighth).
+        reserved = max(1, max_num_seqs // 8) if reserved_seqs is None else reserved_seqs
+        if not 0 <= reserved < max_num_seqs:
+            raise ConfigurationError(
+                f"reserved_seqs {reserved} must be at least 0 and below max_num_seqs "
+                f"({max_num_seqs})"
+            )
+        self.max_seqs_per_key = max_num_seqs - reserved
         self.eos_token_ids = self.runner.eos_token_ids()
         self.adapters: dict[str, Adapter] = {}
         self._internal_names = (f"lora{i}" for i in itertools.count())
@@ -253,7 +336,7 @@ class HFEngine:
         self.control_log: list[dict[str, Any]] = []
         self._batch: _Batch | None = None
         self._mergeable: bool | None = None
-        self._waiting: deque[_Request] = deque()
+        self._waiting = _FairQueue()
         self._commands: deque[Callable[[], None]] = deque()
         self._aborted: set[str] = set()
         self._wakeup = threading.Condition()
@@ -284,17 +367,22 @@ class HFEngine:
         adapter: str | None,
         params: SamplingParams,
         n: int = 1,
+        tenant: str | None = None,
     ) -> AsyncIterator[SequenceUpdate]:
-        """Every step of the ``n`` sequences of one prompt, as they are sampled."""
+        """Every step of the ``n`` sequences of one prompt, as they are sampled.
+
+        ``tenant`` (who asked) is whose turn the request takes; without one, the model's.
+        """
         if self._asleep:
             raise Unavailable(ASLEEP_MESSAGE)
         if self._pausing:
             raise Unavailable(PAUSING_MESSAGE)
+        key = f"tenant:{tenant}" if tenant else f"model:{adapter or self.served_model_name}"
         request = _Request(
-            request_id, prompt_token_ids, adapter, params, n, asyncio.get_running_loop()
+            request_id, prompt_token_ids, adapter, params, n, key, asyncio.get_running_loop()
         )
         with self._wakeup:
-            self._waiting.append(request)
+            self._waiting.push(request)
             self._wakeup.notify()
         running = n
         try:
@@ -444,25 +532,34 @@ class HFEngine:
                 future.set_result(None)
 
     def _admit(self) -> list[_Sequence]:
-        """Waiting sequences that fit in the batch (a request larger than it runs alone)."""
-        running = len(self._batch.sequences) if self._batch else 0
+        """Waiting sequences that fit in the batch, one at a time, the keys taking turns."""
+        running = self._batch.sequences if self._batch else []
         if running and not self._mergeable:
             return []
+        held = Counter(sequence.request.key for sequence in running)
         admitted: list[_Sequence] = []
         with self._wakeup:
-            while self._waiting:
-                room = self.max_num_seqs - running - len(admitted)
-                if self._waiting[0].n > room and (running or admitted):
+            while len(running) + len(admitted) < self.max_num_seqs:
+                request = self._waiting.next_request(held, self.max_seqs_per_key)
+                if request is None:
                     break
-                request = self._waiting.popleft()
                 try:
                     internal = self._internal_adapter(request.adapter)
-                    admitted += [
-                        _Sequence(request, i, internal, self.tokenizer, self.runner.device)
-                        for i in range(request.n)
-                    ]
+                    sequence = _Sequence(
+                        request, request.admitted, internal, self.tokenizer, self.runner.device
+                    )
                 except Exception as exc:
+                    # Nothing a request carries may stop the others: it fails alone, with the
+                    # sequences of it admitted so far.
+                    self._waiting.done(request)
+                    admitted = [s for s in admitted if s.request is not request]
                     request.publish(RequestFailed(_request_error(exc)))
+                    continue
+                admitted.append(sequence)
+                request.admitted += 1
+                held[request.key] += 1
+                if request.admitted == request.n:
+                    self._waiting.done(request)
         return admitted
 
     def _prefill_each_alone_if_needed(self, sequences: list[_Sequence]) -> None:
@@ -548,11 +645,16 @@ class HFEngine:
         tokens_B = sample_next_tokens(logits_BV, params, [s.generator for s in sequences])
         top_k = max((p.num_logprobs or 0 for p in params), default=0)
         chosen, top = gather_logprobs(logits_BV.log_softmax(dim=-1), tokens_B, top_k)
+        updates: list[tuple[_Request, SequenceUpdate | RequestFailed]] = []
         for sequence, token_id, logprob, candidates in zip(
             sequences, tokens_B.tolist(), chosen, top, strict=True
         ):
             token = SampledToken(token_id, logprob, candidates[: sequence.params.num_logprobs or 0])
-            sequence.append(token, eos_token_ids=self.eos_token_ids, max_len=self.max_model_len)
+            update = sequence.append(
+                token, eos_token_ids=self.eos_token_ids, max_len=self.max_model_len
+            )
+            updates.append((sequence.request, update))
+        _publish_all(updates)
         return tokens_B
 
     def _drop_finished(self) -> None:
@@ -564,7 +666,7 @@ class HFEngine:
         if not request_ids:
             return
         with self._wakeup:
-            self._waiting = deque(r for r in self._waiting if r.request_id not in request_ids)
+            self._waiting.remove(request_ids)
         if self._batch is not None:
             for sequence in self._batch.sequences:
                 if sequence.request.request_id in request_ids:
@@ -602,7 +704,7 @@ class HFEngine:
         running = {s.request.request_id for s in self._batch.sequences} if self._batch else set()
         self._fail_all(Unavailable("the engine was put to sleep while this request ran: retry"))
         with self._wakeup:
-            waiting, self._waiting = list(self._waiting), deque()
+            waiting = self._waiting.drain()
         for request in waiting:
             request.publish(RequestFailed(Unavailable(ASLEEP_MESSAGE)))
         self.runner.release()

@@ -1,0 +1,108 @@
+"""Per-tenant limits and quotas: the settings' defaults, overridden per tenant by the operator.
+
+| limit | default setting | counted | over it |
+|---|---|---|---|
+| ``max_concurrent_requests`` | ``SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS`` | inference requests in flight | 429 |
+| ``max_sequences_in_flight`` | ``SKYTRAIN_TENANT_MAX_SEQUENCES_IN_FLIGHT`` | their sequences (n x prompts) | 429 |
+| ``max_tokens_in_flight`` | ``SKYTRAIN_TENANT_MAX_TOKENS_IN_FLIGHT`` | body bytes + n x max_tokens | 429 |
+| ``max_models`` | ``SKYTRAIN_TENANT_MAX_MODELS`` | models owned | 403 on create |
+| ``max_placed_models`` | ``SKYTRAIN_TENANT_MAX_PLACED_MODELS`` | models placed on workers | waits; 429 |
+| ``max_workers`` | ``SKYTRAIN_TENANT_MAX_WORKERS`` | workers holding its models | waits; 429 |
+
+A tenant's row keeps only the limits the operator set (``skytrain tenants limits``); every
+other limit follows its setting, so changing a default changes it for every such tenant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.config import Settings
+from skytrain_backend.db.models import Model, Tenant
+from skytrain_backend.errors import InvalidRequest, NotFound
+
+# Limits of requests in flight: zero would refuse every request, so they are at least one.
+_REQUEST_LIMITS = frozenset(
+    {"max_concurrent_requests", "max_sequences_in_flight", "max_tokens_in_flight"}
+)
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """The limits in force for one tenant."""
+
+    max_concurrent_requests: int
+    max_sequences_in_flight: int
+    max_tokens_in_flight: int
+    max_models: int
+    max_placed_models: int
+    max_workers: int
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [field.name for field in fields(cls)]
+
+    @classmethod
+    def defaults(cls, settings: Settings) -> TenantLimits:
+        return cls(**{name: getattr(settings, f"tenant_{name}") for name in cls.names()})
+
+
+def limits_of(tenant: Tenant, settings: Settings) -> TenantLimits:
+    """The tenant's limits: the operator's values for it, the settings' for the rest."""
+    defaults = TenantLimits.defaults(settings)
+    overrides = {k: int(v) for k, v in (tenant.limits or {}).items() if k in defaults.names()}
+    return TenantLimits(**{**vars(defaults), **overrides})
+
+
+def limits_by_id(session: Session, settings: Settings) -> Callable[[str], TenantLimits]:
+    """``limits(tenant_id)``, reading each tenant once (for a scheduling pass)."""
+    known: dict[str, TenantLimits] = {}
+
+    def limits(tenant_id: str) -> TenantLimits:
+        if tenant_id not in known:
+            known[tenant_id] = limits_of(session.get_one(Tenant, tenant_id), settings)
+        return known[tenant_id]
+
+    return limits
+
+
+def get_tenant_by_name(session: Session, *, name: str) -> Tenant:
+    tenant = session.scalar(select(Tenant).where(Tenant.name == name))
+    if tenant is None:
+        raise NotFound(
+            f"no tenant {name!r}: tenants are created with their first key "
+            "(`skytrain keys create --tenant NAME`); `skytrain tenants list` shows them"
+        )
+    return tenant
+
+
+def set_limits(
+    session: Session, *, tenant_name: str, values: dict[str, int], reset: list[str]
+) -> Tenant:
+    """Set the tenant's own ``values`` and return the ``reset`` ones to their defaults."""
+    known = TenantLimits.names()
+    for name in [*values, *reset]:
+        if name not in known:
+            raise InvalidRequest(f"unknown limit {name!r}: the limits are {', '.join(known)}")
+    for name, value in values.items():
+        if value < 0 or (value == 0 and name in _REQUEST_LIMITS):
+            raise InvalidRequest(f"{name} must be a positive number, not {value}")
+    tenant = get_tenant_by_name(session, name=tenant_name)
+    limits: dict[str, Any] = {k: v for k, v in (tenant.limits or {}).items() if k not in reset}
+    tenant.limits = {**limits, **values}  # a new dict: JSON columns notice assignment only
+    session.commit()
+    return tenant
+
+
+def list_tenants(session: Session) -> list[tuple[Tenant, int]]:
+    """Every tenant with the number of models it owns, by name."""
+    owned = select(func.count(Model.id)).where(Model.tenant_id == Tenant.id).scalar_subquery()
+    return [
+        (tenant, int(count))
+        for tenant, count in session.execute(select(Tenant, owned).order_by(Tenant.name))
+    ]

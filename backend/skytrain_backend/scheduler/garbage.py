@@ -1,0 +1,149 @@
+"""Objects the database no longer refers to: removed, and retried until they are gone.
+
+- Deleted checkpoints: ``DELETE .../checkpoints`` marks the rows deleted first and removes the
+  files after; a row keeps its ``uri`` until its files are gone, so files the store failed
+  to delete are deleted again by the scheduler's next sweep (``purge_deleted_checkpoints``).
+- Everything else (``collect_garbage``): an object under a model that no row refers to, last
+  written before a grace period, is deleted. Such objects are what a crash leaves between
+  writing an object and committing its row (a checkpoint copied but never committed, a job's
+  input whose row never came, files staged by an attempt that is over), or what a failed
+  delete left. The grace period spares objects whose row is about to be committed. Uploaded
+  files (``tenants/{id}/files/``) have no rows and are kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, TrajectoryBatch
+from skytrain_backend.errors import StorageError
+from skytrain_backend.storage import ObjectStore, keys
+
+logger = logging.getLogger(__name__)
+
+
+def purge_deleted_checkpoints(
+    session: Session, *, store: ObjectStore, model_id: str | None = None
+) -> int:
+    """Delete the files of deleted checkpoints that still have some; how many were purged.
+
+    A checkpoint whose files the store fails to delete keeps its ``uri`` and is tried again
+    at the next call; the failure is logged for the operator, never shown to a tenant.
+    """
+    statement = (
+        select(Checkpoint, Model.tenant_id)
+        .join(Model, Model.id == Checkpoint.model_id)
+        .where(Checkpoint.deleted_at.is_not(None), Checkpoint.uri.is_not(None))
+        .order_by(Checkpoint.deleted_at)
+    )
+    if model_id is not None:
+        statement = statement.where(Checkpoint.model_id == model_id)
+    purged = 0
+    for checkpoint, tenant_id in session.execute(statement).all():
+        prefix = keys.checkpoint_prefix(
+            tenant_id=tenant_id, model_id=checkpoint.model_id, step=checkpoint.step
+        )
+        try:
+            store.delete_prefix(prefix)
+        except StorageError as exc:
+            logger.warning(
+                "could not delete the files of step %d of model %s (retried at the next sweep): %s",
+                checkpoint.step,
+                checkpoint.model_id,
+                exc.message,
+            )
+            continue
+        checkpoint.uri = None
+        session.commit()
+        purged += 1
+    session.rollback()
+    return purged
+
+
+@dataclass
+class _ModelRows:
+    """What the rows of one model refer to in the store."""
+
+    exists: bool
+    checkpoint_steps: set[str] = field(default_factory=set)
+    jobs: dict[str, tuple[str, int]] = field(default_factory=dict)  # id -> (status, attempts)
+    batches: set[str] = field(default_factory=set)
+
+
+def collect_garbage(session: Session, *, store: ObjectStore, written_before: datetime) -> int:
+    """Delete the objects under models that no row refers to and that were last written
+    before ``written_before``; how many were deleted."""
+    known: dict[tuple[str, str], _ModelRows] = {}
+    deleted = 0
+    for info in store.list("tenants/"):
+        if info.modified >= written_before:
+            continue
+        parts = info.key.split("/")
+        # tenants/{tenant}/models/{model}/...: other layouts (uploaded files) are kept.
+        if len(parts) < 6 or parts[2] != "models":
+            continue
+        tenant_id, model_id, rest = parts[1], parts[3], parts[4:]
+        if (tenant_id, model_id) not in known:
+            known[tenant_id, model_id] = _model_rows(
+                session, tenant_id=tenant_id, model_id=model_id
+            )
+        if _referenced(known[tenant_id, model_id], rest):
+            continue
+        try:
+            store.delete(info.key)
+        except StorageError as exc:
+            logger.warning("could not delete unreferenced object %s: %s", info.key, exc.message)
+            continue
+        deleted += 1
+    session.rollback()
+    if deleted:
+        logger.info("deleted %d objects no row referred to", deleted)
+    return deleted
+
+
+def _model_rows(session: Session, *, tenant_id: str, model_id: str) -> _ModelRows:
+    found = session.scalar(
+        select(Model.id).where(Model.id == model_id, Model.tenant_id == tenant_id)
+    )
+    if found is None:
+        return _ModelRows(exists=False)
+    steps = session.scalars(
+        select(Checkpoint.step).where(Checkpoint.model_id == model_id, Checkpoint.uri.is_not(None))
+    )
+    jobs = session.execute(
+        select(TrainingJob.id, TrainingJob.status, TrainingJob.attempts).where(
+            TrainingJob.model_id == model_id
+        )
+    )
+    batches = session.scalars(
+        select(TrajectoryBatch.id).where(TrajectoryBatch.model_id == model_id)
+    )
+    return _ModelRows(
+        exists=True,
+        checkpoint_steps={str(step) for step in steps},
+        jobs={job_id: (status, attempts) for job_id, status, attempts in jobs},
+        batches=set(batches),
+    )
+
+
+def _referenced(rows: _ModelRows, rest: list[str]) -> bool:
+    """Whether a row refers to the object at ``models/{id}/`` + ``rest``."""
+    if not rows.exists:
+        return False
+    kind = rest[0]
+    if kind == "checkpoints":
+        return rest[1] in rows.checkpoint_steps
+    if kind == "logs":
+        return rest[1].removesuffix(".jsonl") in rows.batches
+    if kind == "jobs" and rest[1] in rows.jobs:
+        if len(rest) == 3:
+            return True  # the job's input
+        status, attempts = rows.jobs[rest[1]]
+        # Files staged by an attempt: only the attempt that runs now still needs them.
+        return rest[2] == "attempts" and status == "running" and rest[3] == str(attempts)
+    return kind not in ("checkpoints", "logs", "jobs")  # a layout of the future: kept

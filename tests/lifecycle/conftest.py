@@ -1,0 +1,192 @@
+"""A control plane on a local object directory that tests can make fail.
+
+- ``lifecycle_settings`` (session; SQLite, and PostgreSQL under the ``postgres`` marker): a
+  local object store, provider ``none``, and a scheduler that sweeps every half second.
+- ``lifecycle_url``: that control plane under uvicorn; ``lifecycle_db`` and
+  ``lifecycle_store`` to check rows and objects.
+- ``who()``: a new tenant with a key and an HTTP client, whose models get a base model of
+  the test's own (the running scheduler places models on any ready worker of their base).
+- ``worker_client(...)``: a worker row (placed models, a token) and an HTTP client that
+  calls the worker routes as the worker agent does.
+- ``undeletable(directory)``: entries of a real directory of the store cannot be removed,
+  even by root (the immutable attribute as root, no write permission otherwise): the store
+  fails for real.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.app import create_app
+from skytrain_backend.config import Settings
+from skytrain_backend.db import keys, migrations
+from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.models import Model
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.storage import LocalObjectStore
+from tests.gateway.conftest import serve_in_thread
+
+SWEEP_INTERVAL_S = 0.5
+
+
+@pytest.fixture(
+    scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def lifecycle_settings(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Settings:
+    home = tmp_path_factory.mktemp(f"lifecycle-{request.param}")
+    database_url = (
+        request.getfixturevalue("make_postgres_url")()
+        if request.param == "postgres"
+        else f"sqlite:///{home / 'skytrain.db'}"
+    )
+    settings = Settings(
+        home=home,
+        database_url=database_url,
+        provider="none",
+        sweep_interval_s=SWEEP_INTERVAL_S,
+    )
+    migrations.upgrade_url(settings.resolved_database_url)
+    return settings
+
+
+@pytest.fixture(scope="session")
+def lifecycle_url(lifecycle_settings: Settings) -> Iterator[str]:
+    with serve_in_thread(create_app(lifecycle_settings)) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def lifecycle_db(lifecycle_settings: Settings) -> Iterator[sessionmaker[Session]]:
+    engine = create_db_engine(lifecycle_settings.resolved_database_url)
+    yield session_factory(engine)
+    engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def lifecycle_store(lifecycle_settings: Settings) -> LocalObjectStore:
+    return LocalObjectStore(lifecycle_settings.home / "objects")
+
+
+def new_base_model() -> str:
+    """A base model name of one test's own: the running scheduler places that test's models
+    only on that test's workers."""
+    return f"tests/base-{uuid.uuid4().hex[:8]}"
+
+
+@dataclass
+class Who:
+    name: str
+    tenant_id: str
+    http: httpx.Client
+    base_model: str
+
+    def create_model(self, **extra: Any) -> dict[str, Any]:
+        response = self.post_model(**extra)
+        assert response.status_code == 201, response.text
+        return dict(response.json())
+
+    def post_model(self, **extra: Any) -> httpx.Response:
+        return self.http.post(
+            "/v1/models",
+            json={
+                "project": "lifecycle",
+                "name": f"m-{uuid.uuid4().hex[:8]}",
+                "base_model": self.base_model,
+                **extra,
+            },
+        )
+
+
+@pytest.fixture
+def who(lifecycle_url: str, lifecycle_db: sessionmaker[Session]) -> Iterator[Callable[[], Who]]:
+    """``who()``: a new tenant with its own key and HTTP client."""
+    clients: list[httpx.Client] = []
+
+    def make(base_model: str | None = None) -> Who:
+        name = f"t-{uuid.uuid4().hex[:10]}"
+        with lifecycle_db() as session:
+            row, key = keys.create_key(session, tenant_name=name)
+        http = httpx.Client(
+            base_url=lifecycle_url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+        )
+        clients.append(http)
+        return Who(
+            name=name,
+            tenant_id=row.tenant_id,
+            http=http,
+            base_model=base_model or new_base_model(),
+        )
+
+    yield make
+    for http in clients:
+        http.close()
+
+
+@dataclass
+class WorkerClient:
+    worker_id: str
+    http: httpx.Client
+
+
+@pytest.fixture
+def worker_client(
+    lifecycle_url: str, lifecycle_db: sessionmaker[Session]
+) -> Iterator[Callable[..., WorkerClient]]:
+    """``worker_client(*model_ids, base_model=, max_models=8)``: a ready worker row holding
+    those models, and a client with its token (what a registered worker agent has)."""
+    clients: list[httpx.Client] = []
+
+    def make(*model_ids: str, base_model: str | None = None, max_models: int = 8) -> WorkerClient:
+        with lifecycle_db() as session:
+            models = [session.get_one(Model, model_id) for model_id in model_ids]
+            worker, token = worker_rows.create_worker(
+                session,
+                provider="manual",
+                base_model=base_model or models[0].base_model,
+                max_models=max_models,
+                status="ready",
+            )
+            for model in models:
+                model.worker_id = worker.id
+            session.commit()
+            worker_id = worker.id
+        http = httpx.Client(
+            base_url=f"{lifecycle_url}/v1/worker",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60,
+        )
+        clients.append(http)
+        return WorkerClient(worker_id=worker_id, http=http)
+
+    yield make
+    for http in clients:
+        http.close()
+
+
+@contextmanager
+def undeletable(directory: Path) -> Iterator[None]:
+    """Nothing in ``directory`` can be removed (or added) until the block ends."""
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "+i", str(directory)], check=True)
+    else:
+        directory.chmod(0o555)
+    try:
+        yield
+    finally:
+        if os.geteuid() == 0:
+            subprocess.run(["chattr", "-i", str(directory)], check=True)
+        else:
+            directory.chmod(0o755)
