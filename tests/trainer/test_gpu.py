@@ -38,12 +38,14 @@ def test_cuda_training_step_in_bf16_saves_a_loadable_checkpoint(
             ]
         }
     )
-    agreement = trainer.logprob_agreement([group])
-    print(f"sampler/learner agreement on CUDA (bf16): {agreement}")
-    assert agreement["max_abs_diff"] < 0.1  # bf16 kernels with and without a KV cache
+    plan = trainer.prepare_rl([group], RLTrainConfig(learning_rate=1e-2))
+    print(f"sampler/learner agreement on CUDA (bf16): {plan.summary}")
+    # bf16 kernels with and without a KV cache
+    assert plan.summary["logprob_agreement/max_abs_diff"] < 0.1
+    assert plan.warning is None
 
     before = [p.detach().clone() for p in policy.trainable_parameters()]
-    steps = list(trainer.train_rl([group], RLTrainConfig(learning_rate=1e-2)))
+    steps = list(trainer.run(plan))
     assert steps and all(torch.isfinite(torch.tensor(m["loss/policy"])) for m in steps)
     after = policy.trainable_parameters()
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
