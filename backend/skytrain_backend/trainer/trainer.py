@@ -108,6 +108,7 @@ class SFTPlan:
     learning_rates: list[float]
     summary: Metrics
     base_step: int
+    # SFT has no sampler to compare with; the field lets the worker treat both plans alike.
     warning: str | None = None
     started: bool = field(default=False, repr=False)
 
