@@ -4,10 +4,11 @@ The batch: --groups groups of --group-size trajectories, each a shared prompt of
 --prompt-tokens tokens and a "sampled" completion of --completion-tokens token ids (random ids
 with finite logprobs: the values do not change the cost).
 
-- GRPO step: ``Trainer.train_rl`` (tokenize + pack, timed apart) and iterating the run: one
-  forward per packed row (shared prompts stored once, 4D mask), logprobs only at trained
-  tokens (chunked over the vocabulary), clipped loss, backward, AdamW step. Grad accumulation
-  over all rows, so it is one optimizer step like the baseline.
+- GRPO step: ``Trainer.prepare_rl`` (tokenize, pack, and the no-gradient pass that reads the
+  policy's logprobs of the sampled tokens; timed apart) and ``Trainer.run``: one forward per
+  packed row (shared prompts stored once, 4D mask), logprobs only at trained tokens (chunked
+  over the vocabulary), clipped loss, backward, AdamW step. A job is one optimizer step by
+  default, like the baseline.
 - Plain forward+backward: the same peft model on the same sequences, unpacked and right-padded
   in micro-batches of --micro-batch, the usual ``model(input_ids, labels=...)`` causal-LM loss
   (full logits at every position), backward, one AdamW step.
@@ -74,12 +75,12 @@ def _groups(args: argparse.Namespace, vocab_size: int, tokenizer: object) -> lis
 def _grpo_step(
     trainer: Trainer, groups: list[TrajectoryGroup]
 ) -> tuple[float, float, dict[str, float]]:
-    config = RLTrainConfig(learning_rate=1e-6, grad_accumulation_sequences=10_000)
+    config = RLTrainConfig(learning_rate=1e-6)
     start = time.perf_counter()
-    run = trainer.train_rl(groups, config)
+    plan = trainer.prepare_rl(groups, config)
     prepared = time.perf_counter()
-    list(run)
-    return prepared - start, time.perf_counter() - prepared, run.summary
+    list(trainer.run(plan))
+    return prepared - start, time.perf_counter() - prepared, plan.summary
 
 
 def _plain_step(trainer: Trainer, sequences: list[list[int]], micro_batch: int) -> float:
@@ -148,7 +149,7 @@ def main() -> None:
     )
     print(
         f"GRPO step:              {grpo_best:7.2f} s  {grpo_rate:8.1f} sequence tokens/s "
-        f"(tokenize + pack {prepare_s:.2f} s)"
+        f"(of which prepare_rl: tokenize, pack, logprob pass {prepare_s:.2f} s)"
     )
     print(f"plain forward+backward: {plain_best:7.2f} s  {plain_rate:8.1f} sequence tokens/s")
     print(f"ratio GRPO / plain: {grpo_rate / plain_rate:.2f}")

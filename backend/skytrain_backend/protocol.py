@@ -120,12 +120,21 @@ class ChoiceLogprobs(_Lenient):
 
 
 class Choice(_Lenient):
-    """An assistant turn sampled from a skytrain endpoint (an OpenAI ``Choice``)."""
+    """An assistant turn sampled from a skytrain endpoint (an OpenAI ``Choice``).
+
+    Besides the sampled tokens' ids and logprobs (``logprobs.content``, vLLM's
+    ``return_tokens_as_token_ids``), a choice from skytrain carries vLLM's
+    ``return_token_ids`` fields: ``prompt_token_ids``, the exact prompt the engine sampled
+    after (the gateway copies it from the response onto every choice, where ART reads it too),
+    and ``token_ids``, the sampled ids. The trainer trains each turn on exactly these.
+    """
 
     index: int = 0
     finish_reason: str | None = None
     message: Message
     logprobs: ChoiceLogprobs | None = None
+    prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    token_ids: list[Annotated[int, Field(ge=0)]] | None = None
 
     @field_validator("message")
     @classmethod
@@ -134,8 +143,14 @@ class Choice(_Lenient):
             raise ValueError("a choice's message must have role 'assistant'")
         return message
 
-    def sampled_token_ids(self) -> list[int] | None:
-        """Ids of the sampled tokens, or None unless every token carries ``token_id:<id>``."""
+    @field_validator("prompt_token_ids")
+    @classmethod
+    def _non_empty_prompt(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and not ids:
+            raise ValueError("prompt_token_ids is empty: leave it out or send the prompt's ids")
+        return ids
+
+    def logprob_token_ids(self) -> list[int] | None:
         content = self.logprobs.content if self.logprobs else None
         if not content:
             return None
@@ -147,9 +162,18 @@ class Choice(_Lenient):
             ids.append(int(match.group(1)))
         return ids
 
+    def sampled_token_ids(self) -> list[int] | None:
+        """Ids of the sampled tokens: from ``logprobs`` (every token ``token_id:<id>``), else
+        ``token_ids``; None when neither says them."""
+        ids = self.logprob_token_ids()
+        return ids if ids is not None else self.token_ids or None
+
     def sampled_logprobs(self) -> list[float] | None:
-        content = self.logprobs.content if self.logprobs else None
-        return [entry["logprob"] for entry in content] if content else None
+        """The engine's logprob of each sampled token, when ``logprobs`` has them all."""
+        if self.logprob_token_ids() is None:
+            return None
+        assert self.logprobs is not None and self.logprobs.content is not None
+        return [entry["logprob"] for entry in self.logprobs.content]
 
 
 def _message_or_choice(value: Any) -> str:
@@ -270,19 +294,25 @@ def count_trainable_turns(
                     trainable_turns += item.role == "assistant" and allow_training_without_logprobs
                     continue
                 trainable_turns += 1
+                choice = f"{where}: the choice at messages_and_choices[{m}]"
+                listed = item.logprob_token_ids()
+                if listed is not None and item.token_ids and listed != item.token_ids:
+                    raise InvalidRequest(
+                        f"{choice} has token_ids that differ from the ids in its logprobs: "
+                        "send the choice as the model's endpoint returned it"
+                    )
                 if allow_training_without_logprobs:
                     continue
-                if item.sampled_token_ids() is None:
+                logprobs = item.sampled_logprobs()
+                if logprobs is None:
                     raise InvalidRequest(
-                        f"{where}: the choice at messages_and_choices[{m}] has no logprobs "
-                        "with token ids: sample it through the model's skytrain endpoint "
-                        "(which returns them) or pass allow_training_without_logprobs=True"
+                        f"{choice} has no logprobs with token ids: sample it through the "
+                        "model's skytrain endpoint (which returns them) or pass "
+                        "allow_training_without_logprobs=True"
                     )
-                logprobs = item.sampled_logprobs() or []
                 if any(not math.isfinite(value) for value in logprobs):
                     raise InvalidRequest(
-                        f"{where}: the choice at messages_and_choices[{m}] has NaN or "
-                        "infinite logprobs: resample it, or pass "
+                        f"{choice} has NaN or infinite logprobs: resample it, or pass "
                         "allow_training_without_logprobs=True to recompute them"
                     )
     return trainable_turns
@@ -334,11 +364,21 @@ class ModelConfig(BaseModel):
 
 
 LossFn = Literal["ppo", "cispo"]
-ImportanceSamplingLevel = Literal["token", "sequence"]
+ImportanceSamplingLevel = Literal["token", "sequence", "average", "geometric_average"]
+
+# ART's clip defaults per loss: PPO clips the ratio to [0.8, 1.2]; CISPO's importance weight is
+# clipped to [0, 5] (epsilon 1.0, epsilon_high 4.0).
+DEFAULT_EPSILON: dict[str, tuple[float, float | None]] = {"ppo": (0.2, None), "cispo": (1.0, 4.0)}
 
 
 class RLTrainConfig(BaseModel):
-    """Options of one GRPO training job (ART's ``experimental_config`` keys, where supported).
+    """Options of one GRPO training job: skytrain's names, and ART's ``experimental_config``
+    keys with ART's meaning (``from_experimental``).
+
+    One job is ``num_gradient_steps`` optimizer steps over whole groups (one by default): the
+    groups with a reward signal are shuffled (seeded by ``seed`` and the model's step) and
+    split into that many near-equal parts, at most one group per step. How rows are packed
+    never changes the number of steps or what each step trains on.
 
     Every float must be finite: an infinite epsilon or max_grad_norm is not a setting.
     """
@@ -347,39 +387,85 @@ class RLTrainConfig(BaseModel):
 
     learning_rate: float = Field(default=5e-6, gt=0, allow_inf_nan=False)
     loss_fn: LossFn = "ppo"
-    epsilon: float = Field(default=0.2, gt=0)
+    # None: ART's default for the loss (DEFAULT_EPSILON); epsilon_high None under PPO: epsilon.
+    epsilon: float | None = Field(default=None, gt=0)
     epsilon_high: float | None = Field(default=None, gt=0)
     importance_sampling_level: ImportanceSamplingLevel = "token"
+    # ART: > 0 scales negative advantages by (1 - b), < 0 positive ones by (1 + b).
+    advantage_balance: float = Field(default=0.0, ge=-1.0, le=1.0, allow_inf_nan=False)
+    # ART: the importance ratio is capped at this value (None or 0: no cap).
+    max_negative_advantage_importance_sampling_weight: float | None = Field(
+        default=None, ge=0, le=1e6, allow_inf_nan=False
+    )
+    # ART: tokens whose ratio lies outside (1 - epsilon, 1 + epsilon_high) get ratio 0.
+    mask_prob_ratio: bool = False
+    # ART (Kimi K2): each token's advantage minus tau * log(pi / pi_old) (None or 0: off).
+    kimi_k2_tau: float | None = Field(default=None, ge=0, le=1e3, allow_inf_nan=False)
+    # ART: old logprobs are the trainer's own, computed before the first step, not the
+    # sampler's (missing sampling logprobs are computed that way in any case).
+    precalculate_logprobs: bool = False
     kl_penalty_coef: float = Field(default=0.0, ge=0)
     scale_rewards: bool = True
     allow_training_without_logprobs: bool = False
     logprob_calculation_chunk_size: int = Field(default=1024, ge=1, le=MAX_SEQUENCE_LENGTH)
     packed_sequence_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)
-    grad_accumulation_sequences: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    num_gradient_steps: int = Field(default=1, ge=1, le=10_000)
     max_grad_norm: float = Field(default=1.0, gt=0)
     weight_decay: float = Field(default=0.0, ge=0)
     seed: Seed = 0
 
     # ART keys that skytrain accepts and has no use for (they change no result).
-    IGNORED_KEYS: ClassVar[frozenset[str]] = frozenset({"plot_tensors", "precalculate_logprobs"})
+    IGNORED_KEYS: ClassVar[frozenset[str]] = frozenset({"plot_tensors"})
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data: Any) -> Any:
+        # Jobs queued before the step rule changed stored this key as null.
+        if isinstance(data, dict) and "grad_accumulation_sequences" in data:
+            data = dict(data)
+            if data.pop("grad_accumulation_sequences") is not None:
+                raise ValueError(
+                    "grad_accumulation_sequences is gone: a job's optimizer steps no longer "
+                    "depend on packing; set num_gradient_steps (steps over whole groups) instead"
+                )
+        return data
+
+    def clip_range(self) -> tuple[float, float]:
+        """(epsilon, epsilon_high) with ART's defaults for the loss filled in."""
+        default_low, default_high = DEFAULT_EPSILON[self.loss_fn]
+        epsilon = default_low if self.epsilon is None else self.epsilon
+        epsilon_high = self.epsilon_high
+        if epsilon_high is None:
+            epsilon_high = epsilon if default_high is None else default_high
+        return epsilon, epsilon_high
 
     @classmethod
     def from_experimental(cls, raw: dict[str, Any] | None) -> RLTrainConfig:
-        """Build from ART's ``experimental_config``: null means default, unknown keys refused."""
+        """Build from ART's ``experimental_config``: null means ART's default, ``ppo`` picks
+        the loss (false: CISPO), unknown keys are refused naming the known ones."""
         raw = {k: v for k, v in (raw or {}).items() if v is not None}
         if "ppo" in raw:
-            raw.setdefault("loss_fn", "ppo" if raw.pop("ppo") else "cispo")
+            ppo = raw.pop("ppo")
+            if not isinstance(ppo, bool):
+                raise InvalidRequest(f"experimental_config.ppo must be true or false, not {ppo!r}")
+            loss_fn = "ppo" if ppo else "cispo"
+            if raw.setdefault("loss_fn", loss_fn) != loss_fn:
+                raise InvalidRequest(
+                    f"experimental_config has ppo={ppo} and loss_fn={raw['loss_fn']!r}, which "
+                    "disagree: send one of them"
+                )
         if "normalize_advantages" in raw:
             raw["scale_rewards"] = bool(raw.pop("normalize_advantages")) and bool(
                 raw.get("scale_rewards", True)
             )
         for key in cls.IGNORED_KEYS:
             raw.pop(key, None)
+        known = set(cls.model_fields) | {"ppo", "normalize_advantages"} | cls.IGNORED_KEYS
         unknown = sorted(set(raw) - set(cls.model_fields))
         if unknown:
-            allowed = ", ".join(sorted(cls.model_fields))
             raise InvalidRequest(
-                f"experimental_config has unsupported keys {unknown}; skytrain supports: {allowed}"
+                f"experimental_config has unsupported keys {unknown}; skytrain supports: "
+                + ", ".join(sorted(known))
             )
         try:
             return cls.model_validate(raw)

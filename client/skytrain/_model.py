@@ -12,6 +12,7 @@ import asyncio
 import os
 import shutil
 import tempfile
+import warnings
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -229,7 +230,9 @@ class TrainableModel(Model):
         step and its metrics (the trainer's, averaged over gradient steps, with
         ``train/reward``, the mean reward trained on); ``TrainingFailedError`` carries the server's reason when the
         job fails. ``timeout`` (seconds, ``None`` for no limit) bounds the whole wait; the job
-        keeps running on the server if the wait ends.
+        keeps running on the server if the wait ends. A ``RuntimeWarning`` says when the job
+        found its trainer's logprobs of the sampled tokens far from the engine's (the job's
+        ``logprob_agreement/*`` metrics say by how much).
         """
         backend, model_id = self._registered()
         groups = list(groups)
@@ -296,6 +299,13 @@ class TrainableModel(Model):
                         step_metrics.clear()  # a retried attempt starts over
                         if bar is not None:
                             bar.reset(total=data.get("num_gradient_steps"))
+                        if data.get("warning"):
+                            # The trainer's logprobs are far from the sampler's: say so.
+                            warnings.warn(
+                                f"training job {job_id}: {data['warning']}",
+                                RuntimeWarning,
+                                stacklevel=2,
+                            )
                     elif kind == "gradient_step":
                         metrics = _numeric(data)
                         for key, value in metrics.items():

@@ -40,19 +40,33 @@ class ModelConfig(_SentConfig):
 
 
 class TrainConfig(_SentConfig):
-    """Options of one GRPO training job (``model.train``)."""
+    """Options of one GRPO training job (``model.train``); ART's options keep ART's meaning.
+
+    A job is ``num_gradient_steps`` optimizer steps over whole groups (one when unset).
+    ``epsilon`` / ``epsilon_high`` default to ART's for the loss: PPO clips the ratio to
+    [0.8, 1.2], CISPO's importance weight to [0, 5].
+    """
 
     learning_rate: float | None = Field(default=None, gt=0)
     loss_fn: Literal["ppo", "cispo"] | None = None
     epsilon: float | None = Field(default=None, gt=0)
     epsilon_high: float | None = Field(default=None, gt=0)
-    importance_sampling_level: Literal["token", "sequence"] | None = None
+    importance_sampling_level: (
+        Literal["token", "sequence", "average", "geometric_average"] | None
+    ) = None
+    advantage_balance: float | None = Field(default=None, ge=-1.0, le=1.0)
+    max_negative_advantage_importance_sampling_weight: float | None = Field(
+        default=None, ge=0, le=1e6
+    )
+    mask_prob_ratio: bool | None = None
+    kimi_k2_tau: float | None = Field(default=None, ge=0, le=1e3)
+    precalculate_logprobs: bool | None = None
     kl_penalty_coef: float | None = Field(default=None, ge=0)
     scale_rewards: bool | None = None
     allow_training_without_logprobs: bool | None = None
     logprob_calculation_chunk_size: int | None = Field(default=None, ge=1, le=MAX_SEQUENCE_LENGTH)
     packed_sequence_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)
-    grad_accumulation_sequences: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    num_gradient_steps: int | None = Field(default=None, ge=1, le=10_000)
     max_grad_norm: float | None = Field(default=None, gt=0)
     weight_decay: float | None = Field(default=None, ge=0)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)

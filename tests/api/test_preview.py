@@ -17,10 +17,19 @@ from openai.pagination import SyncCursorPage
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import jobs
+from skytrain_backend.protocol import RLTrainConfig
 from skytrain_backend.storage import ObjectStore
 from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint, group, sft_trajectory
-from tests.fixtures.art import ArtCheckpoint, ArtDeleted, ArtEvent, ArtJob, ArtModel
+from tests.fixtures.art import (
+    ART_EVERY_OPTION,
+    ArtCheckpoint,
+    ArtDeleted,
+    ArtEvent,
+    ArtJob,
+    ArtModel,
+    art_train_request,
+)
 from tests.fixtures.services import ControlPlane
 
 
@@ -145,3 +154,47 @@ def test_art_sft_job_from_an_uploaded_file(art: OpenAI, caller: Caller) -> None:
         },
     )
     assert caller.http.get(f"/v1/training-jobs/{job.id}").json()["kind"] == "sft"
+
+
+def test_arts_train_request_is_accepted_with_its_defaults_and_every_option(
+    art: OpenAI, caller: Caller
+) -> None:
+    """ART always sends every key of its experimental_config; each keeps ART's meaning."""
+    model_id = caller.create_model()["id"]
+    groups = [group(1.0, 0.0)]
+
+    default = art.post(
+        "/preview/training-jobs", cast_to=ArtJob, body=art_train_request(model_id, groups)
+    )
+    config = RLTrainConfig.model_validate(
+        caller.http.get(f"/v1/training-jobs/{default.id}").json()["config"]
+    )
+    # ppo=False is ART's CISPO, its weight clipped to [0, 5] (ART's epsilon 1.0, high 4.0).
+    assert (config.loss_fn, config.clip_range()) == ("cispo", (1.0, 4.0))
+    assert config == RLTrainConfig(loss_fn="cispo")
+
+    every = art.post(
+        "/preview/training-jobs",
+        cast_to=ArtJob,
+        body=art_train_request(model_id, groups, **ART_EVERY_OPTION),
+    )
+    config = RLTrainConfig.model_validate(
+        caller.http.get(f"/v1/training-jobs/{every.id}").json()["config"]
+    )
+    expected = {key: value for key, value in ART_EVERY_OPTION.items() if key != "ppo"}
+    assert config.model_dump(include=set(expected)) == expected
+    assert (config.loss_fn, config.clip_range()) == ("ppo", (0.1, 0.3))
+    ppo_defaults = RLTrainConfig.from_experimental(
+        art_train_request(model_id, groups, ppo=True)["experimental_config"]
+    )
+    assert ppo_defaults.clip_range() == (0.2, 0.2)
+
+
+def test_unknown_art_options_are_refused_naming_the_known_ones(art: OpenAI, caller: Caller) -> None:
+    body = art_train_request(caller.create_model()["id"], [group(1.0, 0.0)])
+    body["experimental_config"]["truncated_importance_sampling"] = 2.0
+    response = caller.http.post("/v1/preview/training-jobs", json=body)
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert "unsupported keys ['truncated_importance_sampling']" in message
+    assert "advantage_balance" in message and "kimi_k2_tau" in message

@@ -51,11 +51,11 @@ def test_experimental_config_is_translated_and_unknown_keys_refused(caller: Call
         json={
             "model_id": model_id,
             "trajectory_groups": [group()],
-            "experimental_config": {"kimi_k2_tau": 0.1},
+            "experimental_config": {"kl_ref_adapter_path": "/tmp/adapter"},
         },
     )
     assert refused.status_code == 400
-    assert "kimi_k2_tau" in refused.json()["error"]["message"]
+    assert "kl_ref_adapter_path" in refused.json()["error"]["message"]
 
 
 def test_jobs_list_by_model_and_status(caller: Caller) -> None:

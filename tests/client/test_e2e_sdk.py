@@ -29,7 +29,14 @@ from openai.types.chat import ChatCompletionMessageParam
 from openai.types.chat.chat_completion import Choice
 
 import skytrain
-from tests.fixtures.art import ArtCheckpoint, ArtDeleted, ArtEvent, ArtJob, ArtModel
+from tests.fixtures.art import (
+    ArtCheckpoint,
+    ArtDeleted,
+    ArtEvent,
+    ArtJob,
+    ArtModel,
+    art_train_request,
+)
 from tests.fixtures.service import Service, start_service, stop_service
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.s3]
@@ -374,6 +381,10 @@ async def test_train_returns_the_new_step_and_the_endpoint_serves_it(
     assert num_steps >= 1
     for key in ("loss/policy", "grad_norm", "time/training_s"):
         assert key in result.metrics, sorted(result.metrics)
+    # Measured by the worker before its first update: the trainer saw what the engine saw.
+    assert result.metrics["logprob_agreement/max_abs_diff"] < 1e-4
+    assert result.metrics["logprob_agreement/num_tokens"] > 0
+    assert result.metrics["tokens/without_sampling_logprob"] == 0
     final = terminal_lines(capsys.readouterr().err)[-1]
     assert final.startswith("train: 100%") and f"{num_steps}/{num_steps}" in final, final
     assert "loss/policy=" in final, final
@@ -530,22 +541,6 @@ async def test_a_prompted_model_samples_from_any_openai_endpoint(
 # --- ART's ServerlessBackend protocol -------------------------------------------------------
 
 
-# Every key of ART's ExperimentalTrainingConfig that its ServerlessBackend sends by default.
-ART_EXPERIMENTAL_CONFIG: dict[str, Any] = {
-    "advantage_balance": None,
-    "epsilon": None,
-    "epsilon_high": None,
-    "importance_sampling_level": None,
-    "kimi_k2_tau": None,
-    "learning_rate": 5e-3,
-    "mask_prob_ratio": None,
-    "max_negative_advantage_importance_sampling_weight": None,
-    "ppo": None,
-    "precalculate_logprobs": None,
-    "scale_rewards": None,
-}
-
-
 async def _art_checkpoints(
     client: AsyncOpenAI, model_id: str, **params: Any
 ) -> list[ArtCheckpoint]:
@@ -651,17 +646,16 @@ async def test_art_serverless_client_flow_against_the_preview_routes(
         job = await art.post(
             "/preview/training-jobs",
             cast_to=ArtJob,
-            body={
-                "model_id": model.id,
-                "trajectory_groups": groups,
-                "experimental_config": ART_EXPERIMENTAL_CONFIG,
-            },
+            # What ServerlessBackend.train(model, groups, learning_rate=5e-3) sends.
+            body=art_train_request(model.id, groups, learning_rate=5e-3),
         )
         events = await _art_events(art, job.id)
         types = [event.type for event in events]
         assert types[0] == "training_started" and types[-1] == "training_ended", types
         # ART sizes its progress bar with num_sequences: one gradient_step event each.
         assert types.count("gradient_step") == events[0].data["num_sequences"] >= 1
+        assert events[0].data["logprob_agreement/max_abs_diff"] < 1e-4
+        assert "warning" not in events[0].data
         assert events[-1].data["step"] == 1
 
         choices, served = await sample(1, PROMPTS[0], n=1)

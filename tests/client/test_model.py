@@ -286,6 +286,24 @@ def cursors(proxy: FaultProxy, job_id: str) -> list[str | None]:
     return [c for i, c in enumerate(seen) if i == 0 or seen[i - 1] != c]
 
 
+async def test_train_warns_when_the_job_says_the_trainer_is_far_from_the_sampler(
+    proxy: FaultProxy,
+    backend: skytrain.Backend,
+    model: skytrain.TrainableModel,
+    db_sessions: sessionmaker[Session],
+) -> None:
+    training = asyncio.create_task(
+        model.train([sampled_group(0.0, 1.0)], poll_interval=0.01, progress=False)
+    )
+    job_id = await created_job(proxy, backend, training)
+    warning = "the trainer's logprobs of the sampled tokens differ from the sampler's by 0.5"
+    started = {"num_sequences": 1, "num_gradient_steps": 1, "attempt": 1, "warning": warning}
+    with pytest.warns(RuntimeWarning, match=f"training job {job_id}: the trainer's logprobs"):
+        add_events(db_sessions, job_id, ("training_started", started))
+        add_events(db_sessions, job_id, ("training_ended", {"step": 1}))
+        assert (await training).step == 1
+
+
 async def test_train_posts_groups_and_follows_events_to_the_result(
     proxy: FaultProxy,
     backend: skytrain.Backend,

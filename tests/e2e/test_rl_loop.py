@@ -216,8 +216,9 @@ def _process_alive(pid: int) -> bool:
 
 
 def _long_job(service: Service, http, model: dict) -> str:  # type: ignore[no-untyped-def]
-    """Queue a job long enough to stop a worker or the control plane in its middle (short
-    rows, an optimizer step for each: over a hundred steps); return once it trains."""
+    """Queue a job long enough to stop a worker or the control plane in its middle (one
+    group per optimizer step, each in short rows: 16 steps of about 8 rows); return once it
+    trains."""
     client = support.openai_client(service.url, service.key("alice"))
     groups = support.sample_groups(client, model["inference_name"], groups=16, n=8)
     response = http.post(
@@ -227,7 +228,7 @@ def _long_job(service: Service, http, model: dict) -> str:  # type: ignore[no-un
             "trajectory_groups": groups,
             "config": {
                 "learning_rate": LEARNING_RATE,
-                "grad_accumulation_sequences": 1,
+                "num_gradient_steps": 16,
                 "packed_sequence_length": 64,
             },
         },

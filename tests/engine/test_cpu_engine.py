@@ -434,3 +434,53 @@ def test_with_an_api_key_every_v1_route_needs_it(
         assert response.choices[0].message.content is not None
     finally:
         engine.process.stop()
+
+
+def test_return_token_ids_gives_the_prompt_and_sampled_ids_as_vllm_does(
+    tiny_engine: RunningEngine, tokenizer: Any
+) -> None:
+    prompt = tokenizer(
+        tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    ).input_ids
+    options = {"return_token_ids": True, "return_tokens_as_token_ids": True, **NO_EOS}
+    chat = tiny_engine.openai().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=5, n=2, logprobs=True, extra_body=options
+    )
+    assert chat.model_extra["prompt_token_ids"] == prompt  # type: ignore[index]
+    for choice in chat.choices:
+        assert choice.model_extra["token_ids"] == _ids(choice)  # type: ignore[index]
+
+    chunks = list(
+        tiny_engine.openai().chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            max_tokens=5,
+            logprobs=True,
+            stream=True,
+            seed=1,
+            extra_body=options,
+        )
+    )
+    assert chunks[0].model_extra["prompt_token_ids"] == prompt  # type: ignore[index]
+    assert all(chunk.model_extra.get("prompt_token_ids") is None for chunk in chunks[1:])  # type: ignore[union-attr]
+    streamed = [t for c in chunks for ch in c.choices for t in (ch.model_extra["token_ids"] or [])]  # type: ignore[index]
+    listed = [
+        int(e.token.split(":")[1])
+        for c in chunks
+        for ch in c.choices
+        for e in (ch.logprobs.content if ch.logprobs else [])
+    ]  # type: ignore[union-attr]
+    assert streamed == listed and len(streamed) == 5
+
+    completion = tiny_engine.openai().completions.create(
+        model="tiny", prompt="Once upon", max_tokens=3, n=2, extra_body=options
+    )
+    for choice in completion.choices:
+        assert choice.model_extra["prompt_token_ids"] == tokenizer("Once upon").input_ids  # type: ignore[index]
+        assert len(choice.model_extra["token_ids"]) == 3  # type: ignore[index]
+
+    plain = tiny_engine.openai().chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, extra_body=NO_EOS
+    )
+    assert plain.model_extra.get("prompt_token_ids") is None  # type: ignore[union-attr]

@@ -2,8 +2,9 @@
 
 The trainer's importance ratios divide the policy's probability of each sampled token by the
 engine's: if the two disagree, training is off from its first step. Choices sampled from the
-engine (SmolLM2, with and without a LoRA adapter) go to ``Trainer.logprob_agreement``, which
-re-tokenizes the conversations with the sampled token ids and recomputes every logprob.
+engine (SmolLM2, with and without a LoRA adapter) go to ``Trainer.prepare_rl``, which every
+training job runs: it trains each turn on the engine's prompt ids and sampled ids and measures
+its own logprob of every sampled token against the engine's before the first step.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from skytrain_backend.protocol import ModelConfig, TrajectoryGroup
+from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGroup
 from skytrain_backend.trainer import Trainer
 from tests.engine.conftest import RunningEngine
 
@@ -43,7 +44,7 @@ def _groups(engine: RunningEngine, model: str) -> list[TrajectoryGroup]:
             seed=7,
             max_tokens=24,
             logprobs=True,
-            extra_body={"return_tokens_as_token_ids": True},
+            extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
         )
         trajectories: list[dict[str, Any]] = [
             {"messages_and_choices": [*messages, choice.model_dump()], "reward": float(i)}
@@ -69,16 +70,24 @@ async def test_engine_logprobs_agree_with_the_trainer(
             await client.unload_lora("agreement")
 
     base = Trainer.load(str(smollm2_path), model_config=config, device="cpu")
-    base_agreement = base.logprob_agreement(base_groups)
+    base_agreement = base.prepare_rl(base_groups, RLTrainConfig()).summary
     del base
     trained = Trainer.load(
-        str(smollm2_path), model_config=config, adapter_dir=adapter, device="cpu"
+        str(smollm2_path),
+        model_config=config,
+        adapter_dir=adapter,
+        device="cpu",
+        fresh_optimizer=True,  # an adapter made with peft: no optimizer state to resume
     )
-    adapter_agreement = trained.logprob_agreement(adapter_groups)
-    print(f"\nengine vs trainer, base model: {base_agreement}")
-    print(f"engine vs trainer, LoRA adapter: {adapter_agreement}")
-    for agreement in (base_agreement, adapter_agreement):
-        assert agreement["num_tokens"] >= 6 * 3  # every choice contributed its tokens
-        assert agreement["max_abs_diff"] < MAX_ABS_DIFF
-    # The adapter changes the model: the base model's logprobs would not agree with its samples.
-    assert trained.logprob_agreement(base_groups)["max_abs_diff"] > 100 * MAX_ABS_DIFF
+    adapter_agreement = trained.prepare_rl(adapter_groups, RLTrainConfig()).summary
+    for name, agreement in (("base model", base_agreement), ("LoRA adapter", adapter_agreement)):
+        print(
+            f"\nengine vs trainer, {name}: max {agreement['logprob_agreement/max_abs_diff']:.2e}, "
+            f"mean {agreement['logprob_agreement/mean_abs_diff']:.2e}"
+        )
+        assert agreement["logprob_agreement/num_tokens"] >= 6 * 3  # every choice contributed
+        assert agreement["logprob_agreement/max_abs_diff"] < MAX_ABS_DIFF
+    # The adapter changes the model: the base model's samples disagree with it, and say so.
+    mismatched = trained.prepare_rl(base_groups, RLTrainConfig())
+    assert mismatched.summary["logprob_agreement/max_abs_diff"] > 100 * MAX_ABS_DIFF
+    assert mismatched.warning is not None

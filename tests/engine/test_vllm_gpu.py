@@ -209,7 +209,8 @@ async def test_on_one_gpu_vllm_sleeps_while_the_trainer_trains_then_serves_the_n
 
             trainer = Trainer.load(str(small_model_path), model_config=ModelConfig(lora_rank=8))
             assert trainer.policy.device.type == "cuda"
-            steps = list(trainer.train_rl([group], RLTrainConfig(learning_rate=1e-3)))
+            plan = trainer.prepare_rl([group], RLTrainConfig(learning_rate=1e-3))
+            steps = list(trainer.run(plan))
             assert steps
             trainer.save(tmp_path / "step1")
             held = torch.cuda.memory_allocated()

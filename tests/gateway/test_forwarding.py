@@ -65,6 +65,39 @@ def test_completion_always_carries_logprobs_with_token_ids(
     assert len(logprobs.token_logprobs) == len(logprobs.tokens) == 5
 
 
+def test_every_chat_choice_carries_the_engines_prompt_ids_for_training(
+    tenant: Callable[[], Tenant], engine_worker: str, engine: Engine
+) -> None:
+    """The gateway asks for vLLM's return_token_ids and copies the prompt ids, which vLLM
+    answers once per response, onto each choice: the object a client keeps in its trajectory."""
+    alice = tenant()
+    name = alice.create_model(worker_id=engine_worker)["inference_name"]
+    direct = engine.post(
+        "/v1/chat/completions",
+        {
+            "model": engine.served_name,
+            "messages": PROMPT,
+            "max_tokens": 1,
+            "return_token_ids": True,
+        },
+    ).json()
+
+    completion = alice.openai.chat.completions.create(
+        model=name, messages=PROMPT, max_tokens=5, n=2, seed=4
+    )
+    for choice in completion.choices:
+        assert choice.model_extra["prompt_token_ids"] == direct["prompt_token_ids"]  # type: ignore[index]
+        assert choice.model_extra["token_ids"] == _token_ids(choice.logprobs.content)  # type: ignore[index, union-attr]
+
+    chunks = list(
+        alice.openai.chat.completions.create(
+            model=name, messages=PROMPT, max_tokens=3, stream=True, seed=4
+        )
+    )
+    first = chunks[0].choices[0]
+    assert first.model_extra["prompt_token_ids"] == direct["prompt_token_ids"]  # type: ignore[index]
+
+
 def test_gateway_answers_exactly_what_the_engine_answers(
     tenant: Callable[[], Tenant], engine_worker: str, engine: Engine
 ) -> None:

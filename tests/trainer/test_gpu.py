@@ -41,12 +41,14 @@ def test_cuda_training_step_in_bf16_saves_a_loadable_checkpoint(
             ]
         }
     )
-    agreement = trainer.logprob_agreement([group])
-    print(f"sampler/learner agreement on CUDA (bf16): {agreement}")
-    assert agreement["max_abs_diff"] < 0.1  # bf16 kernels with and without a KV cache
+    plan = trainer.prepare_rl([group], RLTrainConfig(learning_rate=1e-2))
+    print(f"sampler/learner agreement on CUDA (bf16): {plan.summary}")
+    # bf16 kernels with and without a KV cache
+    assert plan.summary["logprob_agreement/max_abs_diff"] < 0.1
+    assert plan.warning is None
 
     before = [p.detach().clone() for p in policy.trainable_parameters()]
-    steps = list(trainer.train_rl([group], RLTrainConfig(learning_rate=1e-2)))
+    steps = list(trainer.run(plan))
     assert steps and all(torch.isfinite(torch.tensor(m["loss/policy"])) for m in steps)
     after = policy.trainable_parameters()
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
@@ -90,11 +92,10 @@ def test_a_step_past_the_gpus_real_limit_is_an_out_of_memory_error_and_frees_it(
     torch.cuda.set_per_process_memory_fraction(cap / total)
     try:
         long_group = _group(trainer, max_new_tokens=1024)
-        run = trainer.train_rl(
-            [long_group], RLTrainConfig(learning_rate=1e-3, logprob_calculation_chunk_size=4096)
-        )
-        with pytest.raises(OutOfMemory, match="out of memory while training step 1"):
-            list(run)
+        config = RLTrainConfig(learning_rate=1e-3, logprob_calculation_chunk_size=4096)
+        # The logprob pass before the first step (no gradient) or the step itself runs out.
+        with pytest.raises(OutOfMemory, match="out of memory while"):
+            list(trainer.run(trainer.prepare_rl([long_group], config)))
         held = torch.cuda.memory_allocated()
         trainer.release()
         assert torch.cuda.memory_allocated() < held
@@ -119,4 +120,5 @@ def _group(trainer: Trainer, *, max_new_tokens: int = 8) -> TrajectoryGroup:
 
 
 def _train_one_step(trainer: Trainer) -> None:
-    assert list(trainer.train_rl([_group(trainer)], RLTrainConfig(learning_rate=1e-2)))
+    plan = trainer.prepare_rl([_group(trainer)], RLTrainConfig(learning_rate=1e-2))
+    assert list(trainer.run(plan))

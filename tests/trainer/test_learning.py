@@ -1,4 +1,4 @@
-"""Repeated sample -> score -> train_rl steps raise the reward.
+"""Repeated sample -> score -> prepare_rl + run steps raise the reward.
 
 The tiny model is random: its next-token distribution is nearly uniform over 49k tokens, and a
 LoRA update only lifts the tokens it was trained on, so no reward on token identity can move it
@@ -98,9 +98,9 @@ def _grpo(
                     }
                 )
             )
-        run = trainer.train_rl(groups, config)
-        batch_rewards.append(run.summary["train/reward"])
-        list(run)
+        plan = trainer.prepare_rl(groups, config)
+        batch_rewards.append(plan.summary["train/reward"])
+        list(trainer.run(plan))
     return batch_rewards
 
 
@@ -150,7 +150,11 @@ def test_grpo_raises_the_reward_of_the_tiny_model(tiny_model_path: Path) -> None
         for k in range(64)
     ]
     list(
-        trainer.train_sft(warm_up, SFTTrainConfig(learning_rate=1e-2, batch_size=16, num_epochs=6))
+        trainer.run(
+            trainer.prepare_sft(
+                warm_up, SFTTrainConfig(learning_rate=1e-2, batch_size=16, num_epochs=6)
+            )
+        )
     )
 
     def in_alphabet(choice: dict[str, Any]) -> float:
@@ -197,8 +201,8 @@ def test_grpo_teaches_smollm2_the_rewarded_opening_word(smollm2_path: Path) -> N
         trainer,
         prompts,
         opens_with_the,
-        # Short rows: a few optimizer steps per batch (each row = prompt + 4 answers).
-        RLTrainConfig(learning_rate=1e-3, packed_sequence_length=48),
+        # Two optimizer steps per batch, one group each.
+        RLTrainConfig(learning_rate=1e-3, num_gradient_steps=2),
         iterations=3,
         group_size=8,
         max_new_tokens=3,

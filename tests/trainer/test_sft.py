@@ -34,12 +34,12 @@ def test_sft_lowers_the_loss_on_its_data_with_one_learning_rate_per_step(
     tiny_trainer = Trainer.load(str(tiny_model_path), model_config=model_config, device="cpu")
     trajectories = [_conversation(answer) for answer in ("Blue.", "Red.", "Green.", "Blue.")]
     learning_rates = [3e-2] * 3 + [1e-2] * 3
-    run = tiny_trainer.train_sft(
+    plan = tiny_trainer.prepare_sft(
         trajectories,
         SFTTrainConfig(learning_rate=learning_rates, batch_size=2, num_epochs=3),
     )
-    assert run.num_gradient_steps == 6
-    steps = list(run)
+    assert plan.num_gradient_steps == 6
+    steps = list(tiny_trainer.run(plan))
     assert [m["learning_rate"] for m in steps] == learning_rates
     # Every epoch sees the same data: the loss of the last epoch is well below the first.
     first_epoch = sum(m["loss"] for m in steps[:2]) / 2
@@ -50,8 +50,8 @@ def test_sft_lowers_the_loss_on_its_data_with_one_learning_rate_per_step(
 
 def test_sft_last_turn_only_trains_fewer_tokens(tiny_trainer: Trainer) -> None:
     trajectories = [_conversation("Blue.")]
-    every = tiny_trainer.train_sft(trajectories, SFTTrainConfig(assistant_turns="all"))
-    last = tiny_trainer.train_sft(trajectories, SFTTrainConfig(assistant_turns="last"))
+    every = tiny_trainer.prepare_sft(trajectories, SFTTrainConfig(assistant_turns="all"))
+    last = tiny_trainer.prepare_sft(trajectories, SFTTrainConfig(assistant_turns="last"))
     # "Let me think." + end-of-turn is 5 tokens; "Blue." + end-of-turn is 3.
     assert every.summary["tokens/trainable"] == 8
     assert last.summary["tokens/trainable"] == 3
@@ -59,7 +59,7 @@ def test_sft_last_turn_only_trains_fewer_tokens(tiny_trainer: Trainer) -> None:
 
 def test_sft_refuses_learning_rates_that_do_not_match_the_steps(tiny_trainer: Trainer) -> None:
     with pytest.raises(TrainingError, match="learning_rate has 2 values but the job has 3"):
-        tiny_trainer.train_sft(
+        tiny_trainer.prepare_sft(
             [_conversation("Blue.")] * 5,
             SFTTrainConfig(learning_rate=[1e-3, 1e-3], batch_size=2),
         )
@@ -76,13 +76,13 @@ def test_an_sft_run_of_many_epochs_holds_no_more_than_a_run_of_one(
     def prepared(epochs: int) -> tuple[int, int]:
         tracemalloc.start()
         try:
-            run = tiny_trainer.train_sft(
+            plan = tiny_trainer.prepare_sft(
                 trajectories, SFTTrainConfig(num_epochs=epochs, batch_size=1)
             )
             held, _ = tracemalloc.get_traced_memory()
         finally:
             tracemalloc.stop()
-        return run.num_gradient_steps, held
+        return plan.num_gradient_steps, held
 
     one_steps, one_held = prepared(1)
     many_steps, many_held = prepared(100)

@@ -218,10 +218,10 @@ def test_additional_histories_are_trained_with_their_trajectory_advantage(
         )
     sequences = _tokenize(tiny_tokenizer, trajectories)
     assert [(s.trajectory_index, s.history_index, s.advantage) for s in sequences] == [
-        (0, 0, 1.0),
-        (0, 1, 1.0),
-        (1, 0, -1.0),
-        (1, 1, -1.0),
+        (0, 0, pytest.approx(1.0, abs=1e-5)),
+        (0, 1, pytest.approx(1.0, abs=1e-5)),
+        (1, 0, pytest.approx(-1.0, abs=1e-5)),
+        (1, 1, pytest.approx(-1.0, abs=1e-5)),
     ]
     sub_ids = _sampled_ids(trajectories[1]["additional_histories"][0]["messages_and_choices"][-1])
     assert _trained_runs(sequences[3]) == [sub_ids]
@@ -281,3 +281,44 @@ def test_sft_refuses_a_trajectory_without_assistant_turns(tiny_tokenizer: Any) -
     trajectory = Trajectory.model_validate({"messages_and_choices": PROMPT, "reward": 0})
     with pytest.raises(TrainingError, match="trajectory 0 has no assistant turn"):
         tokenize_sft_trajectories(tiny_tokenizer, [trajectory], assistant_turns="all")
+
+
+def test_a_later_turn_on_a_prompt_that_does_not_extend_the_earlier_tokens_is_its_own_sequence(
+    tiny_hf_model: Any, tiny_tokenizer: Any
+) -> None:
+    """Sampled as "Par" + "is", rendered again as "Paris": the engine's second prompt is not the
+    first prompt plus the sampled ids, so the second turn is trained after its own prompt."""
+    eot = end_of_turn_token_id(tiny_tokenizer)
+    split = [*_encode(tiny_tokenizer, "Par"), *_encode(tiny_tokenizer, "is"), eot]
+    first = choice_from_token_ids(tiny_hf_model, tiny_tokenizer, PROMPT, split)
+    first["prompt_token_ids"] = _prompt_ids(tiny_tokenizer, PROMPT)
+    follow_up = {"role": "user", "content": "And tomorrow?"}
+    context = [*PROMPT, {"role": "assistant", "content": "Paris"}, follow_up]
+    second = choice_from_token_ids(
+        tiny_hf_model, tiny_tokenizer, context, [*_encode(tiny_tokenizer, "Rain"), eot]
+    )
+    second["prompt_token_ids"] = _prompt_ids(tiny_tokenizer, context)
+    trajectory = {"messages_and_choices": [*PROMPT, first, follow_up, second], "reward": 0}
+
+    for given in (True, False):  # the engine's prompt ids, or rendered as the engine renders
+        if not given:
+            del first["prompt_token_ids"], second["prompt_token_ids"]
+        one, two = _tokenize(tiny_tokenizer, [trajectory])
+        assert one.token_ids == _prompt_ids(tiny_tokenizer, PROMPT) + split
+        assert two.token_ids == _prompt_ids(tiny_tokenizer, context) + _sampled_ids(second)
+        assert _trained_runs(one) == [split]
+        assert _trained_runs(two) == [_sampled_ids(second)]
+        assert (one.trajectory_index, one.history_index) == (two.trajectory_index, 0)
+
+
+def test_the_engines_prompt_ids_are_trained_on_as_given(
+    tiny_hf_model: Any, tiny_tokenizer: Any
+) -> None:
+    choice = sample_choices(tiny_hf_model, tiny_tokenizer, PROMPT, n=1, max_new_tokens=4, seed=1)[0]
+    # Whatever the engine rendered (here: another system prompt) is what the turn followed.
+    engine_prompt = _prompt_ids(tiny_tokenizer, [{"role": "system", "content": "Hi."}, PROMPT[1]])
+    choice["prompt_token_ids"] = engine_prompt
+    (sequence,) = _tokenize(
+        tiny_tokenizer, [{"messages_and_choices": [*PROMPT, choice], "reward": 0}]
+    )
+    assert sequence.token_ids == engine_prompt + _sampled_ids(choice)

@@ -1,4 +1,4 @@
-"""The Trainer API the worker uses: load, train_rl, save, resume, agreement, errors."""
+"""The Trainer API the worker uses: load, prepare_rl + run, save, resume, agreement, errors."""
 
 from __future__ import annotations
 
@@ -45,6 +45,10 @@ def _groups(
     return groups
 
 
+def _train(trainer: Trainer, groups: list[TrajectoryGroup], config: RLTrainConfig) -> list[Any]:
+    return list(trainer.run(trainer.prepare_rl(groups, config)))
+
+
 def _adapter(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {
         name: parameter.detach().clone()
@@ -68,61 +72,93 @@ def test_fresh_adapter_computes_exactly_the_base_model(
     assert tiny_trainer.step == 0
 
 
-def test_recomputed_logprobs_match_the_sampling_logprobs(tiny_trainer: Trainer) -> None:
+def test_every_job_measures_how_far_the_sampler_is_before_its_first_step(
+    tiny_trainer: Trainer,
+) -> None:
     groups = _groups(tiny_trainer, [[0.0, 1.0, 0.5, 0.2]] * 3, max_new_tokens=16)
-    agreement = tiny_trainer.logprob_agreement(groups)
-    print(f"sampler/learner agreement on the tiny model (fp32, CPU): {agreement}")
-    assert agreement["num_tokens"] == sum(
+    plan = tiny_trainer.prepare_rl(groups, RLTrainConfig())
+    print(f"sampler/learner agreement on the tiny model (fp32, CPU): {plan.summary}")
+    assert plan.summary["logprob_agreement/num_tokens"] == sum(
         len(item.logprobs.content)
         for group in groups
         for trajectory in group.trajectories
         for item in trajectory.messages_and_choices
         if hasattr(item, "logprobs") and item.logprobs and item.logprobs.content
     )
-    assert agreement["max_abs_diff"] < 1e-4
+    assert plan.summary["logprob_agreement/max_abs_diff"] < 1e-4
+    assert plan.summary["tokens/without_sampling_logprob"] == 0
+    assert plan.warning is None
+
+    # A sampler that saw something else (here: logprobs shifted by half a nat) is called out.
+    raw = [group.model_dump(mode="json") for group in groups]
+    for group in raw:
+        for trajectory in group["trajectories"]:
+            for entry in trajectory["messages_and_choices"][-1]["logprobs"]["content"]:
+                entry["logprob"] -= 0.5
+    shifted = tiny_trainer.prepare_rl(
+        [TrajectoryGroup.model_validate(group) for group in raw], RLTrainConfig()
+    )
+    assert shifted.summary["logprob_agreement/mean_abs_diff"] == pytest.approx(0.5, abs=1e-4)
+    assert shifted.warning is not None and "far beyond float32 noise" in shifted.warning
 
 
 def test_groups_without_reward_variance_change_nothing(tiny_trainer: Trainer) -> None:
     groups = _groups(tiny_trainer, [[1.0, 1.0, 1.0], [0.0, 0.0]])
     before = _adapter(tiny_trainer)
-    run = tiny_trainer.train_rl(groups, RLTrainConfig(learning_rate=1e-2))
-    assert run.num_gradient_steps == 0
-    assert run.summary["groups/skipped_zero_variance"] == 2
-    assert list(run) == []
+    plan = tiny_trainer.prepare_rl(groups, RLTrainConfig(learning_rate=1e-2))
+    assert plan.num_gradient_steps == 0
+    assert plan.summary["groups/skipped_zero_variance"] == 2
+    assert list(tiny_trainer.run(plan)) == []
     assert _same(before, _adapter(tiny_trainer))
     assert tiny_trainer.step == 1  # the worker still commits the next step
 
 
-def test_train_rl_updates_the_adapter_and_reports_metrics(tiny_trainer: Trainer) -> None:
-    groups = _groups(tiny_trainer, [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.5], [2.0, 2.0]])
+def test_a_plan_runs_once_and_only_on_the_step_it_was_prepared_at(tiny_trainer: Trainer) -> None:
+    groups = _groups(tiny_trainer, [[0.0, 1.0]])
+    stale = tiny_trainer.prepare_rl(groups, RLTrainConfig())
+    plan = tiny_trainer.prepare_rl(groups, RLTrainConfig())
+    list(tiny_trainer.run(plan))
+    with pytest.raises(RuntimeError, match="runs once"):
+        list(tiny_trainer.run(plan))
+    with pytest.raises(RuntimeError, match="prepared at step 0 but the trainer is at step 1"):
+        list(tiny_trainer.run(stale))
+
+
+def test_a_job_takes_num_gradient_steps_over_whole_groups(tiny_trainer: Trainer) -> None:
+    groups = _groups(tiny_trainer, [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.5], [2.0, 2.0], [0.0, 3.0]])
     before = _adapter(tiny_trainer)
-    # Short rows: the two groups with a signal take several rows, two rows per step.
-    config = RLTrainConfig(
-        learning_rate=1e-3, packed_sequence_length=48, grad_accumulation_sequences=2
-    )
-    run = tiny_trainer.train_rl(groups, config)
-    rows = run.summary["packing/rows"]
-    assert rows >= 3
-    assert run.num_gradient_steps == math.ceil(rows / 2)
-    assert run.summary["groups/skipped_zero_variance"] == 1
-    assert run.summary["sequences/trained"] == 7
-    steps = list(run)
-    assert len(steps) == run.num_gradient_steps
+    # Short rows: the groups with a signal take several rows; rows never decide the steps.
+    config = RLTrainConfig(learning_rate=1e-3, packed_sequence_length=48, num_gradient_steps=2)
+    plan = tiny_trainer.prepare_rl(groups, config)
+    assert plan.summary["packing/rows"] > 2
+    assert plan.num_gradient_steps == 2
+    assert plan.summary["groups/skipped_zero_variance"] == 1
+    assert plan.summary["sequences/trained"] == 9
+    # Whole groups per step: 3 groups with a signal split 1 + 2 (or 2 + 1), never a group cut.
+    per_step = [sorted({s.group_index for s in packing.sequences}) for packing in plan.steps]
+    assert sorted(len(groups_of_step) for groups_of_step in per_step) == [1, 2]
+    assert sorted(g for step in per_step for g in step) == [0, 1, 3]
+    steps = list(tiny_trainer.run(plan))
+    assert len(steps) == plan.num_gradient_steps
     for metrics in steps:
         for key in ("loss/policy", "clip_ratio/low", "clip_ratio/high", "entropy", "grad_norm"):
             assert math.isfinite(metrics[key])
         assert metrics["train/num_trainable_tokens"] > 0
-    assert sum(m["train/num_trainable_tokens"] for m in steps) == run.summary["tokens/trainable"]
-    assert steps[0]["clip_ratio/low"] == steps[0]["clip_ratio/high"] == 0  # on-policy: ratio 1
+    assert sum(m["train/num_trainable_tokens"] for m in steps) == plan.summary["tokens/trainable"]
+    assert steps[0]["ratio/mean"] == pytest.approx(1.0, abs=1e-5)  # on-policy
+    assert steps[1]["ratio/mean"] != pytest.approx(1.0, abs=1e-5)  # the policy moved
     assert not _same(before, _adapter(tiny_trainer))
     assert tiny_trainer.step == 1
+    # More steps than groups with a signal: one group per step.
+    many = config.model_copy(update={"num_gradient_steps": 9})
+    assert tiny_trainer.prepare_rl(groups, many).num_gradient_steps == 3
 
 
 def test_kl_penalty_is_zero_until_the_adapter_moves(tiny_trainer: Trainer) -> None:
-    groups = _groups(tiny_trainer, [[0.0, 1.0, 0.0, 1.0]])
-    config = RLTrainConfig(learning_rate=1e-2, kl_penalty_coef=0.5, packed_sequence_length=44)
-    steps = list(tiny_trainer.train_rl(groups, config))
-    assert len(steps) >= 2
+    groups = _groups(tiny_trainer, [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0]])
+    config = RLTrainConfig(learning_rate=1e-2, kl_penalty_coef=0.5, num_gradient_steps=2)
+    steps = _train(tiny_trainer, groups, config)
+    assert len(steps) == 2
     assert steps[0]["loss/kl"] == 0.0
     assert steps[-1]["loss/kl"] > 0.0
     assert steps[-1]["loss"] == pytest.approx(steps[-1]["loss/policy"] + 0.5 * steps[-1]["loss/kl"])
@@ -134,10 +170,8 @@ def test_saved_adapter_loads_in_peft_with_identical_outputs(
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    list(
-        tiny_trainer.train_rl(
-            _groups(tiny_trainer, [[0.0, 1.0, 1.0]]), RLTrainConfig(learning_rate=1e-2)
-        )
+    _train(
+        tiny_trainer, _groups(tiny_trainer, [[0.0, 1.0, 1.0]]), RLTrainConfig(learning_rate=1e-2)
     )
     tiny_trainer.save(tmp_path / "step1")
     assert sorted(p.name for p in (tmp_path / "step1").iterdir()) == [
@@ -162,12 +196,12 @@ def test_resumed_training_continues_identically(tiny_model_path: Path, tmp_path:
     first = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
     batches = [_groups(first, [[0.0, 1.0, 0.3]], seed=s) for s in (0, 10)]
 
-    list(first.train_rl(batches[0], config))
-    list(first.train_rl(batches[1], config))
+    _train(first, batches[0], config)
+    _train(first, batches[1], config)
     straight = _adapter(first)
 
     interrupted = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
-    list(interrupted.train_rl(batches[0], config))
+    _train(interrupted, batches[0], config)
     interrupted.save(tmp_path / "step1")
     resumed = Trainer.load(
         str(tiny_model_path),
@@ -176,19 +210,28 @@ def test_resumed_training_continues_identically(tiny_model_path: Path, tmp_path:
         device="cpu",
     )
     assert resumed.step == 1
-    list(resumed.train_rl(batches[1], config))
+    _train(resumed, batches[1], config)
     assert _same(straight, _adapter(resumed))
     assert resumed.step == 2
 
-    # Without the optimizer state the second step would differ: the test can tell.
+    # A checkpoint without its optimizer state is refused: a fresh optimizer would take another
+    # step (the test can tell), so it is only used when asked for.
     (tmp_path / "step1" / "optimizer.pt").unlink()
+    with pytest.raises(TrainingError, match=r"step 1 has no optimizer\.pt"):
+        Trainer.load(
+            str(tiny_model_path),
+            model_config=ModelConfig(),
+            adapter_dir=tmp_path / "step1",
+            device="cpu",
+        )
     forgetful = Trainer.load(
         str(tiny_model_path),
         model_config=ModelConfig(),
         adapter_dir=tmp_path / "step1",
         device="cpu",
+        fresh_optimizer=True,
     )
-    list(forgetful.train_rl(batches[1], config))
+    _train(forgetful, batches[1], config)
     assert not _same(straight, _adapter(forgetful))
 
 
@@ -215,47 +258,81 @@ def test_train_rl_refuses_choices_without_usable_logprobs(tiny_trainer: Trainer)
     missing = {**raw["trajectories"][1]["messages_and_choices"][-1], "logprobs": None}
     raw["trajectories"][1]["messages_and_choices"][-1] = missing
     with pytest.raises(TrainingError, match=r"trajectory 1 of group 0.*no logprobs"):
-        tiny_trainer.train_rl([TrajectoryGroup.model_validate(raw)], RLTrainConfig())
+        tiny_trainer.prepare_rl([TrajectoryGroup.model_validate(raw)], RLTrainConfig())
 
     raw = group.model_dump(mode="json")
     raw["trajectories"][0]["messages_and_choices"][-1]["logprobs"]["content"][0]["logprob"] = (
         math.nan
     )
     with pytest.raises(TrainingError, match=r"trajectory 0 of group 0.*NaN"):
-        tiny_trainer.train_rl([TrajectoryGroup.model_validate(raw)], RLTrainConfig())
+        tiny_trainer.prepare_rl([TrajectoryGroup.model_validate(raw)], RLTrainConfig())
     assert tiny_trainer.step == 0
+
+
+def _plain_group(
+    answers: list[tuple[str, float]], question: str = "Name a color."
+) -> TrajectoryGroup:
+    prompt = [{"role": "user", "content": question}]
+    return TrajectoryGroup.model_validate(
+        {
+            "trajectories": [
+                {
+                    "messages_and_choices": [*prompt, {"role": "assistant", "content": text}],
+                    "reward": reward,
+                }
+                for text, reward in answers
+            ]
+        }
+    )
 
 
 def test_training_without_logprobs_learns_from_plain_assistant_messages(
     tiny_trainer: Trainer,
 ) -> None:
-    prompt = [{"role": "user", "content": "Name a color."}]
-    group = TrajectoryGroup.model_validate(
-        {
-            "trajectories": [
-                {
-                    "messages_and_choices": [*prompt, {"role": "assistant", "content": text}],
-                    "reward": r,
-                }
-                for text, r in (("Blue.", 1.0), ("I cannot say.", 0.0))
-            ]
-        }
-    )
+    group = _plain_group([("Blue.", 1.0), ("I cannot say.", 0.0)])
     with pytest.raises(TrainingError, match="allow_training_without_logprobs=True"):
-        tiny_trainer.train_rl([group], RLTrainConfig())
+        tiny_trainer.prepare_rl([group], RLTrainConfig())
     before = _adapter(tiny_trainer)
-    run = tiny_trainer.train_rl(
+    plan = tiny_trainer.prepare_rl(
         [group], RLTrainConfig(learning_rate=1e-2, allow_training_without_logprobs=True)
     )
-    assert run.summary["tokens/trainable"] > 0
-    list(run)
+    assert plan.summary["tokens/trainable"] > 0
+    list(tiny_trainer.run(plan))
     assert not _same(before, _adapter(tiny_trainer))
+
+
+def test_missing_sampling_logprobs_are_computed_once_so_later_steps_stay_ppo(
+    tiny_trainer: Trainer,
+) -> None:
+    """Tokens without a sampling logprob get the policy's own, read before the first step and
+    kept: once the policy moves their ratio leaves 1 and clipping acts (ART PR #467)."""
+    groups = [
+        _plain_group([("Blue.", 1.0), ("I cannot say.", 0.0)]),
+        _plain_group([("Three.", 1.0), ("Many, many.", 0.0)], question="Count to three."),
+    ]
+    config = RLTrainConfig(
+        learning_rate=5e-2, allow_training_without_logprobs=True, num_gradient_steps=2
+    )
+    plan = tiny_trainer.prepare_rl(groups, config)
+    assert plan.summary["tokens/without_sampling_logprob"] == plan.summary["tokens/trainable"]
+    assert "logprob_agreement/mean_abs_diff" not in plan.summary  # nothing to compare
+    first, second = tiny_trainer.run(plan)
+    assert first["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+    assert abs(second["ratio/mean"] - 1.0) > 1e-3
 
 
 def test_train_rl_refuses_a_batch_truncated_to_nothing(tiny_trainer: Trainer) -> None:
     groups = _groups(tiny_trainer, [[0.0, 1.0]])
     with pytest.raises(TrainingError, match="beyond 16 tokens"):
-        tiny_trainer.train_rl(groups, RLTrainConfig(packed_sequence_length=16))
+        tiny_trainer.prepare_rl(groups, RLTrainConfig(packed_sequence_length=16))
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tiny_trainer: Trainer) -> None:
+    (group,) = _groups(tiny_trainer, [[0.0, 1.0]])
+    raw = group.model_dump(mode="json")
+    raw["trajectories"][1]["messages_and_choices"][-1]["prompt_token_ids"] = [1, 10**7]
+    with pytest.raises(TrainingError, match=r"trajectory 1 of group 0 has token ids outside"):
+        tiny_trainer.prepare_rl([TrajectoryGroup.model_validate(raw)], RLTrainConfig())
 
 
 def test_gradient_checkpointing_gives_the_same_update(tiny_model_path: Path) -> None:
@@ -267,7 +344,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model_path: Path) -> 
             model_config=ModelConfig(gradient_checkpointing=checkpointing),
             device="cpu",
         )
-        list(trainer.train_rl(_groups(trainer, [[0.0, 1.0, 0.4]]), config))
+        _train(trainer, _groups(trainer, [[0.0, 1.0, 0.4]]), config)
         updated.append(_adapter(trainer))
     assert not _same(
         updated[0],
@@ -275,3 +352,45 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model_path: Path) -> 
     )
     for name, value in updated[0].items():
         torch.testing.assert_close(updated[1][name], value)
+
+
+def test_every_packing_takes_the_same_steps_and_makes_the_same_update(
+    tiny_model_path: Path,
+) -> None:
+    """The rule: a job is min(num_gradient_steps, groups with a signal) optimizer steps over
+    whole groups. Rows shared or not, packed or one per row (Unsloth's path), short or long,
+    with gradient checkpointing or without: the same steps, the same adapter to float noise."""
+    reference = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
+    groups = _groups(
+        reference, [[0.0, 1.0, 0.5, 0.2], [1.0, 0.0, 0.0], [0.3, 0.9], [1.0, 1.0]], seed=5
+    )
+    results = {}
+    for packing in ("shared_prefixes", "packed", "one_per_row"):
+        for row_length, checkpointing in ((None, False), (48, True)):
+            trainer = Trainer.load(
+                str(tiny_model_path),
+                model_config=ModelConfig(gradient_checkpointing=checkpointing),
+                device="cpu",
+                packing=packing,  # type: ignore[arg-type]
+            )
+            config = RLTrainConfig(
+                learning_rate=1e-2,
+                num_gradient_steps=2,
+                packed_sequence_length=row_length,
+            )
+            plan = trainer.prepare_rl(groups, config)
+            metrics = list(trainer.run(plan))
+            results[(packing, row_length)] = (plan, metrics, _adapter(trainer))
+    expected_steps = 2  # min(2, 3 groups with a signal: the [1, 1] group has none)
+    (_, _, first), *_ = results.values()
+    largest = 0.0
+    for (packing, row_length), (plan, metrics, adapter) in results.items():
+        assert plan.num_gradient_steps == len(metrics) == expected_steps, (packing, row_length)
+        for name, value in first.items():
+            # Adam divides each gradient by its own size: where a gradient is tiny, rounding
+            # differences between packings show at ~1e-6, against steps of ~1e-2.
+            torch.testing.assert_close(adapter[name], value, rtol=1e-4, atol=1e-5)
+            largest = max(largest, float((adapter[name] - value).abs().max()))
+    rows = {key: plan.summary["packing/rows"] for key, (plan, _, _) in results.items()}
+    assert len(set(rows.values())) > 1  # the packings really differ
+    print(f"\nrows per packing: {rows}; largest adapter difference: {largest:.2e}")

@@ -2,11 +2,14 @@
 
 A request names one of the tenant's models (``scheduler.routing`` finds the worker engine
 serving that checkpoint, or says why none does yet: 404, or 503 with ``Retry-After``). The
-body goes to that engine as the caller sent it, with three changes: ``model`` becomes the
+body goes to that engine as the caller sent it, with these changes: ``model`` becomes the
 engine's name for the checkpoint, and since every model here is trainable, the engine is
-always asked for the sampled tokens' logprobs and their token ids (so the trainer never
-re-tokenizes sampled text). The answer's ``model`` is written back to the caller's name, and
-``X-Skytrain-Model-Id``, ``X-Skytrain-Step`` and ``X-Skytrain-Worker`` say what served it.
+always asked for the sampled tokens' logprobs and their token ids, and for the prompt's token
+ids (vLLM's ``return_token_ids``), so the trainer trains on exactly the tokens the engine saw
+and never re-tokenizes. The answer's ``model`` is written back to the caller's name, the
+chat answer's ``prompt_token_ids`` is copied onto each of its choices (the object a client
+keeps in its trajectory), and ``X-Skytrain-Model-Id``, ``X-Skytrain-Step`` and
+``X-Skytrain-Worker`` say what served it.
 
 Streams are passed through event by event as the engine sends them. When the caller goes
 away (mid-stream, or while a non-streamed request is still generating) the upstream request
@@ -104,6 +107,7 @@ class Endpoint:
 def _chat_logprobs(body: dict[str, Any]) -> None:
     body["logprobs"] = True
     body["return_tokens_as_token_ids"] = True
+    body["return_token_ids"] = True
 
 
 def _completion_logprobs(body: dict[str, Any]) -> None:
@@ -111,6 +115,7 @@ def _completion_logprobs(body: dict[str, Any]) -> None:
     if body.get("logprobs") is None or isinstance(body["logprobs"], bool):
         body["logprobs"] = 0
     body["return_tokens_as_token_ids"] = True
+    body["return_token_ids"] = True
 
 
 CHAT = Endpoint("/v1/chat/completions", _chat_logprobs, ChatCompletionCreate)
@@ -356,6 +361,7 @@ class Gateway:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         if isinstance(content, dict) and "model" in content:
             content["model"] = body["model"]
+            _prompt_ids_onto_choices(content)
         return JSONResponse(content, headers=headers)
 
     async def complete_tokens(
@@ -683,4 +689,17 @@ def _rewrite_data_line(line: str, *, model: str) -> str:
     if not isinstance(data, dict) or "model" not in data:
         return line
     data["model"] = model
+    _prompt_ids_onto_choices(data)
     return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+
+def _prompt_ids_onto_choices(data: dict[str, Any]) -> None:
+    """vLLM gives a chat answer's prompt ids once, at the top (a stream: in its first chunk);
+    a client keeps only the choice, so each choice gets them too (where ART reads them)."""
+    prompt_ids = data.get("prompt_token_ids")
+    choices = data.get("choices")
+    if not isinstance(prompt_ids, list) or not isinstance(choices, list):
+        return
+    for choice in choices:
+        if isinstance(choice, dict) and choice.get("prompt_token_ids") is None:
+            choice["prompt_token_ids"] = prompt_ids

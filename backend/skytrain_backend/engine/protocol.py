@@ -83,6 +83,8 @@ class _SamplingFields(_Request):
     stream_options: StreamOptions | None = None
     # vLLM's extra sampling parameters.
     return_tokens_as_token_ids: bool = False
+    # The prompt's token ids and the sampled ids in the response (vLLM's fields).
+    return_token_ids: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -107,6 +109,27 @@ class FunctionSpec(BaseModel):
 class ToolSpec(BaseModel):
     type: Literal["function"] = "function"
     function: FunctionSpec
+
+
+def template_tools(tools: list[ToolSpec] | None) -> list[Any] | None:
+    """Tools as the engine hands them to the chat template."""
+    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
+
+
+def template_message(message: Message) -> dict[str, Any]:
+    """A message as the engine hands it to the chat template: content as one string (text
+    parts joined), tool calls as plain dicts. The trainer renders conversations it has no
+    prompt ids for with this same function."""
+    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
+    if message.role == "assistant" and message.content is None:
+        rendered["content"] = None
+    if message.tool_calls:
+        rendered["tool_calls"] = [call.model_dump() for call in message.tool_calls]
+    if message.tool_call_id:
+        rendered["tool_call_id"] = message.tool_call_id
+    if message.name:
+        rendered["name"] = message.name
+    return rendered
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -264,6 +287,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletion(_Response):
@@ -273,6 +297,7 @@ class ChatCompletion(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaFunctionCall(BaseModel):
@@ -299,6 +324,7 @@ class ChatChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionChunk(_Response):
@@ -308,6 +334,8 @@ class ChatCompletionChunk(_Response):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    # Only in a stream's first chunk, as vLLM sends it.
+    prompt_token_ids: list[int] | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -325,6 +353,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class Completion(_Response):

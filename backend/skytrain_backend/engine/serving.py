@@ -49,6 +49,8 @@ from skytrain_backend.engine.protocol import (
     TopLogprob,
     Usage,
     random_id,
+    template_message,
+    template_tools,
 )
 from skytrain_backend.engine.toolcalls import parse_tool_calls, streamable_prefix
 from skytrain_backend.errors import InvalidRequest, SkytrainError, Unavailable
@@ -77,6 +79,7 @@ class _Choice:
     tokens: list[SampledToken] = field(default_factory=list)
     text: str = ""
     streamed: int = 0  # characters of ``text`` already sent as content
+    sent_tokens: int = 0  # tokens already sent in a chunk
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
 
@@ -121,7 +124,7 @@ class OpenAIServing:
         )
         response_id, created = random_id("chatcmpl"), int(time.time())
         if request.stream:
-            return self._stream_chat(request, updates, response_id, created, len(prompt_ids))
+            return self._stream_chat(request, updates, response_id, created, prompt_ids)
         choices = [_Choice() for _ in range(request.n)]
         async for update in updates:
             _record(choices[update.index], update)
@@ -131,17 +134,17 @@ class OpenAIServing:
             model=request.model,
             choices=[self._chat_choice(request, i, c) for i, c in enumerate(choices)],
             usage=_usage(len(prompt_ids), choices),
+            prompt_token_ids=prompt_ids if request.return_token_ids else None,
         )
 
     def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [_template_message(i, m) for i, m in enumerate(request.messages)]
-        tools: list[Any] | None = (
-            [t.model_dump(exclude_none=True) for t in request.tools] if request.tools else None
-        )
+        for position, message in enumerate(request.messages):
+            _check_text_only(position, message)
+        messages = [template_message(message) for message in request.messages]
         try:
             text = self.tokenizer.apply_chat_template(
                 messages,
-                tools=tools,
+                tools=template_tools(request.tools),
                 add_generation_prompt=request.add_generation_prompt,
                 tokenize=False,
                 **(request.chat_template_kwargs or {}),
@@ -177,6 +180,7 @@ class OpenAIServing:
             logprobs=self._chat_logprobs(request, choice.tokens) if request.logprobs else None,
             finish_reason=finish_reason,
             stop_reason=choice.stop_reason,
+            token_ids=_token_ids(choice.tokens) if request.return_token_ids else None,
         )
 
     async def _stream_chat(
@@ -185,9 +189,13 @@ class OpenAIServing:
         updates: AsyncIterator[SequenceUpdate],
         response_id: str,
         created: int,
-        prompt_tokens: int,
+        prompt_ids: list[int],
     ) -> AsyncIterator[str]:
-        def chunk(choices: list[ChatChunkChoice], usage: Usage | None = None) -> str:
+        def chunk(
+            choices: list[ChatChunkChoice],
+            usage: Usage | None = None,
+            prompt_token_ids: list[int] | None = None,
+        ) -> str:
             return sse(
                 ChatCompletionChunk(
                     id=response_id,
@@ -195,13 +203,15 @@ class OpenAIServing:
                     model=request.model,
                     choices=choices,
                     usage=usage,
+                    prompt_token_ids=prompt_token_ids,
                 ).to_json()
             )
 
         choices = [_Choice() for _ in range(request.n)]
         for index in range(request.n):
             yield chunk(
-                [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]
+                [ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))],
+                prompt_token_ids=prompt_ids if request.return_token_ids and index == 0 else None,
             )
         try:
             async for update in updates:
@@ -223,14 +233,18 @@ class OpenAIServing:
                                 logprobs=logprobs,
                                 finish_reason=finish_reason,
                                 stop_reason=choice.stop_reason,
+                                token_ids=_token_ids(choice.tokens[choice.sent_tokens :])
+                                if request.return_token_ids
+                                else None,
                             )
                         ]
                     )
+                    choice.sent_tokens = len(choice.tokens)
         except SkytrainError as exc:
             yield sse(error_response(exc).to_json())
         else:
             if request.include_usage:
-                yield chunk([], usage=_usage(prompt_tokens, choices))
+                yield chunk([], usage=_usage(len(prompt_ids), choices))
         yield SSE_DONE
 
     def _chat_delta(self, request: ChatCompletionRequest, choice: _Choice) -> ChatDelta:
@@ -308,7 +322,7 @@ class OpenAIServing:
         response_id, created = random_id("cmpl"), int(time.time())
         updates = _merge(runs, request.n)
         if request.stream:
-            return self._stream_completion(request, updates, response_id, created, prompt_tokens)
+            return self._stream_completion(request, updates, response_id, created, prompts)
         choices = [_Choice() for _ in range(request.n * len(prompts))]
         async for index, update in updates:
             _record(choices[index], update)
@@ -323,6 +337,8 @@ class OpenAIServing:
                     logprobs=self._completion_logprobs(request, c.tokens, 0),
                     finish_reason=c.finish_reason,
                     stop_reason=c.stop_reason,
+                    prompt_token_ids=prompts[i // request.n] if request.return_token_ids else None,
+                    token_ids=_token_ids(c.tokens) if request.return_token_ids else None,
                 )
                 for i, c in enumerate(choices)
             ],
@@ -360,14 +376,16 @@ class OpenAIServing:
         updates: AsyncIterator[tuple[int, SequenceUpdate]],
         response_id: str,
         created: int,
-        prompt_tokens: int,
+        prompts: list[list[int]],
     ) -> AsyncIterator[str]:
         choices: dict[int, _Choice] = {}
         try:
             async for index, update in updates:
+                first = index not in choices
                 choice = choices.setdefault(index, _Choice())
                 offset = len(choice.text)
                 _record(choice, update)
+                token_ids = request.return_token_ids
                 body = Completion(
                     id=response_id,
                     created=created,
@@ -379,6 +397,10 @@ class OpenAIServing:
                             logprobs=self._completion_logprobs(request, [update.token], offset),
                             finish_reason=update.finish_reason,
                             stop_reason=update.stop_reason,
+                            prompt_token_ids=prompts[index // request.n]
+                            if token_ids and first
+                            else None,
+                            token_ids=[update.token.token_id] if token_ids else None,
                         )
                     ],
                 )
@@ -387,7 +409,7 @@ class OpenAIServing:
             yield sse(error_response(exc).to_json())
         else:
             if request.include_usage:
-                usage = _usage(prompt_tokens, list(choices.values()))
+                usage = _usage(sum(len(p) for p in prompts), list(choices.values()))
                 body = Completion(
                     id=response_id, created=created, model=request.model, choices=[], usage=usage
                 )
@@ -490,8 +512,7 @@ def _bytes(text: str) -> list[int]:
     return list(text.encode("utf-8", errors="replace"))
 
 
-def _template_message(position: int, message: Message) -> dict[str, Any]:
-    """A message as chat templates expect it: content as one string."""
+def _check_text_only(position: int, message: Message) -> None:
     if isinstance(message.content, list):
         kinds = {part.get("type") for part in message.content} - {"text"}
         if kinds:
@@ -499,16 +520,10 @@ def _template_message(position: int, message: Message) -> dict[str, Any]:
                 f"messages[{position}] has content parts of type {sorted(map(str, kinds))}: this "
                 "engine serves text-only models, send text parts only"
             )
-    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.role == "assistant" and message.content is None:
-        rendered["content"] = None
-    if message.tool_calls:
-        rendered["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-    if message.tool_call_id:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.name:
-        rendered["name"] = message.name
-    return rendered
+
+
+def _token_ids(tokens: Sequence[SampledToken]) -> list[int]:
+    return [token.token_id for token in tokens]
 
 
 async def _merge(

@@ -8,19 +8,20 @@ runs alone on CPU (fp32) or CUDA (bf16; Unsloth when importable). Public API::
     trainer = Trainer.load(base_model, model_config=ModelConfig(...),
                            adapter_dir=None,   # or a checkpoint directory written by save()
                            device=None)        # None: cuda if available, else cpu
-    run = trainer.train_rl(groups, RLTrainConfig(...))  # tokenizes + packs now (TrainingError)
-    run.num_gradient_steps   # known before the first step
-    run.summary              # {"groups/skipped_zero_variance", "tokens/trainable", "packing/...", ...}
-    for metrics in run:      # one optimizer step per iteration
+    plan = trainer.prepare_rl(groups, RLTrainConfig(...))  # data work now (TrainingError)
+    plan.num_gradient_steps  # known before the first step
+    plan.summary             # {"groups/skipped_zero_variance", "tokens/trainable",
+                             #  "logprob_agreement/mean_abs_diff", "packing/...", ...}
+    plan.warning             # None, or why the sampler's logprobs are far from the trainer's
+    for metrics in trainer.run(plan):  # one optimizer step per iteration
         ...                  # {"loss/policy", "loss/kl", "clip_ratio/low", "clip_ratio/high",
-                             #  "entropy", "grad_norm", "train/num_trainable_tokens", ...}
+                             #  "ratio/mean", "entropy", "grad_norm", ...}
     trainer.save(directory)  # adapter_config.json, adapter_model.safetensors (peft: vLLM and
                              # peft load it), optimizer.pt, trainer_state.json {"step", ...}
     trainer.release()        # frees its memory, the GPU's too (a worker's engine wakes next)
     trainer.events           # [{"event": "loaded" | "gradient_step" | "saved" | "released",
                              #   "at": unix time, ...}]
-    run = trainer.train_sft(trajectories, SFTTrainConfig(...))
-    trainer.logprob_agreement(groups)  # {"max_abs_diff", "mean_abs_diff", "num_tokens"}
+    plan = trainer.prepare_sft(trajectories, SFTTrainConfig(...))
 
 - ``base_model`` goes through ``hub.resolve_model`` (local directory, skytrain's cache, or a
   Hugging Face id). Without ``adapter_dir`` the adapter is fresh and seeded: its B matrices are
@@ -30,19 +31,20 @@ runs alone on CPU (fp32) or CUDA (bf16; Unsloth when importable). Public API::
   whose estimated activations exceed ``activation_memory_limit_bytes`` (``Trainer.load``; on
   CUDA, by default, the memory free then) before its forward pass, and turns CUDA's own error
   into the same one after freeing what the step held.
-- ``trainer.step`` is the checkpoint step the adapter is at; it advances by one when a run has
-  been iterated to its end (even a run with no steps, when every group had zero reward
-  variance: nothing changes, but the worker still commits the next step).
-- Advantages are per group (reward minus the group mean, divided by the group's standard
-  deviation when ``scale_rewards``); sampled turns are trained on their exact token ids and
-  sampling logprobs (``tokenize``); rows share each group's prompt (``packing``); the loss is
-  PPO-clipped or CISPO, token- or sequence-level importance sampling, with an optional KL
-  penalty against the base model (``loss``).
+- ``trainer.step`` is the checkpoint step the adapter is at; it advances by one when a plan has
+  been run to its end (even a plan with no steps, when every group had zero reward variance).
+- A job is ``num_gradient_steps`` optimizer steps over whole groups (one by default), whatever
+  the packing (``Trainer.load(packing=...)``: shared prefixes, packed, or one sequence per row
+  as with Unsloth).
+- Advantages are per group (``advantages``); each sampled turn is trained on the sampler's own
+  prompt ids and sampled ids (``tokenize``); rows share each group's prompt (``packing``); the
+  loss is PPO-clipped or CISPO with ART's importance sampling levels and options, and an
+  optional KL penalty against the base model (``loss``).
 
 Modules: ``advantages``, ``tokenize``, ``packing``, ``loss`` (pure functions), ``model`` (loading
 and the forward pass), ``memory`` (activation estimates, out of memory), ``trainer`` (the loop).
 """
 
-from skytrain_backend.trainer.trainer import Trainer, TrainingRun
+from skytrain_backend.trainer.trainer import RLPlan, SFTPlan, Trainer
 
-__all__ = ["Trainer", "TrainingRun"]
+__all__ = ["RLPlan", "SFTPlan", "Trainer"]

@@ -1,9 +1,15 @@
-"""The GRPO loss as small pure tensor functions.
+"""The GRPO loss as small pure tensor functions, with ART's options.
 
 Every tensor here is flat over *prediction sites* (trained tokens), shape ``(N,)``: the packed
 rows already dropped everything that is not trained. One step's loss is the sum of the per-token
 losses divided by the number of trained tokens in the step (a token mean over the whole step,
 however many rows it spans).
+
+The importance ratio of a token, ``pi / pi_old``, is taken at ART's four levels (token,
+sequence, their average or geometric average); ART's options then act on it in ART's order: a
+cap (``max_negative_advantage_importance_sampling_weight``), the mask of ratios outside the
+clip range (``mask_prob_ratio``), and Kimi K2's advantage correction (``kimi_k2_tau``), before
+the PPO or CISPO loss.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 LOSS_FUNCTIONS = ("ppo", "cispo")
-IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "average", "geometric_average")
 
 
 def _logprobs_and_entropy(
@@ -64,35 +70,67 @@ def token_logprobs(
     return torch.cat(logprobs), torch.cat(entropies)
 
 
-def importance_log_ratio(
+def sequence_mean(values: torch.Tensor, sequence_ids: torch.Tensor) -> torch.Tensor:
+    """Each token's value replaced by the mean over its sequence (``sequence_ids`` (N,)),
+    differentiable: every token of a sequence carries the sequence's gradient."""
+    num_sequences = int(sequence_ids.max().item()) + 1 if sequence_ids.numel() else 0
+    sums = values.new_zeros(num_sequences).index_add(0, sequence_ids, values)
+    counts = torch.bincount(sequence_ids, minlength=num_sequences).clamp(min=1)
+    return (sums / counts)[sequence_ids]
+
+
+def importance_ratio(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     sequence_ids: torch.Tensor,
     *,
     level: str,
 ) -> torch.Tensor:
-    """log(pi / pi_old) per token, at token level or sequence level (GSPO).
+    """pi / pi_old per token, as ART defines each level.
 
-    Sequence level gives every token of a sequence the sequence's mean log ratio as its value,
-    while each token's gradient stays its own logprob's: d/dθ = ratio * d log pi(token).
-    ``sequence_ids`` (N,) numbers the sequences the tokens belong to.
+    ``token``: exp(log pi - log pi_old) of the token. ``sequence`` (GSPO): exp of the mean log
+    ratio over the token's sequence, its gradient flowing to every token of the sequence.
+    ``average``: the mean of the two; ``geometric_average``: the square root of their product.
     """
-    token_log_ratio = logprobs - old_logprobs
+    log_ratio = logprobs - old_logprobs
+    token = torch.exp(log_ratio)
     if level == "token":
-        return token_log_ratio
+        return token
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        allowed = ", ".join(repr(name) for name in IMPORTANCE_SAMPLING_LEVELS)
+        raise ValueError(f"importance_sampling_level must be one of {allowed}, got {level!r}")
+    sequence = torch.exp(sequence_mean(log_ratio, sequence_ids))
     if level == "sequence":
-        num_sequences = int(sequence_ids.max().item()) + 1 if sequence_ids.numel() else 0
-        sums = torch.zeros(num_sequences, dtype=logprobs.dtype, device=logprobs.device)
-        sums = sums.index_add(0, sequence_ids, token_log_ratio.detach())
-        counts = torch.bincount(sequence_ids, minlength=num_sequences).clamp(min=1)
-        sequence_mean = (sums / counts)[sequence_ids]
-        return sequence_mean + logprobs - logprobs.detach()
-    allowed = ", ".join(repr(name) for name in IMPORTANCE_SAMPLING_LEVELS)
-    raise ValueError(f"importance_sampling_level must be one of {allowed}, got {level!r}")
+        return sequence
+    if level == "average":
+        return (token + sequence) / 2
+    return token.sqrt() * sequence.sqrt()
+
+
+def capped_ratio(ratio: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """ART's ``max_negative_advantage_importance_sampling_weight``: the ratio, at most ``cap``.
+
+    Under PPO's min this binds only where the advantage is negative (a positive one is
+    clipped at ``1 + epsilon_high`` anyway); None or 0 leaves the ratio as it is.
+    """
+    return ratio.clamp(max=cap) if cap else ratio
+
+
+def masked_ratio(ratio: torch.Tensor, *, epsilon: float, epsilon_high: float) -> torch.Tensor:
+    """ART's ``mask_prob_ratio``: a ratio outside (1 - epsilon, 1 + epsilon_high) becomes 0."""
+    inside = (ratio > 1 - epsilon) & (ratio < 1 + epsilon_high)
+    return torch.where(inside, ratio, torch.zeros_like(ratio))
+
+
+def kimi_k2_advantages(
+    advantages: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor, *, tau: float
+) -> torch.Tensor:
+    """ART's ``kimi_k2_tau``: each token's advantage minus tau * log(pi / pi_old) (no gradient)."""
+    return advantages - tau * (logprobs - old_logprobs).detach()
 
 
 def ppo_loss(
-    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
     *,
@@ -105,13 +143,12 @@ def ppo_loss(
     loss functions.
     """
     del logprobs
-    ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
     return -torch.minimum(ratio * advantages, clipped * advantages)
 
 
 def cispo_loss(
-    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
     logprobs: torch.Tensor,
     advantages: torch.Tensor,
     *,
@@ -123,7 +160,7 @@ def cispo_loss(
     The importance weight is clipped and detached instead of the update being dropped, so
     tokens far off-policy still get a (bounded) gradient.
     """
-    weight = torch.exp(log_ratio).clamp(1 - epsilon, 1 + epsilon_high).detach()
+    weight = ratio.detach().clamp(1 - epsilon, 1 + epsilon_high)
     return -weight * advantages * logprobs
 
 
@@ -138,10 +175,10 @@ def policy_loss_function(name: str) -> Callable[..., torch.Tensor]:
 
 
 def clipped_fractions(
-    log_ratio: torch.Tensor, advantages: torch.Tensor, *, epsilon: float, epsilon_high: float
+    ratio: torch.Tensor, advantages: torch.Tensor, *, epsilon: float, epsilon_high: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per token, whether the lower / upper clip bound is the active one (as floats 0/1)."""
-    ratio = torch.exp(log_ratio.detach())
+    ratio = ratio.detach()
     low = (ratio < 1 - epsilon) & (advantages < 0)
     high = (ratio > 1 + epsilon_high) & (advantages > 0)
     return low.float(), high.float()

@@ -145,6 +145,11 @@ class Policy:
         model.peft_config["default"].base_model_name_or_path = base_model
         return cls(model, tokenizer, device=device, unsloth=fast is not None)
 
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding: the token ids this model can read."""
+        return int(self.model.get_input_embeddings().num_embeddings)
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [parameter for parameter in self.model.parameters() if parameter.requires_grad]
 

@@ -227,3 +227,18 @@ def one_sequence_per_row(sequences: Sequence[TokenizedSequence], *, row_length: 
         for index, sequence in enumerate(kept)
     ]
     return Packing(rows=rows, sequences=kept, stats=stats | _stats(rows, kept, row_length))
+
+
+def merged_stats(packings: Sequence[Packing], *, row_length: int) -> dict[str, float]:
+    """The statistics of several packings (one per optimizer step) as one job's."""
+    totals: dict[str, float] = {}
+    for packing in packings:
+        for key, value in packing.stats.items():
+            totals[key] = totals.get(key, 0.0) + value
+    capacity = totals.get("packing/capacity_tokens", 0.0)
+    return totals | {
+        "packing/row_length": float(row_length),
+        "packing/efficiency": totals.get("packing/real_tokens", 0.0) / capacity
+        if capacity
+        else 0.0,
+    }

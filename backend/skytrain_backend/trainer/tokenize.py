@@ -1,22 +1,32 @@
-"""Trajectories to the exact token ids the policy produced.
+"""Trajectories to the exact token ids the policy saw and produced.
 
-The trainer must learn from the tokens the engine sampled, not from a re-tokenization of their
-text: "Hello" sampled as ``Hel`` + ``lo`` is a different event, with a different logprob, than
-the single token ``Hello``. So each conversation is rendered with the base model's chat template
-(tools included) where every trained assistant turn is replaced by a unique marker; the text
-between markers is tokenized as the engine tokenized its prompt, and each marker is replaced by
-the turn's sampled token ids (vLLM's ``token_id:<id>`` convention) with their sampling logprobs.
+The trainer must learn from the tokens the engine sampled, after the prompt the engine saw, not
+from a re-tokenization of their text: "Hello" sampled as ``Hel`` + ``lo`` is a different event,
+with a different logprob, than the single token ``Hello``; and a later turn's prompt is what the
+engine rendered for *that* request, which need not be the earlier prompt plus the earlier
+sampled tokens (a turn tokenized differently when its text is rendered again, a tool call
+written with other whitespace than the template's, a template that rewrites earlier assistant
+turns, as Qwen3's drops their think blocks).
 
-After a sampled turn the template writes its closing tokens (``<|im_end|>\\n`` for ChatML). When
-the sampled ids already end with some of them (a turn that stopped on its end-of-turn token),
-only the rest is appended, so the trained sequence is exactly: template prefix + sampled ids +
-whatever closing tokens the model did not sample. Closing tokens the model did not sample are
-context, never trained.
+RL (``tokenize_rl_groups``): each trained turn is its prompt ids followed by its sampled ids.
+The prompt ids are the choice's ``prompt_token_ids`` (the engine's, which skytrain's endpoints
+return on every choice); without them (older clients, hand-made choices) the prompt is rendered
+exactly as the engine renders a request: the messages before the turn, the history's tools,
+``add_generation_prompt=True``. A turn whose prompt extends the tokens so far (earlier prompts
+and turns) continues the same sequence; one whose prompt does not starts a new sequence of its
+own, so no turn is ever trained after a context the sampler did not see. The packer shares
+what prefix such sequences have in common.
 
-Assistant turns given as plain messages (no token ids) are context unless the caller trains on
-them (``allow_training_without_logprobs`` in RL, every SFT turn): their text is tokenized up to
-the template's end-of-turn token, which is trained too (that is how the model learns to stop),
-and their logprobs are unknown (NaN; the loss uses the current policy's instead).
+Assistant turns given as plain messages (or choices without token ids) are context unless the
+caller trains on them (``allow_training_without_logprobs``): then their tokens are the
+template's rendering of their text up to and including its end-of-turn token (that is how the
+model learns to stop), and their logprobs are unknown (NaN: the trainer computes them once
+before its first step).
+
+SFT (``tokenize_sft_trajectories``): each conversation is rendered whole with its chat template,
+every trained assistant turn replaced by a unique marker; the text between markers is tokenized
+as the engine tokenizes a prompt, and each marker becomes the turn's token ids (sampled ids
+where a choice has them, else its text up to the end-of-turn token).
 """
 
 from __future__ import annotations
@@ -27,9 +37,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pydantic import ValidationError
+
+from skytrain_backend.engine.protocol import ToolSpec, template_message, template_tools
 from skytrain_backend.errors import TrainingError
 from skytrain_backend.protocol import Choice, History, Message, Trajectory, TrajectoryGroup
-from skytrain_backend.trainer.advantages import group_advantages
+from skytrain_backend.trainer.advantages import balance_advantages, group_advantages
 
 AssistantTurns = Literal["all", "last"]
 
@@ -69,8 +82,8 @@ class TokenizedSequence:
 
 
 @dataclass
-class _Turn:
-    """A trained assistant turn: its marker in the rendered text and its token ids."""
+class _MarkedTurn:
+    """SFT: a trained assistant turn, its marker in the rendered text and its token ids."""
 
     marker: str
     token_ids: list[int] = field(default_factory=list)
@@ -82,18 +95,6 @@ def _encode(tokenizer: Any, text: str) -> list[int]:
     if not text:
         return []
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _template_message(message: Message) -> dict[str, Any]:
-    """The message as chat templates expect it: text content, tool calls as plain dicts."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.name is not None:
-        rendered["name"] = message.name
-    if message.tool_calls:
-        rendered["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-    if message.tool_call_id is not None:
-        rendered["tool_call_id"] = message.tool_call_id
-    return rendered
 
 
 def turn_closing_text(tokenizer: Any) -> str:
@@ -126,7 +127,7 @@ def _overlap(turn_ids: Sequence[int], following_ids: Sequence[int]) -> int:
     return 0
 
 
-def tokenize_history(
+def tokenize_sft_history(
     tokenizer: Any,
     history: History,
     *,
@@ -134,7 +135,7 @@ def tokenize_history(
     closing_text: str,
     where: str,
 ) -> TokenizedSequence:
-    """Render ``history`` with its chat template, splicing in sampled ids for trained turns.
+    """SFT: render ``history`` with its chat template, with the trained turns' ids in place.
 
     ``trained_items`` are indices into ``messages_and_choices`` of the assistant turns to train
     on. A trained ``Choice`` with token ids contributes exactly those ids (and its logprobs);
@@ -142,13 +143,13 @@ def tokenize_history(
     """
     nonce = secrets.token_hex(8)
     messages: list[dict[str, Any]] = []
-    turns: list[_Turn] = []
+    turns: list[_MarkedTurn] = []
     for index, item in enumerate(history.messages_and_choices):
         message = item.message if isinstance(item, Choice) else item
         if index not in trained_items:
-            messages.append(_template_message(message))
+            messages.append(template_message(message))
             continue
-        turn = _Turn(marker=f"<<skytrain-turn-{nonce}-{len(turns)}>>")
+        turn = _MarkedTurn(marker=f"<<skytrain-turn-{nonce}-{len(turns)}>>")
         sampled_ids = item.sampled_token_ids() if isinstance(item, Choice) else None
         if sampled_ids is not None:
             assert isinstance(item, Choice)
@@ -157,7 +158,7 @@ def tokenize_history(
             messages.append({"role": "assistant", "content": turn.marker})
         else:
             turn.from_text = True
-            messages.append({**_template_message(message), "content": turn.marker + message.text()})
+            messages.append({**template_message(message), "content": turn.marker + message.text()})
         turns.append(turn)
 
     text = str(tokenizer.apply_chat_template(messages, tools=history.tools or None, tokenize=False))
@@ -185,7 +186,7 @@ def tokenize_history(
     token_ids: list[int] = []
     trained: list[bool] = []
     logprobs: list[float] = []
-    previous: _Turn | None = None
+    previous: _MarkedTurn | None = None
     for segment, spliced in zip(segments, [*turns, None], strict=True):
         segment_ids = _encode(tokenizer, segment)
         if previous is not None:
@@ -238,6 +239,127 @@ def sft_trained_items(history: History, *, assistant_turns: AssistantTurns) -> s
     raise ValueError(f"assistant_turns must be 'all' or 'last', got {assistant_turns!r}")
 
 
+def _tools(history: History, where: str) -> list[Any] | None:
+    """The history's tools as the engine hands them to the template."""
+    try:
+        specs = [ToolSpec.model_validate(tool) for tool in history.tools or []]
+    except ValidationError as exc:
+        raise TrainingError(
+            f"{where}: its tools are not OpenAI function tools ({exc.errors()[0]['msg']}): "
+            "send them as the model's endpoint took them"
+        ) from None
+    return template_tools(specs)
+
+
+class _Renderer:
+    """One history's messages rendered as the engine renders a request's."""
+
+    def __init__(self, tokenizer: Any, history: History, *, where: str) -> None:
+        self._tokenizer = tokenizer
+        self._messages = [
+            template_message(item.message if isinstance(item, Choice) else item)
+            for item in history.messages_and_choices
+        ]
+        self._tools = _tools(history, where)
+
+    def text(self, end: int, *, add_generation_prompt: bool) -> str:
+        return str(
+            self._tokenizer.apply_chat_template(
+                self._messages[:end],
+                tools=self._tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
+        )
+
+    def prompt_ids(self, index: int) -> list[int]:
+        """The engine's prompt for a turn at ``messages_and_choices[index]``."""
+        return _encode(self._tokenizer, self.text(index, add_generation_prompt=True))
+
+
+@dataclass
+class _Turn:
+    """One trained assistant turn: the prompt it was sampled after and its tokens."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+
+
+def _text_turn(
+    renderer: _Renderer, index: int, *, closing_text: str, tokenizer: Any, where: str
+) -> list[int]:
+    """The tokens of an assistant message trained from its text: the template's rendering of
+    it after the generation prompt, up to and including its end-of-turn token."""
+    prompt = renderer.text(index, add_generation_prompt=True)
+    whole = renderer.text(index + 1, add_generation_prompt=False)
+    end = whole.find(closing_text, len(prompt))
+    if not whole.startswith(prompt) or end < 0:
+        raise TrainingError(
+            f"{where}: the chat template does not render the assistant message at "
+            f"messages_and_choices[{index}] after its generation prompt, so its tokens cannot be "
+            "told apart: train on choices sampled from the model's endpoint instead"
+        )
+    return _encode(tokenizer, whole[len(prompt) : end]) + _encode(tokenizer, closing_text)[:1]
+
+
+def _rl_turn(
+    item: Message | Choice,
+    index: int,
+    renderer: _Renderer,
+    *,
+    tokenizer: Any,
+    closing_text: str,
+    where: str,
+) -> _Turn:
+    sampled = item.sampled_token_ids() if isinstance(item, Choice) else None
+    if isinstance(item, Choice) and item.prompt_token_ids is not None:
+        prompt = list(item.prompt_token_ids)
+    else:
+        prompt = renderer.prompt_ids(index)
+    if sampled is None:
+        ids = _text_turn(
+            renderer, index, closing_text=closing_text, tokenizer=tokenizer, where=where
+        )
+        return _Turn(prompt, ids, [math.nan] * len(ids))
+    assert isinstance(item, Choice)
+    logprobs = item.sampled_logprobs()
+    return _Turn(prompt, sampled, logprobs if logprobs is not None else [math.nan] * len(sampled))
+
+
+def tokenize_rl_history(
+    tokenizer: Any,
+    history: History,
+    *,
+    trained_items: Collection[int],
+    closing_text: str,
+    where: str,
+) -> list[TokenizedSequence]:
+    """The trained turns of ``history`` on their own prompts: one sequence while each turn's
+    prompt extends the tokens before it, a new one where it does not."""
+    renderer = _Renderer(tokenizer, history, where=where)
+    sequences: list[TokenizedSequence] = []
+    current: TokenizedSequence | None = None
+    for index in sorted(trained_items):
+        turn = _rl_turn(
+            history.messages_and_choices[index],
+            index,
+            renderer,
+            tokenizer=tokenizer,
+            closing_text=closing_text,
+            where=where,
+        )
+        so_far = current.token_ids if current is not None else []
+        if current is None or turn.prompt_ids[: len(so_far)] != so_far:
+            current = TokenizedSequence(token_ids=[], trained=[], logprobs=[])
+            sequences.append(current)
+        context = turn.prompt_ids[len(current.token_ids) :]
+        current.token_ids += context + turn.token_ids
+        current.trained += [False] * len(context) + [True] * len(turn.token_ids)
+        current.logprobs += [math.nan] * len(context) + turn.logprobs
+    return sequences
+
+
 @dataclass
 class RLBatch:
     """Tokenized sequences with their advantages, and what was left out and why."""
@@ -252,12 +374,13 @@ def tokenize_rl_groups(
     *,
     scale_rewards: bool,
     allow_training_without_logprobs: bool,
+    advantage_balance: float = 0.0,
     keep_zero_variance_groups: bool = False,
 ) -> RLBatch:
     """Advantages per group, then every history of every trajectory as token ids.
 
-    Groups whose rewards are all equal carry no signal and are skipped (and counted), unless
-    ``keep_zero_variance_groups`` (the logprob agreement check wants every sampled token).
+    Groups whose rewards are all equal (to float noise) carry no signal and are skipped (and
+    counted), unless ``keep_zero_variance_groups``.
     """
     closing_text = turn_closing_text(tokenizer)
     sequences: list[TokenizedSequence] = []
@@ -272,6 +395,7 @@ def tokenize_rl_groups(
             if not keep_zero_variance_groups:
                 continue
             advantages = [0.0] * len(group_rewards)
+        advantages = balance_advantages(advantages, balance=advantage_balance)
         for t, (trajectory, advantage) in enumerate(
             zip(group.trajectories, advantages, strict=True)
         ):
@@ -279,24 +403,23 @@ def tokenize_rl_groups(
                 items = rl_trained_items(
                     history, allow_training_without_logprobs=allow_training_without_logprobs
                 )
-                if not items:
-                    continue
-                sequence = tokenize_history(
+                for sequence in tokenize_rl_history(
                     tokenizer,
                     history,
                     trained_items=items,
                     closing_text=closing_text,
                     where=_where(g, t, h),
-                )
-                sequence.advantage = advantage
-                sequence.group_index, sequence.trajectory_index = g, t
-                sequence.history_index = h
-                sequences.append(sequence)
+                ):
+                    sequence.advantage = advantage
+                    sequence.group_index, sequence.trajectory_index = g, t
+                    sequence.history_index = h
+                    sequences.append(sequence)
     mean_reward = sum(rewards) / len(rewards) if rewards else 0.0
     summary = {
         "groups/total": float(len(groups)),
         "groups/skipped_zero_variance": float(skipped),
         "trajectories/total": float(len(rewards)),
+        "sequences/total": float(len(sequences)),
         "train/reward": mean_reward,
         "train/reward_std": math.sqrt(
             sum((r - mean_reward) ** 2 for r in rewards) / len(rewards) if rewards else 0.0
@@ -321,7 +444,7 @@ def tokenize_sft_trajectories(
                         "at least one assistant message per trajectory"
                     )
                 continue
-            sequence = tokenize_history(
+            sequence = tokenize_sft_history(
                 tokenizer,
                 history,
                 trained_items=items,

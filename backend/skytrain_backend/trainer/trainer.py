@@ -1,9 +1,19 @@
 """The training loop: a batch of scored groups (or SFT trajectories) to optimizer steps.
 
-``Trainer.train_rl`` does all the data work up front (advantages, tokenization, packing), so
-the number of optimizer steps and what was skipped are known before the first step; iterating
-the returned run performs the steps one by one and yields each step's metrics, which the worker
-streams as events.
+It reads as two calls::
+
+    plan = trainer.prepare_rl(groups, config)  # or prepare_sft(trajectories, config)
+    for metrics in trainer.run(plan):          # one optimizer step per iteration
+        ...
+
+``prepare_rl`` does the data work up front: advantages, tokenization on the sampler's own
+prompt and sampled ids, the split of the groups into optimizer steps (a property of the job:
+``num_gradient_steps`` steps over whole groups, never of how rows are packed), packing, and one
+pass of the current policy over every trained token without gradient. That pass fills in the
+logprobs the sampler did not give (or replaces them all, with ``precalculate_logprobs``) and
+measures how far the sampler's logprobs are from the trainer's, so the number of steps, what
+was skipped and whether the trainer sees what the sampler saw are known before the first step.
+``run`` performs the steps and yields each one's metrics, which the worker streams as events.
 """
 
 from __future__ import annotations
@@ -14,9 +24,10 @@ import math
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -30,9 +41,12 @@ from skytrain_backend.protocol import (
     check_trainable,
 )
 from skytrain_backend.trainer.loss import (
+    capped_ratio,
     clipped_fractions,
-    importance_log_ratio,
+    importance_ratio,
+    kimi_k2_advantages,
     kl_penalty,
+    masked_ratio,
     policy_loss_function,
     token_mean,
 )
@@ -46,6 +60,7 @@ from skytrain_backend.trainer.model import Policy, default_device
 from skytrain_backend.trainer.packing import (
     PackedRow,
     Packing,
+    merged_stats,
     one_sequence_per_row,
     pack_sequences,
 )
@@ -59,76 +74,120 @@ OPTIMIZER_STATE = "optimizer.pt"
 TRAINER_STATE = "trainer_state.json"
 # SFTTrainConfig.batch_size=None: trajectories per optimizer step.
 DEFAULT_SFT_BATCH_SIZE = 8
-# Tokens per output-layer chunk where the job's config has no say (SFT, agreement checks).
+# Tokens per output-layer chunk where the job's config has no say (SFT).
 LOGPROB_CHUNK_SIZE = 1024
+# How far the trainer's mean logprob of the sampled tokens may be from the sampler's before a
+# job says so: numerical noise in fp32 is far below the first, in bf16 below the second.
+AGREEMENT_NOISE = {torch.float32: 1e-3, torch.float64: 1e-3}
+AGREEMENT_NOISE_HALF = 5e-2
 
 Metrics = dict[str, float]
+# How rows are built: each group's prompt shared by its completions (the default where the
+# model can run packed rows), rows packed without sharing, or one sequence per row (Unsloth's
+# path). None of them changes what a job computes, only how fast.
+PackingKind = Literal["shared_prefixes", "packed", "one_per_row"]
 
 
-class TrainingRun:
-    """The optimizer steps of one training job, performed as it is iterated (once).
+@dataclass
+class RLPlan:
+    """An RL job ready to run: the rows of each optimizer step and what is known of them."""
 
-    ``steps`` may be made as they are reached (SFT makes each epoch's when it starts), so a
-    long run holds one step's data at a time; ``num_gradient_steps`` is known up front.
-    """
+    config: RLTrainConfig
+    steps: list[Packing]
+    # Per step, per row: the old logprob of each prediction site (N,), sampler's or trainer's.
+    old_logprobs: list[list[torch.Tensor]]
+    summary: Metrics
+    base_step: int
+    # Set when the sampler's logprobs are far from the trainer's (said in the job's events).
+    warning: str | None = None
+    started: bool = field(default=False, repr=False)
 
-    def __init__(
-        self,
-        steps: Iterable[Callable[[], Metrics]],
-        *,
-        num_gradient_steps: int,
-        summary: Metrics,
-        on_finished: Callable[[], None],
-        device: torch.device | None = None,
-        on_step: Callable[[Metrics], None] = lambda metrics: None,
-    ) -> None:
-        self._steps = steps
-        self.num_gradient_steps = num_gradient_steps
-        self.summary = summary
-        self._on_finished = on_finished
-        self._device = device or torch.device("cpu")
-        self._on_step = on_step
-        self._started = False
-
-    def __iter__(self) -> Iterator[Metrics]:
-        if self._started:
-            raise RuntimeError("a TrainingRun performs its steps once; start a new run")
-        self._started = True
-        for number, step in enumerate(self._steps, start=1):
-            with out_of_memory_as_error(f"training step {number}", self._device):
-                metrics = step()
-            self._on_step(metrics)
-            yield metrics
-        self._on_finished()
+    @property
+    def num_gradient_steps(self) -> int:
+        return len(self.steps)
 
 
-def _site_values(
-    packing: Packing, row: PackedRow, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sampling logprobs (N,), advantages (N,) and row-local sequence ids (N,) of a row."""
-    sequences = [packing.sequences[index] for index in row.sequence_indices]
-    old_logprobs = torch.tensor(
-        [s.logprobs[token] for s, token in zip(sequences, row.token_indices, strict=True)],
+@dataclass
+class SFTPlan:
+    """An SFT job ready to run: its optimizer steps' batches, made as the run reaches them
+    (each epoch's shuffle when it starts), so a long run holds one step's data at a time."""
+
+    config: SFTTrainConfig
+    batches: Callable[[], Iterator[tuple[list[TokenizedSequence], float]]]
+    num_steps: int
+    summary: Metrics
+    base_step: int
+    # SFT has no sampler to compare with; the field lets the worker treat both plans alike.
+    warning: str | None = None
+    started: bool = field(default=False, repr=False)
+
+    @property
+    def num_gradient_steps(self) -> int:
+        return self.num_steps
+
+
+def _site_sampling_logprobs(packing: Packing, row: PackedRow, device: torch.device) -> torch.Tensor:
+    """The sampler's logprob of each prediction site of a row (N,), NaN where unknown."""
+    return torch.tensor(
+        [
+            packing.sequences[s].logprobs[token]
+            for s, token in zip(row.sequence_indices, row.token_indices, strict=True)
+        ],
         dtype=torch.float32,
         device=device,
     )
-    advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32, device=device)
+
+
+def _site_advantages(
+    packing: Packing, row: PackedRow, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages (N,) and row-local sequence ids (N,) of a row's prediction sites."""
+    advantages = torch.tensor(
+        [packing.sequences[s].advantage for s in row.sequence_indices],
+        dtype=torch.float32,
+        device=device,
+    )
     sequence_ids = torch.unique(
         torch.tensor(row.sequence_indices, device=device), return_inverse=True
     )[1]
-    return old_logprobs, advantages, sequence_ids
+    return advantages, sequence_ids
+
+
+def _steps_over_groups(
+    group_indices: Sequence[int], num_steps: int, *, seed: int
+) -> list[list[int]]:
+    """The groups shuffled (seeded) and split into ``num_steps`` near-equal parts (fewer when
+    there are fewer groups: every step trains at least one whole group)."""
+    order = list(group_indices)
+    random.Random(seed).shuffle(order)
+    parts = min(num_steps, len(order))
+    return [order[i * len(order) // parts : (i + 1) * len(order) // parts] for i in range(parts)]
 
 
 class Trainer:
     """A policy (base model + LoRA adapter), its optimizer, and the checkpoint step it is at."""
 
     def __init__(
-        self, policy: Policy, *, base_model: str, model_config: ModelConfig, step: int = 0
+        self,
+        policy: Policy,
+        *,
+        base_model: str,
+        model_config: ModelConfig,
+        step: int = 0,
+        packing: PackingKind | None = None,
     ) -> None:
         self.policy = policy
         self.base_model = base_model
         self.model_config = model_config
         self.step = step
+        self.packing: PackingKind = packing or (
+            "shared_prefixes" if policy.supports_packed_rows else "one_per_row"
+        )
+        if self.packing != "one_per_row" and not policy.supports_packed_rows:
+            raise TrainingError(
+                f"packing={self.packing!r} needs packed rows, which this model (Unsloth) cannot "
+                "run: use packing='one_per_row'"
+            )
         # The learning rate and weight decay are set from each job's config before each step.
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.0)
         # What happened to this trainer, with Unix times: {"event", "at", ...}. The worker
@@ -145,20 +204,24 @@ class Trainer:
         adapter_dir: Path | None = None,
         device: str | None = None,
         activation_memory_limit_bytes: int | None = None,
+        packing: PackingKind | None = None,
+        fresh_optimizer: bool = False,
     ) -> Trainer:
         """The base model with a fresh adapter (step 0), or a checkpoint directory's adapter.
 
         A checkpoint directory also restores the optimizer state and step, so training resumes
-        exactly where the worker that wrote it stopped. A row whose activations would not fit
-        ``activation_memory_limit_bytes`` (default: on CUDA, the memory free then; on CPU, no
-        limit) fails its step with ``OutOfMemory`` (``trainer.memory``).
+        exactly where the worker that wrote it stopped; one without ``optimizer.pt`` is refused
+        unless ``fresh_optimizer`` (an adapter made elsewhere, trained on from a fresh state).
+        A row whose activations would not fit ``activation_memory_limit_bytes`` (default: on
+        CUDA, the memory free then; on CPU, no limit) fails its step with ``OutOfMemory``
+        (``trainer.memory``).
         """
         torch_device = torch.device(device) if device else default_device()
         with out_of_memory_as_error(f"loading {base_model}", torch_device):
             policy = Policy.load(base_model, model_config=model_config, device=torch_device)
-            trainer = cls(policy, base_model=base_model, model_config=model_config)
+            trainer = cls(policy, base_model=base_model, model_config=model_config, packing=packing)
             if adapter_dir is not None:
-                trainer._restore(Path(adapter_dir))
+                trainer._restore(Path(adapter_dir), fresh_optimizer=fresh_optimizer)
         policy.budget = ActivationBudget(
             ModelShape.of(policy.model.config),
             device=torch_device,
@@ -194,20 +257,27 @@ class Trainer:
         if self.released:
             raise TrainingError("this trainer was released: load it again from its checkpoint")
 
-    def _restore(self, directory: Path) -> None:
+    def _restore(self, directory: Path, *, fresh_optimizer: bool) -> None:
         self.policy.load_adapter(directory, model_config=self.model_config)
         state_path = directory / TRAINER_STATE
         if state_path.is_file():
             self.step = int(json.loads(state_path.read_text()).get("step", 0))
         optimizer_path = directory / OPTIMIZER_STATE
-        if optimizer_path.is_file():
-            state = torch.load(optimizer_path, map_location=self.policy.device, weights_only=True)
-            try:
-                self.optimizer.load_state_dict(state)
-            except ValueError as exc:
-                raise TrainingError(
-                    f"the optimizer state in {optimizer_path} does not fit this adapter ({exc})"
-                ) from exc
+        if not optimizer_path.is_file():
+            if fresh_optimizer:
+                return
+            raise TrainingError(
+                f"the checkpoint at step {self.step} has no {OPTIMIZER_STATE}, so training "
+                "cannot resume where it stopped (a fresh optimizer would take a different "
+                "step): delete that checkpoint to train on from the one before it"
+            )
+        state = torch.load(optimizer_path, map_location=self.policy.device, weights_only=True)
+        try:
+            self.optimizer.load_state_dict(state)
+        except ValueError as exc:
+            raise TrainingError(
+                f"the optimizer state in {optimizer_path} does not fit this adapter ({exc})"
+            ) from exc
 
     def save(self, directory: Path) -> None:
         """Write a checkpoint directory: the peft adapter, optimizer state and trainer state."""
@@ -228,12 +298,22 @@ class Trainer:
     # --- data --------------------------------------------------------------------------------
 
     def _pack(self, sequences: Sequence[TokenizedSequence], row_length: int) -> Packing:
-        if self.policy.supports_packed_rows:
-            return pack_sequences(sequences, row_length=row_length)
-        return one_sequence_per_row(sequences, row_length=row_length)
+        if self.packing == "one_per_row":
+            return one_sequence_per_row(sequences, row_length=row_length)
+        return pack_sequences(
+            sequences, row_length=row_length, share_prefixes=self.packing == "shared_prefixes"
+        )
 
-    def _finish_step(self) -> None:
-        self.step += 1
+    def _check_vocabulary(self, sequences: Sequence[TokenizedSequence]) -> None:
+        size = self.policy.vocab_size
+        for sequence in sequences:
+            bad = [token for token in sequence.token_ids if not 0 <= token < size]
+            if bad:
+                raise TrainingError(
+                    f"trajectory {sequence.trajectory_index} of group {sequence.group_index} has "
+                    f"token ids outside this model's vocabulary (0..{size - 1}): {bad[:5]}; was "
+                    "it sampled from another base model?"
+                )
 
     def _optimizer_step(
         self, *, learning_rate: float, weight_decay: float, max_grad_norm: float
@@ -253,15 +333,47 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
+    # --- the loop ----------------------------------------------------------------------------
+
+    def run(self, plan: RLPlan | SFTPlan) -> Iterator[Metrics]:
+        """Perform the plan's optimizer steps, yielding each one's metrics.
+
+        ``step`` advances by one once the last step is done (also for a plan with no steps,
+        when every group had zero reward variance: nothing changes, but the worker still
+        commits the next step). A plan runs once, on the trainer that prepared it.
+        """
+        if plan.started:
+            raise RuntimeError("a plan runs once: prepare the job again to train on it again")
+        if plan.base_step != self.step:
+            raise RuntimeError(
+                f"the plan was prepared at step {plan.base_step} but the trainer is at step "
+                f"{self.step}: prepare it again"
+            )
+        self._check_not_released()
+        plan.started = True
+        # LoRA dropout draws from torch's global generator: seeded per job and step, a rerun of
+        # the same job on a new worker draws the same masks.
+        torch.manual_seed(plan.config.seed + self.step)
+        for number, step in enumerate(self._steps(plan), start=1):
+            with out_of_memory_as_error(f"training step {number}", self.policy.device):
+                metrics = step()
+            self._record_step(metrics)
+            yield metrics
+        self.step += 1
+
+    def _steps(self, plan: RLPlan | SFTPlan) -> Iterator[Callable[[], Metrics]]:
+        if isinstance(plan, RLPlan):
+            for index in range(plan.num_gradient_steps):
+                yield functools.partial(self._rl_step, plan, index)
+        else:
+            for sequences, learning_rate in plan.batches():
+                yield functools.partial(self._sft_step, sequences, learning_rate, plan.config)
+
     # --- RL ----------------------------------------------------------------------------------
 
-    def train_rl(self, groups: Sequence[TrajectoryGroup], config: RLTrainConfig) -> TrainingRun:
-        """Tokenize and pack ``groups`` now; the returned run performs the optimizer steps.
-
-        Each step takes ``grad_accumulation_sequences`` packed rows (one by default). Groups
-        with zero reward variance are skipped; if all are, the run has no steps and iterating
-        it still advances ``step`` (the worker commits the next checkpoint all the same).
-        """
+    def prepare_rl(self, groups: Sequence[TrajectoryGroup], config: RLTrainConfig) -> RLPlan:
+        """Tokenize, split into steps and pack ``groups``; read the policy's logprobs of every
+        trained token once (no gradient). Raises TrainingError for input it cannot train on."""
         self._check_not_released()
         policy_loss_function(config.loss_fn)  # an unknown loss fails before any work
         try:
@@ -276,53 +388,112 @@ class Trainer:
             groups,
             scale_rewards=config.scale_rewards,
             allow_training_without_logprobs=config.allow_training_without_logprobs,
+            advantage_balance=config.advantage_balance,
         )
+        self._check_vocabulary(batch.sequences)
         row_length = config.packed_sequence_length or self.model_config.max_seq_length
-        packing = self._pack(batch.sequences, row_length)
-        if batch.sequences and not packing.rows:
+        by_group: defaultdict[int, list[TokenizedSequence]] = defaultdict(list)
+        for sequence in batch.sequences:
+            by_group[sequence.group_index].append(sequence)
+        parts = _steps_over_groups(
+            sorted(by_group), config.num_gradient_steps, seed=config.seed + self.step
+        )
+        packings = [
+            self._pack([s for g in sorted(part) for s in by_group[g]], row_length) for part in parts
+        ]
+        steps = [packing for packing in packings if packing.rows]
+        if batch.sequences and not steps:
             raise TrainingError(
                 f"every trained token lies beyond {row_length} tokens, so nothing is left to "
                 "train on: raise the model's max_seq_length or packed_sequence_length, or send "
                 "shorter trajectories"
             )
-        per_step = config.grad_accumulation_sequences or 1
-        chunks = [packing.rows[i : i + per_step] for i in range(0, len(packing.rows), per_step)]
-        steps = [functools.partial(self._rl_step, rows, packing, config) for rows in chunks]
-        summary = batch.summary | packing.stats | {"train/num_gradient_steps": float(len(steps))}
-        # LoRA dropout draws from torch's global generator: seeded per job and step, a rerun of
-        # the same job on a new worker draws the same masks.
-        torch.manual_seed(config.seed + self.step)
-        return TrainingRun(
-            steps,
-            num_gradient_steps=len(steps),
+        with out_of_memory_as_error("computing the old logprobs", self.policy.device):
+            old_logprobs, agreement, warning = self._old_logprobs(steps, config)
+        summary = (
+            batch.summary
+            | merged_stats(packings, row_length=row_length)
+            | agreement
+            | {"train/num_gradient_steps": float(len(steps))}
+        )
+        return RLPlan(
+            config=config,
+            steps=steps,
+            old_logprobs=old_logprobs,
             summary=summary,
-            on_finished=self._finish_step,
-            device=self.policy.device,
-            on_step=self._record_step,
+            base_step=self.step,
+            warning=warning,
         )
 
-    def _rl_step(
-        self, rows: Sequence[PackedRow], packing: Packing, config: RLTrainConfig
-    ) -> Metrics:
+    @torch.no_grad()
+    def _old_logprobs(
+        self, steps: Sequence[Packing], config: RLTrainConfig
+    ) -> tuple[list[list[torch.Tensor]], Metrics, str | None]:
+        """The old logprob of every trained token, the agreement metrics, and a warning."""
+        self.policy.model.eval()
+        old: list[list[torch.Tensor]] = []
+        differences: list[torch.Tensor] = []
+        missing = 0
+        for packing in steps:
+            old.append([])
+            for row in packing.rows:
+                current, _ = self.policy.site_logprobs(
+                    row, chunk_size=config.logprob_calculation_chunk_size
+                )
+                sampled = _site_sampling_logprobs(packing, row, self.policy.device)
+                known = ~sampled.isnan()
+                missing += int((~known).sum())
+                differences.append((current[known] - sampled[known]).abs())
+                use_current = ~known if not config.precalculate_logprobs else torch.ones_like(known)
+                old[-1].append(torch.where(use_current, current, sampled))
+        difference = torch.cat(differences) if differences else torch.zeros(0)
+        metrics = {"tokens/without_sampling_logprob": float(missing)}
+        if difference.numel() == 0:
+            return old, metrics, None
+        mean, largest = float(difference.mean()), float(difference.max())
+        metrics |= {
+            "logprob_agreement/mean_abs_diff": mean,
+            "logprob_agreement/max_abs_diff": largest,
+            "logprob_agreement/num_tokens": float(difference.numel()),
+        }
+        dtype = self.policy.model.dtype
+        noise = AGREEMENT_NOISE.get(dtype, AGREEMENT_NOISE_HALF)
+        warning = None
+        if mean > noise:
+            warning = (
+                f"the trainer's logprobs of the sampled tokens differ from the sampler's by "
+                f"{mean:.3g} nats on average (at most {largest:.3g}, over {difference.numel()} "
+                f"tokens), far beyond {str(dtype).removeprefix('torch.')} noise (~{noise:g}): "
+                "the trainer does not compute what the sampler did (another base model, adapter "
+                "or chat template?), so importance ratios and clipping act on wrong values"
+            )
+        return old, metrics, warning
+
+    def _rl_step(self, plan: RLPlan, index: int) -> Metrics:
+        config, packing = plan.config, plan.steps[index]
         self.policy.model.train()
         # Gradients left by a step that failed halfway must not leak into this one.
         self.optimizer.zero_grad(set_to_none=True)
         loss_function = policy_loss_function(config.loss_fn)
-        epsilon = config.epsilon
-        epsilon_high = config.epsilon if config.epsilon_high is None else config.epsilon_high
+        epsilon, epsilon_high = config.clip_range()
         chunk_size = config.logprob_calculation_chunk_size
-        num_tokens = sum(row.num_sites for row in rows)
+        num_tokens = sum(row.num_sites for row in packing.rows)
         totals: defaultdict[str, float] = defaultdict(float)
-        for row in rows:
+        for row, old_logprobs in zip(packing.rows, plan.old_logprobs[index], strict=True):
             logprobs, entropy = self.policy.site_logprobs(row, chunk_size=chunk_size)
-            old_logprobs, advantages, sequence_ids = _site_values(packing, row, self.policy.device)
-            # Tokens without a sampling logprob are taken as on-policy: ratio 1.
-            old_logprobs = torch.where(old_logprobs.isnan(), logprobs.detach(), old_logprobs)
-            log_ratio = importance_log_ratio(
+            advantages, sequence_ids = _site_advantages(packing, row, self.policy.device)
+            ratio = importance_ratio(
                 logprobs, old_logprobs, sequence_ids, level=config.importance_sampling_level
             )
+            ratio = capped_ratio(ratio, config.max_negative_advantage_importance_sampling_weight)
+            if config.mask_prob_ratio:
+                ratio = masked_ratio(ratio, epsilon=epsilon, epsilon_high=epsilon_high)
+            if config.kimi_k2_tau:
+                advantages = kimi_k2_advantages(
+                    advantages, logprobs, old_logprobs, tau=config.kimi_k2_tau
+                )
             per_token = loss_function(
-                log_ratio, logprobs, advantages, epsilon=epsilon, epsilon_high=epsilon_high
+                ratio, logprobs, advantages, epsilon=epsilon, epsilon_high=epsilon_high
             )
             totals["loss/policy"] += float(per_token.detach().sum())
             if config.kl_penalty_coef > 0:
@@ -333,12 +504,12 @@ class Trainer:
                 totals["loss/kl"] += float(kl.detach().sum())
             token_mean(per_token, num_tokens).backward()
             low, high = clipped_fractions(
-                log_ratio, advantages, epsilon=epsilon, epsilon_high=epsilon_high
+                ratio, advantages, epsilon=epsilon, epsilon_high=epsilon_high
             )
             totals["clip_ratio/low"] += float(low.sum())
             totals["clip_ratio/high"] += float(high.sum())
             totals["entropy"] += float(entropy.sum())
-            totals["ratio/mean"] += float(torch.exp(log_ratio.detach()).sum())
+            totals["ratio/mean"] += float(ratio.detach().sum())
         grad_norm = self._optimizer_step(
             learning_rate=config.learning_rate,
             weight_decay=config.weight_decay,
@@ -352,12 +523,12 @@ class Trainer:
             "grad_norm": grad_norm,
             "learning_rate": config.learning_rate,
             "train/num_trainable_tokens": float(num_tokens),
-            "train/num_sequences": float(len({i for row in rows for i in row.sequence_indices})),
+            "train/num_sequences": float(len(packing.sequences)),
         }
 
     # --- SFT ---------------------------------------------------------------------------------
 
-    def train_sft(self, trajectories: Sequence[Trajectory], config: SFTTrainConfig) -> TrainingRun:
+    def prepare_sft(self, trajectories: Sequence[Trajectory], config: SFTTrainConfig) -> SFTPlan:
         """Supervised fine-tuning on the assistant turns (all, or the last) of trajectories.
 
         Each epoch shuffles the trajectories (seeded) and takes ``batch_size`` of them per
@@ -369,8 +540,7 @@ class Trainer:
         TRL's SFTTrainer is not used: its assistant-only loss needs ``{% generation %}`` markers
         in the chat template, which real templates lack, it would re-tokenize sampled turns
         from text, and it owns the loop and optimizer, where the worker needs per-step metrics
-        and an optimizer state shared with RL checkpoints. The splice tokenizer and loop here
-        already do both jobs.
+        and an optimizer state shared with RL checkpoints.
         """
         self._check_not_released()
         if not trajectories:
@@ -378,6 +548,7 @@ class Trainer:
         sequences = tokenize_sft_trajectories(
             self.policy.tokenizer, trajectories, assistant_turns=config.assistant_turns
         )
+        self._check_vocabulary(sequences)
         row_length = self.model_config.max_seq_length
         by_trajectory: defaultdict[int, list[TokenizedSequence]] = defaultdict(list)
         for sequence in sequences:
@@ -412,8 +583,9 @@ class Trainer:
                 f"in batches of {batch_size}): give one value per step or a single number"
             )
 
-        def steps() -> Iterator[Callable[[], Metrics]]:
-            """Each epoch's batches, shuffled (seeded) when the epoch starts."""
+        def batches() -> Iterator[tuple[list[TokenizedSequence], float]]:
+            """Each epoch's batches, shuffled (seeded) when the epoch starts: a run holds one
+            step's data at a time, however many epochs it has."""
             order = random.Random(config.seed)
             rates = iter(learning_rates)
             for _ in range(config.num_epochs):
@@ -423,21 +595,19 @@ class Trainer:
                     batch = [
                         s for i in indices[start : start + batch_size] for s in by_trajectory[i]
                     ]
-                    yield functools.partial(self._sft_step, batch, next(rates), config)
+                    yield batch, next(rates)
 
         summary = {
             "trajectories/total": float(len(trajectories)),
             **{key: value * config.num_epochs for key, value in per_epoch.items()},
             "train/num_gradient_steps": float(num_steps),
         }
-        torch.manual_seed(config.seed + self.step)
-        return TrainingRun(
-            steps(),
-            num_gradient_steps=num_steps,
+        return SFTPlan(
+            config=config,
+            batches=batches,
+            num_steps=num_steps,
             summary=summary,
-            on_finished=self._finish_step,
-            device=self.policy.device,
-            on_step=self._record_step,
+            base_step=self.step,
         )
 
     def _sft_step(
@@ -455,7 +625,9 @@ class Trainer:
             total_loss += float(loss.detach())
             total_entropy += float(entropy.sum())
         grad_norm = self._optimizer_step(
-            learning_rate=learning_rate, weight_decay=0.0, max_grad_norm=config.max_grad_norm
+            learning_rate=learning_rate,
+            weight_decay=0.0,
+            max_grad_norm=config.max_grad_norm,
         )
         return {
             "loss": total_loss,
@@ -465,40 +637,4 @@ class Trainer:
             "learning_rate": learning_rate,
             "train/num_trainable_tokens": float(num_tokens),
             "train/num_sequences": float(len(packing.sequences)),
-        }
-
-    # --- checks ------------------------------------------------------------------------------
-
-    @torch.no_grad()
-    def logprob_agreement(self, groups: Sequence[TrajectoryGroup]) -> dict[str, float]:
-        """How far the current policy's logprobs of the sampled tokens are from the engine's.
-
-        With the adapter the engine sampled from, the difference is numerical noise (kernels,
-        precision); a large one means the trainer and the engine do not see the same tokens.
-        """
-        batch = tokenize_rl_groups(
-            self.policy.tokenizer,
-            groups,
-            scale_rewards=False,
-            allow_training_without_logprobs=False,
-            keep_zero_variance_groups=True,
-        )
-        packing = self._pack(batch.sequences, self.model_config.max_seq_length)
-        self.policy.model.eval()
-        differences = []
-        for row in packing.rows:
-            logprobs, _ = self.policy.site_logprobs(row, chunk_size=LOGPROB_CHUNK_SIZE)
-            sampled, _, _ = _site_values(packing, row, self.policy.device)
-            known = ~sampled.isnan()
-            differences.append((logprobs[known] - sampled[known]).abs())
-        difference = torch.cat(differences) if differences else torch.zeros(0)
-        if difference.numel() == 0:
-            raise TrainingError(
-                "no sampled token with a logprob to compare: send choices returned by the "
-                "model's endpoint with logprobs"
-            )
-        return {
-            "max_abs_diff": float(difference.max()),
-            "mean_abs_diff": float(difference.mean()),
-            "num_tokens": float(difference.numel()),
         }

@@ -67,7 +67,7 @@ from skytrain_backend.worker.tinker import TinkerExecutor
 
 if TYPE_CHECKING:
     from skytrain_backend.engine.client import EngineClient
-    from skytrain_backend.trainer import Trainer
+    from skytrain_backend.trainer import RLPlan, SFTPlan, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -466,30 +466,35 @@ class WorkerAgent:
         running.trainer = trainer
         started = time.monotonic()
         # Parsing, tokenizing and packing a large batch takes a while: all off the event loop.
+        plan: RLPlan | SFTPlan
         if job.kind == "sft":
             trajectories = await asyncio.to_thread(_read_batch, batch_path, Trajectory)
             sft_config = SFTTrainConfig.model_validate(job.config or {})
-            run = await asyncio.to_thread(trainer.train_sft, trajectories, sft_config)
+            plan = await asyncio.to_thread(trainer.prepare_sft, trajectories, sft_config)
             num_trajectories = len(trajectories)
         else:
             groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
             rl_config = RLTrainConfig.model_validate(job.config or {})
-            run = await asyncio.to_thread(trainer.train_rl, groups, rl_config)
+            plan = await asyncio.to_thread(trainer.prepare_rl, groups, rl_config)
             num_trajectories = sum(len(g.trajectories) for g in groups)
+        if plan.warning:
+            logger.warning("job %s: %s", running.id, plan.warning)
         await self._cp.event(
             running.id,
             attempt=running.attempt,
             type="training_started",
             data={
-                "num_sequences": run.num_gradient_steps,
-                "num_gradient_steps": run.num_gradient_steps,
+                "num_sequences": plan.num_gradient_steps,
+                "num_gradient_steps": plan.num_gradient_steps,
                 "num_trajectories": num_trajectories,
                 "attempt": running.attempt,
                 "step": step,
+                **_agreement(plan.summary),
+                **({"warning": plan.warning} if plan.warning else {}),
             },
         )
         step_metrics: list[dict[str, float]] = []
-        iterator: Iterator[dict[str, float]] = iter(run)
+        iterator: Iterator[dict[str, float]] = trainer.run(plan)
         while (metrics := await asyncio.to_thread(next, iterator, None)) is not None:
             self._check(running)
             step_metrics.append(metrics)
@@ -521,7 +526,7 @@ class WorkerAgent:
                 await self._cp.upload_file(running.id, path, attempt=running.attempt)
         await self._report_timeline(running, trainer)
 
-        summary = {**_mean_metrics(step_metrics), **_floats(run.summary), **times}
+        summary = {**_mean_metrics(step_metrics), **_floats(plan.summary), **times}
         summary["time/training_s"] = time.monotonic() - started
         try:
             await self._cp.complete(
@@ -622,6 +627,15 @@ def _read_batch(path: Path, kind: type[BatchItem]) -> list[BatchItem]:
     """A stored batch: one JSON object of ``kind`` per line."""
     with open(path) as handle:
         return [kind.model_validate(json.loads(line)) for line in handle if line.strip()]
+
+
+def _agreement(summary: dict[str, float]) -> dict[str, float]:
+    """What the job measured of sampler-vs-trainer logprobs before its first update."""
+    return {
+        key: value
+        for key, value in summary.items()
+        if key.startswith("logprob_agreement/") or key == "tokens/without_sampling_logprob"
+    }
 
 
 def _floats(values: dict[str, Any]) -> dict[str, float]:
