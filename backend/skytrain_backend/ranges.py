@@ -18,9 +18,10 @@ No torch and no database here: the API, the engines and the trainer all import i
 
 from __future__ import annotations
 
-from typing import Annotated
+import math
+from typing import Annotated, Any
 
-from pydantic import Field, StringConstraints
+from pydantic import AfterValidator, Field, StringConstraints
 
 from skytrain_backend.errors import InvalidRequest
 
@@ -52,6 +53,42 @@ MetricFloat = Annotated[float, Field(allow_inf_nan=False)]
 MetricValue = MetricFloat | MetricInt | bool
 
 Text = Annotated[str, StringConstraints(pattern=NO_NUL_PATTERN)]
+
+# Free-form JSON a client stores (metadata, tags): nested at most this deep.
+MAX_JSON_DEPTH = 16
+
+
+def _storable(value: Any, depth: int = 0) -> None:
+    """Raise ValueError unless ``value`` can be stored as JSONB and read back as sent."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError("text must not contain NUL (\\u0000)")
+    elif isinstance(value, bool) or value is None:
+        pass
+    elif isinstance(value, int):
+        if not INT64_MIN <= value <= INT64_MAX:
+            raise ValueError("integers must fit in 64 bits")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError("numbers must be finite")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _storable(key, depth + 1)
+            _storable(item, depth + 1)
+    elif isinstance(value, list):
+        for item in value:
+            _storable(item, depth + 1)
+
+
+def _storable_json(value: dict[str, Any]) -> dict[str, Any]:
+    _storable(value)
+    return value
+
+
+JsonObject = Annotated[dict[str, Any], AfterValidator(_storable_json)]
+"""A JSON object with no NUL in any text, finite numbers, 64-bit integers, at most 16 deep."""
 
 
 def parse_step(digits: str, *, where: str) -> int:

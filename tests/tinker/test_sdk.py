@@ -310,3 +310,32 @@ def test_keys_create_tinker_prints_a_key_the_sdk_accepts(tinker_service: Service
     assert key.startswith("tml-sk-st-")
     rest = tinker.RestClient(base_url=tinker_service.url, api_key=key)
     assert rest.list_training_runs().result(timeout=60).training_runs == []
+
+
+def test_values_the_database_cannot_hold_are_refused_naming_the_field(
+    tinker_service: Service,
+) -> None:
+    """NUL in text (PostgreSQL refuses it), integers past their columns, over-long paths: 400
+    naming the field, before anything is stored."""
+    with httpx.Client(
+        base_url=tinker_service.url,
+        headers={"X-API-Key": tinker_key(tinker_service, "nul")},
+        timeout=60,
+    ) as http:
+        refused = [
+            ("/api/v1/create_session", {"sdk_version": "\x00"}, "sdk_version"),
+            ("/api/v1/create_session", {"tags": ["a\x00"]}, "tags"),
+            ("/api/v1/create_session", {"user_metadata": {"k": ["\x00"]}}, "user_metadata"),
+            ("/api/v1/create_session", {"user_metadata": {"k": 2**70}}, "user_metadata"),
+            ("/api/v1/get_info", {"model_id": "run\x00"}, "model_id"),
+            ("/api/v1/optim_step", {"model_id": "r", "seq_id": 2**40}, "seq_id"),
+            ("/api/v1/weights_info", {"tinker_path": "tinker://x" * 200}, "tinker_path"),
+        ]
+        for path, body, field in refused:
+            response = http.post(path, json=body)
+            assert response.status_code == 400, (path, body, response.text)
+            assert field in response.text, response.text
+        assert http.get("/api/v1/training_runs", params={"offset": 2**40}).status_code == 400
+        assert http.get("/api/v1/samplers/a%00b").status_code == 400
+        # Nothing was created: the tenant has no session, hence no runs.
+        assert http.get("/api/v1/training_runs").json()["training_runs"] == []

@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, StringConstraints, field_validator
+
+from skytrain_backend.ranges import INT32_MAX, NO_NUL_PATTERN, JsonObject, Seed
 
 MAX_SAMPLES = 128
+# Ids skytrain issued (sessions, runs, samplers, futures): no NUL, bounded.
+TinkerId = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=NO_NUL_PATTERN)]
+# Base model names and tinker:// paths.
+TinkerName = Annotated[
+    str, StringConstraints(min_length=1, max_length=1024, pattern=NO_NUL_PATTERN)
+]
+ShortText = Annotated[str, StringConstraints(max_length=1024, pattern=NO_NUL_PATTERN)]
+# Sequence numbers the SDK counts per session/run: 32-bit, as the columns they reach.
+SeqId = Annotated[int, Field(ge=0, le=INT32_MAX)]
 
 
 class _Request(BaseModel):
@@ -44,9 +55,9 @@ class DynamicConfigResponse(BaseModel):
 
 
 class CreateSessionRequest(_Request):
-    tags: list[str] = Field(default_factory=list, max_length=100)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str = Field(default="", max_length=64)
+    tags: list[ShortText] = Field(default_factory=list, max_length=100)
+    user_metadata: JsonObject | None = None
+    sdk_version: str = Field(default="", max_length=64, pattern=NO_NUL_PATTERN)
 
 
 class CreateSessionResponse(BaseModel):
@@ -56,12 +67,12 @@ class CreateSessionResponse(BaseModel):
 
 
 class SessionHeartbeatRequest(_Request):
-    session_id: str
+    session_id: TinkerId
 
 
 class FinishSessionRequest(_Request):
-    reason: dict[str, Any] = Field(default_factory=dict)
-    detail: str | None = None
+    reason: JsonObject = Field(default_factory=dict)
+    detail: ShortText | None = None
 
 
 class SupportedModel(BaseModel):
@@ -79,7 +90,7 @@ class ServerCapabilities(BaseModel):
 
 class LoraConfig(_Request):
     rank: int = Field(ge=1, le=256)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    seed: Seed | None = None
     train_unembed: bool = True
     train_mlp: bool = True
     train_attn: bool = True
@@ -88,14 +99,14 @@ class LoraConfig(_Request):
 class OptimizerConfig(_Request):
     model_config = ConfigDict(extra="allow")
 
-    type: str = "adamw"
+    type: str = Field(default="adamw", max_length=64, pattern=NO_NUL_PATTERN)
 
 
 class CreateModelRequest(_Request):
-    session_id: str
-    model_seq_id: int = Field(ge=0, le=2**31 - 1)
-    base_model: str = Field(min_length=1, max_length=512)
-    user_metadata: dict[str, Any] | None = None
+    session_id: TinkerId
+    model_seq_id: SeqId
+    base_model: str = Field(min_length=1, max_length=512, pattern=NO_NUL_PATTERN)
+    user_metadata: JsonObject | None = None
     lora_config: LoraConfig | None = None
     optimizer_config: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
@@ -107,7 +118,7 @@ class UntypedAPIFuture(BaseModel):
 
 
 class GetInfoRequest(_Request):
-    model_id: str
+    model_id: TinkerId
 
 
 class ModelData(BaseModel):
@@ -139,52 +150,52 @@ class AdamParams(_Request):
 
 class OptimStepRequest(_Request):
     # Checked by the route: an invalid one fails its future (the SDK numbered it already).
-    adam_params: dict[str, Any] | None = None
-    optimizer_params: dict[str, Any] | None = None
-    model_id: str
-    seq_id: int | None = None
+    adam_params: JsonObject | None = None
+    optimizer_params: JsonObject | None = None
+    model_id: TinkerId
+    seq_id: SeqId | None = None
 
 
 class SaveWeightsRequest(_Request):
-    model_id: str
-    path: str | None = None
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
+    model_id: TinkerId
+    path: TinkerName | None = None
+    seq_id: SeqId | None = None
+    ttl_seconds: int | None = Field(default=None, ge=0, le=INT32_MAX)
     overwrite: bool = False
-    user_metadata: dict[str, str] | None = None
+    user_metadata: dict[ShortText, ShortText] | None = Field(default=None, max_length=100)
 
 
 class SaveWeightsForSamplerRequest(_Request):
-    model_id: str
-    path: str | None = None
-    sampling_session_seq_id: int | None = None
-    kind: str = "snapshot"
-    seq_id: int | None = None
-    ttl_seconds: int | None = None
-    user_metadata: dict[str, str] | None = None
+    model_id: TinkerId
+    path: TinkerName | None = None
+    sampling_session_seq_id: SeqId | None = None
+    kind: str = Field(default="snapshot", max_length=64, pattern=NO_NUL_PATTERN)
+    seq_id: SeqId | None = None
+    ttl_seconds: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    user_metadata: dict[ShortText, ShortText] | None = Field(default=None, max_length=100)
 
 
 class LoadWeightsRequest(_Request):
-    model_id: str | None = None
-    seq_id: int | None = None
-    session_id: str | None = None
-    model_seq_id: int | None = Field(default=None, ge=0, le=2**31 - 1)
-    base_model: str | None = None
-    user_metadata: dict[str, Any] | None = None
-    path: str
+    model_id: TinkerId | None = None
+    seq_id: SeqId | None = None
+    session_id: TinkerId | None = None
+    model_seq_id: SeqId | None = None
+    base_model: TinkerName | None = None
+    user_metadata: JsonObject | None = None
+    path: TinkerName
     optimizer: bool
     optimizer_config: OptimizerConfig | None = None
-    weights_access_token: str | None = None
+    weights_access_token: ShortText | None = None
 
 
 # --- sampling -----------------------------------------------------------------------------------
 
 
 class CreateSamplingSessionRequest(_Request):
-    session_id: str
-    sampling_session_seq_id: int = 0
-    base_model: str | None = Field(default=None, max_length=512)
-    model_path: str | None = None
+    session_id: TinkerId
+    sampling_session_seq_id: SeqId = 0
+    base_model: str | None = Field(default=None, max_length=512, pattern=NO_NUL_PATTERN)
+    model_path: TinkerName | None = None
 
 
 class CreateSamplingSessionResponse(BaseModel):
@@ -199,12 +210,12 @@ class GetSamplerResponse(BaseModel):
 
 
 class EncodedTextChunk(_Request):
-    tokens: list[int] = Field(max_length=1_000_000)
+    tokens: list[Annotated[int, Field(ge=0, le=INT32_MAX)]] = Field(max_length=1_000_000)
     type: Literal["encoded_text"] = "encoded_text"
 
 
 class ModelInput(_Request):
-    chunks: list[dict[str, Any]]
+    chunks: list[JsonObject] = Field(max_length=1024)
 
     def token_ids(self) -> list[int]:
         """The prompt's token ids; image chunks are refused (ValueError naming the chunk)."""
@@ -220,11 +231,16 @@ class ModelInput(_Request):
 
 
 class SamplingParams(_Request):
-    max_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    stop: str | list[str] | list[int] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    seed: Seed | None = None
+    stop: (
+        ShortText
+        | Annotated[list[ShortText], Field(max_length=16)]
+        | Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(max_length=16)]
+        | None
+    ) = None
     temperature: float = Field(default=1.0, ge=0, allow_inf_nan=False)
-    top_k: int = Field(default=-1, ge=-1)
+    top_k: int = Field(default=-1, ge=-1, le=INT32_MAX)
     top_p: float = Field(default=1.0, gt=0, le=1)
 
     @field_validator("temperature", "top_p")
@@ -239,16 +255,16 @@ class SampleRequest(_Request):
     num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES)
     prompt: ModelInput
     sampling_params: SamplingParams
-    base_model: str | None = None
-    model_path: str | None = None
-    sampling_session_id: str | None = None
-    seq_id: int | None = None
+    base_model: TinkerName | None = None
+    model_path: TinkerName | None = None
+    sampling_session_id: TinkerId | None = None
+    seq_id: SeqId | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = 0
-    topk_sample_logprobs: int = 0
-    target_prompt_logprobs: dict[str, Any] | None = None
-    prompt_alt_tokens_k: int = 0
-    prompt_logprobs_last_n: int | None = None
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=INT32_MAX)
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=INT32_MAX)
+    target_prompt_logprobs: JsonObject | None = None
+    prompt_alt_tokens_k: int = Field(default=0, ge=0, le=INT32_MAX)
+    prompt_logprobs_last_n: int | None = Field(default=None, ge=0, le=INT32_MAX)
     record_stability_info: bool | None = None
 
 
@@ -256,7 +272,7 @@ class SampleRequest(_Request):
 
 
 class FutureRetrieveRequest(_Request):
-    request_id: str
+    request_id: TinkerId
     allow_metadata_only: bool = False
 
 
@@ -316,7 +332,7 @@ class TrainingRunsResponse(BaseModel):
 
 
 class WeightsInfoRequest(_Request):
-    tinker_path: str = Field(validation_alias=AliasChoices("tinker_path", "path"))
+    tinker_path: TinkerName = Field(validation_alias=AliasChoices("tinker_path", "path"))
 
 
 class WeightsInfoResponse(BaseModel):

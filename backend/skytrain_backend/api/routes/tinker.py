@@ -12,10 +12,10 @@ from __future__ import annotations
 import uuid
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Path, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
-from sqlalchemy import distinct, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -43,10 +43,14 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.errors import InvalidRequest, NotFound, PayloadTooLarge
 from skytrain_backend.protocol import ModelConfig, format_validation_error
+from skytrain_backend.ranges import INT32_MAX, NO_NUL_PATTERN
 from skytrain_backend.scheduler import tinker as runs
 from skytrain_backend.scheduler.serving import LIVE_WORKER_STATUSES
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"])
+
+# An id in the path: refused (400) before it reaches SQL if it holds NUL or is too long.
+PathId = Annotated[str, Path(min_length=1, max_length=256, pattern=NO_NUL_PATTERN)]
 
 _ADAM_ONLY = "skytrain's Tinker runs use Adam (AdamW) only: leave optimizer out or use AdamParams"
 
@@ -81,9 +85,11 @@ def server_capabilities(tenant: TinkerTenantDep, session: SessionDep) -> schemas
     skytrain can load may be asked for: a worker is started for it)."""
     names = set(
         session.scalars(
-            select(distinct(Worker.base_model)).where(Worker.status.in_(LIVE_WORKER_STATUSES))
+            select(Worker.base_model).where(Worker.status.in_(LIVE_WORKER_STATUSES)).distinct()
         )
-    ) | set(session.scalars(select(distinct(Model.base_model)).where(Model.tenant_id == tenant.id)))
+    ) | set(
+        session.scalars(select(Model.base_model).where(Model.tenant_id == tenant.id).distinct())
+    )
     return schemas.ServerCapabilities(
         supported_models=[schemas.SupportedModel(model_name=name) for name in sorted(names)]
     )
@@ -120,7 +126,7 @@ def session_heartbeat(
 
 @router.post("/sessions/{session_id}/finish", status_code=204)
 def finish_session(
-    session_id: str,
+    session_id: PathId,
     body: schemas.FinishSessionRequest,
     tenant: TinkerTenantDep,
     session: SessionDep,
@@ -496,7 +502,7 @@ def create_sampling_session(
 
 @router.get("/samplers/{sampler_id}")
 def get_sampler(
-    sampler_id: str, tenant: TinkerTenantDep, session: SessionDep
+    sampler_id: PathId, tenant: TinkerTenantDep, session: SessionDep
 ) -> schemas.GetSamplerResponse:
     sampler = tinker_rows.get_sampler(session, tenant_id=tenant.id, sampler_id=sampler_id)
     return schemas.GetSamplerResponse(
@@ -663,7 +669,7 @@ def _run_public(session: Session, tenant: Tenant, run: TinkerRun) -> schemas.Tra
 
 
 Limit = Annotated[int, Query(ge=1, le=1000)]
-Offset = Annotated[int, Query(ge=0)]
+Offset = Annotated[int, Query(ge=0, le=INT32_MAX)]
 
 
 @router.get("/training_runs")
@@ -679,7 +685,7 @@ def list_training_runs(
 
 @router.get("/training_runs/{run_id}")
 def get_training_run(
-    run_id: str, tenant: TinkerTenantDep, session: SessionDep
+    run_id: PathId, tenant: TinkerTenantDep, session: SessionDep
 ) -> schemas.TrainingRunPublic:
     run = tinker_rows.get_run(session, tenant_id=tenant.id, run_id=run_id)
     return _run_public(session, tenant, run)
@@ -687,7 +693,7 @@ def get_training_run(
 
 @router.get("/training_runs/{run_id}/checkpoints")
 def list_run_checkpoints(
-    run_id: str, tenant: TinkerTenantDep, session: SessionDep
+    run_id: PathId, tenant: TinkerTenantDep, session: SessionDep
 ) -> schemas.CheckpointsListResponse:
     run = tinker_rows.get_run(session, tenant_id=tenant.id, run_id=run_id)
     named = tinker_rows.named_checkpoints(session, tenant_id=tenant.id, run_id=run.id)
