@@ -178,6 +178,22 @@ def _extends(later: Choice, earlier: Choice) -> bool:
     return later.model_extra["prompt_token_ids"][: len(before)] == before  # type: ignore[index]
 
 
+def _non_canonical(
+    client: openai.OpenAI, model: str, turns: list[list[dict[str, Any]]], count: int, start: int
+) -> list[list[Any]]:
+    """``count`` conversations whose first turn tokenizes differently when the engine renders
+    it again (about half of them do on the tiny model), searching seeds from ``start``."""
+    found = []
+    for seed in range(start, start + 40 * count, 2):  # _converse uses seed and seed + 1
+        items = _converse(client, model, turns, seed=seed)
+        first = len(turns[0])  # the first sampled turn's index; the second follows turns[1]
+        if not _extends(items[first + 1 + len(turns[1])], items[first]):
+            found.append(items)
+            if len(found) == count:
+                return found
+    raise AssertionError(f"no seed from {start} gave a non-canonical first turn")
+
+
 def _agreement(
     trainer: Trainer, trajectories: list[skytrain.Trajectory], *, prompt_ids: bool = True
 ) -> dict[str, float]:
@@ -229,13 +245,11 @@ FOLLOW_UP = {"role": "user", "content": "Now make it rhyme."}
 def test_two_turns_after_a_non_canonical_first_turn_agree(
     gateway: Gateway, tiny: str, tiny_model_path: Path, trainers: dict[Path, Trainer]
 ) -> None:
-    trajectories = []
-    # Seeds whose first turn re-tokenizes differently (about half do, on the tiny model).
-    for reward, seed in ((1.0, 15), (0.0, 25)):
-        items = _converse(gateway.client, tiny, [[USER], [FOLLOW_UP]], seed=seed)
-        # The first turn's text tokenizes differently when the engine renders it again.
-        assert not _extends(items[3], items[1])
-        trajectories.append(skytrain.Trajectory(messages_and_choices=items, reward=reward))
+    conversations = _non_canonical(gateway.client, tiny, [[USER], [FOLLOW_UP]], 2, start=1)
+    trajectories = [
+        skytrain.Trajectory(messages_and_choices=items, reward=reward)
+        for items, reward in zip(conversations, (1.0, 0.0), strict=True)
+    ]
     summary = _check(_trainer(trainers, tiny_model_path), trajectories, "two turns, tiny model")
     # Each later turn is trained on its own prompt, not after the earlier turn's sampled ids.
     assert summary["sequences/trained"] == 4
@@ -270,19 +284,16 @@ def test_additional_histories_agree(
     gateway: Gateway, tiny: str, tiny_model_path: Path, trainers: dict[Path, Trainer]
 ) -> None:
     helper = {"role": "user", "content": "Summarize: the sea is wide and deep."}
-    trajectories = []
-    for reward, seed in ((1.0, 25), (0.0, 30)):
-        main = _converse(gateway.client, tiny, [[USER], [FOLLOW_UP]], seed=seed)
-        sub = _converse(gateway.client, tiny, [[helper], [FOLLOW_UP]], seed=seed + 5)
-        assert not _extends(main[3], main[1])
-        assert not _extends(sub[3], sub[1])
-        trajectories.append(
-            skytrain.Trajectory(
-                messages_and_choices=main,
-                additional_histories=[skytrain.History(messages_and_choices=sub)],
-                reward=reward,
-            )
+    mains = _non_canonical(gateway.client, tiny, [[USER], [FOLLOW_UP]], 2, start=101)
+    subs = _non_canonical(gateway.client, tiny, [[helper], [FOLLOW_UP]], 2, start=201)
+    trajectories = [
+        skytrain.Trajectory(
+            messages_and_choices=main,
+            additional_histories=[skytrain.History(messages_and_choices=sub)],
+            reward=reward,
         )
+        for main, sub, reward in zip(mains, subs, (1.0, 0.0), strict=True)
+    ]
     _check(_trainer(trainers, tiny_model_path), trajectories, "additional histories")
 
 
