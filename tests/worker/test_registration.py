@@ -23,6 +23,7 @@ from skytrain_backend.db import worker_tokens
 from skytrain_backend.db.models import Worker
 from tests.fixtures.services import ApiKey, ControlPlane
 from tests.fixtures.tls import serve_tls
+from tests.gateway.conftest import wait_until
 
 BASE_MODEL = "tests/registration"
 # Its own base model: no other test's worker takes its models.
@@ -146,8 +147,11 @@ def test_an_unreachable_worker_says_where_it_was_tried_and_is_routed_to_once_rea
             assert join.post("/heartbeat", json={"status": "ready"}).status_code == 200
         row = _row(db_sessions, answer["worker_id"])
         assert (row.status, row.status_message) == ("ready", None)
-        serving = user.get(f"/v1/models/{model['id']}").json()["serving"]
-        assert serving["state"] == "ready", serving
+        # The scheduler places the model on it on its next pass.
+        wait_until(
+            lambda: user.get(f"/v1/models/{model['id']}").json()["serving"]["state"] == "ready",
+            what="the model served on the worker once reached",
+        )
 
 
 def test_a_worker_must_register_a_pinnable_certificate_and_an_https_address(

@@ -89,16 +89,7 @@ def serving_status(
             retry_after_s=10.0,
         )
     if worker.status == "unreachable":
-        return ServingStatus(
-            state="unreachable",
-            ready=False,
-            worker_id=worker.id,
-            # The address tried is the operator's (`skytrain workers list`), not the tenant's.
-            message=f"worker {worker.id} for {model.base_model} is running, but the control "
-            "plane cannot reach it yet; its operator sees the address tried and what to do in "
-            "`skytrain workers list`",
-            retry_after_s=15.0,
-        )
+        return _unreachable(worker, model=model)
     if worker.status == "sleeping":
         return ServingStatus(
             state="training",
@@ -132,6 +123,19 @@ def serving_status(
     )
 
 
+def _unreachable(worker: Worker, *, model: Model) -> ServingStatus:
+    return ServingStatus(
+        state="unreachable",
+        ready=False,
+        worker_id=worker.id,
+        # The address tried is the operator's (`skytrain workers list`), not the tenant's.
+        message=f"worker {worker.id} for {model.base_model} is running, but the control "
+        "plane cannot reach it yet; its operator sees the address tried and what to do in "
+        "`skytrain workers list`",
+        retry_after_s=15.0,
+    )
+
+
 def _unplaced(session: Session, *, model: Model) -> ServingStatus:
     """No live worker holds the model: say whether one is coming, or why not."""
     newest = session.scalar(
@@ -149,6 +153,9 @@ def _unplaced(session: Session, *, model: Model) -> ServingStatus:
             message=f"starting a worker for {model.base_model} ({newest.provider}){detail}",
             retry_after_s=15.0,
         )
+    if newest is not None and newest.status == "unreachable":
+        # Placement has not reached the model yet; what it waits for is that worker.
+        return _unreachable(newest, model=model)
     if newest is not None and newest.status == "failed":
         # Why it failed (a launch error, a stack trace with the host's paths) is the
         # operator's to read, in the control plane's log and `skytrain logs`.
