@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 from openai.types.chat.chat_completion import Choice
+
+from skytrain_backend.processes import ChildProcess
 
 PROMPTS = [
     "Name a fruit.",
@@ -133,3 +137,24 @@ def train(
     assert response.status_code == 201, response.text
     job = response.json()
     return job, events_until_end(http, job["id"])
+
+
+def start_hand_worker(
+    env: dict[str, str], home: Path, *, control_plane_url: str, join_token: str, base_model: Path
+) -> ChildProcess:
+    """``skytrain worker`` started by hand with a join token (as `sky launch sky/worker.yaml`
+    does), its front door on loopback on a free port; its log is ``home/worker.log``."""
+    home.mkdir(parents=True, exist_ok=True)
+    worker_env = {
+        **env,
+        "SKYTRAIN_HOME": str(home),
+        "SKYTRAIN_CONTROL_PLANE_URL": control_plane_url,
+        "SKYTRAIN_WORKER_TOKEN": join_token,
+        "SKYTRAIN_WORKER_BASE_MODEL": str(base_model),
+        "SKYTRAIN_WORKER_HOST": "127.0.0.1",
+        "SKYTRAIN_WORKER_PORT": "0",
+    }
+    with open(home / "worker.log", "wb") as log:
+        return ChildProcess.start(
+            [sys.executable, "-m", "skytrain_backend", "worker"], env=worker_env, stdout=log
+        )

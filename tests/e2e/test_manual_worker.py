@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from skytrain_backend.processes import ChildProcess
 from tests.e2e import support
 from tests.fixtures.service import start_service, stop_service
 
@@ -30,7 +29,7 @@ def test_a_hand_started_worker_joins_with_a_join_token(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
     service = start_service({"SKYTRAIN_PROVIDER": "none"}, tmp_path / "home")
-    worker: subprocess.Popen[bytes] | None = None
+    worker: ChildProcess | None = None
     try:
         created = _cli(
             service.env, "workers", "token", "create", "--base-model", str(tiny_model_path)
@@ -47,24 +46,13 @@ def test_a_hand_started_worker_joins_with_a_join_token(
             model = response.json()
             assert model["serving"]["state"] == "waiting"  # no provider: nothing starts on its own
 
-            worker_env = {
-                **service.env,
-                "SKYTRAIN_HOME": str(tmp_path / "worker-home"),
-                "SKYTRAIN_CONTROL_PLANE_URL": service.url,
-                "SKYTRAIN_WORKER_TOKEN": join_token,
-                "SKYTRAIN_WORKER_BASE_MODEL": str(tiny_model_path),
-                # Its front door on loopback, on a free port: the control plane is on this host.
-                "SKYTRAIN_WORKER_HOST": "127.0.0.1",
-                "SKYTRAIN_WORKER_PORT": "0",
-            }
-            with open(tmp_path / "worker.log", "wb") as log:
-                worker = subprocess.Popen(
-                    [sys.executable, "-m", "skytrain_backend", "worker"],
-                    env=worker_env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
+            worker = support.start_hand_worker(
+                service.env,
+                tmp_path / "worker-home",
+                control_plane_url=service.url,
+                join_token=join_token,
+                base_model=tiny_model_path,
+            )
             serving = support.wait_until_served(http, model["id"])
             client = support.openai_client(service.url, service.key("alice"))
             choices, headers = support.sample(client, model["inference_name"], "Hi.", n=1)
@@ -79,14 +67,19 @@ def test_a_hand_started_worker_joins_with_a_join_token(
         revoked = _cli(service.env, "workers", "token", "revoke", prefix)
         assert revoked.returncode == 0, revoked.stdout + revoked.stderr
         refused = _cli(
-            {**worker_env, "SKYTRAIN_HOME": str(tmp_path / "second-worker")},
+            {
+                **service.env,
+                "SKYTRAIN_HOME": str(tmp_path / "second-worker"),
+                "SKYTRAIN_CONTROL_PLANE_URL": service.url,
+                "SKYTRAIN_WORKER_TOKEN": join_token,
+                "SKYTRAIN_WORKER_BASE_MODEL": str(tiny_model_path),
+            },
             "worker",
         )
         assert refused.returncode != 0
         assert "revoked" in refused.stdout + refused.stderr
         assert worker.poll() is None
     finally:
-        if worker is not None and worker.poll() is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            worker.wait(timeout=60)
+        if worker is not None:
+            worker.stop(grace_s=60)
         stop_service(service)

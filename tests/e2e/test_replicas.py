@@ -3,7 +3,9 @@ real processes over real HTTP, with local workers running the tiny model.
 
 Clients call either replica directly; workers reach them through a TCP load balancer in front
 of both (``SKYTRAIN_PUBLIC_URL``), as in a deployment of N replicas. The first replica leads
-the scheduler; the second follows until the first dies.
+the scheduler; the second follows until the first dies. Local workers are their replica's
+children and die with it; the leader-kill test therefore uses a worker started by hand, as one
+on another machine is.
 
 Per-tenant request limits are still counted per process (issue 16, part B): not asserted here.
 """
@@ -65,14 +67,15 @@ def _wait_for_role(service: Service, role: str, timeout_s: float = 60) -> None:
         time.sleep(0.2)
 
 
-@pytest.fixture
-def replicas(
+@contextlib.contextmanager
+def _replicas(
     request: pytest.FixtureRequest,
     make_postgres_url: Callable[[], str],
     make_bucket: Callable[[], str],
     s3_endpoint: str,
-    tmp_path: Path,
-) -> Iterator[Replicas]:
+    home: Path,
+    **overrides: str,
+) -> Iterator[tuple[Replicas, Balancer]]:
     database_url = make_postgres_url()
     with Balancer() as balancer:
         shared = {
@@ -80,6 +83,7 @@ def replicas(
             "SKYTRAIN_OBJECT_STORE_URL": make_bucket(),
             "SKYTRAIN_S3_ENDPOINT_URL": s3_endpoint,
             "SKYTRAIN_PUBLIC_URL": balancer.url,
+            **overrides,
         }
         subprocess.run(
             [sys.executable, "-m", "skytrain_backend", "db", "upgrade"],
@@ -90,12 +94,11 @@ def replicas(
         services: list[Service] = []
         try:
             for name, role in (("first", "leader"), ("second", "follower")):
-                service = start_service(shared, tmp_path / name)
+                service = start_service(shared, home / name)
                 services.append(service)
                 _wait_for_role(service, role)
                 balancer.add(service.url)
-            plane = Replicas(services[0], services[1], database_url)
-            yield plane
+            yield Replicas(services[0], services[1], database_url), balancer
         finally:
             for service in services:
                 if service.process.poll() is None:
@@ -106,6 +109,50 @@ def replicas(
             for (hardware,) in _rows(database_url, "select hardware from workers"):
                 with contextlib.suppress(ProcessLookupError, KeyError, TypeError):
                     os.killpg(int(hardware["pid"]), signal.SIGKILL)
+
+
+@pytest.fixture
+def replicas(
+    request: pytest.FixtureRequest,
+    make_postgres_url: Callable[[], str],
+    make_bucket: Callable[[], str],
+    s3_endpoint: str,
+    tmp_path: Path,
+) -> Iterator[Replicas]:
+    """Two replicas whose leader starts local workers (children of its own)."""
+    with _replicas(request, make_postgres_url, make_bucket, s3_endpoint, tmp_path) as (plane, _):
+        yield plane
+
+
+@pytest.fixture
+def replicas_with_a_hand_started_worker(
+    request: pytest.FixtureRequest,
+    make_postgres_url: Callable[[], str],
+    make_bucket: Callable[[], str],
+    s3_endpoint: str,
+    tmp_path: Path,
+    tiny_model_path: Path,
+) -> Iterator[Replicas]:
+    """Two replicas provisioning nothing, and a worker started by hand (as on another machine)
+    that joins through the load balancer: it outlives any one replica."""
+    with _replicas(
+        request, make_postgres_url, make_bucket, s3_endpoint, tmp_path, SKYTRAIN_PROVIDER="none"
+    ) as (plane, balancer):
+        token = plane.leader.cli("workers", "token", "create", "--base-model", str(tiny_model_path))
+        worker = support.start_hand_worker(
+            plane.leader.env,
+            tmp_path / "worker",
+            control_plane_url=balancer.url,
+            join_token=token.strip().splitlines()[-1],
+            base_model=tiny_model_path,
+        )
+        try:
+            yield plane
+        finally:
+            worker.stop(grace_s=30)
+            report = getattr(request.node, "rep_call", None)
+            if report is not None and report.failed:
+                print((tmp_path / "worker" / "worker.log").read_text()[-6000:])
 
 
 def _register(service: Service, name: str, base_model: Path) -> dict[str, Any]:
@@ -160,15 +207,16 @@ def test_a_model_registered_through_the_follower_is_placed_by_the_leader_only(
 
 
 def test_killing_the_leader_mid_job_hands_scheduling_over_and_the_job_completes_once(
-    replicas: Replicas, tiny_model_path: Path
+    replicas_with_a_hand_started_worker: Replicas, tiny_model_path: Path
 ) -> None:
+    replicas = replicas_with_a_hand_started_worker
     leader, follower = replicas.leader, replicas.follower
     model = _register(leader, "survivor", tiny_model_path)
     with follower.http("alice") as http:
         worker_id = support.wait_until_served(http, model["id"])["worker_id"]
         job_id = _long_job(follower, http, model)  # queued through the follower; training now
 
-        leader.process.send_signal(signal.SIGKILL)  # the leader's process alone: not its workers
+        leader.process.send_signal(signal.SIGKILL)  # the worker is another machine's: it stays
         leader.process.wait()
         _wait_for_role(follower, "leader")
         events = support.events_until_end(http, job_id, timeout_s=600)
