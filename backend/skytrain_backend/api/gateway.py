@@ -11,6 +11,13 @@ chat answer's ``prompt_token_ids`` is copied onto each of its choices (the objec
 keeps in its trajectory), and ``X-Skytrain-Model-Id``, ``X-Skytrain-Step`` and
 ``X-Skytrain-Worker`` say what served it.
 
+Resolving a request (the key, the model, its step, the worker) is done once per key and model
+name per ``SKYTRAIN_GATEWAY_ROUTE_CACHE_TTL_S`` (1 s), and at once again after any commit in
+this process that changes one of those rows (``api/route_cache.py``): a step committed, a model
+deleted, a worker gone. Through another control plane on the same database such a change is
+seen within that TTL. The activity marks a resolution writes (``scheduler.routing``) are thus
+written at most once per row per 30 s, by at most one request per TTL.
+
 Streams are passed through event by event as the engine sends them. When the caller goes
 away (mid-stream, or while a non-streamed request is still generating) the upstream request
 is closed at once, which makes the engine stop generating for it.
@@ -27,8 +34,8 @@ never with a worker's address (that goes to the operator's log): an unreachable 
 that no longer serves the checkpoint is a 503 to retry, an engine that rejects the control
 plane's credentials, presents the wrong certificate or fails is a 502.
 
-Each tenant's requests in flight in this process (streams count until they end) are counted
-three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
+Each tenant's requests in flight (streams count until they end; across every control plane
+on a PostgreSQL database, ``api/tenant_load.py``) are counted three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
 times the number of prompts) and tokens (the body's bytes, an upper bound of the prompt's
 tokens, plus ``n`` x ``max_tokens``). The request that would pass one gets 429 with
 ``Retry-After``; one that could never fit (more sequences or tokens than the limit itself)
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import json
 import logging
@@ -55,12 +63,15 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import ValidationError
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Receive, Scope, Send
 
 from skytrain_backend import tls
 from skytrain_backend.api.deps import get_tenant
+from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.api.schemas import ChatCompletionCreate, CompletionCreate
+from skytrain_backend.api.tenant_load import Load, TenantLoads
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
@@ -69,7 +80,6 @@ from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import (
     EngineError,
     InvalidRequest,
-    RateLimited,
     Unavailable,
 )
 from skytrain_backend.protocol import TENANT_HEADER, format_validation_error
@@ -90,6 +100,10 @@ STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.Wri
 
 # How often a request waiting for its checkpoint to load looks again.
 LOADING_POLL_S = 0.25
+
+# Bodies up to this size are parsed on the event loop when their route is cached (no thread
+# hop); larger ones, in a thread.
+INLINE_PARSE_BYTES = 64 * 1024
 
 # Requests resolved in threads at once: fewer than the database pool's 5 kept connections, so
 # a burst reuses them instead of opening (and configuring) a connection per request.
@@ -123,34 +137,20 @@ COMPLETIONS = Endpoint("/v1/completions", _completion_logprobs, CompletionCreate
 
 
 @dataclass(frozen=True)
-class Load:
-    """What requests hold while in flight."""
-
-    requests: int = 0
-    sequences: int = 0
-    tokens: int = 0
-
-    def __add__(self, other: Load) -> Load:
-        return Load(
-            self.requests + other.requests,
-            self.sequences + other.sequences,
-            self.tokens + other.tokens,
-        )
-
-    def __sub__(self, other: Load) -> Load:
-        return Load(
-            self.requests - other.requests,
-            self.sequences - other.sequences,
-            self.tokens - other.tokens,
-        )
-
-
-@dataclass(frozen=True)
 class _Routed:
     tenant_id: str
     limits: TenantLimits
     body: dict[str, Any]
     cost: Load
+    route: EngineRoute
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """What a key and a model name resolve to: the route cache's values."""
+
+    tenant_id: str
+    limits: TenantLimits
     route: EngineRoute
 
 
@@ -174,11 +174,17 @@ class Gateway:
         # worker id -> (the certificate it registered, a client that trusts only it)
         self._pinned: dict[str, tuple[str, httpx.AsyncClient]] = {}
         self.resolvers = anyio.CapacityLimiter(RESOLVE_CONCURRENCY)
-        self._in_flight: dict[str, Load] = {}
+        # (sha256 of the key, model as sent) -> _Resolved; see api/route_cache.py.
+        self.routes: RouteCache[_Resolved] = RouteCache(ttl_s=settings.gateway_route_cache_ttl_s)
+        self.loads = TenantLoads(
+            sessions=sessions,
+            shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
+        await self.loads.aclose()
         await self.http.aclose()
         pinned, self._pinned = list(self._pinned.values()), {}
         for _, client in pinned:
@@ -227,50 +233,6 @@ class Gateway:
         self._pinned[route.worker_id] = (certificate, client)
         return client
 
-    def _held(self, tenant_id: str) -> Load:
-        return self._in_flight.get(tenant_id, Load())
-
-    def admit(self, tenant_id: str, *, limits: TenantLimits, cost: Load) -> Callable[[], None]:
-        """Count a request in; returns the function that counts it out (safe to call twice).
-
-        Only the event loop calls this, so the counters need no lock.
-        """
-        held = self._held(tenant_id)
-        if held.requests >= limits.max_concurrent_requests:
-            raise RateLimited(
-                f"{limits.max_concurrent_requests} inference requests of yours are in flight, "
-                "the most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS, or your "
-                "tenant's max_concurrent_requests): wait for some to finish, or lower your "
-                "client's concurrency"
-            )
-        if held.sequences + cost.sequences > limits.max_sequences_in_flight:
-            raise RateLimited(
-                f"{held.sequences} sequences of yours are being generated and this request "
-                f"adds {cost.sequences}, over the {limits.max_sequences_in_flight} allowed at "
-                "once (max_sequences_in_flight): wait for some to finish, or lower n"
-            )
-        if held.tokens + cost.tokens > limits.max_tokens_in_flight:
-            raise RateLimited(
-                f"your requests in flight count {held.tokens} tokens and this one "
-                f"{cost.tokens}, over the {limits.max_tokens_in_flight} allowed at once "
-                "(max_tokens_in_flight: body bytes plus n x max_tokens): wait for some to "
-                "finish, or lower max_tokens"
-            )
-        self._in_flight[tenant_id] = held + cost
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                left = self._held(tenant_id) - cost
-                if left.requests:
-                    self._in_flight[tenant_id] = left
-                else:
-                    self._in_flight.pop(tenant_id, None)
-
-        return release
-
     async def forward(
         self,
         request: Request,
@@ -281,7 +243,7 @@ class Gateway:
         """The engine's answer to the caller's request, or the reason there is none."""
         raw = await request.body()
         routed = await self._route(credentials=credentials, raw=raw, endpoint=endpoint)
-        release = self.admit(routed.tenant_id, limits=routed.limits, cost=routed.cost)
+        release = await self.loads.admit(routed.tenant_id, limits=routed.limits, cost=routed.cost)
         try:
             response = await self._proxy(request, routed=routed, endpoint=endpoint)
         except BaseException:
@@ -298,9 +260,14 @@ class Gateway:
     ) -> _Routed:
         """Where the request goes; a checkpoint being loaded onto its worker is waited for.
 
-        Loading takes seconds (the worker fetches the adapter at its next heartbeat), less
-        than most clients' retry budget: holding the request spares them a 503 round trip.
+        A route resolved a moment ago for the same key and model is reused (the route
+        cache); otherwise it is resolved in a thread. Loading takes seconds (the worker
+        fetches the adapter at its next heartbeat), less than most clients' retry budget:
+        holding the request spares them a 503 round trip.
         """
+        cached = self._cached(credentials, raw, endpoint)
+        if cached is not None:
+            return cached
         deadline = time.monotonic() + self.settings.gateway_loading_wait_s
         while True:
             try:
@@ -312,11 +279,38 @@ class Gateway:
                     raise
             await anyio.sleep(LOADING_POLL_S)
 
+    def _cached(
+        self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
+    ) -> _Routed | None:
+        """The request routed from the cache, or None (not cached, or a body the full path
+        should judge: an error must come after the key is checked)."""
+        if credentials is None or len(raw) > INLINE_PARSE_BYTES:
+            return None
+        try:
+            body = _parse_body(raw, endpoint)
+        except InvalidRequest:
+            return None
+        resolved = self.routes.get((_key_digest(credentials), body["model"]))
+        if resolved is None:
+            return None
+        cost = _cost(
+            body, size=len(raw), counted_max_tokens=self.settings.gateway_counted_max_tokens
+        )
+        _check_fits(resolved.limits, cost)
+        return _Routed(
+            tenant_id=resolved.tenant_id,
+            limits=resolved.limits,
+            body=body,
+            cost=cost,
+            route=resolved.route,
+        )
+
     def _resolve(
         self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
     ) -> _Routed:
         """Authenticate, parse and route in one session, held only for these few queries (a
         connection held across the request would starve the pool under concurrent streams)."""
+        generation = self.routes.generation
         with self._sessions() as session:
             tenant = get_tenant(session, credentials)
             tenant_id, limits = tenant.id, tenants.limits_of(tenant, self.settings)
@@ -333,6 +327,12 @@ class Gateway:
                 limits=limits,
                 on_unplaced=self._on_unplaced,
             )
+        assert credentials is not None  # get_tenant refuses a request without a key
+        self.routes.put(
+            (_key_digest(credentials), body["model"]),
+            _Resolved(tenant_id=tenant_id, limits=limits, route=route),
+            generation=generation,
+        )
         return _Routed(tenant_id=tenant_id, limits=limits, body=body, cost=cost, route=route)
 
     async def _proxy(self, request: Request, *, routed: _Routed, endpoint: Endpoint) -> Response:
@@ -398,7 +398,7 @@ class Gateway:
             counted_max_tokens=self.settings.gateway_counted_max_tokens,
         )
         _check_fits(limits, cost)
-        release = self.admit(tenant_id, limits=limits, cost=cost)
+        release = await self.loads.admit(tenant_id, limits=limits, cost=cost)
         try:
             upstream_body = {**body, "model": route.engine_model}
             COMPLETIONS.ask_for_logprobs(upstream_body)
@@ -462,6 +462,10 @@ class Gateway:
                 "restarting: retry shortly",
                 retry_after_s=5.0,
             ) from exc
+
+
+def _key_digest(credentials: HTTPAuthorizationCredentials) -> bytes:
+    return hashlib.sha256(credentials.credentials.encode()).digest()
 
 
 def _is_loopback_http(url: str) -> bool:
