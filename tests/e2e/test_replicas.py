@@ -5,7 +5,7 @@ Clients call either replica directly; workers reach them through a TCP load bala
 of both (``SKYTRAIN_PUBLIC_URL``), as in a deployment of N replicas. The first replica leads
 the scheduler; the second follows until the first dies.
 
-Per-tenant request limits are still counted per process (issue 16, part B): not asserted here.
+Per-tenant request limits across two replicas are asserted in tests/gateway/test_limits.py.
 """
 
 from __future__ import annotations

@@ -92,8 +92,12 @@ ENGINE_TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 # Connections are bounded by the per-tenant limit, not by the pool. Idle connections are
 # dropped well before engines close them (uvicorn, under vLLM and the CPU engine: after 5 s).
 ENGINE_LIMITS = httpx.Limits(
-    max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0
+    max_connections=None, max_keepalive_connections=256 // 8, keepalive_expiry=2.0
 )
+# Clients per engine, taken in turn: httpcore's pool walks all its connections (checking each
+# idle one's socket) on every request and every response closed, so under high concurrency a
+# few smaller pools cost far less CPU than one large one.
+CLIENTS_PER_ENGINE = 8
 # What reusing a keep-alive connection the engine has just closed looks like; nothing reached
 # the engine, so the request is sent once more on a new connection.
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
@@ -154,6 +158,25 @@ class _Resolved:
     route: EngineRoute
 
 
+class _Clients:
+    """``CLIENTS_PER_ENGINE`` pooled clients to one engine, handed out in turn."""
+
+    def __init__(self, verify: ssl.SSLContext | bool = True) -> None:
+        self._clients = [
+            httpx.AsyncClient(verify=verify, timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS)
+            for _ in range(CLIENTS_PER_ENGINE)
+        ]
+        self._turn = 0
+
+    def next(self) -> httpx.AsyncClient:
+        self._turn = (self._turn + 1) % len(self._clients)
+        return self._clients[self._turn]
+
+    async def aclose(self) -> None:
+        for client in self._clients:
+            await client.aclose()
+
+
 class Gateway:
     """One per app, opened in its lifespan: a pooled HTTP client per worker (pinned to its
     certificate), requests in flight per tenant, and the forwarding of one request."""
@@ -170,12 +193,13 @@ class Gateway:
         # Called when a request names a model that no worker holds: wakes the scheduler.
         self._on_unplaced = on_unplaced
         # Engines on this host over loopback HTTP (worker rows without a certificate).
-        self.http = httpx.AsyncClient(timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS)
+        self.http = _Clients()
         # worker id -> (the certificate it registered, a client that trusts only it)
-        self._pinned: dict[str, tuple[str, httpx.AsyncClient]] = {}
+        self._pinned: dict[str, tuple[str, _Clients]] = {}
         self.resolvers = anyio.CapacityLimiter(RESOLVE_CONCURRENCY)
         # (sha256 of the key, model as sent) -> _Resolved; see api/route_cache.py.
         self.routes: RouteCache[_Resolved] = RouteCache(ttl_s=settings.gateway_route_cache_ttl_s)
+        self._resolving: dict[tuple[bytes, str], asyncio.Event] = {}
         self.loads = TenantLoads(
             sessions=sessions,
             shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
@@ -221,17 +245,15 @@ class Gateway:
                     "plane will not send it requests: its operator must replace it with a "
                     "worker of this control plane's version"
                 )
-            return self.http
+            return self.http.next()
         held = self._pinned.get(route.worker_id)
         if held is not None and held[0] == certificate:
-            return held[1]
+            return held[1].next()
         if held is not None:
             self._drop_client(route.worker_id)
-        client = httpx.AsyncClient(
-            verify=tls.pinned_context(certificate), timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS
-        )
-        self._pinned[route.worker_id] = (certificate, client)
-        return client
+        clients = _Clients(verify=tls.pinned_context(certificate))
+        self._pinned[route.worker_id] = (certificate, clients)
+        return clients.next()
 
     async def forward(
         self,
@@ -265,9 +287,30 @@ class Gateway:
         fetches the adapter at its next heartbeat), less than most clients' retry budget:
         holding the request spares them a 503 round trip.
         """
-        cached = self._cached(credentials, raw, endpoint)
+        cached, flight = self._cached(credentials, raw, endpoint)
         if cached is not None:
             return cached
+        # One resolution per key and model at a time: when a route's entry expires under
+        # load, the requests that find it missing wait for the first one's answer.
+        waiting = self._resolving.get(flight) if flight is not None else None
+        if waiting is not None:
+            await waiting.wait()
+            cached, _ = self._cached(credentials, raw, endpoint)
+            if cached is not None:
+                return cached
+        done = asyncio.Event()
+        if flight is not None and flight not in self._resolving:
+            self._resolving[flight] = done
+        try:
+            return await self._resolve_waiting_for_load(credentials, raw, endpoint)
+        finally:
+            if flight is not None and self._resolving.get(flight) is done:
+                del self._resolving[flight]
+            done.set()
+
+    async def _resolve_waiting_for_load(
+        self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
+    ) -> _Routed:
         deadline = time.monotonic() + self.settings.gateway_loading_wait_s
         while True:
             try:
@@ -281,29 +324,32 @@ class Gateway:
 
     def _cached(
         self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
-    ) -> _Routed | None:
+    ) -> tuple[_Routed | None, tuple[bytes, str] | None]:
         """The request routed from the cache, or None (not cached, or a body the full path
-        should judge: an error must come after the key is checked)."""
+        should judge: an error must come after the key is checked); and the cache's key for
+        it, when the body could be read here."""
         if credentials is None or len(raw) > INLINE_PARSE_BYTES:
-            return None
+            return None, None
         try:
             body = _parse_body(raw, endpoint)
         except InvalidRequest:
-            return None
-        resolved = self.routes.get((_key_digest(credentials), body["model"]))
+            return None, None
+        key = (_key_digest(credentials), body["model"])
+        resolved = self.routes.get(key)
         if resolved is None:
-            return None
+            return None, key
         cost = _cost(
             body, size=len(raw), counted_max_tokens=self.settings.gateway_counted_max_tokens
         )
         _check_fits(resolved.limits, cost)
-        return _Routed(
+        routed = _Routed(
             tenant_id=resolved.tenant_id,
             limits=resolved.limits,
             body=body,
             cost=cost,
             route=resolved.route,
         )
+        return routed, key
 
     def _resolve(
         self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
