@@ -88,6 +88,14 @@ class Settings(BaseSettings):
         description="How long an inference request waits for its checkpoint to load onto "
         "the worker before answering 503.",
     )
+    gateway_route_cache_ttl_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description="How long the gateway reuses a resolved route (key, model -> worker, "
+        "step); changes made through this process empty it at once, changes made through "
+        "another control plane on the same database are seen within this time. 0: no cache.",
+    )
     # --- per-tenant limits and quotas: defaults, which `skytrain tenants limits` overrides ---
     tenant_max_concurrent_requests: int = Field(
         default=256, gt=0, description="Inference requests in flight per tenant before 429."

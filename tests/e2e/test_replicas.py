@@ -7,7 +7,7 @@ the scheduler; the second follows until the first dies. Local workers are their 
 children and die with it; the leader-kill test therefore uses a worker started by hand, as one
 on another machine is.
 
-Per-tenant request limits are still counted per process (issue 16, part B): not asserted here.
+Per-tenant request limits across two replicas are asserted in tests/gateway/test_limits.py.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 - ``gateway_settings`` (session; SQLite, and PostgreSQL under the ``postgres`` marker):
   provider ``none`` (nothing launches workers), at most ``TENANT_LIMIT`` requests in flight
-  per tenant.
+  per tenant, a route cache that outlives every test (so each test also checks that the
+  changes it makes reach the gateway at once).
 - ``gateway_url`` (session): the control plane app under uvicorn on a free port.
 - ``engine`` (session): ``skytrain engine serve`` with the tiny model, behind a secret
   (``run_engine`` starts another one, for a test of its own).
@@ -47,6 +48,7 @@ from skytrain_backend.protocol import lora_name
 TENANT_LIMIT = 4
 # A request for a checkpoint still loading waits this long before its 503.
 LOADING_WAIT_S = 3.0
+ROUTE_CACHE_TTL_S = 60.0
 ENGINE_BASE_MODEL = "tests/tiny-smollm2"
 ENGINE_SERVED_NAME = "tiny-base"
 
@@ -111,6 +113,8 @@ def gateway_settings(
         provider="none",
         tenant_max_concurrent_requests=TENANT_LIMIT,
         gateway_loading_wait_s=LOADING_WAIT_S,
+        # Far longer than any test: every change a test makes must empty the route cache.
+        gateway_route_cache_ttl_s=ROUTE_CACHE_TTL_S,
     )
     migrations.upgrade_url(settings.resolved_database_url)
     return settings

@@ -1,15 +1,30 @@
 """Each tenant may have ``tenant_max_concurrent_requests`` inference requests in flight; streams
-count until they end. Over the limit: 429 naming the setting; other tenants are unaffected."""
+count until they end. Over the limit: 429 naming the setting; other tenants are unaffected.
+On PostgreSQL the count spans every control-plane process on the database."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 
 import openai
 import pytest
 
-from tests.gateway.conftest import TENANT_LIMIT, Tenant, open_stream, wait_until
+from skytrain_backend.db import migrations
+from skytrain_backend.db.models import Model
+from skytrain_backend.db.session import create_db_engine, session_factory
+from tests.fixtures.service import start_service, stop_service
+from tests.gateway.conftest import (
+    ENGINE_BASE_MODEL,
+    LONG_STREAM,
+    TENANT_LIMIT,
+    Engine,
+    Tenant,
+    add_worker,
+    open_stream,
+    wait_until,
+)
 
 
 def test_requests_over_the_tenant_limit_get_429_until_a_stream_ends(
@@ -42,3 +57,69 @@ def test_requests_over_the_tenant_limit_get_429_until_a_stream_ends(
         # The closed stream and the finished request gave their slots back, and no more.
         opened.append(open_stream(streams, alice, name))
         assert alice.chat(name).status_code == 429
+
+
+@pytest.mark.postgres
+def test_a_tenant_at_its_limit_through_one_control_plane_is_refused_through_another(
+    make_postgres_url: Callable[[], str], engine: Engine, tmp_path: Path
+) -> None:
+    """Two `skytrain serve` processes on one PostgreSQL count a tenant's requests together."""
+    database_url = make_postgres_url()
+    migrations.upgrade_url(database_url)
+    env = {
+        "SKYTRAIN_DATABASE_URL": database_url,
+        "SKYTRAIN_PROVIDER": "none",
+        "SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS": "2",
+    }
+    first = start_service(env, tmp_path / "first")
+    second = start_service(env, tmp_path / "second")
+    database = create_db_engine(database_url)
+    try:
+        worker_id = add_worker(
+            session_factory(database),
+            base_model=ENGINE_BASE_MODEL,
+            engine_endpoint=engine.url,
+            engine_secret=engine.secret,
+            served_model_name=engine.served_name,
+        )
+        with first.http("alice") as through_first, second.http("alice") as through_second:
+            created = through_first.post(
+                "/v1/models",
+                json={"project": "gw", "name": "shared", "base_model": ENGINE_BASE_MODEL},
+            )
+            assert created.status_code == 201, created.text
+            with session_factory(database)() as session:
+                session.get_one(Model, created.json()["id"]).worker_id = worker_id
+                session.commit()
+            body = {**LONG_STREAM, "model": created.json()["inference_name"]}
+            short = {"model": body["model"], "messages": body["messages"], "max_tokens": 2}
+            with ExitStack() as streams:
+                opened = []
+                for _ in range(2):
+                    response = streams.enter_context(
+                        through_first.stream("POST", "/v1/chat/completions", json=body)
+                    )
+                    assert response.status_code == 200
+                    lines = response.iter_lines()
+                    assert next(lines).startswith("data: ")
+                    opened.append((response, lines))
+
+                refused = through_second.post("/v1/chat/completions", json=short)
+                assert refused.status_code == 429, refused.text
+                assert (
+                    "2 inference requests of yours are in flight"
+                    in refused.json()["error"]["message"]
+                )
+
+                opened[0][0].close()
+                wait_until(
+                    lambda: (
+                        through_second.post("/v1/chat/completions", json=short).status_code == 200
+                    ),
+                    what="a request admitted through the second control plane once a stream "
+                    "through the first ended",
+                )
+    finally:
+        database.dispose()
+        stop_service(first)
+        stop_service(second)

@@ -165,6 +165,32 @@ def test_a_request_waits_for_its_checkpoint_to_finish_loading(
     assert response.headers.get("x-skytrain-step") == "1"
 
 
+def test_a_committed_step_is_served_at_once_and_a_deleted_model_not_at_all(
+    tenant: Callable[[], Tenant],
+    engine_worker: str,
+    engine: Engine,
+    gateway_db: sessionmaker[Session],
+    step1_adapter: Path,
+) -> None:
+    """The route cache (kept far longer than this test) is emptied by the commits that
+    change a route: the latest step, and the model itself."""
+    alice = tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    name = model["inference_name"]
+    assert alice.chat(name).headers.get("x-skytrain-step") == "0"
+    load_adapter(engine, model_id=model["id"], step=1, path=step1_adapter)
+    mark_served(gateway_db, worker_id=engine_worker, model_id=model["id"], step=1)
+    assert alice.chat(name).headers.get("x-skytrain-step") == "0"  # not committed yet
+
+    add_checkpoint(gateway_db, model_id=model["id"], step=1)
+    assert alice.chat(name).headers.get("x-skytrain-step") == "1"
+
+    assert alice.http.delete(f"/v1/models/{model['id']}").status_code == 204
+    status, _, message = _error(alice.chat(name))
+    assert status == 404
+    assert "not found" in message
+
+
 def test_unreachable_engine_is_unavailable(
     tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session]
 ) -> None:

@@ -11,6 +11,13 @@ chat answer's ``prompt_token_ids`` is copied onto each of its choices (the objec
 keeps in its trajectory), and ``X-Skytrain-Model-Id``, ``X-Skytrain-Step`` and
 ``X-Skytrain-Worker`` say what served it.
 
+Resolving a request (the key, the model, its step, the worker) is done once per key and model
+name per ``SKYTRAIN_GATEWAY_ROUTE_CACHE_TTL_S`` (1 s), and at once again after any commit in
+this process that changes one of those rows (``api/route_cache.py``): a step committed, a model
+deleted, a worker gone. Through another control plane on the same database such a change is
+seen within that TTL. The activity marks a resolution writes (``scheduler.routing``) are thus
+written at most once per row per 30 s, by at most one request per TTL.
+
 Streams are passed through event by event as the engine sends them. When the caller goes
 away (mid-stream, or while a non-streamed request is still generating) the upstream request
 is closed at once, which makes the engine stop generating for it.
@@ -27,8 +34,8 @@ never with a worker's address (that goes to the operator's log): an unreachable 
 that no longer serves the checkpoint is a 503 to retry, an engine that rejects the control
 plane's credentials, presents the wrong certificate or fails is a 502.
 
-Each tenant's requests in flight in this process (streams count until they end) are counted
-three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
+Each tenant's requests in flight (streams count until they end; across every control plane
+on a PostgreSQL database, ``api/tenant_load.py``) are counted three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
 times the number of prompts) and tokens (the body's bytes, an upper bound of the prompt's
 tokens, plus ``n`` x ``max_tokens``). The request that would pass one gets 429 with
 ``Retry-After``; one that could never fit (more sequences or tokens than the limit itself)
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import ipaddress
 import json
 import logging
@@ -55,12 +63,15 @@ from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import ValidationError
+from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import Receive, Scope, Send
 
 from skytrain_backend import tls
 from skytrain_backend.api.deps import get_tenant
+from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.api.schemas import ChatCompletionCreate, CompletionCreate
+from skytrain_backend.api.tenant_load import Load, TenantLoads
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
@@ -69,7 +80,6 @@ from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import (
     EngineError,
     InvalidRequest,
-    RateLimited,
     Unavailable,
 )
 from skytrain_backend.protocol import TENANT_HEADER, format_validation_error
@@ -82,14 +92,22 @@ ENGINE_TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 # Connections are bounded by the per-tenant limit, not by the pool. Idle connections are
 # dropped well before engines close them (uvicorn, under vLLM and the CPU engine: after 5 s).
 ENGINE_LIMITS = httpx.Limits(
-    max_connections=None, max_keepalive_connections=256, keepalive_expiry=2.0
+    max_connections=None, max_keepalive_connections=256 // 8, keepalive_expiry=2.0
 )
+# Clients per engine, taken in turn: httpcore's pool walks all its connections (checking each
+# idle one's socket) on every request and every response closed, so under high concurrency a
+# few smaller pools cost far less CPU than one large one.
+CLIENTS_PER_ENGINE = 8
 # What reusing a keep-alive connection the engine has just closed looks like; nothing reached
 # the engine, so the request is sent once more on a new connection.
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 # How often a request waiting for its checkpoint to load looks again.
 LOADING_POLL_S = 0.25
+
+# Bodies up to this size are parsed on the event loop when their route is cached (no thread
+# hop); larger ones, in a thread.
+INLINE_PARSE_BYTES = 64 * 1024
 
 # Requests resolved in threads at once: fewer than the database pool's 5 kept connections, so
 # a burst reuses them instead of opening (and configuring) a connection per request.
@@ -123,35 +141,40 @@ COMPLETIONS = Endpoint("/v1/completions", _completion_logprobs, CompletionCreate
 
 
 @dataclass(frozen=True)
-class Load:
-    """What requests hold while in flight."""
-
-    requests: int = 0
-    sequences: int = 0
-    tokens: int = 0
-
-    def __add__(self, other: Load) -> Load:
-        return Load(
-            self.requests + other.requests,
-            self.sequences + other.sequences,
-            self.tokens + other.tokens,
-        )
-
-    def __sub__(self, other: Load) -> Load:
-        return Load(
-            self.requests - other.requests,
-            self.sequences - other.sequences,
-            self.tokens - other.tokens,
-        )
-
-
-@dataclass(frozen=True)
 class _Routed:
     tenant_id: str
     limits: TenantLimits
     body: dict[str, Any]
     cost: Load
     route: EngineRoute
+
+
+@dataclass(frozen=True)
+class _Resolved:
+    """What a key and a model name resolve to: the route cache's values."""
+
+    tenant_id: str
+    limits: TenantLimits
+    route: EngineRoute
+
+
+class _Clients:
+    """``CLIENTS_PER_ENGINE`` pooled clients to one engine, handed out in turn."""
+
+    def __init__(self, verify: ssl.SSLContext | bool = True) -> None:
+        self._clients = [
+            httpx.AsyncClient(verify=verify, timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS)
+            for _ in range(CLIENTS_PER_ENGINE)
+        ]
+        self._turn = 0
+
+    def next(self) -> httpx.AsyncClient:
+        self._turn = (self._turn + 1) % len(self._clients)
+        return self._clients[self._turn]
+
+    async def aclose(self) -> None:
+        for client in self._clients:
+            await client.aclose()
 
 
 class Gateway:
@@ -170,15 +193,22 @@ class Gateway:
         # Called when a request names a model that no worker holds: wakes the scheduler.
         self._on_unplaced = on_unplaced
         # Engines on this host over loopback HTTP (worker rows without a certificate).
-        self.http = httpx.AsyncClient(timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS)
+        self.http = _Clients()
         # worker id -> (the certificate it registered, a client that trusts only it)
-        self._pinned: dict[str, tuple[str, httpx.AsyncClient]] = {}
+        self._pinned: dict[str, tuple[str, _Clients]] = {}
         self.resolvers = anyio.CapacityLimiter(RESOLVE_CONCURRENCY)
-        self._in_flight: dict[str, Load] = {}
+        # (sha256 of the key, model as sent) -> _Resolved; see api/route_cache.py.
+        self.routes: RouteCache[_Resolved] = RouteCache(ttl_s=settings.gateway_route_cache_ttl_s)
+        self._resolving: dict[tuple[bytes, str], asyncio.Event] = {}
+        self.loads = TenantLoads(
+            sessions=sessions,
+            shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
 
     async def aclose(self) -> None:
+        await self.loads.aclose()
         await self.http.aclose()
         pinned, self._pinned = list(self._pinned.values()), {}
         for _, client in pinned:
@@ -215,61 +245,15 @@ class Gateway:
                     "plane will not send it requests: its operator must replace it with a "
                     "worker of this control plane's version"
                 )
-            return self.http
+            return self.http.next()
         held = self._pinned.get(route.worker_id)
         if held is not None and held[0] == certificate:
-            return held[1]
+            return held[1].next()
         if held is not None:
             self._drop_client(route.worker_id)
-        client = httpx.AsyncClient(
-            verify=tls.pinned_context(certificate), timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS
-        )
-        self._pinned[route.worker_id] = (certificate, client)
-        return client
-
-    def _held(self, tenant_id: str) -> Load:
-        return self._in_flight.get(tenant_id, Load())
-
-    def admit(self, tenant_id: str, *, limits: TenantLimits, cost: Load) -> Callable[[], None]:
-        """Count a request in; returns the function that counts it out (safe to call twice).
-
-        Only the event loop calls this, so the counters need no lock.
-        """
-        held = self._held(tenant_id)
-        if held.requests >= limits.max_concurrent_requests:
-            raise RateLimited(
-                f"{limits.max_concurrent_requests} inference requests of yours are in flight, "
-                "the most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS, or your "
-                "tenant's max_concurrent_requests): wait for some to finish, or lower your "
-                "client's concurrency"
-            )
-        if held.sequences + cost.sequences > limits.max_sequences_in_flight:
-            raise RateLimited(
-                f"{held.sequences} sequences of yours are being generated and this request "
-                f"adds {cost.sequences}, over the {limits.max_sequences_in_flight} allowed at "
-                "once (max_sequences_in_flight): wait for some to finish, or lower n"
-            )
-        if held.tokens + cost.tokens > limits.max_tokens_in_flight:
-            raise RateLimited(
-                f"your requests in flight count {held.tokens} tokens and this one "
-                f"{cost.tokens}, over the {limits.max_tokens_in_flight} allowed at once "
-                "(max_tokens_in_flight: body bytes plus n x max_tokens): wait for some to "
-                "finish, or lower max_tokens"
-            )
-        self._in_flight[tenant_id] = held + cost
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                left = self._held(tenant_id) - cost
-                if left.requests:
-                    self._in_flight[tenant_id] = left
-                else:
-                    self._in_flight.pop(tenant_id, None)
-
-        return release
+        clients = _Clients(verify=tls.pinned_context(certificate))
+        self._pinned[route.worker_id] = (certificate, clients)
+        return clients.next()
 
     async def forward(
         self,
@@ -281,7 +265,7 @@ class Gateway:
         """The engine's answer to the caller's request, or the reason there is none."""
         raw = await request.body()
         routed = await self._route(credentials=credentials, raw=raw, endpoint=endpoint)
-        release = self.admit(routed.tenant_id, limits=routed.limits, cost=routed.cost)
+        release = await self.loads.admit(routed.tenant_id, limits=routed.limits, cost=routed.cost)
         try:
             response = await self._proxy(request, routed=routed, endpoint=endpoint)
         except BaseException:
@@ -298,9 +282,35 @@ class Gateway:
     ) -> _Routed:
         """Where the request goes; a checkpoint being loaded onto its worker is waited for.
 
-        Loading takes seconds (the worker fetches the adapter at its next heartbeat), less
-        than most clients' retry budget: holding the request spares them a 503 round trip.
+        A route resolved a moment ago for the same key and model is reused (the route
+        cache); otherwise it is resolved in a thread. Loading takes seconds (the worker
+        fetches the adapter at its next heartbeat), less than most clients' retry budget:
+        holding the request spares them a 503 round trip.
         """
+        cached, flight = self._cached(credentials, raw, endpoint)
+        if cached is not None:
+            return cached
+        # One resolution per key and model at a time: when a route's entry expires under
+        # load, the requests that find it missing wait for the first one's answer.
+        waiting = self._resolving.get(flight) if flight is not None else None
+        if waiting is not None:
+            await waiting.wait()
+            cached, _ = self._cached(credentials, raw, endpoint)
+            if cached is not None:
+                return cached
+        done = asyncio.Event()
+        if flight is not None and flight not in self._resolving:
+            self._resolving[flight] = done
+        try:
+            return await self._resolve_waiting_for_load(credentials, raw, endpoint)
+        finally:
+            if flight is not None and self._resolving.get(flight) is done:
+                del self._resolving[flight]
+            done.set()
+
+    async def _resolve_waiting_for_load(
+        self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
+    ) -> _Routed:
         deadline = time.monotonic() + self.settings.gateway_loading_wait_s
         while True:
             try:
@@ -312,11 +322,41 @@ class Gateway:
                     raise
             await anyio.sleep(LOADING_POLL_S)
 
+    def _cached(
+        self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
+    ) -> tuple[_Routed | None, tuple[bytes, str] | None]:
+        """The request routed from the cache, or None (not cached, or a body the full path
+        should judge: an error must come after the key is checked); and the cache's key for
+        it, when the body could be read here."""
+        if credentials is None or len(raw) > INLINE_PARSE_BYTES:
+            return None, None
+        try:
+            body = _parse_body(raw, endpoint)
+        except InvalidRequest:
+            return None, None
+        key = (_key_digest(credentials), body["model"])
+        resolved = self.routes.get(key)
+        if resolved is None:
+            return None, key
+        cost = _cost(
+            body, size=len(raw), counted_max_tokens=self.settings.gateway_counted_max_tokens
+        )
+        _check_fits(resolved.limits, cost)
+        routed = _Routed(
+            tenant_id=resolved.tenant_id,
+            limits=resolved.limits,
+            body=body,
+            cost=cost,
+            route=resolved.route,
+        )
+        return routed, key
+
     def _resolve(
         self, credentials: HTTPAuthorizationCredentials | None, raw: bytes, endpoint: Endpoint
     ) -> _Routed:
         """Authenticate, parse and route in one session, held only for these few queries (a
         connection held across the request would starve the pool under concurrent streams)."""
+        generation = self.routes.generation
         with self._sessions() as session:
             tenant = get_tenant(session, credentials)
             tenant_id, limits = tenant.id, tenants.limits_of(tenant, self.settings)
@@ -333,6 +373,12 @@ class Gateway:
                 limits=limits,
                 on_unplaced=self._on_unplaced,
             )
+        assert credentials is not None  # get_tenant refuses a request without a key
+        self.routes.put(
+            (_key_digest(credentials), body["model"]),
+            _Resolved(tenant_id=tenant_id, limits=limits, route=route),
+            generation=generation,
+        )
         return _Routed(tenant_id=tenant_id, limits=limits, body=body, cost=cost, route=route)
 
     async def _proxy(self, request: Request, *, routed: _Routed, endpoint: Endpoint) -> Response:
@@ -398,7 +444,7 @@ class Gateway:
             counted_max_tokens=self.settings.gateway_counted_max_tokens,
         )
         _check_fits(limits, cost)
-        release = self.admit(tenant_id, limits=limits, cost=cost)
+        release = await self.loads.admit(tenant_id, limits=limits, cost=cost)
         try:
             upstream_body = {**body, "model": route.engine_model}
             COMPLETIONS.ask_for_logprobs(upstream_body)
@@ -462,6 +508,10 @@ class Gateway:
                 "restarting: retry shortly",
                 retry_after_s=5.0,
             ) from exc
+
+
+def _key_digest(credentials: HTTPAuthorizationCredentials) -> bytes:
+    return hashlib.sha256(credentials.credentials.encode()).digest()
 
 
 def _is_loopback_http(url: str) -> bool:

@@ -395,3 +395,22 @@ class ManagedProcess(Base):
     owner_pid: Mapped[int]
     owner_start_time: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = _created_at()
+
+
+class TenantLoad(Base):
+    """A tenant's inference requests in flight through one control-plane process, so that
+    every process on a PostgreSQL database counts the tenant's limits across all of them
+    (``db.tenant_loads``). A row whose ``expires_at`` has passed belongs to a process that
+    stopped renewing it (it died) and counts for nothing."""
+
+    __tablename__ = "tenant_loads"
+
+    tenant_id: Mapped[str] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
+    )
+    # The counting process: a random id per gateway, new at each start.
+    holder: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    sequences: Mapped[int] = mapped_column(BigInteger)
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime]

@@ -1,0 +1,226 @@
+"""Each tenant's inference requests in flight, counted against its limits (``db.tenants``).
+
+A request holds a ``Load`` (one request, its sequences, its tokens) from admission until its
+answer ends. ``TenantLoads.admit`` counts it in, or raises ``RateLimited`` naming the limit it
+would pass; the function it returns counts it out.
+
+- One process (SQLite, the embedded default): counted in memory.
+- PostgreSQL: counted in memory too (a process over a limit on its own refuses at once), and
+  in the database across every control-plane process on it (``db.tenant_loads``): a tenant at
+  its limit through one process is refused through any other. Each admission is one short
+  transaction, each release one statement (run in a thread; until it has run, the slot stays
+  held, never the other way round). Rows are leased for ``LEASE_S`` and renewed every
+  ``RENEW_S``: the load of a process that was killed is freed within ``LEASE_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import anyio
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.db import tenant_loads
+from skytrain_backend.db.tenants import TenantLimits
+from skytrain_backend.errors import RateLimited, Unavailable
+
+logger = logging.getLogger(__name__)
+
+LEASE_S = 15.0
+RENEW_S = 5.0
+
+
+@dataclass(frozen=True)
+class Load:
+    """What requests hold while in flight."""
+
+    requests: int = 0
+    sequences: int = 0
+    tokens: int = 0
+
+    def __add__(self, other: Load) -> Load:
+        return Load(
+            self.requests + other.requests,
+            self.sequences + other.sequences,
+            self.tokens + other.tokens,
+        )
+
+    def __sub__(self, other: Load) -> Load:
+        return Load(
+            self.requests - other.requests,
+            self.sequences - other.sequences,
+            self.tokens - other.tokens,
+        )
+
+
+def check_admission(held: Load, *, cost: Load, limits: TenantLimits) -> None:
+    """Raise ``RateLimited`` if adding ``cost`` to ``held`` passes one of ``limits``."""
+    if held.requests >= limits.max_concurrent_requests:
+        raise RateLimited(
+            f"{limits.max_concurrent_requests} inference requests of yours are in flight, "
+            "the most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS, or your "
+            "tenant's max_concurrent_requests): wait for some to finish, or lower your "
+            "client's concurrency"
+        )
+    if held.sequences + cost.sequences > limits.max_sequences_in_flight:
+        raise RateLimited(
+            f"{held.sequences} sequences of yours are being generated and this request "
+            f"adds {cost.sequences}, over the {limits.max_sequences_in_flight} allowed at "
+            "once (max_sequences_in_flight): wait for some to finish, or lower n"
+        )
+    if held.tokens + cost.tokens > limits.max_tokens_in_flight:
+        raise RateLimited(
+            f"your requests in flight count {held.tokens} tokens and this one "
+            f"{cost.tokens}, over the {limits.max_tokens_in_flight} allowed at once "
+            "(max_tokens_in_flight: body bytes plus n x max_tokens): wait for some to "
+            "finish, or lower max_tokens"
+        )
+
+
+class TenantLoads:
+    """Requests in flight per tenant; across processes when ``shared`` (PostgreSQL)."""
+
+    def __init__(self, *, sessions: sessionmaker[Session], shared: bool) -> None:
+        self._sessions = sessions
+        self._shared = shared
+        self.holder = uuid.uuid4().hex
+        self._in_flight: dict[str, Load] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+        # Releases the database did not take, written at the next renewal.
+        self._unwritten: dict[str, Load] = {}
+
+    async def aclose(self) -> None:
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._shared and self._renewer is not None:
+            with contextlib.suppress(SQLAlchemyError):
+                await anyio.to_thread.run_sync(self._forget)
+
+    def held(self, tenant_id: str) -> Load:
+        """What the tenant holds through this process."""
+        return self._in_flight.get(tenant_id, Load())
+
+    async def admit(
+        self, tenant_id: str, *, limits: TenantLimits, cost: Load
+    ) -> Callable[[], None]:
+        """Count a request in; returns the function that counts it out (safe to call twice,
+        from the event loop)."""
+        check_admission(self.held(tenant_id), cost=cost, limits=limits)
+        self._add(tenant_id, cost)
+        if self._shared:
+            self._start_renewing()
+            try:
+                await anyio.to_thread.run_sync(self._acquire, tenant_id, limits, cost)
+            except BaseException:
+                self._add(tenant_id, Load() - cost)
+                raise
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            self._add(tenant_id, Load() - cost)
+            if self._shared:
+                task = asyncio.get_running_loop().create_task(self._release(tenant_id, cost))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+        return release
+
+    def _add(self, tenant_id: str, delta: Load) -> None:
+        left = self.held(tenant_id) + delta
+        if left.requests:
+            self._in_flight[tenant_id] = left
+        else:
+            self._in_flight.pop(tenant_id, None)
+
+    def _acquire(self, tenant_id: str, limits: TenantLimits, cost: Load) -> None:
+        try:
+            with self._sessions() as session:
+                counts = tenant_loads.held(session, tenant_id=tenant_id, holder=self.holder)
+                check_admission(
+                    Load(counts.requests, counts.sequences, counts.tokens),
+                    cost=cost,
+                    limits=limits,
+                )
+                tenant_loads.add(
+                    session,
+                    tenant_id=tenant_id,
+                    holder=self.holder,
+                    delta=tenant_loads.Counts(cost.requests, cost.sequences, cost.tokens),
+                    lease_s=LEASE_S,
+                )
+                session.commit()
+        except SQLAlchemyError as exc:
+            logger.warning("counting a request of tenant %s failed: %s", tenant_id, exc)
+            raise Unavailable(
+                "the control plane could not count your request against your limits (its "
+                "database did not answer): retry shortly",
+                retry_after_s=2.0,
+            ) from exc
+
+    async def _release(self, tenant_id: str, cost: Load) -> None:
+        delta = tenant_loads.Counts(-cost.requests, -cost.sequences, -cost.tokens)
+
+        def write() -> None:
+            with self._sessions() as session:
+                tenant_loads.add(
+                    session, tenant_id=tenant_id, holder=self.holder, delta=delta, lease_s=LEASE_S
+                )
+                session.commit()
+
+        # Shielded: a release must be written even while the app shuts down.
+        with anyio.CancelScope(shield=True):
+            try:
+                await anyio.to_thread.run_sync(write)
+            except SQLAlchemyError as exc:
+                # Written with the next renewal; the slot stays held until then.
+                logger.warning("releasing a request of tenant %s failed: %s", tenant_id, exc)
+                self._unwritten[tenant_id] = self._unwritten.get(tenant_id, Load()) - cost
+
+    def _start_renewing(self) -> None:
+        if self._renewer is None:
+            self._renewer = asyncio.get_running_loop().create_task(self._renew_forever())
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await anyio.sleep(RENEW_S)
+            try:
+                await anyio.to_thread.run_sync(self._renew)
+            except SQLAlchemyError as exc:
+                logger.warning("renewing the tenants' loads of this process failed: %s", exc)
+
+    def _renew(self) -> None:
+        unwritten, self._unwritten = self._unwritten, {}
+        try:
+            with self._sessions() as session:
+                for tenant_id, delta in unwritten.items():
+                    tenant_loads.add(
+                        session,
+                        tenant_id=tenant_id,
+                        holder=self.holder,
+                        delta=tenant_loads.Counts(delta.requests, delta.sequences, delta.tokens),
+                        lease_s=LEASE_S,
+                    )
+                tenant_loads.renew(session, holder=self.holder, lease_s=LEASE_S)
+        except SQLAlchemyError:
+            for tenant_id, delta in unwritten.items():
+                self._unwritten[tenant_id] = self._unwritten.get(tenant_id, Load()) + delta
+            raise
+
+    def _forget(self) -> None:
+        with self._sessions() as session:
+            tenant_loads.forget(session, holder=self.holder)

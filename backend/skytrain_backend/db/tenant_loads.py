@@ -1,0 +1,91 @@
+"""Tenants' inference requests in flight, counted across control-plane processes (PostgreSQL).
+
+Each process keeps one row per tenant it has requests in flight for (``TenantLoad``), changed
+by deltas: ``acquire`` adds a request's cost if the sum over every live row of the tenant
+stays within its limits, ``release`` takes it off. Admissions of one tenant are serialised by
+a lock on its ``tenants`` row (``FOR NO KEY UPDATE``: rows that reference the tenant can
+still be written meanwhile), so two processes cannot both admit the last free slot.
+
+A row counts while its ``expires_at`` is in the future (database time); its process renews
+its rows every few seconds (``renew``), so the load of a process that was killed stops
+counting within ``lease_s``, and ``renew`` deletes rows long expired. A process always counts
+its own rows, even late in renewing them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
+
+@dataclass(frozen=True)
+class Counts:
+    requests: int = 0
+    sequences: int = 0
+    tokens: int = 0
+
+
+def held(session: Session, *, tenant_id: str, holder: str) -> Counts:
+    """The tenant's load over every live row, its own tenant row locked until the
+    transaction ends (call ``add`` and commit, or roll back)."""
+    session.execute(
+        text("SELECT id FROM tenants WHERE id = :tenant_id FOR NO KEY UPDATE"),
+        {"tenant_id": tenant_id},
+    )
+    row = session.execute(
+        text(
+            "SELECT coalesce(sum(requests), 0), coalesce(sum(sequences), 0), "
+            "coalesce(sum(tokens), 0) FROM tenant_loads "
+            "WHERE tenant_id = :tenant_id AND (holder = :holder OR expires_at > now())"
+        ),
+        {"tenant_id": tenant_id, "holder": holder},
+    ).one()
+    return Counts(int(row[0]), int(row[1]), int(row[2]))
+
+
+def add(session: Session, *, tenant_id: str, holder: str, delta: Counts, lease_s: float) -> None:
+    """Add ``delta`` (negative to release) to the holder's row for the tenant."""
+    session.execute(
+        text(
+            "INSERT INTO tenant_loads (tenant_id, holder, requests, sequences, tokens, "
+            "expires_at) VALUES (:tenant_id, :holder, :requests, :sequences, :tokens, "
+            "now() + make_interval(secs => :lease_s)) "
+            "ON CONFLICT (tenant_id, holder) DO UPDATE SET "
+            "requests = tenant_loads.requests + excluded.requests, "
+            "sequences = tenant_loads.sequences + excluded.sequences, "
+            "tokens = tenant_loads.tokens + excluded.tokens, "
+            "expires_at = excluded.expires_at"
+        ),
+        {
+            "tenant_id": tenant_id,
+            "holder": holder,
+            "requests": delta.requests,
+            "sequences": delta.sequences,
+            "tokens": delta.tokens,
+            "lease_s": lease_s,
+        },
+    )
+
+
+def renew(session: Session, *, holder: str, lease_s: float) -> None:
+    """Extend the holder's rows; delete every row expired for more than ten leases."""
+    session.execute(
+        text(
+            "UPDATE tenant_loads SET expires_at = now() + make_interval(secs => :lease_s) "
+            "WHERE holder = :holder"
+        ),
+        {"holder": holder, "lease_s": lease_s},
+    )
+    session.execute(
+        text("DELETE FROM tenant_loads WHERE expires_at < now() - make_interval(secs => :grace_s)"),
+        {"grace_s": 10 * lease_s},
+    )
+    session.commit()
+
+
+def forget(session: Session, *, holder: str) -> None:
+    """Delete the holder's rows (its process is stopping: nothing of it is in flight)."""
+    session.execute(text("DELETE FROM tenant_loads WHERE holder = :holder"), {"holder": holder})
+    session.commit()
