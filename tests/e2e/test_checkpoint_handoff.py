@@ -1,7 +1,7 @@
 """The checkpoint hand-off's durability rule, with a real worker, engine and control plane:
 the worker loads a new step into its engine while the checkpoint uploads, but no one is
 served that step until its checkpoint is committed. Here the commit fails for real (the
-object store cannot make the checkpoint's directory): the gateway answers with the old step
+local object store cannot make the checkpoint's directory): the gateway answers with the old step
 throughout and refuses the new one, and the engine has unloaded it."""
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from skytrain_backend.storage import keys
 from tests.e2e import support
 from tests.fixtures.service import Service
 from tests.gateway.conftest import wait_until
-from tests.lifecycle.conftest import undeletable
 
 pytestmark = [pytest.mark.e2e]
 
@@ -84,15 +83,17 @@ def test_a_step_whose_commit_failed_is_never_served_and_is_unloaded(
         sampler = threading.Thread(
             target=_sample_until, args=(client, model["inference_name"], done, served_steps)
         )
-        # The model's directory in the store takes no new entry: its checkpoints/ directory
-        # cannot be made, so committing step 1 fails after the worker loaded it.
-        with undeletable(service.home / "objects" / prefix):
-            sampler.start()
-            try:
-                _, events = support.train(http, model["id"], groups, learning_rate=5e-3)
-            finally:
-                done.set()
-                sampler.join()
+        # A file stands where the model's checkpoints/ directory goes in the store: committing
+        # step 1 fails there (the store's own error), after the worker loaded the step.
+        blocker = service.home / "objects" / prefix / "checkpoints"
+        blocker.parent.mkdir(parents=True, exist_ok=True)
+        blocker.write_bytes(b"")
+        sampler.start()
+        try:
+            _, events = support.train(http, model["id"], groups, learning_rate=5e-3)
+        finally:
+            done.set()
+            sampler.join()
 
         assert events[-1]["type"] == "training_failed", events[-1]
         assert "saving the checkpoint of step 1" in events[-1]["data"]["error_message"]

@@ -523,7 +523,7 @@ class WorkerAgent:
         await self._put_trainer_away(running, model_id, step)
         await self._wake_engine()
 
-        # The hand-off (docs/operator-guide.md, "When a new step is served"): the engine loads
+        # The hand-off (docs/operators.md, "When a new step is served"): the engine loads
         # the new adapter from this disk while its files go up to the object store. Loaded is
         # not served: until the checkpoint row is committed the control plane routes nothing
         # to the step (it routes to committed steps only) and this worker does not report it
@@ -532,10 +532,11 @@ class WorkerAgent:
         key = (model_id, step)
         self._uncommitted.add(key)
         try:
-            await _both(
-                self._load_new_step(key, checkpoint_dir, times),
-                self._upload(running, files, times),
-            )
+            with _timed(times, "handoff"):
+                await _both(
+                    self._load_new_step(key, checkpoint_dir, times),
+                    self._upload(running, files, times),
+                )
             self._check(running)
             await self._report_timeline(running, trainer)
             summary = {**_mean_metrics(step_metrics), **_floats(plan.summary), **times}
