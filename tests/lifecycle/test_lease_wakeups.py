@@ -5,6 +5,7 @@ say what woke it (PostgreSQL: ``pg_notify`` in the queuing transaction and the p
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -12,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import FastAPI
 
 from skytrain_backend.db import notify
+from skytrain_backend.worker.client import ControlPlaneClient, until_stopped
 from tests.api.support import group
 from tests.gateway.conftest import wait_until
 from tests.lifecycle.conftest import Who, WorkerClient
@@ -92,3 +94,39 @@ def test_a_follower_of_a_jobs_events_gets_the_next_event_at_its_notification(
     counts = notifier.counts - before
     assert counts["woken_by_timeout"] == 0
     assert counts["woken_by_notification"] == 1
+
+
+async def test_a_stopping_worker_drops_its_pending_lease_and_the_control_plane_lets_go(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_app: FastAPI,
+    lifecycle_url: str,
+) -> None:
+    notifier: notify.Notifier = lifecycle_app.state.notifier
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    token = worker.http.headers["Authorization"].removeprefix("Bearer ")
+    control_plane = ControlPlaneClient(lifecycle_url, token)
+    stopping = asyncio.Event()
+    try:
+        async with asyncio.timeout(120):
+            leasing = asyncio.create_task(
+                until_stopped(control_plane.lease(wait_s=LEASE_WAIT_S), stopping)
+            )
+            await asyncio.to_thread(
+                wait_until, lambda: notifier.parked == 1, what="the lease request to wait"
+            )
+            stopping.set()
+            # The worker's side ends at once, with no job ...
+            assert await leasing is None
+            # ... and the control plane stops waiting when it hangs up, without claiming.
+            await asyncio.to_thread(
+                wait_until, lambda: notifier.parked == 0, what="the control plane to let go"
+            )
+    finally:
+        await control_plane.aclose()
+    job_id = alice.http.post(
+        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+    ).json()["id"]
+    assert alice.http.get(f"/v1/training-jobs/{job_id}").json()["status"] == "queued"

@@ -3,7 +3,8 @@
 The answer is always a query's (``check``, run in the thread pool); a notification
 (``db.notify``) only says when to run it again. Nothing is held while waiting: no session
 transaction, no database connection, no thread. A client that hangs up ends the wait, so
-nothing is handed to a request nobody reads any more (a worker's lease above all).
+nothing is handed to a request nobody reads any more (a worker's lease above all). A server
+shutting down (``Notifier.close_threadsafe``) answers every long-poll at once.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ async def long_poll(
             notifier.counts[f"checks/{channel}"] += 1
             found = await run_in_threadpool(check)
             remaining = deadline - loop.time()
-            if found is not None or remaining <= 0 or hung_up is None or hung_up.done():
+            if found is not None or remaining <= 0 or notifier.closing:
+                return found
+            if hung_up is None or hung_up.done():
                 return found
             waiting = asyncio.ensure_future(notifier.wait(ticket, remaining))
             await asyncio.wait({waiting, hung_up}, return_when=asyncio.FIRST_COMPLETED)

@@ -87,6 +87,8 @@ class Notifier:
         self.counts: Counter[str] = Counter()
         # Waiters parked in ``wait`` right now.
         self.parked = 0
+        # Set when the server shuts down: long-polls stop waiting.
+        self.closing = False
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -96,10 +98,21 @@ class Notifier:
             self._listener = asyncio.create_task(self._listen(), name="skytrain-listen")
 
     async def stop(self) -> None:
+        self._close()
         if self._listener is not None:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._listener
+
+    def close_threadsafe(self) -> None:
+        """The server is shutting down: every long-poll answers now (its last check), so
+        the shutdown does not wait out the workers' pending lease requests."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._close)
+
+    def _close(self) -> None:
+        self.closing = True
         self._wake_all()
 
     def install(self, sessions: sessionmaker[Session]) -> None:
