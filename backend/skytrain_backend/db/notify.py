@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 from collections import Counter
 from typing import Any
 
@@ -48,6 +50,8 @@ _PENDING = "skytrain_notify_pending"
 # How long the listener waits on an idle connection before checking that it still works.
 _LISTEN_CHECK_S = 30.0
 _RECONNECT_MAX_S = 10.0
+# The listener's connection as ``pg_stat_activity`` names it.
+LISTENER_NAME = f"skytrain-listen {socket.gethostname()}:{os.getpid()}"
 
 Wake = tuple[str, str | None]
 
@@ -89,6 +93,8 @@ class Notifier:
         self.parked = 0
         # Set when the server shuts down: long-polls stop waiting.
         self.closing = False
+        # The PostgreSQL backend of the LISTEN connection (the latest one).
+        self.listener_pid: int | None = None
 
     # --- lifecycle -----------------------------------------------------------------------------
 
@@ -199,10 +205,11 @@ class Notifier:
         while True:
             try:
                 async with await psycopg.AsyncConnection.connect(
-                    self._dsn, autocommit=True
+                    self._dsn, autocommit=True, application_name=LISTENER_NAME
                 ) as connection:
                     for channel in CHANNELS:
                         await connection.execute(f"LISTEN {channel}")
+                    self.listener_pid = connection.info.backend_pid
                     self.counts["listener_connects"] += 1
                     self.listening.set()
                     delay_s = 0.2
