@@ -12,13 +12,15 @@ the job, follow its events, then ask until an answer comes from the new step. It
 from the job's timestamps and events and the times the worker reports (``time/*_s``):
 
     sample        client wall time of the sampling requests
-    queue         job created -> leased by the worker (the worker polls for jobs)
+    queue         job created -> leased by the worker (its lease request, waiting on the
+                  control plane, is answered at the job's notification)
     prepare       leased -> training_started: download, trainer ready, tokenize and pack
       download    of it, the batch download
     train         training_started -> last gradient_step
     save          adapter + optimizer state written by the worker
     upload        checkpoint files to the control plane
-    load          hot-load into the engine and check it serves
+    load          hot-load into the engine and check it serves (at the same time as upload)
+    hand-off      upload and load together, wall time
     commit        the rest, until training_ended (the checkpoint row)
     first answer  training_ended -> the first answer served by the new step
 
@@ -66,6 +68,7 @@ PHASES = (
     "save",
     "upload",
     "load",
+    "hand-off",
     "commit",
     "first answer",
 )
@@ -214,7 +217,8 @@ def _phases(
     started_at = _timestamp(started["created_at"])
     trained_at = _timestamp(last_step["created_at"])
     ended_at = _timestamp(ended["created_at"])
-    worker_after_train = times["time/save_s"] + times["time/upload_s"] + times["time/engine_load_s"]
+    handoff = times["time/handoff_s"]
+    worker_after_train = times["time/save_s"] + handoff
     return {
         "sample": sampled - begin,
         "queue": leased_at - _timestamp(job["created_at"]),
@@ -224,6 +228,7 @@ def _phases(
         "save": times["time/save_s"],
         "upload": times["time/upload_s"],
         "load": times["time/engine_load_s"],
+        "hand-off": handoff,
         "commit": max(ended_at - trained_at - worker_after_train, 0.0),
         "first answer": answered - ended_at,
         "total": answered - begin,

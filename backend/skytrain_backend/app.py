@@ -26,6 +26,7 @@ from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.dashboard import install_dashboard
 from skytrain_backend.db import migrations, workers
+from skytrain_backend.db.notify import Notifier
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.provision import open_provider
 from skytrain_backend.provision.package import WorkerPackage
@@ -46,6 +47,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             )
             app.state.settings = settings
             app.state.sessionmaker = session_factory(engine)
+            # Wakes long-polls (job leases, event followers) when what they wait for commits.
+            app.state.notifier = Notifier(settings.resolved_database_url)
+            app.state.notifier.install(app.state.sessionmaker)
+            await app.state.notifier.start()
             app.state.store = open_object_store(settings.resolved_object_store_url, settings)
             app.state.scheduler = Scheduler(
                 settings=settings,
@@ -74,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await app.state.tinker.aclose()
                 await app.state.scheduler.stop()
                 await app.state.gateway.aclose()
+                await app.state.notifier.stop()
         finally:
             engine.dispose()
 

@@ -19,6 +19,8 @@ from skytrain_backend import __version__
 from skytrain_backend.engine.cli import engine_app
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
@@ -112,7 +114,18 @@ def serve(
     typer.echo(f"  object store: {store}")
     typer.echo(f"  dashboard:    http://{settings.host}:{settings.port}/ (sign in with an API key)")
     _log_to_stderr()  # the scheduler's decisions (leadership, launches, placements) show
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port)
+    application = create_app(settings)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            # Uvicorn waits for the requests in flight before the app's shutdown: end the
+            # long-polls (workers' lease requests wait up to 30 s) now.
+            notifier = getattr(application.state, "notifier", None)
+            if notifier is not None:
+                notifier.close_threadsafe()
+
+    Server(uvicorn.Config(application, host=settings.host, port=settings.port)).run()
 
 
 def _log_to_stderr() -> None:

@@ -44,6 +44,8 @@ NAME_MAX_LENGTH = 128
 SPLIT_PATTERN = r"^[A-Za-z0-9._-]+$"
 # Event ids as cursors: at most 18 digits, well inside the bigint column.
 EVENT_ID_PATTERN = r"^[0-9]{1,18}$"
+# The longest a long-poll (a worker's lease, a client following a job's events) is held.
+MAX_WAIT_S = 30.0
 
 Step = Annotated[int, Field(ge=0, le=MAX_STEP, description="A checkpoint step (0 to 2^31-1).")]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED, description="A 64-bit signed seed.")]

@@ -36,6 +36,8 @@ from skytrain._trajectories import Trajectory, TrajectoryGroup
 from skytrain._types import Checkpoint, ModelConfig, SFTConfig, TrainConfig, TrainResult
 
 _TERMINAL_JOB_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+# The longest the server holds one request for a job's next event.
+_FOLLOW_WAIT_S = 30.0
 
 
 def _numeric(data: dict[str, Any]) -> dict[str, float]:
@@ -272,7 +274,9 @@ class TrainableModel(Model):
     ) -> TrainResult:
         """Read the job's events from the last seen one on, until it ends or fails.
 
-        When no new event arrives the job's status is checked too, so a job cancelled on the
+        Each request waits on the server for the next event (``wait_s``), so events arrive as
+        they happen; ``poll_interval`` is the pause after an answer with none. When no new
+        event arrives the job's status is checked too, so a job cancelled on the
         server (which emits no event) ends the wait instead of hanging it.
         """
         backend, _ = self._registered()
@@ -288,7 +292,12 @@ class TrainableModel(Model):
 
         try:
             while True:
-                params: dict[str, Any] = {"limit": 100}
+                # The server holds the request until the next event (a long-poll), within
+                # the request's own timeout and the wait's deadline.
+                wait_s = min(_FOLLOW_WAIT_S, backend.timeout / 2)
+                if deadline is not None:
+                    wait_s = max(0.0, min(wait_s, deadline - loop.time()))
+                params: dict[str, Any] = {"limit": 100, "wait_s": round(wait_s, 3)}
                 if cursor is not None:
                     params["after"] = cursor
                 page = await backend._get(f"/v1/training-jobs/{job_id}/events", params=params)

@@ -2,7 +2,7 @@
 
 - ``lifecycle_settings`` (session; SQLite, and PostgreSQL under the ``postgres`` marker): a
   local object store, provider ``none``, and a scheduler that sweeps every half second.
-- ``lifecycle_url``: that control plane under uvicorn; ``lifecycle_db`` and
+- ``lifecycle_url``: that control plane (``lifecycle_app``) under uvicorn; ``lifecycle_db`` and
   ``lifecycle_store`` to check rows and objects.
 - ``who()``: a new tenant with a key and an HTTP client, whose models get a base model of
   the test's own (the running scheduler places models on any ready worker of their base).
@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
@@ -63,8 +64,13 @@ def lifecycle_settings(
 
 
 @pytest.fixture(scope="session")
-def lifecycle_url(lifecycle_settings: Settings) -> Iterator[str]:
-    with serve_in_thread(create_app(lifecycle_settings)) as url:
+def lifecycle_app(lifecycle_settings: Settings) -> FastAPI:
+    return create_app(lifecycle_settings)
+
+
+@pytest.fixture(scope="session")
+def lifecycle_url(lifecycle_app: FastAPI) -> Iterator[str]:
+    with serve_in_thread(lifecycle_app) as url:
         yield url
 
 

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from skytrain_backend.config import Settings
 from skytrain_backend.db import keys
 from skytrain_backend.db.models import Tenant
+from skytrain_backend.db.notify import Notifier
 from skytrain_backend.errors import AuthenticationFailed
 from skytrain_backend.provision.package import WorkerPackage
 from skytrain_backend.ranges import (
@@ -25,6 +26,7 @@ from skytrain_backend.ranges import (
     ID_MAX_LENGTH,
     ID_PATTERN,
     MAX_STEP,
+    MAX_WAIT_S,
     NAME_MAX_LENGTH,
     NAME_PATTERN,
     SPLIT_PATTERN,
@@ -59,6 +61,11 @@ def get_scheduler(request: Request) -> Scheduler:
     return scheduler
 
 
+def get_notifier(request: Request) -> Notifier:
+    notifier: Notifier = request.app.state.notifier
+    return notifier
+
+
 def get_gateway(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
     return gateway
@@ -78,6 +85,7 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
+NotifierDep = Annotated[Notifier, Depends(get_notifier)]
 GatewayDep = Annotated["Gateway", Depends(get_gateway)]
 PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
 TinkerDep = Annotated["TinkerService", Depends(get_tinker)]
@@ -127,6 +135,15 @@ After = Annotated[
         max_length=ID_MAX_LENGTH,
         pattern=ID_PATTERN,
         description="Cursor: the id of the last item seen.",
+    ),
+]
+WaitS = Annotated[
+    float,
+    Query(
+        ge=0,
+        le=MAX_WAIT_S,
+        description=f"Long-poll: seconds (0 to {MAX_WAIT_S:g}) to hold the request until "
+        "there is something to answer; 0 answers at once.",
     ),
 ]
 EventCursor = Annotated[

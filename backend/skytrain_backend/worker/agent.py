@@ -16,10 +16,11 @@ the two never hold the GPU at once:
 2. load the trainer onto the memory the engine freed, train, save the checkpoint;
 3. free the trainer's memory and empty the CUDA cache (vLLM's wake-up maps all of its
    memory again), then wake the engine;
-4. load the new adapter, check that the engine generates with it, upload the checkpoint,
-   report the job's timeline (the engine's own log of its control calls, and the trainer's
-   events) and only then commit, so a client that sees ``training_ended`` gets the new step
-   on its next request.
+4. load the new adapter from local disk (and check that the engine generates with it) while
+   the checkpoint uploads, report the job's timeline (the engine's own log of its control
+   calls, and the trainer's events) and only then commit, so a client that sees
+   ``training_ended`` gets the new step on its next request. Until the commit the loaded
+   step is served to no one; if anything fails before it, the step is unloaded.
 
 A job that fails, out of memory included, is reported and the worker goes on serving: its
 trainer is freed and the engine woken (or restarted) whatever happened. Failures a retry
@@ -37,7 +38,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
@@ -62,7 +63,7 @@ from skytrain_backend.protocol import (
     WorkerStatus,
     lora_name,
 )
-from skytrain_backend.worker.client import ControlPlaneClient
+from skytrain_backend.worker.client import LEASE_RETRY_S, ControlPlaneClient, until_stopped
 from skytrain_backend.worker.tinker import TinkerExecutor
 
 if TYPE_CHECKING:
@@ -139,7 +140,9 @@ class AgentOptions:
     trainer_memory_limit_bytes: int | None = None
     hardware: dict[str, Any] = field(default_factory=dict)
     version: str = ""
-    job_poll_interval_s: float = 1.0
+    # How long one lease request waits on the control plane for a job (a long-poll: a job
+    # queued meanwhile is answered at once).
+    job_wait_s: float = 30.0
     max_cached_trainers: int = 2
     # Tinker training runs held at once (worker.tinker), beside the job loop.
     tinker_max_runs: int = 2
@@ -162,6 +165,9 @@ class WorkerAgent:
         self._options = options
         self._placements: dict[str, _Placement] = {}
         self._served: dict[tuple[str, int], Path] = {}
+        # Steps loaded into the engine whose checkpoint is not committed yet: never reported
+        # as served (see _train_and_commit).
+        self._uncommitted: set[tuple[str, int]] = set()
         self._trainers: dict[str, tuple[int, Trainer]] = {}
         self._engine_lock = asyncio.Lock()
         # True from the moment the engine is told to sleep until it is awake again.
@@ -177,7 +183,7 @@ class WorkerAgent:
             work_dir=options.work_dir,
             device=options.device,
             max_runs=options.tinker_max_runs,
-            poll_interval_s=options.job_poll_interval_s,
+            wait_s=options.job_wait_s,
         )
 
     # --- lifecycle -----------------------------------------------------------------------------
@@ -248,7 +254,11 @@ class WorkerAgent:
     async def _send_heartbeat(self) -> None:
         """Tell the control plane what the worker does and serves; learn its placements."""
         job = self._job
-        served = [ServedCheckpoint(model_id=m, step=s) for (m, s) in self._served]
+        served = [
+            ServedCheckpoint(model_id=m, step=s)
+            for (m, s) in self._served
+            if (m, s) not in self._uncommitted
+        ]
         served += [ServedCheckpoint(model_id=m, step=0) for m in self._placements]
         answer = await self._cp.heartbeat(
             Heartbeat(status=self._status(), served=served, job_id=job.id if job else None)
@@ -338,15 +348,16 @@ class WorkerAgent:
     async def _job_loop(self) -> None:
         while not self._stopping.is_set():
             try:
-                job = await self._cp.lease()
+                job = await until_stopped(
+                    self._cp.lease(wait_s=self._options.job_wait_s), self._stopping
+                )
             except Exception:
-                logger.exception("leasing a job failed; retrying")
-                job = None
-            if job is None:
+                logger.exception("leasing a job failed; retrying in %g s", LEASE_RETRY_S)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stopping.wait(), self._options.job_poll_interval_s)
+                    await asyncio.wait_for(self._stopping.wait(), LEASE_RETRY_S)
                 continue
-            await self._run_job(job)
+            if job is not None:
+                await self._run_job(job)
 
     async def _run_job(self, job: LeasedJob) -> None:
         running = _RunningJob(id=job.id, model_id=job.model_id, attempt=job.attempt)
@@ -512,36 +523,63 @@ class WorkerAgent:
         await self._put_trainer_away(running, model_id, step)
         await self._wake_engine()
 
-        name = lora_name(model_id, step)
-        with _timed(times, "engine_load"):
-            async with self._engine_lock:
-                await self._engine.load_lora(name, str(checkpoint_dir))
-                self._served[(model_id, step)] = checkpoint_dir
-            if not await self._engine.is_serving(name):
-                raise SkytrainError(f"the engine does not serve {name} after loading it")
-            await self._engine.check_generates(name)
-        self._check(running)
-        with _timed(times, "upload"):
-            for path in files:
-                await self._cp.upload_file(running.id, path, attempt=running.attempt)
-        await self._report_timeline(running, trainer)
-
-        summary = {**_mean_metrics(step_metrics), **_floats(plan.summary), **times}
-        summary["time/training_s"] = time.monotonic() - started
+        # The hand-off (docs/operators.md, "When a new step is served"): the engine loads
+        # the new adapter from this disk while its files go up to the object store. Loaded is
+        # not served: until the checkpoint row is committed the control plane routes nothing
+        # to the step (it routes to committed steps only) and this worker does not report it
+        # as served. If the upload, the load or the commit fails, the step is unloaded here
+        # and never served to anyone.
+        key = (model_id, step)
+        self._uncommitted.add(key)
         try:
+            with _timed(times, "handoff"):
+                await _both(
+                    self._load_new_step(key, checkpoint_dir, times),
+                    self._upload(running, files, times),
+                )
+            self._check(running)
+            await self._report_timeline(running, trainer)
+            summary = {**_mean_metrics(step_metrics), **_floats(plan.summary), **times}
+            summary["time/training_s"] = time.monotonic() - started
             await self._cp.complete(
                 running.id, attempt=running.attempt, step=step, metrics=summary, files=files
             )
-        except Exception:
+        except BaseException:
             # Not committed (lease lost, store failure...): the step must not stay loaded, or
             # the job's next attempt could not load its own result under the same name.
-            async with self._engine_lock:
-                with contextlib.suppress(Exception):
-                    await self._engine.unload_lora(name)
-                self._served.pop((model_id, step), None)
+            await self._unload(key)
             self._trainers.pop(model_id, None)
             raise
+        finally:
+            self._uncommitted.discard(key)
         logger.info("job %s committed step %d of model %s", running.id, step, model_id)
+
+    async def _load_new_step(
+        self, key: tuple[str, int], directory: Path, times: dict[str, float]
+    ) -> None:
+        """Load a step just trained into the engine and check that it generates with it."""
+        name = lora_name(*key)
+        with _timed(times, "engine_load"):
+            async with self._engine_lock:
+                await self._engine.load_lora(name, str(directory))
+                self._served[key] = directory
+            if not await self._engine.is_serving(name):
+                raise SkytrainError(f"the engine does not serve {name} after loading it")
+            await self._engine.check_generates(name)
+
+    async def _upload(
+        self, running: _RunningJob, files: list[Path], times: dict[str, float]
+    ) -> None:
+        with _timed(times, "upload"):
+            for path in files:
+                await self._cp.upload_file(running.id, path, attempt=running.attempt)
+
+    async def _unload(self, key: tuple[str, int]) -> None:
+        """Take a step out of the engine (quietly: an engine that died has dropped it)."""
+        async with self._engine_lock:
+            with contextlib.suppress(Exception):
+                await self._engine.unload_lora(lora_name(*key))
+            self._served.pop(key, None)
 
     async def _trainer_for(
         self, model_id: str, step: int, model_config: ModelConfig, adapter_dir: Path | None
@@ -613,6 +651,20 @@ class WorkerAgent:
         async with self._engine_lock:
             await self._engine.wake_up()
             self._engine_asleep = False
+
+
+async def _both(first: Awaitable[None], second: Awaitable[None]) -> None:
+    """Run both at once; the first failure cancels the other and is raised."""
+    tasks = [asyncio.ensure_future(first), asyncio.ensure_future(second)]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @contextlib.contextmanager

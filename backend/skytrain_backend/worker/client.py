@@ -50,6 +50,9 @@ from skytrain_backend.protocol import (
 T = TypeVar("T")
 Answer = TypeVar("Answer", bound=BaseModel)
 
+# After a failed lease request, the pause before the next one.
+LEASE_RETRY_S = 1.0
+
 
 def _is_transient(exc: BaseException) -> bool:
     if isinstance(exc, httpx.TransportError):
@@ -112,9 +115,23 @@ class ControlPlaneClient:
         )
         return _answer(HeartbeatAnswer, response)
 
-    async def lease(self) -> LeasedJob | None:
-        response = await self._send("POST", "/jobs/lease", json={})
+    async def lease(self, *, wait_s: float = 0.0) -> LeasedJob | None:
+        """A job for this worker: the control plane answers as soon as one is queued, or
+        None after ``wait_s`` (a long-poll, so a queued job reaches the worker at once)."""
+        response = await self._send(
+            "POST",
+            "/jobs/lease",
+            params={"wait_s": wait_s},
+            json={},
+            timeout=self._long_poll_timeout(wait_s),
+        )
         return None if response.status_code == 204 else _answer(JobLease, response).job
+
+    def _long_poll_timeout(self, wait_s: float) -> httpx.Timeout:
+        """The client's timeouts, with the read timeout extended by the server's wait."""
+        timeout = self._http.timeout
+        read_s = None if timeout.read is None else timeout.read + wait_s
+        return httpx.Timeout(timeout.connect, read=read_s, write=timeout.write, pool=timeout.pool)
 
     async def renew(self, job_id: str, *, attempt: int) -> LeaseRenewed:
         body = _body(JobAttempt(attempt=attempt))
@@ -221,6 +238,22 @@ class ControlPlaneClient:
         if response.status_code >= 500:
             response.raise_for_status()
         raise SkytrainError(f"control plane refused GET {path}: {_message(response)}")
+
+
+async def until_stopped(call: Awaitable[T], stopping: asyncio.Event) -> T | None:
+    """``call``'s answer, or None once ``stopping`` is set (the call is cancelled then: a
+    pending long-poll never holds up a worker's shutdown)."""
+    task = asyncio.ensure_future(call)
+    stopped = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
 
 
 async def _file_chunks(path: Path, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:

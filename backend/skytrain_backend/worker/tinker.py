@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from skytrain_backend import tinker_wire
 from skytrain_backend.errors import LeaseLost, SkytrainError, TrainingError
 from skytrain_backend.protocol import ModelConfig
-from skytrain_backend.worker.client import ControlPlaneClient
+from skytrain_backend.worker.client import LEASE_RETRY_S, ControlPlaneClient, until_stopped
 
 if TYPE_CHECKING:
     from skytrain_backend.trainer import Trainer
@@ -91,7 +91,7 @@ class TinkerExecutor:
         device: str | None,
         max_runs: int,
         lease_s: float = 60.0,
-        poll_interval_s: float = 1.0,
+        wait_s: float = 30.0,
     ) -> None:
         self._cp = control_plane
         self._adapters = adapters
@@ -99,8 +99,10 @@ class TinkerExecutor:
         self._device = device
         self._max_runs = max_runs
         self.lease_s = lease_s
-        self._poll_interval_s = poll_interval_s
+        self._wait_s = wait_s
         self._runs: dict[str, _Run] = {}
+        # Set when a run ends: the executor, full, may lease another.
+        self._room = asyncio.Event()
         self._compute = asyncio.Lock()
 
     async def run(self, stopping: asyncio.Event) -> None:
@@ -108,26 +110,34 @@ class TinkerExecutor:
         served: set[asyncio.Task[None]] = set()
         try:
             while not stopping.is_set():
-                leased = None
-                if len(self._runs) < self._max_runs:
-                    try:
-                        leased = await self._lease()
-                    except Exception:
-                        logger.exception("leasing a Tinker run failed; retrying")
+                if len(self._runs) >= self._max_runs:
+                    self._room.clear()
+                    await until_stopped(self._room.wait(), stopping)
+                    continue
+                try:
+                    leased = await until_stopped(self._lease(), stopping)
+                except Exception:
+                    logger.exception("leasing a Tinker run failed; retrying")
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stopping.wait(), LEASE_RETRY_S)
+                    continue
                 if leased is not None:
                     task = asyncio.create_task(self._serve(leased), name=f"tinker-{leased.run_id}")
                     served.add(task)
                     task.add_done_callback(served.discard)
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stopping.wait(), self._poll_interval_s)
         finally:
             for task in list(served):
                 task.cancel()
             await asyncio.gather(*served, return_exceptions=True)
 
     async def _lease(self) -> _Run | None:
-        response = await self._cp.request("POST", f"{API}/lease", json={})
+        response = await self._cp.request(
+            "POST",
+            f"{API}/lease",
+            params={"wait_s": self._wait_s},
+            json={},
+            timeout=self._wait_s + 30,
+        )
         if response.status_code == 204:
             return None
         run = response.json()["run"]
@@ -181,6 +191,7 @@ class TinkerExecutor:
                 await renew
             run.trainer = None
             self._runs.pop(run.job_id, None)
+            self._room.set()
 
     async def _fail_run(
         self, run: _Run, message: str, *, retryable: bool, cancelled: bool = False

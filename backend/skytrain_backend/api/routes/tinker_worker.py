@@ -15,8 +15,17 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend.api.deps import SessionDep, SettingsDep, StoreDep, TinkerDep
+from skytrain_backend.api.deps import (
+    NotifierDep,
+    SessionDep,
+    SettingsDep,
+    StoreDep,
+    TinkerDep,
+    WaitS,
+)
+from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.api.routes.worker import WorkerDep
+from skytrain_backend.db import notify
 from skytrain_backend.db.models import Model, Worker
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.scheduler import tinker as runs
@@ -59,10 +68,29 @@ class SaveRequest(BaseModel):
 
 
 @router.post("/lease")
-def lease(worker: WorkerDep, session: SessionDep, settings: SettingsDep) -> Response:
-    if worker.status == "draining":
-        return Response(status_code=204)
-    run = runs.lease_run(session, worker=worker, lease_s=settings.job_lease_s)
+async def lease(
+    request: Request,
+    worker: WorkerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    notifier: NotifierDep,
+    wait_s: WaitS = 0.0,
+) -> Response:
+    """Lease a Tinker run placed on this worker, waiting up to ``wait_s`` for one (a run is a
+    ``tinker`` training job: its queuing wakes the wait like any job's)."""
+    worker_id = worker.id
+    await run_in_threadpool(session.rollback)
+
+    def claim() -> dict[str, Any] | None:
+        try:
+            current = session.get_one(Worker, worker_id)
+            if current.status == "draining":
+                return None
+            return runs.lease_run(session, worker=current, lease_s=settings.job_lease_s)
+        finally:
+            session.rollback()
+
+    run = await long_poll(request, notifier, claim, channel=notify.JOBS, wait_s=wait_s)
     if run is None:
         return Response(status_code=204)
     return JSONResponse({"run": run})

@@ -19,13 +19,16 @@ from skytrain_backend.api.deps import (
     JobId,
     Limit,
     ModelIdQuery,
+    NotifierDep,
     OrderQuery,
     SchedulerDep,
     SessionDep,
     SettingsDep,
     StoreDep,
     TenantDep,
+    WaitS,
 )
+from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.api.routes.files import read_uploaded_file
 from skytrain_backend.api.schemas import (
     SFTTrainingJobCreate,
@@ -36,10 +39,11 @@ from skytrain_backend.api.schemas import (
     TrainingJobsPublic,
 )
 from skytrain_backend.config import Settings
-from skytrain_backend.db import jobs, registry
+from skytrain_backend.db import jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import (
+    TERMINAL_JOB_STATUSES,
     JobKind,
     JobStatus,
     ModelConfig,
@@ -287,24 +291,46 @@ def cancel_training_job(job_id: JobId, session: SessionDep, tenant: TenantDep) -
 
 
 @router.get("/training-jobs/{job_id}/events", response_model=TrainingJobEventsPublic)
-def list_training_job_events(
+async def list_training_job_events(
     job_id: JobId,
     request: Request,
     session: SessionDep,
     tenant: TenantDep,
+    notifier: NotifierDep,
     after: EventCursor = None,
     limit: Limit = 100,
+    wait_s: WaitS = 0.0,
 ) -> TrainingJobEventsPublic:
-    """Events in order; pass the last event's id as ``after`` to follow a job."""
-    job = jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
-    rows, has_more = jobs.list_events(
-        session,
-        job_id=job.id,
-        after=None if after is None else int(after),
-        limit=limit,
-        # ART's client knows these four types only (its event model is a Literal of them).
-        types=ART_EVENT_TYPES if request.url.path.startswith("/v1/preview/") else None,
+    """Events in order; pass the last event's id as ``after`` to follow a job, and ``wait_s``
+    to have the answer wait for the next event (an empty page means none came within
+    ``wait_s``, or the job ended)."""
+    job = await run_in_threadpool(jobs.get_job, session, tenant_id=tenant.id, job_id=job_id)
+    job_key = job.id
+    await run_in_threadpool(session.rollback)  # nothing is held while the request waits
+    # ART's client knows these four types only (its event model is a Literal of them).
+    types = ART_EVENT_TYPES if request.url.path.startswith("/v1/preview/") else None
+
+    def page() -> TrainingJobEventsPublic | None:
+        try:
+            rows, has_more = jobs.list_events(
+                session,
+                job_id=job_key,
+                after=None if after is None else int(after),
+                limit=limit,
+                types=types,
+            )
+            if not rows and session.get_one(TrainingJob, job_key).status not in (
+                TERMINAL_JOB_STATUSES
+            ):
+                return None
+            return TrainingJobEventsPublic(
+                data=[TrainingJobEventPublic.model_validate(row) for row in rows],
+                has_more=has_more,
+            )
+        finally:
+            session.rollback()
+
+    found = await long_poll(
+        request, notifier, page, channel=notify.EVENTS, key=job_key, wait_s=wait_s
     )
-    return TrainingJobEventsPublic(
-        data=[TrainingJobEventPublic.model_validate(row) for row in rows], has_more=has_more
-    )
+    return found or TrainingJobEventsPublic(data=[], has_more=False)

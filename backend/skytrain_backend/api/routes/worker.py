@@ -20,13 +20,16 @@ from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend import tls
 from skytrain_backend.api.deps import (
+    NotifierDep,
     PackageDep,
     SchedulerDep,
     SessionDep,
     SettingsDep,
     StoreDep,
+    WaitS,
 )
-from skytrain_backend.db import registry, worker_tokens, workers
+from skytrain_backend.api.longpoll import long_poll
+from skytrain_backend.db import notify, registry, worker_tokens, workers
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest, NotFound
 from skytrain_backend.protocol import (
@@ -223,13 +226,33 @@ def _assignments(session: SessionDep, *, worker: Worker) -> HeartbeatAnswer:
 
 
 @router.post("/jobs/lease", response_model=JobLease, responses={204: {"description": "No job"}})
-def lease(worker: WorkerDep, session: SessionDep, settings: SettingsDep) -> Response | JobLease:
-    if worker.status == "draining":
-        return Response(status_code=204)
-    job = queue.lease_job(session, worker=worker, lease_s=settings.job_lease_s)
-    if job is None:
-        return Response(status_code=204)
-    return JobLease(job=LeasedJob.model_validate(queue.job_for_worker(session, job)))
+async def lease(
+    request: Request,
+    worker: WorkerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+    notifier: NotifierDep,
+    wait_s: WaitS = 0.0,
+) -> Response | JobLease:
+    """Lease a queued job of a model placed on this worker: at once if there is one, else as
+    soon as one is queued (or its model placed here) within ``wait_s``; 204 if none."""
+    worker_id = worker.id
+    await run_in_threadpool(session.rollback)  # nothing is held while the request waits
+
+    def claim() -> JobLease | None:
+        try:
+            current = session.get_one(Worker, worker_id)
+            if current.status == "draining":
+                return None
+            job = queue.lease_job(session, worker=current, lease_s=settings.job_lease_s)
+            if job is None:
+                return None
+            return JobLease(job=LeasedJob.model_validate(queue.job_for_worker(session, job)))
+        finally:
+            session.rollback()
+
+    leased = await long_poll(request, notifier, claim, channel=notify.JOBS, wait_s=wait_s)
+    return Response(status_code=204) if leased is None else leased
 
 
 @router.post("/jobs/{job_id}/renew", response_model=LeaseRenewed)

@@ -1,0 +1,132 @@
+"""A queued job reaches the worker waiting for one at the notification of its queuing, not at
+the end of a poll: the worker's lease request waits 30 s, and the control plane's own counts
+say what woke it (PostgreSQL: ``pg_notify`` in the queuing transaction and the process's
+``LISTEN`` connection; SQLite: the commit)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from fastapi import FastAPI
+
+from skytrain_backend.db import notify
+from skytrain_backend.worker.client import ControlPlaneClient, until_stopped
+from tests.api.support import group
+from tests.gateway.conftest import wait_until
+from tests.lifecycle.conftest import Who, WorkerClient
+
+LEASE_WAIT_S = 30
+
+
+def test_a_job_queued_while_a_worker_waits_is_leased_at_its_notification(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_app: FastAPI,
+) -> None:
+    notifier: notify.Notifier = lifecycle_app.state.notifier
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    before = Counter(notifier.counts)
+    with ThreadPoolExecutor(1) as pool:
+        leasing = pool.submit(
+            worker.http.post, "/jobs/lease", params={"wait_s": LEASE_WAIT_S}, json={}
+        )
+        # The request found nothing and waits (the queue is empty)...
+        wait_until(lambda: notifier.parked == 1, what="the lease request to wait")
+        # ... until a job is queued.
+        job_id = alice.http.post(
+            "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+        ).json()["id"]
+        answer = leasing.result()
+
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["job"]["id"] == job_id
+    counts = notifier.counts - before
+    # Woken by a notification, never by its 30 s running out; one claim before waiting and
+    # one per wake-up (other tests' changes may wake it once more, never more than that).
+    assert counts["woken_by_timeout"] == 0
+    assert 1 <= counts["woken_by_notification"] <= 2
+    assert counts[f"checks/{notify.JOBS}"] == 1 + counts["woken_by_notification"]
+
+
+def test_a_lease_request_without_wait_answers_at_once_and_out_of_range_waits_are_refused(
+    who: Callable[[], Who], worker_client: Callable[..., WorkerClient]
+) -> None:
+    alice = who()
+    worker = worker_client(str(alice.create_model()["id"]))
+    assert worker.http.post("/jobs/lease", json={}).status_code == 204
+    refused = worker.http.post("/jobs/lease", params={"wait_s": 31}, json={})
+    assert refused.status_code == 400, refused.text
+    assert "wait_s" in refused.json()["error"]["message"]
+
+
+def test_a_follower_of_a_jobs_events_gets_the_next_event_at_its_notification(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_app: FastAPI,
+) -> None:
+    notifier: notify.Notifier = lifecycle_app.state.notifier
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    job_id = alice.http.post(
+        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+    ).json()["id"]
+    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
+    before = Counter(notifier.counts)
+    with ThreadPoolExecutor(1) as pool:
+        following = pool.submit(
+            alice.http.get, f"/v1/training-jobs/{job_id}/events", params={"wait_s": 30}
+        )
+        wait_until(lambda: notifier.parked == 1, what="the follower to wait")
+        reported = worker.http.post(
+            f"/jobs/{job_id}/events",
+            json={"attempt": 1, "type": "training_started", "data": {"step": 1}},
+        )
+        assert reported.status_code == 201, reported.text
+        page = following.result().json()
+
+    assert [event["type"] for event in page["data"]] == ["training_started"]
+    counts = notifier.counts - before
+    assert counts["woken_by_timeout"] == 0
+    assert counts["woken_by_notification"] == 1
+
+
+async def test_a_stopping_worker_drops_its_pending_lease_and_the_control_plane_lets_go(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_app: FastAPI,
+    lifecycle_url: str,
+) -> None:
+    notifier: notify.Notifier = lifecycle_app.state.notifier
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    token = worker.http.headers["Authorization"].removeprefix("Bearer ")
+    control_plane = ControlPlaneClient(lifecycle_url, token)
+    stopping = asyncio.Event()
+    try:
+        async with asyncio.timeout(120):
+            leasing = asyncio.create_task(
+                until_stopped(control_plane.lease(wait_s=LEASE_WAIT_S), stopping)
+            )
+            await asyncio.to_thread(
+                wait_until, lambda: notifier.parked == 1, what="the lease request to wait"
+            )
+            stopping.set()
+            # The worker's side ends at once, with no job ...
+            assert await leasing is None
+            # ... and the control plane stops waiting when it hangs up, without claiming.
+            await asyncio.to_thread(
+                wait_until, lambda: notifier.parked == 0, what="the control plane to let go"
+            )
+    finally:
+        await control_plane.aclose()
+    job_id = alice.http.post(
+        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+    ).json()["id"]
+    assert alice.http.get(f"/v1/training-jobs/{job_id}").json()["status"] == "queued"
