@@ -249,7 +249,7 @@ def _trl_stepper(
         torch.set_num_threads(threads)
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     class StepGate(TrainerCallback):
@@ -289,15 +289,8 @@ def _trl_stepper(
         seed=0,
     )
     gate = StepGate()
-    # The GGUF-built copy's config still names the GGUF file it came from, and Trainer refuses
-    # "quantized" models; its weights are plain tensors.
-    config_without_quantization = AutoConfig.from_pretrained(model_path)
-    if hasattr(config_without_quantization, "quantization_config"):
-        del config_without_quantization.quantization_config
     trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(
-            model_path, config=config_without_quantization, dtype=torch.float32
-        ),
+        model=AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32),
         reward_funcs=trl_reward,
         args=config,
         train_dataset=Dataset.from_list(

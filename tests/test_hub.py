@@ -30,6 +30,9 @@ def test_smollm2_converts_with_the_original_special_tokens(smollm2_path: Path) -
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert AutoConfig.from_pretrained(smollm2_path).eos_token_id == end
     assert GenerationConfig.from_pretrained(smollm2_path).eos_token_id == end
+    # Plain weights: nothing says the model is still quantized (Trainer would refuse it).
+    config = json.loads((smollm2_path / "config.json").read_text())
+    assert "quantization_config" not in config
 
 
 def test_the_chat_template_renders_tools_and_tool_calls(tiny_model_path: Path) -> None:

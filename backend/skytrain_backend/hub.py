@@ -45,7 +45,7 @@ GGUF_SPECIAL_TOKENS: dict[str, dict[str, str]] = {
 }
 # Written into every directory skytrain builds; a directory from an older recipe is rebuilt.
 BUILD_MARKER = "skytrain-build.json"
-BUILD_VERSION = 2
+BUILD_VERSION = 3
 
 # SmolLM2's own template with tool support added in the Hermes format (<tool_call>{json}
 # </tool_call>), the format vLLM's `hermes` tool-call parser and skytrain's CPU engine read.
@@ -162,6 +162,10 @@ def convert_gguf_model(model: str, *, cache_dir: Path | None = None) -> Path:
         )
         fresh = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
         fresh.load_state_dict(loaded.state_dict())
+        # The weights are plain tensors now: the config must not say "quantized (GGUF)", or
+        # transformers' Trainer (TRL) refuses to train it and loaders look for the GGUF file.
+        if hasattr(fresh.config, "quantization_config"):
+            del fresh.config.quantization_config
         fresh.to(torch.bfloat16)
         fresh.config.dtype = torch.bfloat16
         fresh.config.bos_token_id = tokenizer.bos_token_id
