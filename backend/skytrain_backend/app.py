@@ -51,34 +51,36 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.notifier = Notifier(settings.resolved_database_url)
             app.state.notifier.install(app.state.sessionmaker)
             await app.state.notifier.start()
-            app.state.store = open_object_store(settings.resolved_object_store_url, settings)
-            app.state.scheduler = Scheduler(
-                settings=settings,
-                sessions=app.state.sessionmaker,
-                provider=open_provider(settings, app.state.sessionmaker),
-                leadership=open_leadership(settings.resolved_database_url),
-                store=app.state.store,
-            )
-            app.state.gateway = Gateway(
-                settings=settings,
-                sessions=app.state.sessionmaker,
-                on_unplaced=app.state.scheduler.wake,
-            )
-            app.state.scheduler.on_worker_gone = app.state.gateway.forget_worker
-            app.state.worker_package = WorkerPackage(settings)
-            app.state.tinker = TinkerService(
-                settings=settings,
-                sessions=app.state.sessionmaker,
-                store=app.state.store,
-                gateway=app.state.gateway,
-            )
-            await app.state.scheduler.start()
             try:
-                yield
+                app.state.store = open_object_store(settings.resolved_object_store_url, settings)
+                app.state.scheduler = Scheduler(
+                    settings=settings,
+                    sessions=app.state.sessionmaker,
+                    provider=open_provider(settings, app.state.sessionmaker),
+                    leadership=open_leadership(settings.resolved_database_url),
+                    store=app.state.store,
+                )
+                app.state.gateway = Gateway(
+                    settings=settings,
+                    sessions=app.state.sessionmaker,
+                    on_unplaced=app.state.scheduler.wake,
+                )
+                app.state.scheduler.on_worker_gone = app.state.gateway.forget_worker
+                app.state.worker_package = WorkerPackage(settings)
+                app.state.tinker = TinkerService(
+                    settings=settings,
+                    sessions=app.state.sessionmaker,
+                    store=app.state.store,
+                    gateway=app.state.gateway,
+                )
+                await app.state.scheduler.start()
+                try:
+                    yield
+                finally:
+                    await app.state.tinker.aclose()
+                    await app.state.scheduler.stop()
+                    await app.state.gateway.aclose()
             finally:
-                await app.state.tinker.aclose()
-                await app.state.scheduler.stop()
-                await app.state.gateway.aclose()
                 await app.state.notifier.stop()
         finally:
             engine.dispose()

@@ -48,7 +48,7 @@ async def long_poll(
                 return found
             waiting = asyncio.ensure_future(notifier.wait(ticket, remaining))
             await asyncio.wait({waiting, hung_up}, return_when=asyncio.FIRST_COMPLETED)
-            if not waiting.done():
+            if hung_up.done():  # even if woken too: nobody would read what a check claims
                 waiting.cancel()
                 return None
     finally:

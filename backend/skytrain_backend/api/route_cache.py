@@ -15,7 +15,8 @@ gone or loading something else. Activity marks (``last_active_at``, ``last_reque
 heartbeats, ``last_used_at``) change nothing a route holds and do not count. A resolution that
 was running while the cache was emptied is not kept (it may have read the old rows).
 
-Across control-plane processes on one database a change made through another process is seen
+Across processes on one database (other replicas, and the CLI: ``skytrain keys revoke``) a
+change made through another process is seen
 here within the TTL: for at most that long a request may still go to a deleted model's worker
 (whose engine still holds the adapter until the scheduler unloads it) or to the previous step.
 """

@@ -11,6 +11,10 @@ would pass; the function it returns counts it out.
   transaction, each release one statement (run in a thread; until it has run, the slot stays
   held, never the other way round). Rows are leased for ``LEASE_S`` and renewed every
   ``RENEW_S``: the load of a process that was killed is freed within ``LEASE_S``.
+
+A tenant cannot tie up what others use: a process sends one admission per tenant at a time to
+the database (the others of that tenant wait in memory, holding nothing), and every admission,
+release and renewal runs on threads of its own (``DB_THREADS``), not the pool the routes share.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 LEASE_S = 15.0
 RENEW_S = 5.0
+# Threads (and so database connections) the database counting uses at most, per process.
+DB_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -95,6 +101,13 @@ class TenantLoads:
         self._renewer: asyncio.Task[None] | None = None
         # Releases the database did not take, written at the next renewal.
         self._unwritten: dict[str, Load] = {}
+        self._admitting: dict[str, asyncio.Lock] = {}
+        self._threads: anyio.CapacityLimiter | None = None
+
+    async def _in_thread(self, function: Callable[..., None], *args: object) -> None:
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(DB_THREADS)
+        await anyio.to_thread.run_sync(function, *args, limiter=self._threads)
 
     async def aclose(self) -> None:
         if self._renewer is not None:
@@ -105,7 +118,7 @@ class TenantLoads:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._shared and self._renewer is not None:
             with contextlib.suppress(SQLAlchemyError):
-                await anyio.to_thread.run_sync(self._forget)
+                await self._in_thread(self._forget)
 
     def held(self, tenant_id: str) -> Load:
         """What the tenant holds through this process."""
@@ -120,8 +133,10 @@ class TenantLoads:
         self._add(tenant_id, cost)
         if self._shared:
             self._start_renewing()
+            lock = self._admitting.setdefault(tenant_id, asyncio.Lock())
             try:
-                await anyio.to_thread.run_sync(self._acquire, tenant_id, limits, cost)
+                async with lock:
+                    await self._in_thread(self._acquire, tenant_id, limits, cost)
             except BaseException:
                 self._add(tenant_id, Load() - cost)
                 raise
@@ -185,7 +200,7 @@ class TenantLoads:
         # Shielded: a release must be written even while the app shuts down.
         with anyio.CancelScope(shield=True):
             try:
-                await anyio.to_thread.run_sync(write)
+                await self._in_thread(write)
             except SQLAlchemyError as exc:
                 # Written with the next renewal; the slot stays held until then.
                 logger.warning("releasing a request of tenant %s failed: %s", tenant_id, exc)
@@ -199,7 +214,7 @@ class TenantLoads:
         while True:
             await anyio.sleep(RENEW_S)
             try:
-                await anyio.to_thread.run_sync(self._renew)
+                await self._in_thread(self._renew)
             except SQLAlchemyError as exc:
                 logger.warning("renewing the tenants' loads of this process failed: %s", exc)
 

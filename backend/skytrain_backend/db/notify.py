@@ -48,6 +48,7 @@ CHANNELS = (JOBS, EVENTS)
 
 _PENDING = "skytrain_notify_pending"
 # How long the listener waits on an idle connection before checking that it still works.
+_PING_TIMEOUT_S = 10.0
 _LISTEN_CHECK_S = 30.0
 _RECONNECT_MAX_S = 10.0
 # The listener's connection as ``pg_stat_activity`` names it.
@@ -233,5 +234,6 @@ class Notifier:
         while True:
             async for notification in connection.notifies(timeout=_LISTEN_CHECK_S):
                 self._wake(notification.channel, notification.payload or None)
-            # Idle for a while: make sure the connection still answers.
-            await connection.execute("SELECT 1")
+            # Idle for a while: make sure the connection still answers (a half-open one
+            # would not, and would never fail on its own: reconnect after _PING_TIMEOUT_S).
+            await asyncio.wait_for(connection.execute("SELECT 1"), _PING_TIMEOUT_S)

@@ -167,7 +167,6 @@ class WorkerAgent:
         self._served: dict[tuple[str, int], Path] = {}
         # Steps loaded into the engine whose checkpoint is not committed yet: never reported
         # as served (see _train_and_commit).
-        self._uncommitted: set[tuple[str, int]] = set()
         self._trainers: dict[str, tuple[int, Trainer]] = {}
         self._engine_lock = asyncio.Lock()
         # True from the moment the engine is told to sleep until it is awake again.
@@ -254,11 +253,10 @@ class WorkerAgent:
     async def _send_heartbeat(self) -> None:
         """Tell the control plane what the worker does and serves; learn its placements."""
         job = self._job
-        served = [
-            ServedCheckpoint(model_id=m, step=s)
-            for (m, s) in self._served
-            if (m, s) not in self._uncommitted
-        ]
+        # A step loaded but not committed yet is reported too: the control plane routes to
+        # committed steps only, and a heartbeat built just before the commit but read after
+        # it must not take the new step out of the served list the commit just wrote.
+        served = [ServedCheckpoint(model_id=m, step=s) for (m, s) in self._served]
         served += [ServedCheckpoint(model_id=m, step=0) for m in self._placements]
         answer = await self._cp.heartbeat(
             Heartbeat(status=self._status(), served=served, job_id=job.id if job else None)
@@ -526,11 +524,9 @@ class WorkerAgent:
         # The hand-off (docs/operators.md, "When a new step is served"): the engine loads
         # the new adapter from this disk while its files go up to the object store. Loaded is
         # not served: until the checkpoint row is committed the control plane routes nothing
-        # to the step (it routes to committed steps only) and this worker does not report it
-        # as served. If the upload, the load or the commit fails, the step is unloaded here
-        # and never served to anyone.
+        # to the step (it routes to committed steps only). If the upload, the load or the
+        # commit fails, the step is unloaded here and never served to anyone.
         key = (model_id, step)
-        self._uncommitted.add(key)
         try:
             with _timed(times, "handoff"):
                 await _both(
@@ -550,8 +546,6 @@ class WorkerAgent:
             await self._unload(key)
             self._trainers.pop(model_id, None)
             raise
-        finally:
-            self._uncommitted.discard(key)
         logger.info("job %s committed step %d of model %s", running.id, step, model_id)
 
     async def _load_new_step(

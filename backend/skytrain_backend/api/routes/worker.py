@@ -237,6 +237,8 @@ async def lease(
     """Lease a queued job of a model placed on this worker: at once if there is one, else as
     soon as one is queued (or its model placed here) within ``wait_s``; 204 if none."""
     worker_id = worker.id
+    if worker.status == "draining":
+        return Response(status_code=204)  # at once: a draining worker gets nothing to wait for
     await run_in_threadpool(session.rollback)  # nothing is held while the request waits
 
     def claim() -> JobLease | None:
