@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 import skytrain
-from skytrain import _backend
+from skytrain import _backend, _model
 from tests.client.faults import FaultProxy
 from tests.fixtures.services import ApiKey, ControlPlane
 
@@ -19,6 +19,16 @@ def no_retry_wait(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Retries happen at once: the tests count them, they do not time them."""
     monkeypatch.setattr(_backend, "_RETRY_BASE_DELAY_S", 0.0)
     monkeypatch.setattr(_backend, "_RETRY_MAX_DELAY_S", 0.0)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def short_event_waits(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Follow events with short long-polls: these tests write a job's events straight into the
+    database from this process (``server_side``), which wakes no long-poll in the control
+    plane's process, so each wait would run out in full. Waking is tested with real workers
+    (tests/lifecycle/test_lease_wakeups.py, test_e2e_sdk.py)."""
+    monkeypatch.setattr(_model, "_FOLLOW_WAIT_S", 0.5)
     yield
 
 

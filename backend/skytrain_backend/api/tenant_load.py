@@ -102,6 +102,9 @@ class TenantLoads:
         # Releases the database did not take, written at the next renewal.
         self._unwritten: dict[str, Load] = {}
         self._admitting: dict[str, asyncio.Lock] = {}
+        # Releases being written, per tenant: an admission waits for them, so a client's next
+        # request after an answer ended is never refused for the slot that answer held.
+        self._releasing: dict[str, set[asyncio.Task[None]]] = {}
         self._threads: anyio.CapacityLimiter | None = None
 
     async def _in_thread(self, function: Callable[..., None], *args: object) -> None:
@@ -136,6 +139,9 @@ class TenantLoads:
             lock = self._admitting.setdefault(tenant_id, asyncio.Lock())
             try:
                 async with lock:
+                    releasing = self._releasing.get(tenant_id)
+                    if releasing:
+                        await asyncio.gather(*releasing, return_exceptions=True)
                     await self._in_thread(self._acquire, tenant_id, limits, cost)
             except BaseException:
                 self._add(tenant_id, Load() - cost)
@@ -151,7 +157,16 @@ class TenantLoads:
             if self._shared:
                 task = asyncio.get_running_loop().create_task(self._release(tenant_id, cost))
                 self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
+                releasing = self._releasing.setdefault(tenant_id, set())
+                releasing.add(task)
+
+                def done(task: asyncio.Task[None]) -> None:
+                    self._tasks.discard(task)
+                    releasing.discard(task)
+                    if not releasing and self._releasing.get(tenant_id) is releasing:
+                        del self._releasing[tenant_id]
+
+                task.add_done_callback(done)
 
         return release
 
