@@ -27,7 +27,7 @@ def short_event_waits(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Follow events with short long-polls: these tests write a job's events straight into the
     database from this process (``server_side``), which wakes no long-poll in the control
     plane's process, so each wait would run out in full. Waking is tested with real workers
-    (tests/lifecycle/test_lease_wakeups.py) and by the SDK against real workers (tests/e2e)."""
+    (tests/lifecycle/test_lease_wakeups.py) and by the SDK in the demo (tests/demo)."""
     monkeypatch.setattr(_model, "_FOLLOW_WAIT_S", 0.5)
     yield
 
