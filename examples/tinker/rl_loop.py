@@ -5,7 +5,7 @@ the sampler, samples a group of answers per question, scores them, centers the r
 each group, and trains on the sampled tokens with the ``importance_sampling`` loss (the
 sampler's logprobs in ``logprobs``, the advantage on every sampled token), skipping groups whose
 answers all scored the same. The task: one-digit sums, rewarded when the answer starts with the
-right digit.
+right digit. ``--seed`` picks the questions and seeds the sampling, so a run can be repeated.
 
     export TINKER_BASE_URL=http://127.0.0.1:8000             # your skytrain control plane
     export TINKER_API_KEY=$(skytrain keys create --tenant me --tinker)
@@ -41,7 +41,7 @@ class Config:
     max_tokens: int = 4
     num_steps: int = 10
     loss_fn: types.LossFnType = "importance_sampling"
-    seed: int = 0
+    seed: int = 0  # the questions and the sampling
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,13 @@ def get_reward(response: str, problem: Problem) -> float:
     return 1.0 if response.strip().startswith(problem.answer) else 0.0
 
 
+def sampling_params(config: Config, step: int, index: int) -> types.SamplingParams:
+    """Temperature 1, seeded: each question of each step has its own stream (the group's
+    samples take seed, seed + 1, ...)."""
+    seed = ((config.seed * config.num_steps + step) * config.batch_size + index) * config.group_size
+    return types.SamplingParams(max_tokens=config.max_tokens, temperature=1.0, seed=seed)
+
+
 def main(config: Config) -> list[dict[str, float]]:
     """Train; the metrics of every step (``reward/total`` among them)."""
     service_client = tinker.ServiceClient(base_url=config.base_url)
@@ -86,7 +93,6 @@ def main(config: Config) -> list[dict[str, float]]:
             base_model=config.base_model, rank=config.lora_rank
         ).result()
         tokenizer = training_client.get_tokenizer()
-        sampling_params = types.SamplingParams(max_tokens=config.max_tokens, temperature=1.0)
         adam_params = types.AdamParams(
             learning_rate=config.learning_rate, beta1=0.9, beta2=0.95, eps=1e-8
         )
@@ -98,9 +104,11 @@ def main(config: Config) -> list[dict[str, float]]:
             prompts_P = [types.ModelInput.from_ints(prompt_tokens(tokenizer, p)) for p in batch_P]
             futures_P = [
                 sampling_client.sample(
-                    prompt=prompt, num_samples=config.group_size, sampling_params=sampling_params
+                    prompt=prompt,
+                    num_samples=config.group_size,
+                    sampling_params=sampling_params(config, step, index),
                 )
-                for prompt in prompts_P
+                for index, prompt in enumerate(prompts_P)
             ]
 
             datums_D: list[types.Datum] = []
@@ -175,6 +183,7 @@ def _parse() -> Config:
     parser.add_argument(
         "--loss-fn", default=defaults.loss_fn, choices=["importance_sampling", "ppo", "cispo"]
     )
+    parser.add_argument("--seed", type=int, default=defaults.seed, help="questions and sampling")
     args = parser.parse_args()
     return Config(
         base_model=args.base_model,
@@ -184,6 +193,7 @@ def _parse() -> Config:
         group_size=args.group_size,
         learning_rate=args.learning_rate,
         loss_fn=args.loss_fn,
+        seed=args.seed,
     )
 
 
