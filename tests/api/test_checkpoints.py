@@ -13,6 +13,9 @@ from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import ObjectStore, keys
 from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint
+from tests.fixtures.services import ON_EVERY_BACKEND
+
+pytestmark = ON_EVERY_BACKEND
 
 ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x00" * 2048}
 

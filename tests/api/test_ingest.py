@@ -22,8 +22,10 @@ from skytrain_backend.db.models import TrajectoryBatch, new_id
 from skytrain_backend.protocol import parse_trajectory_groups
 from skytrain_backend.storage import ObjectStore
 from tests.api.support import group
+from tests.fixtures.services import ON_EVERY_BACKEND
 
 
+@ON_EVERY_BACKEND
 def test_a_failed_insert_deletes_the_object_it_wrote(
     db_sessions: sessionmaker[Session], object_store: ObjectStore
 ) -> None:

@@ -7,6 +7,9 @@ import pytest
 from skytrain_backend.storage import ObjectStore, keys
 from tests.api.conftest import Caller
 from tests.api.support import group
+from tests.fixtures.services import ON_EVERY_BACKEND
+
+pytestmark = ON_EVERY_BACKEND
 
 
 def test_log_stores_batch_with_summary_metrics(caller: Caller, object_store: ObjectStore) -> None:

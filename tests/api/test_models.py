@@ -10,7 +10,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import ObjectStore, keys
 from tests.api.conftest import Caller
-from tests.fixtures.services import ControlPlane
+from tests.fixtures.services import ON_EVERY_BACKEND, ControlPlane
+
+pytestmark = ON_EVERY_BACKEND
 
 
 def test_health_answers_without_a_key(control_plane: ControlPlane) -> None:

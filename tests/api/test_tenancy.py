@@ -14,6 +14,9 @@ from skytrain_backend.db import jobs
 from skytrain_backend.storage import ObjectStore
 from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint, group, sft_trajectory
+from tests.fixtures.services import ON_EVERY_BACKEND
+
+pytestmark = ON_EVERY_BACKEND
 
 
 @dataclass

@@ -10,6 +10,9 @@ from skytrain_backend.db import jobs
 from skytrain_backend.storage import ObjectStore, keys
 from tests.api.conftest import Caller
 from tests.api.support import group, sft_trajectory
+from tests.fixtures.services import ON_EVERY_BACKEND
+
+pytestmark = ON_EVERY_BACKEND
 
 
 def test_rl_job_is_queued_with_its_input_stored(caller: Caller, object_store: ObjectStore) -> None:

@@ -14,7 +14,9 @@ from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob, new_id, 
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import ObjectStore
 from skytrain_backend.storage import keys as object_keys
-from tests.fixtures.services import ApiKey
+from tests.fixtures.services import ON_EVERY_BACKEND, ApiKey
+
+pytestmark = ON_EVERY_BACKEND
 
 
 def test_objects_no_row_refers_to_are_collected_after_the_grace_period(
