@@ -21,6 +21,7 @@ from skytrain_backend.api.bulk import add_json_body_docs
 from skytrain_backend.api.errors import install_error_handlers
 from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.limits import RequestLimits
+from skytrain_backend.api.longpoll import Waiting
 from skytrain_backend.api.routes import api_router, health, tinker, tinker_worker, worker
 from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings, get_settings
@@ -51,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.notifier = Notifier(settings.resolved_database_url)
             app.state.notifier.install(app.state.sessionmaker)
             await app.state.notifier.start()
+            app.state.waiting = Waiting()
             try:
                 app.state.store = open_object_store(settings.resolved_object_store_url, settings)
                 app.state.scheduler = Scheduler(

@@ -258,6 +258,9 @@ def tenants_limits(
     max_tokens_in_flight: int | None = typer.Option(
         None, min=1, help="Tokens in flight at once (body bytes + n x max_tokens per request)."
     ),
+    max_waiting_polls: int | None = typer.Option(
+        None, min=1, help="Long-polls (jobs' events followed) waiting at once, per process."
+    ),
     max_models: int | None = typer.Option(None, min=0, help="Models the tenant may own."),
     max_placed_models: int | None = typer.Option(
         None, min=0, help="Models placed on workers at once."
@@ -283,6 +286,7 @@ def tenants_limits(
         "max_concurrent_requests": max_concurrent_requests,
         "max_sequences_in_flight": max_sequences_in_flight,
         "max_tokens_in_flight": max_tokens_in_flight,
+        "max_waiting_polls": max_waiting_polls,
         "max_models": max_models,
         "max_placed_models": max_placed_models,
         "max_workers": max_workers,

@@ -112,6 +112,12 @@ class Settings(BaseSettings):
         description="Tokens per tenant in flight before 429: each request counts its body's "
         "bytes (an upper bound of its prompt tokens) plus n x max_tokens.",
     )
+    tenant_max_waiting_polls: int = Field(
+        default=32,
+        gt=0,
+        description="Long-polls (a job's events followed with wait_s > 0) a tenant may have "
+        "waiting at once in one control-plane process before 429.",
+    )
     gateway_counted_max_tokens: int = Field(
         default=2048,
         gt=0,

@@ -15,6 +15,7 @@ from fastapi import Depends, Header, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
+from skytrain_backend.api.longpoll import Waiting
 from skytrain_backend.config import Settings
 from skytrain_backend.db import keys
 from skytrain_backend.db.models import Tenant
@@ -66,6 +67,11 @@ def get_notifier(request: Request) -> Notifier:
     return notifier
 
 
+def get_waiting(request: Request) -> Waiting:
+    waiting: Waiting = request.app.state.waiting
+    return waiting
+
+
 def get_gateway(request: Request) -> Gateway:
     gateway: Gateway = request.app.state.gateway
     return gateway
@@ -86,6 +92,7 @@ SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 NotifierDep = Annotated[Notifier, Depends(get_notifier)]
+WaitingDep = Annotated[Waiting, Depends(get_waiting)]
 GatewayDep = Annotated["Gateway", Depends(get_gateway)]
 PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
 TinkerDep = Annotated["TinkerService", Depends(get_tinker)]

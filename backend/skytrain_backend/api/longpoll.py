@@ -5,20 +5,61 @@ The answer is always a query's (``check``, run in the thread pool); a notificati
 transaction, no database connection, no thread. A client that hangs up ends the wait, so
 nothing is handed to a request nobody reads any more (a worker's lease above all). A server
 shutting down (``Notifier.close_threadsafe``) answers every long-poll at once.
+
+A hostile tenant could still park thousands of long-polls on one job of its own: each event
+would wake them all, and their checks would fill the thread pool every other request needs.
+So each tenant has at most ``max_waiting_polls`` waiting in a process (``Waiting``; over it,
+429), and the checks run under a limiter of their own (``CHECK_THREADS``), not the pool's.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
-from starlette.concurrency import run_in_threadpool
+import anyio
 from starlette.requests import Request
 
 from skytrain_backend.db.notify import Notifier
+from skytrain_backend.errors import RateLimited
 
 T = TypeVar("T")
+
+# Long-poll checks running at once, per process: a notification waking many long-polls queues
+# their checks here instead of taking the threads the routes share.
+CHECK_THREADS = 8
+
+
+class Waiting:
+    """Long-polls waiting in this process, per tenant."""
+
+    def __init__(self) -> None:
+        self._by_tenant: Counter[str] = Counter()
+        self.checks = anyio.CapacityLimiter(CHECK_THREADS)
+
+    def count(self, tenant_id: str) -> int:
+        return self._by_tenant[tenant_id]
+
+    @contextlib.contextmanager
+    def hold(self, tenant_id: str, *, limit: int) -> Iterator[None]:
+        """Count one long-poll of the tenant's in while the block runs; ``RateLimited`` if
+        ``limit`` of them are waiting already."""
+        if self._by_tenant[tenant_id] >= limit:
+            raise RateLimited(
+                f"{limit} long-polls of yours are waiting already, the most allowed at once "
+                "(SKYTRAIN_TENANT_MAX_WAITING_POLLS, or your tenant's max_waiting_polls): "
+                "follow fewer jobs at once, or ask without wait_s"
+            )
+        self._by_tenant[tenant_id] += 1
+        try:
+            yield
+        finally:
+            self._by_tenant[tenant_id] -= 1
+            if not self._by_tenant[tenant_id]:
+                del self._by_tenant[tenant_id]
 
 
 async def long_poll(
@@ -29,9 +70,11 @@ async def long_poll(
     channel: str,
     key: str | None = None,
     wait_s: float,
+    checks: anyio.CapacityLimiter | None = None,
 ) -> T | None:
     """``check()``'s first answer that is not None, checking again at every notification of
-    ``channel`` (and ``key``) and once more when ``wait_s`` runs out; None then."""
+    ``channel`` (and ``key``) and once more when ``wait_s`` runs out; None then. ``check``
+    runs in a thread, under ``checks`` when given (else the pool's own limiter)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     hung_up = asyncio.ensure_future(_hung_up(request)) if wait_s > 0 else None
@@ -40,7 +83,7 @@ async def long_poll(
             # Taken before the check: a change committed during it still wakes the wait.
             ticket = notifier.ticket(channel, key)
             notifier.counts[f"checks/{channel}"] += 1
-            found = await run_in_threadpool(check)
+            found = await anyio.to_thread.run_sync(check, limiter=checks)
             remaining = deadline - loop.time()
             if found is not None or remaining <= 0 or notifier.closing:
                 return found

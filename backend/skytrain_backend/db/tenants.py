@@ -5,6 +5,7 @@
 | ``max_concurrent_requests`` | ``SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS`` | inference requests in flight | 429 |
 | ``max_sequences_in_flight`` | ``SKYTRAIN_TENANT_MAX_SEQUENCES_IN_FLIGHT`` | their sequences (n x prompts) | 429 |
 | ``max_tokens_in_flight`` | ``SKYTRAIN_TENANT_MAX_TOKENS_IN_FLIGHT`` | body bytes + n x max_tokens | 429 |
+| ``max_waiting_polls`` | ``SKYTRAIN_TENANT_MAX_WAITING_POLLS`` | long-polls waiting, per process | 429 |
 | ``max_models`` | ``SKYTRAIN_TENANT_MAX_MODELS`` | models owned | 403 on create |
 | ``max_placed_models`` | ``SKYTRAIN_TENANT_MAX_PLACED_MODELS`` | models placed on workers | waits; 429 |
 | ``max_workers`` | ``SKYTRAIN_TENANT_MAX_WORKERS`` | workers holding its models | waits; 429 |
@@ -28,7 +29,12 @@ from skytrain_backend.errors import InvalidRequest, NotFound
 
 # Limits of requests in flight: zero would refuse every request, so they are at least one.
 _REQUEST_LIMITS = frozenset(
-    {"max_concurrent_requests", "max_sequences_in_flight", "max_tokens_in_flight"}
+    {
+        "max_concurrent_requests",
+        "max_sequences_in_flight",
+        "max_tokens_in_flight",
+        "max_waiting_polls",
+    }
 )
 
 
@@ -39,6 +45,7 @@ class TenantLimits:
     max_concurrent_requests: int
     max_sequences_in_flight: int
     max_tokens_in_flight: int
+    max_waiting_polls: int
     max_models: int
     max_placed_models: int
     max_workers: int

@@ -7,6 +7,8 @@ asked to stop.
 
 from __future__ import annotations
 
+import contextlib
+
 from fastapi import APIRouter, Request
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
@@ -26,6 +28,7 @@ from skytrain_backend.api.deps import (
     SettingsDep,
     StoreDep,
     TenantDep,
+    WaitingDep,
     WaitS,
 )
 from skytrain_backend.api.longpoll import long_poll
@@ -41,6 +44,7 @@ from skytrain_backend.api.schemas import (
 from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
+from skytrain_backend.db.tenants import limits_of
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import (
     TERMINAL_JOB_STATUSES,
@@ -297,15 +301,19 @@ async def list_training_job_events(
     session: SessionDep,
     tenant: TenantDep,
     notifier: NotifierDep,
+    waiting: WaitingDep,
+    settings: SettingsDep,
     after: EventCursor = None,
     limit: Limit = 100,
     wait_s: WaitS = 0.0,
 ) -> TrainingJobEventsPublic:
     """Events in order; pass the last event's id as ``after`` to follow a job, and ``wait_s``
     to have the answer wait for the next event (an empty page means none came within
-    ``wait_s``, or the job ended)."""
+    ``wait_s``, or the job ended). A tenant has at most ``max_waiting_polls`` such waits at
+    once (429 over it)."""
     job = await run_in_threadpool(jobs.get_job, session, tenant_id=tenant.id, job_id=job_id)
-    job_key = job.id
+    job_key, tenant_id = job.id, tenant.id
+    wait_limit = limits_of(tenant, settings).max_waiting_polls
     await run_in_threadpool(session.rollback)  # nothing is held while the request waits
     # ART's client knows these four types only (its event model is a Literal of them).
     types = ART_EVENT_TYPES if request.url.path.startswith("/v1/preview/") else None
@@ -330,7 +338,15 @@ async def list_training_job_events(
         finally:
             session.rollback()
 
-    found = await long_poll(
-        request, notifier, page, channel=notify.EVENTS, key=job_key, wait_s=wait_s
-    )
+    holding = waiting.hold(tenant_id, limit=wait_limit) if wait_s > 0 else contextlib.nullcontext()
+    with holding:
+        found = await long_poll(
+            request,
+            notifier,
+            page,
+            channel=notify.EVENTS,
+            key=job_key,
+            wait_s=wait_s,
+            checks=waiting.checks,
+        )
     return found or TrainingJobEventsPublic(data=[], has_more=False)
