@@ -4,8 +4,11 @@ A bulk body (a training job, a log, an SFT job: tens of megabytes of trajectorie
 turned into Python objects as a whole. Its bytes are spooled as they arrive (in memory up to
 1 MiB, then in a temporary file); one pass of msgspec's C parser splits it into its small
 fields and the raw bytes of each item of its list (``trajectory_groups``, ``trajectories``);
-then each item is validated alone, by pydantic's JSON parser, and appended as one JSONL line
-to a spooled output. Memory stays at one item plus the spools' buffers whatever the size of
+then each item is validated alone and appended as one JSONL line to a spooled output. Items
+are decoded by msgspec into the Structs of ``api.trajectory_structs`` (and written back by
+msgspec's encoder); an item msgspec refuses is validated by pydantic's models, which name the
+problem, or accept what msgspec's stricter types did not. Either way the line stored is the
+model's ``model_dump_json``. Memory stays at one item plus the spools' buffers whatever the size of
 the body, and the count limit stops the work as soon as it is passed.
 
 A batch is stored atomically from the client's point of view: everything is validated before
@@ -36,11 +39,13 @@ from sqlalchemy.orm import Session
 from starlette.requests import Request
 from typing_extensions import Buffer
 
+from skytrain_backend.api import trajectory_structs as structs
 from skytrain_backend.errors import InvalidRequest, PayloadTooLarge
 from skytrain_backend.protocol import (
     Message,
     Trajectory,
     TrajectoryGroup,
+    count_trainable_turns,
     format_validation_error,
 )
 from skytrain_backend.storage import ObjectStore
@@ -48,6 +53,9 @@ from skytrain_backend.storage import ObjectStore
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+# A group or trajectory as read: msgspec's Struct, or pydantic's model when msgspec refused it.
+Group = structs.TrajectoryGroup | TrajectoryGroup
+AnyTrajectory = structs.Trajectory | Trajectory
 
 # Bodies and outputs up to this size stay in memory; larger ones go to a temporary file.
 SPOOL_IN_MEMORY_BYTES = 1024 * 1024
@@ -173,22 +181,32 @@ def each_item(
         yield parse(bytes(raw), f"{field}[{index}]")
 
 
-def parse_group(raw: bytes, where: str) -> TrajectoryGroup:
+def parse_group(raw: bytes, where: str) -> Group:
+    try:
+        return structs.GROUP_DECODER.decode(raw)
+    except msgspec.MsgspecError:
+        pass  # pydantic says why, or takes what only its lax mode accepts
     try:
         return TrajectoryGroup.model_validate_json(raw)
     except ValidationError as exc:
         raise InvalidRequest(format_validation_error(exc, root=where)) from None
 
 
-def parse_trajectory(raw: bytes | str, where: str) -> Trajectory:
+def parse_trajectory(raw: bytes | str, where: str) -> AnyTrajectory:
     """An SFT trajectory: it must hold an assistant turn to learn from."""
+    trajectory: AnyTrajectory
     try:
-        trajectory = Trajectory.model_validate_json(raw)
-    except ValidationError as exc:
-        raise InvalidRequest(format_validation_error(exc, root=where)) from None
-    for item in trajectory.messages_and_choices:
-        if not isinstance(item, Message) or item.role == "assistant":
+        trajectory = structs.TRAJECTORY_DECODER.decode(raw)
+        if structs.has_assistant_turn(trajectory):
             return trajectory
+    except msgspec.MsgspecError:
+        try:
+            trajectory = Trajectory.model_validate_json(raw)
+        except ValidationError as exc:
+            raise InvalidRequest(format_validation_error(exc, root=where)) from None
+        for item in trajectory.messages_and_choices:
+            if not isinstance(item, Message) or item.role == "assistant":
+                return trajectory
     raise InvalidRequest(
         f"{where}: messages_and_choices has no assistant turn, so there is nothing to learn: "
         "end the conversation with the assistant's answer"
@@ -244,6 +262,9 @@ def _path_to_first_error(buffer: Buffer) -> str:
 # --- the batch written to the store -------------------------------------------------------------
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
 class Batch:
     """Validated items as JSONL (``model_dump(mode="json")``, one per line), spooled, with a
     count of trajectories that refuses the request as soon as it passes ``limit``."""
@@ -254,14 +275,31 @@ class Batch:
         self.num_items = 0
         self.num_trajectories = 0
 
-    def add(self, item: TrajectoryGroup | Trajectory) -> None:
+    def add(self, item: Group | AnyTrajectory) -> None:
         self.num_items += 1
-        self.num_trajectories += len(item.trajectories) if isinstance(item, TrajectoryGroup) else 1
+        if isinstance(item, structs.TrajectoryGroup | TrajectoryGroup):
+            self.num_trajectories += len(item.trajectories)
+        else:
+            self.num_trajectories += 1
         check_count(self.num_trajectories, limit=self.limit)
-        self.spool.write(item.model_dump_json().encode() + b"\n")
+        if isinstance(item, BaseModel):
+            self.spool.write(item.model_dump_json().encode() + b"\n")
+        else:
+            self.spool.write(_ENCODER.encode(item) + b"\n")
 
     def close(self) -> None:
         self.spool.close()
+
+
+def trainable_turns(group: Group, index: int, *, allow_training_without_logprobs: bool) -> int:
+    """The turns of group ``index`` the RL trainer can learn from; refuses a choice it cannot."""
+    if isinstance(group, structs.TrajectoryGroup):
+        return structs.count_trainable_turns(
+            group, index, allow_training_without_logprobs=allow_training_without_logprobs
+        )
+    return count_trainable_turns(
+        group, index, allow_training_without_logprobs=allow_training_without_logprobs
+    )
 
 
 def groups_from_jsonl(data: bytes) -> list[dict[str, Any]]:
@@ -293,7 +331,7 @@ class Summary:
         self.values: dict[str, list[float]] = {}
         self.num_groups = 0
 
-    def add(self, group: TrajectoryGroup) -> None:
+    def add(self, group: Group) -> None:
         self.num_groups += 1
         for trajectory in group.trajectories:
             self.rewards.append(trajectory.reward)

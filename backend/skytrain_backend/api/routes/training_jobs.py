@@ -50,7 +50,6 @@ from skytrain_backend.protocol import (
     RLTrainConfig,
     SFTTrainConfig,
     check_trainable_turns,
-    count_trainable_turns,
 )
 from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.loop import Scheduler
@@ -163,7 +162,7 @@ def _queue_rl_job(
             for index, group in enumerate(
                 ingest.each_item(items or [], ingest.parse_group, field="trajectory_groups")
             ):
-                trainable_turns += count_trainable_turns(
+                trainable_turns += ingest.trainable_turns(
                     group, index, allow_training_without_logprobs=allow
                 )
                 batch.add(group)
