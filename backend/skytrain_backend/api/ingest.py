@@ -48,7 +48,7 @@ from skytrain_backend.protocol import (
     count_trainable_turns,
     format_validation_error,
 )
-from skytrain_backend.storage import ObjectStore
+from skytrain_backend.storage import ObjectStore, ObjectWriter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -266,14 +266,30 @@ _ENCODER = msgspec.json.Encoder()
 
 
 class Batch:
-    """Validated items as JSONL (``model_dump(mode="json")``, one per line), spooled, with a
-    count of trajectories that refuses the request as soon as it passes ``limit``."""
+    """Validated items as JSONL (``model_dump(mode="json")``, one per line), with a count of
+    trajectories that refuses the request as soon as it passes ``limit``.
+
+    The lines are spooled, or, once ``stream_to`` named the object they become, written
+    straight to the store as they are made (an S3 multipart upload in a thread): the upload
+    runs beside the validation, and nothing is visible at the key until ``store_then_commit``
+    commits it. ``close`` drops whatever was not committed.
+    """
 
     def __init__(self, *, limit: int) -> None:
         self.limit = limit
         self.spool = Spool()
+        self.writer: ObjectWriter | None = None
         self.num_items = 0
         self.num_trajectories = 0
+
+    def stream_to(self, store: ObjectStore, key: str) -> None:
+        """Write every line from now on to a new object at ``key`` in ``store``."""
+        assert self.writer is None and self.spool.size == 0, "stream_to comes before add"
+        self.writer = store.open_writer(key)
+
+    @property
+    def output(self) -> Spool | ObjectWriter:
+        return self.spool if self.writer is None else self.writer
 
     def add(self, item: Group | AnyTrajectory) -> None:
         self.num_items += 1
@@ -283,12 +299,14 @@ class Batch:
             self.num_trajectories += 1
         check_count(self.num_trajectories, limit=self.limit)
         if isinstance(item, BaseModel):
-            self.spool.write(item.model_dump_json().encode() + b"\n")
+            self.output.write(item.model_dump_json().encode() + b"\n")
         else:
-            self.spool.write(_ENCODER.encode(item) + b"\n")
+            self.output.write(_ENCODER.encode(item) + b"\n")
 
     def close(self) -> None:
         self.spool.close()
+        if self.writer is not None:
+            self.writer.abort()  # nothing, once committed
 
 
 def trainable_turns(group: Group, index: int, *, allow_training_without_logprobs: bool) -> int:
@@ -401,14 +419,17 @@ def store_then_commit(
     session: Session,
     *,
     key: str,
-    data: bytes | Spool,
+    data: bytes | Spool | ObjectWriter,
     insert: Callable[[str], T],
 ) -> T:
-    """Write ``data`` at ``key``, then run ``insert(uri)`` and commit; undo the write on failure."""
+    """Write ``data`` at ``key`` (or commit the writer streaming to it), then run
+    ``insert(uri)`` and commit; undo the write on failure."""
     if isinstance(data, bytes):
         store.put_bytes(key, data)
-    else:
+    elif isinstance(data, Spool):
         data.put(store, key)
+    else:
+        data.commit()
     try:
         result = insert(store.uri(key))
         session.commit()
