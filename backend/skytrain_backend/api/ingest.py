@@ -4,17 +4,18 @@ A bulk body (a training job, a log, an SFT job: tens of megabytes of trajectorie
 turned into Python objects as a whole. Its bytes are spooled as they arrive (in memory up to
 1 MiB, then in a temporary file); one pass of msgspec's C parser splits it into its small
 fields and the raw bytes of each item of its list (``trajectory_groups``, ``trajectories``);
-then each item is validated alone and appended as one JSONL line to a spooled output. Items
-are decoded by msgspec into the Structs of ``api.trajectory_structs`` (and written back by
-msgspec's encoder); an item msgspec refuses is validated by pydantic's models, which name the
-problem, or accept what msgspec's stricter types did not. Either way the line stored is the
-model's ``model_dump_json``. Memory stays at one item plus the spools' buffers whatever the size of
-the body, and the count limit stops the work as soon as it is passed.
+then each item is validated alone and written as one JSONL line, straight to the object
+store (``Batch.stream_to``) or to a spool. Items are decoded by msgspec into the Structs of
+``api.trajectory_structs`` (and written back by msgspec's encoder); an item msgspec refuses is
+validated by pydantic's models, which name the problem, or accept what msgspec's stricter
+types did not. Either way the line stored is the model's ``model_dump_json``. Memory stays at
+one item plus the buffers (spool, upload parts) whatever the size of the body, and the count
+limit stops the work as soon as it is passed.
 
-A batch is stored atomically from the client's point of view: everything is validated before
-anything is written; then the JSONL object is written, then the rows are inserted in one
-transaction; if the transaction fails the object is deleted again. A rejected request leaves
-no row and no object behind.
+A batch is stored atomically from the client's point of view: its lines go up as they are
+validated, but as an upload that becomes an object only once everything is valid (and is
+aborted otherwise); then the rows are inserted in one transaction; if the transaction fails
+the object is deleted again. A rejected request leaves no row and no object behind.
 """
 
 from __future__ import annotations
