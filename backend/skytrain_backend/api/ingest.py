@@ -149,6 +149,11 @@ def split_body(
         raise InvalidRequest("the body must be a JSON object") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(_not_json(buffer, exc)) from None
+    except RecursionError:
+        raise InvalidRequest(
+            "the body nests arrays and objects too deeply to read (about a thousand levels): "
+            "trajectories are never that deep; flatten what it holds"
+        ) from None
     raw_items = top.pop(list_field, None)
     fields = [msgspec.json.encode(key) + b":" + bytes(value) for key, value in top.items()]
     if raw_items is not None:
@@ -185,7 +190,7 @@ def each_item(
 def parse_group(raw: bytes, where: str) -> Group:
     try:
         return structs.GROUP_DECODER.decode(raw)
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         pass  # pydantic says why, or takes what only its lax mode accepts
     try:
         return TrajectoryGroup.model_validate_json(raw)
@@ -200,7 +205,7 @@ def parse_trajectory(raw: bytes | str, where: str) -> AnyTrajectory:
         trajectory = structs.TRAJECTORY_DECODER.decode(raw)
         if structs.has_assistant_turn(trajectory):
             return trajectory
-    except msgspec.MsgspecError:
+    except (msgspec.MsgspecError, RecursionError):
         try:
             trajectory = Trajectory.model_validate_json(raw)
         except ValidationError as exc:
