@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, ClassVar, Literal, NotRequired
 
 from pydantic import (
@@ -81,13 +82,11 @@ class Message(_Lenient):
 
     @model_validator(mode="after")
     def _check_shape(self) -> Message:
-        if self.role == "assistant":
-            if self.content is None and not self.tool_calls:
-                raise ValueError("an assistant message needs content or tool_calls")
-        elif self.content is None:
-            raise ValueError(f"a {self.role} message needs content")
-        if self.role == "tool" and not self.tool_call_id:
-            raise ValueError("a tool message needs tool_call_id")
+        problem = message_shape_problem(
+            self.role, self.content, self.tool_calls, tool_call_id=self.tool_call_id
+        )
+        if problem is not None:
+            raise ValueError(problem)
         return self
 
     def text(self) -> str:
@@ -154,13 +153,8 @@ class Choice(_Lenient):
         content = self.logprobs.content if self.logprobs else None
         if not content:
             return None
-        ids: list[int] = []
-        for entry in content:
-            match = _TOKEN_ID_RE.match(entry["token"])
-            if match is None:
-                return None
-            ids.append(int(match.group(1)))
-        return ids
+        digits = token_id_digits([entry["token"] for entry in content])
+        return None if digits is None else list(map(int, digits))
 
     def sampled_token_ids(self) -> list[int] | None:
         """Ids of the sampled tokens: from ``logprobs`` (every token ``token_id:<id>``), else
@@ -174,6 +168,41 @@ class Choice(_Lenient):
             return None
         assert self.logprobs is not None and self.logprobs.content is not None
         return [entry["logprob"] for entry in self.logprobs.content]
+
+
+def message_shape_problem(
+    role: str, content: object, tool_calls: list[Any] | None, *, tool_call_id: str | None
+) -> str | None:
+    """What a message of ``role`` lacks, or None: the rule for pydantic's ``Message`` and the
+    ingest's msgspec mirror of it (``api.trajectory_structs``)."""
+    if role == "assistant":
+        if content is None and not tool_calls:
+            return "an assistant message needs content or tool_calls"
+    elif content is None:
+        return f"a {role} message needs content"
+    if role == "tool" and not tool_call_id:
+        return "a tool message needs tool_call_id"
+    return None
+
+
+def token_id_digits(tokens: Sequence[str]) -> list[str] | None:
+    """The ids (as digits) of sampled tokens written ``token_id:<id>``; None unless every
+    token is one."""
+    # All at once (a batch holds hundreds of thousands of tokens): if no token holds a comma,
+    # the tokens joined by commas split at ",token_id:" into one part per token exactly when
+    # each starts with the prefix.
+    joined = "," + ",".join(tokens)
+    if joined.count(",") == len(tokens):
+        digits = joined.split("," + TOKEN_ID_PREFIX)[1:]
+        if len(digits) == len(tokens) and all(digits) and "".join(digits).isdecimal():
+            return digits
+    found = []
+    for token in tokens:  # one at a time: the pattern also takes a final newline
+        match = _TOKEN_ID_RE.match(token)
+        if match is None:
+            return None
+        found.append(match.group(1))
+    return found
 
 
 def _message_or_choice(value: Any) -> str:
@@ -215,7 +244,11 @@ class Trajectory(_Lenient):
     def histories(self) -> list[History]:
         """The main conversation followed by the additional ones."""
         return [
-            History(messages_and_choices=self.messages_and_choices, tools=self.tools),
+            # Built from validated fields: validating them again would cost as much as the
+            # trajectory did.
+            History.model_construct(
+                messages_and_choices=self.messages_and_choices, tools=self.tools
+            ),
             *self.additional_histories,
         ]
 
@@ -286,36 +319,61 @@ def count_trainable_turns(
 ) -> int:
     """The turns of group ``g`` the RL trainer can learn from; refuses a choice it cannot."""
     trainable_turns = 0
+    allow = allow_training_without_logprobs
     for t, trajectory in enumerate(group.trajectories):
         for h, history in enumerate(trajectory.histories()):
-            where = f"trajectory {t} of group {g}" + (f" (additional history {h - 1})" if h else "")
             for m, item in enumerate(history.messages_and_choices):
                 if isinstance(item, Message):
-                    trainable_turns += item.role == "assistant" and allow_training_without_logprobs
+                    trainable_turns += item.role == "assistant" and allow
                     continue
                 trainable_turns += 1
-                choice = f"{where}: the choice at messages_and_choices[{m}]"
-                listed = item.logprob_token_ids()
-                if listed is not None and item.token_ids and listed != item.token_ids:
-                    raise InvalidRequest(
-                        f"{choice} has token_ids that differ from the ids in its logprobs: "
-                        "send the choice as the model's endpoint returned it"
-                    )
-                if allow_training_without_logprobs:
-                    continue
-                logprobs = item.sampled_logprobs()
-                if logprobs is None:
-                    raise InvalidRequest(
-                        f"{choice} has no logprobs with token ids: sample it through the "
-                        "model's skytrain endpoint (which returns them) or pass "
-                        "allow_training_without_logprobs=True"
-                    )
-                if any(not math.isfinite(value) for value in logprobs):
-                    raise InvalidRequest(
-                        f"{choice} has NaN or infinite logprobs: resample it, or pass "
-                        "allow_training_without_logprobs=True to recompute them"
-                    )
+                check_sampled_choice(
+                    choice_location(g, t, h, m),
+                    listed_ids=item.logprob_token_ids(),
+                    token_ids=item.token_ids,
+                    logprobs=None if allow else item.sampled_logprobs(),
+                    allow_training_without_logprobs=allow,
+                )
     return trainable_turns
+
+
+def choice_location(g: int, t: int, h: int, m: int) -> str:
+    """How errors name the choice at ``messages_and_choices[m]`` of history ``h`` (0: the
+    trajectory's own conversation) of trajectory ``t`` of group ``g``."""
+    where = f"trajectory {t} of group {g}" + (f" (additional history {h - 1})" if h else "")
+    return f"{where}: the choice at messages_and_choices[{m}]"
+
+
+def check_sampled_choice(
+    choice: str,
+    *,
+    listed_ids: list[int] | None,
+    token_ids: list[int] | None,
+    logprobs: list[float] | None,
+    allow_training_without_logprobs: bool,
+) -> None:
+    """Refuse a sampled turn the RL trainer cannot learn from. ``listed_ids``: the ids its
+    logprobs name (None unless every token is ``token_id:<id>``); ``logprobs``: their values
+    (None likewise; not read when training without logprobs is allowed)."""
+    if listed_ids is not None and token_ids and listed_ids != token_ids:
+        raise InvalidRequest(
+            f"{choice} has token_ids that differ from the ids in its logprobs: "
+            "send the choice as the model's endpoint returned it"
+        )
+    if allow_training_without_logprobs:
+        return
+    if logprobs is None:
+        raise InvalidRequest(
+            f"{choice} has no logprobs with token ids: sample it through the "
+            "model's skytrain endpoint (which returns them) or pass "
+            "allow_training_without_logprobs=True"
+        )
+    # A finite sum is the quick proof that every value is finite.
+    if not math.isfinite(sum(logprobs)) and not all(math.isfinite(value) for value in logprobs):
+        raise InvalidRequest(
+            f"{choice} has NaN or infinite logprobs: resample it, or pass "
+            "allow_training_without_logprobs=True to recompute them"
+        )
 
 
 def check_trainable_turns(trainable_turns: int) -> None:

@@ -6,6 +6,7 @@ import gc
 import json
 from typing import Any
 
+import msgspec
 import pytest
 from fastapi import APIRouter, FastAPI
 from fastapi.routing import APIRoute
@@ -19,8 +20,10 @@ from skytrain_backend.api.bulk import LARGE_BODY_BYTES, LargeBodyRoute, gc_pause
 from skytrain_backend.api.routes import logs, training_jobs
 from skytrain_backend.db import batches
 from skytrain_backend.db.models import TrajectoryBatch, new_id
+from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import parse_trajectory_groups
 from skytrain_backend.storage import ObjectStore
+from skytrain_backend.storage.s3 import STREAM_PART_BYTES, S3ObjectStore
 from tests.api.support import group
 from tests.fixtures.services import ON_EVERY_BACKEND
 
@@ -55,6 +58,56 @@ def test_a_failed_insert_deletes_the_object_it_wrote(
         )
     assert count == 0
     assert not object_store.exists(key)
+
+
+def _pending_uploads(store: ObjectStore) -> list[object]:
+    if not isinstance(store, S3ObjectStore):
+        return []
+    return list(store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []))
+
+
+def _fill(batch: ingest.Batch, *, parts: float) -> list[bytes]:
+    """Add groups to ``batch`` until its lines fill ``parts`` S3 parts; returns the lines."""
+    raw = json.dumps(group(*[1.0] * 50)).encode()
+    lines: list[bytes] = []
+    while sum(map(len, lines)) < parts * STREAM_PART_BYTES:
+        parsed = ingest.parse_group(raw, f"trajectory_groups[{len(lines)}]")
+        batch.add(parsed)
+        lines.append(msgspec.json.encode(parsed) + b"\n")
+    return lines
+
+
+def test_a_batch_streamed_in_parts_is_stored_whole(
+    db_sessions: sessionmaker[Session], object_store: ObjectStore
+) -> None:
+    key = f"tests/{new_id()}.jsonl"
+    batch = ingest.Batch(limit=1_000_000)
+    try:
+        batch.stream_to(object_store, key)
+        lines = _fill(batch, parts=2.5)
+        with db_sessions() as session:
+            uri = ingest.store_then_commit(
+                object_store, session, key=key, data=batch.output, insert=lambda uri: uri
+            )
+    finally:
+        batch.close()
+    assert uri == object_store.uri(key)
+    assert object_store.get_bytes(key) == b"".join(lines)
+    assert _pending_uploads(object_store) == []
+
+
+def test_a_batch_refused_midway_leaves_no_object_and_no_parts(object_store: ObjectStore) -> None:
+    key = f"tests/{new_id()}.jsonl"
+    batch = ingest.Batch(limit=1_000_000)
+    try:
+        batch.stream_to(object_store, key)
+        _fill(batch, parts=1.5)  # one part up, the next begun
+        with pytest.raises(InvalidRequest, match=r"trajectory_groups\[9\]\.trajectories"):
+            batch.add(ingest.parse_group(b'{"trajectories": []}', "trajectory_groups[9]"))
+    finally:
+        batch.close()
+    assert not object_store.exists(key)
+    assert _pending_uploads(object_store) == []
 
 
 def test_summary_of_one_batch_combines_to_itself_and_pools_two() -> None:

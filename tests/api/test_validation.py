@@ -77,6 +77,26 @@ def test_nan_reward_is_refused_naming_the_trajectory(
     )
 
 
+@pytest.mark.parametrize("depth", [300, 5000])
+def test_deeply_nested_bodies_are_refused(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str, depth: int
+) -> None:
+    """Past pydantic's limit (200 levels) and past msgspec's (Python's recursion limit)."""
+    nested = b"[" * depth + b"]" * depth
+    body = b'{"trajectory_groups": [{"trajectories": [], "metadata": {"x": ' + nested + b"}}]}"
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post(
+            f"/v1/models/{model_id}/log",
+            content=body,
+            headers={"content-type": "application/json"},
+        ),
+        400,
+        "too deep" if depth > 1000 else "trajectory_groups[0]",
+    )
+
+
 def test_missing_messages_are_refused(
     caller: Caller, stored: Callable[[Caller], Any], model_id: str
 ) -> None:

@@ -14,7 +14,7 @@ import pytest
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ConfigurationError, NotFound, StorageError
 from skytrain_backend.storage import LocalObjectStore, ObjectStore, open_object_store
-from skytrain_backend.storage.s3 import MULTIPART_THRESHOLD, S3ObjectStore
+from skytrain_backend.storage.s3 import MULTIPART_THRESHOLD, STREAM_PART_BYTES, S3ObjectStore
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
@@ -145,6 +145,59 @@ def test_large_objects_go_up_in_parts(make_bucket: Callable[[], str], s3_endpoin
     head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(Bucket=bucket, Key="big.bin")
     assert "-" in head["ETag"]  # a multipart upload's ETag ends in -<number of parts>
     assert store.get_bytes("big.bin") == data
+
+
+def _pending_uploads(store: ObjectStore) -> list[object]:
+    """Multipart uploads S3 still holds parts of (none on a local store)."""
+    if not isinstance(store, S3ObjectStore):
+        return []
+    answer = store._client.list_multipart_uploads(Bucket=store.bucket)
+    return list(answer.get("Uploads", []))
+
+
+def _leftovers(store: ObjectStore) -> list[str]:
+    """Files a local store holds besides its objects (temporary files)."""
+    if not isinstance(store, LocalObjectStore):
+        return []
+    return [path.name for path in store.root.rglob("*") if path.name.startswith(".tmp-")]
+
+
+def test_a_streamed_object_appears_whole_on_commit(store: ObjectStore) -> None:
+    chunk = os.urandom(1024 * 1024)
+    parts = STREAM_PART_BYTES // len(chunk) * 2 + 1  # two full parts and a short one
+    writer = store.open_writer("streams/big.jsonl")
+    for _ in range(parts):
+        writer.write(chunk)
+    assert not store.exists("streams/big.jsonl")
+    writer.commit()
+    assert store.get_bytes("streams/big.jsonl") == chunk * parts
+    small = store.open_writer("streams/small.jsonl")
+    small.write(b"one line\n")
+    small.commit()
+    small.abort()  # after a commit: nothing to undo
+    assert store.get_bytes("streams/small.jsonl") == b"one line\n"
+    assert _pending_uploads(store) == [] and _leftovers(store) == []
+
+
+def test_an_aborted_stream_leaves_nothing(store: ObjectStore) -> None:
+    chunk = os.urandom(1024 * 1024)
+    writer = store.open_writer("streams/dropped.jsonl")
+    for _ in range(STREAM_PART_BYTES // len(chunk) + 2):  # one part up, the next begun
+        writer.write(chunk)
+    writer.abort()
+    writer.abort()
+    assert not store.exists("streams/dropped.jsonl")
+    assert store.list("streams/") == []
+    assert _pending_uploads(store) == [] and _leftovers(store) == []
+
+
+@pytest.mark.s3
+def test_a_stream_that_cannot_be_written_is_a_storage_error(s3_endpoint: str) -> None:
+    store = S3ObjectStore(bucket="no-such-bucket", endpoint_url=s3_endpoint, max_attempts=1)
+    writer = store.open_writer("k")
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
+        writer.write(b"x" * STREAM_PART_BYTES)
+    writer.abort()
 
 
 @pytest.mark.s3

@@ -4,14 +4,18 @@ A bulk body (a training job, a log, an SFT job: tens of megabytes of trajectorie
 turned into Python objects as a whole. Its bytes are spooled as they arrive (in memory up to
 1 MiB, then in a temporary file); one pass of msgspec's C parser splits it into its small
 fields and the raw bytes of each item of its list (``trajectory_groups``, ``trajectories``);
-then each item is validated alone, by pydantic's JSON parser, and appended as one JSONL line
-to a spooled output. Memory stays at one item plus the spools' buffers whatever the size of
-the body, and the count limit stops the work as soon as it is passed.
+then each item is validated alone and written as one JSONL line, straight to the object
+store (``Batch.stream_to``) or to a spool. Items are decoded by msgspec into the Structs of
+``api.trajectory_structs`` (and written back by msgspec's encoder); an item msgspec refuses is
+validated by pydantic's models, which name the problem, or accept what msgspec's stricter
+types did not. Either way the line stored is the model's ``model_dump_json``. Memory stays at
+one item plus the buffers (spool, upload parts) whatever the size of the body, and the count
+limit stops the work as soon as it is passed.
 
-A batch is stored atomically from the client's point of view: everything is validated before
-anything is written; then the JSONL object is written, then the rows are inserted in one
-transaction; if the transaction fails the object is deleted again. A rejected request leaves
-no row and no object behind.
+A batch is stored atomically from the client's point of view: its lines go up as they are
+validated, but as an upload that becomes an object only once everything is valid (and is
+aborted otherwise); then the rows are inserted in one transaction; if the transaction fails
+the object is deleted again. A rejected request leaves no row and no object behind.
 """
 
 from __future__ import annotations
@@ -36,18 +40,23 @@ from sqlalchemy.orm import Session
 from starlette.requests import Request
 from typing_extensions import Buffer
 
+from skytrain_backend.api import trajectory_structs as structs
 from skytrain_backend.errors import InvalidRequest, PayloadTooLarge
 from skytrain_backend.protocol import (
     Message,
     Trajectory,
     TrajectoryGroup,
+    count_trainable_turns,
     format_validation_error,
 )
-from skytrain_backend.storage import ObjectStore
+from skytrain_backend.storage import ObjectStore, ObjectWriter
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
+# A group or trajectory as read: msgspec's Struct, or pydantic's model when msgspec refused it.
+Group = structs.TrajectoryGroup | TrajectoryGroup
+AnyTrajectory = structs.Trajectory | Trajectory
 
 # Bodies and outputs up to this size stay in memory; larger ones go to a temporary file.
 SPOOL_IN_MEMORY_BYTES = 1024 * 1024
@@ -140,6 +149,11 @@ def split_body(
         raise InvalidRequest("the body must be a JSON object") from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(_not_json(buffer, exc)) from None
+    except RecursionError:
+        raise InvalidRequest(
+            "the body nests arrays and objects too deeply to read (about a thousand levels): "
+            "trajectories are never that deep; flatten what it holds"
+        ) from None
     raw_items = top.pop(list_field, None)
     fields = [msgspec.json.encode(key) + b":" + bytes(value) for key, value in top.items()]
     if raw_items is not None:
@@ -173,22 +187,32 @@ def each_item(
         yield parse(bytes(raw), f"{field}[{index}]")
 
 
-def parse_group(raw: bytes, where: str) -> TrajectoryGroup:
+def parse_group(raw: bytes, where: str) -> Group:
+    try:
+        return structs.GROUP_DECODER.decode(raw)
+    except (msgspec.MsgspecError, RecursionError):
+        pass  # pydantic says why, or takes what only its lax mode accepts
     try:
         return TrajectoryGroup.model_validate_json(raw)
     except ValidationError as exc:
         raise InvalidRequest(format_validation_error(exc, root=where)) from None
 
 
-def parse_trajectory(raw: bytes | str, where: str) -> Trajectory:
+def parse_trajectory(raw: bytes | str, where: str) -> AnyTrajectory:
     """An SFT trajectory: it must hold an assistant turn to learn from."""
+    trajectory: AnyTrajectory
     try:
-        trajectory = Trajectory.model_validate_json(raw)
-    except ValidationError as exc:
-        raise InvalidRequest(format_validation_error(exc, root=where)) from None
-    for item in trajectory.messages_and_choices:
-        if not isinstance(item, Message) or item.role == "assistant":
+        trajectory = structs.TRAJECTORY_DECODER.decode(raw)
+        if structs.has_assistant_turn(trajectory):
             return trajectory
+    except (msgspec.MsgspecError, RecursionError):
+        try:
+            trajectory = Trajectory.model_validate_json(raw)
+        except ValidationError as exc:
+            raise InvalidRequest(format_validation_error(exc, root=where)) from None
+        for item in trajectory.messages_and_choices:
+            if not isinstance(item, Message) or item.role == "assistant":
+                return trajectory
     raise InvalidRequest(
         f"{where}: messages_and_choices has no assistant turn, so there is nothing to learn: "
         "end the conversation with the assistant's answer"
@@ -244,24 +268,62 @@ def _path_to_first_error(buffer: Buffer) -> str:
 # --- the batch written to the store -------------------------------------------------------------
 
 
+_ENCODER = msgspec.json.Encoder()
+
+
 class Batch:
-    """Validated items as JSONL (``model_dump(mode="json")``, one per line), spooled, with a
-    count of trajectories that refuses the request as soon as it passes ``limit``."""
+    """Validated items as JSONL (``model_dump(mode="json")``, one per line), with a count of
+    trajectories that refuses the request as soon as it passes ``limit``.
+
+    The lines are spooled, or, once ``stream_to`` named the object they become, written
+    straight to the store as they are made (an S3 multipart upload in a thread): the upload
+    runs beside the validation, and nothing is visible at the key until ``store_then_commit``
+    commits it. ``close`` drops whatever was not committed.
+    """
 
     def __init__(self, *, limit: int) -> None:
         self.limit = limit
         self.spool = Spool()
+        self.writer: ObjectWriter | None = None
         self.num_items = 0
         self.num_trajectories = 0
 
-    def add(self, item: TrajectoryGroup | Trajectory) -> None:
+    def stream_to(self, store: ObjectStore, key: str) -> None:
+        """Write every line from now on to a new object at ``key`` in ``store``."""
+        assert self.writer is None and self.spool.size == 0, "stream_to comes before add"
+        self.writer = store.open_writer(key)
+
+    @property
+    def output(self) -> Spool | ObjectWriter:
+        return self.spool if self.writer is None else self.writer
+
+    def add(self, item: Group | AnyTrajectory) -> None:
         self.num_items += 1
-        self.num_trajectories += len(item.trajectories) if isinstance(item, TrajectoryGroup) else 1
+        if isinstance(item, structs.TrajectoryGroup | TrajectoryGroup):
+            self.num_trajectories += len(item.trajectories)
+        else:
+            self.num_trajectories += 1
         check_count(self.num_trajectories, limit=self.limit)
-        self.spool.write(item.model_dump_json().encode() + b"\n")
+        if isinstance(item, BaseModel):
+            self.output.write(item.model_dump_json().encode() + b"\n")
+        else:
+            self.output.write(_ENCODER.encode(item) + b"\n")
 
     def close(self) -> None:
         self.spool.close()
+        if self.writer is not None:
+            self.writer.abort()  # nothing, once committed
+
+
+def trainable_turns(group: Group, index: int, *, allow_training_without_logprobs: bool) -> int:
+    """The turns of group ``index`` the RL trainer can learn from; refuses a choice it cannot."""
+    if isinstance(group, structs.TrajectoryGroup):
+        return structs.count_trainable_turns(
+            group, index, allow_training_without_logprobs=allow_training_without_logprobs
+        )
+    return count_trainable_turns(
+        group, index, allow_training_without_logprobs=allow_training_without_logprobs
+    )
 
 
 def groups_from_jsonl(data: bytes) -> list[dict[str, Any]]:
@@ -293,7 +355,7 @@ class Summary:
         self.values: dict[str, list[float]] = {}
         self.num_groups = 0
 
-    def add(self, group: TrajectoryGroup) -> None:
+    def add(self, group: Group) -> None:
         self.num_groups += 1
         for trajectory in group.trajectories:
             self.rewards.append(trajectory.reward)
@@ -363,14 +425,17 @@ def store_then_commit(
     session: Session,
     *,
     key: str,
-    data: bytes | Spool,
+    data: bytes | Spool | ObjectWriter,
     insert: Callable[[str], T],
 ) -> T:
-    """Write ``data`` at ``key``, then run ``insert(uri)`` and commit; undo the write on failure."""
+    """Write ``data`` at ``key`` (or commit the writer streaming to it), then run
+    ``insert(uri)`` and commit; undo the write on failure."""
     if isinstance(data, bytes):
         store.put_bytes(key, data)
-    else:
+    elif isinstance(data, Spool):
         data.put(store, key)
+    else:
+        data.commit()
     try:
         result = insert(store.uri(key))
         session.commit()

@@ -10,10 +10,17 @@ from urllib.parse import unquote, urlparse
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ConfigurationError
-from skytrain_backend.storage.base import ObjectInfo, ObjectStore, check_key
+from skytrain_backend.storage.base import ObjectInfo, ObjectStore, ObjectWriter, check_key
 from skytrain_backend.storage.local import LocalObjectStore
 
-__all__ = ["LocalObjectStore", "ObjectInfo", "ObjectStore", "check_key", "open_object_store"]
+__all__ = [
+    "LocalObjectStore",
+    "ObjectInfo",
+    "ObjectStore",
+    "ObjectWriter",
+    "check_key",
+    "open_object_store",
+]
 
 
 def open_object_store(url: str, settings: Settings) -> ObjectStore:

@@ -40,6 +40,23 @@ def check_key(key: str) -> str:
     return key
 
 
+class ObjectWriter(abc.ABC):
+    """An object written in pieces as they are made: nobody sees it until ``commit``, and
+    ``abort`` (or any error) leaves nothing behind. Memory stays bounded whatever its size."""
+
+    @abc.abstractmethod
+    def write(self, data: bytes) -> None: ...
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Make the object, with everything written, visible at its key."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Drop what was written; nothing is stored. Safe to call twice or after commit
+        failed; a no-op after commit succeeded."""
+
+
 class ObjectStore(abc.ABC):
     """Put, read, list and delete objects under one root (a bucket prefix or a directory)."""
 
@@ -62,6 +79,10 @@ class ObjectStore(abc.ABC):
     def put_file(self, key: str, path: Path) -> None:
         with path.open("rb") as stream:
             self.put_stream(key, stream)
+
+    @abc.abstractmethod
+    def open_writer(self, key: str) -> ObjectWriter:
+        """A writer that streams an object to ``key`` (``ObjectWriter``)."""
 
     @abc.abstractmethod
     def get_bytes(self, key: str) -> bytes: ...

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import IO, BinaryIO
 
 from skytrain_backend.errors import ObjectMissing, StorageError
-from skytrain_backend.storage.base import CHUNK_BYTES, ObjectInfo, ObjectStore, check_key
+from skytrain_backend.storage.base import (
+    CHUNK_BYTES,
+    ObjectInfo,
+    ObjectStore,
+    ObjectWriter,
+    check_key,
+)
 
 _TEMP_PREFIX = ".tmp-"
 
@@ -62,6 +68,15 @@ class LocalObjectStore(ObjectStore):
                 raise
         except OSError as exc:
             raise StorageError(f"could not write object {key!r} under {self.root}: {exc}") from exc
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        path = self._path(key)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX)
+        except OSError as exc:
+            raise StorageError(f"could not write object {key!r} under {self.root}: {exc}") from exc
+        return _LocalWriter(key, path, Path(temp_name), os.fdopen(fd, "wb"))
 
     def get_bytes(self, key: str) -> bytes:
         return self._existing(key).read_bytes()
@@ -125,3 +140,31 @@ class LocalObjectStore(ObjectStore):
             except OSError:
                 return
             directory = directory.parent
+
+
+class _LocalWriter(ObjectWriter):
+    """Writes a temporary file beside the object and renames it into place on commit."""
+
+    def __init__(self, key: str, path: Path, temp: Path, out: IO[bytes]) -> None:
+        self._key, self._path, self._temp, self._out = key, path, temp, out
+        self._done = False
+
+    def write(self, data: bytes) -> None:
+        try:
+            self._out.write(data)
+        except OSError as exc:
+            raise StorageError(f"could not write object {self._key!r}: {exc}") from exc
+
+    def commit(self) -> None:
+        try:
+            self._out.close()
+            os.replace(self._temp, self._path)
+        except OSError as exc:
+            raise StorageError(f"could not write object {self._key!r}: {exc}") from exc
+        self._done = True
+
+    def abort(self) -> None:
+        if self._done:
+            return
+        self._out.close()
+        self._temp.unlink(missing_ok=True)

@@ -8,7 +8,9 @@ so one slow part is retried alone rather than the whole checkpoint.
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -18,12 +20,23 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError
 
 from skytrain_backend.errors import NotFound, ObjectMissing, StorageError
-from skytrain_backend.storage.base import CHUNK_BYTES, ObjectInfo, ObjectStore, check_key
+from skytrain_backend.storage.base import (
+    CHUNK_BYTES,
+    ObjectInfo,
+    ObjectStore,
+    ObjectWriter,
+    check_key,
+)
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
 
+logger = logging.getLogger(__name__)
+
 MULTIPART_THRESHOLD = 16 * 1024 * 1024
+# A streamed object (``open_writer``) goes up in parts of this size (S3's least is 5 MiB, but
+# for the last part), one uploading in a thread while the next one fills.
+STREAM_PART_BYTES = 8 * 1024 * 1024
 _MISSING_CODES = frozenset({"404", "NoSuchKey", "NotFound"})
 _DELETE_BATCH = 1000  # the most keys one DeleteObjects call accepts
 
@@ -94,6 +107,9 @@ class S3ObjectStore(ObjectStore):
             self._client.upload_file(str(path), self.bucket, self._key(key), Config=self._transfer)
         except (BotoCoreError, ClientError) as exc:
             raise self._fail("write", key, exc) from exc
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        return _S3Writer(self, key)
 
     def _get(self, key: str) -> Any:
         try:
@@ -213,3 +229,89 @@ class S3ObjectStore(ObjectStore):
             )
         except (BotoCoreError, ClientError) as exc:
             raise self._fail("sign", key, exc) from exc
+
+
+class _S3Writer(ObjectWriter):
+    """A multipart upload fed part by part: at most one part uploads (in a thread) while the
+    next fills, so memory stays near two parts. An object smaller than one part goes up in
+    one PUT on commit. Until CompleteMultipartUpload nothing is visible at the key; abort
+    (and any error) aborts the upload, so S3 keeps no parts either."""
+
+    def __init__(self, store: S3ObjectStore, key: str) -> None:
+        self._store, self._key, self._s3_key = store, key, store._key(key)
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future[dict[str, Any]]] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._done = False
+
+    def write(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._size += len(data)
+        if self._size >= STREAM_PART_BYTES:
+            self._send_part()
+
+    def _send_part(self) -> None:
+        body = b"".join(self._chunks)
+        self._chunks, self._size = [], 0
+        client, bucket = self._store._client, self._store.bucket
+        try:
+            if self._upload_id is None:
+                created = client.create_multipart_upload(Bucket=bucket, Key=self._s3_key)
+                self._upload_id = created["UploadId"]
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="s3-part")
+            if self._parts:
+                self._parts[-1].result()  # the part before this one is up: one in flight
+        except (BotoCoreError, ClientError) as exc:
+            raise self._store._fail("write", self._key, exc) from exc
+        assert self._executor is not None
+        number, upload_id = len(self._parts) + 1, self._upload_id
+
+        def upload() -> dict[str, Any]:
+            answer = client.upload_part(
+                Bucket=bucket, Key=self._s3_key, UploadId=upload_id, PartNumber=number, Body=body
+            )
+            return {"ETag": answer["ETag"], "PartNumber": number}
+
+        self._parts.append(self._executor.submit(upload))
+
+    def commit(self) -> None:
+        client, bucket = self._store._client, self._store.bucket
+        try:
+            if self._upload_id is None:
+                client.put_object(Bucket=bucket, Key=self._s3_key, Body=b"".join(self._chunks))
+            else:
+                if self._chunks:
+                    self._send_part()
+                parts = [part.result() for part in self._parts]
+                client.complete_multipart_upload(
+                    Bucket=bucket,
+                    Key=self._s3_key,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},  # type: ignore[typeddict-item]
+                )
+        except (BotoCoreError, ClientError) as exc:
+            raise self._store._fail("write", self._key, exc) from exc
+        self._done = True
+        self._chunks = []
+        self._shut_down()
+
+    def abort(self) -> None:
+        self._chunks = []
+        if self._done:
+            return
+        self._shut_down()
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            try:
+                self._store._client.abort_multipart_upload(
+                    Bucket=self._store.bucket, Key=self._s3_key, UploadId=upload_id
+                )
+            except (BotoCoreError, ClientError):
+                logger.exception("could not abort the upload of %s; S3 keeps its parts", self._key)
+
+    def _shut_down(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None

@@ -78,6 +78,9 @@ def _log(
                 buffer, schema=LogCreate, list_field="trajectory_groups"
             )
             model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+            batch_id = new_id()
+            key = keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch_id)
+            batch.stream_to(store, key)
             for group in ingest.each_item(
                 items or [], ingest.parse_group, field="trajectory_groups"
             ):
@@ -88,7 +91,6 @@ def _log(
         if step is None:
             step = registry.latest_step(session, model_id=model.id)
         metrics = summary.result()
-        batch_id = new_id()
 
         def insert(uri: str) -> TrajectoryBatchPublic:
             row = batches.add_batch(
@@ -117,13 +119,7 @@ def _log(
                 )
             return TrajectoryBatchPublic.model_validate(row)
 
-        return ingest.store_then_commit(
-            store,
-            session,
-            key=keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch_id),
-            data=batch.spool,
-            insert=insert,
-        )
+        return ingest.store_then_commit(store, session, key=key, data=batch.output, insert=insert)
     finally:
         batch.close()
 

@@ -54,7 +54,6 @@ from skytrain_backend.protocol import (
     RLTrainConfig,
     SFTTrainConfig,
     check_trainable_turns,
-    count_trainable_turns,
 )
 from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.loop import Scheduler
@@ -77,9 +76,8 @@ def _store_job(
     batch: ingest.Batch,
     max_attempts: int,
     scheduler: Scheduler,
+    job_id: str,
 ) -> TrainingJobPublic:
-    job_id = new_id()
-
     def insert(uri: str) -> TrainingJob:
         # A job makes its model active: the scheduler places it on a worker if needed.
         model.last_active_at = utcnow()
@@ -96,14 +94,14 @@ def _store_job(
         )
 
     job = ingest.store_then_commit(
-        store,
-        session,
-        key=keys.job_input_key(tenant_id=model.tenant_id, model_id=model.id, job_id=job_id),
-        data=batch.spool,
-        insert=insert,
+        store, session, key=_input_key(model, job_id), data=batch.output, insert=insert
     )
     scheduler.wake()
     return TrainingJobPublic.model_validate(job)
+
+
+def _input_key(model: Model, job_id: str) -> str:
+    return keys.job_input_key(tenant_id=model.tenant_id, model_id=model.id, job_id=job_id)
 
 
 def _check_servable(session: Session, *, model: Model, settings: Settings) -> None:
@@ -163,11 +161,13 @@ def _queue_rl_job(
                 )
             config = request.config or RLTrainConfig.from_experimental(request.experimental_config)
             allow = config.allow_training_without_logprobs
+            job_id = new_id()
+            batch.stream_to(store, _input_key(model, job_id))
             trainable_turns = 0
             for index, group in enumerate(
                 ingest.each_item(items or [], ingest.parse_group, field="trajectory_groups")
             ):
-                trainable_turns += count_trainable_turns(
+                trainable_turns += ingest.trainable_turns(
                     group, index, allow_training_without_logprobs=allow
                 )
                 batch.add(group)
@@ -182,6 +182,7 @@ def _queue_rl_job(
             batch=batch,
             max_attempts=settings.job_max_attempts,
             scheduler=scheduler,
+            job_id=job_id,
         )
     finally:
         batch.close()
@@ -232,6 +233,8 @@ def _queue_sft_job(
                     "send exactly one of trajectories (a list) or training_data_url "
                     "(skytrain-file://<id> from POST /v1/files)"
                 )
+            job_id = new_id()
+            batch.stream_to(store, _input_key(model, job_id))
             if items is not None:
                 for trajectory in ingest.each_item(
                     items, ingest.parse_trajectory, field="trajectories"
@@ -250,6 +253,7 @@ def _queue_sft_job(
             batch=batch,
             max_attempts=settings.job_max_attempts,
             scheduler=scheduler,
+            job_id=job_id,
         )
     finally:
         batch.close()
