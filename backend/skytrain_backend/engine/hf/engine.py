@@ -8,7 +8,8 @@ others run are prefilled as a group and join the running batch at the next step 
 one forward pass serves every adapter in the batch. Sequences admitted in the same step with
 the same prompt and adapter (a request's ``n`` choices, identical requests) share one row of
 the prefill: the prompt is run once and its cache copied for each (``EngineStats`` counts
-both), with the very tokens and logprobs that prefilling each alone gives.
+both), with the very tokens and logprobs that prefilling each in a row of its own gives
+(bitwise on one thread; see ``ModelRunner.forward``).
 
 Each sequence carries its own sampling parameters and random generator (seeded with
 ``seed + index`` for a request with ``n`` choices, as vLLM does), so batching never changes a
