@@ -16,8 +16,16 @@ Starts `skytrain engine serve` (the CPU engine) as a subprocess, then:
   peft) loaded at run time through /v1/load_lora_adapter, several times; and the latency of
   the first request served by it.
 
+With --baseline DIR (another checkout, e.g. ``git worktree add DIR main``), an A/B under the
+same load instead: two engines, this checkout's and DIR's (its ``backend`` and ``client``
+first on PYTHONPATH), and --rounds rounds; each round measures both engines at concurrency
+1, 4 and 16 and on the generate batch, in turn (which goes first alternates), and
+``generate`` once. It prints each round with the 1-minute load average, then the medians and
+the ratios of this checkout to the baseline.
+
 Usage:
     .venv/bin/python bench/engine_throughput.py [--model PATH_OR_ID] [--threads 1]
+    .venv/bin/python bench/engine_throughput.py --baseline ../main [--rounds 3]
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import machine
@@ -157,6 +166,112 @@ async def _adapter_latency(
     return loads, first_requests
 
 
+def _engine_process(
+    tree: Path, model: str, threads: int, log_path: Path
+) -> tuple[EngineProcess, openai.AsyncOpenAI]:
+    """`skytrain engine serve` of the checkout at ``tree`` (its packages first on the path),
+    not started yet, and a client of it."""
+    port = machine.free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    argv = [str(Path(sys.executable).with_name("skytrain")), "engine", "serve", "--engine", "hf"]
+    argv += ["--model", model, "--served-model-name", "bench", "--port", str(port)]
+    argv += ["--threads", str(threads), "--max-num-seqs", "32", "--log-level", "warning"]
+    path = os.pathsep.join(
+        [str(tree / "backend"), str(tree / "client"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+    process = EngineProcess(
+        EngineCommand(argv=argv, env={"PYTHONPATH": path}), base_url=base_url, log_path=log_path
+    )
+    client = openai.AsyncOpenAI(
+        base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=3600
+    )
+    return process, client
+
+
+@dataclass
+class RoundFigures:
+    """One engine's figures in one round of an A/B."""
+
+    rates: dict[int, float]  # concurrency -> completion tokens/s
+    batch_s: float  # the generate batch through the engine
+    generate_s: float = 0.0  # the same batch through ``generate`` in the same round
+
+
+async def _round(client: openai.AsyncOpenAI, args: argparse.Namespace) -> RoundFigures:
+    rates = {}
+    for concurrency in CONCURRENCY:
+        rate, _, _ = await _throughput(
+            client, concurrency, args.requests_per_client, args.max_tokens
+        )
+        rates[concurrency] = rate
+    return RoundFigures(rates, await _engine_batch(client, args.batch, args.max_tokens))
+
+
+async def compare(args: argparse.Namespace, model: str, scratch: Path) -> None:
+    """This checkout's engine against the one at ``args.baseline``, rounds alternating."""
+    trees = {"this": REPO, "baseline": args.baseline}
+    engines = {
+        name: _engine_process(tree, model, args.threads, scratch / f"engine-{name}.log")
+        for name, tree in trees.items()
+    }
+    for process, _ in engines.values():
+        await process.launch()
+    try:
+        print(f"model: {args.model}")
+        print(f"hardware: {_hardware(args.threads)}")
+        print(f"this checkout: {REPO}; baseline: {trees['baseline']}")
+        print(
+            f"each request: {args.max_tokens} completion tokens; "
+            f"{args.requests_per_client} requests per client; generate batch: {args.batch} "
+            f"completions x {args.max_tokens} tokens, one prompt"
+        )
+        for _, client in engines.values():
+            await _throughput(client, 1, 1, 4)  # warm-up
+            await _engine_batch(client, args.batch, 4)
+        generate = _generate_batch(model, args.threads)
+        generate(args.batch, 4)  # warm-up
+        figures: dict[str, list[RoundFigures]] = {name: [] for name in engines}
+        generate_times = []
+        for i in range(args.rounds):
+            order = list(engines) if i % 2 == 0 else list(reversed(engines))
+            loads = [os.getloadavg()[0]]
+            for name in order:
+                figures[name].append(await _round(engines[name][1], args))
+                loads.append(os.getloadavg()[0])
+            generate_times.append(generate(args.batch, args.max_tokens))
+            loads.append(os.getloadavg()[0])
+            for name in engines:
+                figures[name][-1].generate_s = generate_times[-1]
+            parts = [
+                f"{name} {'/'.join(f'{figures[name][-1].rates[c]:.1f}' for c in CONCURRENCY)} "
+                f"tokens/s, batch {figures[name][-1].batch_s:.2f} s"
+                for name in order
+            ]
+            print(
+                f"round {i + 1}/{args.rounds} (1-min load {min(loads):.2f}-{max(loads):.2f}): "
+                f"{'; '.join(parts)}; generate {generate_times[-1]:.2f} s"
+            )
+        generate_s = statistics.median(generate_times)
+
+        def median(name: str, figure: Callable[[RoundFigures], float]) -> float:
+            return statistics.median(figure(f) for f in figures[name])
+
+        print(f"median of {args.rounds} rounds: this / baseline (higher tokens/s is better)")
+        rows: list[tuple[str, Callable[[RoundFigures], float]]] = [
+            *((f"concurrency {c:>2} tokens/s", lambda f, c=c: f.rates[c]) for c in CONCURRENCY),
+            ("batching 16 vs 1", lambda f: f.rates[16] / f.rates[1]),
+            ("same batch engine s", lambda f: f.batch_s),
+            ("engine / generate", lambda f: f.batch_s / f.generate_s),
+        ]
+        for label, figure in rows:
+            this, baseline = median("this", figure), median("baseline", figure)
+            print(f"  {label:<26} {this:8.2f}  {baseline:8.2f}  ratio {this / baseline:.2f}")
+        print(f"  transformers generate s    {generate_s:8.2f}")
+    finally:
+        for process, _ in engines.values():
+            process.stop()
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=hub.SMOLLM2_ID, help="model id or directory")
@@ -167,24 +282,21 @@ async def main() -> None:
     parser.add_argument("--adapter-rounds", type=int, default=5)
     parser.add_argument("--batch", type=int, default=8, help="completions in the generate batch")
     parser.add_argument("--generate-rounds", type=int, default=5)
+    parser.add_argument(
+        "--baseline",
+        type=lambda path: Path(path).resolve(),
+        help="another checkout: compare its engine with this one's",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the --baseline A/B")
     args = parser.parse_args()
 
     model = hub.resolve_model(args.model, cache_dir=REPO / ".cache" / "models")
-    port = machine.free_port()
-    base_url = f"http://127.0.0.1:{port}"
+    if args.baseline is not None:
+        with tempfile.TemporaryDirectory() as scratch:
+            await compare(args, model, Path(scratch))
+        return
     with tempfile.TemporaryDirectory() as scratch:
-        argv = [
-            str(Path(sys.executable).with_name("skytrain")),
-            "engine",
-            "serve",
-            "--engine",
-            "hf",
-        ]
-        argv += ["--model", model, "--served-model-name", "bench", "--port", str(port)]
-        argv += ["--threads", str(args.threads), "--max-num-seqs", "32", "--log-level", "warning"]
-        process = EngineProcess(
-            EngineCommand(argv=argv), base_url=base_url, log_path=Path(scratch) / "engine.log"
-        )
+        process, client = _engine_process(REPO, model, args.threads, Path(scratch) / "engine.log")
         await process.launch()
         try:
             print(f"model: {args.model}")
@@ -192,9 +304,6 @@ async def main() -> None:
             print(
                 f"each request: {args.max_tokens} completion tokens; "
                 f"{args.requests_per_client} requests per client"
-            )
-            client = openai.AsyncOpenAI(
-                base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=3600
             )
             await _throughput(client, 1, 1, 4)  # warm-up
             rates = {}
@@ -225,7 +334,7 @@ async def main() -> None:
             )
 
             adapter = _make_adapter(model, Path(scratch) / "adapter", args.lora_rank)
-            loads, firsts = await _adapter_latency(base_url, adapter, args.adapter_rounds)
+            loads, firsts = await _adapter_latency(process.base_url, adapter, args.adapter_rounds)
             print(
                 f"adapter load at run time (rank {args.lora_rank}, all linear layers): "
                 f"median {statistics.median(loads) * 1000:.0f} ms, max {max(loads) * 1000:.0f} ms "

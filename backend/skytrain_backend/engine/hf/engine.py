@@ -5,7 +5,11 @@ wake), admit waiting sequences, decode one token for every running sequence, and
 new token to its request's asyncio queue as soon as it is sampled. Sequences that arrive while
 others run are prefilled as a group and join the running batch at the next step (see
 ``kvcache``), so requests that arrive together are decoded together whatever adapter they use:
-one forward pass serves every adapter in the batch.
+one forward pass serves every adapter in the batch. Sequences admitted in the same step with
+the same prompt and adapter (a request's ``n`` choices, identical requests) share one row of
+the prefill: the prompt is run once and its cache copied for each (``EngineStats`` counts
+both), with the very tokens and logprobs that prefilling each in a row of its own gives
+(bitwise on one thread; see ``ModelRunner.forward``).
 
 Each sequence carries its own sampling parameters and random generator (seeded with
 ``seed + index`` for a request with ``n`` choices, as vLLM does), so batching never changes a
@@ -87,6 +91,16 @@ class SequenceUpdate:
 @dataclass(frozen=True)
 class RequestFailed:
     error: SkytrainError
+
+
+@dataclass
+class EngineStats:
+    """What the engine thread has computed since it started."""
+
+    # Sequences prefilled, and the prompt rows the model ran for them: fewer rows than
+    # sequences when sequences shared a prompt's prefill.
+    prefilled_sequences: int = 0
+    prefill_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -297,8 +311,13 @@ class HFEngine:
         dtype: str = "auto",
         device: str | None = None,
         max_lora_rank: int | None = None,
+        share_prefill: bool = True,
     ) -> None:
+        """``share_prefill=False`` prefills every sequence in a row of its own (as the engine
+        did before sharing; the tests compare the two)."""
         self.runner = ModelRunner(model_path, dtype=dtype, device=device)
+        self.share_prefill = share_prefill
+        self.stats = EngineStats()
         self.max_lora_rank = max_lora_rank
         self.served_model_name = served_model_name
         self.tokenizer = self.runner.tokenizer
@@ -590,31 +609,52 @@ class HFEngine:
             raise NotFound(f"The lora adapter '{name}' was unloaded before the request started.")
         return adapter.internal_name
 
+    def _prompt_rows(self, sequences: list[_Sequence]) -> tuple[list[_Sequence], list[int]]:
+        """The sequences whose prompts the prefill runs (one per distinct prompt and adapter
+        when prefills are shared), and for each sequence the index of its row among them."""
+        if not (self.share_prefill and self.runner.can_expand_rows()):
+            return sequences, list(range(len(sequences)))
+        rows: dict[tuple[str | None, tuple[int, ...]], int] = {}
+        prompts: list[_Sequence] = []
+        row_of: list[int] = []
+        for sequence in sequences:
+            key = (sequence.internal_adapter, tuple(sequence.request.prompt_token_ids))
+            if key not in rows:
+                rows[key] = len(prompts)
+                prompts.append(sequence)
+            row_of.append(rows[key])
+        return prompts, row_of
+
     def _prefill(self, sequences: list[_Sequence]) -> None:
         device = self.runner.device
-        width = max(sequence.prompt_len for sequence in sequences)
+        prompts, row_of = self._prompt_rows(sequences)
+        width = max(sequence.prompt_len for sequence in prompts)
         pad = self.tokenizer.pad_token_id or 0
-        input_ids_BT = torch.tensor(
-            [[pad] * (width - s.prompt_len) + s.request.prompt_token_ids for s in sequences],
+        input_ids_UT = torch.tensor(
+            [[pad] * (width - s.prompt_len) + s.request.prompt_token_ids for s in prompts],
             device=device,
         )
-        attention_mask_BL = torch.tensor(
-            [[0] * (width - s.prompt_len) + [1] * s.prompt_len for s in sequences], device=device
+        attention_mask_UL = torch.tensor(
+            [[0] * (width - s.prompt_len) + [1] * s.prompt_len for s in prompts], device=device
         )
-        position_ids_BT = (attention_mask_BL.cumsum(dim=-1) - 1).clamp(min=0)
+        position_ids_UT = (attention_mask_UL.cumsum(dim=-1) - 1).clamp(min=0)
+        rows_B = torch.tensor(row_of, device=device) if len(prompts) < len(sequences) else None
         logits_BV, cache = self.runner.forward(
-            input_ids_BT,
-            attention_mask_BL,
-            position_ids_BT,
+            input_ids_UT,
+            attention_mask_UL,
+            position_ids_UT,
             None,
-            [s.internal_adapter for s in sequences],
+            [s.internal_adapter for s in prompts],
+            rows_B=rows_B,
         )
+        self.stats.prefilled_sequences += len(sequences)
+        self.stats.prefill_rows += len(prompts)
         if self._mergeable is None:
             self._mergeable = kvcache.is_mergeable(cache)
         batch = _Batch(
             sequences,
             cache,
-            attention_mask_BL,
+            attention_mask_UL if rows_B is None else attention_mask_UL[rows_B],
             self._sample(sequences, logits_BV),
             torch.tensor([s.prompt_len for s in sequences], device=device),
         )

@@ -77,6 +77,21 @@ def _return_freed_memory_to_os() -> None:
             trim(0)
 
 
+def _rows_laid_out_alike(hidden_U1H: torch.Tensor, rows_B: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows_B`` of the last hidden states the model hands its output layer, in the
+    memory layout the model would have handed over for B rows: a view of the last position
+    of a (B, T, H) tensor. MKL can round a product of such a strided view differently from
+    one of the same numbers packed densely."""
+    per_row = hidden_U1H.stride(0)
+    storage = hidden_U1H.new_empty(len(rows_B) * per_row)
+    hidden_B1H = storage.as_strided(
+        (len(rows_B), *hidden_U1H.shape[1:]),
+        hidden_U1H.stride(),
+        hidden_U1H.storage_offset() % per_row,
+    )
+    return hidden_B1H.copy_(hidden_U1H[rows_B])
+
+
 class ModelRunner:
     def __init__(self, model_path: str, *, dtype: str = "auto", device: str | None = None) -> None:
         self.model_path = model_path
@@ -175,6 +190,12 @@ class ModelRunner:
 
     # --- forward --------------------------------------------------------------------------------
 
+    def can_expand_rows(self) -> bool:
+        """Whether ``forward`` can compute one row for several sequences (``rows_B``): the
+        output layer is a plain linear layer, shared by every adapter (an adapter that trains
+        it, LoRA on ``lm_head`` or ``modules_to_save``, wraps it in a module of its own)."""
+        return isinstance(self.model.get_output_embeddings(), torch.nn.Linear)
+
     def forward(
         self,
         input_ids_BT: torch.Tensor,
@@ -182,18 +203,43 @@ class ModelRunner:
         position_ids_BT: torch.Tensor,
         cache: DynamicCache | None,
         adapters: list[str | None],
+        *,
+        rows_B: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, DynamicCache]:
-        """Logits of the last position of every row (float32, (B, V)) and the grown cache."""
+        """Logits of the last position of every row (float32, (B, V)) and the grown cache.
+
+        With ``rows_B`` (only where ``can_expand_rows``), output row ``i`` is input row
+        ``rows_B[i]``'s: identical prompts are run once, and each sequence gets a copy of its
+        prompt's cache. The output layer still runs on all B last hidden states, as on a
+        batch of B separate rows. The logits and cache are then bitwise those of the B rows
+        run separately wherever a matrix product gives a row the same result however many
+        rows it is computed with: MKL on one thread does from 4 rows on, and the prompts'
+        positions are many rows, but the last positions of a batch can be as few as 2.
+        Elsewhere (MKL on several threads, below 12 rows) they differ by rounding, as they
+        do with what else is in the batch.
+        """
         kwargs: dict[str, Any] = {}
         if isinstance(self.model, PeftModel):
             kwargs["adapter_names"] = [adapter or BASE_ADAPTER for adapter in adapters]
-        output = self.model(
-            input_ids=input_ids_BT.to(self.device),
-            attention_mask=attention_mask_BL.to(self.device),
-            position_ids=position_ids_BT.to(self.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-            **kwargs,
-        )
+        expand = None
+        if rows_B is not None:
+            rows = rows_B.to(self.device)
+            expand = self.model.get_output_embeddings().register_forward_pre_hook(
+                lambda _module, args: (_rows_laid_out_alike(args[0], rows), *args[1:])
+            )
+        try:
+            output = self.model(
+                input_ids=input_ids_BT.to(self.device),
+                attention_mask=attention_mask_BL.to(self.device),
+                position_ids=position_ids_BT.to(self.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+                **kwargs,
+            )
+        finally:
+            if expand is not None:
+                expand.remove()
+        if rows_B is not None:
+            output.past_key_values.batch_select_indices(rows)
         return output.logits[:, -1, :].float(), output.past_key_values

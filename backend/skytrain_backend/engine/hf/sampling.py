@@ -59,13 +59,20 @@ def sample_next_tokens(
     generators: list[torch.Generator],
 ) -> torch.Tensor:
     """One token id per row: argmax for greedy rows, a draw from each row's generator otherwise."""
-    tokens_B = logits_BV.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not rows:
-        return tokens_B
+    if len(rows) < len(params):
+        tokens_B = logits_BV.argmax(dim=-1)
+        if not rows:
+            return tokens_B
+    else:
+        tokens_B = torch.empty(len(params), dtype=torch.long, device=logits_BV.device)
     index = torch.tensor(rows, device=logits_BV.device)
-    temperature = torch.tensor([params[i].temperature for i in rows], device=logits_BV.device)
-    scaled = logits_BV[index] / temperature[:, None]
+    # The usual batch samples every row at temperature 1: it needs no copy of its rows, and
+    # no division (x / 1 is x exactly), each a pass over the vocabulary of every row.
+    scaled = logits_BV if len(rows) == len(params) else logits_BV[index]
+    if any(params[i].temperature != 1.0 for i in rows):
+        temperature = torch.tensor([params[i].temperature for i in rows], device=logits_BV.device)
+        scaled = scaled / temperature[:, None]
     if any(params[i].top_p < 1.0 or params[i].top_k > 0 for i in rows):
         top_k = torch.tensor([params[i].top_k for i in rows], device=logits_BV.device)
         top_p = torch.tensor([params[i].top_p for i in rows], device=logits_BV.device)
