@@ -14,9 +14,12 @@ from the job's timestamps and events and the times the worker reports (``time/*_
     sample        client wall time of the sampling requests
     queue         job created -> leased by the worker (its lease request, waiting on the
                   control plane, is answered at the job's notification)
-    prepare       leased -> training_started: download, trainer ready, tokenize and pack
+    setup         leased -> trainer ready: download, engine asleep, trainer loaded (what is
+                  left of leased -> last gradient_step after prepare and train)
       download    of it, the batch download
-    train         training_started -> last gradient_step
+    prepare       the worker's ``time/prepare_s``: read, tokenize and pack the batch (and the
+                  old-logprob pass, where the first step's forward pass does not read them)
+    train         the worker's ``time/steps_s``: the optimizer steps and their events
     save          adapter + optimizer state written by the worker
     upload        checkpoint files to the control plane
     load          hot-load into the engine and check it serves (at the same time as upload)
@@ -62,8 +65,9 @@ LEARNING_RATE = 5e-6
 PHASES = (
     "sample",
     "queue",
-    "prepare",
+    "setup",
     "download",
+    "prepare",
     "train",
     "save",
     "upload",
@@ -209,22 +213,22 @@ def _phases(
     job: dict[str, Any],
     events: list[dict[str, Any]],
 ) -> dict[str, float]:
-    started = next(e for e in events if e["type"] == "training_started")
     last_step = [e for e in events if e["type"] == "gradient_step"][-1]
     ended = events[-1]
     times = ended["data"]
     leased_at = _timestamp(job["started_at"])
-    started_at = _timestamp(started["created_at"])
     trained_at = _timestamp(last_step["created_at"])
     ended_at = _timestamp(ended["created_at"])
+    prepare, train = times["time/prepare_s"], times["time/steps_s"]
     handoff = times["time/handoff_s"]
     worker_after_train = times["time/save_s"] + handoff
     return {
         "sample": sampled - begin,
         "queue": leased_at - _timestamp(job["created_at"]),
-        "prepare": started_at - leased_at,
+        "setup": max(trained_at - leased_at - prepare - train, 0.0),
         "download": times["time/download_s"],
-        "train": trained_at - started_at,
+        "prepare": prepare,
+        "train": train,
         "save": times["time/save_s"],
         "upload": times["time/upload_s"],
         "load": times["time/engine_load_s"],

@@ -4,11 +4,11 @@ The batch: --groups groups of --group-size trajectories, each a shared prompt of
 --prompt-tokens tokens and a "sampled" completion of --completion-tokens token ids (random ids
 with finite logprobs: the values do not change the cost).
 
-- GRPO step: ``Trainer.prepare_rl`` (tokenize, pack, and the no-gradient pass that reads the
-  policy's logprobs of the sampled tokens; timed apart) and ``Trainer.run``: one forward per
-  packed row (shared prompts stored once, 4D mask), logprobs only at trained tokens (chunked
-  over the vocabulary), clipped loss, backward, AdamW step. A job is one optimizer step by
-  default, like the baseline.
+- GRPO step: ``Trainer.prepare_rl`` (tokenize and pack; timed apart) and ``Trainer.run``: one
+  forward per packed row (shared prompts stored once, 4D mask), logprobs only at trained tokens
+  (chunked over the vocabulary; the same forward pass reads the old logprobs of the sampled
+  tokens, as the step runs before any update), clipped loss, backward, AdamW step. A job is one
+  optimizer step by default, like the baseline.
 - Plain forward+backward: the same peft model on the same sequences, unpacked and right-padded
   in micro-batches of --micro-batch, the usual ``model(input_ids, labels=...)`` causal-LM loss
   (full logits at every position), backward, one AdamW step.
@@ -149,7 +149,7 @@ def main() -> None:
     )
     print(
         f"GRPO step:              {grpo_best:7.2f} s  {grpo_rate:8.1f} sequence tokens/s "
-        f"(of which prepare_rl: tokenize, pack, logprob pass {prepare_s:.2f} s)"
+        f"(of which prepare_rl: tokenize, pack {prepare_s:.2f} s)"
     )
     print(f"plain forward+backward: {plain_best:7.2f} s  {plain_rate:8.1f} sequence tokens/s")
     print(f"ratio GRPO / plain: {grpo_rate / plain_rate:.2f}")

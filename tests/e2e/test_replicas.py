@@ -195,7 +195,7 @@ def test_a_model_registered_through_the_follower_is_placed_by_the_leader_only(
     ended = events[-1]["data"]
     assert events[-1]["type"] == "training_ended" and ended["step"] == 1
     # The worker reports how long each phase took (bench/rl_step.py prints them).
-    phases = ("download", "save", "upload", "engine_load", "training")
+    phases = ("download", "prepare", "steps", "save", "upload", "engine_load", "training")
     assert all(ended[f"time/{phase}_s"] >= 0 for phase in phases), ended
     assert ended["time/training_s"] >= ended["time/save_s"] + ended["time/upload_s"]
     for service in (leader, follower):

@@ -126,6 +126,11 @@ def test_a_job_sleeps_the_engine_trains_frees_wakes_then_loads_and_serves_the_st
         types = [e["type"] for e in events]
         assert types[-1] == "training_ended", events[-1]
         assert types.index("job_timeline") < types.index("training_ended")
+        # training_started comes first, with the agreement the first step's forward pass read.
+        assert types[0] == "training_started" and types[1] == "gradient_step", types
+        assert events[0]["data"]["logprob_agreement/max_abs_diff"] < 1e-4
+        ended = events[-1]["data"]
+        assert ended["time/prepare_s"] >= 0 and ended["time/steps_s"] >= 0
 
         timeline = _timeline(events)
         adapter = lora_name(model["id"], 1)

@@ -4,7 +4,9 @@ The trainer's importance ratios divide the policy's probability of each sampled 
 engine's: if the two disagree, training is off from its first step. Choices sampled from the
 engine (SmolLM2, with and without a LoRA adapter) go to ``Trainer.prepare_rl``, which every
 training job runs: it trains each turn on the engine's prompt ids and sampled ids and measures
-its own logprob of every sampled token against the engine's before the first step.
+its own logprob of every sampled token against the engine's before the first update (here in
+a pass without gradient; a job reads them in its first step's forward pass, which computes the
+same).
 """
 
 from __future__ import annotations
@@ -70,7 +72,7 @@ async def test_engine_logprobs_agree_with_the_trainer(
             await client.unload_lora("agreement")
 
     base = Trainer.load(str(smollm2_path), model_config=config, device="cpu")
-    base_agreement = base.prepare_rl(base_groups, RLTrainConfig()).summary
+    base_agreement = base.prepare_rl(base_groups, RLTrainConfig(), separate_pass=True).summary
     del base
     trained = Trainer.load(
         str(smollm2_path),
@@ -79,7 +81,9 @@ async def test_engine_logprobs_agree_with_the_trainer(
         device="cpu",
         fresh_optimizer=True,  # an adapter made with peft: no optimizer state to resume
     )
-    adapter_agreement = trained.prepare_rl(adapter_groups, RLTrainConfig()).summary
+    adapter_agreement = trained.prepare_rl(
+        adapter_groups, RLTrainConfig(), separate_pass=True
+    ).summary
     for name, agreement in (("base model", base_agreement), ("LoRA adapter", adapter_agreement)):
         print(
             f"\nengine vs trainer, {name}: max {agreement['logprob_agreement/max_abs_diff']:.2e}, "
@@ -88,6 +92,6 @@ async def test_engine_logprobs_agree_with_the_trainer(
         assert agreement["logprob_agreement/num_tokens"] >= 6 * 3  # every choice contributed
         assert agreement["logprob_agreement/max_abs_diff"] < MAX_ABS_DIFF
     # The adapter changes the model: the base model's samples disagree with it, and say so.
-    mismatched = trained.prepare_rl(base_groups, RLTrainConfig())
+    mismatched = trained.prepare_rl(base_groups, RLTrainConfig(), separate_pass=True)
     assert mismatched.summary["logprob_agreement/max_abs_diff"] > 100 * MAX_ABS_DIFF
     assert mismatched.warning is not None

@@ -42,13 +42,13 @@ def test_cuda_training_step_in_bf16_saves_a_loadable_checkpoint(
         }
     )
     plan = trainer.prepare_rl([group], RLTrainConfig(learning_rate=1e-2))
+    before = [p.detach().clone() for p in policy.trainable_parameters()]
+    steps = list(trainer.run(plan))
+    # Read by the step's own forward pass (with gradient), as a job does.
     print(f"sampler/learner agreement on CUDA (bf16): {plan.summary}")
     # bf16 kernels with and without a KV cache
     assert plan.summary["logprob_agreement/max_abs_diff"] < 0.1
     assert plan.warning is None
-
-    before = [p.detach().clone() for p in policy.trainable_parameters()]
-    steps = list(trainer.run(plan))
     assert steps and all(torch.isfinite(torch.tensor(m["loss/policy"])) for m in steps)
     after = policy.trainable_parameters()
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
@@ -93,7 +93,7 @@ def test_a_step_past_the_gpus_real_limit_is_an_out_of_memory_error_and_frees_it(
     try:
         long_group = _group(trainer, max_new_tokens=1024)
         config = RLTrainConfig(learning_rate=1e-3, logprob_calculation_chunk_size=4096)
-        # The logprob pass before the first step (no gradient) or the step itself runs out.
+        # The step runs out (its forward pass also reads the old logprobs).
         with pytest.raises(OutOfMemory, match="out of memory while"):
             list(trainer.run(trainer.prepare_rl([long_group], config)))
         held = torch.cuda.memory_allocated()

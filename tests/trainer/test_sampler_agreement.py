@@ -5,7 +5,7 @@ through skytrain's gateway from a real CPU engine (the tiny model, or SmolLM2 fo
 call), the next request is built from the SDK's ``Trajectory.messages()``, the trajectory is
 the SDK's ``Trajectory`` of the returned choices, dumped to JSON as ``model.train`` sends it,
 and the trainer's ``prepare_rl`` measures the difference between its logprobs and the
-sampler's on every sampled token, as every training job does before its first step.
+sampler's on every sampled token, as every training job does before its first update.
 
 Each case is one where the engine's prompt for a later turn is not the earlier prompt plus
 the earlier sampled tokens (the test checks that it is not), so a trainer that spliced sampled
@@ -206,7 +206,11 @@ def _agreement(
                     assert item["prompt_token_ids"], "the SDK kept the choice's prompt ids"
                     if not prompt_ids:
                         del item["prompt_token_ids"]
-    plan = trainer.prepare_rl([TrajectoryGroup.model_validate(raw)], RLTrainConfig())
+    # A separate pass reads what a job's first step reads in its forward pass, without the
+    # backward pass and update (tests/trainer/test_trainer.py shows the two agree).
+    plan = trainer.prepare_rl(
+        [TrajectoryGroup.model_validate(raw)], RLTrainConfig(), separate_pass=True
+    )
     assert plan.warning is None
     return plan.summary
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -72,23 +74,17 @@ def test_fresh_adapter_computes_exactly_the_base_model(
     assert tiny_trainer.step == 0
 
 
-def test_every_job_measures_how_far_the_sampler_is_before_its_first_step(
+def test_every_job_measures_how_far_the_sampler_is_before_its_first_update(
     tiny_trainer: Trainer,
 ) -> None:
     groups = _groups(tiny_trainer, [[0.0, 1.0, 0.5, 0.2]] * 3, max_new_tokens=16)
-    plan = tiny_trainer.prepare_rl(groups, RLTrainConfig())
-    print(f"sampler/learner agreement on the tiny model (fp32, CPU): {plan.summary}")
-    assert plan.summary["logprob_agreement/num_tokens"] == sum(
+    sampled_tokens = sum(
         len(item.logprobs.content)
         for group in groups
         for trajectory in group.trajectories
         for item in trajectory.messages_and_choices
         if hasattr(item, "logprobs") and item.logprobs and item.logprobs.content
     )
-    assert plan.summary["logprob_agreement/max_abs_diff"] < 1e-4
-    assert plan.summary["tokens/without_sampling_logprob"] == 0
-    assert plan.warning is None
-
     # A sampler that saw something else (here: logprobs shifted by half a nat) is called out.
     raw = [group.model_dump(mode="json") for group in groups]
     for group in raw:
@@ -96,10 +92,25 @@ def test_every_job_measures_how_far_the_sampler_is_before_its_first_step(
             for entry in trajectory["messages_and_choices"][-1]["logprobs"]["content"]:
                 entry["logprob"] -= 0.5
     shifted = tiny_trainer.prepare_rl(
-        [TrajectoryGroup.model_validate(group) for group in raw], RLTrainConfig()
+        [TrajectoryGroup.model_validate(group) for group in raw],
+        RLTrainConfig(),
+        separate_pass=True,
     )
+    assert not shifted.agreement_pending
     assert shifted.summary["logprob_agreement/mean_abs_diff"] == pytest.approx(0.5, abs=1e-4)
     assert shifted.warning is not None and "far beyond float32 noise" in shifted.warning
+
+    # A job's first step reads the policy's logprobs in its own forward pass, before its update.
+    plan = tiny_trainer.prepare_rl(groups, RLTrainConfig())
+    assert plan.agreement_pending
+    assert "logprob_agreement/num_tokens" not in plan.summary
+    list(tiny_trainer.run(plan))
+    assert not plan.agreement_pending
+    print(f"sampler/learner agreement on the tiny model (fp32, CPU): {plan.summary}")
+    assert plan.summary["logprob_agreement/num_tokens"] == sampled_tokens
+    assert plan.summary["logprob_agreement/max_abs_diff"] < 1e-4
+    assert plan.summary["tokens/without_sampling_logprob"] == 0
+    assert plan.warning is None
 
 
 def test_groups_without_reward_variance_change_nothing(tiny_trainer: Trainer) -> None:
@@ -304,8 +315,9 @@ def test_training_without_logprobs_learns_from_plain_assistant_messages(
 def test_missing_sampling_logprobs_are_computed_once_so_later_steps_stay_ppo(
     tiny_trainer: Trainer,
 ) -> None:
-    """Tokens without a sampling logprob get the policy's own, read before the first step and
-    kept: once the policy moves their ratio leaves 1 and clipping acts (ART PR #467)."""
+    """Tokens without a sampling logprob get the policy's own, read before the first update and
+    kept: once the policy moves their ratio leaves 1 and clipping acts (ART PR #467). The second
+    step's rows are read before the first update too, not by their own forward pass."""
     groups = [
         _plain_group([("Blue.", 1.0), ("I cannot say.", 0.0)]),
         _plain_group([("Three.", 1.0), ("Many, many.", 0.0)], question="Count to three."),
@@ -314,11 +326,93 @@ def test_missing_sampling_logprobs_are_computed_once_so_later_steps_stay_ppo(
         learning_rate=5e-2, allow_training_without_logprobs=True, num_gradient_steps=2
     )
     plan = tiny_trainer.prepare_rl(groups, config)
+    first, second = tiny_trainer.run(plan)
     assert plan.summary["tokens/without_sampling_logprob"] == plan.summary["tokens/trainable"]
     assert "logprob_agreement/mean_abs_diff" not in plan.summary  # nothing to compare
-    first, second = tiny_trainer.run(plan)
     assert first["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
     assert abs(second["ratio/mean"] - 1.0) > 1e-3
+
+
+FIRST_STEP_CASES = {
+    "one step": RLTrainConfig(learning_rate=1e-2),
+    "two steps of short rows": RLTrainConfig(
+        learning_rate=1e-2, num_gradient_steps=2, packed_sequence_length=48
+    ),
+    "every old logprob the policy's, sequence ratios, KL": RLTrainConfig(
+        learning_rate=1e-2,
+        precalculate_logprobs=True,
+        importance_sampling_level="sequence",
+        kl_penalty_coef=0.1,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FIRST_STEP_CASES))
+def test_the_first_step_reads_the_old_logprobs_as_a_separate_pass_would(
+    tiny_model_path: Path, case: str
+) -> None:
+    """The first step's own forward pass gives its rows' old logprobs: the same old logprobs,
+    agreement, step metrics and updated adapter as a pass without gradient before it."""
+    config = FIRST_STEP_CASES[case]
+    separate_trainer = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
+    initial = _adapter(separate_trainer)
+    groups = _groups(separate_trainer, [[0.0, 1.0, 0.5], [1.0, 0.0, 0.2], [0.3, 0.9]], seed=3)
+    fused_trainer = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
+    results = []
+    for trainer, separate_pass in ((separate_trainer, True), (fused_trainer, False)):
+        plan = trainer.prepare_rl(groups, config, separate_pass=separate_pass)
+        assert plan.agreement_pending is not separate_pass
+        first_step_read = [old is not None for old in plan.old_logprobs[0]]
+        assert all(first_step_read) if separate_pass else not any(first_step_read)
+        assert all(old is not None for rows in plan.old_logprobs[1:] for old in rows)
+        metrics = list(trainer.run(plan))
+        assert not plan.agreement_pending
+        results.append((plan, metrics, _adapter(trainer)))
+    (separate, separate_steps, separate_adapter), (fused, fused_steps, fused_adapter) = results
+
+    assert fused.num_gradient_steps == separate.num_gradient_steps == config.num_gradient_steps
+    assert fused.summary.keys() == separate.summary.keys()
+    for key, value in separate.summary.items():
+        assert fused.summary[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert fused.warning is None and separate.warning is None
+    for fused_rows, separate_rows in zip(fused.old_logprobs, separate.old_logprobs, strict=True):
+        for fused_old, separate_old in zip(fused_rows, separate_rows, strict=True):
+            assert fused_old is not None and separate_old is not None
+            torch.testing.assert_close(fused_old, separate_old)
+    for fused_metrics, separate_metrics in zip(fused_steps, separate_steps, strict=True):
+        assert fused_metrics.keys() == separate_metrics.keys()
+        for key, value in separate_metrics.items():
+            assert fused_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert not _same(initial, separate_adapter)
+    for name, value in separate_adapter.items():
+        torch.testing.assert_close(fused_adapter[name], value)
+
+
+def test_with_dropout_the_old_logprobs_are_read_in_a_separate_pass(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A training forward pass that drops out is not the old policy's: every row is read
+    without gradient before the first step, be it the adapter's dropout or the model's."""
+    plain = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
+    assert not plain.policy.drops_out
+    groups = _groups(plain, [[0.0, 1.0, 0.5], [1.0, 0.0]])
+    attention_dropout = tmp_path / "attention-dropout"
+    shutil.copytree(tiny_model_path, attention_dropout)
+    config_path = attention_dropout / "config.json"
+    config_path.write_text(
+        json.dumps(json.loads(config_path.read_text()) | {"attention_dropout": 0.1})
+    )
+    for path, model_config in (
+        (tiny_model_path, ModelConfig(lora_dropout=0.1)),
+        (attention_dropout, ModelConfig()),
+    ):
+        trainer = Trainer.load(str(path), model_config=model_config, device="cpu")
+        assert trainer.policy.drops_out
+        plan = trainer.prepare_rl(groups, RLTrainConfig(learning_rate=1e-2))
+        assert not plan.agreement_pending
+        assert all(old is not None for rows in plan.old_logprobs for old in rows)
+        assert plan.summary["logprob_agreement/max_abs_diff"] < 1e-4
+        assert len(list(trainer.run(plan))) == 1
 
 
 def test_train_rl_refuses_a_batch_truncated_to_nothing(tiny_trainer: Trainer) -> None:

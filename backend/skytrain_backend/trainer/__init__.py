@@ -13,6 +13,8 @@ runs alone on CPU (fp32) or CUDA (bf16; Unsloth when importable). Public API::
     plan.summary             # {"groups/skipped_zero_variance", "tokens/trainable",
                              #  "logprob_agreement/mean_abs_diff", "packing/...", ...}
     plan.warning             # None, or why the sampler's logprobs are far from the trainer's
+    plan.agreement_pending   # True until the first step's forward pass has read the old
+                             # logprobs: logprob_agreement/* and warning are known then
     for metrics in trainer.run(plan):  # one optimizer step per iteration
         ...                  # {"loss/policy", "loss/kl", "clip_ratio/low", "clip_ratio/high",
                              #  "ratio/mean", "entropy", "grad_norm", ...}
@@ -33,6 +35,10 @@ runs alone on CPU (fp32) or CUDA (bf16; Unsloth when importable). Public API::
   into the same one after freeing what the step held.
 - ``trainer.step`` is the checkpoint step the adapter is at; it advances by one when a plan has
   been run to its end (even a plan with no steps, when every group had zero reward variance).
+- The old logprobs (the policy's before any update: where the sampler gave none, and for the
+  sampler-vs-trainer agreement) of the first step's rows come from that step's own forward
+  pass, which precedes its update; the later steps' rows are read in a pass without gradient
+  in ``prepare_rl``, as all rows are when the policy drops out or with ``separate_pass=True``.
 - A job is ``num_gradient_steps`` optimizer steps over whole groups (one by default), whatever
   the packing (``Trainer.load(packing=...)``: shared prefixes, packed, or one sequence per row
   as with Unsloth).

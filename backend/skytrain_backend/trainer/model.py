@@ -150,6 +150,23 @@ class Policy:
         """Rows of the input embedding: the token ids this model can read."""
         return int(self.model.get_input_embeddings().num_embeddings)
 
+    @property
+    def drops_out(self) -> bool:
+        """Whether a training forward pass draws dropout masks (the adapter's or the base
+        model's), so that it computes something else than a pass without gradient would."""
+        if any(
+            isinstance(module, torch.nn.modules.dropout._DropoutNd) and module.p > 0
+            for module in self.model.modules()
+        ):
+            return True
+        # Attention dropout is an argument of the attention call, not a module.
+        config: Any = self.model.get_base_model().config
+        return any(
+            isinstance(value, float) and value > 0
+            for name, value in config.to_dict().items()
+            if name.endswith(("dropout", "pdrop"))
+        )
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [parameter for parameter in self.model.parameters() if parameter.requires_grad]
 

@@ -8,12 +8,20 @@ It reads as two calls::
 
 ``prepare_rl`` does the data work up front: advantages, tokenization on the sampler's own
 prompt and sampled ids, the split of the groups into optimizer steps (a property of the job:
-``num_gradient_steps`` steps over whole groups, never of how rows are packed), packing, and one
-pass of the current policy over every trained token without gradient. That pass fills in the
+``num_gradient_steps`` steps over whole groups, never of how rows are packed), and packing, so
+the number of steps and what was skipped are known before the first step. ``run`` performs the
+steps and yields each one's metrics, which the worker streams as events.
+
+Every trained token also needs the current policy's logprob before any update: it fills in the
 logprobs the sampler did not give (or replaces them all, with ``precalculate_logprobs``) and
-measures how far the sampler's logprobs are from the trainer's, so the number of steps, what
-was skipped and whether the trainer sees what the sampler saw are known before the first step.
-``run`` performs the steps and yields each one's metrics, which the worker streams as events.
+measures how far the sampler's logprobs are from the trainer's. The first optimizer step's own
+forward pass reads them for its rows: no update has happened before it (a step accumulates the
+gradient of all its rows, then updates once), so it computes exactly the old policy, and the
+job saves a separate pass over those rows. That holds only when the forward pass is
+deterministic; with dropout (``Policy.drops_out``), or with ``separate_pass=True``,
+``prepare_rl`` reads every row in a pass without gradient, as the rows of the later steps
+always are (the policy has moved by the time they run). Until the first step has read its
+rows, the plan's agreement metrics and warning are not known (``RLPlan.agreement_pending``).
 """
 
 from __future__ import annotations
@@ -89,22 +97,67 @@ PackingKind = Literal["shared_prefixes", "packed", "one_per_row"]
 
 
 @dataclass
+class _Agreement:
+    """Sampler-vs-trainer logprob differences of the rows read so far."""
+
+    differences: list[torch.Tensor] = field(default_factory=list)
+    missing: int = 0
+
+    def add(self, current: torch.Tensor, sampled: torch.Tensor) -> None:
+        known = ~sampled.isnan()
+        self.missing += int((~known).sum())
+        self.differences.append((current[known] - sampled[known]).abs())
+
+    def result(self, dtype: torch.dtype) -> tuple[Metrics, str | None]:
+        """The agreement metrics, and a warning when they are far beyond ``dtype`` noise."""
+        metrics = {"tokens/without_sampling_logprob": float(self.missing)}
+        difference = torch.cat(self.differences) if self.differences else torch.zeros(0)
+        if difference.numel() == 0:
+            return metrics, None
+        mean, largest = float(difference.mean()), float(difference.max())
+        metrics |= {
+            "logprob_agreement/mean_abs_diff": mean,
+            "logprob_agreement/max_abs_diff": largest,
+            "logprob_agreement/num_tokens": float(difference.numel()),
+        }
+        noise = AGREEMENT_NOISE.get(dtype, AGREEMENT_NOISE_HALF)
+        if mean <= noise:
+            return metrics, None
+        return metrics, (
+            f"the trainer's logprobs of the sampled tokens differ from the sampler's by "
+            f"{mean:.3g} nats on average (at most {largest:.3g}, over {difference.numel()} "
+            f"tokens), far beyond {str(dtype).removeprefix('torch.')} noise (~{noise:g}): "
+            "the trainer does not compute what the sampler did (another base model, adapter "
+            "or chat template?), so importance ratios and clipping act on wrong values"
+        )
+
+
+@dataclass
 class RLPlan:
     """An RL job ready to run: the rows of each optimizer step and what is known of them."""
 
     config: RLTrainConfig
     steps: list[Packing]
-    # Per step, per row: the old logprob of each prediction site (N,), sampler's or trainer's.
-    old_logprobs: list[list[torch.Tensor]]
+    # Per step, per row: the old logprob of each prediction site (N,), sampler's or trainer's;
+    # None for a row of the first step until that step's forward pass has read it.
+    old_logprobs: list[list[torch.Tensor | None]]
     summary: Metrics
     base_step: int
     # Set when the sampler's logprobs are far from the trainer's (said in the job's events).
     warning: str | None = None
     started: bool = field(default=False, repr=False)
+    # The differences gathered so far while the first step has rows left to read.
+    _agreement: _Agreement | None = field(default=None, repr=False)
 
     @property
     def num_gradient_steps(self) -> int:
         return len(self.steps)
+
+    @property
+    def agreement_pending(self) -> bool:
+        """True until the first step's forward pass has read the old logprobs of its rows:
+        the ``logprob_agreement/*`` metrics and ``warning`` are known only then."""
+        return self._agreement is not None
 
 
 @dataclass
@@ -125,6 +178,11 @@ class SFTPlan:
     def num_gradient_steps(self) -> int:
         return self.num_steps
 
+    @property
+    def agreement_pending(self) -> bool:
+        """Always False: SFT has no sampler to agree with (the worker treats plans alike)."""
+        return False
+
 
 def _site_sampling_logprobs(packing: Packing, row: PackedRow, device: torch.device) -> torch.Tensor:
     """The sampler's logprob of each prediction site of a row (N,), NaN where unknown."""
@@ -136,6 +194,24 @@ def _site_sampling_logprobs(packing: Packing, row: PackedRow, device: torch.devi
         dtype=torch.float32,
         device=device,
     )
+
+
+def _row_old_logprobs(
+    packing: Packing,
+    row: PackedRow,
+    current: torch.Tensor,
+    config: RLTrainConfig,
+    agreement: _Agreement,
+) -> torch.Tensor:
+    """A row's old logprobs (N,): the sampler's where it gave them (unless
+    ``precalculate_logprobs``), else ``current``, the policy's before any update. The
+    differences between the two go to ``agreement``."""
+    sampled = _site_sampling_logprobs(packing, row, current.device)
+    agreement.add(current, sampled)
+    use_current = torch.ones_like(sampled, dtype=torch.bool)
+    if not config.precalculate_logprobs:
+        use_current = sampled.isnan()
+    return torch.where(use_current, current, sampled)
 
 
 def _site_advantages(
@@ -371,9 +447,20 @@ class Trainer:
 
     # --- RL ----------------------------------------------------------------------------------
 
-    def prepare_rl(self, groups: Sequence[TrajectoryGroup], config: RLTrainConfig) -> RLPlan:
-        """Tokenize, split into steps and pack ``groups``; read the policy's logprobs of every
-        trained token once (no gradient). Raises TrainingError for input it cannot train on."""
+    def prepare_rl(
+        self,
+        groups: Sequence[TrajectoryGroup],
+        config: RLTrainConfig,
+        *,
+        separate_pass: bool = False,
+    ) -> RLPlan:
+        """Tokenize, split into steps and pack ``groups``; read the old logprobs of the rows
+        that the first step's forward pass will not read, without gradient. Raises
+        TrainingError for input it cannot train on.
+
+        The first step reads its own rows' old logprobs unless ``separate_pass`` or the
+        policy drops out: then every row is read here, and the agreement metrics and warning
+        are in the plan at once (``agreement_pending`` is False)."""
         self._check_not_released()
         policy_loss_function(config.loss_fn)  # an unknown loss fails before any work
         try:
@@ -408,66 +495,52 @@ class Trainer:
                 "train on: raise the model's max_seq_length or packed_sequence_length, or send "
                 "shorter trajectories"
             )
+        # Dropout would make the first step's forward pass differ from the old policy's.
+        first_step_reads = bool(steps) and not separate_pass and not self.policy.drops_out
+        agreement = _Agreement()
         with out_of_memory_as_error("computing the old logprobs", self.policy.device):
-            old_logprobs, agreement, warning = self._old_logprobs(steps, config)
+            old_logprobs = self._old_logprobs(
+                steps[1:] if first_step_reads else steps, config, agreement
+            )
         summary = (
             batch.summary
             | merged_stats(packings, row_length=row_length)
-            | agreement
             | {"train/num_gradient_steps": float(len(steps))}
         )
-        return RLPlan(
+        plan = RLPlan(
             config=config,
             steps=steps,
             old_logprobs=old_logprobs,
             summary=summary,
             base_step=self.step,
-            warning=warning,
         )
+        if first_step_reads:
+            plan.old_logprobs.insert(0, [None] * len(steps[0].rows))
+            plan._agreement = agreement
+        else:
+            self._finish_agreement(plan, agreement)
+        return plan
 
     @torch.no_grad()
     def _old_logprobs(
-        self, steps: Sequence[Packing], config: RLTrainConfig
-    ) -> tuple[list[list[torch.Tensor]], Metrics, str | None]:
-        """The old logprob of every trained token, the agreement metrics, and a warning."""
+        self, steps: Sequence[Packing], config: RLTrainConfig, agreement: _Agreement
+    ) -> list[list[torch.Tensor | None]]:
+        """The old logprobs of every row of ``steps``, read in a pass without gradient."""
         self.policy.model.eval()
-        old: list[list[torch.Tensor]] = []
-        differences: list[torch.Tensor] = []
-        missing = 0
+        old: list[list[torch.Tensor | None]] = []
         for packing in steps:
             old.append([])
             for row in packing.rows:
                 current, _ = self.policy.site_logprobs(
                     row, chunk_size=config.logprob_calculation_chunk_size
                 )
-                sampled = _site_sampling_logprobs(packing, row, self.policy.device)
-                known = ~sampled.isnan()
-                missing += int((~known).sum())
-                differences.append((current[known] - sampled[known]).abs())
-                use_current = ~known if not config.precalculate_logprobs else torch.ones_like(known)
-                old[-1].append(torch.where(use_current, current, sampled))
-        difference = torch.cat(differences) if differences else torch.zeros(0)
-        metrics = {"tokens/without_sampling_logprob": float(missing)}
-        if difference.numel() == 0:
-            return old, metrics, None
-        mean, largest = float(difference.mean()), float(difference.max())
-        metrics |= {
-            "logprob_agreement/mean_abs_diff": mean,
-            "logprob_agreement/max_abs_diff": largest,
-            "logprob_agreement/num_tokens": float(difference.numel()),
-        }
-        dtype = self.policy.model.dtype
-        noise = AGREEMENT_NOISE.get(dtype, AGREEMENT_NOISE_HALF)
-        warning = None
-        if mean > noise:
-            warning = (
-                f"the trainer's logprobs of the sampled tokens differ from the sampler's by "
-                f"{mean:.3g} nats on average (at most {largest:.3g}, over {difference.numel()} "
-                f"tokens), far beyond {str(dtype).removeprefix('torch.')} noise (~{noise:g}): "
-                "the trainer does not compute what the sampler did (another base model, adapter "
-                "or chat template?), so importance ratios and clipping act on wrong values"
-            )
-        return old, metrics, warning
+                old[-1].append(_row_old_logprobs(packing, row, current, config, agreement))
+        return old
+
+    def _finish_agreement(self, plan: RLPlan, agreement: _Agreement) -> None:
+        measured, plan.warning = agreement.result(self.policy.model.dtype)
+        plan.summary |= measured
+        plan._agreement = None
 
     def _rl_step(self, plan: RLPlan, index: int) -> Metrics:
         config, packing = plan.config, plan.steps[index]
@@ -479,8 +552,18 @@ class Trainer:
         chunk_size = config.logprob_calculation_chunk_size
         num_tokens = sum(row.num_sites for row in packing.rows)
         totals: defaultdict[str, float] = defaultdict(float)
-        for row, old_logprobs in zip(packing.rows, plan.old_logprobs[index], strict=True):
+        step_old_logprobs = plan.old_logprobs[index]
+        for position, row in enumerate(packing.rows):
             logprobs, entropy = self.policy.site_logprobs(row, chunk_size=chunk_size)
+            old_logprobs = step_old_logprobs[position]
+            if old_logprobs is None:
+                # The first step: no update has happened yet (the step updates once, after all
+                # its rows), so this forward pass computes the old policy's logprobs.
+                assert plan._agreement is not None
+                old_logprobs = _row_old_logprobs(
+                    packing, row, logprobs.detach(), config, plan._agreement
+                )
+                step_old_logprobs[position] = old_logprobs
             advantages, sequence_ids = _site_advantages(packing, row, self.policy.device)
             ratio = importance_ratio(
                 logprobs, old_logprobs, sequence_ids, level=config.importance_sampling_level
@@ -510,6 +593,8 @@ class Trainer:
             totals["clip_ratio/high"] += float(high.sum())
             totals["entropy"] += float(entropy.sum())
             totals["ratio/mean"] += float(ratio.detach().sum())
+        if plan._agreement is not None:
+            self._finish_agreement(plan, plan._agreement)
         grad_norm = self._optimizer_step(
             learning_rate=config.learning_rate,
             weight_decay=config.weight_decay,

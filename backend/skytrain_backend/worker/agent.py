@@ -13,7 +13,10 @@ the two never hold the GPU at once:
 1. tell the control plane the worker is ``sleeping`` (it stops routing requests here and
    answers 503 with ``Retry-After``), then put the engine to sleep, letting the requests in
    flight finish (``/sleep?mode=wait``), not aborting them;
-2. load the trainer onto the memory the engine freed, train, save the checkpoint;
+2. load the trainer onto the memory the engine freed, train, save the checkpoint (the job's
+   ``training_started`` event carries the sampler-vs-trainer agreement, so it goes once the
+   first step's forward pass has measured it: after that step, or before it when the plan
+   measured it already);
 3. free the trainer's memory and empty the CUDA cache (vLLM's wake-up maps all of its
    memory again), then wake the engine;
 4. load the new adapter from local disk (and check that the engine generates with it) while
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import shutil
@@ -107,6 +111,7 @@ class _RunningJob:
     started_at: float = field(default_factory=time.time)
     cancelled: bool = False
     lease_lost: bool = False
+    started_reported: bool = False  # its training_started event was sent
     # The job's trainer while it holds memory; freed (or cached) when the job ends.
     trainer: Trainer | None = None
     # The trainer freed after a failure, whose events the failure's timeline reports.
@@ -476,40 +481,41 @@ class WorkerAgent:
         started = time.monotonic()
         # Parsing, tokenizing and packing a large batch takes a while: all off the event loop.
         plan: RLPlan | SFTPlan
-        if job.kind == "sft":
-            trajectories = await asyncio.to_thread(_read_batch, batch_path, Trajectory)
-            sft_config = SFTTrainConfig.model_validate(job.config or {})
-            plan = await asyncio.to_thread(trainer.prepare_sft, trajectories, sft_config)
-            num_trajectories = len(trajectories)
-        else:
-            groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
-            rl_config = RLTrainConfig.model_validate(job.config or {})
-            plan = await asyncio.to_thread(trainer.prepare_rl, groups, rl_config)
-            num_trajectories = sum(len(g.trajectories) for g in groups)
-        if plan.warning:
-            logger.warning("job %s: %s", running.id, plan.warning)
-        await self._cp.event(
-            running.id,
-            attempt=running.attempt,
-            type="training_started",
-            data={
-                "num_sequences": plan.num_gradient_steps,
-                "num_gradient_steps": plan.num_gradient_steps,
-                "num_trajectories": num_trajectories,
-                "attempt": running.attempt,
-                "step": step,
-                **_agreement(plan.summary),
-                **({"warning": plan.warning} if plan.warning else {}),
-            },
+        with _timed(times, "prepare"):
+            if job.kind == "sft":
+                trajectories = await asyncio.to_thread(_read_batch, batch_path, Trajectory)
+                sft_config = SFTTrainConfig.model_validate(job.config or {})
+                plan = await asyncio.to_thread(trainer.prepare_sft, trajectories, sft_config)
+                num_trajectories = len(trajectories)
+            else:
+                groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
+                rl_config = RLTrainConfig.model_validate(job.config or {})
+                plan = await asyncio.to_thread(trainer.prepare_rl, groups, rl_config)
+                num_trajectories = sum(len(g.trajectories) for g in groups)
+        # training_started carries the sampler-vs-trainer agreement: sent now when the plan has
+        # it, else once the first step (whose forward pass measures it) is done.
+        report_started = functools.partial(
+            self._report_started, running, plan, step=step, num_trajectories=num_trajectories
         )
         step_metrics: list[dict[str, float]] = []
         iterator: Iterator[dict[str, float]] = trainer.run(plan)
-        while (metrics := await asyncio.to_thread(next, iterator, None)) is not None:
-            self._check(running)
-            step_metrics.append(metrics)
-            await self._cp.event(
-                running.id, attempt=running.attempt, type="gradient_step", data=metrics
-            )
+        with _timed(times, "steps"):
+            try:
+                if not plan.agreement_pending:
+                    await report_started()
+                while (metrics := await asyncio.to_thread(next, iterator, None)) is not None:
+                    await report_started()
+                    self._check(running)
+                    step_metrics.append(metrics)
+                    await self._cp.event(
+                        running.id, attempt=running.attempt, type="gradient_step", data=metrics
+                    )
+            except Exception:
+                # A job that fails in its first step has started all the same (without the
+                # agreement when it failed before its forward pass measured it).
+                with contextlib.suppress(Exception):
+                    await report_started()
+                raise
         self._check(running)
 
         checkpoint_dir = self._options.work_dir / "checkpoints" / model_id / str(step)
@@ -547,6 +553,30 @@ class WorkerAgent:
             self._trainers.pop(model_id, None)
             raise
         logger.info("job %s committed step %d of model %s", running.id, step, model_id)
+
+    async def _report_started(
+        self, running: _RunningJob, plan: RLPlan | SFTPlan, *, step: int, num_trajectories: int
+    ) -> None:
+        """Send the job's ``training_started`` event, once."""
+        if running.started_reported:
+            return
+        running.started_reported = True
+        if plan.warning:
+            logger.warning("job %s: %s", running.id, plan.warning)
+        await self._cp.event(
+            running.id,
+            attempt=running.attempt,
+            type="training_started",
+            data={
+                "num_sequences": plan.num_gradient_steps,
+                "num_gradient_steps": plan.num_gradient_steps,
+                "num_trajectories": num_trajectories,
+                "attempt": running.attempt,
+                "step": step,
+                **_agreement(plan.summary),
+                **({"warning": plan.warning} if plan.warning else {}),
+            },
+        )
 
     async def _load_new_step(
         self, key: tuple[str, int], directory: Path, times: dict[str, float]
