@@ -116,7 +116,8 @@ class Settings(BaseSettings):
         default=32,
         gt=0,
         description="Long-polls (a job's events followed with wait_s > 0) a tenant may have "
-        "waiting at once in one control-plane process before 429.",
+        "waiting at once in one control-plane process; past them a follow is answered at once, "
+        "without waiting.",
     )
     gateway_counted_max_tokens: int = Field(
         default=2048,

@@ -8,8 +8,10 @@ shutting down (``Notifier.close_threadsafe``) answers every long-poll at once.
 
 A hostile tenant could still park thousands of long-polls on one job of its own: each event
 would wake them all, and their checks would fill the thread pool every other request needs.
-So each tenant has at most ``max_waiting_polls`` waiting in a process (``Waiting``; over it,
-429), and the checks run under a limiter of their own (``CHECK_THREADS``), not the pool's.
+So each tenant has at most ``max_waiting_polls`` waiting in a process (``Waiting``; past it, a
+request is answered at once, as without ``wait_s``, which every client's loop copes with), and
+the checks of waiting requests run under a limiter of their own (``CHECK_THREADS``), not the
+pool's.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ import anyio
 from starlette.requests import Request
 
 from skytrain_backend.db.notify import Notifier
-from skytrain_backend.errors import RateLimited
 
 T = TypeVar("T")
+
+# Set on an answer given at once although the request asked to wait (why, in words).
+WAIT_REFUSED_HEADER = "X-Skytrain-Wait-Refused"
 
 # Long-poll checks running at once, per process: a notification waking many long-polls queues
 # their checks here instead of taking the threads the routes share.
@@ -40,22 +44,16 @@ class Waiting:
         self._by_tenant: Counter[str] = Counter()
         self.checks = anyio.CapacityLimiter(CHECK_THREADS)
 
-    def count(self, tenant_id: str) -> int:
-        return self._by_tenant[tenant_id]
-
     @contextlib.contextmanager
-    def hold(self, tenant_id: str, *, limit: int) -> Iterator[None]:
-        """Count one long-poll of the tenant's in while the block runs; ``RateLimited`` if
-        ``limit`` of them are waiting already."""
+    def hold(self, tenant_id: str, *, limit: int) -> Iterator[bool]:
+        """Count one long-poll of the tenant's in while the block runs, unless ``limit`` of
+        them are waiting already; yields whether it was counted (may wait)."""
         if self._by_tenant[tenant_id] >= limit:
-            raise RateLimited(
-                f"{limit} long-polls of yours are waiting already, the most allowed at once "
-                "(SKYTRAIN_TENANT_MAX_WAITING_POLLS, or your tenant's max_waiting_polls): "
-                "follow fewer jobs at once, or ask without wait_s"
-            )
+            yield False
+            return
         self._by_tenant[tenant_id] += 1
         try:
-            yield
+            yield True
         finally:
             self._by_tenant[tenant_id] -= 1
             if not self._by_tenant[tenant_id]:

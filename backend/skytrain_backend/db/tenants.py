@@ -5,7 +5,7 @@
 | ``max_concurrent_requests`` | ``SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS`` | inference requests in flight | 429 |
 | ``max_sequences_in_flight`` | ``SKYTRAIN_TENANT_MAX_SEQUENCES_IN_FLIGHT`` | their sequences (n x prompts) | 429 |
 | ``max_tokens_in_flight`` | ``SKYTRAIN_TENANT_MAX_TOKENS_IN_FLIGHT`` | body bytes + n x max_tokens | 429 |
-| ``max_waiting_polls`` | ``SKYTRAIN_TENANT_MAX_WAITING_POLLS`` | long-polls waiting, per process | 429 |
+| ``max_waiting_polls`` | ``SKYTRAIN_TENANT_MAX_WAITING_POLLS`` | long-polls waiting, per process | answered at once |
 | ``max_models`` | ``SKYTRAIN_TENANT_MAX_MODELS`` | models owned | 403 on create |
 | ``max_placed_models`` | ``SKYTRAIN_TENANT_MAX_PLACED_MODELS`` | models placed on workers | waits; 429 |
 | ``max_workers`` | ``SKYTRAIN_TENANT_MAX_WORKERS`` | workers holding its models | waits; 429 |

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -31,7 +31,7 @@ from skytrain_backend.api.deps import (
     WaitingDep,
     WaitS,
 )
-from skytrain_backend.api.longpoll import long_poll
+from skytrain_backend.api.longpoll import WAIT_REFUSED_HEADER, long_poll
 from skytrain_backend.api.routes.files import read_uploaded_file
 from skytrain_backend.api.schemas import (
     SFTTrainingJobCreate,
@@ -302,6 +302,7 @@ def cancel_training_job(job_id: JobId, session: SessionDep, tenant: TenantDep) -
 async def list_training_job_events(
     job_id: JobId,
     request: Request,
+    response: Response,
     session: SessionDep,
     tenant: TenantDep,
     notifier: NotifierDep,
@@ -314,7 +315,8 @@ async def list_training_job_events(
     """Events in order; pass the last event's id as ``after`` to follow a job, and ``wait_s``
     to have the answer wait for the next event (an empty page means none came within
     ``wait_s``, or the job ended). A tenant has at most ``max_waiting_polls`` such waits at
-    once (429 over it)."""
+    once: past them, the answer comes at once, with the ``X-Skytrain-Wait-Refused`` header
+    saying why."""
     job = await run_in_threadpool(jobs.get_job, session, tenant_id=tenant.id, job_id=job_id)
     job_key, tenant_id = job.id, tenant.id
     wait_limit = limits_of(tenant, settings).max_waiting_polls
@@ -342,15 +344,22 @@ async def list_training_job_events(
         finally:
             session.rollback()
 
-    holding = waiting.hold(tenant_id, limit=wait_limit) if wait_s > 0 else contextlib.nullcontext()
-    with holding:
+    holding = (
+        waiting.hold(tenant_id, limit=wait_limit) if wait_s > 0 else contextlib.nullcontext(False)
+    )
+    with holding as may_wait:
+        if wait_s > 0 and not may_wait:
+            response.headers[WAIT_REFUSED_HEADER] = (
+                f"{wait_limit} long-polls of yours are waiting already (max_waiting_polls): "
+                "answered without waiting"
+            )
         found = await long_poll(
             request,
             notifier,
             page,
             channel=notify.EVENTS,
             key=job_key,
-            wait_s=wait_s,
-            checks=waiting.checks,
+            wait_s=wait_s if may_wait else 0.0,
+            checks=waiting.checks if may_wait else None,
         )
     return found or TrainingJobEventsPublic(data=[], has_more=False)
