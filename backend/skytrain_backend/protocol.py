@@ -40,7 +40,10 @@ from skytrain_backend.ranges import (
 )
 
 TOKEN_ID_PREFIX = "token_id:"
-_TOKEN_ID_RE = re.compile(r"^token_id:(\d+)$")
+# A token id has at most 20 digits (ids are 64-bit): longer digit strings are not ids, and
+# would cost int() quadratic time (or a ValueError past Python's 4,300-digit limit).
+MAX_TOKEN_ID_DIGITS = 20
+_TOKEN_ID_RE = re.compile(rf"^token_id:(\d{{1,{MAX_TOKEN_ID_DIGITS}}})$")
 
 EventType = Literal[
     "training_started", "gradient_step", "job_timeline", "training_ended", "training_failed"
@@ -194,7 +197,12 @@ def token_id_digits(tokens: Sequence[str]) -> list[str] | None:
     joined = "," + ",".join(tokens)
     if joined.count(",") == len(tokens):
         digits = joined.split("," + TOKEN_ID_PREFIX)[1:]
-        if len(digits) == len(tokens) and all(digits) and "".join(digits).isdecimal():
+        if (
+            len(digits) == len(tokens)
+            and all(digits)
+            and max(map(len, digits)) <= MAX_TOKEN_ID_DIGITS
+            and "".join(digits).isdecimal()
+        ):
             return digits
     found = []
     for token in tokens:  # one at a time: the pattern also takes a final newline

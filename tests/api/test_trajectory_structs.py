@@ -348,6 +348,9 @@ def test_trainability_rules_agree_on_structs_and_models(name: str, allow: bool) 
         (["token_id:1", "4"], None),
         (["token_id:1token_id:2"], None),
         (["token_id:1", ",token_id:2"], None),
+        (["token_id:" + "9" * 20], ["9" * 20]),
+        (["token_id:" + "1" * 21], None),  # longer than a 64-bit id: not an id
+        (["token_id:" + "1" * 5000, "token_id:1"], None),  # past int()'s digit limit
         ([], []),
     ],
 )

@@ -215,6 +215,22 @@ def test_choices_without_logprobs_are_refused_unless_allowed(
     assert allowed.status_code == 201
 
 
+def test_a_token_id_too_long_to_be_one_is_refused_not_crashed(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    hostile = group()
+    content = hostile["trajectories"][0]["messages_and_choices"][-1]["logprobs"]["content"]
+    content[0]["token"] = "token_id:" + "1" * 5000  # int() refuses more than 4,300 digits
+    body = {"model_id": model_id, "trajectory_groups": [hostile]}
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post("/v1/training-jobs", json=body),
+        400,
+        "trajectory 0 of group 0",
+    )
+
+
 @pytest.mark.parametrize(
     ("extra", "fragment"),
     [
