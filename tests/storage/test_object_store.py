@@ -189,6 +189,8 @@ def test_an_aborted_stream_leaves_nothing(store: ObjectStore) -> None:
     assert not store.exists("streams/dropped.jsonl")
     assert store.list("streams/") == []
     assert _pending_uploads(store) == [] and _leftovers(store) == []
+    if isinstance(store, LocalObjectStore):  # nor the directory made for it
+        assert not (store.root / "streams").exists()
 
 
 @pytest.mark.s3

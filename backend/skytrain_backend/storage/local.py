@@ -7,6 +7,7 @@ listing ignores.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -76,7 +77,9 @@ class LocalObjectStore(ObjectStore):
             fd, temp_name = tempfile.mkstemp(dir=path.parent, prefix=_TEMP_PREFIX)
         except OSError as exc:
             raise StorageError(f"could not write object {key!r} under {self.root}: {exc}") from exc
-        return _LocalWriter(key, path, Path(temp_name), os.fdopen(fd, "wb"))
+        return _LocalWriter(
+            key, path, Path(temp_name), os.fdopen(fd, "wb"), prune=self._prune_empty_dirs
+        )
 
     def get_bytes(self, key: str) -> bytes:
         return self._existing(key).read_bytes()
@@ -145,8 +148,11 @@ class LocalObjectStore(ObjectStore):
 class _LocalWriter(ObjectWriter):
     """Writes a temporary file beside the object and renames it into place on commit."""
 
-    def __init__(self, key: str, path: Path, temp: Path, out: IO[bytes]) -> None:
+    def __init__(
+        self, key: str, path: Path, temp: Path, out: IO[bytes], *, prune: Callable[[Path], None]
+    ) -> None:
         self._key, self._path, self._temp, self._out = key, path, temp, out
+        self._prune = prune
         self._done = False
 
     def write(self, data: bytes) -> None:
@@ -164,7 +170,13 @@ class _LocalWriter(ObjectWriter):
         self._done = True
 
     def abort(self) -> None:
+        """Remove what was written, and the directories made for it if nothing else is there.
+        Never raises: it runs while another error is on its way to the client."""
         if self._done:
             return
-        self._out.close()
-        self._temp.unlink(missing_ok=True)
+        self._done = True
+        with contextlib.suppress(OSError):  # a flush failing on a full disk, say
+            self._out.close()
+        with contextlib.suppress(OSError):
+            self._temp.unlink(missing_ok=True)
+        self._prune(self._path.parent)
