@@ -77,6 +77,7 @@ def _fill(batch: ingest.Batch, *, parts: float) -> list[bytes]:
     return lines
 
 
+@ON_EVERY_BACKEND
 def test_a_batch_streamed_in_parts_is_stored_whole(
     db_sessions: sessionmaker[Session], object_store: ObjectStore
 ) -> None:
@@ -96,6 +97,7 @@ def test_a_batch_streamed_in_parts_is_stored_whole(
     assert _pending_uploads(object_store) == []
 
 
+@ON_EVERY_BACKEND
 def test_a_batch_refused_midway_leaves_no_object_and_no_parts(object_store: ObjectStore) -> None:
     key = f"tests/{new_id()}.jsonl"
     batch = ingest.Batch(limit=1_000_000)
