@@ -6,8 +6,17 @@
 #
 # Usage: scripts/gpu-check.sh [extra pytest arguments]
 #   OUT=<dir>                where the report goes (default /tmp/gpu-check)
-#   SKYTRAIN_GPU_WHEELS=<dir> wheels to install from without an index (pip --find-links)
+#   SKYTRAIN_GPU_WHEELS=<dir> a machine without an index: every wheel in <dir> is installed
+#                            as it is (--no-deps), then skytrain itself; see below
 #   PYTHON=<python>          the interpreter whose torch / vLLM to use (default python3)
+#
+# A machine that reaches no index (a lent GPU box) gets the server's dependencies as wheels for
+# its Python, fetched where pip works, e.g. for Python 3.12 on x86-64:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d wheels \
+#     -r <(grep -iE '^(fastapi|starlette|sqlalchemy|...)==' scripts/constraints.txt)
+# naming the [server] extra's packages and pytest-asyncio / pytest-timeout, minus what the
+# machine has (torch, transformers, peft...).
 #
 # It uses the machine's own torch and vLLM (a vLLM image has both): a virtual environment
 # that sees the system's packages gets skytrain from this checkout, with everything already
@@ -44,14 +53,20 @@ EOF
 echo "==> skytrain into $VENV (the system's torch and vLLM kept)"
 if [ ! -x "$VENV/bin/python" ]; then
     "$PYTHON" -m venv --system-site-packages "$VENV"
+    # When $PYTHON is itself a virtual environment's (an image's /opt/.../.venv), the system's
+    # packages are that environment's, which --system-site-packages alone does not reach.
+    "$PYTHON" -c 'import site; print("\n".join(site.getsitepackages()))' \
+        >"$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/_image.pth"
 fi
 "$PYTHON" -m pip list --format=freeze > "$OUT/system-pins.txt"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 INDEX=()
 if [ -n "${SKYTRAIN_GPU_WHEELS:-}" ]; then
     INDEX=(--no-index --find-links "$SKYTRAIN_GPU_WHEELS")
-fi
-if ! "${PIP[@]}" install "${INDEX[@]}" --constraint "$OUT/system-pins.txt" -e ".[dev]" \
+    "${PIP[@]}" install --no-index --no-deps "$SKYTRAIN_GPU_WHEELS"/*.whl >"$OUT/pip.log" 2>&1
+    # No index, so no build backend to install the checkout with: it is imported from here.
+    export PYTHONPATH="$PWD/backend:$PWD/client${PYTHONPATH:+:$PYTHONPATH}"
+elif ! "${PIP[@]}" install --constraint "$OUT/system-pins.txt" -e ".[dev]" \
     >"$OUT/pip.log" 2>&1; then
     echo "installing skytrain's dependencies failed (see $OUT/pip.log); skytrain alone:"
     "${PIP[@]}" install --no-deps -e . >>"$OUT/pip.log" 2>&1

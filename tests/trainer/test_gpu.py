@@ -65,6 +65,58 @@ def test_cuda_training_step_in_bf16_saves_a_loadable_checkpoint(
     assert resumed.events[0]["event"] == "loaded"
 
 
+@pytest.mark.parametrize("gradient_checkpointing", [False, True])
+def test_on_cuda_the_first_steps_own_pass_reads_the_old_logprobs_within_bf16_noise(
+    tiny_model_path: Path, gradient_checkpointing: bool
+) -> None:
+    """On CUDA the first step's forward runs in bf16 with gradients (and, with checkpointing,
+    again in the backward pass): its old logprobs and agreement figures match a separate no-grad
+    pass within bf16 noise, and both give the same first update."""
+    model_config = ModelConfig(gradient_checkpointing=gradient_checkpointing)
+    config = RLTrainConfig(learning_rate=1e-2, num_gradient_steps=2)
+    results = []
+    for separate_pass in (True, False):
+        trainer = Trainer.load(str(tiny_model_path), model_config=model_config)
+        assert trainer.policy.device.type == "cuda"
+        groups = [_group(trainer, seed=seed) for seed in range(3)]
+        plan = trainer.prepare_rl(groups, config, separate_pass=separate_pass)
+        assert plan.agreement_pending is not separate_pass
+        steps = list(trainer.run(plan))
+        adapter = [p.detach().float().clone() for p in trainer.policy.trainable_parameters()]
+        results.append((plan, steps, adapter))
+    (separate, separate_steps, separate_adapter), (fused, fused_steps, fused_adapter) = results
+
+    old_diff = max(
+        float((f.float() - s.float()).abs().max())
+        for f_rows, s_rows in zip(fused.old_logprobs, separate.old_logprobs, strict=True)
+        for f, s in zip(f_rows, s_rows, strict=True)
+        if f is not None and s is not None
+    )
+    summary_diff = {
+        key: abs(fused.summary[key] - value)
+        for key, value in separate.summary.items()
+        if key.startswith("logprob_agreement/")
+    }
+    loss_diff = [
+        abs(f["loss/policy"] - s["loss/policy"])
+        for f, s in zip(fused_steps, separate_steps, strict=True)
+    ]
+    adapter_diff = max(
+        float((f - s).abs().max()) for f, s in zip(fused_adapter, separate_adapter, strict=True)
+    )
+    print(
+        f"CUDA bf16, checkpointing={gradient_checkpointing}: old logprobs max diff {old_diff:.2e}; "
+        f"summary diffs {summary_diff}; loss diffs {loss_diff}; adapter max diff {adapter_diff:.2e}"
+    )
+    assert fused.summary.keys() == separate.summary.keys()
+    assert summary_diff
+    assert fused.warning is None and separate.warning is None
+    assert old_diff < 0.05  # bf16 logits: a few hundredths of a nat at most
+    assert summary_diff["logprob_agreement/max_abs_diff"] < 0.05
+    assert all(d < 0.05 for d in loss_diff)
+    assert adapter_diff < 1e-2  # two Adam steps of lr 1e-2 from the same start
+
+
 def test_release_gives_the_gpu_memory_back(tiny_model_path: Path, tmp_path: Path) -> None:
     before = torch.cuda.memory_allocated()
     trainer = Trainer.load(str(tiny_model_path), model_config=ModelConfig())
@@ -87,11 +139,12 @@ def test_a_step_past_the_gpus_real_limit_is_an_out_of_memory_error_and_frees_it(
         model_config=ModelConfig(max_seq_length=4096),
         activation_memory_limit_bytes=1 << 40,  # the estimate lets it through: CUDA decides
     )
+    long_group = _group(trainer, max_new_tokens=1024)  # sampled before the cap
+    torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(0).total_memory
     cap = torch.cuda.memory_reserved() + 64 * 1024 * 1024
     torch.cuda.set_per_process_memory_fraction(cap / total)
     try:
-        long_group = _group(trainer, max_new_tokens=1024)
         config = RLTrainConfig(learning_rate=1e-3, logprob_calculation_chunk_size=4096)
         # The step runs out (its forward pass also reads the old logprobs).
         with pytest.raises(OutOfMemory, match="out of memory while"):
@@ -103,11 +156,11 @@ def test_a_step_past_the_gpus_real_limit_is_an_out_of_memory_error_and_frees_it(
         torch.cuda.set_per_process_memory_fraction(1.0)
 
 
-def _group(trainer: Trainer, *, max_new_tokens: int = 8) -> TrajectoryGroup:
+def _group(trainer: Trainer, *, max_new_tokens: int = 8, seed: int = 0) -> TrajectoryGroup:
     policy = trainer.policy
     prompt = [{"role": "user", "content": "Name a color."}]
     choices = sample_choices(
-        policy.model, policy.tokenizer, prompt, n=4, max_new_tokens=max_new_tokens, seed=0
+        policy.model, policy.tokenizer, prompt, n=4, max_new_tokens=max_new_tokens, seed=seed
     )
     return TrajectoryGroup.model_validate(
         {
