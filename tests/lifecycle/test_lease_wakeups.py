@@ -53,6 +53,99 @@ def test_a_job_queued_while_a_worker_waits_is_leased_at_its_notification(
     assert counts[f"checks/{notify.JOBS}"] == 1 + counts["woken_by_notification"]
 
 
+def test_a_job_wakes_only_the_worker_its_model_is_placed_on(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_app: FastAPI,
+) -> None:
+    """Two workers wait; a job of a model on the first wakes the first alone: the second's
+    request stays parked and runs no claim query, until a job of its own model comes."""
+    notifier: notify.Notifier = lifecycle_app.state.notifier
+    alice = who()
+    first_model, second_model = (str(alice.create_model()["id"]) for _ in range(2))
+    first, second = worker_client(first_model), worker_client(second_model)
+    with ThreadPoolExecutor(2) as pool:
+        second_leasing = pool.submit(
+            second.http.post, "/jobs/lease", params={"wait_s": LEASE_WAIT_S}, json={}
+        )
+        wait_until(lambda: notifier.parked == 1, what="the second worker's request to wait")
+        first_leasing = pool.submit(
+            first.http.post, "/jobs/lease", params={"wait_s": LEASE_WAIT_S}, json={}
+        )
+        wait_until(lambda: notifier.parked == 2, what="both requests to wait")
+        before = Counter(notifier.counts)
+        first_job = alice.http.post(
+            "/v1/training-jobs", json={"model_id": first_model, "trajectory_groups": [group()]}
+        ).json()["id"]
+        assert first_leasing.result().json()["job"]["id"] == first_job
+        counts = notifier.counts - before
+        # One claim: the first worker's, at its wake-up; the second was not woken.
+        assert counts["woken_by_notification"] == 1
+        assert counts[f"checks/{notify.JOBS}"] == 1
+        assert not second_leasing.done() and notifier.parked == 1
+
+        second_job = alice.http.post(
+            "/v1/training-jobs", json={"model_id": second_model, "trajectory_groups": [group()]}
+        ).json()["id"]
+        assert second_leasing.result().json()["job"]["id"] == second_job
+    assert (notifier.counts - before)["woken_by_timeout"] == 0
+
+
+async def test_a_job_claimed_for_a_worker_that_hung_up_goes_back_to_the_queue_uncounted(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_app: FastAPI,
+) -> None:
+    """The worker hangs up while its lease request claims a job: nobody will read the answer,
+    so the job is queued again at once with that attempt uncounted, not held until its lease
+    expires (which would also use up one of its attempts)."""
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    job_id = alice.http.post(
+        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+    ).json()["id"]
+
+    # The app called as its server would: the request's body, then the client hangs up
+    # (which the long-poll sees before the claim it runs in a thread returns).
+    messages = [{"type": "http.request", "body": b"{}", "more_body": False}]
+
+    async def receive() -> dict[str, object]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    sent: list[dict[str, object]] = []
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/worker/jobs/lease",
+        "raw_path": b"/v1/worker/jobs/lease",
+        "query_string": f"wait_s={LEASE_WAIT_S}".encode(),
+        "headers": [
+            (b"host", b"control-plane"),
+            (b"content-type", b"application/json"),
+            (b"authorization", worker.http.headers["Authorization"].encode()),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("control-plane", 80),
+        "root_path": "",
+    }
+    await asyncio.wait_for(lifecycle_app(scope, receive, send), 60)
+
+    assert sent[0]["status"] == 204  # what nobody reads: "no job"
+    job = alice.http.get(f"/v1/training-jobs/{job_id}").json()
+    assert job["status"] == "queued"
+    # Leased again at once, as its first attempt.
+    leased = worker.http.post("/jobs/lease", json={}).json()["job"]
+    assert (leased["id"], leased["attempt"]) == (job_id, 1)
+
+
 def test_a_lease_request_without_wait_answers_at_once_and_out_of_range_waits_are_refused(
     who: Callable[[], Who], worker_client: Callable[..., WorkerClient]
 ) -> None:

@@ -3,7 +3,8 @@
 The answer is always a query's (``check``, run in the thread pool); a notification
 (``db.notify``) only says when to run it again. Nothing is held while waiting: no session
 transaction, no database connection, no thread. A client that hangs up ends the wait, so
-nothing is handed to a request nobody reads any more (a worker's lease above all). A server
+nothing is handed to a request nobody reads any more (a worker's lease above all); what a
+check claimed while the client was hanging up is handed back (``release``). A server
 shutting down (``Notifier.close_threadsafe``) answers every long-poll at once.
 
 A hostile tenant could still park thousands of long-polls on one job of its own: each event
@@ -69,10 +70,12 @@ async def long_poll(
     key: str | None = None,
     wait_s: float,
     checks: anyio.CapacityLimiter | None = None,
+    release: Callable[[T], None] | None = None,
 ) -> T | None:
     """``check()``'s first answer that is not None, checking again at every notification of
     ``channel`` (and ``key``) and once more when ``wait_s`` runs out; None then. ``check``
-    runs in a thread, under ``checks`` when given (else the pool's own limiter)."""
+    runs in a thread, under ``checks`` when given (else the pool's own limiter). An answer
+    found once the client has hung up is given to ``release`` (in a thread) instead."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     hung_up = asyncio.ensure_future(_hung_up(request)) if wait_s > 0 else None
@@ -82,6 +85,10 @@ async def long_poll(
             ticket = notifier.ticket(channel, key)
             notifier.counts[f"checks/{channel}"] += 1
             found = await anyio.to_thread.run_sync(check, limiter=checks)
+            if found is not None and release is not None and hung_up is not None and hung_up.done():
+                # Claimed for a request nobody reads any more: give it back.
+                await anyio.to_thread.run_sync(release, found, limiter=checks)
+                return None
             remaining = deadline - loop.time()
             if found is not None or remaining <= 0 or notifier.closing:
                 return found

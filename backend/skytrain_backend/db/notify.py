@@ -17,9 +17,11 @@ and wakes every waiter once it is back (what was sent meanwhile is lost).
 
 What counts as a change, from the rows a session flushes:
 
-- ``JOBS`` (no key): a training job inserted or its status changed (a job queued or
-  requeued; a running one ended, which frees its model's next job), or a model placed on
-  another worker;
+- ``JOBS`` keyed by worker id: a training job inserted or its status changed (a job queued
+  or requeued; a running one ended, which frees its model's next job), keyed by the worker
+  its model is placed on; or a model placed on a worker, keyed by that worker. Only that
+  worker's lease requests wake: a job of a model placed nowhere wakes none (no worker can
+  lease it until the scheduler places the model, which is the wake-up);
 - ``EVENTS`` keyed by job id: an event recorded for the job, or its status changed (a
   cancelled queued job ends without an event).
 """
@@ -34,9 +36,10 @@ import socket
 from collections import Counter
 from typing import Any
 
-from sqlalchemy import event, inspect, text
+from sqlalchemy import event, inspect, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, UOWTransaction, sessionmaker
+from sqlalchemy.orm.util import identity_key
 
 from skytrain_backend.db.models import Model, TrainingJob, TrainingJobEvent
 
@@ -60,17 +63,45 @@ Wake = tuple[str, str | None]
 def changes(session: Session) -> set[Wake]:
     """The wake-ups the session's pending flush stands for."""
     found: set[Wake] = set()
+    changed_jobs: list[TrainingJob] = []
     for row in session.new:
         if isinstance(row, TrainingJob):
-            found.add((JOBS, None))
+            changed_jobs.append(row)
         elif isinstance(row, TrainingJobEvent):
             found.add((EVENTS, row.job_id))
     for row in session.dirty:
         if isinstance(row, TrainingJob) and inspect(row).attrs.status.history.has_changes():
-            found.update({(JOBS, None), (EVENTS, row.id)})
-        elif isinstance(row, Model) and inspect(row).attrs.worker_id.history.has_changes():
-            found.add((JOBS, None))
+            changed_jobs.append(row)
+            found.add((EVENTS, row.id))
+        elif (
+            isinstance(row, Model)
+            and row.worker_id is not None
+            and inspect(row).attrs.worker_id.history.has_changes()
+        ):
+            found.add((JOBS, row.worker_id))
+    model_ids = {job.model_id for job in changed_jobs}
+    if model_ids:
+        found.update((JOBS, worker_id) for worker_id in _workers_of(session, model_ids))
     return found
+
+
+def _workers_of(session: Session, model_ids: set[str]) -> set[str]:
+    """The workers the models are placed on (models already loaded cost no query)."""
+    workers: set[str] = set()
+    unloaded: set[str] = set()
+    for model_id in model_ids:
+        model = session.identity_map.get(identity_key(Model, model_id))
+        if model is None:
+            unloaded.add(model_id)
+        elif model.worker_id is not None:
+            workers.add(model.worker_id)
+    if unloaded:
+        workers.update(
+            worker_id
+            for worker_id in session.scalars(select(Model.worker_id).where(Model.id.in_(unloaded)))
+            if worker_id is not None
+        )
+    return workers
 
 
 class Notifier:
@@ -153,8 +184,8 @@ class Notifier:
     # --- waking --------------------------------------------------------------------------------
 
     def _wake(self, channel: str, key: str | None) -> None:
-        """On the event loop: set the tickets of ``channel`` (all of them for key None on
-        JOBS; the key's and the channel-wide one otherwise)."""
+        """On the event loop: set the tickets of ``channel`` with ``key`` and the channel-wide
+        one (key None)."""
         self.counts[f"notified/{channel}"] += 1
         for wake in ((channel, key), (channel, None)):
             ticket = self._tickets.pop(wake, None)

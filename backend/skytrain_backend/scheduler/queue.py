@@ -117,6 +117,26 @@ def leased_job(session: Session, *, worker: Worker, job_id: str, attempt: int) -
     return job
 
 
+def unlease(session: Session, *, worker_id: str, job_id: str, attempt: int) -> None:
+    """Hand back a job leased as ``attempt`` to a worker that hung up before it got the
+    answer: queued again, that attempt uncounted, as if never leased (a job no longer held
+    that way is left alone)."""
+    job = session.scalar(select(TrainingJob).where(TrainingJob.id == job_id).with_for_update())
+    if (
+        job is None
+        or job.status != "running"
+        or job.worker_id != worker_id
+        or job.attempts != attempt
+    ):
+        session.rollback()
+        return
+    _requeue(job)
+    job.attempts -= 1
+    if job.attempts == 0:
+        job.started_at = None  # the tenant's turn is not used up by a lease nobody received
+    session.commit()
+
+
 def renew_lease(
     session: Session, *, worker: Worker, job_id: str, attempt: int, lease_s: float
 ) -> TrainingJob:

@@ -28,6 +28,7 @@ from skytrain_backend.api.routes.worker import WorkerDep
 from skytrain_backend.db import notify
 from skytrain_backend.db.models import Model, Worker
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler import tinker as runs
 from skytrain_backend.storage import keys
 
@@ -90,7 +91,23 @@ async def lease(
         finally:
             session.rollback()
 
-    run = await long_poll(request, notifier, claim, channel=notify.JOBS, wait_s=wait_s)
+    def release(run: dict[str, Any]) -> None:
+        try:
+            queue.unlease(
+                session, worker_id=worker_id, job_id=run["job_id"], attempt=run["attempt"]
+            )
+        finally:
+            session.rollback()
+
+    run = await long_poll(
+        request,
+        notifier,
+        claim,
+        channel=notify.JOBS,
+        key=worker_id,
+        wait_s=wait_s,
+        release=release,
+    )
     if run is None:
         return Response(status_code=204)
     return JSONResponse({"run": run})

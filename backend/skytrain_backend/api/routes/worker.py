@@ -253,7 +253,23 @@ async def lease(
         finally:
             session.rollback()
 
-    leased = await long_poll(request, notifier, claim, channel=notify.JOBS, wait_s=wait_s)
+    def release(lease: JobLease) -> None:
+        try:
+            queue.unlease(
+                session, worker_id=worker_id, job_id=lease.job.id, attempt=lease.job.attempt
+            )
+        finally:
+            session.rollback()
+
+    leased = await long_poll(
+        request,
+        notifier,
+        claim,
+        channel=notify.JOBS,
+        key=worker_id,
+        wait_s=wait_s,
+        release=release,
+    )
     return Response(status_code=204) if leased is None else leased
 
 
