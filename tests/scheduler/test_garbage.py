@@ -1,19 +1,24 @@
 """Objects no row refers to are deleted once older than the grace period; every object a row
-refers to is kept. On each database and store (listing and deleting is what it tests)."""
+refers to is kept; writes a stopped process never finished are removed once stale. On each
+database and store (listing and deleting is what it tests)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
+import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import batches, registry
 from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob, new_id, utcnow
+from skytrain_backend.errors import StorageError
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import ObjectStore
 from skytrain_backend.storage import keys as object_keys
+from skytrain_backend.storage.local import LocalObjectStore
+from skytrain_backend.storage.s3 import STREAM_PART_BYTES, S3ObjectStore
 from tests.fixtures.services import ON_EVERY_BACKEND, ApiKey
 
 pytestmark = ON_EVERY_BACKEND
@@ -104,3 +109,45 @@ def test_objects_no_row_refers_to_are_collected_after_the_grace_period(
     assert deleted >= len(collected)  # other tests' leftovers in the shared store may go too
     with db_sessions() as session:
         assert session.get_one(TrainingJob, job_id).status == "running"  # rows untouched
+
+
+def test_a_write_that_a_stopped_process_never_finished_is_removed_once_stale(
+    object_store: ObjectStore, api_key: Callable[..., ApiKey]
+) -> None:
+    """A streamed write left open (its process killed mid-upload: an S3 multipart upload with
+    one part sent, or a local temporary file) is invisible to listing; the sweep removes it
+    once it started before the cutoff, and never a finished object or a younger write."""
+    prefix = object_keys.model_prefix(tenant_id=api_key().tenant_id, model_id=new_id())
+    object_store.put_bytes(f"{prefix}finished.jsonl", b"kept")
+    abandoned = object_store.open_writer(f"{prefix}abandoned.jsonl")
+    abandoned.write(b"x" * (STREAM_PART_BYTES + 1))  # past one part: S3 has begun the upload
+    started = _unfinished_write_started(object_store, prefix)
+
+    assert garbage.abort_stale_uploads(object_store, started_before=started) == 0
+    assert garbage.abort_stale_uploads(object_store, started_before=started + ONE_SECOND) == 1
+    assert garbage.abort_stale_uploads(object_store, started_before=started + ONE_SECOND) == 0
+
+    assert [info.key for info in object_store.list(prefix)] == [f"{prefix}finished.jsonl"]
+    # The process, had it lived on, could not finish what the sweep removed.
+    with pytest.raises(StorageError):
+        abandoned.commit()
+    abandoned.abort()
+    assert [info.key for info in object_store.list(prefix)] == [f"{prefix}finished.jsonl"]
+    object_store.delete_prefix(prefix)
+
+
+ONE_SECOND = timedelta(seconds=1)
+
+
+def _unfinished_write_started(store: ObjectStore, prefix: str) -> datetime:
+    """When the one unfinished write under ``prefix`` started, as the store itself reports it
+    (moto reports a fixed time for every multipart upload, so the test cannot use its own)."""
+    if isinstance(store, S3ObjectStore):
+        uploads = store._client.list_multipart_uploads(
+            Bucket=store.bucket, Prefix=f"{store.prefix}/{prefix}" if store.prefix else prefix
+        )["Uploads"]
+        assert len(uploads) == 1
+        return uploads[0]["Initiated"]
+    assert isinstance(store, LocalObjectStore)
+    (temp,) = [path for path in (store.root / prefix).iterdir() if path.name.startswith(".tmp-")]
+    return datetime.fromtimestamp(temp.stat().st_mtime, UTC)

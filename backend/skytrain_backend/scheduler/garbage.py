@@ -9,13 +9,16 @@
   input whose row never came, files staged by an attempt that is over), or what a failed
   delete left. The grace period spares objects whose row is about to be committed. Uploaded
   files (``tenants/{id}/files/``) have no rows and are kept.
+- Writes that never finished (``abort_stale_uploads``): an S3 multipart upload or a local
+  temporary file that a process killed mid-write left, once a day old (no request's upload
+  runs that long). S3 would otherwise keep, and bill, their parts for ever.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -25,6 +28,9 @@ from skytrain_backend.errors import StorageError
 from skytrain_backend.storage import ObjectStore, keys
 
 logger = logging.getLogger(__name__)
+
+# An unfinished write older than this is abandoned: its process is gone.
+STALE_UPLOAD_AGE = timedelta(days=1)
 
 
 def purge_deleted_checkpoints(
@@ -147,3 +153,16 @@ def _referenced(rows: _ModelRows, rest: list[str]) -> bool:
         # Files staged by an attempt: only the attempt that runs now still needs them.
         return rest[2] == "attempts" and status == "running" and rest[3] == str(attempts)
     return kind not in ("checkpoints", "logs", "jobs")  # a layout of the future: kept
+
+
+def abort_stale_uploads(store: ObjectStore, *, started_before: datetime) -> int:
+    """Remove the unfinished writes started before ``started_before``; how many. A store
+    failing is logged for the operator and tried again at the next sweep."""
+    try:
+        aborted = store.abort_stale_uploads(started_before=started_before)
+    except StorageError as exc:
+        logger.warning("could not remove unfinished uploads (retried later): %s", exc.message)
+        return 0
+    if aborted:
+        logger.info("removed %d unfinished uploads that a stopped process left", aborted)
+    return aborted

@@ -200,6 +200,9 @@ class Scheduler:
                     store=self.store,
                     written_before=utcnow() - timedelta(seconds=s.garbage_grace_s),
                 )
+                garbage.abort_stale_uploads(
+                    self.store, started_before=utcnow() - garbage.STALE_UPLOAD_AGE
+                )
 
     def _launch(self, session: Session, base_model: str) -> None:
         assert self.provider is not None

@@ -122,3 +122,9 @@ class ObjectStore(abc.ABC):
     def presigned_get_url(self, key: str, *, expires_s: int = 3600) -> str | None:
         """A URL anyone can GET the object from for a while, or None if the store has none."""
         return None
+
+    @abc.abstractmethod
+    def abort_stale_uploads(self, *, started_before: datetime) -> int:
+        """Remove the writes started before ``started_before`` that never finished: what a
+        process killed mid-write leaves (an S3 multipart upload, a local temporary file),
+        invisible to ``list`` and never completed. How many were removed."""

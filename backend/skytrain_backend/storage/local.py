@@ -2,7 +2,7 @@
 
 Writes go to a temporary file in the destination directory and are renamed into place, so a
 reader never sees half an object and a crash leaves at most a stray ``.tmp-*`` file, which
-listing ignores.
+listing ignores and ``abort_stale_uploads`` removes.
 """
 
 from __future__ import annotations
@@ -134,6 +134,26 @@ class LocalObjectStore(ObjectStore):
         except OSError as exc:
             raise StorageError(f"could not delete object {key!r}: {exc}") from exc
         self._prune_empty_dirs(path.parent)
+
+    def abort_stale_uploads(self, *, started_before: datetime) -> int:
+        # A temporary file's age is its last write's: one still being written is never stale.
+        removed = 0
+        for dirpath, _, filenames in os.walk(self.root):
+            for filename in filenames:
+                if not filename.startswith(_TEMP_PREFIX):
+                    continue
+                path = Path(dirpath, filename)
+                try:
+                    if datetime.fromtimestamp(path.stat().st_mtime, UTC) >= started_before:
+                        continue
+                    path.unlink()
+                except FileNotFoundError:
+                    continue  # finished (renamed) or removed meanwhile
+                except OSError as exc:
+                    raise StorageError(f"could not remove stale upload {path}: {exc}") from exc
+                removed += 1
+                self._prune_empty_dirs(path.parent)
+        return removed
 
     def _prune_empty_dirs(self, directory: Path) -> None:
         """Remove directories left empty, so deleted models leave no trace behind."""

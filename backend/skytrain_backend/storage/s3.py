@@ -11,6 +11,7 @@ import io
 import logging
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -229,6 +230,30 @@ class S3ObjectStore(ObjectStore):
             )
         except (BotoCoreError, ClientError) as exc:
             raise self._fail("sign", key, exc) from exc
+
+    def abort_stale_uploads(self, *, started_before: datetime) -> int:
+        root = f"{self.prefix}/" if self.prefix else ""
+        aborted = 0
+        try:
+            pages = self._client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=root
+            )
+            for page in pages:
+                for upload in page.get("Uploads", []):
+                    if upload["Initiated"] >= started_before:
+                        continue
+                    try:
+                        self._client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                        )
+                    except ClientError as exc:
+                        if exc.response.get("Error", {}).get("Code") == "NoSuchUpload":
+                            continue  # completed or aborted meanwhile
+                        raise
+                    aborted += 1
+        except (BotoCoreError, ClientError) as exc:
+            raise StorageError(f"could not abort stale uploads in {self.url}: {exc}") from exc
+        return aborted
 
 
 class _S3Writer(ObjectWriter):
