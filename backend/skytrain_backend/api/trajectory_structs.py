@@ -47,14 +47,20 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 
 # Every Struct lists its fields in its model's order (kw_only lets a defaulted field come
 # before one without a default) and, like the models, ignores fields it does not know.
+#
+# gc=False: a batch decodes into hundreds of thousands of Structs (one per sampled token), and
+# each one the garbage collector tracks makes its collections run more often and take longer:
+# about half the decoding time. Decoded JSON holds no reference cycles, so nothing is lost.
+# For the same reason the per-token arrays (``bytes``, ``top_logprobs``) are tuples: an empty
+# tuple is one shared object, where every empty list is a new tracked one.
 
 
-class FunctionCall(msgspec.Struct, kw_only=True):
+class FunctionCall(msgspec.Struct, kw_only=True, gc=False):
     name: Annotated[str, Meta(min_length=1)]
     arguments: str = "{}"
 
 
-class ToolCall(msgspec.Struct, kw_only=True):
+class ToolCall(msgspec.Struct, kw_only=True, gc=False):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -74,7 +80,7 @@ def _check_message(
         raise ValueError("nested too deep to judge here")
 
 
-class Message(msgspec.Struct, kw_only=True):
+class Message(msgspec.Struct, kw_only=True, gc=False):
     """A choice's message (always a plain message, never a choice)."""
 
     role: Role
@@ -87,25 +93,25 @@ class Message(msgspec.Struct, kw_only=True):
         _check_message(self.role, self.content, self.tool_calls, self.tool_call_id)
 
 
-class TopLogprob(msgspec.Struct, kw_only=True):
+class TopLogprob(msgspec.Struct, kw_only=True, gc=False):
     token: str
     logprob: float
     # Left out when the client left it out, as the TypedDict does.
-    bytes: list[int] | UnsetType | None = UNSET
+    bytes: tuple[int, ...] | UnsetType | None = UNSET
 
 
-class TokenLogprob(msgspec.Struct, kw_only=True):
+class TokenLogprob(msgspec.Struct, kw_only=True, gc=False):
     token: str
     logprob: float
-    bytes: list[int] | UnsetType | None = UNSET
-    top_logprobs: list[TopLogprob] | UnsetType = UNSET
+    bytes: tuple[int, ...] | UnsetType | None = UNSET
+    top_logprobs: tuple[TopLogprob, ...] | UnsetType = UNSET
 
 
-class ChoiceLogprobs(msgspec.Struct, kw_only=True):
+class ChoiceLogprobs(msgspec.Struct, kw_only=True, gc=False):
     content: list[TokenLogprob] | None = None
 
 
-class Turn(msgspec.Struct, kw_only=True):
+class Turn(msgspec.Struct, kw_only=True, gc=False):
     """One item of ``messages_and_choices``: a chat message or a sampled ``Choice``.
 
     msgspec has no union told apart by a function, so one Struct holds the fields of both
@@ -185,7 +191,7 @@ class Turn(msgspec.Struct, kw_only=True):
 Turns = Annotated[list[Turn], Meta(min_length=1)]
 
 
-class History(msgspec.Struct, kw_only=True):
+class History(msgspec.Struct, kw_only=True, gc=False):
     messages_and_choices: Turns
     tools: list[FreeForm] | None = None
 
@@ -194,7 +200,7 @@ class History(msgspec.Struct, kw_only=True):
             raise ValueError("nested too deep to judge here")
 
 
-class Trajectory(msgspec.Struct, kw_only=True):
+class Trajectory(msgspec.Struct, kw_only=True, gc=False):
     messages_and_choices: Turns
     tools: list[FreeForm] | None = None
     additional_histories: list[History] = []
@@ -212,7 +218,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
         return [self, *self.additional_histories]
 
 
-class TrajectoryGroup(msgspec.Struct, kw_only=True):
+class TrajectoryGroup(msgspec.Struct, kw_only=True, gc=False):
     trajectories: Annotated[list[Trajectory], Meta(min_length=1)]
     exceptions: list[FreeForm] = []
     metadata: FreeForm = {}
