@@ -43,20 +43,14 @@ NonNegativeInt = Annotated[int, Meta(ge=0)]
 
 # Every Struct lists its fields in its model's order (kw_only lets a defaulted field come
 # before one without a default) and, like the models, ignores fields it does not know.
-#
-# gc=False: a batch decodes into hundreds of thousands of Structs (one per sampled token), and
-# each one the garbage collector tracks makes its collections run more often and take longer:
-# about half the decoding time. Decoded JSON holds no reference cycles, so nothing is lost.
-# For the same reason the per-token arrays (``bytes``, ``top_logprobs``) are tuples: an empty
-# tuple is one shared object, where every empty list is a new tracked one.
 
 
-class FunctionCall(msgspec.Struct, kw_only=True, gc=False):
+class FunctionCall(msgspec.Struct, kw_only=True):
     name: Annotated[str, Meta(min_length=1)]
     arguments: str = "{}"
 
 
-class ToolCall(msgspec.Struct, kw_only=True, gc=False):
+class ToolCall(msgspec.Struct, kw_only=True):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
@@ -76,7 +70,7 @@ def _check_message(
         raise ValueError("nested too deep to judge here")
 
 
-class Message(msgspec.Struct, kw_only=True, gc=False):
+class Message(msgspec.Struct, kw_only=True):
     """A choice's message (always a plain message, never a choice)."""
 
     role: Role
@@ -89,25 +83,25 @@ class Message(msgspec.Struct, kw_only=True, gc=False):
         _check_message(self.role, self.content, self.tool_calls, self.tool_call_id)
 
 
-class TopLogprob(msgspec.Struct, kw_only=True, gc=False):
+class TopLogprob(msgspec.Struct, kw_only=True):
     token: str
     logprob: float
     # Left out when the client left it out, as the TypedDict does.
-    bytes: tuple[int, ...] | UnsetType | None = UNSET
+    bytes: list[int] | UnsetType | None = UNSET
 
 
-class TokenLogprob(msgspec.Struct, kw_only=True, gc=False):
+class TokenLogprob(msgspec.Struct, kw_only=True):
     token: str
     logprob: float
-    bytes: tuple[int, ...] | UnsetType | None = UNSET
-    top_logprobs: tuple[TopLogprob, ...] | UnsetType = UNSET
+    bytes: list[int] | UnsetType | None = UNSET
+    top_logprobs: list[TopLogprob] | UnsetType = UNSET
 
 
-class ChoiceLogprobs(msgspec.Struct, kw_only=True, gc=False):
+class ChoiceLogprobs(msgspec.Struct, kw_only=True):
     content: list[TokenLogprob] | None = None
 
 
-class Turn(msgspec.Struct, kw_only=True, gc=False):
+class Turn(msgspec.Struct, kw_only=True):
     """One item of ``messages_and_choices``: a chat message or a sampled ``Choice``.
 
     msgspec has no union told apart by a function, so one Struct holds the fields of both
@@ -187,7 +181,7 @@ class Turn(msgspec.Struct, kw_only=True, gc=False):
 Turns = Annotated[list[Turn], Meta(min_length=1)]
 
 
-class History(msgspec.Struct, kw_only=True, gc=False):
+class History(msgspec.Struct, kw_only=True):
     messages_and_choices: Turns
     tools: list[FreeForm] | None = None
 
@@ -196,7 +190,7 @@ class History(msgspec.Struct, kw_only=True, gc=False):
             raise ValueError("nested too deep to judge here")
 
 
-class Trajectory(msgspec.Struct, kw_only=True, gc=False):
+class Trajectory(msgspec.Struct, kw_only=True):
     messages_and_choices: Turns
     tools: list[FreeForm] | None = None
     additional_histories: list[History] = []
@@ -214,7 +208,7 @@ class Trajectory(msgspec.Struct, kw_only=True, gc=False):
         return [self, *self.additional_histories]
 
 
-class TrajectoryGroup(msgspec.Struct, kw_only=True, gc=False):
+class TrajectoryGroup(msgspec.Struct, kw_only=True):
     trajectories: Annotated[list[Trajectory], Meta(min_length=1)]
     exceptions: list[FreeForm] = []
     metadata: FreeForm = {}
