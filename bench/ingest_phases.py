@@ -27,6 +27,7 @@ import machine
 from ingest_trajectories import _groups
 
 from skytrain_backend.api import ingest
+from skytrain_backend.api.bulk import gc_paused
 from skytrain_backend.api.schemas import TrainingJobCreate
 from skytrain_backend.storage import ObjectWriter
 
@@ -90,7 +91,8 @@ def main() -> None:
     groups = _groups(args.trajectories, args.group_size, args.tokens)
     payload = json.dumps({"model_id": "m", "trajectory_groups": groups}).encode()
     _phases(payload)  # warm-up: imports and first-use caches
-    runs = [_phases(payload) for _ in range(args.repeats)]
+    with gc_paused():
+        runs = [_phases(payload) for _ in range(args.repeats)]
 
     print(f"hardware: {machine.cpu_name()}, {os.cpu_count()} CPU cores, no GPU")
     print(f"load:     1-minute load average {os.getloadavg()[0]:.1f} at the end of the run")
