@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 
 import machine
-from ingest_trajectories import _groups
+from ingest_trajectories import _groups, add_batch_arguments
 
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import gc_paused
@@ -82,10 +82,7 @@ def _phases(payload: bytes) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trajectories", type=int, default=10_000)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per trajectory")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_batch_arguments(parser)
     args = parser.parse_args()
 
     groups = _groups(args.trajectories, args.group_size, args.tokens)
