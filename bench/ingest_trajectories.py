@@ -111,6 +111,15 @@ def _groups(trajectories: int, group_size: int, tokens: int) -> list[dict[str, A
     return groups
 
 
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options that size the batch (and how often it is timed), shared with
+    ``bench/ingest_phases.py``."""
+    parser.add_argument("--trajectories", type=int, default=10_000)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per trajectory")
+    parser.add_argument("--repeats", type=int, default=3)
+
+
 def _timed(repeats: int, action: Any) -> list[float]:
     times = []
     for _ in range(repeats):
@@ -158,10 +167,7 @@ def _hardware() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trajectories", type=int, default=10_000)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per trajectory")
-    parser.add_argument("--repeats", type=int, default=3)
+    add_batch_arguments(parser)
     parser.add_argument("--route", choices=["training-jobs", "log"], default="training-jobs")
     parser.add_argument("--database-url", help="default: SQLite in a temporary SKYTRAIN_HOME")
     args = parser.parse_args()

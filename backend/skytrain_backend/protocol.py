@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
-from typing import Annotated, Any, ClassVar, Literal, NotRequired
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, ClassVar, Literal, NamedTuple, NotRequired
 
 from pydantic import (
     BaseModel,
@@ -322,24 +322,54 @@ def check_trainable(
     )
 
 
+class SampledTurn(NamedTuple):
+    """What the trainability rule reads of a sampled choice (``check_sampled_choice``)."""
+
+    listed_ids: list[int] | None
+    token_ids: list[int] | None
+    logprobs: list[float] | None
+
+
+def sampled_turn(
+    item: Message | Choice, allow_training_without_logprobs: bool
+) -> SampledTurn | None:
+    """A model's turn as the trainability rule reads it; None for a message. The logprobs are
+    read only when training needs them."""
+    if isinstance(item, Message):
+        return None
+    return SampledTurn(
+        listed_ids=item.logprob_token_ids(),
+        token_ids=item.token_ids,
+        logprobs=None if allow_training_without_logprobs else item.sampled_logprobs(),
+    )
+
+
 def count_trainable_turns(
-    group: TrajectoryGroup, g: int, *, allow_training_without_logprobs: bool = False
+    group: Any,
+    g: int,
+    *,
+    allow_training_without_logprobs: bool = False,
+    sampled: Callable[[Any, bool], SampledTurn | None] = sampled_turn,
 ) -> int:
-    """The turns of group ``g`` the RL trainer can learn from; refuses a choice it cannot."""
+    """The turns of group ``g`` the RL trainer can learn from; refuses a choice it cannot.
+
+    ``group`` is a ``TrajectoryGroup``, or anything shaped like one (the ingest's msgspec
+    mirror) with ``sampled`` reading its turns as ``sampled_turn`` reads the models'."""
     trainable_turns = 0
     allow = allow_training_without_logprobs
     for t, trajectory in enumerate(group.trajectories):
         for h, history in enumerate(trajectory.histories()):
             for m, item in enumerate(history.messages_and_choices):
-                if isinstance(item, Message):
+                choice = sampled(item, allow)
+                if choice is None:
                     trainable_turns += item.role == "assistant" and allow
                     continue
                 trainable_turns += 1
                 check_sampled_choice(
                     choice_location(g, t, h, m),
-                    listed_ids=item.logprob_token_ids(),
-                    token_ids=item.token_ids,
-                    logprobs=None if allow else item.sampled_logprobs(),
+                    listed_ids=choice.listed_ids,
+                    token_ids=choice.token_ids,
+                    logprobs=choice.logprobs,
                     allow_training_without_logprobs=allow,
                 )
     return trainable_turns

@@ -24,12 +24,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
-from skytrain_backend.protocol import (
-    check_sampled_choice,
-    choice_location,
-    message_shape_problem,
-    token_id_digits,
-)
+from skytrain_backend import protocol
+from skytrain_backend.protocol import SampledTurn, message_shape_problem, token_id_digits
 from skytrain_backend.ranges import INT64_MAX, INT64_MIN, NO_NUL_PATTERN
 
 # pydantic's JSON parser refuses values nested 200 deep, counted from the group; msgspec's
@@ -241,30 +237,30 @@ GROUP_DECODER = msgspec.json.Decoder(TrajectoryGroup)
 TRAJECTORY_DECODER = msgspec.json.Decoder(Trajectory)
 
 
+def sampled_turn(item: Turn, allow_training_without_logprobs: bool) -> SampledTurn | None:
+    """``protocol.sampled_turn`` on a Struct: the same reading of a choice."""
+    if not item.is_choice:
+        return None
+    digits, logprobs = item.sampled()
+    token_ids = item.token_ids if isinstance(item.token_ids, list) else None
+    return SampledTurn(
+        # Only compared with token_ids: made into numbers only then.
+        listed_ids=list(map(int, digits)) if digits is not None and token_ids else None,
+        token_ids=token_ids,
+        logprobs=None if allow_training_without_logprobs else logprobs,
+    )
+
+
 def count_trainable_turns(
     group: TrajectoryGroup, g: int, *, allow_training_without_logprobs: bool = False
 ) -> int:
     """``protocol.count_trainable_turns`` on the Structs: the same rules and messages."""
-    trainable_turns = 0
-    allow = allow_training_without_logprobs
-    for t, trajectory in enumerate(group.trajectories):
-        for h, history in enumerate(trajectory.histories()):
-            for m, item in enumerate(history.messages_and_choices):
-                if not item.is_choice:
-                    trainable_turns += item.role == "assistant" and allow
-                    continue
-                trainable_turns += 1
-                digits, logprobs = item.sampled()
-                token_ids = item.token_ids if isinstance(item.token_ids, list) else None
-                check_sampled_choice(
-                    choice_location(g, t, h, m),
-                    # Only compared with token_ids: made into numbers only then.
-                    listed_ids=list(map(int, digits)) if digits is not None and token_ids else None,
-                    token_ids=token_ids,
-                    logprobs=logprobs,
-                    allow_training_without_logprobs=allow,
-                )
-    return trainable_turns
+    return protocol.count_trainable_turns(
+        group,
+        g,
+        allow_training_without_logprobs=allow_training_without_logprobs,
+        sampled=sampled_turn,
+    )
 
 
 def has_assistant_turn(trajectory: Trajectory) -> bool:

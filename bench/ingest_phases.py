@@ -1,0 +1,105 @@
+"""Where the server's time goes on one large training-job body, phase by phase, in-process.
+
+The same steps as ``POST /v1/training-jobs`` after the bytes arrive (``api.ingest``), on the
+batch ``bench/ingest_trajectories.py`` sends, with the lines written nowhere: no HTTP, no
+store, no SQL. The phases:
+
+- spool:  the body written to ``ingest.Spool`` in 64 KiB pieces, as the request streams it
+- split:  ``split_body``: the fields validated, the raw bytes of each group found
+- decode: each group decoded and validated (``parse_group``)
+- turns:  the trainability rule on each group (``trainable_turns``)
+- encode: each group written back as its JSONL line (``Batch.add``)
+
+Usage:
+    .venv/bin/python bench/ingest_phases.py [--trajectories 10000] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+
+import machine
+from ingest_trajectories import _groups, add_batch_arguments
+
+from skytrain_backend.api import ingest
+from skytrain_backend.api.bulk import gc_paused
+from skytrain_backend.api.schemas import TrainingJobCreate
+from skytrain_backend.storage import ObjectWriter
+
+CHUNK_BYTES = 64 * 1024
+
+
+class _Discard(ObjectWriter):
+    """Takes the batch's lines and keeps none."""
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def commit(self) -> None:
+        pass
+
+    def abort(self) -> None:
+        pass
+
+
+def _phases(payload: bytes) -> dict[str, float]:
+    times: dict[str, float] = defaultdict(float)
+    start = time.perf_counter()
+    spool = ingest.Spool()
+    for offset in range(0, len(payload), CHUNK_BYTES):
+        spool.write(payload[offset : offset + CHUNK_BYTES])
+    times["spool"] = time.perf_counter() - start
+    batch = ingest.Batch(limit=len(payload))
+    batch.writer = _Discard()
+    try:
+        with spool.view() as buffer:
+            start = time.perf_counter()
+            _, items = ingest.split_body(
+                buffer, schema=TrainingJobCreate, list_field="trajectory_groups"
+            )
+            times["split"] = time.perf_counter() - start
+            for index, raw in enumerate(items or []):
+                start = time.perf_counter()
+                group = ingest.parse_group(bytes(raw), f"trajectory_groups[{index}]")
+                decoded = time.perf_counter()
+                ingest.trainable_turns(group, index, allow_training_without_logprobs=False)
+                counted = time.perf_counter()
+                batch.add(group)
+                times["decode"] += decoded - start
+                times["turns"] += counted - decoded
+                times["encode"] += time.perf_counter() - counted
+            del items
+    finally:
+        batch.close()
+        spool.close()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_batch_arguments(parser)
+    args = parser.parse_args()
+
+    groups = _groups(args.trajectories, args.group_size, args.tokens)
+    payload = json.dumps({"model_id": "m", "trajectory_groups": groups}).encode()
+    _phases(payload)  # warm-up: imports and first-use caches
+    with gc_paused():
+        runs = [_phases(payload) for _ in range(args.repeats)]
+
+    print(f"hardware: {machine.cpu_name()}, {os.cpu_count()} CPU cores, no GPU")
+    print(f"load:     1-minute load average {os.getloadavg()[0]:.1f} at the end of the run")
+    print(f"batch:    {args.trajectories} trajectories, {len(payload) / 1e6:.1f} MB of JSON")
+    for phase in runs[0]:
+        median = statistics.median(run[phase] for run in runs)
+        print(f"{phase + ':':9} median {median:.3f} s over {args.repeats} runs")
+    total = statistics.median(sum(run.values()) for run in runs)
+    print(f"total:    median {total:.3f} s")
+
+
+if __name__ == "__main__":
+    main()
