@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, on a machine with CUDA: vLLM driven by skytrain's launcher and client, behind
 # the worker's front door, sleeping while the trainer trains on the same GPU
-# (tests/engine/test_vllm_gpu.py), and the trainer on CUDA: bf16, release, out of memory
-# (tests/trainer/test_gpu.py).
+# (tests/engine/test_vllm_gpu.py), the trainer on CUDA: bf16, release, out of memory
+# (tests/trainer/test_gpu.py), and a worker's jobs end to end (tests/e2e/test_worker_jobs.py).
 #
 # Usage: scripts/gpu-check.sh [extra pytest arguments]
 #   OUT=<dir>                where the report goes (default /tmp/gpu-check)
@@ -64,8 +64,12 @@ INDEX=()
 if [ -n "${SKYTRAIN_GPU_WHEELS:-}" ]; then
     INDEX=(--no-index --find-links "$SKYTRAIN_GPU_WHEELS")
     "${PIP[@]}" install --no-index --no-deps "$SKYTRAIN_GPU_WHEELS"/*.whl >"$OUT/pip.log" 2>&1
-    # No index, so no build backend to install the checkout with: it is imported from here.
+    # No index, so no build backend to install the checkout with: it is imported from here,
+    # and the `skytrain` command is what its console-script entry point would be.
     export PYTHONPATH="$PWD/backend:$PWD/client${PYTHONPATH:+:$PYTHONPATH}"
+    printf '#!%s\nimport sys\nfrom skytrain_backend.cli import main\nsys.exit(main())\n' \
+        "$VENV/bin/python" >"$VENV/bin/skytrain"
+    chmod +x "$VENV/bin/skytrain"
 elif ! "${PIP[@]}" install --constraint "$OUT/system-pins.txt" -e ".[dev]" \
     >"$OUT/pip.log" 2>&1; then
     echo "installing skytrain's dependencies failed (see $OUT/pip.log); skytrain alone:"
@@ -83,6 +87,15 @@ set +e
     tests/engine/test_vllm_gpu.py tests/trainer/test_gpu.py \
     --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
+
+# A worker's jobs on this GPU, as users run them: `skytrain serve` with the local provider, its
+# worker's engine (vLLM where installed, else the CPU engine on CUDA) sleeping while the trainer
+# trains on the same device, then serving the new step (SQLite and a local store: no services).
+echo "==> a worker's jobs on this GPU"
+"$VENV/bin/python" -m pytest -p no:cacheprovider -rA tests/e2e/test_worker_jobs.py \
+    --junitxml="$OUT/junit-worker.xml" "$@" 2>&1 | tee "$OUT/pytest-worker.log"
+worker_status=${PIPESTATUS[0]}
+[ "$status" -ne 0 ] || status=$worker_status
 set -e
 cp -f /tmp/pytest-of-*/pytest-current/*/vllm.log "$OUT/" 2>/dev/null || true
 echo "==> pytest exited with $status; report in $OUT"
