@@ -10,13 +10,8 @@
 #                            as it is (--no-deps), then skytrain itself; see below
 #   PYTHON=<python>          the interpreter whose torch / vLLM to use (default python3)
 #
-# A machine that reaches no index (a lent GPU box) gets the server's dependencies as wheels for
-# its Python, fetched where pip works, e.g. for Python 3.12 on x86-64:
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d wheels \
-#     -r <(grep -iE '^(fastapi|starlette|sqlalchemy|...)==' scripts/constraints.txt)
-# naming the [server] extra's packages and pytest-asyncio / pytest-timeout, minus what the
-# machine has (torch, transformers, peft...).
+# A machine that reaches no index (a lent GPU box) gets the server's dependencies as wheels
+# fetched where pip works: `scripts/gpu-wheels.sh DIR [its pip freeze]`.
 #
 # It uses the machine's own torch and vLLM (a vLLM image has both): a virtual environment
 # that sees the system's packages gets skytrain from this checkout, with everything already
