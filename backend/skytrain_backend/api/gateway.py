@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import ipaddress
 import json
@@ -514,7 +515,9 @@ def _key_digest(credentials: HTTPAuthorizationCredentials) -> bytes:
     return hashlib.sha256(credentials.credentials.encode()).digest()
 
 
+@functools.lru_cache(maxsize=1024)
 def _is_loopback_http(url: str) -> bool:
+    """Asked per request of the same few worker endpoints: parsed once each."""
     parsed = httpx.URL(url)
     if parsed.scheme != "http":
         return False

@@ -15,5 +15,7 @@ from skytrain_backend.api.routes import (
 )
 
 api_router = APIRouter()
-for module in (models, checkpoints, logs, training_jobs, files, inference):
+# The inference routes first: FastAPI tries routes in order, twice per request, and these
+# take most requests (no other route's path can be theirs).
+for module in (inference, models, checkpoints, logs, training_jobs, files):
     api_router.include_router(module.router)
