@@ -92,12 +92,7 @@ async def lease(
             session.rollback()
 
     def release(run: dict[str, Any]) -> None:
-        try:
-            queue.unlease(
-                session, worker_id=worker_id, job_id=run["job_id"], attempt=run["attempt"]
-            )
-        finally:
-            session.rollback()
+        queue.unlease(session, worker_id=worker_id, job_id=run["job_id"], attempt=run["attempt"])
 
     run = await long_poll(
         request,

@@ -254,12 +254,7 @@ async def lease(
             session.rollback()
 
     def release(lease: JobLease) -> None:
-        try:
-            queue.unlease(
-                session, worker_id=worker_id, job_id=lease.job.id, attempt=lease.job.attempt
-            )
-        finally:
-            session.rollback()
+        queue.unlease(session, worker_id=worker_id, job_id=lease.job.id, attempt=lease.job.attempt)
 
     leased = await long_poll(
         request,
