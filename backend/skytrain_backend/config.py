@@ -168,7 +168,8 @@ class Settings(BaseSettings):
         default=3600.0,
         gt=0,
         description="How often the scheduler lists the object store for objects no row "
-        "refers to (left by a crash or a failed delete) and deletes them.",
+        "refers to (left by a crash or a failed delete) and deletes them, and removes uploads "
+        "a stopped process never finished once a day old.",
     )
     garbage_grace_s: float = Field(
         default=3600.0,

@@ -130,7 +130,7 @@ def test_a_job_sleeps_the_engine_trains_frees_wakes_then_loads_and_serves_the_st
         # training_started comes first, with the agreement the first step's forward pass read.
         assert types[0] == "training_started" and types[1] == "gradient_step", types
         # The same numbers in fp32 on a CPU; bf16 noise on CUDA (0.002 on an H200).
-        tolerance = 0.05 if torch.cuda.is_available() else 1e-4
+        tolerance = 0.01 if torch.cuda.is_available() else 1e-4
         assert events[0]["data"]["logprob_agreement/max_abs_diff"] < tolerance
         ended = events[-1]["data"]
         assert ended["time/prepare_s"] >= 0 and ended["time/steps_s"] >= 0

@@ -169,6 +169,39 @@ def test_only_jobs_of_models_placed_on_the_worker_are_leased(
         assert queue.lease_job(session, worker=other, lease_s=LEASE_S) is not None
 
 
+def test_a_lease_handed_back_is_uncounted_and_a_cancel_that_came_meanwhile_ends_it(
+    sessions: sessionmaker[Session],
+) -> None:
+    """``unlease``: the worker hung up before it got the job. Queued again as never leased (or
+    cancelled, if a cancel came meanwhile); a job held otherwise is left alone."""
+    with sessions() as session:
+        worker, other = _worker(session), _worker(session)
+        model = _model(session)
+        _place(session, model, worker)
+        job = _job(session, model)
+        job_id = job.id
+        assert queue.lease_job(session, worker=worker, lease_s=LEASE_S).id == job_id  # type: ignore[union-attr]
+        queue.unlease(session, worker_id=other.id, job_id=job_id, attempt=1)  # not its lease
+        queue.unlease(session, worker_id=worker.id, job_id=job_id, attempt=2)  # not this attempt
+        assert session.get_one(TrainingJob, job_id).status == "running"
+
+        queue.unlease(session, worker_id=worker.id, job_id=job_id, attempt=1)
+        handed_back = session.get_one(TrainingJob, job_id)
+        assert (handed_back.status, handed_back.attempts, handed_back.worker_id) == (
+            "queued",
+            0,
+            None,
+        )
+        assert handed_back.started_at is None
+
+        leased = queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        assert leased is not None and leased.attempts == 1
+        leased.cancel_requested = True
+        session.commit()
+        queue.unlease(session, worker_id=worker.id, job_id=job_id, attempt=1)
+        assert session.get_one(TrainingJob, job_id).status == "cancelled"
+
+
 def _expire(session: Session, job_id: str) -> None:
     """Move the lease's end into the past, as if the worker had gone silent."""
     session.execute(

@@ -78,6 +78,7 @@ def test_on_cuda_the_first_steps_own_pass_reads_the_old_logprobs_within_bf16_noi
     for separate_pass in (True, False):
         trainer = Trainer.load(str(tiny_model_path), model_config=model_config)
         assert trainer.policy.device.type == "cuda"
+        initial = [p.detach().float().clone() for p in trainer.policy.trainable_parameters()]
         groups = [_group(trainer, seed=seed) for seed in range(3)]
         plan = trainer.prepare_rl(groups, config, separate_pass=separate_pass)
         assert plan.agreement_pending is not separate_pass
@@ -104,6 +105,7 @@ def test_on_cuda_the_first_steps_own_pass_reads_the_old_logprobs_within_bf16_noi
     adapter_diff = max(
         float((f - s).abs().max()) for f, s in zip(fused_adapter, separate_adapter, strict=True)
     )
+    moved = max(float((s - i).abs().max()) for s, i in zip(separate_adapter, initial, strict=True))
     print(
         f"CUDA bf16, checkpointing={gradient_checkpointing}: old logprobs max diff {old_diff:.2e}; "
         f"summary diffs {summary_diff}; loss diffs {loss_diff}; adapter max diff {adapter_diff:.2e}"
@@ -114,7 +116,9 @@ def test_on_cuda_the_first_steps_own_pass_reads_the_old_logprobs_within_bf16_noi
     assert old_diff < 0.05  # bf16 logits: a few hundredths of a nat at most
     assert summary_diff["logprob_agreement/max_abs_diff"] < 0.05
     assert all(d < 0.05 for d in loss_diff)
-    assert adapter_diff < 1e-2  # two Adam steps of lr 1e-2 from the same start
+    # Two Adam steps of lr 1e-2 from the same start: the two runs' adapters differ by a small
+    # part of how far they moved (on an H200 they were equal, bit for bit).
+    assert moved > 0 and adapter_diff <= 0.05 * moved
 
 
 def test_release_gives_the_gpu_memory_back(tiny_model_path: Path, tmp_path: Path) -> None:

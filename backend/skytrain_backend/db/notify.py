@@ -21,7 +21,9 @@ What counts as a change, from the rows a session flushes:
   or requeued; a running one ended, which frees its model's next job), keyed by the worker
   its model is placed on; or a model placed on a worker, keyed by that worker. Only that
   worker's lease requests wake: a job of a model placed nowhere wakes none (no worker can
-  lease it until the scheduler places the model, which is the wake-up);
+  lease it until the scheduler places the model, which is the wake-up). A model moved
+  between the job's flush and its commit leaves the new worker to find the job at the end of
+  its wait (``wait_s``) or at the model's placement;
 - ``EVENTS`` keyed by job id: an event recorded for the job, or its status changed (a
   cancelled queued job ends without an event).
 """
@@ -39,7 +41,6 @@ from typing import Any
 from sqlalchemy import event, inspect, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, UOWTransaction, sessionmaker
-from sqlalchemy.orm.util import identity_key
 
 from skytrain_backend.db.models import Model, TrainingJob, TrainingJobEvent
 
@@ -86,22 +87,10 @@ def changes(session: Session) -> set[Wake]:
 
 
 def _workers_of(session: Session, model_ids: set[str]) -> set[str]:
-    """The workers the models are placed on (models already loaded cost no query)."""
-    workers: set[str] = set()
-    unloaded: set[str] = set()
-    for model_id in model_ids:
-        model = session.identity_map.get(identity_key(Model, model_id))
-        if model is None:
-            unloaded.add(model_id)
-        elif model.worker_id is not None:
-            workers.add(model.worker_id)
-    if unloaded:
-        workers.update(
-            worker_id
-            for worker_id in session.scalars(select(Model.worker_id).where(Model.id.in_(unloaded)))
-            if worker_id is not None
-        )
-    return workers
+    """The workers the models are placed on, read in the flushing transaction (a model row
+    the session loaded earlier may be out of date: the scheduler moves models)."""
+    placed = session.scalars(select(Model.worker_id).where(Model.id.in_(model_ids)))
+    return {worker_id for worker_id in placed if worker_id is not None}
 
 
 class Notifier:

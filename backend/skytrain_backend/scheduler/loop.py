@@ -64,6 +64,9 @@ class Scheduler:
         self.store = store
         self._next_sweep = 0.0
         self._next_garbage = 0.0
+        # Not at start: on an S3-compatible store that reports a wrong start time (moto: a
+        # fixed one in 2010), a batch streaming in as this process starts would look stale.
+        self._next_upload_sweep = time.monotonic() + settings.garbage_interval_s
         self._sessions = sessions
         self._interval_s = interval_s
         self._role_logged = False
@@ -200,6 +203,8 @@ class Scheduler:
                     store=self.store,
                     written_before=utcnow() - timedelta(seconds=s.garbage_grace_s),
                 )
+            if self.store is not None and time.monotonic() >= self._next_upload_sweep:
+                self._next_upload_sweep = time.monotonic() + s.garbage_interval_s
                 garbage.abort_stale_uploads(
                     self.store, started_before=utcnow() - garbage.STALE_UPLOAD_AGE
                 )

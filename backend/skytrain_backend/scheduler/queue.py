@@ -119,8 +119,8 @@ def leased_job(session: Session, *, worker: Worker, job_id: str, attempt: int) -
 
 def unlease(session: Session, *, worker_id: str, job_id: str, attempt: int) -> None:
     """Hand back a job leased as ``attempt`` to a worker that hung up before it got the
-    answer: queued again, that attempt uncounted, as if never leased (a job no longer held
-    that way is left alone)."""
+    answer: queued again, that attempt uncounted, as if never leased; cancelled if a cancel
+    came meanwhile, as ``release_jobs`` does (a job no longer held that way is left alone)."""
     job = session.scalar(select(TrainingJob).where(TrainingJob.id == job_id).with_for_update())
     if (
         job is None
@@ -130,10 +130,13 @@ def unlease(session: Session, *, worker_id: str, job_id: str, attempt: int) -> N
     ):
         session.rollback()
         return
-    _requeue(job)
     job.attempts -= 1
     if job.attempts == 0:
         job.started_at = None  # the tenant's turn is not used up by a lease nobody received
+    if job.cancel_requested:
+        _finish(session, job, status="cancelled", error="the job was cancelled")
+    else:
+        _requeue(job)
     session.commit()
 
 

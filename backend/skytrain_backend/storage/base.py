@@ -125,6 +125,6 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def abort_stale_uploads(self, *, started_before: datetime) -> int:
-        """Remove the writes started before ``started_before`` that never finished: what a
-        process killed mid-write leaves (an S3 multipart upload, a local temporary file),
-        invisible to ``list`` and never completed. How many were removed."""
+        """Remove the writes under ``keys.TENANTS_PREFIX`` started before ``started_before`` that
+        never finished: what a process killed mid-write leaves (an S3 multipart upload, a local
+        temporary file), invisible to ``list`` and never completed. How many were removed."""

@@ -6,9 +6,12 @@ or a path outside the store. Everything a tenant owns lives under ``tenants/{ten
 
 from __future__ import annotations
 
+# Where every key starts.
+TENANTS_PREFIX = "tenants/"
+
 
 def tenant_prefix(tenant_id: str) -> str:
-    return f"tenants/{tenant_id}/"
+    return f"{TENANTS_PREFIX}{tenant_id}/"
 
 
 def model_prefix(*, tenant_id: str, model_id: str) -> str:

@@ -24,6 +24,7 @@ from skytrain_backend.storage.base import (
     ObjectWriter,
     check_key,
 )
+from skytrain_backend.storage.keys import TENANTS_PREFIX
 
 _TEMP_PREFIX = ".tmp-"
 
@@ -138,7 +139,7 @@ class LocalObjectStore(ObjectStore):
     def abort_stale_uploads(self, *, started_before: datetime) -> int:
         # A temporary file's age is its last write's: one still being written is never stale.
         removed = 0
-        for dirpath, _, filenames in os.walk(self.root):
+        for dirpath, _, filenames in os.walk(self.root / TENANTS_PREFIX):
             for filename in filenames:
                 if not filename.startswith(_TEMP_PREFIX):
                     continue
@@ -150,7 +151,8 @@ class LocalObjectStore(ObjectStore):
                 except FileNotFoundError:
                     continue  # finished (renamed) or removed meanwhile
                 except OSError as exc:
-                    raise StorageError(f"could not remove stale upload {path}: {exc}") from exc
+                    stale = path.relative_to(self.root).as_posix()
+                    raise StorageError(f"could not remove stale upload {stale!r}: {exc}") from exc
                 removed += 1
                 self._prune_empty_dirs(path.parent)
         return removed

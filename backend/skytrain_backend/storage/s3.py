@@ -28,6 +28,7 @@ from skytrain_backend.storage.base import (
     ObjectWriter,
     check_key,
 )
+from skytrain_backend.storage.keys import TENANTS_PREFIX
 
 if TYPE_CHECKING:
     from mypy_boto3_s3 import S3Client
@@ -232,7 +233,8 @@ class S3ObjectStore(ObjectStore):
             raise self._fail("sign", key, exc) from exc
 
     def abort_stale_uploads(self, *, started_before: datetime) -> int:
-        root = f"{self.prefix}/" if self.prefix else ""
+        # Only skytrain's own keys: the bucket may hold other tools' uploads.
+        root = f"{self.prefix}/{TENANTS_PREFIX}" if self.prefix else TENANTS_PREFIX
         aborted = 0
         try:
             pages = self._client.get_paginator("list_multipart_uploads").paginate(
