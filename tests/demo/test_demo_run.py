@@ -63,11 +63,14 @@ def _assert_nothing_left(home: Path) -> None:
 @pytest.mark.slow
 def test_a_short_demo_learns_plots_and_stops_everything(tmp_path: Path, smollm2_path: Path) -> None:
     home, out = tmp_path / "home", tmp_path / "out"
+    # Four steps of half the demo's questions at four times its learning rate: the margin
+    # asserted below was 0.24 to 0.32 over seeds 0-2 (README), well clear of 0.15.
     process = _demo(
         home,
-        "--steps", "6",
-        "--groups-per-step", "8",
+        "--steps", "4",
+        "--groups-per-step", "4",
         "--rollouts-per-group", "4",
+        "--learning-rate", "2e-3",
         "--eval-questions", "8",
         "--output-dir", str(out),
     )  # fmt: skip
@@ -76,7 +79,7 @@ def test_a_short_demo_learns_plots_and_stops_everything(tmp_path: Path, smollm2_
 
     with open(out / "rewards.csv") as handle:
         rows = list(csv.DictReader(handle))
-    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3, 4, 5, 6]
+    assert [int(row["step"]) for row in rows] == [0, 1, 2, 3, 4]
     # The final table was printed: its header and one line per step, with the CSV's numbers
     # (the table shows 3 decimals, the CSV 4: each rounds the same reward on its own).
     lines = output.splitlines()
