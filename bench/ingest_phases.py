@@ -11,7 +11,7 @@ store, no SQL. The phases:
 - encode: each group written back as its JSONL line (``Batch.add``)
 
 Usage:
-    .venv/bin/python bench/ingest_phases.py [--trajectories 10000] [--repeats 3]
+    .venv/bin/python bench/ingest_phases.py [--trajectories 10000] [--repeats 5] [--token-ids]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from collections import defaultdict
 
 import machine
-from ingest_trajectories import _groups, add_batch_arguments
+from ingest_trajectories import _IDS, _groups, add_batch_arguments
 
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import gc_paused
@@ -85,7 +85,7 @@ def main() -> None:
     add_batch_arguments(parser)
     args = parser.parse_args()
 
-    groups = _groups(args.trajectories, args.group_size, args.tokens)
+    groups = _groups(args.trajectories, args.group_size, args.tokens, with_ids=args.token_ids)
     payload = json.dumps({"model_id": "m", "trajectory_groups": groups}).encode()
     _phases(payload)  # warm-up: imports and first-use caches
     with gc_paused():
@@ -93,7 +93,10 @@ def main() -> None:
 
     print(f"hardware: {machine.cpu_name()}, {os.cpu_count()} CPU cores, no GPU")
     print(f"load:     1-minute load average {os.getloadavg()[0]:.1f} at the end of the run")
-    print(f"batch:    {args.trajectories} trajectories, {len(payload) / 1e6:.1f} MB of JSON")
+    print(
+        f"batch:    {args.trajectories} trajectories{_IDS if args.token_ids else ''}, "
+        f"{len(payload) / 1e6:.1f} MB of JSON"
+    )
     for phase in runs[0]:
         median = statistics.median(run[phase] for run in runs)
         print(f"{phase + ':':9} median {median:.3f} s over {args.repeats} runs")

@@ -13,7 +13,7 @@ Starts a moto S3 server and `skytrain serve` as separate processes (SQLite by de
 and the server's resident memory before the first batch and at its peak (Linux /proc).
 
 Usage:
-    .venv/bin/python bench/ingest_trajectories.py [--trajectories 10000] [--route log]
+    .venv/bin/python bench/ingest_trajectories.py [--trajectories 10000] [--route log] [--token-ids]
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ import machine
 from skytrain_backend.storage.s3 import S3ObjectStore
 
 BIN = Path(sys.executable).parent
+# With --token-ids, each choice's prompt_token_ids (the system and user turns' tokens).
+PROMPT_TOKENS = 120
+_IDS = f" with token_ids and {PROMPT_TOKENS} prompt_token_ids"
 # The server writes one JSONL line per group: about this many bytes for the default batch.
 WRITE_BYTES = 48 * 1024
 
@@ -71,26 +74,32 @@ def _process(
         process.wait(30)
 
 
-def _choice(tokens: int, index: int) -> dict[str, Any]:
-    return {
+def _choice(tokens: int, index: int, *, with_ids: bool) -> dict[str, Any]:
+    ids = [1000 + (index + t) % 30000 for t in range(tokens)]
+    choice = {
         "finish_reason": "stop",
         "index": 0,
         "logprobs": {
             "content": [
                 {
-                    "token": f"token_id:{1000 + (index + t) % 30000}",
+                    "token": f"token_id:{token_id}",
                     "bytes": None,
                     "logprob": -0.25,
                     "top_logprobs": [],
                 }
-                for t in range(tokens)
+                for token_id in ids
             ]
         },
         "message": {"role": "assistant", "content": "word " * tokens, "tool_calls": None},
     }
+    if with_ids:  # as skytrain's endpoint returns a choice
+        choice.update(prompt_token_ids=list(range(1, PROMPT_TOKENS + 1)), token_ids=ids)
+    return choice
 
 
-def _groups(trajectories: int, group_size: int, tokens: int) -> list[dict[str, Any]]:
+def _groups(
+    trajectories: int, group_size: int, tokens: int, *, with_ids: bool = False
+) -> list[dict[str, Any]]:
     groups = []
     for g in range(trajectories // group_size):
         groups.append(
@@ -100,7 +109,7 @@ def _groups(trajectories: int, group_size: int, tokens: int) -> list[dict[str, A
                         "messages_and_choices": [
                             {"role": "system", "content": "You play 2048. Answer with a move."},
                             {"role": "user", "content": f"Board {g}: " + "2 4 8 16 " * 8},
-                            _choice(tokens, g * group_size + t),
+                            _choice(tokens, g * group_size + t, with_ids=with_ids),
                         ],
                         "reward": float(t % 3),
                         "metrics": {"max_tile": 64.0 * (t + 1), "invalid": 0.0},
@@ -125,6 +134,11 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=64, help="sampled tokens per trajectory")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="choices carry prompt_token_ids and token_ids, as skytrain's endpoint returns them",
+    )
 
 
 def _alternating(repeats: int, actions: dict[str, Any]) -> dict[str, float]:
@@ -203,7 +217,7 @@ def main() -> None:
         subprocess.run([BIN / "skytrain", "db", "upgrade"], env=env, check=True)
     os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")})
 
-    groups = _groups(args.trajectories, args.group_size, args.tokens)
+    groups = _groups(args.trajectories, args.group_size, args.tokens, with_ids=args.token_ids)
     try:
         with _process(
             [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)], env, endpoint
@@ -269,7 +283,8 @@ def main() -> None:
     print(f"load:     1-minute load average {os.getloadavg()[0]:.1f} at the end of the run")
     print(
         f"batch:    {args.trajectories} trajectories in {len(groups)} groups, "
-        f"{args.tokens} sampled tokens each, {len(payload) / 1e6:.1f} MB of JSON"
+        f"{args.tokens} sampled tokens each{_IDS if args.token_ids else ''}, "
+        f"{len(payload) / 1e6:.1f} MB of JSON"
     )
     print(f"setup:    skytrain serve ({database}) and moto_server on loopback, separate processes")
     print(

@@ -286,6 +286,31 @@ TRAINABILITY: dict[str, tuple[dict[str, Any], int | str, int | str]] = {
         "token_ids that differ from the ids in its logprobs",
     ),
     "token ids that agree": (_sampled(lambda c: c.update(token_ids=[19, 20])), 2, 2),
+    "token ids that agree with tokens written with a leading zero": (
+        _sampled(
+            lambda c: (
+                c.update(token_ids=[19, 20]),
+                c["logprobs"]["content"][0].update(token="token_id:019"),
+            )
+        ),
+        2,
+        2,
+    ),
+    "a token with a comma, and ids that match the tokens joined": (
+        _sampled(
+            lambda c: (
+                c.update(token_ids=[18, 19, 20]),
+                c["logprobs"]["content"][0].update(token="token_id:18,token_id:19"),
+            )
+        ),
+        _NO_LOGPROBS,
+        2,
+    ),
+    "token ids one longer than the logprobs": (
+        _sampled(lambda c: c.update(token_ids=[19, 20, 21])),
+        "token_ids that differ from the ids in its logprobs",
+        "token_ids that differ from the ids in its logprobs",
+    ),
     "no logprobs but token ids": (
         _sampled(lambda c: c.update(logprobs=None, token_ids=[19, 20])),
         _NO_LOGPROBS,

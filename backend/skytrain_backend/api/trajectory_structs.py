@@ -25,7 +25,12 @@ import msgspec
 from msgspec import UNSET, Meta, UnsetType
 
 from skytrain_backend import protocol
-from skytrain_backend.protocol import SampledTurn, message_shape_problem, token_id_digits
+from skytrain_backend.protocol import (
+    TOKEN_ID_PREFIX,
+    SampledTurn,
+    message_shape_problem,
+    token_id_digits,
+)
 from skytrain_backend.ranges import INT64_MAX, INT64_MIN, NO_NUL_PATTERN
 
 # pydantic's JSON parser refuses values nested 200 deep, counted from the group; msgspec's
@@ -165,18 +170,6 @@ class Turn(msgspec.Struct, kw_only=True):
     def is_choice(self) -> bool:
         return self.role is UNSET
 
-    def sampled(self) -> tuple[list[str] | None, list[float] | None]:
-        """The ids (as digits) and logprobs of the sampled tokens when every token of
-        ``logprobs`` is ``token_id:<id>`` (``protocol.Choice.sampled_logprobs``), else None."""
-        logprobs = self.logprobs
-        content = logprobs.content if isinstance(logprobs, ChoiceLogprobs) else None
-        if not content:
-            return None, None
-        digits = token_id_digits([entry.token for entry in content])
-        if digits is None:
-            return None, None
-        return digits, [entry.logprob for entry in content]
-
 
 Turns = Annotated[list[Turn], Meta(min_length=1)]
 
@@ -241,14 +234,39 @@ def sampled_turn(item: Turn, allow_training_without_logprobs: bool) -> SampledTu
     """``protocol.sampled_turn`` on a Struct: the same reading of a choice."""
     if not item.is_choice:
         return None
-    digits, logprobs = item.sampled()
     token_ids = item.token_ids if isinstance(item.token_ids, list) else None
-    return SampledTurn(
+    logprobs = item.logprobs
+    content = logprobs.content if isinstance(logprobs, ChoiceLogprobs) else None
+    if not content:
+        return SampledTurn(listed_ids=None, token_ids=token_ids, logprobs=None)
+    tokens = [entry.token for entry in content]
+    listed_ids: list[int] | None
+    if token_ids and _names_exactly(tokens, token_ids):
+        listed_ids = token_ids
+    else:
+        digits = token_id_digits(tokens)
+        if digits is None:
+            return SampledTurn(listed_ids=None, token_ids=token_ids, logprobs=None)
         # Only compared with token_ids: made into numbers only then.
-        listed_ids=list(map(int, digits)) if digits is not None and token_ids else None,
+        listed_ids = list(map(int, digits)) if token_ids else None
+    return SampledTurn(
+        listed_ids=listed_ids,
         token_ids=token_ids,
-        logprobs=None if allow_training_without_logprobs else logprobs,
+        logprobs=None if allow_training_without_logprobs else [e.logprob for e in content],
     )
+
+
+_TOKEN_ID_SEPARATOR = "," + TOKEN_ID_PREFIX
+
+
+def _names_exactly(tokens: list[str], token_ids: list[int]) -> bool:
+    """Whether ``tokens`` are ``token_id:<id>`` of each of ``token_ids`` in turn, written as
+    skytrain's endpoint writes them: what ``token_id_digits`` would find, proved with one
+    string comparison. A token holding a comma adds one to the joined tokens, which then
+    cannot equal ids joined by exactly ``len(token_ids) - 1`` commas."""
+    if len(tokens) != len(token_ids):
+        return False
+    return ",".join(tokens) == TOKEN_ID_PREFIX + _TOKEN_ID_SEPARATOR.join(map(str, token_ids))
 
 
 def count_trainable_turns(
