@@ -8,8 +8,9 @@ registers). Then, for each concurrency C, rounds alternate between the two paths
 the same machine load: C clients send chat completions back to back, every one generating
 exactly --max-tokens tokens (ignore_eos, fixed seeds), with the gateway's always-on logprobs
 and token ids asked of the engine on the direct path too. Reported per path: latency p50/p99,
-requests/s, CPU time per request of the engine and of the control plane process, and the
-gateway / direct ratios. Every process shares the machine's cores, so on a small machine the
+requests/s, CPU time per request of the engine and of the control plane process, the TCP
+connections opened to the engine (by the bench's clients on the direct path, a new client per
+round; by the control plane on the gateway path), and the gateway / direct ratios. Every process shares the machine's cores, so on a small machine the
 control plane's CPU time is taken from the engine's.
 
 Usage:
@@ -60,6 +61,28 @@ def _cpu_seconds(pid: int) -> float:
     """User + system CPU time the process has used so far (Linux)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _engine_peers(port: int) -> set[int]:
+    """The client-side ports of the loopback TCP connections to ``port`` that the kernel holds
+    (/proc/net/tcp, Linux), closed ones included: a closed connection stays in TIME_WAIT for a
+    minute, longer than a round, so the ports new after a round count the connections it
+    opened."""
+    peers: set[int] = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local, remote, state = (
+            int(fields[1].split(":")[1], 16),
+            int(fields[2].split(":")[1], 16),
+            fields[3],
+        )
+        if state == "0A":  # listening
+            continue
+        if local == port:
+            peers.add(remote)
+        elif remote == port:
+            peers.add(local)
+    return peers
 
 
 @contextmanager
@@ -146,7 +169,12 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 async def _measure(
-    paths: list[Target], args: argparse.Namespace, *, engine_pid: int, plane_pid: int
+    paths: list[Target],
+    args: argparse.Namespace,
+    *,
+    engine_pid: int,
+    plane_pid: int,
+    engine_port: int,
 ) -> None:
     for path in paths:  # warm-up: connections, the engine's first batches, the database
         await _round(path, concurrency=4, requests=16, max_tokens=args.max_tokens)
@@ -156,8 +184,10 @@ async def _measure(
         elapsed: dict[str, float] = {path.label: 0.0 for path in paths}
         # CPU seconds used by (engine, control plane) during each path's rounds.
         cpu: dict[str, list[float]] = {path.label: [0.0, 0.0] for path in paths}
+        opened: dict[str, int] = {path.label: 0 for path in paths}
         for _ in range(args.rounds):
             for path in paths:
+                peers_before = _engine_peers(engine_port)
                 cpu_before = _cpu_seconds(engine_pid), _cpu_seconds(plane_pid)
                 start = time.perf_counter()
                 latencies[path.label] += await _round(
@@ -166,6 +196,7 @@ async def _measure(
                 elapsed[path.label] += time.perf_counter() - start
                 cpu[path.label][0] += _cpu_seconds(engine_pid) - cpu_before[0]
                 cpu[path.label][1] += _cpu_seconds(plane_pid) - cpu_before[1]
+                opened[path.label] += len(_engine_peers(engine_port) - peers_before)
         print(f"\nconcurrency {concurrency}: {args.rounds} x {requests} requests per path")
         figures = {}
         for path in paths:
@@ -180,7 +211,8 @@ async def _measure(
             print(
                 f"  {path.label:<8} p50 {p50 * 1000:7.1f} ms   p99 {p99 * 1000:7.1f} ms   "
                 f"{rate:7.1f} requests/s   ({rate * args.max_tokens:7.0f} tokens/s)   "
-                f"CPU per request: engine {engine_cpu:.1f} ms, control plane {plane_cpu:.1f} ms"
+                f"CPU per request: engine {engine_cpu:.1f} ms, control plane {plane_cpu:.1f} ms   "
+                f"engine connections opened: {opened[path.label]}"
             )
         if DROPPED:
             print(f"  connections dropped and requests sent again so far: {DROPPED}")
@@ -275,7 +307,11 @@ def main() -> None:
                 ),
                 Target("gateway", plane_url, key, created.json()["inference_name"], {}),
             ]
-            asyncio.run(_measure(paths, args, engine_pid=engine.pid, plane_pid=plane.pid))
+            asyncio.run(
+                _measure(
+                    paths, args, engine_pid=engine.pid, plane_pid=plane.pid, engine_port=engine_port
+                )
+            )
             print(f"\n1-min load average after: {os.getloadavg()[0]:.1f}")
 
 

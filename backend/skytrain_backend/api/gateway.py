@@ -23,10 +23,12 @@ away (mid-stream, or while a non-streamed request is still generating) the upstr
 is closed at once, which makes the engine stop generating for it.
 
 Workers are reached at their front door over TLS pinned to the certificate each registered
-(one client per worker, closed when the worker goes): a worker that presents any other
+(pooled clients per worker, closed when the worker goes): a worker that presents any other
 certificate gets nothing, not even the engine secret. A worker row without a certificate is
 reached only on this host over loopback HTTP (a bare engine standing in for a worker in the
-gateway's tests); anything else without one is refused.
+gateway's tests); anything else without one is refused. Connections are kept and reused: a
+request goes to the client with the fewest requests in flight, so sequential requests share
+one connection and C requests at once keep to about C connections.
 
 Engine refusals of the request itself (4xx) pass through with the engine's status and
 OpenAI-style body. Failures that are not the caller's doing are said in skytrain's words, and
@@ -95,9 +97,13 @@ ENGINE_TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 ENGINE_LIMITS = httpx.Limits(
     max_connections=None, max_keepalive_connections=256 // 8, keepalive_expiry=2.0
 )
-# Clients per engine, taken in turn: httpcore's pool walks all its connections (checking each
-# idle one's socket) on every request and every response closed, so under high concurrency a
-# few smaller pools cost far less CPU than one large one.
+# Clients per engine, each request given to the one with the fewest in flight: httpcore's pool
+# walks all its connections (checking each idle one's socket) on every request and every
+# response closed, so under high concurrency a few smaller pools cost far less CPU than one
+# large one. The fewest in flight, not each in turn: a client with fewer requests in flight
+# than it has connections has one idle, so C requests at once keep reusing about C
+# connections (in turn, a client whose connections are all busy opened another while others
+# sat idle).
 CLIENTS_PER_ENGINE = 8
 # What reusing a keep-alive connection the engine has just closed looks like; nothing reached
 # the engine, so the request is sent once more on a new connection.
@@ -160,26 +166,70 @@ class _Resolved:
 
 
 class _Clients:
-    """``CLIENTS_PER_ENGINE`` pooled clients to one engine, handed out in turn."""
+    """``CLIENTS_PER_ENGINE`` pooled clients to one engine. Each request goes to the one with
+    the fewest requests in flight (the first of those), so sequential requests share one
+    connection and concurrent ones spread evenly, each over connections its client already
+    has; a request counts until its response is closed, when the connection is free again."""
 
     def __init__(self, verify: ssl.SSLContext | bool = True) -> None:
         self._clients = [
             httpx.AsyncClient(verify=verify, timeout=ENGINE_TIMEOUT, limits=ENGINE_LIMITS)
             for _ in range(CLIENTS_PER_ENGINE)
         ]
-        self._turn = 0
+        self._in_flight = [0] * CLIENTS_PER_ENGINE
 
-    def next(self) -> httpx.AsyncClient:
-        self._turn = (self._turn + 1) % len(self._clients)
-        return self._clients[self._turn]
+    def build_request(
+        self, url: str, *, body: dict[str, Any], headers: dict[str, str]
+    ) -> httpx.Request:
+        return self._clients[0].build_request("POST", url, json=body, headers=headers)
+
+    async def send(self, request: httpx.Request) -> httpx.Response:
+        """The response to ``request``, its body not read yet."""
+        index = self._in_flight.index(min(self._in_flight))
+        self._in_flight[index] += 1
+        try:
+            response = await self._clients[index].send(request, stream=True)
+        except BaseException:
+            self._in_flight[index] -= 1
+            raise
+        response.stream = _CountedStream(
+            response.stream, on_close=functools.partial(self._done, index)
+        )
+        return response
+
+    def _done(self, index: int) -> None:
+        self._in_flight[index] -= 1
 
     async def aclose(self) -> None:
         for client in self._clients:
             await client.aclose()
 
 
+class _CountedStream(httpx.AsyncByteStream):
+    """A response's body that calls ``on_close`` once, after it is closed."""
+
+    def __init__(
+        self, stream: httpx.SyncByteStream | httpx.AsyncByteStream, *, on_close: Callable[[], None]
+    ) -> None:
+        assert isinstance(stream, httpx.AsyncByteStream)  # an AsyncClient's
+        self._stream = stream
+        self._on_close: Callable[[], None] | None = on_close
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            yield chunk
+
+    async def aclose(self) -> None:
+        try:
+            await self._stream.aclose()
+        finally:
+            on_close, self._on_close = self._on_close, None
+            if on_close is not None:
+                on_close()
+
+
 class Gateway:
-    """One per app, opened in its lifespan: a pooled HTTP client per worker (pinned to its
+    """One per app, opened in its lifespan: pooled HTTP clients per worker (pinned to its
     certificate), requests in flight per tenant, and the forwarding of one request."""
 
     def __init__(
@@ -229,9 +279,9 @@ class Gateway:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    def _client(self, route: EngineRoute) -> httpx.AsyncClient:
-        """The client for the route's worker: pinned to its certificate (a new certificate, a
-        restarted worker, gets a new client)."""
+    def _clients_of(self, route: EngineRoute) -> _Clients:
+        """The clients for the route's worker: pinned to its certificate (a new certificate, a
+        restarted worker, gets new clients)."""
         self._loop = asyncio.get_running_loop()
         certificate = route.engine_certificate
         if certificate is None:
@@ -246,15 +296,15 @@ class Gateway:
                     "plane will not send it requests: its operator must replace it with a "
                     "worker of this control plane's version"
                 )
-            return self.http.next()
+            return self.http
         held = self._pinned.get(route.worker_id)
         if held is not None and held[0] == certificate:
-            return held[1].next()
+            return held[1]
         if held is not None:
             self._drop_client(route.worker_id)
         clients = _Clients(verify=tls.pinned_context(certificate))
         self._pinned[route.worker_id] = (certificate, clients)
-        return clients.next()
+        return clients
 
     async def forward(
         self,
@@ -466,18 +516,17 @@ class Gateway:
         self, *, route: EngineRoute, path: str, body: dict[str, Any], tenant_id: str
     ) -> httpx.Response:
         """The engine's response, its body not read yet."""
-        client = self._client(route)
-        request = client.build_request(
-            "POST",
+        clients = self._clients_of(route)
+        request = clients.build_request(
             route.engine_endpoint + path,
-            json=body,
+            body=body,
             headers={"Authorization": f"Bearer {route.engine_secret}", TENANT_HEADER: tenant_id},
         )
         try:
             try:
-                return await client.send(request, stream=True)
+                return await clients.send(request)
             except STALE_CONNECTION_ERRORS:
-                return await client.send(request, stream=True)
+                return await clients.send(request)
         except httpx.TimeoutException as exc:
             raise EngineError(
                 f"the engine of worker {route.worker_id} did not answer in time "

@@ -1,0 +1,157 @@
+"""The gateway keeps its connections to an engine and reuses them: sequential requests share
+one, and C requests at once keep to about C, instead of a new connection per request.
+
+The engine here is a small engine-like HTTP server in this process (``CountingEngine``) that
+answers at once and notes the client port of every request: each port is one TCP connection
+the gateway opened to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from skytrain_backend.api.gateway import CLIENTS_PER_ENGINE
+from tests.gateway.conftest import TENANT_LIMIT, Tenant, add_worker, serve_in_thread
+
+# How connections are pooled does not depend on the database: SQLite only.
+pytestmark = pytest.mark.parametrize("gateway_settings", ["sqlite"], indirect=True)
+
+BASE_MODEL = "tests/counting-engine"
+SERVED_NAME = "counting-base"
+SEQUENTIAL = 24
+# Tenants sending at once, each with as many clients as its limit lets in flight.
+TENANTS = 4
+CONCURRENCY = TENANTS * TENANT_LIMIT
+REQUESTS_PER_CLIENT = 8
+REFUSED = "Refuse this."
+
+
+@dataclass
+class CountingEngine:
+    """Answers chat completions as an engine would (a stream when asked, a 400 when told to
+    refuse) and notes the client port of each request it gets."""
+
+    secret: str = field(default_factory=lambda: secrets.token_urlsafe(16))
+    ports: set[int] = field(default_factory=set)
+    requests: int = 0
+
+    def app(self) -> Starlette:
+        return Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
+
+    async def _chat(self, request: Request) -> Response:
+        assert request.client is not None
+        self.ports.add(request.client.port)
+        self.requests += 1
+        if request.headers.get("authorization") != f"Bearer {self.secret}":
+            return JSONResponse({"error": {"message": "wrong key"}}, status_code=401)
+        body = await request.json()
+        if body["messages"][0]["content"] == REFUSED:
+            return JSONResponse({"error": {"message": "this prompt is refused"}}, 400)
+        answer = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "model": body["model"],
+            "prompt_token_ids": [1, 2],
+            "choices": [
+                {"index": 0, "message": {"role": "assistant", "content": "Hi"}, "logprobs": None}
+            ],
+        }
+        if not body.get("stream"):
+            return JSONResponse(answer)
+
+        async def events() -> AsyncIterator[str]:
+            yield f"data: {json.dumps(answer)}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def counting_engine() -> Iterator[tuple[CountingEngine, str]]:
+    engine = CountingEngine()
+    with serve_in_thread(engine.app()) as url:
+        yield engine, url
+
+
+def test_sequential_requests_share_one_connection_and_concurrent_ones_keep_to_their_number(
+    tenant: Callable[[], Tenant],
+    gateway_db: sessionmaker[Session],
+    counting_engine: tuple[CountingEngine, str],
+) -> None:
+    engine, url = counting_engine
+    worker = add_worker(
+        gateway_db,
+        base_model=BASE_MODEL,
+        engine_endpoint=url,
+        engine_secret=engine.secret,
+        served_model_name=SERVED_NAME,
+    )
+    callers = [tenant() for _ in range(TENANTS)]
+    names = [
+        who.create_model(base_model=BASE_MODEL, worker_id=worker)["inference_name"]
+        for who in callers
+    ]
+    alice, name = callers[0], names[0]
+
+    # Answers, streams and refusals alike give their connection back once they end.
+    for index in range(SEQUENTIAL):
+        if index % 3 == 0:
+            with alice.http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={
+                    "model": name,
+                    "messages": [{"role": "user", "content": "Hi"}],
+                    "stream": True,
+                },
+            ) as stream:
+                assert stream.status_code == 200
+                assert any(line.startswith("data: {") for line in stream.iter_lines())
+        elif index % 3 == 1:
+            assert alice.chat(name).status_code == 200
+        else:
+            refused = alice.chat(name, messages=[{"role": "user", "content": REFUSED}])
+            assert refused.status_code == 400, refused.text
+    assert engine.requests == SEQUENTIAL
+    assert len(engine.ports) == 1, (
+        f"{SEQUENTIAL} sequential requests opened {len(engine.ports)} connections"
+    )
+
+    async def send(who: Tenant, model: str) -> None:
+        headers = {"Authorization": f"Bearer {who.key}"}
+        async with httpx.AsyncClient(base_url=who.url, headers=headers, timeout=120) as http:
+
+            async def client() -> None:
+                for _ in range(REQUESTS_PER_CLIENT):
+                    response = await http.post(
+                        "/v1/chat/completions",
+                        json={"model": model, "messages": [{"role": "user", "content": "Hi"}]},
+                    )
+                    assert response.status_code == 200, response.text
+
+            await asyncio.gather(*(client() for _ in range(TENANT_LIMIT)))
+
+    async def flood() -> None:
+        await asyncio.gather(*(send(who, model) for who, model in zip(callers, names, strict=True)))
+
+    asyncio.run(flood())
+    sent = CONCURRENCY * REQUESTS_PER_CLIENT
+    assert engine.requests == SEQUENTIAL + sent
+    # At most C in flight, spread over the pools by how many each has in flight: no pool
+    # ever needs more connections than its share, ceil(C / pools).
+    most = CLIENTS_PER_ENGINE * -(-CONCURRENCY // CLIENTS_PER_ENGINE)
+    assert len(engine.ports) <= most, (
+        f"{sent} requests from {CONCURRENCY} clients at once opened {len(engine.ports)} connections"
+    )
