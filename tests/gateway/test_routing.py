@@ -5,6 +5,7 @@ marks the scheduler reads."""
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from datetime import timedelta
@@ -13,10 +14,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import sqlalchemy
+from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.db import keys
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
 from skytrain_backend.errors import Unavailable
+from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.routing import resolve_route
 from tests.gateway.conftest import (
     ENGINE_SERVED_NAME,
@@ -189,6 +194,75 @@ def test_a_committed_step_is_served_at_once_and_a_deleted_model_not_at_all(
     status, _, message = _error(alice.chat(name))
     assert status == 404
     assert "not found" in message
+
+
+def test_a_revoked_key_and_a_gone_worker_are_seen_at_once(
+    tenant: Callable[[], Tenant], engine: Engine, gateway_db: sessionmaker[Session]
+) -> None:
+    """The other commits that change a cached route (kept far longer than this test) empty
+    the cache too: a key revoked, a worker lost."""
+    alice, bob = tenant(), tenant()
+    worker_id = add_worker(
+        gateway_db,
+        base_model="tests/lost-worker",
+        engine_endpoint=engine.url,
+        engine_secret=engine.secret,
+        served_model_name=engine.served_name,
+    )
+    alices = alice.create_model(worker_id=worker_id, base_model="tests/lost-worker")
+    bobs = bob.create_model(worker_id=worker_id, base_model="tests/lost-worker")
+    assert alice.chat(alices["inference_name"]).status_code == 200
+    served = bob.chat(bobs["inference_name"])
+    assert served.headers.get("x-skytrain-worker") == worker_id
+
+    with gateway_db() as session:
+        keys.revoke_key(session, id_or_prefix=alice.key[: keys.DISPLAY_PREFIX_LENGTH])
+    status, _, message = _error(alice.chat(alices["inference_name"]))
+    assert status == 401 and "was revoked" in message
+
+    with gateway_db() as session:
+        worker = session.get_one(Worker, worker_id)
+        placement.worker_gone(session, worker=worker, status="lost", reason="no heartbeat")
+    status, _, message = _error(bob.chat(bobs["inference_name"]))
+    assert status == 503 and "waiting for a worker for tests/lost-worker" in message
+
+
+def test_a_repeated_request_reads_none_of_its_route_again(
+    tenant: Callable[[], Tenant], engine_worker: str
+) -> None:
+    """The route cache (kept ``ROUTE_CACHE_TTL_S``, far longer than this test) holds what a
+    key and a model name resolved to: the key, the model, its step and its worker are read
+    for the first request only. Nothing else committed meanwhile empties it: the scheduler,
+    placing the model as the test does, keeps the placement it finds
+    (``scheduler/placement.py``)."""
+    alice = tenant()
+    model = alice.create_model(worker_id=engine_worker)
+    # Statements made to resolve alice's requests, which bind her key's hash or her name (the
+    # model's entity); the scheduler's passes run meanwhile.
+    hers = (keys.hash_key(alice.key), alice.name)
+    statements: list[str] = []
+
+    def note(
+        _conn: object, _cursor: object, statement: str, parameters: object, *_: object
+    ) -> None:
+        if any(value in str(parameters) for value in hers):
+            statements.append(statement)
+
+    def route_reads() -> list[str]:
+        tables = re.compile(r"\b(api_keys|models|checkpoints|workers)\b")
+        return [statement for statement in statements if tables.search(statement)]
+
+    event.listen(sqlalchemy.Engine, "before_cursor_execute", note)
+    try:
+        assert alice.chat(model["inference_name"]).status_code == 200
+        first = route_reads()
+        statements.clear()
+        assert alice.chat(model["inference_name"]).status_code == 200
+    finally:
+        event.remove(sqlalchemy.Engine, "before_cursor_execute", note)
+    assert any("FROM api_keys" in statement for statement in first)
+    assert any("FROM models" in statement for statement in first)
+    assert route_reads() == []
 
 
 def test_unreachable_engine_is_unavailable(

@@ -12,6 +12,7 @@ import pytest
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db import keys, migrations, registry
@@ -323,6 +324,40 @@ def test_a_lost_worker_frees_its_models_and_requeues_its_job(
         session.refresh(job)
         session.refresh(model)
         assert (job.status, job.worker_id, model.worker_id) == ("queued", None, None)
+
+
+def test_placement_keeps_a_placement_committed_after_the_pass_read_the_model(
+    sessions: sessionmaker[Session],
+) -> None:
+    """A pass that read the model unplaced does not write over a placement committed before
+    its own (a leader taking over, an operator): nor does it empty the route caches."""
+    cache: RouteCache[str] = RouteCache(ttl_s=60)
+    generations: list[int] = []
+    with sessions() as session:
+        emptiest, chosen = _worker(session), _worker(session)
+        model = _model(session)
+        placement.mark_model_active(session, model=model, min_interval_s=0)
+
+    def placed_meanwhile(_tenant_id: str) -> TenantLimits:
+        # Called by the pass after it read the model, before it places it.
+        with sessions() as other:
+            other.get_one(Model, model.id).worker_id = chosen.id
+            other.commit()
+        generations.append(cache.generation)
+        return NO_QUOTA
+
+    with sessions() as session:
+        placement.place_models(
+            session,
+            idle_timeout_s=600,
+            max_workers=2,
+            launch_backoff_s=0,
+            launch=None,
+            limits=placed_meanwhile,
+        )
+    with sessions() as session:
+        assert session.get_one(Model, model.id).worker_id == chosen.id != emptiest.id
+    assert generations == [cache.generation]
 
 
 def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit(

@@ -4,7 +4,9 @@ are started and stopped.
 - A model is *active* while it was registered, used for inference or trained within
   ``worker_idle_timeout_s``, or has a job queued or running. Active models are placed.
 - Placement is sticky: a model stays on its worker until that worker is gone; then it is placed
-  again (its adapters are fetched from the object store by the new worker).
+  again (its adapters are fetched from the object store by the new worker). A pass places a
+  model only if its row still holds the worker the pass read: a placement committed meanwhile
+  is never written over.
 - A model with no live worker for its base model makes the provider start one, up to
   ``max_workers``. A launch that failed is not retried for ``worker_launch_backoff_s``, so a
   missing cloud credential shows up as the model's status instead of a launch loop.
@@ -125,8 +127,14 @@ def place_models(
             among=set(held) if at_worker_quota else None,
         )
         if worker is not None:
-            model.worker_id = worker.id
+            # The worker's row first (as ``worker_gone`` writes it), which on SQLite takes the
+            # write lock: no placement can be committed between the check and the write.
             worker.last_active_at = utcnow()
+            session.flush()
+            if not _placement_unchanged(session, model):
+                session.commit()
+                continue
+            model.worker_id = worker.id
             session.commit()
             logger.info("placed model %s on worker %s", model.id, worker.id)
             continue
@@ -154,6 +162,17 @@ def _rank_limit(worker: Worker) -> int | None:
     """The largest LoRA rank the worker's engine loads, as it registered it (None: any)."""
     limit = (worker.capacity or {}).get("max_lora_rank")
     return None if limit is None else int(limit)
+
+
+def _placement_unchanged(session: Session, model: Model) -> bool:
+    """Whether the model's row still has the worker this pass read (and still exists), its
+    row locked until the transaction ends. A placement committed meanwhile (by a leader that
+    took over, or by hand) is kept, not written over: writing the same one again would also
+    empty every route cache of the process (``api/route_cache.py``) for nothing."""
+    row = session.execute(
+        select(Model.worker_id).where(Model.id == model.id).with_for_update(key_share=True)
+    ).first()
+    return row is not None and row.worker_id == model.worker_id
 
 
 def _unplace(session: Session, model: Model) -> None:

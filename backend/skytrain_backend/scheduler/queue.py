@@ -106,10 +106,10 @@ def _lease(
 
 def leased_job(session: Session, *, worker: Worker, job_id: str, attempt: int) -> TrainingJob:
     """The job ``worker`` holds as ``attempt``, locked for update; LeaseLost otherwise."""
-    job = session.scalar(select(TrainingJob).where(TrainingJob.id == job_id).with_for_update())
+    job = _locked_job(session, job_id=job_id)
     if job is None:
         raise NotFound(f"training job {job_id!r} not found")
-    if job.status != "running" or job.worker_id != worker.id or job.attempts != attempt:
+    if not _held(job, worker_id=worker.id, attempt=attempt):
         raise LeaseLost(
             f"training job {job_id} attempt {attempt} is no longer held by this worker "
             f"(status {job.status}, attempt {job.attempts})"
@@ -117,26 +117,24 @@ def leased_job(session: Session, *, worker: Worker, job_id: str, attempt: int) -
     return job
 
 
+def _locked_job(session: Session, *, job_id: str) -> TrainingJob | None:
+    return session.scalar(select(TrainingJob).where(TrainingJob.id == job_id).with_for_update())
+
+
+def _held(job: TrainingJob, *, worker_id: str, attempt: int) -> bool:
+    """Whether the job runs under the lease ``worker_id`` took as ``attempt``."""
+    return job.status == "running" and job.worker_id == worker_id and job.attempts == attempt
+
+
 def unlease(session: Session, *, worker_id: str, job_id: str, attempt: int) -> None:
     """Hand back a job leased as ``attempt`` to a worker that hung up before it got the
     answer: queued again, that attempt uncounted, as if never leased; cancelled if a cancel
     came meanwhile, as ``release_jobs`` does (a job no longer held that way is left alone)."""
-    job = session.scalar(select(TrainingJob).where(TrainingJob.id == job_id).with_for_update())
-    if (
-        job is None
-        or job.status != "running"
-        or job.worker_id != worker_id
-        or job.attempts != attempt
-    ):
+    job = _locked_job(session, job_id=job_id)
+    if job is None or not _held(job, worker_id=worker_id, attempt=attempt):
         session.rollback()
         return
-    job.attempts -= 1
-    if job.attempts == 0:
-        job.started_at = None  # the tenant's turn is not used up by a lease nobody received
-    if job.cancel_requested:
-        _finish(session, job, status="cancelled", error="the job was cancelled")
-    else:
-        _requeue(job)
+    _hand_back(session, job, reason="its lease was never received", uncount=True)
     session.commit()
 
 
@@ -303,20 +301,31 @@ def _finish(session: Session, job: TrainingJob, *, status: str, error: str) -> N
 def release_jobs(session: Session, *, jobs: list[TrainingJob], reason: str) -> None:
     """Jobs whose worker is gone: back to the queue, or failed once out of attempts."""
     for job in jobs:
-        if job.status in TERMINAL_JOB_STATUSES:
-            continue
-        if job.cancel_requested:
-            _finish(session, job, status="cancelled", error="the job was cancelled")
-        elif job.attempts < job.max_attempts:
-            _requeue(job)
-        else:
-            _finish(
-                session,
-                job,
-                status="failed",
-                error=f"gave up after {job.attempts} attempts; the last one: {reason}",
-            )
+        if job.status not in TERMINAL_JOB_STATUSES:
+            _hand_back(session, job, reason=reason)
     session.commit()
+
+
+def _hand_back(session: Session, job: TrainingJob, *, reason: str, uncount: bool = False) -> None:
+    """A running job its worker no longer runs, for ``reason``: cancelled if a cancel came for
+    it, else queued again, or failed once out of attempts. ``uncount``: its lease never
+    reached the worker, so that attempt is taken back first, as if the job was never leased
+    (it was leased with attempts to spare, so it goes back to the queue)."""
+    if uncount:
+        job.attempts -= 1
+        if job.attempts == 0:
+            job.started_at = None  # the tenant's turn is not used up by a lease nobody received
+    if job.cancel_requested:
+        _finish(session, job, status="cancelled", error="the job was cancelled")
+    elif job.attempts < job.max_attempts:
+        _requeue(job)
+    else:
+        _finish(
+            session,
+            job,
+            status="failed",
+            error=f"gave up after {job.attempts} attempts; the last one: {reason}",
+        )
 
 
 def expire_leases(session: Session) -> int:
