@@ -1,49 +1,39 @@
 """``skytrain demo`` prints the dashboard's address, and the page shows the demo's model while
-it trains (tiny model: only the dashboard is under test here)."""
+it trains; Ctrl-C then stops the control plane, its workers and the open job (tiny model: only
+the dashboard and the shutdown are under test here; one demo run serves both, as it starts a
+control plane, a worker and its engine)."""
 
 from __future__ import annotations
 
-import os
+import contextlib
 import re
 import signal
-import subprocess
-import sys
-import time
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from playwright.sync_api import Page, expect
 
-from tests.fixtures.models import model_cache_dir
+from tests.demo.support import assert_nothing_left, processes_of, start_demo, wait_until_training
 
 pytestmark = [pytest.mark.e2e]
 
 LINK = re.compile(r"dashboard \(open it while the demo runs\): (http://127\.0\.0\.1:\d+/#key=\S+)")
 
 
-def test_the_demos_dashboard_link_shows_its_model_while_it_trains(
+def test_the_demos_dashboard_shows_its_model_while_it_trains_and_ctrl_c_stops_everything(
     tmp_path: Path, tiny_model_path: Path, open_page: Callable[..., Page]
 ) -> None:
     home, log_path = tmp_path / "home", tmp_path / "demo.out"
-    env = {**os.environ, "SKYTRAIN_MODEL_CACHE_DIR": str(model_cache_dir())}
-    command = [sys.executable, "-m", "skytrain_backend", "demo", "--home", str(home)]
     with open(log_path, "w") as log:
-        process = subprocess.Popen(
-            [*command, "--base-model", str(tiny_model_path), "--steps", "50"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+        process = start_demo(
+            home, "--base-model", str(tiny_model_path), "--steps", "50", stdout=log
         )
     try:
-        deadline = time.monotonic() + 600
-        # Training is under way once the SDK's progress bar shows.
-        while "train:" not in log_path.read_text():
-            assert process.poll() is None, log_path.read_text()[-4000:]
-            assert time.monotonic() < deadline, log_path.read_text()[-4000:]
-            time.sleep(0.2)
-        found = LINK.search(log_path.read_text())
+        found = LINK.search(wait_until_training(process, log_path))
         assert found, log_path.read_text()[-4000:]
+        assert len(processes_of(home)) >= 3  # the server, a worker and its engine
 
         page = open_page()
         page.goto(found.group(1))
@@ -56,6 +46,18 @@ def test_the_demos_dashboard_link_shows_its_model_while_it_trains(
         expect(page.locator("h1.model-name")).to_contain_text("demo")
         assert "key=" not in page.url
         page.close()  # before the demo's control plane stops answering its requests
-    finally:
+
+        # 50 steps are far from done: the Ctrl-C lands while a training job is open.
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=180)
+        assert process.wait(timeout=180) == 130
+    finally:
+        if process.poll() is None:  # a failed check above: stop the demo all the same
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=180)
+    output = log_path.read_text()
+    assert "interrupted: the control plane and its workers are stopped" in output
+    assert_nothing_left(home)
+    # No job is left to be picked up by the next demo's worker.
+    with contextlib.closing(sqlite3.connect(home / "skytrain.db")) as db:
+        statuses = [status for (status,) in db.execute("SELECT status FROM training_jobs")]
+    assert statuses and set(statuses) <= {"succeeded", "cancelled"}, statuses

@@ -31,7 +31,10 @@ def _register(service: Service, tenant: str, name: str, base_model: Path) -> dic
         return dict(response.json())
 
 
-def test_sample_train_and_serve_the_new_step(service: Service, tiny_model_path: Path) -> None:
+def test_sample_train_and_serve_the_new_step(
+    embedded_service: Service, tiny_model_path: Path
+) -> None:
+    service = embedded_service
     model = _register(service, "alice", "agent", tiny_model_path)
     assert model["serving"]["ready"] is False  # nothing serves it yet: a worker is starting
     name = model["inference_name"]
