@@ -111,6 +111,31 @@ def test_a_killed_worker_loses_nothing(embedded_service: Service, tiny_model_pat
     assert "succeeded" in row and "2" in row.split()
 
 
+def test_a_worker_told_to_stop_hands_its_job_back_between_two_steps(
+    embedded_service: Service, tiny_model_path: Path
+) -> None:
+    """SIGTERM mid-job (a scale-down, a spot instance's notice): the worker trains no further
+    step and hands the job back, and another worker runs it from the start."""
+    service = embedded_service
+    model = _register(service, "alice", "stopped", tiny_model_path)
+    with service.http("alice") as http:
+        first_worker = support.wait_until_served(http, model["id"])["worker_id"]
+        job_id = _long_job(service, http, model)
+        os.kill(_worker_pid(service, first_worker), signal.SIGTERM)
+
+        events = support.events_until_end(http, job_id, timeout_s=600)
+        job = http.get(f"/v1/training-jobs/{job_id}").json()
+        assert job["status"] == "succeeded" and job["attempts"] == 2, job
+        types = [event["type"] for event in events]
+        starts = [i for i, t in enumerate(types) if t == "training_started"]
+        assert [events[i]["data"]["attempt"] for i in starts] == [1, 2]
+        first_attempt = types[starts[0] : starts[1]]
+        # Stopped between two steps: the first attempt did not train all of them.
+        assert 0 < first_attempt.count("gradient_step") < events[starts[0]]["data"]["num_sequences"]
+        assert "training_failed" not in types
+        assert support.wait_until_served(http, model["id"], step=1)["worker_id"] != first_worker
+
+
 def test_two_models_share_a_worker_and_tenants_stay_apart(
     embedded_service: Service, tiny_model_path: Path
 ) -> None:

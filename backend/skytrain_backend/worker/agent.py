@@ -28,7 +28,11 @@ the two never hold the GPU at once:
 A job that fails, out of memory included, is reported and the worker goes on serving: its
 trainer is freed and the engine woken (or restarted) whatever happened. Failures a retry
 cannot fix (bad config, an adapter the engine refuses, out of memory at the same size) are
-reported as not retryable.
+reported as not retryable. A worker told to stop (SIGTERM or SIGINT: a scale-down, a spot
+instance's notice; or a drain) while it trains stops at the next gradient step and hands the
+job back as a retryable failure, so another worker runs it at once rather than after this one
+is killed mid-step and its lease runs out. A job that has finished training is still saved and
+committed (seconds) before the worker goes.
 
 Every change of state goes through the control plane over HTTP (``ControlPlaneClient``).
 """
@@ -93,6 +97,10 @@ class EngineProcess(Protocol):
 
 class _JobCancelled(SkytrainError):
     """The user cancelled the job while it ran."""
+
+
+class _WorkerStopping(SkytrainError):
+    """The worker was told to stop while a job trained."""
 
 
 @dataclass
@@ -391,6 +399,9 @@ class WorkerAgent:
         except _JobCancelled:
             logger.info("job %s cancelled", running.id)
             return _Failure("cancelled by the user", cancelled=True)
+        except _WorkerStopping as exc:
+            logger.info("job %s: %s", running.id, exc)
+            return _Failure(str(exc), retryable=True)
         except (TrainingError, EngineRefused, ValueError) as exc:
             # Bad data or config, an adapter the engine refuses, out of memory: the same job
             # would fail the same way again.
@@ -454,11 +465,17 @@ class WorkerAgent:
             if answer.cancel_requested:
                 running.cancelled = True
 
-    def _check(self, running: _RunningJob) -> None:
+    def _check(self, running: _RunningJob, *, training: bool = False) -> None:
+        """Raise if the job is no longer this worker's to finish: its lease lost, a cancel,
+        or (``training``: before a gradient step, not once training is done) a stop."""
         if running.lease_lost:
             raise LeaseLost(f"job {running.id} was leased to another worker")
         if running.cancelled:
             raise _JobCancelled(f"job {running.id} was cancelled")
+        if training and self._stopping.is_set():
+            raise _WorkerStopping(
+                "the worker was stopped while the job trained; the job goes back to the queue"
+            )
 
     async def _train_and_commit(self, job: LeasedJob, running: _RunningJob) -> None:
         model_id = job.model_id
@@ -473,7 +490,7 @@ class WorkerAgent:
                 if job.base_step == 0
                 else await self._fetch_checkpoint(model_id, job.base_step)
             )
-        self._check(running)
+        self._check(running, training=True)
 
         await self._sleep_engine()
         trainer = await self._trainer_for(model_id, job.base_step, job.model_config_, base_dir)
@@ -505,8 +522,11 @@ class WorkerAgent:
                     await report_started()
                 while (metrics := await asyncio.to_thread(next, iterator, None)) is not None:
                     await report_started()
-                    self._check(running)
                     step_metrics.append(metrics)
+                    if len(step_metrics) < plan.num_gradient_steps:
+                        self._check(running, training=True)
+                    else:
+                        self._check(running)
                     await self._cp.event(
                         running.id, attempt=running.attempt, type="gradient_step", data=metrics
                     )
