@@ -307,6 +307,12 @@ def test_a_stopped_control_plane_hands_its_workers_jobs_out_again(
     assert _rows(
         service, "select status, attempts, worker_id from training_jobs where id = ?", interrupted
     ) == [("queued", 1, None)]
+    # Both workers ended on their own, mid-job and with their control plane gone, within the
+    # grace the control plane gives them before it kills them.
+    logs = sorted((home / "workers").glob("*.log"))
+    assert len(logs) == 2
+    for log in logs:
+        assert "worker stopped" in log.read_text(), log.name
 
     service = start_service({}, home)
     try:

@@ -242,6 +242,7 @@ class WorkerAgent:
 
     def stop(self) -> None:
         self._stopping.set()
+        self._cp.stop_retrying()
 
     # --- heartbeat and adapters ----------------------------------------------------------------
 
@@ -408,6 +409,9 @@ class WorkerAgent:
             logger.warning("job %s failed: %s", running.id, exc)
             return _Failure(str(exc))
         except Exception as exc:
+            if self._stopping.is_set():  # a call to a control plane that is gone, most likely
+                logger.info("job %s ended with the worker: %s", running.id, exc)
+                return _Failure(f"the worker was stopped while the job ran: {exc}", retryable=True)
             if type(exc).__name__ == "OutOfMemoryError":  # torch's, raised outside the trainer
                 logger.warning("job %s ran out of memory: %s", running.id, exc)
                 return _Failure(f"out of memory: {exc}")

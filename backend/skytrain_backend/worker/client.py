@@ -6,7 +6,9 @@ types (``protocol.py``); an answer that does not validate fails the call with th
 plane's version in the message, since it means the two were not installed from the same
 release. Idempotent calls (heartbeat, renew, downloads) are retried through transient failures;
 calls that change state once (lease, complete, fail) are not, and the control plane's lease
-rules make a lost answer harmless.
+rules make a lost answer harmless. Once the worker is stopping (``stop_retrying``) nothing is
+retried any more: a control plane that is gone (it stopped its own local workers) must not
+keep a worker from ending before it is killed.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 from tenacity import (
     AsyncRetrying,
+    RetryCallState,
     retry_if_exception,
     stop_after_delay,
     wait_exponential,
@@ -72,15 +75,28 @@ class ControlPlaneClient:
             timeout=httpx.Timeout(timeout_s, connect=10.0),
         )
         self._retry_for_s = retry_for_s
+        self._stopping = asyncio.Event()
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+    def stop_retrying(self) -> None:
+        """Fail every call at its next failure from now on, and end the waits between tries."""
+        self._stopping.set()
+
+    def _give_up(self, state: RetryCallState) -> bool:
+        return self._stopping.is_set() or stop_after_delay(self._retry_for_s)(state)
+
+    async def _pause(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
 
     async def _retrying(self, call: Callable[[], Awaitable[T]]) -> T:
         async for attempt in AsyncRetrying(
             retry=retry_if_exception(_is_transient),
             wait=wait_exponential(multiplier=0.5, max=10),
-            stop=stop_after_delay(self._retry_for_s),
+            stop=self._give_up,
+            sleep=self._pause,
             reraise=True,
         ):
             with attempt:
