@@ -28,7 +28,7 @@ certificate gets nothing, not even the engine secret. A worker row without a cer
 reached only on this host over loopback HTTP (a bare engine standing in for a worker in the
 gateway's tests); anything else without one is refused. Connections are kept and reused: a
 request goes to the client with the fewest requests in flight, so sequential requests share
-one connection and C requests at once keep to about C connections.
+one connection and no client opens more than its share of C requests at once.
 
 Engine refusals of the request itself (4xx) pass through with the engine's status and
 OpenAI-style body. Failures that are not the caller's doing are said in skytrain's words, and
@@ -100,10 +100,10 @@ ENGINE_LIMITS = httpx.Limits(
 # Clients per engine, each request given to the one with the fewest in flight: httpcore's pool
 # walks all its connections (checking each idle one's socket) on every request and every
 # response closed, so under high concurrency a few smaller pools cost far less CPU than one
-# large one. The fewest in flight, not each in turn: a client with fewer requests in flight
-# than it has connections has one idle, so C requests at once keep reusing about C
-# connections (in turn, a client whose connections are all busy opened another while others
-# sat idle).
+# large one. The fewest in flight, not each in turn: sequential requests then share one
+# connection (in turn, they opened one per client, and a new one whenever a client's had
+# expired), and a client never holds more than ceil(C / 8) of C requests at once. Connections
+# idle past the 2 s keep-alive still close, and reopen when the load comes back.
 CLIENTS_PER_ENGINE = 8
 # What reusing a keep-alive connection the engine has just closed looks like; nothing reached
 # the engine, so the request is sent once more on a new connection.
@@ -189,12 +189,12 @@ class _Clients:
         self._in_flight[index] += 1
         try:
             response = await self._clients[index].send(request, stream=True)
+            response.stream = _CountedStream(
+                response.stream, on_close=functools.partial(self._done, index)
+            )
         except BaseException:
             self._in_flight[index] -= 1
             raise
-        response.stream = _CountedStream(
-            response.stream, on_close=functools.partial(self._done, index)
-        )
         return response
 
     def _done(self, index: int) -> None:
@@ -215,9 +215,8 @@ class _CountedStream(httpx.AsyncByteStream):
         self._stream = stream
         self._on_close: Callable[[], None] | None = on_close
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        async for chunk in self._stream:
-            yield chunk
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._stream.__aiter__()
 
     async def aclose(self) -> None:
         try:

@@ -252,7 +252,7 @@ def sampled_turn(item: Turn, allow_training_without_logprobs: bool) -> SampledTu
     return SampledTurn(
         listed_ids=listed_ids,
         token_ids=token_ids,
-        logprobs=None if allow_training_without_logprobs else [e.logprob for e in content],
+        logprobs=None if allow_training_without_logprobs else [entry.logprob for entry in content],
     )
 
 

@@ -4,9 +4,9 @@ are started and stopped.
 - A model is *active* while it was registered, used for inference or trained within
   ``worker_idle_timeout_s``, or has a job queued or running. Active models are placed.
 - Placement is sticky: a model stays on its worker until that worker is gone; then it is placed
-  again (its adapters are fetched from the object store by the new worker). A pass places a
-  model only if its row still holds the worker the pass read: a placement committed meanwhile
-  is never written over.
+  again (its adapters are fetched from the object store by the new worker). A pass places or
+  unplaces a model only if its row still holds the worker the pass read (the row locked on
+  PostgreSQL): a placement committed meanwhile by another control plane is not written over.
 - A model with no live worker for its base model makes the provider start one, up to
   ``max_workers``. A launch that failed is not retried for ``worker_launch_backoff_s``, so a
   missing cloud credential shows up as the model's status instead of a launch loop.
@@ -132,13 +132,16 @@ def place_models(
             worker.last_active_at = utcnow()
             session.flush()
             if not _placement_unchanged(session, model):
-                session.commit()
+                # Placed (or deleted) meanwhile: nothing written, the worker not marked active.
+                session.rollback()
+                logger.debug("model %s was placed meanwhile; left as it is", model.id)
                 continue
             model.worker_id = worker.id
             session.commit()
             logger.info("placed model %s on worker %s", model.id, worker.id)
             continue
-        _unplace(session, model)
+        if not _unplace(session, model):
+            continue
         base = model.base_model
         if (
             launch is None
@@ -175,11 +178,17 @@ def _placement_unchanged(session: Session, model: Model) -> bool:
     return row is not None and row.worker_id == model.worker_id
 
 
-def _unplace(session: Session, model: Model) -> None:
-    """Forget the model's worker that is gone, so the model shows as waiting."""
-    if model.worker_id is not None:
-        model.worker_id = None
-        session.commit()
+def _unplace(session: Session, model: Model) -> bool:
+    """Forget the model's worker that is gone, so the model shows as waiting; False (and
+    nothing written) when a placement was committed since the pass read the model."""
+    if model.worker_id is None:
+        return True
+    if not _placement_unchanged(session, model):
+        session.rollback()
+        return False
+    model.worker_id = None
+    session.commit()
+    return True
 
 
 def _worker_with_room(
