@@ -78,6 +78,9 @@ def test_a_hand_started_worker_joins_with_a_join_token(
         )
         assert refused.returncode != 0
         assert "revoked" in refused.stdout + refused.stderr
+        # Refused before it started its engine (minutes for a large model on a GPU).
+        assert "starting the" not in refused.stdout + refused.stderr
+        assert not (tmp_path / "second-worker" / "worker" / "engine.log").exists()
         assert worker.poll() is None
     finally:
         if worker is not None:

@@ -175,3 +175,37 @@ def test_a_worker_must_register_a_pinnable_certificate_and_an_https_address(
     )
     assert plain.status_code == 400
     assert "must be an https:// URL" in plain.json()["error"]["message"]
+
+
+def test_a_worker_checks_its_token_before_it_starts_anything(
+    control_plane: ControlPlane, db_sessions: sessionmaker[Session]
+) -> None:
+    """``GET /v1/worker/check``: what registering would answer, with no worker row made."""
+    with db_sessions() as session:
+        row, token = worker_tokens.create_join_token(session, name=None, base_model=BASE_MODEL)
+        token_id = row.id
+
+    def check(base_model: str, credential: str = token) -> httpx.Response:
+        return httpx.get(
+            control_plane.url + "/v1/worker/check",
+            params={"base_model": base_model},
+            headers={"Authorization": f"Bearer {credential}"},
+            timeout=60,
+        )
+
+    with db_sessions() as session:
+        workers_before = session.query(Worker).count()
+    assert check(BASE_MODEL).status_code == 204
+    other = check("tests/another-model")
+    assert other.status_code == 401 and "only joins workers for" in other.text, other.text
+    unknown = check(BASE_MODEL, credential="swj-" + "x" * 40)
+    assert unknown.status_code == 401 and "unknown join token" in unknown.text, unknown.text
+    for bad in ("", "m" * 513):
+        refused = check(bad)
+        assert refused.status_code == 400 and "base_model" in refused.text, refused.text
+    with db_sessions() as session:
+        worker_tokens.revoke_join_token(session, id_or_prefix=token_id)
+    revoked = check(BASE_MODEL)
+    assert revoked.status_code == 401 and "was revoked" in revoked.text, revoked.text
+    with db_sessions() as session:
+        assert session.query(Worker).count() == workers_before

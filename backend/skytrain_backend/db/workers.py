@@ -94,15 +94,16 @@ def check_base_model(worker: Worker, *, base_model: str) -> None:
         )
 
 
-# The worker routes a join token (swj-...) may call: joining, and fetching what to install.
-JOIN_TOKEN_PATHS = ("/worker/register", "/worker/package")
+# The worker routes a join token (swj-...) may call: joining, checking that it may join, and
+# fetching what to install.
+JOIN_TOKEN_PATHS = ("/worker/register", "/worker/check", "/worker/package")
 
 
 def check_worker_token(session: Session, *, token: str, path: str) -> None:
     """Whether ``token`` may call the worker route at ``path``, before its body is read: a
-    live worker's token anywhere, a valid join token on ``/v1/worker/register`` (whose scope
-    the route checks against the body) and ``/v1/worker/package`` (the wheel a joining worker
-    installs). Raises AuthenticationFailed saying why not."""
+    live worker's token anywhere, a valid join token on ``/v1/worker/register`` and
+    ``/v1/worker/check`` (whose scope the route checks against the base model) and
+    ``/v1/worker/package`` (the wheel a joining worker installs). Raises AuthenticationFailed saying why not."""
     if path.endswith(JOIN_TOKEN_PATHS) and worker_tokens.is_join_token(token):
         worker_tokens.live_join_token(session, token=token)
     else:

@@ -113,6 +113,22 @@ class ControlPlaneClient:
             response.raise_for_status()
         return response
 
+    async def check(self, base_model: str) -> None:
+        """Refused (SkytrainError saying why) unless this token may register a worker for
+        ``base_model``. Retried while the control plane is unreachable; a control plane too
+        old to know the check (404) is taken at its word when the worker registers."""
+
+        async def ask() -> None:
+            response = await self._http.get("/check", params={"base_model": base_model})
+            if response.status_code == 404:
+                return
+            if response.status_code >= 500:
+                response.raise_for_status()
+            if response.status_code >= 400:
+                raise SkytrainError(f"the control plane refused this worker: {_message(response)}")
+
+        await self._retrying(ask)
+
     async def register(self, registration: WorkerRegistration) -> WorkerRegistered:
         """Register; a worker that joined with a join token switches to the token it is given.
 

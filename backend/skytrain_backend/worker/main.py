@@ -195,6 +195,13 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
         api_key=engine_key,
         served_model_name=config.base_model,
     )
+    control_plane = ControlPlaneClient(config.control_plane_url, config.token)
+    try:
+        # Before the engine starts (minutes for a large model): a wrong token fails now.
+        await control_plane.check(config.base_model)
+    except BaseException:
+        await control_plane.aclose()
+        raise
     config.work_dir.mkdir(parents=True, exist_ok=True)
     certificate, key = tls.self_signed_certificate(_certificate_hosts(config))
     certificate_path, key_path = _write_tls_files(config.work_dir / "tls", certificate, key)
@@ -246,7 +253,6 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
         tls.fingerprint(certificate),
     )
 
-    control_plane = ControlPlaneClient(config.control_plane_url, config.token)
     engine = EngineClient(options.base_url, api_key=engine_key)
     sleep_engine = kind == "vllm" if config.sleep_engine is None else config.sleep_engine
     limit_mb = config.trainer_memory_limit_mb

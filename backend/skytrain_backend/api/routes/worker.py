@@ -97,6 +97,30 @@ def unreachable_message(endpoint: str, problem: str) -> str:
     )
 
 
+@router.get("/check", status_code=204, responses={204: {"description": "It may"}})
+def check(
+    session: SessionDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    base_model: Annotated[str, Query(min_length=1, max_length=512)],
+) -> Response:
+    """Whether this token may register a worker for ``base_model``: 204, or the refusal
+    registering would get. A worker asks before it starts its engine (minutes for a large
+    model on a GPU), so a wrong or revoked token fails at once."""
+    if credentials is None:
+        raise AuthenticationFailed(
+            "no token: send 'Authorization: Bearer swj-...' (a join token) or a worker token"
+        )
+    if worker_tokens.is_join_token(credentials.credentials):
+        worker_tokens.verify_join_token(
+            session, token=credentials.credentials, base_model=base_model
+        )
+    else:
+        worker = workers.authenticate_worker(session, token=credentials.credentials)
+        workers.check_base_model(worker, base_model=base_model)
+    session.rollback()
+    return Response(status_code=204)
+
+
 @router.post("/register", response_model=WorkerRegistered)
 def register(
     body: WorkerRegistration,
