@@ -80,8 +80,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     yield
                 finally:
                     await app.state.tinker.aclose()
-                    await app.state.scheduler.stop()
+                    # The gateway's kept-alive connections first: a worker stopped while one
+                    # is open waits out its front door's graceful-shutdown timeout for it.
                     await app.state.gateway.aclose()
+                    await app.state.scheduler.stop()
             finally:
                 await app.state.notifier.stop()
         finally:
