@@ -1,11 +1,14 @@
 """Sequences admitted together with the same prompt and adapter share its prefill, and get
-exactly what prefilling each in a row of its own gives.
+what prefilling each in a row of its own gives.
 
 Two engines in this process on the same model: one shares prefills (the default), the other
 runs every sequence's prompt in a row of its own (``share_prefill=False``, what the engine did
 before). Each engine's thread is held at a gate while the requests are queued, so both admit
-the same sequences in one step and decode the same batch: the sharing is the only difference,
-and every token, logprob and top logprob must be bitwise equal.
+the same sequences in one step and decode the same batch: the sharing is the only difference.
+Every token, text and top-logprob token must be equal, and every logprob equal up to
+``LOGPROB_TOLERANCE``: a prompt prefilled in one row and in six goes through matrix products
+of different shapes, which some CPUs' kernels round differently even on one thread (by about
+1e-5 for SmolLM2 on an Intel Xeon; bitwise equal on AMD EPYC cores and for the tiny model).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from skytrain_backend.engine.hf.engine import HFEngine, SequenceUpdate
 from skytrain_backend.engine.hf.sampling import SamplingParams
 
 HANG_S = 300
+LOGPROB_TOLERANCE = 1e-4
 MODELS = [pytest.param("tiny"), pytest.param("smollm2", marks=pytest.mark.slow)]
 
 
@@ -91,6 +95,32 @@ async def _admitted_together(
     )
 
 
+def _assert_same(
+    shared: dict[str, list[SequenceUpdate]], alone: dict[str, list[SequenceUpdate]]
+) -> None:
+    """The same updates: tokens, texts and ends equal, logprobs up to ``LOGPROB_TOLERANCE``."""
+    assert shared.keys() == alone.keys()
+    for request_id, updates in shared.items():
+        others = alone[request_id]
+        assert len(updates) == len(others), request_id
+        for ours, theirs in zip(updates, others, strict=True):
+            assert (ours.index, ours.token.token_id, ours.text) == (
+                theirs.index,
+                theirs.token.token_id,
+                theirs.text,
+            ), request_id
+            assert (ours.finish_reason, ours.stop_reason) == (
+                theirs.finish_reason,
+                theirs.stop_reason,
+            )
+            assert [i for i, _ in ours.token.top] == [i for i, _ in theirs.token.top]
+            pairs = [(ours.token.logprob, theirs.token.logprob)]
+            pairs += [
+                (a, b) for (_, a), (_, b) in zip(ours.token.top, theirs.token.top, strict=True)
+            ]
+            assert all(abs(a - b) <= LOGPROB_TOLERANCE for a, b in pairs), (request_id, pairs)
+
+
 def _choices(updates: list[SequenceUpdate]) -> dict[int, list[int]]:
     tokens: dict[int, list[int]] = {}
     for update in updates:
@@ -118,7 +148,7 @@ async def test_the_n_choices_of_a_request_share_one_prefill_and_get_the_unshared
     alone, alone_sequences, alone_rows = await _admitted_together(engines.alone, asks)
     assert (sequences, rows) == (6, 1)
     assert (alone_sequences, alone_rows) == (6, 6)
-    assert shared == alone
+    _assert_same(shared, alone)
     # The comparison is not between six copies of one answer.
     assert len({tuple(tokens) for tokens in _choices(shared["story"]).values()}) > 1
 
@@ -147,7 +177,7 @@ async def test_requests_admitted_together_share_one_prefill_per_prompt_and_adapt
     # adapter (whose cache differs: its layers change the keys and values).
     assert (sequences, rows) == (8, 3)
     assert (alone_sequences, alone_rows) == (8, 8)
-    assert shared == alone
+    _assert_same(shared, alone)
     # Same prompt and seeds, other weights: other logprobs.
     logprobs = {name: [u.token.logprob for u in shared[name]] for name in shared}
     assert logprobs["question-adapter"] != logprobs["question"]

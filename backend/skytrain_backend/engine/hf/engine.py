@@ -9,7 +9,7 @@ one forward pass serves every adapter in the batch. Sequences admitted in the sa
 the same prompt and adapter (a request's ``n`` choices, identical requests) share one row of
 the prefill: the prompt is run once and its cache copied for each (``EngineStats`` counts
 both), with the very tokens and logprobs that prefilling each in a row of its own gives
-(bitwise on one thread; see ``ModelRunner.forward``).
+(bitwise on one thread where the CPU's kernels allow; see ``ModelRunner.forward``).
 
 Each sequence carries its own sampling parameters and random generator (seeded with
 ``seed + index`` for a request with ``n`` choices, as vLLM does), so batching never changes a

@@ -215,7 +215,8 @@ class ModelRunner:
         run separately wherever a matrix product gives a row the same result however many
         rows it is computed with: MKL on one thread does from 4 rows on, and the prompts'
         positions are many rows, but the last positions of a batch can be as few as 2.
-        Elsewhere (MKL on several threads, below 12 rows) they differ by rounding, as they
+        Elsewhere (MKL on several threads, below 12 rows; one thread on an Intel Xeon seen
+        2026-12-05, by about 1e-5 of a logprob for SmolLM2) they differ by rounding, as they
         do with what else is in the batch.
         """
         kwargs: dict[str, Any] = {}
