@@ -22,14 +22,15 @@ DEMO_TIMEOUT_S = 1800
 @pytest.mark.slow
 def test_a_short_demo_learns_plots_and_stops_everything(tmp_path: Path, smollm2_path: Path) -> None:
     home, out = tmp_path / "home", tmp_path / "out"
-    # Four steps of half the demo's questions at four times its learning rate (README).
+    # Four steps of half the demo's questions at four times its learning rate, evaluated on
+    # all 16 held-out questions (README).
     process = start_demo(
         home,
         "--steps", "4",
         "--groups-per-step", "4",
         "--rollouts-per-group", "4",
         "--learning-rate", "2e-3",
-        "--eval-questions", "8",
+        "--eval-questions", "16",
         "--output-dir", str(out),
     )  # fmt: skip
     output, _ = process.communicate(timeout=DEMO_TIMEOUT_S)
@@ -48,12 +49,13 @@ def test_a_short_demo_learns_plots_and_stops_everything(tmp_path: Path, smollm2_
         assert step == row["step"], line
         assert abs(float(eval_reward) - float(row["eval_reward"])) <= 0.0006, line
 
-    # The trained steps' mean held-out reward against the base model's. At this learning rate
-    # the reward can peak and fall back a step later (on 2026-12-05's Intel machine: 0.11,
-    # 0.38, 0.50, 0.23, 0.34), which a comparison of the first and last two steps misses.
+    # The trained steps' held-out reward against the base model's, on all 16 held-out
+    # questions: on average, and at its best. At this learning rate it can peak and fall back
+    # a step later (0.19, 0.30, 0.45, 0.25, 0.37), so no one step is held to the margin.
     eval_rewards = [float(row["eval_reward"]) for row in rows]
-    before, after = eval_rewards[0], sum(eval_rewards[1:]) / (len(eval_rewards) - 1)
-    assert after > before + 0.15, f"held-out reward per step: {eval_rewards}"
+    before, trained = eval_rewards[0], eval_rewards[1:]
+    assert sum(trained) / len(trained) > before + 0.1, f"held-out reward per step: {eval_rewards}"
+    assert max(trained) > before + 0.2, f"held-out reward per step: {eval_rewards}"
     train_rewards = [float(row["train_reward"]) for row in rows[1:]]
     assert train_rewards[-1] > train_rewards[0], f"train reward per step: {train_rewards}"
 
