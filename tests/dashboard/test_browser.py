@@ -14,6 +14,7 @@ import json
 import statistics
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,15 @@ class Runs:
 
 
 def js_number(value: float) -> str:
-    """A number as the page writes it (dom.js formatNumber, for 1e-3 <= |value| < 1e6)."""
+    """A number as the page writes it (dom.js formatNumber, for 1e-3 <= |value| < 1e6).
+
+    ``toPrecision(4)`` rounds the exact binary value and takes the larger magnitude on a tie
+    (0.90625 -> 0.9063), where Python's formatting takes the even digit (0.9062)."""
     if float(value).is_integer():
         return str(int(value))
-    return repr(float(f"{value:.4g}"))
+    exact = Decimal(float(value))
+    rounded = float(exact.quantize(Decimal(1).scaleb(exact.adjusted() - 3), ROUND_HALF_UP))
+    return str(int(rounded)) if rounded.is_integer() else repr(rounded)
 
 
 def letter_share(text: str) -> float:
