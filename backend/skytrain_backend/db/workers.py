@@ -103,7 +103,8 @@ def check_worker_token(session: Session, *, token: str, path: str) -> None:
     """Whether ``token`` may call the worker route at ``path``, before its body is read: a
     live worker's token anywhere, a valid join token on ``/v1/worker/register`` and
     ``/v1/worker/check`` (whose scope the route checks against the base model) and
-    ``/v1/worker/package`` (the wheel a joining worker installs). Raises AuthenticationFailed saying why not."""
+    ``/v1/worker/package`` (the wheel a joining worker installs). Raises
+    AuthenticationFailed saying why not."""
     if path.endswith(JOIN_TOKEN_PATHS) and worker_tokens.is_join_token(token):
         worker_tokens.live_join_token(session, token=token)
     else:

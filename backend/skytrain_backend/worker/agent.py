@@ -527,10 +527,7 @@ class WorkerAgent:
                 while (metrics := await asyncio.to_thread(next, iterator, None)) is not None:
                     await report_started()
                     step_metrics.append(metrics)
-                    if len(step_metrics) < plan.num_gradient_steps:
-                        self._check(running, training=True)
-                    else:
-                        self._check(running)
+                    self._check(running, training=len(step_metrics) < plan.num_gradient_steps)
                     await self._cp.event(
                         running.id, attempt=running.attempt, type="gradient_step", data=metrics
                     )

@@ -110,15 +110,20 @@ def check(
         raise AuthenticationFailed(
             "no token: send 'Authorization: Bearer swj-...' (a join token) or a worker token"
         )
-    if worker_tokens.is_join_token(credentials.credentials):
-        worker_tokens.verify_join_token(
-            session, token=credentials.credentials, base_model=base_model
-        )
-    else:
-        worker = workers.authenticate_worker(session, token=credentials.credentials)
-        workers.check_base_model(worker, base_model=base_model)
+    _admit(session, token=credentials.credentials, base_model=base_model)
     session.rollback()
     return Response(status_code=204)
+
+
+def _admit(session: SessionDep, *, token: str, base_model: str) -> Worker | None:
+    """The worker ``token`` registers a worker for ``base_model`` as (None: a join token,
+    which makes a new one); AuthenticationFailed or InvalidRequest saying why it may not."""
+    if worker_tokens.is_join_token(token):
+        worker_tokens.verify_join_token(session, token=token, base_model=base_model)
+        return None
+    worker = workers.authenticate_worker(session, token=token)
+    workers.check_base_model(worker, base_model=base_model)
+    return worker
 
 
 @router.post("/register", response_model=WorkerRegistered)
@@ -148,21 +153,13 @@ def register(
         tls.check_certificate(body.certificate)
     except ValueError as exc:
         raise InvalidRequest(f"certificate: {exc}") from None
-    joining = worker_tokens.is_join_token(credentials.credentials)
-    worker: Worker | None = None
-    if joining:
-        worker_tokens.verify_join_token(
-            session, token=credentials.credentials, base_model=body.base_model
-        )
-    else:
-        worker = workers.authenticate_worker(session, token=credentials.credentials)
-        workers.check_base_model(worker, base_model=body.base_model)
+    worker = _admit(session, token=credentials.credentials, base_model=body.base_model)
     endpoint = _endpoint(worker, body, request)
     # Nothing is locked while the worker is reached: that takes up to a few seconds.
     session.rollback()
     problem = tls.probe(endpoint, certificate_pem=body.certificate, secret=body.engine_secret)
     issued: str | None = None
-    if joining:
+    if worker is None:  # joined with a join token: a worker of its own
         worker, issued = workers.create_worker(
             session,
             provider="manual",
