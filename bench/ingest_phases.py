@@ -8,7 +8,7 @@ store, no SQL. The phases:
 - split:  ``split_body``: the fields validated, the raw bytes of each group found
 - decode: each group decoded and validated (``parse_group``)
 - turns:  the trainability rule on each group (``trainable_turns``)
-- encode: each group written back as its JSONL line (``Batch.add``)
+- encode: each group written back as its JSONL line, compressed (``Batch.add``)
 
 Usage:
     .venv/bin/python bench/ingest_phases.py [--trajectories 10000] [--repeats 5] [--token-ids]
@@ -29,7 +29,7 @@ from ingest_trajectories import _IDS, _groups, add_batch_arguments
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import gc_paused
 from skytrain_backend.api.schemas import TrainingJobCreate
-from skytrain_backend.storage import ObjectWriter
+from skytrain_backend.storage import ObjectWriter, compression
 
 CHUNK_BYTES = 64 * 1024
 
@@ -55,7 +55,7 @@ def _phases(payload: bytes) -> dict[str, float]:
         spool.write(payload[offset : offset + CHUNK_BYTES])
     times["spool"] = time.perf_counter() - start
     batch = ingest.Batch(limit=len(payload))
-    batch.writer = _Discard()
+    batch.writer = compression.CompressingWriter(_Discard())
     try:
         with spool.view() as buffer:
             start = time.perf_counter()

@@ -6,7 +6,8 @@ Starts a moto S3 server and `skytrain serve` as separate processes (SQLite by de
 - api:   POST /v1/training-jobs (or /v1/models/{id}/log) with N trajectories: the server
          parses and validates every group, writes the JSONL batch to S3, records the job.
 - boto3: one put_object of the same request bytes to the same S3 server.
-- writer: the same bytes through the server's own streaming upload (``S3ObjectStore``'s
+- writer: the same bytes through the server's own streaming upload, zstd-compressed as the
+         API stores a batch (``compression.CompressingWriter`` over ``S3ObjectStore``'s
          ``open_writer``: a multipart upload, one part in flight), with no parsing at all:
          the least the API could take with the upload it makes, against this S3 server.
 
@@ -22,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -37,13 +39,43 @@ from typing import Any
 import boto3
 import httpx
 import machine
+import numpy
 
+from skytrain_backend.storage import compression
 from skytrain_backend.storage.s3 import S3ObjectStore
 
 BIN = Path(sys.executable).parent
 # With --token-ids, each choice's prompt_token_ids (the system and user turns' tokens).
 PROMPT_TOKENS = 120
 _IDS = f" with token_ids and {PROMPT_TOKENS} prompt_token_ids"
+STREAMED_KEY = "plain/streamed.jsonl"
+VOCAB = 49152  # SmolLM2's
+WORDS = [
+    "up",
+    "down",
+    "left",
+    "right",
+    "merge",
+    "the",
+    "tile",
+    "board",
+    "move",
+    "score",
+    "empty",
+    "corner",
+    "row",
+    "column",
+    "next",
+    "best",
+    "keep",
+    "high",
+    "low",
+    "because",
+    "then",
+    "so",
+    "I",
+    "will",
+]
 # The server writes one JSONL line per group: about this many bytes for the default batch.
 WRITE_BYTES = 48 * 1024
 
@@ -75,7 +107,13 @@ def _process(
 
 
 def _choice(tokens: int, index: int, *, with_ids: bool) -> dict[str, Any]:
-    ids = [1000 + (index + t) % 30000 for t in range(tokens)]
+    # As a sampled answer looks: token ids spread over SmolLM2's vocabulary, logprobs as
+    # float32 values written at full precision, text of varied words. A seeded generator
+    # keeps runs comparable; repeated values would make the batch unrealistically easy to
+    # compress (and to parse).
+    rng = random.Random(index)
+    ids = [rng.randrange(VOCAB) for _ in range(tokens)]
+    logprobs = [float(numpy.float32(-rng.expovariate(4.0))) for _ in range(tokens)]
     choice = {
         "finish_reason": "stop",
         "index": 0,
@@ -84,13 +122,17 @@ def _choice(tokens: int, index: int, *, with_ids: bool) -> dict[str, Any]:
                 {
                     "token": f"token_id:{token_id}",
                     "bytes": None,
-                    "logprob": -0.25,
+                    "logprob": logprob,
                     "top_logprobs": [],
                 }
-                for token_id in ids
+                for token_id, logprob in zip(ids, logprobs, strict=True)
             ]
         },
-        "message": {"role": "assistant", "content": "word " * tokens, "tool_calls": None},
+        "message": {
+            "role": "assistant",
+            "content": " ".join(rng.choice(WORDS) for _ in range(tokens)),
+            "tool_calls": None,
+        },
     }
     if with_ids:  # as skytrain's endpoint returns a choice
         choice.update(prompt_token_ids=list(range(1, PROMPT_TOKENS + 1)), token_ids=ids)
@@ -260,7 +302,7 @@ def main() -> None:
                 store = S3ObjectStore(bucket="bench", endpoint_url=endpoint, region="us-east-1")
 
                 def streamed() -> None:
-                    writer = store.open_writer("plain/streamed.jsonl")
+                    writer = compression.CompressingWriter(store.open_writer(STREAMED_KEY))
                     for offset in range(0, len(payload), WRITE_BYTES):
                         writer.write(payload[offset : offset + WRITE_BYTES])
                     writer.commit()
@@ -273,6 +315,7 @@ def main() -> None:
                         {"api": through_api, "boto3": plain_boto3, "writer": streamed},
                     )
                 peak_mb = _memory_mb(server.pid, "VmHWM")
+                (streamed_object,) = store.list(STREAMED_KEY)
     finally:
         shutil.rmtree(home, ignore_errors=True)
 
@@ -293,7 +336,8 @@ def main() -> None:
     )
     print(f"boto3:    put_object of the same bytes  median {boto3_s:.2f} s")
     print(
-        f"writer:   the same bytes through the server's streaming upload, no parsing  "
+        f"writer:   the same bytes through the server's streaming upload, compressed to "
+        f"{streamed_object.size / 1e6:.1f} MB as the API stores them, no parsing  "
         f"median {writer_s:.2f} s ({writer_s / boto3_s:.1f}x boto3)"
     )
     print(f"ratio:    api / boto3 = {api_s / boto3_s:.1f}x; api / writer = {api_s / writer_s:.1f}x")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from skytrain_backend.storage import ObjectStore, keys
+from skytrain_backend.storage import ObjectStore, compression, keys
 from tests.api.conftest import Caller
 from tests.api.support import group
 from tests.fixtures.services import ON_EVERY_BACKEND
@@ -30,7 +30,7 @@ def test_log_stores_batch_with_summary_metrics(caller: Caller, object_store: Obj
     assert metrics["correct"] == pytest.approx(0.5)
 
     key = keys.log_key(tenant_id=caller.key.tenant_id, model_id=model_id, batch_id=batch["id"])
-    lines = object_store.get_bytes(key).decode().splitlines()
+    lines = compression.decompress(object_store.get_bytes(key)).decode().splitlines()
     assert len(lines) == 2
     detail = caller.http.get(f"/v1/models/{model_id}/logs/{batch['id']}").json()
     assert detail["num_trajectories"] == 4

@@ -7,7 +7,7 @@ import json
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import jobs
-from skytrain_backend.storage import ObjectStore, keys
+from skytrain_backend.storage import ObjectStore, compression, keys
 from tests.api.conftest import Caller
 from tests.api.support import group, sft_trajectory
 from tests.fixtures.services import ON_EVERY_BACKEND
@@ -31,7 +31,9 @@ def test_rl_job_is_queued_with_its_input_stored(caller: Caller, object_store: Ob
     assert (job["num_groups"], job["num_trajectories"]) == (2, 5)
     assert job["config"]["learning_rate"] == 1e-5
     key = keys.job_input_key(tenant_id=caller.key.tenant_id, model_id=model_id, job_id=job["id"])
-    lines = object_store.get_bytes(key).splitlines()
+    stored = object_store.get_bytes(key)
+    assert stored.startswith(compression.MAGIC)  # zstd-compressed JSONL
+    lines = compression.decompress(stored).splitlines()
     assert [len(json.loads(line)["trajectories"]) for line in lines] == [2, 3]
     assert caller.http.get(f"/v1/training-jobs/{job['id']}").json() == job
 
@@ -154,7 +156,7 @@ def test_sft_job_from_trajectories(caller: Caller, object_store: ObjectStore) ->
     key = keys.job_input_key(tenant_id=caller.key.tenant_id, model_id=model_id, job_id=job["id"])
     answers = [
         json.loads(line)["messages_and_choices"][-1]["content"]
-        for line in object_store.get_bytes(key).splitlines()
+        for line in compression.decompress(object_store.get_bytes(key)).splitlines()
     ]
     assert answers == ["4", "four"]
 

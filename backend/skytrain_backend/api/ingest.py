@@ -49,7 +49,7 @@ from skytrain_backend.protocol import (
     count_trainable_turns,
     format_validation_error,
 )
-from skytrain_backend.storage import ObjectStore, ObjectWriter
+from skytrain_backend.storage import ObjectStore, ObjectWriter, compression
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -291,7 +291,7 @@ class Batch:
     def stream_to(self, store: ObjectStore, key: str) -> None:
         """Write every line from now on to a new object at ``key`` in ``store``."""
         assert self.writer is None and self.spool.size == 0, "stream_to comes before add"
-        self.writer = store.open_writer(key)
+        self.writer = compression.CompressingWriter(store.open_writer(key))
 
     @property
     def output(self) -> Spool | ObjectWriter:

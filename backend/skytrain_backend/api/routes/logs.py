@@ -34,7 +34,7 @@ from skytrain_backend.api.schemas import (
 from skytrain_backend.config import Settings
 from skytrain_backend.db import batches, checkpoints, registry
 from skytrain_backend.db.models import Tenant, new_id
-from skytrain_backend.storage import ObjectStore, keys
+from skytrain_backend.storage import ObjectStore, compression, keys
 
 router = APIRouter(prefix="/models/{model_id}", tags=["logs"], route_class=LargeBodyRoute)
 
@@ -154,7 +154,7 @@ def get_log(
     data = store.get_bytes(keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch.id))
     return TrajectoryBatchDetail(
         **TrajectoryBatchPublic.model_validate(batch).model_dump(),
-        trajectory_groups=ingest.groups_from_jsonl(data),
+        trajectory_groups=ingest.groups_from_jsonl(compression.decompress(data)),
     )
 
 

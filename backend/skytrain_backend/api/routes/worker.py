@@ -12,7 +12,7 @@ import tempfile
 from datetime import timedelta
 from typing import Annotated, Any, BinaryIO, cast
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import select
@@ -50,7 +50,7 @@ from skytrain_backend.protocol import (
     WorkerRegistration,
 )
 from skytrain_backend.scheduler import queue
-from skytrain_backend.storage import keys
+from skytrain_backend.storage import compression, keys
 
 router = APIRouter(prefix="/worker", tags=["workers"], include_in_schema=False)
 
@@ -301,12 +301,21 @@ def renew(
 
 @router.get("/jobs/{job_id}/input")
 def job_input(
-    job_id: str, worker: WorkerDep, session: SessionDep, store: StoreDep
+    job_id: str,
+    worker: WorkerDep,
+    session: SessionDep,
+    store: StoreDep,
+    accept_encoding: Annotated[str, Header(max_length=1024)] = "",
 ) -> StreamingResponse:
+    """The job's trajectories as JSONL: zstd-encoded as stored when the worker accepts it."""
     job = _worker_job(session, worker=worker, job_id=job_id)
     model = session.get_one(Model, job.model_id)
     key = keys.job_input_key(tenant_id=model.tenant_id, model_id=model.id, job_id=job.id)
-    return StreamingResponse(store.iter_chunks(key), media_type="application/x-ndjson")
+    chunks, encoded = compression.for_client(
+        store.iter_chunks(key), accept_encoding=accept_encoding
+    )
+    headers = {"Content-Encoding": "zstd"} if encoded else None
+    return StreamingResponse(chunks, media_type="application/x-ndjson", headers=headers)
 
 
 @router.post("/jobs/{job_id}/events", status_code=201)

@@ -1,0 +1,87 @@
+"""Stored batches are zstd-compressed JSONL: written through ``CompressingWriter``, read back
+by content (compressed or plain, as objects written before compression are)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from skytrain_backend.storage import LocalObjectStore, compression
+
+
+def _jsonl(lines: int) -> bytes:
+    rng = random.Random(0)
+    return b"".join(
+        json.dumps({"n": n, "logprobs": [rng.random() for _ in range(50)]}).encode() + b"\n"
+        for n in range(lines)
+    )
+
+
+def test_a_batch_written_compressed_reads_back_as_its_lines(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    data = _jsonl(2000)  # ~2 MB: many compressed blocks, some handed out before the end
+    writer = compression.CompressingWriter(store.open_writer("batch.jsonl"))
+    for line in data.splitlines(keepends=True):
+        writer.write(line)
+    assert not store.exists("batch.jsonl")
+    writer.commit()
+    stored = store.get_bytes("batch.jsonl")
+    assert stored.startswith(compression.MAGIC) and len(stored) < len(data) / 2
+    assert compression.decompress(stored) == data
+    # Any reader of zstd reads it: one frame, nothing skytrain's own.
+    assert zstandard.ZstdDecompressor().stream_reader(stored).read() == data
+    # Read in chunks of any size, as the stores hand them out.
+    for size in (1, 7, 4096, len(stored)):
+        chunks = iter([stored[i : i + size] for i in range(0, len(stored), size)])
+        assert b"".join(compression.decompress_chunks(chunks)) == data
+
+
+def test_an_aborted_compressed_batch_leaves_nothing(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    writer = compression.CompressingWriter(store.open_writer("batch.jsonl"))
+    writer.write(_jsonl(100))
+    writer.abort()
+    assert store.list() == []
+
+
+def test_plain_jsonl_written_before_compression_reads_as_it_is() -> None:
+    data = _jsonl(20)
+    assert compression.decompress(data) == data
+    chunks = iter([data[:10], data[10:]])
+    assert b"".join(compression.decompress_chunks(chunks)) == data
+    assert b"".join(compression.decompress_chunks(iter([]))) == b""
+
+
+@pytest.mark.parametrize(
+    ("header", "takes_zstd"),
+    [
+        ("gzip, deflate, zstd", True),  # httpx with zstandard installed
+        ("gzip, deflate", False),  # httpx without it
+        ("", False),
+        ("ZSTD", True),
+        ("br;q=1.0, zstd;q=0.5", True),
+        ("zstd;q=0", False),
+        ("zstd;q=0.000", False),
+        ("zstd;q=nope", False),
+        ("zstandard", False),
+        ("*", False),  # a wildcard could mean any coding: send what every client reads
+    ],
+)
+def test_accept_encoding_is_read_as_http_says(header: str, takes_zstd: bool) -> None:
+    assert compression.accepts_zstd(header) is takes_zstd
+
+
+def test_a_client_gets_the_stored_bytes_only_when_it_takes_zstd() -> None:
+    data = _jsonl(50)
+    stored = zstandard.ZstdCompressor().compress(data)
+
+    chunks, encoded = compression.for_client(iter([stored]), accept_encoding="gzip, zstd")
+    assert encoded and b"".join(chunks) == stored
+    chunks, encoded = compression.for_client(iter([stored]), accept_encoding="gzip")
+    assert not encoded and b"".join(chunks) == data
+    chunks, encoded = compression.for_client(iter([data]), accept_encoding="zstd")
+    assert not encoded and b"".join(chunks) == data
