@@ -7,10 +7,11 @@ import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Result, event, func, inspect, select, update
+from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
 from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.config import Settings
@@ -358,6 +359,57 @@ def test_placement_keeps_a_placement_committed_after_the_pass_read_the_model(
     with sessions() as session:
         assert session.get_one(Model, model.id).worker_id == chosen.id != emptiest.id
     assert generations == [cache.generation]
+
+
+@pytest.mark.parametrize("went", ["lost", "draining", "deleted"])
+def test_placement_skips_a_worker_gone_after_the_pass_read_it(
+    sessions: sessionmaker[Session], went: str
+) -> None:
+    """A worker that went away between the pass's read of the workers and its write (lost,
+    asked to drain, its row deleted by hand) gets no model: the model waits for the next pass,
+    and the worker's row is not written."""
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        placement.mark_model_active(session, model=model, min_interval_s=0)
+    left: list[Worker] = []
+
+    def gone_after_the_read(state: ORMExecuteState) -> Result[Any] | None:
+        # The pass's read of the workers runs, then the worker goes away, then the pass goes on.
+        if left or not state.is_select or state.bind_mapper is not inspect(Worker):
+            return None
+        read = state.invoke_statement().freeze()
+        with sessions() as other:
+            row = other.get_one(Worker, worker.id)
+            if went == "lost":
+                placement.worker_gone(other, worker=row, status="lost", reason="no heartbeat")
+            elif went == "draining":
+                row.status = "draining"
+                other.commit()
+            else:
+                other.delete(row)
+                other.commit()
+            left.append(row)
+        return read()
+
+    with sessions() as session:
+        event.listen(session, "do_orm_execute", gone_after_the_read)
+        placement.place_models(
+            session,
+            idle_timeout_s=600,
+            max_workers=1,
+            launch_backoff_s=0,
+            launch=None,
+            limits=lambda _tenant_id: NO_QUOTA,
+        )
+    assert left, "the pass never read the workers"
+    with sessions() as session:
+        assert session.get_one(Model, model.id).worker_id is None
+        after = session.get(Worker, worker.id)
+        if went == "deleted":
+            assert after is None
+        else:
+            assert after is not None
+            assert (after.status, after.last_active_at) == (went, left[0].last_active_at)
 
 
 def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit(
