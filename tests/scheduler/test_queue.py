@@ -174,13 +174,14 @@ def test_only_jobs_of_models_placed_on_the_worker_are_leased(
 def test_a_lease_handed_back_is_uncounted_and_a_cancel_that_came_meanwhile_ends_it(
     sessions: sessionmaker[Session],
 ) -> None:
-    """``unlease``: the worker hung up before it got the job. Queued again as never leased (or
-    cancelled, if a cancel came meanwhile); a job held otherwise is left alone."""
+    """``unlease``: the worker hung up before it got the job. Queued again as never leased,
+    even when that lease was its last attempt (or cancelled, if a cancel came meanwhile); a
+    job held otherwise is left alone."""
     with sessions() as session:
         worker, other = _worker(session), _worker(session)
         model = _model(session)
         _place(session, model, worker)
-        job = _job(session, model)
+        job = _job(session, model, max_attempts=1)
         job_id = job.id
         assert queue.lease_job(session, worker=worker, lease_s=LEASE_S).id == job_id  # type: ignore[union-attr]
         queue.unlease(session, worker_id=other.id, job_id=job_id, attempt=1)  # not its lease
