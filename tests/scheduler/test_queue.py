@@ -7,10 +7,11 @@ import threading
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy import Result, event, func, inspect, select, update
+from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
 from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.config import Settings
@@ -173,13 +174,14 @@ def test_only_jobs_of_models_placed_on_the_worker_are_leased(
 def test_a_lease_handed_back_is_uncounted_and_a_cancel_that_came_meanwhile_ends_it(
     sessions: sessionmaker[Session],
 ) -> None:
-    """``unlease``: the worker hung up before it got the job. Queued again as never leased (or
-    cancelled, if a cancel came meanwhile); a job held otherwise is left alone."""
+    """``unlease``: the worker hung up before it got the job. Queued again as never leased,
+    even when that lease was its last attempt (or cancelled, if a cancel came meanwhile); a
+    job held otherwise is left alone."""
     with sessions() as session:
         worker, other = _worker(session), _worker(session)
         model = _model(session)
         _place(session, model, worker)
-        job = _job(session, model)
+        job = _job(session, model, max_attempts=1)
         job_id = job.id
         assert queue.lease_job(session, worker=worker, lease_s=LEASE_S).id == job_id  # type: ignore[union-attr]
         queue.unlease(session, worker_id=other.id, job_id=job_id, attempt=1)  # not its lease
@@ -358,6 +360,57 @@ def test_placement_keeps_a_placement_committed_after_the_pass_read_the_model(
     with sessions() as session:
         assert session.get_one(Model, model.id).worker_id == chosen.id != emptiest.id
     assert generations == [cache.generation]
+
+
+@pytest.mark.parametrize("went", ["lost", "draining", "deleted"])
+def test_placement_skips_a_worker_gone_after_the_pass_read_it(
+    sessions: sessionmaker[Session], went: str
+) -> None:
+    """A worker that went away between the pass's read of the workers and its write (lost,
+    asked to drain, its row deleted by hand) gets no model: the model waits for the next pass,
+    and the worker's row is not written."""
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        placement.mark_model_active(session, model=model, min_interval_s=0)
+    left: list[Worker] = []
+
+    def gone_after_the_read(state: ORMExecuteState) -> Result[Any] | None:
+        # The pass's read of the workers runs, then the worker goes away, then the pass goes on.
+        if left or not state.is_select or state.bind_mapper is not inspect(Worker):
+            return None
+        read = state.invoke_statement().freeze()
+        with sessions() as other:
+            row = other.get_one(Worker, worker.id)
+            if went == "lost":
+                placement.worker_gone(other, worker=row, status="lost", reason="no heartbeat")
+            elif went == "draining":
+                row.status = "draining"
+                other.commit()
+            else:
+                other.delete(row)
+                other.commit()
+            left.append(row)
+        return read()
+
+    with sessions() as session:
+        event.listen(session, "do_orm_execute", gone_after_the_read)
+        placement.place_models(
+            session,
+            idle_timeout_s=600,
+            max_workers=1,
+            launch_backoff_s=0,
+            launch=None,
+            limits=lambda _tenant_id: NO_QUOTA,
+        )
+    assert left, "the pass never read the workers"
+    with sessions() as session:
+        assert session.get_one(Model, model.id).worker_id is None
+        after = session.get(Worker, worker.id)
+        if went == "deleted":
+            assert after is None
+        else:
+            assert after is not None
+            assert (after.status, after.last_active_at) == (went, left[0].last_active_at)
 
 
 def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit(

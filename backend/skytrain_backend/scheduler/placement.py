@@ -7,6 +7,8 @@ are started and stopped.
   again (its adapters are fetched from the object store by the new worker). A pass places or
   unplaces a model only if its row still holds the worker the pass read (the row locked on
   PostgreSQL): a placement committed meanwhile by another control plane is not written over.
+  Nor is a model placed on a worker that went away after the pass read it (its row is locked
+  and its status checked first): the model waits for the next pass.
 - A model with no live worker for its base model makes the provider start one, up to
   ``max_workers``. A launch that failed is not retried for ``worker_launch_backoff_s``, so a
   missing cloud credential shows up as the model's status instead of a launch loop.
@@ -24,7 +26,7 @@ import logging
 from collections.abc import Callable
 from datetime import timedelta
 
-from sqlalchemy import exists, func, or_, select
+from sqlalchemy import exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import workers as worker_rows
@@ -127,10 +129,15 @@ def place_models(
             among=set(held) if at_worker_quota else None,
         )
         if worker is not None:
-            # The worker's row first (as ``worker_gone`` writes it), which on SQLite takes the
-            # write lock: no placement can be committed between the check and the write.
-            worker.last_active_at = utcnow()
-            session.flush()
+            # Lock order: the worker's row, then the model's, as ``worker_gone`` writes them,
+            # so the two never wait on each other. Claiming the worker's row first also takes
+            # SQLite's write lock: nothing can be committed between the checks and the write.
+            if not _claim_worker(session, worker):
+                # Gone (lost, stopped, draining, deleted) since the pass read it: nothing
+                # written, the model placed by a later pass.
+                logger.debug("worker %s went away meanwhile; model %s waits", worker.id, model.id)
+                session.rollback()
+                continue
             if not _placement_unchanged(session, model):
                 # Placed (or deleted) meanwhile: nothing written, the worker not marked active.
                 session.rollback()
@@ -165,6 +172,21 @@ def _rank_limit(worker: Worker) -> int | None:
     """The largest LoRA rank the worker's engine loads, as it registered it (None: any)."""
     limit = (worker.capacity or {}).get("max_lora_rank")
     return None if limit is None else int(limit)
+
+
+def _claim_worker(session: Session, worker: Worker) -> bool:
+    """Mark the worker active if it still takes models (it may have been lost, stopped, asked
+    to drain or deleted since the pass read it), its row locked until the transaction ends;
+    False (and nothing written) when it does not. One statement checks and locks: on
+    PostgreSQL, one that waited for a concurrent writer of the row checks the row that writer
+    committed."""
+    claimed = session.scalar(
+        update(Worker)
+        .where(Worker.id == worker.id, Worker.status.in_(PLACEABLE_STATUSES))
+        .values(last_active_at=utcnow())
+        .returning(Worker.id)
+    )
+    return claimed is not None
 
 
 def _placement_unchanged(session: Session, model: Model) -> bool:

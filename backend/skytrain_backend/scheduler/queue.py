@@ -134,7 +134,12 @@ def unlease(session: Session, *, worker_id: str, job_id: str, attempt: int) -> N
     if job is None or not _held(job, worker_id=worker_id, attempt=attempt):
         session.rollback()
         return
-    _hand_back(session, job, reason="its lease was never received", uncount=True)
+    job.attempts -= 1
+    if job.attempts == 0:
+        job.started_at = None  # the tenant's turn is not used up by a lease nobody received
+    # A job is queued only with attempts to spare, so with that attempt taken back it has
+    # some again: it is never failed here, and has no reason to give.
+    _cancel_or_requeue(session, job)
     session.commit()
 
 
@@ -299,33 +304,30 @@ def _finish(session: Session, job: TrainingJob, *, status: str, error: str) -> N
 
 
 def release_jobs(session: Session, *, jobs: list[TrainingJob], reason: str) -> None:
-    """Jobs whose worker is gone: back to the queue, or failed once out of attempts."""
+    """Jobs whose worker is gone, for ``reason``: cancelled if a cancel came for them, else
+    back to the queue, or failed with ``reason`` once out of attempts."""
     for job in jobs:
-        if job.status not in TERMINAL_JOB_STATUSES:
-            _hand_back(session, job, reason=reason)
+        if job.status in TERMINAL_JOB_STATUSES:
+            continue
+        if job.cancel_requested or job.attempts < job.max_attempts:
+            _cancel_or_requeue(session, job)
+        else:
+            _finish(
+                session,
+                job,
+                status="failed",
+                error=f"gave up after {job.attempts} attempts; the last one: {reason}",
+            )
     session.commit()
 
 
-def _hand_back(session: Session, job: TrainingJob, *, reason: str, uncount: bool = False) -> None:
-    """A running job its worker no longer runs, for ``reason``: cancelled if a cancel came for
-    it, else queued again, or failed once out of attempts. ``uncount``: its lease never
-    reached the worker, so that attempt is taken back first, as if the job was never leased
-    (it was leased with attempts to spare, so it goes back to the queue)."""
-    if uncount:
-        job.attempts -= 1
-        if job.attempts == 0:
-            job.started_at = None  # the tenant's turn is not used up by a lease nobody received
+def _cancel_or_requeue(session: Session, job: TrainingJob) -> None:
+    """A running job its worker no longer runs: cancelled if a cancel came for it, else
+    queued again."""
     if job.cancel_requested:
         _finish(session, job, status="cancelled", error="the job was cancelled")
-    elif job.attempts < job.max_attempts:
-        _requeue(job)
     else:
-        _finish(
-            session,
-            job,
-            status="failed",
-            error=f"gave up after {job.attempts} attempts; the last one: {reason}",
-        )
+        _requeue(job)
 
 
 def expire_leases(session: Session) -> int:
