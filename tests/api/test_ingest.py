@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import gc
 import json
+import os
 from typing import Any
 
 import msgspec
@@ -22,7 +24,7 @@ from skytrain_backend.db import batches
 from skytrain_backend.db.models import TrajectoryBatch, new_id
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import parse_trajectory_groups
-from skytrain_backend.storage import ObjectStore
+from skytrain_backend.storage import ObjectStore, compression
 from skytrain_backend.storage.s3 import STREAM_PART_BYTES, S3ObjectStore
 from tests.api.support import group
 from tests.fixtures.services import ON_EVERY_BACKEND
@@ -67,10 +69,15 @@ def _pending_uploads(store: ObjectStore) -> list[object]:
 
 
 def _fill(batch: ingest.Batch, *, parts: float) -> list[bytes]:
-    """Add groups to ``batch`` until its lines fill ``parts`` S3 parts; returns the lines."""
-    raw = json.dumps(group(*[1.0] * 50)).encode()
+    """Add groups to ``batch`` until its stored (compressed) bytes fill ``parts`` S3 parts;
+    returns the lines. Each group carries random base64 text, which zstd shrinks to about
+    3/4 (6 bits of every 8), so the lines fill their parts compressed too."""
     lines: list[bytes] = []
-    while sum(map(len, lines)) < parts * STREAM_PART_BYTES:
+    while sum(map(len, lines)) * 0.8 < parts * STREAM_PART_BYTES:
+        raw = json.dumps(
+            {**group(*[1.0] * 4), "metadata": {"noise": base64.b64encode(os.urandom(64 * 1024))}},
+            default=bytes.decode,
+        ).encode()
         parsed = ingest.parse_group(raw, f"trajectory_groups[{len(lines)}]")
         batch.add(parsed)
         lines.append(msgspec.json.encode(parsed) + b"\n")
@@ -93,7 +100,9 @@ def test_a_batch_streamed_in_parts_is_stored_whole(
     finally:
         batch.close()
     assert uri == object_store.uri(key)
-    assert object_store.get_bytes(key) == b"".join(lines)
+    stored = object_store.get_bytes(key)
+    assert len(stored) > 2 * STREAM_PART_BYTES  # went up in three parts
+    assert compression.decompress(stored) == b"".join(lines)
     assert _pending_uploads(object_store) == []
 
 
@@ -170,3 +179,63 @@ def test_the_routes_that_take_trajectories_pause_the_collector_for_large_bodies(
     for router in (training_jobs.router, logs.router):
         posts = [r for r in router.routes if isinstance(r, APIRoute) and "POST" in r.methods]
         assert posts and all(isinstance(route, LargeBodyRoute) for route in posts)
+
+
+_GROUP = json.dumps(group(1.0, 0.0))
+_BIG = "x" * ingest.MAX_FIELDS_BYTES
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        f'{{"model_id": "m", "trajectory_groups": [{_GROUP}, {_GROUP}]}}',
+        f'{{"trajectory_groups":[{_GROUP}],"model_id":"m","unknown":{{"a":[1,2]}}}}',
+        '{"model_id": "m", "config": {"learning_rate": 1e-5}, "trajectory_groups": []}',
+        '{"model_id": "m"}',  # no list
+        '{"model_id": "m", "trajectory_groups": null}',
+        '{"model_id": "m", "trajectory_groups": 5}',
+        '{"model_id": 7, "trajectory_groups": []}',
+        f'{{"model_id": "m", "trajectory_groups": [{_GROUP}], "trajectory_groups": 5}}',
+        f'{{"model_id": "m", "trajectory_groups": 5, "trajectory_groups": [{_GROUP}]}}',
+        '{"model_id": "a", "model_id": "b", "trajectory_groups": []}',
+        f'{{"model_id": "m", "trajectory_groups": [], "extra": "{_BIG}"}}',
+        f'{{"model_id": "m", "trajectory_groups": [{_GROUP}], "extra": "{_BIG[:-200]}"}}',
+        f'{{"model_id": "{_BIG}", "trajectory_groups": []}}',
+        "[1, 2]",
+        '{"model_id": "m", "trajectory_groups": [',
+        '{"model_id": "m", "trajectory_groups": [{"reward": NaN}]}',
+        '{"model_id": "m", "config": {"learning_rate": Infinity}, "trajectory_groups": []}',
+        '{"model_id": "m", "trajectory_groups": [' + "[" * 5000 + "]" * 5000 + "]}",
+    ],
+)
+def test_one_pass_split_reads_a_body_as_the_exact_split_does(
+    body: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The body is split in one pass of the parser when it is as expected, else by the way
+    that names the problem: both must read every body alike, fields, items and errors."""
+
+    def split() -> object:
+        try:
+            header, items = ingest.split_body(
+                body.encode(),
+                schema=training_jobs.TrainingJobCreate,
+                list_field="trajectory_groups",
+            )
+        except (InvalidRequest, ingest.PayloadTooLarge) as exc:
+            return type(exc), str(exc)
+        return header, None if items is None else [bytes(item) for item in items]
+
+    at_once = split()
+    monkeypatch.setattr(ingest, "_split_at_once", lambda *_, **__: None)
+    assert split() == at_once
+
+
+def test_a_body_as_expected_is_split_in_one_pass() -> None:
+    body = f'{{"model_id": "m", "trajectory_groups": [{_GROUP}, {_GROUP}], "unknown": 1}}'
+    split = ingest._split_at_once(
+        body.encode(), schema=training_jobs.TrainingJobCreate, list_field="trajectory_groups"
+    )
+    assert split is not None
+    fields, items = split
+    assert fields == [b'"model_id":"m"'] and items is not None
+    assert [bytes(item) for item in items] == [_GROUP.encode()] * 2

@@ -21,6 +21,7 @@ the object is deleted again. A rejected request leaves no row and no object behi
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import json
 import logging
@@ -143,19 +144,9 @@ def split_body(
 ) -> tuple[M, list[msgspec.Raw] | None]:
     """The body's fields validated by ``schema`` (its list left empty), and the raw bytes of
     each item of ``list_field`` (None when the body has no such field)."""
-    try:
-        top = msgspec.json.decode(buffer, type=dict[str, msgspec.Raw])
-    except msgspec.ValidationError:
-        raise InvalidRequest("the body must be a JSON object") from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(_not_json(buffer, exc)) from None
-    except RecursionError:
-        raise InvalidRequest(
-            "the body nests arrays and objects too deeply to read (about a thousand levels): "
-            "trajectories are never that deep; flatten what it holds"
-        ) from None
-    raw_items = top.pop(list_field, None)
-    fields = [msgspec.json.encode(key) + b":" + bytes(value) for key, value in top.items()]
+    split = _split_at_once(buffer, schema=schema, list_field=list_field)
+    # When the body is not as expected, the way that says why.
+    fields, raw_items = _split_exactly(buffer, list_field=list_field) if split is None else split
     if raw_items is not None:
         fields.append(msgspec.json.encode(list_field) + b":[]")
     document = b"{" + b",".join(fields) + b"}"
@@ -168,13 +159,67 @@ def split_body(
         header = schema.model_validate_json(document)
     except ValidationError as exc:
         raise InvalidRequest(format_validation_error(exc)) from None
-    if raw_items is None:
-        return header, None
+    if raw_items is None or isinstance(raw_items, list):
+        return header, raw_items
     try:
-        items = msgspec.json.decode(raw_items, type=list[msgspec.Raw])
+        return header, msgspec.json.decode(raw_items, type=list[msgspec.Raw])
     except msgspec.ValidationError:
         raise InvalidRequest(f"{list_field}: Input should be a valid list") from None
-    return header, items
+
+
+def _split_at_once(
+    buffer: Buffer, *, schema: type[BaseModel], list_field: str
+) -> tuple[list[bytes], list[msgspec.Raw] | None] | None:
+    """The body's fields (``"name":value``, those ``schema`` knows) and the raw bytes of each
+    item of its list, found in one pass of the parser; None when the body is not an object
+    with a list there (or has more than the fields' limit besides its items), for
+    ``_split_exactly`` to say why."""
+    try:
+        top = _top_level_struct(schema, list_field).decode(buffer)
+    except (msgspec.MsgspecError, RecursionError):
+        return None
+    items = getattr(top, list_field)
+    # Everything besides the items (fields it ignores included) within the fields' limit.
+    items_size = 0 if items is msgspec.UNSET else sum(len(item) for item in items)
+    if memoryview(buffer).nbytes - items_size > MAX_FIELDS_BYTES:
+        return None
+    fields = [
+        msgspec.json.encode(name) + b":" + bytes(value)
+        for name in top.__struct_fields__
+        if name != list_field and (value := getattr(top, name)) is not msgspec.UNSET
+    ]
+    return fields, None if items is msgspec.UNSET else items
+
+
+@functools.cache
+def _top_level_struct(schema: type[BaseModel], list_field: str) -> msgspec.json.Decoder[Any]:
+    """A decoder of a body with ``schema``'s fields as raw bytes and its list as raw items;
+    fields it does not know are skipped, as the schema ignores them."""
+    fields: list[tuple[str, Any, Any]] = [
+        (field.alias or name, msgspec.Raw, msgspec.UNSET)
+        for name, field in schema.model_fields.items()
+        if name != list_field
+    ]
+    fields.append((list_field, list[msgspec.Raw] | msgspec.UnsetType, msgspec.UNSET))
+    return msgspec.json.Decoder(msgspec.defstruct(f"{schema.__name__}Top", fields))
+
+
+def _split_exactly(buffer: Buffer, *, list_field: str) -> tuple[list[bytes], msgspec.Raw | None]:
+    """Every field of the body as ``"name":value``, and its list's raw bytes (None without);
+    refuses a body that is not a JSON object, naming why."""
+    try:
+        top = msgspec.json.decode(buffer, type=dict[str, msgspec.Raw])
+    except msgspec.ValidationError:
+        raise InvalidRequest("the body must be a JSON object") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidRequest(_not_json(buffer, exc)) from None
+    except RecursionError:
+        raise InvalidRequest(
+            "the body nests arrays and objects too deeply to read (about a thousand levels): "
+            "trajectories are never that deep; flatten what it holds"
+        ) from None
+    raw_items = top.pop(list_field, None)
+    return [msgspec.json.encode(key) + b":" + bytes(value) for key, value in top.items()], raw_items
 
 
 def each_item(
