@@ -4,7 +4,8 @@
   provider ``none`` (nothing launches workers), at most ``TENANT_LIMIT`` requests in flight
   per tenant, a route cache that outlives every test (so each test also checks that the
   changes it makes reach the gateway at once).
-- ``gateway_url`` (session): the control plane app under uvicorn on a free port.
+- ``gateway_app`` (session): the control plane app, for what a test reads in this process
+  (``gateway_app.state.gateway``); ``gateway_url``: that app under uvicorn on a free port.
 - ``engine`` (session): ``skytrain engine serve`` with the tiny model, behind a secret
   (``run_engine`` starts another one, for a test of its own).
 - ``engine_worker`` (session): a ready worker row pointing at that engine. It stands in for
@@ -35,6 +36,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp
 
@@ -121,8 +123,13 @@ def gateway_settings(
 
 
 @pytest.fixture(scope="session")
-def gateway_url(gateway_settings: Settings) -> Iterator[str]:
-    with serve_in_thread(create_app(gateway_settings)) as url:
+def gateway_app(gateway_settings: Settings) -> FastAPI:
+    return create_app(gateway_settings)
+
+
+@pytest.fixture(scope="session")
+def gateway_url(gateway_app: FastAPI) -> Iterator[str]:
+    with serve_in_thread(gateway_app) as url:
         yield url
 
 
