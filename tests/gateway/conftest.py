@@ -4,11 +4,13 @@
   provider ``none`` (nothing launches workers), at most ``TENANT_LIMIT`` requests in flight
   per tenant, a route cache that outlives every test (so each test also checks that the
   changes it makes reach the gateway at once).
-- ``gateway_url`` (session): the control plane app under uvicorn on a free port.
+- ``gateway_app`` (session): the control plane app, for what a test reads in this process
+  (``gateway_app.state.gateway``); ``gateway_url``: that app under uvicorn on a free port.
 - ``engine`` (session): ``skytrain engine serve`` with the tiny model, behind a secret
   (``run_engine`` starts another one, for a test of its own).
-- ``engine_worker`` (session): a ready worker row pointing at that engine. It stands in for
-  the worker agent: the gateway reads exactly these columns, and talks to the engine itself.
+- ``engine_worker`` (session): a ready worker row pointing at that engine
+  (``add_engine_worker`` adds one for any engine). It stands in for the worker agent: the
+  gateway reads exactly these columns, and talks to the engine itself.
 - ``tenant()``: a new tenant with a key, an ``openai`` client and an httpx client, that can
   create models and place them on a worker.
 - ``step1_adapter`` (session): a LoRA adapter for the tiny model made with peft, with random
@@ -35,6 +37,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp
 
@@ -121,8 +124,13 @@ def gateway_settings(
 
 
 @pytest.fixture(scope="session")
-def gateway_url(gateway_settings: Settings) -> Iterator[str]:
-    with serve_in_thread(create_app(gateway_settings)) as url:
+def gateway_app(gateway_settings: Settings) -> FastAPI:
+    return create_app(gateway_settings)
+
+
+@pytest.fixture(scope="session")
+def gateway_url(gateway_app: FastAPI) -> Iterator[str]:
+    with serve_in_thread(gateway_app) as url:
         yield url
 
 
@@ -226,15 +234,22 @@ def add_worker(
         return worker.id
 
 
-@pytest.fixture(scope="session")
-def engine_worker(gateway_db: sessionmaker[Session], engine: Engine) -> str:
+def add_engine_worker(
+    sessions: sessionmaker[Session], engine: Engine, *, base_model: str = ENGINE_BASE_MODEL
+) -> str:
+    """A ready worker row for ``engine`` (its URL, secret and served name); returns its id."""
     return add_worker(
-        gateway_db,
-        base_model=ENGINE_BASE_MODEL,
+        sessions,
+        base_model=base_model,
         engine_endpoint=engine.url,
         engine_secret=engine.secret,
         served_model_name=engine.served_name,
     )
+
+
+@pytest.fixture(scope="session")
+def engine_worker(gateway_db: sessionmaker[Session], engine: Engine) -> str:
+    return add_engine_worker(gateway_db, engine)
 
 
 def mark_served(

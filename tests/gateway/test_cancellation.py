@@ -29,6 +29,7 @@ from skytrain_backend.engine.server import create_app as create_engine_app
 from tests.gateway.conftest import (
     TENANT_LIMIT,
     Tenant,
+    add_engine_worker,
     add_worker,
     open_stream,
     run_engine,
@@ -212,13 +213,7 @@ def test_engine_dying_mid_stream_ends_it_with_an_error_event(
 ) -> None:
     alice = tenant()
     with run_engine(tiny_model_path, tmp_path / "engine.log") as doomed:
-        worker = add_worker(
-            gateway_db,
-            base_model="tests/doomed-engine",
-            engine_endpoint=doomed.url,
-            engine_secret=doomed.secret,
-            served_model_name=doomed.served_name,
-        )
+        worker = add_engine_worker(gateway_db, doomed, base_model="tests/doomed-engine")
         name = alice.create_model(base_model="tests/doomed-engine", worker_id=worker)[
             "inference_name"
         ]

@@ -1,9 +1,11 @@
 """The gateway keeps its connections to an engine and reuses them: sequential requests share
-one, and C requests at once keep to about C, instead of a new connection per request.
+one, and C requests at once keep to about C, instead of a new connection per request. Each
+request goes to the pooled client with the fewest in flight, so a request must leave that count
+however it ends: a caller leaving mid-stream or before the answer, an engine failing mid-stream.
 
 The engine here is a small engine-like HTTP server in this process (``CountingEngine``) that
-answers at once and notes the client port of every request: each port is one TCP connection
-the gateway opened to it.
+answers at once, or as the prompt tells it to misbehave, and notes the client port of every
+request: each port is one TCP connection the gateway opened to it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+import anyio
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -23,7 +27,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from skytrain_backend.api.gateway import CLIENTS_PER_ENGINE
-from tests.gateway.conftest import TENANT_LIMIT, Tenant, add_worker, serve_in_thread
+from tests.gateway.conftest import (
+    TENANT_LIMIT,
+    Tenant,
+    add_worker,
+    serve_in_thread,
+    wait_until,
+)
 
 # How connections are pooled does not depend on the database: SQLite only.
 pytestmark = pytest.mark.parametrize("gateway_settings", ["sqlite"], indirect=True)
@@ -36,16 +46,24 @@ TENANTS = 4
 CONCURRENCY = TENANTS * TENANT_LIMIT
 REQUESTS_PER_CLIENT = 8
 REFUSED = "Refuse this."
+# A stream's first event, then nothing more until the caller (the gateway) leaves.
+HELD = "Hold this."
+# No answer at all, not even its status line, until the caller leaves.
+STALLED = "Stall this."
+# A stream's first event, then the engine fails and drops the connection.
+BROKEN = "Break this."
 
 
 @dataclass
 class CountingEngine:
     """Answers chat completions as an engine would (a stream when asked, a 400 when told to
-    refuse) and notes the client port of each request it gets."""
+    refuse, or misbehaving as the prompt says) and notes the client port of each request."""
 
     secret: str = field(default_factory=lambda: secrets.token_urlsafe(16))
     ports: set[int] = field(default_factory=set)
     requests: int = 0
+    # Requests of the STALLED prompt that arrived and are left unanswered.
+    stalled: int = 0
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
@@ -57,8 +75,14 @@ class CountingEngine:
         if request.headers.get("authorization") != f"Bearer {self.secret}":
             return JSONResponse({"error": {"message": "wrong key"}}, status_code=401)
         body = await request.json()
-        if body["messages"][0]["content"] == REFUSED:
+        prompt = body["messages"][0]["content"]
+        if prompt == REFUSED:
             return JSONResponse({"error": {"message": "this prompt is refused"}}, 400)
+        if prompt == STALLED:
+            self.stalled += 1
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            return Response(status_code=499)
         answer = {
             "id": "chatcmpl-1",
             "object": "chat.completion",
@@ -73,13 +97,18 @@ class CountingEngine:
 
         async def events() -> AsyncIterator[str]:
             yield f"data: {json.dumps(answer)}\n\n"
+            if prompt == HELD:
+                await anyio.sleep_forever()  # cancelled when the caller leaves
+            if prompt == BROKEN:
+                raise RuntimeError("the engine failed mid-stream")
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def counting_engine() -> Iterator[tuple[CountingEngine, str]]:
+    """A fresh one per test: what one test counts is its own."""
     engine = CountingEngine()
     with serve_in_thread(engine.app()) as url:
         yield engine, url
@@ -160,3 +189,102 @@ def test_sequential_requests_share_one_connection_and_concurrent_ones_keep_to_th
     assert opened <= most + 1, (
         f"{sent} requests from {CONCURRENCY} clients at once opened {opened} connections"
     )
+
+
+# No request in flight; one, on the first client (the one every request goes to when all are
+# equal).
+IDLE = [0] * CLIENTS_PER_ENGINE
+ONE = [1] + [0] * (CLIENTS_PER_ENGINE - 1)
+
+
+@dataclass
+class Counted:
+    """A model on the counting engine's worker, and the gateway's requests in flight per client
+    to engines on loopback (where every test's engine is)."""
+
+    caller: Tenant
+    model: str
+    gateway_app: FastAPI
+
+    def in_flight(self) -> list[int]:
+        return list(self.gateway_app.state.gateway.http._in_flight)
+
+    def body(self, prompt: str, *, stream: bool) -> dict[str, object]:
+        return {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "stream": stream,
+        }
+
+
+@pytest.fixture
+def counted(
+    tenant: Callable[[], Tenant],
+    gateway_db: sessionmaker[Session],
+    gateway_app: FastAPI,
+    counting_engine: tuple[CountingEngine, str],
+) -> Counted:
+    engine, url = counting_engine
+    worker = add_worker(
+        gateway_db,
+        base_model=BASE_MODEL,
+        engine_endpoint=url,
+        engine_secret=engine.secret,
+        served_model_name=SERVED_NAME,
+    )
+    caller = tenant()
+    model = caller.create_model(base_model=BASE_MODEL, worker_id=worker)["inference_name"]
+    counted = Counted(caller, model, gateway_app)
+    wait_until(lambda: counted.in_flight() == IDLE, what="the gateway's earlier requests ending")
+    return counted
+
+
+def test_a_stream_the_caller_leaves_midway_leaves_the_in_flight_count(counted: Counted) -> None:
+    with counted.caller.http.stream(
+        "POST", "/v1/chat/completions", json=counted.body(HELD, stream=True)
+    ) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()  # held: dropping it would close the stream
+        assert next(lines).startswith("data: {")
+        assert counted.in_flight() == ONE
+
+    wait_until(lambda: counted.in_flight() == IDLE, what="the abandoned stream counted out")
+
+
+def test_a_request_the_caller_leaves_before_the_answer_leaves_the_in_flight_count(
+    counted: Counted, counting_engine: tuple[CountingEngine, str]
+) -> None:
+    engine, _ = counting_engine
+    stalled_before = engine.stalled
+
+    async def leave_before_the_answer() -> None:
+        headers = {"Authorization": f"Bearer {counted.caller.key}"}
+        async with httpx.AsyncClient(
+            base_url=counted.caller.url, headers=headers, timeout=120
+        ) as http:
+            request = asyncio.create_task(
+                http.post("/v1/chat/completions", json=counted.body(STALLED, stream=False))
+            )
+            while engine.stalled == stalled_before:
+                assert not request.done(), request.result().text
+                await asyncio.sleep(0.05)
+            assert counted.in_flight() == ONE
+            request.cancel()  # the caller gives up and closes its connection
+            with pytest.raises(asyncio.CancelledError):
+                await request
+
+    asyncio.run(leave_before_the_answer())
+
+    wait_until(lambda: counted.in_flight() == IDLE, what="the abandoned request counted out")
+
+
+def test_a_stream_the_engine_breaks_off_leaves_the_in_flight_count(counted: Counted) -> None:
+    with counted.caller.http.stream(
+        "POST", "/v1/chat/completions", json=counted.body(BROKEN, stream=True)
+    ) as response:
+        assert response.status_code == 200
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert len(events) == 2
+    assert "the engine broke off the stream" in events[-1]
+
+    wait_until(lambda: counted.in_flight() == IDLE, what="the broken stream counted out")

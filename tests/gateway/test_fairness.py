@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Worker
 from skytrain_backend.scheduler import placement
-from tests.gateway.conftest import ENGINE_BASE_MODEL, Tenant, add_worker, run_engine
+from tests.gateway.conftest import Tenant, add_engine_worker, run_engine
 
 # What is counted and scheduled does not depend on the database: SQLite only.
 pytestmark = pytest.mark.parametrize("gateway_settings", ["sqlite"], indirect=True)
@@ -51,13 +51,7 @@ def small_batch_worker(
     with run_engine(
         tiny_model_path, tmp_path / "engine.log", "--max-num-seqs", str(MAX_NUM_SEQS)
     ) as engine:
-        worker_id = add_worker(
-            gateway_db,
-            base_model=ENGINE_BASE_MODEL,
-            engine_endpoint=engine.url,
-            engine_secret=engine.secret,
-            served_model_name=engine.served_name,
-        )
+        worker_id = add_engine_worker(gateway_db, engine)
         try:
             yield worker_id
         finally:

@@ -21,7 +21,7 @@ from tests.gateway.conftest import (
     TENANT_LIMIT,
     Engine,
     Tenant,
-    add_worker,
+    add_engine_worker,
     open_stream,
     wait_until,
 )
@@ -75,13 +75,7 @@ def test_a_tenant_at_its_limit_through_one_control_plane_is_refused_through_anot
     second = start_service(env, tmp_path / "second")
     database = create_db_engine(database_url)
     try:
-        worker_id = add_worker(
-            session_factory(database),
-            base_model=ENGINE_BASE_MODEL,
-            engine_endpoint=engine.url,
-            engine_secret=engine.secret,
-            served_model_name=engine.served_name,
-        )
+        worker_id = add_engine_worker(session_factory(database), engine)
         with first.http("alice") as through_first, second.http("alice") as through_second:
             created = through_first.post(
                 "/v1/models",

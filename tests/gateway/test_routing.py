@@ -29,6 +29,7 @@ from tests.gateway.conftest import (
     Engine,
     Tenant,
     add_checkpoint,
+    add_engine_worker,
     add_worker,
     free_port,
     load_adapter,
@@ -202,13 +203,7 @@ def test_a_revoked_key_and_a_gone_worker_are_seen_at_once(
     """The other commits that change a cached route (kept far longer than this test) empty
     the cache too: a key revoked, a worker lost."""
     alice, bob = tenant(), tenant()
-    worker_id = add_worker(
-        gateway_db,
-        base_model="tests/lost-worker",
-        engine_endpoint=engine.url,
-        engine_secret=engine.secret,
-        served_model_name=engine.served_name,
-    )
+    worker_id = add_engine_worker(gateway_db, engine, base_model="tests/lost-worker")
     alices = alice.create_model(worker_id=worker_id, base_model="tests/lost-worker")
     bobs = bob.create_model(worker_id=worker_id, base_model="tests/lost-worker")
     assert alice.chat(alices["inference_name"]).status_code == 200
@@ -375,13 +370,7 @@ def test_request_to_a_worker_marks_it_active(
 ) -> None:
     alice = tenant()
     model = alice.create_model(base_model="tests/marked-worker")
-    worker_id = add_worker(
-        gateway_db,
-        base_model="tests/marked-worker",
-        engine_endpoint=engine.url,
-        engine_secret=engine.secret,
-        served_model_name=engine.served_name,
-    )
+    worker_id = add_engine_worker(gateway_db, engine, base_model="tests/marked-worker")
 
     def placed() -> bool:
         with gateway_db() as session:

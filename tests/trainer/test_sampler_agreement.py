@@ -34,7 +34,7 @@ from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGroup
 from skytrain_backend.trainer import Trainer
 from tests.engine.conversations import TOOLS
-from tests.gateway.conftest import add_worker, run_engine, serve_in_thread
+from tests.gateway.conftest import add_engine_worker, run_engine, serve_in_thread
 
 # fp32 on both sides (CPU engine, CPU trainer): what is left is the order of operations.
 FP32_NOISE = 1e-4
@@ -82,13 +82,7 @@ class Gateway:
             run_engine(model_path, self.settings.home / f"{base_model.replace('/', '-')}.log")
         )
         sessions = session_factory(create_db_engine(self.settings.resolved_database_url))
-        worker_id = add_worker(
-            sessions,
-            base_model=base_model,
-            engine_endpoint=engine.url,
-            engine_secret=engine.secret,
-            served_model_name=engine.served_name,
-        )
+        worker_id = add_engine_worker(sessions, engine, base_model=base_model)
         response = self.client.post(
             "/models",
             cast_to=dict[str, Any],
