@@ -44,6 +44,10 @@ TOKEN_ID_PREFIX = "token_id:"
 # would cost int() quadratic time (or a ValueError past Python's 4,300-digit limit).
 MAX_TOKEN_ID_DIGITS = 20
 _TOKEN_ID_RE = re.compile(rf"^token_id:(\d{{1,{MAX_TOKEN_ID_DIGITS}}})$")
+# Tokens joined by commas, each ``token_id:<id>``.
+_JOINED_IDS_RE = re.compile(
+    rf"token_id:\d{{1,{MAX_TOKEN_ID_DIGITS}}}(?:,token_id:\d{{1,{MAX_TOKEN_ID_DIGITS}}})*"
+)
 
 EventType = Literal[
     "training_started", "gradient_step", "job_timeline", "training_ended", "training_failed"
@@ -211,6 +215,16 @@ def token_id_digits(tokens: Sequence[str]) -> list[str] | None:
             return None
         found.append(match.group(1))
     return found
+
+
+def names_token_ids(tokens: Sequence[str]) -> bool:
+    """Whether ``token_id_digits(tokens)`` finds ids, without making them: the tokens joined
+    by commas (when none holds one) matched by one pattern, each ``\\d`` a decimal digit as
+    ``isdecimal`` takes it. Anything else is left to ``token_id_digits``."""
+    joined = ",".join(tokens)
+    if tokens and joined.count(",") == len(tokens) - 1 and _JOINED_IDS_RE.fullmatch(joined):
+        return True
+    return token_id_digits(tokens) is not None
 
 
 def _message_or_choice(value: Any) -> str:

@@ -24,6 +24,7 @@ from skytrain_backend.protocol import (
     TrajectoryGroup,
     count_trainable_turns,
     format_validation_error,
+    names_token_ids,
     token_id_digits,
 )
 from tests.api.support import choice, group, sft_trajectory, trajectory
@@ -367,6 +368,11 @@ def test_trainability_rules_agree_on_structs_and_models(name: str, allow: bool) 
     [
         (["token_id:1", "token_id:22"], ["1", "22"]),
         (["token_id:5\n"], ["5"]),  # the pattern's "$" takes a final newline
+        (["token_id:1", "token_id:2\n"], ["1", "2"]),
+        (["token_id:007", "token_id:0"], ["007", "0"]),
+        (["token_id:1", "token_id:2", "token_id:x"], None),
+        (["token_id:1", ""], None),
+        (["Hello", " world"], None),
         (["token_id:\u0663"], ["\u0663"]),  # an Arabic-Indic three: a decimal digit
         (["token_id:1,token_id:2"], None),
         (["token_id:1", "token_id:"], None),
@@ -383,6 +389,7 @@ def test_token_ids_are_read_only_from_whole_tokens(
     tokens: list[str], digits: list[str] | None
 ) -> None:
     assert token_id_digits(tokens) == digits
+    assert names_token_ids(tokens) is (digits is not None)
 
 
 def test_a_struct_decoded_twice_does_not_share_defaults() -> None:

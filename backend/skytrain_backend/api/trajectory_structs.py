@@ -29,6 +29,7 @@ from skytrain_backend.protocol import (
     TOKEN_ID_PREFIX,
     SampledTurn,
     message_shape_problem,
+    names_token_ids,
     token_id_digits,
 )
 from skytrain_backend.ranges import INT64_MAX, INT64_MIN, NO_NUL_PATTERN
@@ -240,15 +241,17 @@ def sampled_turn(item: Turn, allow_training_without_logprobs: bool) -> SampledTu
     if not content:
         return SampledTurn(listed_ids=None, token_ids=token_ids, logprobs=None)
     tokens = [entry.token for entry in content]
-    listed_ids: list[int] | None
-    if token_ids and _names_exactly(tokens, token_ids):
+    listed_ids: list[int] | None = None  # only compared with token_ids: read only then
+    if not token_ids:
+        if not names_token_ids(tokens):
+            return SampledTurn(listed_ids=None, token_ids=token_ids, logprobs=None)
+    elif _names_exactly(tokens, token_ids):
         listed_ids = token_ids
     else:
         digits = token_id_digits(tokens)
         if digits is None:
             return SampledTurn(listed_ids=None, token_ids=token_ids, logprobs=None)
-        # Only compared with token_ids: made into numbers only then.
-        listed_ids = list(map(int, digits)) if token_ids else None
+        listed_ids = list(map(int, digits))
     return SampledTurn(
         listed_ids=listed_ids,
         token_ids=token_ids,
