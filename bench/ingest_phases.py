@@ -65,7 +65,7 @@ def _phases(payload: bytes) -> dict[str, float]:
             times["split"] = time.perf_counter() - start
             for index, raw in enumerate(items or []):
                 start = time.perf_counter()
-                group = ingest.parse_group(bytes(raw), f"trajectory_groups[{index}]")
+                group = ingest.parse_group(raw, f"trajectory_groups[{index}]")
                 decoded = time.perf_counter()
                 ingest.trainable_turns(group, index, allow_training_without_logprobs=False)
                 counted = time.perf_counter()

@@ -223,27 +223,28 @@ def _split_exactly(buffer: Buffer, *, list_field: str) -> tuple[list[bytes], msg
 
 
 def each_item(
-    items: Sequence[msgspec.Raw], parse: Callable[[bytes, str], T], *, field: str
+    items: Sequence[msgspec.Raw], parse: Callable[[Buffer, str], T], *, field: str
 ) -> Iterator[T]:
-    """Each item parsed alone by ``parse(raw, where)``; refuses an empty list."""
+    """Each item parsed alone by ``parse(raw, where)`` (its bytes read where they lie in the
+    body, not copied); refuses an empty list."""
     if not items:
         raise InvalidRequest(f"{field} is empty: send at least one item")
     for index, raw in enumerate(items):
-        yield parse(bytes(raw), f"{field}[{index}]")
+        yield parse(raw, f"{field}[{index}]")
 
 
-def parse_group(raw: bytes, where: str) -> Group:
+def parse_group(raw: Buffer, where: str) -> Group:
     try:
         return structs.GROUP_DECODER.decode(raw)
     except (msgspec.MsgspecError, RecursionError):
         pass  # pydantic says why, or takes what only its lax mode accepts
     try:
-        return TrajectoryGroup.model_validate_json(raw)
+        return TrajectoryGroup.model_validate_json(bytes(raw))
     except ValidationError as exc:
         raise InvalidRequest(format_validation_error(exc, root=where)) from None
 
 
-def parse_trajectory(raw: bytes | str, where: str) -> AnyTrajectory:
+def parse_trajectory(raw: Buffer | str, where: str) -> AnyTrajectory:
     """An SFT trajectory: it must hold an assistant turn to learn from."""
     trajectory: AnyTrajectory
     try:
@@ -252,7 +253,7 @@ def parse_trajectory(raw: bytes | str, where: str) -> AnyTrajectory:
             return trajectory
     except (msgspec.MsgspecError, RecursionError):
         try:
-            trajectory = Trajectory.model_validate_json(raw)
+            trajectory = Trajectory.model_validate_json(raw if isinstance(raw, str) else bytes(raw))
         except ValidationError as exc:
             raise InvalidRequest(format_validation_error(exc, root=where)) from None
         for item in trajectory.messages_and_choices:
