@@ -340,7 +340,7 @@ def main() -> None:
         f"{streamed_object.size / 1e6:.1f} MB as the API stores them, no parsing  "
         f"median {writer_s:.2f} s ({writer_s / boto3_s:.1f}x boto3)"
     )
-    print(f"ratio:    api / boto3 = {api_s / boto3_s:.1f}x; api / writer = {api_s / writer_s:.1f}x")
+    print(f"ratio:    api / boto3 = {api_s / boto3_s:.2f}x; api / writer = {api_s / writer_s:.1f}x")
     print(
         f"memory:   server resident {idle_mb:.0f} MB before the first batch, peak "
         f"{peak_mb:.0f} MB over all runs (+{peak_mb - idle_mb:.0f} MB for a "

@@ -62,8 +62,9 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 from fastapi import Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials
 from pydantic import ValidationError
 from sqlalchemy.engine import make_url
@@ -440,25 +441,31 @@ class Gateway:
             "X-Skytrain-Step": str(route.step),
             "X-Skytrain-Worker": route.worker_id,
         }
-        upstream = await until_disconnected(
-            request.receive,
-            self._send(
+        stream = bool(body.get("stream"))
+
+        async def exchange() -> tuple[httpx.Response, Any]:
+            # The engine's answer, read whole (parsed) unless it streams or refused: one
+            # watch for the caller leaving covers the request and the answer.
+            upstream = await self._send(
                 route=route, path=endpoint.path, body=upstream_body, tenant_id=routed.tenant_id
-            ),
-        )
-        if upstream is None:
+            )
+            if stream or upstream.status_code != 200:
+                return upstream, None
+            return upstream, await _read_json(upstream, route=route)
+
+        exchanged = await until_disconnected(request.receive, exchange())
+        if exchanged is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        upstream, content = exchanged
         if upstream.status_code != 200:
             return await _refusal(upstream, route=route)
-        if body.get("stream"):
+        if stream:
             return _EventStream(upstream, model=body["model"], headers=headers)
-        content = await until_disconnected(request.receive, _read_json(upstream, route=route))
-        if content is None:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
         if isinstance(content, dict) and "model" in content:
             content["model"] = body["model"]
             _prompt_ids_onto_choices(content)
-        return JSONResponse(content, headers=headers)
+        # msgspec read it, so every number is finite: written back as JSONResponse would.
+        return Response(_JSON.encode(content), headers=headers, media_type="application/json")
 
     async def complete_tokens(
         self, *, tenant_id: str, model: str, body: dict[str, Any]
@@ -662,10 +669,15 @@ def _check_fits(limits: TenantLimits, cost: Load) -> None:
         )
 
 
+_JSON = msgspec.json.Encoder()
+
+
 async def _read_json(upstream: httpx.Response, *, route: EngineRoute) -> Any:
+    """The engine's whole answer, parsed by msgspec (NaN, Infinity and numbers out of a
+    float's range are not JSON: refused as a broken answer)."""
     try:
         await upstream.aread()
-        return upstream.json()
+        return msgspec.json.decode(upstream.content)
     except httpx.TimeoutException as exc:
         raise EngineError(
             f"the engine of worker {route.worker_id} did not finish in time: retry, with a "
