@@ -11,6 +11,7 @@ import pytest
 import zstandard
 
 from skytrain_backend.storage import LocalObjectStore, compression
+from skytrain_backend.storage.base import CHUNK_BYTES
 
 
 def _jsonl(lines: int) -> bytes:
@@ -85,3 +86,12 @@ def test_a_client_gets_the_stored_bytes_only_when_it_takes_zstd() -> None:
     assert not encoded and b"".join(chunks) == data
     chunks, encoded = compression.for_client(iter([data]), accept_encoding="zstd")
     assert not encoded and b"".join(chunks) == data
+
+
+def test_a_batch_that_compressed_a_thousandfold_is_read_back_in_bounded_pieces() -> None:
+    data = b'{"same": "group"}\n' * (3 * CHUNK_BYTES // 18)  # ~3 chunks, compressed to ~1 KB
+    stored = zstandard.ZstdCompressor().compress(data)
+    assert len(stored) < CHUNK_BYTES / 100
+    pieces = list(compression.decompress_chunks(iter([stored])))
+    assert b"".join(pieces) == data
+    assert len(pieces) >= 3 and max(map(len, pieces)) <= CHUNK_BYTES

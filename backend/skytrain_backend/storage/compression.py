@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from typing import IO, cast
 
 import zstandard
 
-from skytrain_backend.storage.base import ObjectWriter
+from skytrain_backend.storage.base import CHUNK_BYTES, ObjectWriter
 
 MAGIC = b"\x28\xb5\x2f\xfd"
 # The fastest of zstd's standard levels: level 3 took twice the CPU and came out no smaller
@@ -66,10 +67,13 @@ def decompress_chunks(chunks: Iterator[bytes]) -> Iterator[bytes]:
     if not is_compressed(first):
         yield from whole
         return
-    decompressor = zstandard.ZstdDecompressor().decompressobj()
-    for chunk in whole:
-        if out := decompressor.decompress(chunk):
-            yield out
+    # Pieces of at most CHUNK_BYTES out, however well the batch compressed (a batch of one
+    # group repeated shrinks a thousandfold: one chunk in must not become a gigabyte out).
+    yield from zstandard.ZstdDecompressor().read_to_iter(
+        cast("IO[bytes]", _Reader(whole)),  # it calls read() alone
+        read_size=CHUNK_BYTES,
+        write_size=CHUNK_BYTES,
+    )
 
 
 def for_client(chunks: Iterator[bytes], *, accept_encoding: str) -> tuple[Iterator[bytes], bool]:
@@ -82,6 +86,22 @@ def for_client(chunks: Iterator[bytes], *, accept_encoding: str) -> tuple[Iterat
     if accepts_zstd(accept_encoding):
         return whole, True
     return decompress_chunks(whole), False
+
+
+class _Reader:
+    """``read(size)`` over an iterator of chunks, for zstandard's readers."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        self._chunks = chunks
+        self._rest = b""
+
+    def read(self, size: int = -1) -> bytes:
+        if not self._rest:
+            self._rest = next(self._chunks, b"")
+        if size < 0:
+            size = len(self._rest)
+        out, self._rest = self._rest[:size], self._rest[size:]
+        return out
 
 
 def _peek(chunks: Iterator[bytes]) -> tuple[bytes, Iterator[bytes]]:
