@@ -13,7 +13,8 @@ request of the engine and of the control plane process, the TCP connections the 
 accepted (from the bench's clients on the direct path, a new client per round; from the
 control plane on the gateway path: 0 at concurrency 1 when the connection it kept from the
 round before outlived the direct round between, shorter than its 2 s keep-alive), and the
-gateway / direct ratios. Every process shares the machine's cores, so on a small machine the control plane's CPU time is taken from the engine's.
+gateway / direct ratios. Every process shares the machine's cores, so on a small machine the
+control plane's CPU time is taken from the engine's.
 
 Usage:
     .venv/bin/python bench/gateway_overhead.py [--max-tokens 8] [--requests 384] [--rounds 3]
