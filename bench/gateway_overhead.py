@@ -1,16 +1,19 @@
 """What the inference gateway costs: the same requests sent to the engine directly and through
 the control plane, at concurrency 1 and 64.
 
-Starts `skytrain engine serve` (the CPU engine, tiny random model with SmolLM2's tokenizer)
-and `skytrain serve` (SQLite, provider none) as separate processes, creates a key and a model,
-and records a ready worker row pointing at the engine (what the worker agent leaves after it
-registers). Then, for each concurrency C, rounds alternate between the two paths so both see
-the same machine load: C clients send chat completions back to back, every one generating
-exactly --max-tokens tokens (ignore_eos, fixed seeds), with the gateway's always-on logprobs
-and token ids asked of the engine on the direct path too. Reported per path: latency p50/p99,
-requests/s, CPU time per request of the engine and of the control plane process, the TCP
-connections opened to the engine (by the bench's clients on the direct path, a new client per
-round; by the control plane on the gateway path), and the gateway / direct ratios. Every process shares the machine's cores, so on a small machine the
+Starts the CPU engine as `skytrain engine serve` does, counting the connections it accepts
+(bench/counting_engine.py; tiny random model with SmolLM2's tokenizer), and `skytrain serve`
+(SQLite, provider none) as separate processes, creates a key and a model, and records a ready
+worker row pointing at the engine (what the worker agent leaves after it registers). Then, for
+each concurrency C, rounds alternate between the two paths so both see the same machine load:
+C clients send chat completions back to back, every one generating exactly --max-tokens tokens
+(ignore_eos, fixed seeds), with the gateway's always-on logprobs and token ids asked of the
+engine on the direct path too. Reported per path: latency p50/p99, requests/s, CPU time per
+request of the engine and of the control plane process, the TCP connections the engine
+accepted (from the bench's clients on the direct path, a new client per round; from the
+control plane on the gateway path: 0 at concurrency 1 when the connection it kept from the
+round before outlived the direct round between, shorter than its 2 s keep-alive), and the
+gateway / direct ratios. Every process shares the machine's cores, so on a small machine the
 control plane's CPU time is taken from the engine's.
 
 Usage:
@@ -63,26 +66,10 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _engine_peers(port: int) -> set[int]:
-    """The client-side ports of the loopback TCP connections to ``port`` that the kernel holds
-    (/proc/net/tcp, Linux), closed ones included: a closed connection stays in TIME_WAIT for a
-    minute, longer than a round, so the ports new after a round count the connections it
-    opened."""
-    peers: set[int] = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        fields = line.split()
-        local, remote, state = (
-            int(fields[1].split(":")[1], 16),
-            int(fields[2].split(":")[1], 16),
-            fields[3],
-        )
-        if state == "0A":  # listening
-            continue
-        if local == port:
-            peers.add(remote)
-        elif remote == port:
-            peers.add(local)
-    return peers
+def _engine_connections(connections_file: Path) -> int:
+    """The TCP connections the engine has accepted so far (``counting_engine.py`` appends a byte
+    to the file for each)."""
+    return connections_file.stat().st_size
 
 
 @contextmanager
@@ -174,7 +161,7 @@ async def _measure(
     *,
     engine_pid: int,
     plane_pid: int,
-    engine_port: int,
+    connections_file: Path,
 ) -> None:
     for path in paths:  # warm-up: connections, the engine's first batches, the database
         await _round(path, concurrency=4, requests=16, max_tokens=args.max_tokens)
@@ -187,7 +174,7 @@ async def _measure(
         opened: dict[str, int] = {path.label: 0 for path in paths}
         for _ in range(args.rounds):
             for path in paths:
-                peers_before = _engine_peers(engine_port)
+                connections_before = _engine_connections(connections_file)
                 cpu_before = _cpu_seconds(engine_pid), _cpu_seconds(plane_pid)
                 start = time.perf_counter()
                 latencies[path.label] += await _round(
@@ -196,7 +183,7 @@ async def _measure(
                 elapsed[path.label] += time.perf_counter() - start
                 cpu[path.label][0] += _cpu_seconds(engine_pid) - cpu_before[0]
                 cpu[path.label][1] += _cpu_seconds(plane_pid) - cpu_before[1]
-                opened[path.label] += len(_engine_peers(engine_port) - peers_before)
+                opened[path.label] += _engine_connections(connections_file) - connections_before
         print(f"\nconcurrency {concurrency}: {args.rounds} x {requests} requests per path")
         figures = {}
         for path in paths:
@@ -268,9 +255,11 @@ def main() -> None:
             "SKYTRAIN_PROVIDER": "none",
             "SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS": "1000",
         }
-        engine_argv = [SKYTRAIN, "engine", "serve", "--engine", "hf", "--model", str(model_path)]
+        connections_file = home / "engine-connections"
+        engine_argv = [sys.executable, str(REPO / "bench" / "counting_engine.py")]
+        engine_argv += ["--connections-file", str(connections_file), "--model", str(model_path)]
         engine_argv += ["--served-model-name", "bench-base", "--port", str(engine_port)]
-        engine_argv += ["--api-key", secret, "--max-num-seqs", "64", "--log-level", "warning"]
+        engine_argv += ["--api-key", secret, "--max-num-seqs", "64"]
         plane_argv = [SKYTRAIN, "serve", "--port", str(plane_port)]
         with (
             _process(engine_argv, env, f"{engine_url}/health", home / "engine.log") as engine,
@@ -309,7 +298,11 @@ def main() -> None:
             ]
             asyncio.run(
                 _measure(
-                    paths, args, engine_pid=engine.pid, plane_pid=plane.pid, engine_port=engine_port
+                    paths,
+                    args,
+                    engine_pid=engine.pid,
+                    plane_pid=plane.pid,
+                    connections_file=connections_file,
                 )
             )
             print(f"\n1-min load average after: {os.getloadavg()[0]:.1f}")

@@ -44,7 +44,16 @@ FORWARDED_ROUTES = frozenset(
 PASSED_HEADERS = ("content-type", "cache-control")
 # Generation on a CPU engine can take minutes before a non-streamed answer's first byte.
 ENGINE_TIMEOUT = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
-ENGINE_LIMITS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+# The engine's server (uvicorn, under vLLM and the CPU engine) closes a connection idle for 5 s.
+# An idle connection kept as long would be reused just as the engine closes it, and the request
+# lost: it is dropped after 2 s instead, well before the engine's close.
+ENGINE_LIMITS = httpx.Limits(
+    max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+)
+# What reusing a kept connection the engine has closed all the same looks like (the engine
+# restarted, or closed it as the request arrived): nothing reached the engine, so the request
+# is sent once more, on a new connection.
+STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
 def _error(status: int, type_: str, message: str) -> JSONResponse:
@@ -120,15 +129,14 @@ class FrontDoor:
             )
         upstream = await until_disconnected(
             request.receive,
-            self._engine.send(
+            self._send(
                 self._engine.build_request(
                     request.method,
                     request.url.path,
                     params=request.query_params,
                     content=body,
                     headers=_forwarded_headers(request),
-                ),
-                stream=True,
+                )
             ),
         )
         if upstream is None:
@@ -137,6 +145,13 @@ class FrontDoor:
         return StreamingResponse(
             _relay(upstream), status_code=upstream.status_code, headers=headers
         )
+
+    async def _send(self, request: httpx.Request) -> httpx.Response:
+        """The engine's response, its body not read yet."""
+        try:
+            return await self._engine.send(request, stream=True)
+        except STALE_CONNECTION_ERRORS:
+            return await self._engine.send(request, stream=True)
 
     async def _body(self, request: Request) -> bytes | None:
         """The request body, or None once it passes the limit (read no further)."""
