@@ -115,3 +115,15 @@ def test_connection_idle_nearly_as_long_as_the_engines_keep_alive_is_not_reused(
     assert engine.connections == 2, (
         "a connection nearly as old as the engine's keep-alive was reused"
     )
+
+
+def test_an_engine_that_cannot_be_reached_is_a_503_saying_so() -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    with front_door_before(f"http://127.0.0.1:{sock.getsockname()[1]}") as http:
+        answer = http.get("/health")
+    sock.close()
+    assert answer.status_code == 503
+    error = answer.json()["error"]
+    assert error["type"] == "service_unavailable"
+    assert "cannot be reached" in error["message"] and "127.0.0.1" not in error["message"]

@@ -19,6 +19,7 @@ The engine is called with its own secret, which never leaves the worker.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from collections.abc import AsyncIterator
 
@@ -29,6 +30,8 @@ from starlette.types import Receive, Scope, Send
 
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.protocol import TENANT_HEADER
+
+logger = logging.getLogger(__name__)
 
 # (method, path) pairs forwarded to the engine; anything else is not found.
 FORWARDED_ROUTES = frozenset(
@@ -127,18 +130,32 @@ class FrontDoor:
                 "payload_too_large",
                 f"the request body is over {self._max_body_bytes} bytes",
             )
-        upstream = await until_disconnected(
-            request.receive,
-            self._send(
-                self._engine.build_request(
-                    request.method,
-                    request.url.path,
-                    params=request.query_params,
-                    content=body,
-                    headers=_forwarded_headers(request),
-                )
-            ),
-        )
+        try:
+            upstream = await until_disconnected(
+                request.receive,
+                self._send(
+                    self._engine.build_request(
+                        request.method,
+                        request.url.path,
+                        params=request.query_params,
+                        content=body,
+                        headers=_forwarded_headers(request),
+                    )
+                ),
+            )
+        except httpx.TimeoutException as exc:
+            return _error(
+                504, "timeout", f"the engine did not answer in time ({type(exc).__name__})"
+            )
+        except httpx.TransportError as exc:
+            # Starting, restarting or gone: the gateway takes a 503 as "retry shortly".
+            logger.warning("the engine cannot be reached: %s: %s", type(exc).__name__, exc)
+            return _error(
+                503,
+                "service_unavailable",
+                f"the engine cannot be reached ({type(exc).__name__}): it may be starting or "
+                "restarting; retry shortly",
+            )
         if upstream is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         headers = {k: v for k in PASSED_HEADERS if (v := upstream.headers.get(k)) is not None}
