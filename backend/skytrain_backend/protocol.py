@@ -406,7 +406,9 @@ def check_sampled_choice(
 ) -> None:
     """Refuse a sampled turn the RL trainer cannot learn from. ``listed_ids``: the ids its
     logprobs name (None unless every token is ``token_id:<id>``); ``logprobs``: their values
-    (None likewise; not read when training without logprobs is allowed)."""
+    (None likewise; not read when training without logprobs is allowed), checked only to be
+    finite: the ingest's msgspec reader, whose floats are all finite, passes an empty list
+    (a rule on the values themselves would need it to pass them)."""
     if listed_ids is not None and token_ids and listed_ids != token_ids:
         raise InvalidRequest(
             f"{choice} has token_ids that differ from the ids in its logprobs: "

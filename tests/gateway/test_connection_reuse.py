@@ -52,6 +52,8 @@ HELD = "Hold this."
 STALLED = "Stall this."
 # A stream's first event, then the engine fails and drops the connection.
 BROKEN = "Break this."
+# A whole answer that is not JSON (NaN is Python's, not JSON's).
+GARBLED = "Garble this."
 
 
 @dataclass
@@ -78,6 +80,8 @@ class CountingEngine:
         prompt = body["messages"][0]["content"]
         if prompt == REFUSED:
             return JSONResponse({"error": {"message": "this prompt is refused"}}, 400)
+        if prompt == GARBLED:
+            return Response('{"choices": [{"logprob": NaN}]}', media_type="application/json")
         if prompt == STALLED:
             self.stalled += 1
             while (await request.receive())["type"] != "http.disconnect":
@@ -288,3 +292,15 @@ def test_a_stream_the_engine_breaks_off_leaves_the_in_flight_count(counted: Coun
     assert "the engine broke off the stream" in events[-1]
 
     wait_until(lambda: counted.in_flight() == IDLE, what="the broken stream counted out")
+
+
+def test_an_answer_that_is_not_json_is_a_502_naming_it_and_leaves_the_in_flight_count(
+    counted: Counted,
+) -> None:
+    answer = counted.caller.http.post(
+        "/v1/chat/completions", json=counted.body(GARBLED, stream=False)
+    )
+    assert answer.status_code == 502
+    assert "answered what is not JSON" in answer.json()["error"]["message"]
+
+    wait_until(lambda: counted.in_flight() == IDLE, what="the garbled answer counted out")

@@ -19,6 +19,7 @@ def _raw(worker: WorkerClient, job_id: str, accept: str) -> tuple[str | None, by
         "GET", f"/jobs/{job_id}/input", headers={"Accept-Encoding": accept}
     ) as response:
         assert response.status_code == 200
+        assert response.headers["vary"] == "Accept-Encoding"
         return response.headers.get("content-encoding"), b"".join(response.iter_raw())
 
 

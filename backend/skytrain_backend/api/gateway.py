@@ -678,6 +678,10 @@ async def _read_json(upstream: httpx.Response, *, route: EngineRoute) -> Any:
     try:
         await upstream.aread()
         return msgspec.json.decode(upstream.content)
+    except msgspec.DecodeError as exc:
+        raise EngineError(
+            f"the engine of worker {route.worker_id} answered what is not JSON ({exc}): retry"
+        ) from exc
     except httpx.TimeoutException as exc:
         raise EngineError(
             f"the engine of worker {route.worker_id} did not finish in time: retry, with a "

@@ -174,8 +174,11 @@ def _split_at_once(
     item of its list, found in one pass of the parser; None when the body is not an object
     with a list there (or has more than the fields' limit besides its items), for
     ``_split_exactly`` to say why."""
+    decoder = _top_level_struct(schema, list_field)
+    if decoder is None:
+        return None
     try:
-        top = _top_level_struct(schema, list_field).decode(buffer)
+        top = decoder.decode(buffer)
     except (msgspec.MsgspecError, RecursionError):
         return None
     items = getattr(top, list_field)
@@ -192,9 +195,16 @@ def _split_at_once(
 
 
 @functools.cache
-def _top_level_struct(schema: type[BaseModel], list_field: str) -> msgspec.json.Decoder[Any]:
+def _top_level_struct(schema: type[BaseModel], list_field: str) -> msgspec.json.Decoder[Any] | None:
     """A decoder of a body with ``schema``'s fields as raw bytes and its list as raw items;
-    fields it does not know are skipped, as the schema ignores them."""
+    fields it does not know are skipped unread (as the schema ignores them: their bytes are
+    not even checked to be UTF-8). None for a schema that refuses unknown fields or reads a
+    field under other names: its bodies take the exact way."""
+    config = schema.model_config
+    if config.get("extra") == "forbid" or config.get("populate_by_name"):
+        return None
+    if any(field.validation_alias is not None for field in schema.model_fields.values()):
+        return None
     fields: list[tuple[str, Any, Any]] = [
         (field.alias or name, msgspec.Raw, msgspec.UNSET)
         for name, field in schema.model_fields.items()

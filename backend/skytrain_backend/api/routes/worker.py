@@ -314,7 +314,9 @@ def job_input(
     chunks, encoded = compression.for_client(
         store.iter_chunks(key), accept_encoding=accept_encoding
     )
-    headers = {"Content-Encoding": "zstd"} if encoded else None
+    headers = {"Vary": "Accept-Encoding"}  # the answer depends on it
+    if encoded:
+        headers["Content-Encoding"] = "zstd"
     return StreamingResponse(chunks, media_type="application/x-ndjson", headers=headers)
 
 
