@@ -674,7 +674,7 @@ _JSON = msgspec.json.Encoder()
 
 async def _read_json(upstream: httpx.Response, *, route: EngineRoute) -> Any:
     """The engine's whole answer, parsed by msgspec (NaN, Infinity and numbers out of a
-    float's range are not JSON: refused as a broken answer)."""
+    float's range are not JSON: an answer holding them is refused as not JSON)."""
     try:
         await upstream.aread()
         return msgspec.json.decode(upstream.content)

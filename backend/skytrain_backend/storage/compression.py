@@ -2,9 +2,9 @@
 
 A batch (a training job's input, a logged batch) is written once and read once or twice, and
 its JSON repeats itself: field names, ``"bytes":null``, token prefixes. zstd at level 1
-shrinks a batch of sampled trajectories about 6x for ~1.5 s of CPU per GB, so the control
-plane sends the object store a sixth of the bytes while it validates (the upload ran beside
-the parser on the same cores), and workers download a sixth.
+shrinks a batch of sampled trajectories about 7x for ~1.3 s of CPU per GB, so the control
+plane sends the object store a seventh of the bytes while it validates (the upload runs beside
+the parser on the same cores), and workers download a seventh.
 
 An object is recognised by its content, not its key: a zstd frame starts with the magic
 number ``28 b5 2f fd``, which no JSONL line can start with. Objects written before batches
