@@ -39,6 +39,9 @@ def test_a_batch_written_compressed_reads_back_as_its_lines(tmp_path: Path) -> N
     for size in (1, 7, 4096, len(stored)):
         chunks = iter([stored[i : i + size] for i in range(0, len(stored), size)])
         assert b"".join(compression.decompress_chunks(chunks)) == data
+    # An empty chunk on the way is not the end.
+    chunks = iter([stored[:10], b"", stored[10:]])
+    assert b"".join(compression.decompress_chunks(chunks)) == data
 
 
 def test_an_aborted_compressed_batch_leaves_nothing(tmp_path: Path) -> None:

@@ -106,8 +106,10 @@ ENGINE_LIMITS = httpx.Limits(
 # expired), and a client never holds more than ceil(C / 8) of C requests at once. Connections
 # idle past the 2 s keep-alive still close, and reopen when the load comes back.
 CLIENTS_PER_ENGINE = 8
-# What reusing a keep-alive connection the engine has just closed looks like; nothing reached
-# the engine, so the request is sent once more on a new connection.
+# What reusing a keep-alive connection the engine has just closed looks like: the request is
+# sent once more. An engine that took the request and dropped the connection while generating
+# raises the same errors: a completion has no side effects, so the worst case is a generation
+# done twice.
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 # How often a request waiting for its checkpoint to load looks again.

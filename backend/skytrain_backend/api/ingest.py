@@ -198,10 +198,13 @@ def _split_at_once(
 def _top_level_struct(schema: type[BaseModel], list_field: str) -> msgspec.json.Decoder[Any] | None:
     """A decoder of a body with ``schema``'s fields as raw bytes and its list as raw items;
     fields it does not know are skipped unread (as the schema ignores them: their bytes are
-    not even checked to be UTF-8). None for a schema that refuses unknown fields or reads a
-    field under other names: its bodies take the exact way."""
+    not even checked to be UTF-8). None for a schema that does anything with unknown fields
+    (refuses or keeps them), reads a field under other names, or validates the body as a
+    whole before its fields: its bodies take the exact way."""
     config = schema.model_config
-    if config.get("extra") == "forbid" or config.get("populate_by_name"):
+    if config.get("extra") in ("forbid", "allow") or config.get("populate_by_name"):
+        return None
+    if schema.__pydantic_decorators__.model_validators:
         return None
     if any(field.validation_alias is not None for field in schema.model_fields.values()):
         return None

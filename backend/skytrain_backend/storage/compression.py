@@ -96,8 +96,11 @@ class _Reader:
         self._rest = b""
 
     def read(self, size: int = -1) -> bytes:
-        if not self._rest:
-            self._rest = next(self._chunks, b"")
+        while not self._rest:  # b"" only at the end: an empty chunk is not the end
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return b""
+            self._rest = chunk
         if size < 0:
             size = len(self._rest)
         out, self._rest = self._rest[:size], self._rest[size:]

@@ -54,8 +54,10 @@ ENGINE_LIMITS = httpx.Limits(
     max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
 )
 # What reusing a kept connection the engine has closed all the same looks like (the engine
-# restarted, or closed it as the request arrived): nothing reached the engine, so the request
-# is sent once more, on a new connection.
+# restarted, or closed it as the request arrived): the request is sent once more. The same
+# errors also come from an engine that took the request and then dropped the connection
+# while generating: a completion has no side effects, so the worst case is a generation done
+# twice (and an engine that is gone fails the second try at once, as unreachable).
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
@@ -143,12 +145,15 @@ class FrontDoor:
                     )
                 ),
             )
-        except httpx.TimeoutException as exc:
-            return _error(
-                504, "timeout", f"the engine did not answer in time ({type(exc).__name__})"
-            )
         except httpx.TransportError as exc:
-            # Starting, restarting or gone: the gateway takes a 503 as "retry shortly".
+            if isinstance(exc, httpx.TimeoutException) and not isinstance(
+                exc, httpx.ConnectTimeout
+            ):
+                return _error(
+                    504, "timeout", f"the engine did not answer in time ({type(exc).__name__})"
+                )
+            # Starting, restarting, gone or not accepting: the gateway takes a 503 as "retry
+            # shortly".
             logger.warning("the engine cannot be reached: %s: %s", type(exc).__name__, exc)
             return _error(
                 503,
