@@ -26,7 +26,7 @@ from skytrain_backend.db.models import TrajectoryBatch, new_id
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import parse_trajectory_groups
 from skytrain_backend.storage import ObjectStore, compression
-from skytrain_backend.storage.s3 import STREAM_PART_BYTES, S3ObjectStore
+from skytrain_backend.storage.s3 import MULTIPART_THRESHOLD, STREAM_PART_BYTES, S3ObjectStore
 from tests.api.support import group
 from tests.fixtures.services import ON_EVERY_BACKEND
 
@@ -69,12 +69,12 @@ def _pending_uploads(store: ObjectStore) -> list[object]:
     return list(store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []))
 
 
-def _fill(batch: ingest.Batch, *, parts: float) -> list[bytes]:
-    """Add groups to ``batch`` until its stored (compressed) bytes fill ``parts`` S3 parts;
+def _fill(batch: ingest.Batch, *, size: float) -> list[bytes]:
+    """Add groups to ``batch`` until its stored (compressed) bytes reach about ``size``;
     returns the lines. Each group carries random base64 text, which zstd shrinks to about
     3/4 (6 bits of every 8), so the lines fill their parts compressed too."""
     lines: list[bytes] = []
-    while sum(map(len, lines)) * 0.8 < parts * STREAM_PART_BYTES:
+    while sum(map(len, lines)) * 0.8 < size:
         raw = json.dumps(
             {**group(*[1.0] * 4), "metadata": {"noise": base64.b64encode(os.urandom(64 * 1024))}},
             default=bytes.decode,
@@ -93,7 +93,7 @@ def test_a_batch_streamed_in_parts_is_stored_whole(
     batch = ingest.Batch(limit=1_000_000)
     try:
         batch.stream_to(object_store, key)
-        lines = _fill(batch, parts=2.5)
+        lines = _fill(batch, size=MULTIPART_THRESHOLD + 1.5 * STREAM_PART_BYTES)
         with db_sessions() as session:
             uri = ingest.store_then_commit(
                 object_store, session, key=key, data=batch.output, insert=lambda uri: uri
@@ -102,7 +102,7 @@ def test_a_batch_streamed_in_parts_is_stored_whole(
         batch.close()
     assert uri == object_store.uri(key)
     stored = object_store.get_bytes(key)
-    assert len(stored) > 2 * STREAM_PART_BYTES  # went up in three parts
+    assert len(stored) > MULTIPART_THRESHOLD + STREAM_PART_BYTES  # went up in three parts
     assert compression.decompress(stored) == b"".join(lines)
     assert _pending_uploads(object_store) == []
 
@@ -113,7 +113,7 @@ def test_a_batch_refused_midway_leaves_no_object_and_no_parts(object_store: Obje
     batch = ingest.Batch(limit=1_000_000)
     try:
         batch.stream_to(object_store, key)
-        _fill(batch, parts=1.5)  # one part up, the next begun
+        _fill(batch, size=MULTIPART_THRESHOLD + 0.5 * STREAM_PART_BYTES)  # a part up, one begun
         with pytest.raises(InvalidRequest, match=r"trajectory_groups\[9\]\.trajectories"):
             batch.add(ingest.parse_group(b'{"trajectories": []}', "trajectory_groups[9]"))
     finally:

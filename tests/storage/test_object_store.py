@@ -147,6 +147,25 @@ def test_large_objects_go_up_in_parts(make_bucket: Callable[[], str], s3_endpoin
     assert store.get_bytes("big.bin") == data
 
 
+@pytest.mark.s3
+def test_a_streamed_object_under_the_multipart_threshold_goes_up_in_one_put(
+    make_bucket: Callable[[], str], s3_endpoint: str
+) -> None:
+    bucket = make_bucket().removeprefix("s3://").split("/")[0]
+    store = S3ObjectStore(bucket=bucket, endpoint_url=s3_endpoint)
+    data = os.urandom(MULTIPART_THRESHOLD - 1024)  # more than one part's worth
+    assert len(data) > STREAM_PART_BYTES
+    writer = store.open_writer("streams/one-put.bin")
+    writer.write(data)
+    assert _pending_uploads(store) == []  # nothing sent yet
+    writer.commit()
+    head = boto3.client("s3", endpoint_url=s3_endpoint).head_object(
+        Bucket=bucket, Key="streams/one-put.bin"
+    )
+    assert "-" not in head["ETag"]  # one PUT: no part count in the ETag
+    assert store.get_bytes("streams/one-put.bin") == data
+
+
 def _pending_uploads(store: ObjectStore) -> list[object]:
     """Multipart uploads S3 still holds parts of (none on a local store)."""
     if not isinstance(store, S3ObjectStore):
@@ -164,7 +183,8 @@ def _leftovers(store: ObjectStore) -> list[str]:
 
 def test_a_streamed_object_appears_whole_on_commit(store: ObjectStore) -> None:
     chunk = os.urandom(1024 * 1024)
-    parts = STREAM_PART_BYTES // len(chunk) * 2 + 1  # two full parts and a short one
+    # A first part of MULTIPART_THRESHOLD, a full part and a short one.
+    parts = (MULTIPART_THRESHOLD + STREAM_PART_BYTES) // len(chunk) + 1
     writer = store.open_writer("streams/big.jsonl")
     for _ in range(parts):
         writer.write(chunk)
@@ -182,7 +202,7 @@ def test_a_streamed_object_appears_whole_on_commit(store: ObjectStore) -> None:
 def test_an_aborted_stream_leaves_nothing(store: ObjectStore) -> None:
     chunk = os.urandom(1024 * 1024)
     writer = store.open_writer("streams/dropped.jsonl")
-    for _ in range(STREAM_PART_BYTES // len(chunk) + 2):  # one part up, the next begun
+    for _ in range(MULTIPART_THRESHOLD // len(chunk) + 2):  # one part up, the next begun
         writer.write(chunk)
     writer.abort()
     writer.abort()
@@ -198,7 +218,7 @@ def test_a_stream_that_cannot_be_written_is_a_storage_error(s3_endpoint: str) ->
     store = S3ObjectStore(bucket="no-such-bucket", endpoint_url=s3_endpoint, max_attempts=1)
     writer = store.open_writer("k")
     with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
-        writer.write(b"x" * STREAM_PART_BYTES)
+        writer.write(b"x" * MULTIPART_THRESHOLD)
     writer.abort()
 
 

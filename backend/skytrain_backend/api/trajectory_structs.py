@@ -266,6 +266,7 @@ _DECODED_FLOATS: list[float] = []
 
 
 _TOKEN_ID_SEPARATOR = "," + TOKEN_ID_PREFIX
+_encode = msgspec.json.Encoder().encode
 
 
 def _names_exactly(tokens: list[str], token_ids: list[int]) -> bool:
@@ -275,7 +276,10 @@ def _names_exactly(tokens: list[str], token_ids: list[int]) -> bool:
     cannot equal ids joined by exactly ``len(token_ids) - 1`` commas."""
     if len(tokens) != len(token_ids):
         return False
-    return ",".join(tokens) == TOKEN_ID_PREFIX + _TOKEN_ID_SEPARATOR.join(map(str, token_ids))
+    # The ids as msgspec writes them, "[1,2,3]": the same digits as str() gives each int, made
+    # in C (str() of every id took most of the reading of a choice).
+    listed = _encode(token_ids)[1:-1].decode("ascii").replace(",", _TOKEN_ID_SEPARATOR)
+    return ",".join(tokens) == TOKEN_ID_PREFIX + listed
 
 
 def count_trainable_turns(
