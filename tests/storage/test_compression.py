@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import zstandard
 
+from skytrain_backend.errors import StorageError
 from skytrain_backend.storage import LocalObjectStore, compression
 from skytrain_backend.storage.base import CHUNK_BYTES
 
@@ -98,3 +100,42 @@ def test_a_batch_that_compressed_a_thousandfold_is_read_back_in_bounded_pieces()
     pieces = list(compression.decompress_chunks(iter([stored])))
     assert b"".join(pieces) == data
     assert len(pieces) >= 3 and max(map(len, pieces)) <= CHUNK_BYTES
+
+
+def _zstd_stream(data: bytes) -> bytes:
+    compressor = zstandard.ZstdCompressor(level=compression.LEVEL, threads=1).compressobj()
+    return compressor.compress(data) + compressor.flush()
+
+
+def _read_whole(stored: bytes) -> bytes:
+    return compression.decompress(stored)
+
+
+def _read_in_chunks(stored: bytes) -> bytes:
+    chunks = iter([stored[i : i + 1000] for i in range(0, len(stored), 1000)])
+    return b"".join(compression.decompress_chunks(chunks))
+
+
+@pytest.mark.parametrize("read", [_read_whole, _read_in_chunks])
+def test_a_batch_cut_short_or_followed_by_bytes_is_a_storage_error(
+    read: Callable[[bytes], bytes],
+) -> None:
+    data = _jsonl(500)
+    frames = {  # skytrain's writer; whole-buffer frames with their size; with a checksum
+        "streamed": _zstd_stream(data),
+        "sized": zstandard.ZstdCompressor().compress(data),
+        "checksummed": zstandard.ZstdCompressor(write_checksum=True).compress(data),
+    }
+    rng = random.Random(0)
+    for stored in frames.values():
+        assert read(stored) == data
+        # zstandard's own readers would return what they could decompress, without an error.
+        # (A cut before the magic number's end reads as plain JSONL, as old objects do.)
+        cuts = [4, 5, 6, 9, len(stored) - 4, len(stored) - 1]
+        for cut in cuts + rng.sample(range(4, len(stored)), 20):
+            with pytest.raises(StorageError, match="cut short"):
+                read(stored[:cut])
+        with pytest.raises(StorageError, match="bytes follow its zstd frame"):
+            read(stored + b"\n")
+    with pytest.raises(StorageError, match="corrupt"):
+        read(compression.MAGIC + b"\xff" * 100)  # the descriptor's reserved bit set
