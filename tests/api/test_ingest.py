@@ -63,7 +63,7 @@ def test_a_failed_insert_deletes_the_object_it_wrote(
     assert not object_store.exists(key)
 
 
-def _pending_uploads(store: ObjectStore) -> list[object]:
+def _pending_uploads(store: ObjectStore) -> list[dict[str, Any]]:
     if not isinstance(store, S3ObjectStore):
         return []
     return list(store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []))
@@ -114,6 +114,8 @@ def test_a_batch_refused_midway_leaves_no_object_and_no_parts(object_store: Obje
     try:
         batch.stream_to(object_store, key)
         _fill(batch, size=MULTIPART_THRESHOLD + 0.5 * STREAM_PART_BYTES)  # a part up, one begun
+        if isinstance(object_store, S3ObjectStore):  # the multipart upload had begun
+            assert [u for u in _pending_uploads(object_store) if str(u["Key"]).endswith(key)]
         with pytest.raises(InvalidRequest, match=r"trajectory_groups\[9\]\.trajectories"):
             batch.add(ingest.parse_group(b'{"trajectories": []}', "trajectory_groups[9]"))
     finally:

@@ -120,7 +120,7 @@ def test_a_write_that_a_stopped_process_never_finished_is_removed_once_stale(
     prefix = object_keys.model_prefix(tenant_id=api_key().tenant_id, model_id=new_id())
     object_store.put_bytes(f"{prefix}finished.jsonl", b"kept")
     abandoned = object_store.open_writer(f"{prefix}abandoned.jsonl")
-    abandoned.write(b"x" * (MULTIPART_THRESHOLD + 1))  # past one part: S3 has begun the upload
+    abandoned.write(b"x" * (MULTIPART_THRESHOLD + 1))  # past the threshold: S3 has begun it
     (started,) = _unfinished_writes(object_store, prefix)
 
     # The store is shared with other tests: only what is under this test's prefix is its own.

@@ -137,5 +137,29 @@ def test_a_batch_cut_short_or_followed_by_bytes_is_a_storage_error(
                 read(stored[:cut])
         with pytest.raises(StorageError, match="bytes follow its zstd frame"):
             read(stored + b"\n")
+        # In a chunk of their own, after the decompressor has stopped reading.
+        with pytest.raises(StorageError, match="bytes follow its zstd frame"):
+            b"".join(compression.decompress_chunks(iter([stored, b"\n"])))
     with pytest.raises(StorageError, match="corrupt"):
         read(compression.MAGIC + b"\xff" * 100)  # the descriptor's reserved bit set
+
+
+def test_a_flipped_bit_in_a_stored_batch_is_a_storage_error(tmp_path: Path) -> None:
+    store = LocalObjectStore(tmp_path)
+    writer = compression.CompressingWriter(store.open_writer("batch.jsonl"))
+    writer.write(_jsonl(500))
+    writer.commit()
+    stored = bytearray(store.get_bytes("batch.jsonl"))
+    assert zstandard.get_frame_parameters(bytes(stored)).has_checksum
+    rng = random.Random(0)
+    for at in rng.sample(range(20, len(stored) - 4), 10):  # inside the blocks
+        flipped = bytearray(stored)
+        flipped[at] ^= 1 << rng.randrange(8)
+        with pytest.raises(StorageError, match="corrupt"):
+            compression.decompress(bytes(flipped))
+
+
+def test_a_client_is_refused_before_its_answer_starts_when_the_frame_is_corrupt() -> None:
+    corrupt = compression.MAGIC + b"\xff" * 100
+    with pytest.raises(StorageError, match="corrupt"):
+        compression.for_client(iter([corrupt]), accept_encoding="gzip")

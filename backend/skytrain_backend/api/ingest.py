@@ -12,9 +12,9 @@ types did not. Either way the line stored is the model's ``model_dump_json``. Me
 one item plus the buffers (spool, upload parts) whatever the size of the body, and the count
 limit stops the work as soon as it is passed.
 
-A batch is stored atomically from the client's point of view: its lines go up as they are
-validated, but as an upload that becomes an object only once everything is valid (and is
-aborted otherwise); then the rows are inserted in one transaction; if the transaction fails
+A batch is stored atomically from the client's point of view: on S3 a batch of up to 16 MiB
+stored goes up in one PUT once everything is valid; a larger one goes up as it is validated,
+as a multipart upload that becomes an object only then (and is aborted otherwise); then the rows are inserted in one transaction; if the transaction fails
 the object is deleted again. A rejected request leaves no row and no object behind.
 """
 
@@ -335,9 +335,9 @@ class Batch:
     trajectories that refuses the request as soon as it passes ``limit``.
 
     The lines are spooled, or, once ``stream_to`` named the object they become, written
-    straight to the store as they are made (an S3 multipart upload in a thread): the upload
-    runs beside the validation, and nothing is visible at the key until ``store_then_commit``
-    commits it. ``close`` drops whatever was not committed.
+    straight to the store as they are made (on S3, past 16 MiB compressed, a multipart upload
+    in a thread, beside the validation), and nothing is visible at the key until
+    ``store_then_commit`` commits it. ``close`` drops whatever was not committed.
     """
 
     def __init__(self, *, limit: int) -> None:

@@ -37,7 +37,10 @@ class CompressingWriter(ObjectWriter):
         self._inner = inner
         # threads=1: zstd compresses in a thread of its own, outside the GIL, while the
         # caller's thread goes on validating; output comes back as each job of ~2 MB is done.
-        self._compressor = zstandard.ZstdCompressor(level=LEVEL, threads=1).compressobj()
+        # The checksum (XXH64 of the content) makes a flipped bit an error, not other lines.
+        self._compressor = zstandard.ZstdCompressor(
+            level=LEVEL, threads=1, write_checksum=True
+        ).compressobj()
 
     def write(self, data: bytes) -> None:
         if out := self._compressor.compress(data):
@@ -101,7 +104,10 @@ def for_client(chunks: Iterator[bytes], *, accept_encoding: str) -> tuple[Iterat
         return whole, False
     if accepts_zstd(accept_encoding):
         return whole, True
-    return decompress_chunks(whole), False
+    # The first piece decompressed now, so a frame that is corrupt from its start is an error
+    # before the answer's status goes out; one found cut short later breaks the answer off.
+    pieces = decompress_chunks(whole)
+    return itertools.chain((next(pieces, b""),), pieces), False
 
 
 class _Reader:
