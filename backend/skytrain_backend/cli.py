@@ -632,7 +632,9 @@ def demo(
         4, min=2, help="Answers sampled per question (GRPO compares them)."
     ),
     learning_rate: float = typer.Option(5e-4, help="Learning rate of the LoRA update."),
-    seed: int = typer.Option(0, help="Seed of the question order and of training."),
+    seed: int = typer.Option(
+        0, help="Seed of the question order, of every sampled answer and of training."
+    ),
     eval_questions: int = typer.Option(
         16, min=1, max=16, help="Held-out questions evaluated after each step."
     ),

@@ -2,7 +2,10 @@
 
 Each step samples ``rollouts_per_group`` answers to each of ``groups_per_step`` training
 questions through the model's OpenAI endpoint, scores them, trains one GRPO step on them, and
-evaluates the new checkpoint on the held-out questions (logged with ``split="val"``).
+evaluates the new checkpoint on the held-out questions (logged with ``split="val"``). Every
+answer is sampled with a seed derived from the run's ``--seed``, so a run repeats itself on
+one machine (up to the floating-point noise of batching), and every step is evaluated on the
+same seeds.
 """
 
 from __future__ import annotations
@@ -45,16 +48,28 @@ class StepRow:
     seconds: float
 
 
+def sampling_seed(*parts: object) -> int:
+    """A seed for one sampled answer, the same in every run for the same ``parts`` (a string
+    seeds ``random`` through SHA-512, whatever the interpreter's hash seed)."""
+    return random.Random("/".join(map(str, parts))).getrandbits(31)
+
+
 async def rollout(
-    model: skytrain.Model, question: task.Question, *, max_tokens: int, temperature: float
+    model: skytrain.Model,
+    question: task.Question,
+    *,
+    max_tokens: int,
+    temperature: float,
+    seed: int,
 ) -> skytrain.Trajectory:
-    """One answer to ``question`` from the model's endpoint, scored."""
+    """One answer to ``question`` from the model's endpoint, sampled with ``seed``, scored."""
     messages = question.messages()
     completion = await model.openai_client().chat.completions.create(
         model=model.get_inference_name(),
         messages=messages,  # type: ignore[arg-type]
         max_tokens=max_tokens,
         temperature=temperature,
+        seed=seed,
     )
     choice = completion.choices[0]
     result = task.score(question, choice.message.content or "", finish_reason=choice.finish_reason)
@@ -79,8 +94,11 @@ async def _gather(
     *,
     per_question: int,
     options: LoopOptions,
+    seeds: str,
     desc: str,
 ) -> list[skytrain.TrajectoryGroup]:
+    """``per_question`` answers to each question, the j-th answer to a question sampled with
+    the seed of (the run's seed, ``seeds``, the question, j)."""
     return await skytrain.gather_trajectory_groups(
         (
             skytrain.TrajectoryGroup(
@@ -89,8 +107,9 @@ async def _gather(
                     question,
                     max_tokens=options.max_tokens,
                     temperature=options.temperature,
+                    seed=sampling_seed(options.seed, seeds, question.text, j),
                 )
-                for _ in range(per_question)
+                for j in range(per_question)
             )
             for question in questions
         ),
@@ -123,11 +142,14 @@ async def train(
     rows: list[StepRow] = []
 
     async def evaluate(step: int, started: float, train_reward: float | None) -> None:
+        # Every step is evaluated with the same seeds, so two steps' rewards differ by what the
+        # model learned, not by the luck of their samples.
         groups = await _gather(
             model,
             held_out,
             per_question=options.eval_samples,
             options=options,
+            seeds="eval",
             desc=f"step {step} eval",
         )
         await model.log(groups, split="val")
@@ -156,6 +178,7 @@ async def train(
             questions,
             per_question=options.rollouts_per_group,
             options=options,
+            seeds=f"step {step}",
             desc=f"step {step} rollouts",
         )
         result = await model.train(groups, config=config)
