@@ -54,6 +54,8 @@ STALLED = "Stall this."
 BROKEN = "Break this."
 # A whole answer that is not JSON (NaN is Python's, not JSON's).
 GARBLED = "Garble this."
+# An answer that sets a cookie, as a server behind a worker's front door might.
+COOKIE = "Set a cookie."
 
 
 @dataclass
@@ -66,6 +68,8 @@ class CountingEngine:
     requests: int = 0
     # Requests of the STALLED prompt that arrived and are left unanswered.
     stalled: int = 0
+    # The Cookie header of each request (None when it had none).
+    cookies: list[str | None] = field(default_factory=list)
 
     def app(self) -> Starlette:
         return Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
@@ -74,6 +78,7 @@ class CountingEngine:
         assert request.client is not None
         self.ports.add(request.client.port)
         self.requests += 1
+        self.cookies.append(request.headers.get("cookie"))
         if request.headers.get("authorization") != f"Bearer {self.secret}":
             return JSONResponse({"error": {"message": "wrong key"}}, status_code=401)
         body = await request.json()
@@ -82,6 +87,10 @@ class CountingEngine:
             return JSONResponse({"error": {"message": "this prompt is refused"}}, 400)
         if prompt == GARBLED:
             return Response('{"choices": [{"logprob": NaN}]}', media_type="application/json")
+        if prompt == COOKIE:
+            cookied = JSONResponse({"choices": []})
+            cookied.set_cookie("session", "of-the-first-caller")
+            return cookied
         if prompt == STALLED:
             self.stalled += 1
             while (await request.receive())["type"] != "http.disconnect":
@@ -301,3 +310,13 @@ def test_an_answer_that_is_not_json_is_a_502_naming_it_and_leaves_the_in_flight_
     assert "answered what is not JSON" in answer.json()["error"]["message"]
 
     wait_until(lambda: counted.in_flight() == IDLE, what="the garbled answer counted out")
+
+
+def test_a_cookie_an_engine_sets_is_never_sent_with_a_later_request(
+    counted: Counted, counting_engine: tuple[CountingEngine, str]
+) -> None:
+    engine, _ = counting_engine
+    cookied = counted.caller.chat(counted.model, messages=[{"role": "user", "content": COOKIE}])
+    assert cookied.status_code == 200, cookied.text
+    assert counted.caller.chat(counted.model).status_code == 200  # on the same connection
+    assert engine.cookies[-2:] == [None, None]
