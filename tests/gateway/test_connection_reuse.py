@@ -17,6 +17,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
+import aiohttp
 import anyio
 import httpx
 import pytest
@@ -27,6 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from skytrain_backend.api.gateway import _EngineClient
 from tests.gateway.conftest import (
     TENANT_LIMIT,
     Tenant,
@@ -56,6 +58,8 @@ BROKEN = "Break this."
 GARBLED = "Garble this."
 # An answer that sets a cookie, as a server behind a worker's front door might.
 COOKIE = "Set a cookie."
+# A redirect elsewhere (to the engine's own /elsewhere, which counts what reaches it).
+REDIRECT = "Redirect this."
 
 
 @dataclass
@@ -70,9 +74,20 @@ class CountingEngine:
     stalled: int = 0
     # The Cookie header of each request (None when it had none).
     cookies: list[str | None] = field(default_factory=list)
+    # Requests that reached /elsewhere.
+    elsewhere: int = 0
 
     def app(self) -> Starlette:
-        return Starlette(routes=[Route("/v1/chat/completions", self._chat, methods=["POST"])])
+        return Starlette(
+            routes=[
+                Route("/v1/chat/completions", self._chat, methods=["POST"]),
+                Route("/elsewhere", self._elsewhere, methods=["GET", "POST"]),
+            ]
+        )
+
+    async def _elsewhere(self, _request: Request) -> Response:
+        self.elsewhere += 1
+        return JSONResponse({"model": "elsewhere", "choices": []})
 
     async def _chat(self, request: Request) -> Response:
         assert request.client is not None
@@ -87,6 +102,8 @@ class CountingEngine:
             return JSONResponse({"error": {"message": "this prompt is refused"}}, 400)
         if prompt == GARBLED:
             return Response('{"choices": [{"logprob": NaN}]}', media_type="application/json")
+        if prompt == REDIRECT:
+            return Response(status_code=307, headers={"Location": "/elsewhere"})
         if prompt == COOKIE:
             cookied = JSONResponse({"choices": []})
             cookied.set_cookie("session", "of-the-first-caller")
@@ -320,3 +337,48 @@ def test_a_cookie_an_engine_sets_is_never_sent_with_a_later_request(
     assert cookied.status_code == 200, cookied.text
     assert counted.caller.chat(counted.model).status_code == 200  # on the same connection
     assert engine.cookies[-2:] == [None, None]
+
+
+def test_an_engines_redirect_is_not_followed_but_refused(
+    counted: Counted, counting_engine: tuple[CountingEngine, str]
+) -> None:
+    engine, _ = counting_engine
+    answer = counted.caller.chat(counted.model, messages=[{"role": "user", "content": REDIRECT}])
+    assert answer.status_code == 502, answer.text
+    assert "redirect (307)" in answer.json()["error"]["message"]
+    assert engine.elsewhere == 0  # neither the body nor the engine secret went there
+    wait_until(lambda: counted.in_flight() == IDLE, what="the redirect counted out")
+
+
+def test_answers_being_read_when_the_engines_client_closes_fail_instead_of_hanging(
+    counting_engine: tuple[CountingEngine, str],
+    gateway_settings: object,  # the module's parametrization; no gateway needed here
+) -> None:
+    """What ``forget_worker`` (a worker gone, or back with a new certificate) and the control
+    plane's shutdown do to the requests still reading from that worker."""
+    engine, url = counting_engine
+
+    async def scenario() -> tuple[str, int]:
+        client = _EngineClient()
+        body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": HELD}]}
+        headers = {"Authorization": f"Bearer {engine.secret}"}
+        streamed = await client.post(
+            f"{url}/v1/chat/completions",
+            body=json.dumps({**body, "stream": True}).encode(),
+            headers=headers,
+        )
+        lines = streamed.lines()
+        first = await anext(lines)
+        await client.aclose()
+
+        async def rest() -> list[str]:
+            return [line async for line in lines]
+
+        with pytest.raises(aiohttp.ClientConnectionError):  # not a wait for ever
+            await asyncio.wait_for(rest(), timeout=60)
+        streamed.close()
+        return first, client.in_flight
+
+    first, in_flight = asyncio.run(scenario())
+    assert first.startswith("data: {")
+    assert in_flight == 0
