@@ -768,7 +768,7 @@ async def _refusal(upstream: _Upstream, *, route: EngineRoute) -> Response:
         raise Unavailable(f"the engine of {worker} cannot serve now: {said}", retry_after_s=5.0)
     if status >= 500:
         raise EngineError(f"the engine of {worker} failed ({status}): {said}")
-    if status >= 300 and status < 400:
+    if 300 <= status < 400:
         raise EngineError(
             f"the engine of {worker} answered with a redirect ({status}), which the control "
             "plane does not follow: its operator must check what answers at its address"

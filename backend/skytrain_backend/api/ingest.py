@@ -14,8 +14,8 @@ limit stops the work as soon as it is passed.
 
 A batch is stored atomically from the client's point of view: on S3 a batch of up to 16 MiB
 stored goes up in one PUT once everything is valid; a larger one goes up as it is validated,
-as a multipart upload that becomes an object only then (and is aborted otherwise); then the rows are inserted in one transaction; if the transaction fails
-the object is deleted again. A rejected request leaves no row and no object behind.
+as a multipart upload that becomes an object only then (and is aborted otherwise); then the
+rows are inserted in one transaction; if the transaction fails the object is deleted again. A rejected request leaves no row and no object behind.
 """
 
 from __future__ import annotations

@@ -265,7 +265,8 @@ class _S3Writer(ObjectWriter):
     goes up in one PUT on commit, as ``put_bytes`` sends one (measured on moto only, where
     CompleteMultipartUpload of a 12 MB batch took as long as uploading it; on a real S3 the
     trade, a part sent beside the parsing against one round trip less, is not measured). Until
-    the commit nothing is visible at the key; abort (and any error) aborts the upload, so S3 keeps no parts either."""
+    the commit nothing is visible at the key; abort (and any error) aborts the upload, so S3
+    keeps no parts either."""
 
     def __init__(self, store: S3ObjectStore, key: str) -> None:
         self._store, self._key, self._s3_key = store, key, store._key(key)
