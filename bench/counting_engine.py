@@ -21,7 +21,7 @@ import uvicorn
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from skytrain_backend.engine.hf.engine import HFEngine
-from skytrain_backend.engine.server import create_app, default_threads
+from skytrain_backend.engine.hf.server import create_app, default_threads
 
 
 def _counting_protocol(connections_fd: int) -> type[asyncio.Protocol]:

@@ -1,7 +1,8 @@
 """Ingest of a large trajectory batch through the API into S3, next to a plain boto3 upload.
 
-Starts a moto S3 server and `skytrain serve` as separate processes (SQLite by default, or
---database-url), creates a key and a model, then times:
+Starts a SeaweedFS S3 server (``tests/fixtures/seaweedfs.py``, as the test suite does) and
+`skytrain serve` as separate processes (SQLite by default, or --database-url), creates a key
+and a model, then times:
 
 - api:   POST /v1/training-jobs (or /v1/models/{id}/log) with N trajectories: the server
          parses and validates every group, writes the JSONL batch to S3, records the job.
@@ -36,13 +37,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import boto3
 import httpx
 import machine
 import numpy
 
 from skytrain_backend.storage import compression
 from skytrain_backend.storage.s3 import S3ObjectStore
+
+# The suite's S3 server, started the same way (the scripts run as `python bench/<name>.py`).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.fixtures.seaweedfs import ACCESS_KEY, REGION, SECRET_KEY, SeaweedFS
 
 BIN = Path(sys.executable).parent
 # With --token-ids, each choice's prompt_token_ids (the system and user turns' tokens).
@@ -241,16 +245,15 @@ def main() -> None:
     args = parser.parse_args()
 
     home = Path(tempfile.mkdtemp(prefix="skytrain-bench-"))
-    s3_port, api_port = machine.free_port(), machine.free_port()
-    endpoint, api = f"http://127.0.0.1:{s3_port}", f"http://127.0.0.1:{api_port}"
+    api_port = machine.free_port()
+    api = f"http://127.0.0.1:{api_port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKYTRAIN_")}
     env.update(
-        AWS_ACCESS_KEY_ID="bench",
-        AWS_SECRET_ACCESS_KEY="bench",
-        AWS_DEFAULT_REGION="us-east-1",
+        AWS_ACCESS_KEY_ID=ACCESS_KEY,
+        AWS_SECRET_ACCESS_KEY=SECRET_KEY,
+        AWS_DEFAULT_REGION=REGION,
         SKYTRAIN_HOME=str(home),
         SKYTRAIN_OBJECT_STORE_URL="s3://bench/skytrain",
-        SKYTRAIN_S3_ENDPOINT_URL=endpoint,
         SKYTRAIN_MAX_REQUEST_BYTES=str(1024**3),
         SKYTRAIN_PROVIDER="none",
     )
@@ -261,11 +264,10 @@ def main() -> None:
 
     groups = _groups(args.trajectories, args.group_size, args.tokens, with_ids=args.token_ids)
     try:
-        with _process(
-            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)], env, endpoint
-        ):
-            s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-            s3.create_bucket(Bucket="bench")
+        with SeaweedFS.start(home / "seaweedfs") as seaweedfs:
+            endpoint = env["SKYTRAIN_S3_ENDPOINT_URL"] = seaweedfs.endpoint
+            s3 = seaweedfs.client()
+            seaweedfs.make_bucket("bench")
             key = subprocess.run(
                 [BIN / "skytrain", "keys", "create", "--tenant", "bench"],
                 env=env,
@@ -299,7 +301,7 @@ def main() -> None:
                 def plain_boto3() -> None:
                     s3.put_object(Bucket="bench", Key="plain/batch.json", Body=payload)
 
-                store = S3ObjectStore(bucket="bench", endpoint_url=endpoint, region="us-east-1")
+                store = S3ObjectStore(bucket="bench", endpoint_url=endpoint, region=REGION)
 
                 def streamed() -> None:
                     writer = compression.CompressingWriter(store.open_writer(STREAMED_KEY))
@@ -329,7 +331,10 @@ def main() -> None:
         f"{args.tokens} sampled tokens each{_IDS if args.token_ids else ''}, "
         f"{len(payload) / 1e6:.1f} MB of JSON"
     )
-    print(f"setup:    skytrain serve ({database}) and moto_server on loopback, separate processes")
+    print(
+        f"setup:    skytrain serve ({database}) and SeaweedFS (weed server) on loopback, "
+        "separate processes"
+    )
     print(
         f"api:      POST {url.replace(model['id'], '{id}')}  median {api_s:.2f} s "
         f"({args.trajectories / api_s:,.0f} trajectories/s) over {args.repeats} runs"

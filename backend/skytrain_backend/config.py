@@ -39,7 +39,7 @@ class Settings(BaseSettings):
         description="s3://bucket/prefix or file:///path. Default: file://$SKYTRAIN_HOME/objects.",
     )
     s3_endpoint_url: str | None = Field(
-        default=None, description="Endpoint of an S3-compatible store (MinIO, R2, moto...)."
+        default=None, description="Endpoint of an S3-compatible store (MinIO, R2, SeaweedFS...)."
     )
     s3_region: str | None = Field(default=None, description="Region of the S3 bucket.")
     model_cache_dir: Path | None = Field(
@@ -55,6 +55,42 @@ class Settings(BaseSettings):
     # --- the HTTP server ---------------------------------------------------------------------
     host: str = Field(default="127.0.0.1", description="Address `skytrain serve` listens on.")
     port: int = Field(default=8000, description="Port `skytrain serve` listens on.")
+    keep_alive_s: int = Field(
+        default=75,
+        ge=1,
+        le=3600,
+        description="Seconds `skytrain serve` keeps an idle client connection open. Longer "
+        "than the clients keep theirs (httpx, under the SDK, the OpenAI and Tinker SDKs and "
+        "the workers: 5 s) and than the idle timeout of a load balancer in front (60 s on "
+        "most), so it is always the client that closes: a server closing at the moment a "
+        "client reuses the connection resets that request.",
+    )
+    metrics_port: int = Field(
+        default=0,
+        ge=0,
+        le=65535,
+        description="Port of the Prometheus metrics listener (`/metrics`), a listener of its "
+        "own: the public port never serves metrics. 0 (the default): no listener, so several "
+        "control planes on one host never fight over a port; set it (9464 in infra/) where "
+        "Prometheus scrapes.",
+    )
+    metrics_host: str = Field(
+        default="127.0.0.1",
+        description="Address the metrics listener binds: loopback by default, so only this "
+        "host (a Prometheus beside it) reads it; 0.0.0.0 inside a private container network.",
+    )
+    prometheus_multiproc_dir: Path | None = Field(
+        default=None,
+        validation_alias="PROMETHEUS_MULTIPROC_DIR",
+        description="prometheus_client's own variable (no SKYTRAIN_ prefix): with several "
+        "server processes, a directory (emptied before start) where each writes its values "
+        "for the listener to add up.",
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Log lines on stderr: text, or json (one object a line: time, level, "
+        "logger, message, request_id, tenant_id, model_id, job_id, worker_id).",
+    )
     public_url: str | None = Field(
         default=None,
         description="URL workers use to reach the control plane. Default: http://HOST:PORT.",
@@ -76,6 +112,24 @@ class Settings(BaseSettings):
         gt=0,
         description="Longest a client may take to send a request body before it gets 408 "
         "(checkpoint uploads from workers excepted).",
+    )
+    threads: int = Field(
+        default=40,
+        ge=1,
+        le=1000,
+        description="Worker threads that run the routes' blocking work (database queries, "
+        "object-store calls) at once, per process. The database pool opens up to this many "
+        "connections plus those of the control plane's own threads (long-poll checks, "
+        "admission counting, the gateway's routing, authentication, the scheduler), so every "
+        "thread can hold one at once; on PostgreSQL, max_connections must allow that for "
+        "every replica.",
+    )
+    db_pool_size: int = Field(
+        default=5,
+        ge=1,
+        le=1000,
+        description="Database connections each process keeps open between requests; more are "
+        "opened up to the thread count (SKYTRAIN_THREADS) under load, and closed after.",
     )
     base_model_dirs: str | None = Field(
         default=None,
@@ -99,6 +153,22 @@ class Settings(BaseSettings):
     # --- per-tenant limits and quotas: defaults, which `skytrain tenants limits` overrides ---
     tenant_max_concurrent_requests: int = Field(
         default=256, gt=0, description="Inference requests in flight per tenant before 429."
+    )
+    tenant_max_concurrent_rest_requests: int = Field(
+        default=32,
+        gt=0,
+        description="REST requests (everything under /v1 but inference and the workers' "
+        "routes; long-polls while they wait) in flight per tenant, across every control-plane "
+        "process on the database, before 429: keep it below SKYTRAIN_THREADS so one tenant "
+        "cannot occupy every thread of a process.",
+    )
+    rest_admission_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=60,
+        description="How long a REST request past its tenant's max_concurrent_rest_requests "
+        "waits (holding nothing; in order of arrival) for one of the tenant's requests to "
+        "finish before it gets 429.",
     )
     tenant_max_sequences_in_flight: int = Field(
         default=256,
@@ -146,14 +216,51 @@ class Settings(BaseSettings):
     worker_idle_timeout_s: float = Field(
         default=1800.0, gt=0, description="Stop a worker with no models and requests this long."
     )
+    model_idle_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        description="Take a model with no inference request, training job or open Tinker run "
+        "this long off its worker: its adapters are unloaded and its place (the worker's "
+        "max_models, the tenant's max_placed_models) goes to a model that waits; its next "
+        "request places it again. At most worker_idle_timeout_s.",
+    )
     job_lease_s: float = Field(
         default=60.0, gt=0, description="A training job's lease; the worker renews it."
     )
     job_max_attempts: int = Field(
         default=3, ge=1, description="Times a job is leased before it fails for good."
     )
+    job_time_slice_s: float = Field(
+        default=300.0,
+        ge=0,
+        le=30 * 24 * 3600,
+        description="A training job that has held its worker this long yields it, at its next "
+        "optimizer step, to another tenant's job waiting for that worker; it resumes later "
+        "exactly where it stopped. 0: at the next step.",
+    )
     worker_launch_backoff_s: float = Field(
-        default=300.0, ge=0, description="After a failed worker launch, wait this long to retry."
+        default=300.0,
+        ge=0,
+        description="After a worker failed to start, wait this long before launching another "
+        "for its base model; each further failure in a row doubles the wait.",
+    )
+    worker_launch_backoff_max_s: float = Field(
+        default=3600.0, ge=0, description="The longest wait between two launches that failed."
+    )
+    worker_launch_max_failures: int = Field(
+        default=6,
+        ge=1,
+        description="Workers for one base model that may fail to start in a row; then no more "
+        "are launched until the operator runs `skytrain workers retry BASE_MODEL`.",
+    )
+    worker_register_deadline_s: float = Field(
+        default=2700.0,
+        gt=0,
+        description="A worker a provider launched that has not registered this long after the "
+        "launch failed to start: it is stopped and counts as a failed launch. The default "
+        "covers a SkyPilot launch (~5-10 min), pulling the vLLM image (~10 GB: 5-10 min), "
+        "setup's pip install (~5 min), downloading a 7B model (15 GB: ~5 min) and vLLM's "
+        "start (up to SKYTRAIN_ENGINE_STARTUP_TIMEOUT_S, 15 min).",
     )
     worker_heartbeat_timeout_s: float = Field(
         default=45.0, gt=0, description="A worker silent this long is considered lost."
@@ -180,10 +287,11 @@ class Settings(BaseSettings):
 
     # --- the Tinker protocol -----------------------------------------------------------------
     tinker_session_timeout_s: float = Field(
-        default=300.0,
+        default=60.0,
         gt=0,
         description="A Tinker SDK session that stopped heartbeating this long ends: its "
-        "training runs close and free their workers.",
+        "training runs close and their trainers leave their workers. The SDK heartbeats "
+        "every 10 s (recorded at most every 10 s): keep it well above 20 s.",
     )
     tinker_sample_timeout_s: float = Field(
         default=900.0, gt=0, description="A Tinker sampling request not answered by then fails."
@@ -196,13 +304,22 @@ class Settings(BaseSettings):
     )
     skypilot_accelerators: str | None = Field(
         default=None,
-        description="Accelerators a worker may get, in order of preference ('L4:1,A10G:1'); "
+        description="Accelerators a worker may get ('L4:1,A10G:1,H100:8'); the provider asks "
+        "for the cheapest the memory plan fits the base model on (`skytrain workers plan`). "
         "'none' for CPU-only workers. Default: the task's list.",
     )
     skypilot_infra: str | None = Field(
         default=None,
         description="Where workers run: a cloud, cloud/region or k8s/context "
         "('aws/us-east-1'). Default: any enabled cloud.",
+    )
+    skypilot_num_nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Nodes of one worker (a SkyPilot task's num_nodes), for base models larger "
+        "than a node: vLLM's pipeline parallelism across them over Ray, the trainer's torchrun "
+        "ranks on all of them. 1: a worker is one node.",
     )
     skypilot_disk_size_gb: int | None = Field(
         default=None, ge=1, description="Disk of a worker, in GB. Default: the task's."
@@ -239,8 +356,27 @@ class Settings(BaseSettings):
     engine_startup_timeout_s: float = Field(
         default=900.0, gt=0, description="How long a worker waits for its engine's /health."
     )
+    engine_sleep_wait_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Worker: how long the engine's sleep before a job waits for requests in "
+        "flight to finish; those still running then are aborted (their clients get an "
+        "error to retry) so that no request holds training up for longer.",
+    )
+    engine_sleep_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Worker: how long putting the engine to sleep (once its requests in flight "
+        "ended) or waking it may take: vLLM moves its weights between the GPU and host memory "
+        "(seconds for a 7B, a minute or two for a 70B). Past it the job fails with a message "
+        "naming this setting.",
+    )
     engine_max_model_len: int | None = Field(
-        default=None, ge=16, description="Context length served. Default: the model's own."
+        default=None,
+        ge=16,
+        le=1024 * 1024,
+        description="Context length served (vLLM's --max-model-len). Default: the memory "
+        "plan's on CUDA (`skytrain workers plan`), the model's own otherwise.",
     )
     engine_max_loras: int = Field(
         default=4, ge=1, description="vLLM: adapters resident on the GPU at once (--max-loras)."
@@ -251,11 +387,31 @@ class Settings(BaseSettings):
         description="Largest LoRA rank a worker's engine loads (vLLM's --max-lora-rank); "
         "models of a higher rank are refused at creation.",
     )
-    engine_gpu_memory_utilization: float = Field(
-        default=0.8, gt=0, le=1, description="vLLM: share of GPU memory it takes."
+    engine_gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="vLLM: share of GPU memory it takes. Default: the memory plan's on CUDA "
+        "(0.92 on most GPUs), 0.8 otherwise.",
     )
-    engine_tensor_parallel_size: int = Field(
-        default=1, ge=1, description="vLLM: GPUs one model is split across."
+    engine_tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="vLLM: GPUs one model is split across. Default: the memory plan's on CUDA "
+        "(every GPU of the node that splits its heads evenly), 1 otherwise.",
+    )
+    engine_pipeline_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="vLLM: nodes one model is split across by layers (a multi-node worker; "
+        "vLLM then runs over Ray, which sky/worker.yaml starts). Default: 1.",
+    )
+    vllm_python: str | None = Field(
+        default=None,
+        description="vLLM: the Python interpreter that runs it, for a vLLM installed in an "
+        "environment of its own (scripts/test-vllm.sh's CPU build). Default: this one.",
     )
     control_plane_url: str | None = Field(
         default=None, description="Worker: URL of the control plane it joins."
@@ -284,7 +440,35 @@ class Settings(BaseSettings):
     worker_sleep_engine: bool | None = Field(
         default=None,
         description="Worker: put the engine to sleep while a job trains. Default: on with "
-        "vLLM (it shares the GPU with the trainer), off with the CPU engine.",
+        "vLLM where it has sleep mode (it shares the GPU with the trainer), off with the CPU "
+        "engine and vLLM's CPU build.",
+    )
+    trainer_gradient_checkpointing: bool | None = Field(
+        default=None,
+        description="Worker: gradient checkpointing for models whose config leaves it unset. "
+        "Default: the memory plan's on CUDA (on unless the longest row fits without), off "
+        "on CPU.",
+    )
+    trainer_max_row_tokens: int | None = Field(
+        default=None,
+        ge=16,
+        le=1024 * 1024,
+        description="Worker: the longest row the trainer packs; longer sequences are cut to it "
+        "(counted as truncated tokens). Default: the memory plan's on CUDA, no limit on CPU.",
+    )
+    trainer_device_map: Literal["cuda:0", "auto", "fsdp"] | None = Field(
+        default=None,
+        description="Worker: where the trainer's weights go on CUDA: cuda:0 (one GPU), auto "
+        "(spread over the node's GPUs, layer by layer) or fsdp (trainer_shards processes, the "
+        "base sharded over their GPUs). Default: the memory plan's.",
+    )
+    trainer_shards: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Worker: trainer processes (torchrun ranks, one a GPU, across the task's "
+        "nodes) the base model is sharded over with FSDP2; 1: the trainer in the worker's own "
+        "process. Default: the memory plan's.",
     )
     trainer_memory_limit_mb: int | None = Field(
         default=None,
@@ -327,6 +511,18 @@ class Settings(BaseSettings):
         if self.base_model_dirs is None:
             return [self.resolved_model_cache_dir]
         return [Path(part).expanduser() for part in self.base_model_dirs.split(":") if part]
+
+    @property
+    def resolved_model_idle_timeout_s(self) -> float:
+        """How long a model keeps its place unused: a worker is never stopped for idleness
+        while a model on it still counts as in use."""
+        return min(self.model_idle_timeout_s, self.worker_idle_timeout_s)
+
+    @property
+    def launched_workers_limit(self) -> int | None:
+        """``max_workers`` where a provider launches workers (None: ``provider="none"``, where
+        every worker is started by hand)."""
+        return None if self.provider == "none" else self.max_workers
 
     @property
     def resolved_public_url(self) -> str:

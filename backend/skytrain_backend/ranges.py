@@ -9,8 +9,9 @@ limits come from where the value ends up:
 - event ids (the events' cursor) are ``bigint``: at most 2^63 - 1;
 - seeds go to ``torch.Generator.manual_seed`` (64 bits) and Python's ``random``: a signed
   64-bit integer, as vLLM accepts;
-- metric values are JSON numbers summed as floats: finite floats and integers of at most
-  64 bits (a 400-digit integer cannot be a float);
+- metric values and rewards are JSON numbers summed as floats: finite floats, and integers
+  of at most 64 bits, even where a float is taken (a reward): an integer is stored exactly
+  or refused, never rounded to a float (2^70 would be 1.1805916207174113e21);
 - text never holds NUL: PostgreSQL cannot store it in a text column or in JSONB.
 
 No torch and no database here: the API, the engines and the trainer all import it.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field, StringConstraints
+from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints
 
 from skytrain_backend.errors import InvalidRequest
 
@@ -49,10 +50,24 @@ MAX_WAIT_S = 30.0
 
 Step = Annotated[int, Field(ge=0, le=MAX_STEP, description="A checkpoint step (0 to 2^31-1).")]
 Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED, description="A 64-bit signed seed.")]
+
+
+def _int64_if_integer(value: Any) -> Any:
+    """Refuse an integer outside 64 bits, whatever type it is about to become."""
+    if type(value) is int and not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(
+            "integers must fit in 64 bits (-2^63 to 2^63 - 1): write a larger number as a "
+            "float (1.5e21)"
+        )
+    return value
+
+
 # A metric: a finite float, or an integer of at most 64 bits (bools are integers too).
 MetricInt = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 MetricFloat = Annotated[float, Field(allow_inf_nan=False)]
-MetricValue = MetricFloat | MetricInt | bool
+MetricValue = Annotated[MetricFloat | MetricInt | bool, BeforeValidator(_int64_if_integer)]
+# A reward: a finite float, which an integer of at most 64 bits may be written as.
+Reward = Annotated[float, BeforeValidator(_int64_if_integer), Field(allow_inf_nan=False)]
 
 Text = Annotated[str, StringConstraints(pattern=NO_NUL_PATTERN)]
 

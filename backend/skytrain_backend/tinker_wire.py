@@ -213,11 +213,21 @@ def _schema() -> descriptor_pb2.FileDescriptorProto:
                 maps=[("metrics", 3, F.TYPE_DOUBLE, None)],
             ),
             _message(
+                "TopkLogprobs",
+                [
+                    _field("token_ids", 1, F.TYPE_BYTES),
+                    _field("logprobs", 2, F.TYPE_BYTES),
+                    _field("k", 3, F.TYPE_UINT32),
+                    _field("length", 4, F.TYPE_UINT32),
+                ],
+            ),
+            _message(
                 "SampledSequence",
                 [
                     _field("stop_reason", 1, F.TYPE_ENUM, type_name="StopReason"),
                     _field("tokens", 2, F.TYPE_BYTES),
                     _field("logprobs", 3, F.TYPE_BYTES),
+                    _field("topk_sampled_logprobs", 4, F.TYPE_MESSAGE, type_name="TopkLogprobs"),
                 ],
             ),
             _message(
@@ -226,6 +236,8 @@ def _schema() -> descriptor_pb2.FileDescriptorProto:
                     _field(
                         "sequences", 1, F.TYPE_MESSAGE, repeated=True, type_name="SampledSequence"
                     ),
+                    _field("prompt_logprobs", 2, F.TYPE_BYTES),
+                    _field("topk_prompt_logprobs", 3, F.TYPE_MESSAGE, type_name="TopkLogprobs"),
                     _field("prompt_cache_hit_tokens", 4, F.TYPE_INT32),
                 ],
             ),
@@ -516,18 +528,65 @@ def encode_forward_backward_output(
     return bytes(message.SerializeToString())
 
 
+# A position's most likely (token id, logprob) pairs; None where nothing was scored.
+TopLogprobs = list[tuple[int, float]] | None
+# What the SDK reads as an empty top-k row (``tinker.types.topk_logprobs.MASK_LOGPROB``).
+TOPK_MASK_LOGPROB = -99999.0
+
+
 @dataclass(frozen=True)
 class SampledSequence:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: Literal["stop", "length"]
+    # Per sampled token, its position's k most likely tokens (``topk_sample_logprobs``).
+    topk: list[TopLogprobs] | None = None
 
 
-def encode_sample_response(sequences: Sequence[SampledSequence]) -> bytes:
+@dataclass(frozen=True)
+class PromptScores:
+    """``include_prompt_logprobs``' answer: each prompt token's logprob (None for the first
+    token and for those not asked for), and each position's top k when they were asked for."""
+
+    logprobs: list[float | None]
+    topk: list[TopLogprobs] | None = None
+
+
+def _encode_topk(message: Any, rows: Sequence[TopLogprobs], k: int) -> None:
+    """Rows of up to ``k`` pairs as the SDK's dense ``(length, k)`` matrices, a missing pair
+    filled with (0, ``TOPK_MASK_LOGPROB``)."""
+    ids: list[int] = []
+    values: list[float] = []
+    for row in rows:
+        pairs = list(row or [])[:k]
+        pairs += [(0, TOPK_MASK_LOGPROB)] * (k - len(pairs))
+        ids += [token for token, _ in pairs]
+        values += [value for _, value in pairs]
+    message.token_ids = _pack(ids, "i")
+    message.logprobs = _pack(values, "f")
+    message.k = k
+    message.length = len(rows)
+
+
+def _width(rows: Sequence[TopLogprobs]) -> int:
+    return max((len(row) for row in rows if row), default=0)
+
+
+def encode_sample_response(
+    sequences: Sequence[SampledSequence], prompt: PromptScores | None = None
+) -> bytes:
     message: Any = SampleResponseMessage()
     for sequence in sequences:
         item = message.sequences.add()
         item.stop_reason = STOP_REASON_LENGTH if sequence.stop_reason == "length" else 0
         item.tokens = _pack(sequence.tokens, "i")
         item.logprobs = _pack(sequence.logprobs, "f")
+        if sequence.topk is not None and _width(sequence.topk):
+            _encode_topk(item.topk_sampled_logprobs, sequence.topk, _width(sequence.topk))
+    if prompt is not None:
+        message.prompt_logprobs = _pack(
+            [math.nan if value is None else value for value in prompt.logprobs], "f"
+        )
+        if prompt.topk is not None and _width(prompt.topk):
+            _encode_topk(message.topk_prompt_logprobs, prompt.topk, _width(prompt.topk))
     return bytes(message.SerializeToString())

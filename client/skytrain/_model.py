@@ -228,13 +228,16 @@ class TrainableModel(Model):
     ) -> TrainResult:
         """Train one GRPO step on ``groups`` and wait for it, following the job's events.
 
-        A progress bar counts gradient steps and shows the latest metrics. Returns the new
+        A progress bar counts gradient steps and shows the latest metrics; until the job
+        starts, it says why the job waits (the server's words). Returns the new
         step and its metrics (the trainer's, averaged over gradient steps, with
         ``train/reward``, the mean reward trained on); ``TrainingFailedError`` carries the server's reason when the
         job fails. ``timeout`` (seconds, ``None`` for no limit) bounds the whole wait; the job
         keeps running on the server if the wait ends. A ``RuntimeWarning`` says when the job
         found its trainer's logprobs of the sampled tokens far from the engine's (the job's
-        ``logprob_agreement/*`` metrics say by how much).
+        ``logprob_agreement/*`` metrics say by how much). A job that yields its worker to
+        another tenant's job between two steps resumes where it stopped: the bar says so
+        meanwhile, and the result is the one it would have had without the pause.
         """
         backend, model_id = self._registered()
         groups = list(groups)
@@ -283,14 +286,26 @@ class TrainableModel(Model):
         loop = asyncio.get_running_loop()
         deadline = None if limit_s is None else loop.time() + limit_s
         bar = _progress_bar(desc="train", total=None, unit="step") if progress else None
-        step_metrics: defaultdict[str, list[float]] = defaultdict(list)
+        steps: list[dict[str, float]] = []  # each gradient step's metrics, in order
         cursor: str | None = None
         job_finished: dict[str, Any] | None = None
 
         def mean_metrics() -> dict[str, float]:
-            return {key: sum(values) / len(values) for key, values in step_metrics.items()}
+            values: defaultdict[str, list[float]] = defaultdict(list)
+            for metrics in steps:
+                for key, value in metrics.items():
+                    values[key].append(value)
+            return {key: sum(v) / len(v) for key, v in values.items()}
+
+        def show_waiting(job: dict[str, Any]) -> None:
+            # A queued job says why it has not started (no worker yet, the tenant's quota,
+            # another job first): the bar says so until training starts.
+            if bar is not None and job.get("waiting"):
+                bar.set_description_str(f"train: {job['waiting']}")
 
         try:
+            if bar is not None:
+                show_waiting(await backend._get(f"/v1/training-jobs/{job_id}"))
             while True:
                 # The server holds the request until the next event (a long-poll), within
                 # the request's own timeout and the wait's deadline.
@@ -305,8 +320,9 @@ class TrainableModel(Model):
                     cursor = str(event["id"])
                     kind, data = event["type"], event.get("data") or {}
                     if kind == "training_started":
-                        step_metrics.clear()  # a retried attempt starts over
+                        steps.clear()  # a retried attempt starts over
                         if bar is not None:
+                            bar.set_description_str("train")
                             bar.reset(total=data.get("num_gradient_steps"))
                         if data.get("warning"):
                             # The trainer's logprobs are far from the sampler's: say so.
@@ -317,11 +333,24 @@ class TrainableModel(Model):
                             )
                     elif kind == "gradient_step":
                         metrics = _numeric(data)
-                        for key, value in metrics.items():
-                            step_metrics[key].append(value)
+                        steps.append(metrics)
                         if bar is not None:
                             bar.set_postfix(_format_metrics(metrics), refresh=False)
                             bar.update(1)
+                    elif kind == "training_preempted" and bar is not None:
+                        bar.set_description_str(
+                            f"train (yielded the worker to another tenant's job after step "
+                            f"{data.get('steps_done')}; resumes there)"
+                        )
+                    elif kind == "training_resumed":
+                        # From the state saved after that step: steps an attempt trained
+                        # after it (and lost with its worker) are trained again.
+                        del steps[int(data.get("steps_done", len(steps))) :]
+                        if bar is not None:
+                            bar.set_description_str("train")
+                            bar.n = len(steps)
+                            bar.total = bar.total or data.get("num_gradient_steps")
+                            bar.refresh()
                     elif kind == "training_ended":
                         return TrainResult(
                             step=int(data["step"]), metrics=mean_metrics() | _numeric(data)
@@ -343,6 +372,7 @@ class TrainableModel(Model):
                     )
                 if not page["data"]:
                     job = await backend._get(f"/v1/training-jobs/{job_id}")
+                    show_waiting(job)
                     if job["status"] in _TERMINAL_JOB_STATUSES:
                         job_finished = job
                         continue  # read the events written before the status changed

@@ -42,15 +42,19 @@ class ModelConfig(_SentConfig):
 class TrainConfig(_SentConfig):
     """Options of one GRPO training job (``model.train``); ART's options keep ART's meaning.
 
-    A job is ``num_gradient_steps`` optimizer steps over whole groups (one when unset).
-    ``epsilon`` / ``epsilon_high`` default to ART's for the loss: PPO clips the ratio to
-    [0.8, 1.2], CISPO's importance weight to [0, 5].
+    A job is ``num_gradient_steps`` optimizer steps over whole groups (one when unset), or with
+    ``"per_row"`` ART's rule: one step per packed row. ``epsilon`` / ``epsilon_high`` default
+    to ART's for the loss: PPO clips the ratio to [0.8, 1.2], CISPO's importance weight to
+    [0, 5]. ``preset="art"`` trains as ART does where skytrain's defaults differ (CISPO, ART's
+    loss aggregation and steps, AdamW beta2 0.99, weight decay 0.1, max_grad_norm 0.1, ART's KL
+    shaping); the options set alongside it still win. docs/art.md has the table.
     """
 
-    learning_rate: float | None = Field(default=None, gt=0)
+    preset: Literal["art"] | None = None
+    learning_rate: float | None = Field(default=None, gt=0, le=1.0)
     loss_fn: Literal["ppo", "cispo"] | None = None
-    epsilon: float | None = Field(default=None, gt=0)
-    epsilon_high: float | None = Field(default=None, gt=0)
+    epsilon: float | None = Field(default=None, gt=0, le=1e3)
+    epsilon_high: float | None = Field(default=None, gt=0, le=1e3)
     importance_sampling_level: (
         Literal["token", "sequence", "average", "geometric_average"] | None
     ) = None
@@ -61,14 +65,20 @@ class TrainConfig(_SentConfig):
     mask_prob_ratio: bool | None = None
     kimi_k2_tau: float | None = Field(default=None, ge=0, le=1e3)
     precalculate_logprobs: bool | None = None
-    kl_penalty_coef: float | None = Field(default=None, ge=0)
+    kl_penalty_coef: float | None = Field(default=None, ge=0, le=1e3)
+    kl_penalty_source: Literal["current_learner", "sample"] | None = None
     scale_rewards: bool | None = None
     allow_training_without_logprobs: bool | None = None
+    aggregation: Literal["token_mean", "art"] | None = None
     logprob_calculation_chunk_size: int | None = Field(default=None, ge=1, le=MAX_SEQUENCE_LENGTH)
     packed_sequence_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)
-    num_gradient_steps: int | None = Field(default=None, ge=1, le=10_000)
-    max_grad_norm: float | None = Field(default=None, gt=0)
-    weight_decay: float | None = Field(default=None, ge=0)
+    num_gradient_steps: Annotated[int, Field(ge=1, le=10_000)] | Literal["per_row"] | None = None
+    num_trajectories_learning_rate_multiplier_power: float | None = Field(
+        default=None, ge=-4.0, le=4.0
+    )
+    adam_beta2: float | None = Field(default=None, ge=0.0, lt=1.0)
+    max_grad_norm: float | None = Field(default=None, gt=0, le=1e6)
+    weight_decay: float | None = Field(default=None, ge=0, le=1e3)
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
 
 

@@ -159,7 +159,8 @@ def test_art_sft_job_from_an_uploaded_file(art: OpenAI, caller: Caller) -> None:
 def test_arts_train_request_is_accepted_with_its_defaults_and_every_option(
     art: OpenAI, caller: Caller
 ) -> None:
-    """ART always sends every key of its experimental_config; each keeps ART's meaning."""
+    """openpipe-art 0.5.23 sends every key of its experimental_config; each keeps ART's
+    meaning, and what it leaves unsaid is ART's (``preset="art"``)."""
     model_id = caller.create_model()["id"]
     groups = [group(1.0, 0.0)]
 
@@ -169,9 +170,12 @@ def test_arts_train_request_is_accepted_with_its_defaults_and_every_option(
     config = RLTrainConfig.model_validate(
         caller.http.get(f"/v1/training-jobs/{default.id}").json()["config"]
     )
-    # ppo=False is ART's CISPO, its weight clipped to [0, 5] (ART's epsilon 1.0, high 4.0).
+    assert config == RLTrainConfig(preset="art")
+    # CISPO with its weight clipped to [0, 5], ART's aggregation, steps and optimizer.
     assert (config.loss_fn, config.clip_range()) == ("cispo", (1.0, 4.0))
-    assert config == RLTrainConfig(loss_fn="cispo")
+    assert (config.aggregation, config.num_gradient_steps) == ("art", "per_row")
+    assert (config.adam_beta2, config.weight_decay, config.max_grad_norm) == (0.99, 0.1, 0.1)
+    assert config.kl_penalty_source == "current_learner"
 
     every = art.post(
         "/preview/training-jobs",
@@ -181,20 +185,35 @@ def test_arts_train_request_is_accepted_with_its_defaults_and_every_option(
     config = RLTrainConfig.model_validate(
         caller.http.get(f"/v1/training-jobs/{every.id}").json()["config"]
     )
-    expected = {key: value for key, value in ART_EVERY_OPTION.items() if key != "ppo"}
-    assert config.model_dump(include=set(expected)) == expected
+    assert config.model_dump(include=set(ART_EVERY_OPTION)) == ART_EVERY_OPTION
     assert (config.loss_fn, config.clip_range()) == ("ppo", (0.1, 0.3))
     ppo_defaults = RLTrainConfig.from_experimental(
         art_train_request(model_id, groups, ppo=True)["experimental_config"]
     )
     assert ppo_defaults.clip_range() == (0.2, 0.2)
+    # A KL penalty without a source: ART's ServerlessBackend takes the sampler's logprobs.
+    kl = RLTrainConfig.from_experimental(
+        art_train_request(model_id, groups, kl_penalty_coef=0.1)["experimental_config"]
+    )
+    assert kl.kl_penalty_source == "sample"
 
 
 def test_unknown_art_options_are_refused_naming_the_known_ones(art: OpenAI, caller: Caller) -> None:
     body = art_train_request(caller.create_model()["id"], [group(1.0, 0.0)])
-    body["experimental_config"]["truncated_importance_sampling"] = 2.0
+    body["experimental_config"]["moe_routing_replay_path"] = "/tmp/routes"
     response = caller.http.post("/v1/preview/training-jobs", json=body)
     assert response.status_code == 400
     message = response.json()["error"]["message"]
-    assert "unsupported keys ['truncated_importance_sampling']" in message
-    assert "advantage_balance" in message and "kimi_k2_tau" in message
+    assert "unsupported keys ['moe_routing_replay_path']" in message
+    assert "advantage_balance" in message and "kl_penalty_source" in message
+    assert "preset" not in message
+
+
+def test_art_options_skytrain_lacks_are_refused_when_set(art: OpenAI, caller: Caller) -> None:
+    """ART sends them null by default (accepted); a value is refused, saying why."""
+    body = art_train_request(caller.create_model()["id"], [group(1.0, 0.0)])
+    for key, value in (("truncated_importance_sampling", 2.0), ("kl_penalty_reference_step", 3)):
+        sent = {**body, "experimental_config": {**body["experimental_config"], key: value}}
+        response = caller.http.post("/v1/preview/training-jobs", json=sent)
+        assert response.status_code == 400
+        assert f"experimental_config.{key} is not supported" in response.json()["error"]["message"]

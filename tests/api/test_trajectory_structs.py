@@ -96,6 +96,9 @@ VALID: dict[str, dict[str, Any]] = {
     ),
     "a message with an unknown message field": _changed(_message_with_a_message_field),
     "defaults left out": {"trajectories": [{"messages_and_choices": [choice()], "reward": 1}]},
+    "a reward written as an integer of 64 bits": _changed(
+        lambda g: _first(g).update(reward=-(2**53))
+    ),
     "a choice without logprobs": _changed(lambda g: _turns(g)[-1].pop("logprobs")),
     "numbers in every form": _changed(
         lambda g: _first(g).update(reward=-0.0, metrics={"a": 1e-7, "b": 1.5e300, "c": -(2**63)})
@@ -118,7 +121,6 @@ def test_what_the_structs_accept_is_stored_as_pydantic_would(name: str) -> None:
 LAX: dict[str, dict[str, Any]] = {
     "a reward written as text": _changed(lambda g: _first(g).update(reward="0.5")),
     "an index written as a float": _changed(lambda g: _turns(g)[-1].update(index=1.0)),
-    "a metric too large for 64 bits": _changed(lambda g: _first(g).update(metrics={"m": 2**64})),
     "metadata nested past what msgspec judges": _changed(
         lambda g: g.update(metadata=_nested(structs.MAX_FREE_FORM_DEPTH + 1))
     ),
@@ -201,6 +203,9 @@ INVALID: dict[str, Callable[[dict[str, Any]], None]] = {
     "a metric name too long": _set(f"{_T}.metrics", {"m" * 257: 1.0}),
     "a metric in words": _set(f"{_T}.metrics", {"m": "high"}),
     "a metric that is a list": _set("metrics", {"m": [1.0]}),
+    "a metric past 64 bits": _set(f"{_T}.metrics", {"m": 2**64}),
+    "a group metric past 64 bits": _set("metrics", {"m": -(2**63) - 1}),
+    "a reward past 64 bits": _set(f"{_T}.reward", 2**70),
     "metadata not an object": _set(f"{_T}.metadata", [1]),
     "metadata nested past pydantic's limit": _set("metadata", _nested(250)),
     "logs that are numbers": _set(f"{_T}.logs", [1]),

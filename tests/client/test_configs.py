@@ -51,6 +51,7 @@ def test_unset_fields_are_not_sent_so_server_defaults_apply(
 
 def test_every_set_field_is_accepted_by_the_server() -> None:
     sent = skytrain.TrainConfig(
+        preset="art",
         learning_rate=1e-5,
         loss_fn="cispo",
         epsilon=0.1,
@@ -62,16 +63,22 @@ def test_every_set_field_is_accepted_by_the_server() -> None:
         kimi_k2_tau=0.01,
         precalculate_logprobs=True,
         kl_penalty_coef=0.01,
+        kl_penalty_source="current_learner",
         scale_rewards=False,
         allow_training_without_logprobs=True,
+        aggregation="token_mean",
         logprob_calculation_chunk_size=256,
         packed_sequence_length=2048,
         num_gradient_steps=4,
+        num_trajectories_learning_rate_multiplier_power=0.5,
+        adam_beta2=0.95,
         max_grad_norm=0.5,
         weight_decay=0.1,
         seed=7,
     )._to_request()
     assert protocol.RLTrainConfig.model_validate(sent).model_dump() == sent
+    per_row = skytrain.TrainConfig(num_gradient_steps="per_row")._to_request()
+    assert protocol.RLTrainConfig.model_validate(per_row).num_gradient_steps == "per_row"
     model = skytrain.ModelConfig(
         lora_rank=16,
         lora_alpha=32,
@@ -99,3 +106,23 @@ def test_unknown_or_invalid_options_fail_in_the_client() -> None:
         skytrain.TrainConfig(loss_fn="dpo")
     with pytest.raises(ValidationError, match="lora_rank"):
         skytrain.ModelConfig(lora_rank=0)
+
+
+def test_the_art_preset_fills_only_what_is_left_unset() -> None:
+    """One option away from ART's settings; the options sent with it still win."""
+    art = protocol.RLTrainConfig.model_validate(skytrain.TrainConfig(preset="art")._to_request())
+    assert (art.loss_fn, art.aggregation, art.num_gradient_steps) == ("cispo", "art", "per_row")
+    assert (art.adam_beta2, art.weight_decay, art.max_grad_norm) == (0.99, 0.1, 0.1)
+    assert art.kl_penalty_source == "current_learner"
+    mixed = protocol.RLTrainConfig.model_validate(
+        skytrain.TrainConfig(
+            preset="art", loss_fn="ppo", num_gradient_steps=2, kl_penalty_coef=0.1
+        )._to_request()
+    )
+    assert (mixed.loss_fn, mixed.num_gradient_steps) == ("ppo", 2)
+    assert (mixed.aggregation, mixed.kl_penalty_source) == ("art", "sample")
+    # Without the preset, skytrain's documented defaults.
+    plain = protocol.RLTrainConfig()
+    assert (plain.loss_fn, plain.aggregation, plain.num_gradient_steps) == ("ppo", "token_mean", 1)
+    assert (plain.adam_beta2, plain.weight_decay, plain.max_grad_norm) == (0.999, 0.0, 1.0)
+    assert plain.kl_penalty_source is None

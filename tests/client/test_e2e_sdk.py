@@ -1,4 +1,4 @@
-"""Every SDK call end to end: a real ``skytrain serve`` (PostgreSQL + S3 through the moto
+"""Every SDK call end to end: a real ``skytrain serve`` (PostgreSQL + S3 through a SeaweedFS
 server, the production setup) whose local provider starts a real worker (CPU engine + GRPO
 trainer) serving the tiny random model. Rollouts are sampled through the model's endpoint, so
 trajectories hold the real ``Choice`` objects with their token ids.
@@ -53,7 +53,7 @@ WAIT_S = 300.0  # register() and train() on two shared CPU cores
 def sdk_service(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Service]:
-    """``skytrain serve`` on PostgreSQL + S3 (moto), with the local provider.
+    """``skytrain serve`` on PostgreSQL + S3 (SeaweedFS), with the local provider.
 
     Leases get lengths that survive a worker loading the trainer on two busy cores; the
     e2e suite's short ones are for noticing killed workers, which these tests do not do. One
@@ -268,6 +268,7 @@ async def test_register_waits_until_served_showing_what_it_waits_for(
         f"starting a worker for {base} (local)",
         f"is starting its engine for {base}",
         f"is loading step 0 of {name}",
+        f"placing {name} on worker",
     )
     for status in waits:
         assert any(phrase in status for phrase in server_phrases), status

@@ -170,9 +170,16 @@ async def test_register_waits_until_served_showing_each_status(
         if line.startswith(f"serving {name}: ")
     ]
     shown = [s for i, s in enumerate(statuses) if i == 0 or statuses[i - 1] != s]
-    # Between "no worker" and "placed on it" the scheduler may report the worker launching.
+    # Between "no worker" and "placed on it" the scheduler may report the worker launching,
+    # and, once the worker is ready, the model being placed on it.
     launching = f"starting a worker for {base} (manual): launching"
-    assert [s for s in shown if s != launching] == [waiting, starting, loading, "ready"]
+    placing = f"placing {name} on worker {worker.id}, which loads it in a few seconds"
+    assert [s for s in shown if s not in (launching, placing)] == [
+        waiting,
+        starting,
+        loading,
+        "ready",
+    ]
     polls = len(proxy.seen("GET", f"^/v1/models/{model.id}$"))
 
     # Registering a served model again returns at once.
@@ -359,6 +366,32 @@ async def test_train_posts_groups_and_follows_events_to_the_result(
     assert "grad_norm=3" in final
 
 
+async def test_train_shows_why_its_job_waits(
+    proxy: FaultProxy,
+    backend: skytrain.Backend,
+    model: skytrain.TrainableModel,
+    db_sessions: sessionmaker[Session],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No worker serves the model's base model: the bar says so while the job is queued,
+    then counts steps once it starts."""
+    training = asyncio.create_task(model.train([sampled_group(0.0, 1.0)], poll_interval=0.01))
+    job_id = await created_job(proxy, backend, training)
+    shown: list[str] = []
+
+    async def waiting_shown() -> bool:
+        shown.extend(terminal_lines(capsys.readouterr().err))
+        return any(f"waiting for a worker for {BASE_MODEL}" in line for line in shown)
+
+    await eventually(waiting_shown, "the reason the job waits, on the progress bar")
+    assert shown[-1].startswith("train: waiting for a worker")
+    add_events(db_sessions, job_id, ("training_started", {"num_gradient_steps": 1}))
+    add_events(db_sessions, job_id, ("training_ended", {"step": 1}))
+    assert (await training).step == 1
+    final = terminal_lines(capsys.readouterr().err)[-1]
+    assert final.startswith("train: ") and "waiting" not in final
+
+
 async def test_training_failure_raises_with_the_job_and_the_servers_message(
     proxy: FaultProxy,
     backend: skytrain.Backend,
@@ -408,6 +441,40 @@ async def test_a_retried_attempt_restarts_the_count(
         step=4,
         metrics={"loss/policy": 1.5, "train/reward": 0.5, "train/num_trajectories": 2.0},
     )
+
+
+async def test_a_job_that_yields_its_worker_keeps_its_steps_and_the_bar_says_why_it_waits(
+    proxy: FaultProxy,
+    backend: skytrain.Backend,
+    model: skytrain.TrainableModel,
+    db_sessions: sessionmaker[Session],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A job preempted for another tenant's job resumes from the state it saved: the steps
+    before the pause count, a step an attempt trained after the resume and lost with its
+    worker is trained again from the saved one, and meanwhile the bar says what it waits
+    for."""
+    training = asyncio.create_task(model.train([sampled_group(0.0, 1.0)], poll_interval=0.01))
+    job_id = await created_job(proxy, backend, training)
+    resumed = {"steps_done": 2, "num_gradient_steps": 3}
+    add_events(
+        db_sessions,
+        job_id,
+        ("training_started", {"num_sequences": 3, "num_gradient_steps": 3, "attempt": 1}),
+        ("gradient_step", {"loss/policy": 1.0}),
+        ("gradient_step", {"loss/policy": 2.0}),
+        ("training_preempted", {"steps_done": 2, "attempt": 1}),
+        ("training_resumed", resumed | {"attempt": 2}),
+        ("gradient_step", {"loss/policy": 9.0}),
+        ("training_resumed", resumed | {"attempt": 3}),
+        ("gradient_step", {"loss/policy": 3.0}),
+        ("training_ended", {"step": 1}),
+    )
+    result = await training
+    assert result.metrics["loss/policy"] == 2.0  # steps 1, 2 and 3, once each
+    shown = terminal_lines(capsys.readouterr().err)
+    assert any("yielded the worker to another tenant's job after step 2" in line for line in shown)
+    assert shown[-1].startswith("train: 100%") and "3/3" in shown[-1]
 
 
 async def test_a_job_cancelled_on_the_server_ends_the_wait(

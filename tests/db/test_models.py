@@ -9,7 +9,7 @@ import pytest
 from sqlalchemy import Engine, func, select
 from sqlalchemy.exc import IntegrityError
 
-from skytrain_backend.db import jobs, keys, migrations, registry
+from skytrain_backend.db import api_keys, jobs, migrations, registry
 from skytrain_backend.db.models import Checkpoint, TrainingJobEvent
 from skytrain_backend.db.session import session_factory
 
@@ -22,7 +22,7 @@ def engine(empty_engine: Engine) -> Engine:
 
 def _model(engine: Engine) -> str:
     with session_factory(engine)() as session:
-        tenant = keys.get_or_create_tenant(session, name="acme")
+        tenant = api_keys.get_or_create_tenant(session, name="acme")
         model, _ = registry.create_model(
             session,
             tenant=tenant,
@@ -75,7 +75,7 @@ def test_event_ids_increase_and_deleting_a_model_cascades(engine: Engine) -> Non
         session.commit()
         assert ids == sorted(ids) and len(set(ids)) == 3
     with sessions() as session:
-        tenant = keys.get_or_create_tenant(session, name="acme")
+        tenant = api_keys.get_or_create_tenant(session, name="acme")
         model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
         registry.delete_model_rows(session, model=model)
         assert session.scalar(select(func.count()).select_from(TrainingJobEvent)) == 0

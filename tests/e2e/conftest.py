@@ -2,7 +2,7 @@
 provider (see ``tests/fixtures/service.py``).
 
 ``embedded_service`` is the embedded setup (SQLite + local directory). Storage is not what
-these scenarios test: the RL loop on the production setup (PostgreSQL + S3 through the moto
+these scenarios test: the RL loop on the production setup (PostgreSQL + S3 through a SeaweedFS
 server), a checkpoint committed to S3 and then served, runs in ``test_replicas.py``.
 """
 
@@ -27,9 +27,15 @@ def embedded_service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator
 
 
 def _show_logs_if_failed(request: pytest.FixtureRequest, service: Service) -> None:
+    """In a fixture's teardown: the service's logs when the test failed."""
     report = getattr(request.node, "rep_call", None)
     if report is not None and report.failed:
-        print(f"--- serve.log\n{service.log()[-6000:]}\n{service.worker_logs()}")
+        show_logs(service)
+
+
+def show_logs(service: Service) -> None:
+    """The end of the control plane's log and its workers' (in the failed test's output)."""
+    print(f"--- serve.log\n{service.log()[-6000:]}\n{service.worker_logs()}")
 
 
 @pytest.hookimpl(hookwrapper=True)

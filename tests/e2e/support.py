@@ -11,7 +11,7 @@ import httpx
 import openai
 from openai.types.chat.chat_completion import Choice
 
-from skytrain_backend.processes import ChildProcess
+from skytrain_backend.child_processes import ChildProcess
 
 PROMPTS = [
     "Name a fruit.",

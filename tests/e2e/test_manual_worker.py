@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from skytrain_backend.processes import ChildProcess
+from skytrain_backend.child_processes import ChildProcess
 from tests.e2e import support
 from tests.fixtures.service import start_service, stop_service
 

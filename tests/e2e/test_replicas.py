@@ -1,4 +1,4 @@
-"""Two `skytrain serve` replicas on one PostgreSQL and one object store (S3 through moto),
+"""Two `skytrain serve` replicas on one PostgreSQL and one object store (S3 on SeaweedFS),
 real processes over real HTTP, with local workers running the tiny model.
 
 Clients call either replica directly; workers reach them through a TCP load balancer in front

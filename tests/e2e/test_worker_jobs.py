@@ -1,7 +1,8 @@
 """A worker's jobs as on a GPU, with the CPU engine and trainer: real processes over real HTTP.
 
 The worker runs as one whose engine shares its device with the trainer
-(``SKYTRAIN_WORKER_SLEEP_ENGINE``), with a cap on a training step's activation memory
+(``SKYTRAIN_WORKER_SLEEP_ENGINE``, its sleep waiting ``SKYTRAIN_ENGINE_SLEEP_WAIT_S`` for
+requests in flight), with a cap on a training step's activation memory
 (``SKYTRAIN_TRAINER_MEMORY_LIMIT_MB``) and on the LoRA rank its engine loads
 (``SKYTRAIN_ENGINE_MAX_LORA_RANK``). What the tests read is what the engine and the trainer
 recorded themselves (the job's ``job_timeline`` event), the job's events and rows, and what
@@ -11,6 +12,7 @@ the gateway serves afterwards.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,6 +34,8 @@ ROW_TOKENS_THAT_FIT = 192
 SHORT_ROWS = 128  # a job packed into rows this long trains
 LONG_ROWS = 2048  # the same kind of job packed into one long row runs out of memory
 LEARNING_RATE = 5e-3
+# How long the engine's sleep waits for requests in flight before it aborts them.
+SLEEP_WAIT_S = 2
 
 
 def _memory_limit_mb(model_path: Path) -> int:
@@ -39,7 +43,7 @@ def _memory_limit_mb(model_path: Path) -> int:
     from transformers import AutoConfig
 
     needed = activation_bytes(
-        ModelShape.of(AutoConfig.from_pretrained(model_path)),
+        ModelShape.from_config(AutoConfig.from_pretrained(model_path).to_dict()),
         row_tokens=ROW_TOKENS_THAT_FIT,
         chunk_size=1024,
         dtype_bytes=4,
@@ -55,6 +59,7 @@ def service(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "SKYTRAIN_TRAINER_MEMORY_LIMIT_MB": str(_memory_limit_mb(tiny_model_path)),
         "SKYTRAIN_ENGINE_MAX_LORA_RANK": str(MAX_LORA_RANK),
         "SKYTRAIN_MAX_WORKERS": "1",
+        "SKYTRAIN_ENGINE_SLEEP_WAIT_S": str(SLEEP_WAIT_S),
     }
     running = start_service(overrides, tmp_path_factory.mktemp("worker-jobs") / "home")
     yield running
@@ -203,3 +208,50 @@ def test_a_config_error_fails_the_job_once_without_a_retry(
         assert "every trained token lies beyond 16 tokens" in events[-1]["data"]["error_message"]
         row = _job(http, job["id"])
         assert (row["status"], row["attempts"]) == ("failed", 1)
+
+
+def test_a_job_aborts_requests_still_in_flight_after_the_sleep_timeout_and_trains(
+    service: Service, tiny_model_path: Path
+) -> None:
+    model = _served_model(service, tiny_model_path, "long-request")
+    groups = _groups(service, model, groups=1)
+    client = support.openai_client(service.url, service.key("alice"))
+    started, outcome = threading.Event(), []
+
+    def long_request() -> None:
+        """Generation far longer than the sleep's wait (thousands of decode steps)."""
+        try:
+            stream = client.chat.completions.create(
+                model=model["inference_name"],
+                messages=[{"role": "user", "content": "Write forever."}],
+                max_tokens=2000,
+                n=4,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            for _ in stream:
+                started.set()
+            outcome.append("finished")
+        except Exception as exc:
+            outcome.append(f"{type(exc).__name__}: {exc}")
+        finally:
+            started.set()
+
+    with service.http("alice") as http:
+        thread = threading.Thread(target=long_request, daemon=True)
+        thread.start()
+        assert started.wait(120)
+        job, events = support.train(
+            http,
+            model["id"],
+            groups,
+            learning_rate=LEARNING_RATE,
+            packed_sequence_length=SHORT_ROWS,
+        )
+        thread.join(120)
+        assert events[-1]["type"] == "training_ended", events[-1]
+        sleep = next(c for c in _timeline(events)["engine"] if c["call"] == "sleep")
+        # It waited SKYTRAIN_ENGINE_SLEEP_WAIT_S for the request, then aborted it to train.
+        assert sleep["aborted_requests"] >= 1
+        assert outcome and outcome[0] != "finished", outcome
+        assert _job(http, job["id"])["attempts"] == 1

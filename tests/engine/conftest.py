@@ -1,4 +1,6 @@
-"""Real CPU engines for the engine tests: ``skytrain engine serve`` subprocesses on free ports.
+"""Real engines for the engine tests: ``skytrain engine serve`` (the CPU engine) and, under
+``-m vllm``, real vLLM (its CPU build, from the environment scripts/test-vllm.sh makes), each a
+subprocess on a free port.
 
 Each engine is started once per test session through the launcher the worker uses
 (``EngineProcess``), so every test also exercises start-up, the ``/health`` wait and shutdown.
@@ -8,6 +10,7 @@ LoRA adapters are made in the tests with peft (random, non-zero weights, ``save_
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 import sys
 from collections.abc import Callable, Iterator
@@ -17,13 +20,18 @@ from pathlib import Path
 import openai
 import pytest
 
+from skytrain_backend.config import get_settings
 from skytrain_backend.engine.client import EngineClient
 from skytrain_backend.engine.launcher import EngineProcess
-from skytrain_backend.engine.options import EngineCommand
+from skytrain_backend.engine.options import EngineCommand, EngineOptions
 
 SKYTRAIN = str(Path(sys.executable).with_name("skytrain"))
 STARTUP_TIMEOUT_S = 300.0
 TINY_MAX_MODEL_LEN = 512
+# vLLM's CPU build loads SmolLM2 in about 2 minutes on 2 cores; more when the machine is busy.
+VLLM_STARTUP_TIMEOUT_S = 900.0
+VLLM_MAX_MODEL_LEN = 1024
+VLLM_API_KEY = "vllm-test-key"
 
 
 def free_port() -> int:
@@ -38,6 +46,10 @@ class RunningEngine:
     base_url: str
     process: EngineProcess
     api_key: str | None = None
+    # "cpu" (skytrain's engine) or "vllm"; the model it serves and its context length.
+    kind: str = "cpu"
+    model_path: Path | None = None
+    max_model_len: int | None = None
 
     def openai(self, api_key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(
@@ -78,7 +90,17 @@ def start_engine(
     except BaseException:
         process.stop()
         raise
-    return RunningEngine(name=name, base_url=base_url, process=process, api_key=api_key)
+    max_model_len = (
+        int(extra[extra.index("--max-model-len") + 1]) if "--max-model-len" in extra else None
+    )
+    return RunningEngine(
+        name=name,
+        base_url=base_url,
+        process=process,
+        api_key=api_key,
+        model_path=model,
+        max_model_len=max_model_len,
+    )
 
 
 @pytest.fixture(scope="session")
@@ -102,6 +124,66 @@ def smollm2_engine(
     smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RunningEngine]:
     engine = start_engine(smollm2_path, "smollm2", tmp_path_factory.mktemp("engine-logs"))
+    yield engine
+    engine.process.stop()
+
+
+def vllm_python() -> str:
+    """The interpreter with vLLM: $SKYTRAIN_VLLM_PYTHON (scripts/test-vllm.sh sets it) or this."""
+    python = get_settings().vllm_python
+    if python:
+        return python
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail(
+            "the vllm tests need vLLM: run them with scripts/test-vllm.sh (it builds vLLM's CPU "
+            "environment), or set SKYTRAIN_VLLM_PYTHON to a Python that has vllm"
+        )
+    return sys.executable
+
+
+def start_vllm(model: Path, name: str, log_dir: Path) -> RunningEngine:
+    """Real vLLM serving ``model``, started as the worker starts it (the launcher's command,
+    with the key in the environment, runtime LoRA, hermes tool calls, sleep mode where the
+    platform has it)."""
+    options = EngineOptions(
+        model=str(model),
+        served_model_name=name,
+        port=free_port(),
+        api_key=VLLM_API_KEY,
+        max_model_len=VLLM_MAX_MODEL_LEN,
+        max_loras=4,
+        max_lora_rank=8,
+        vllm_python=vllm_python(),
+    )
+    process = EngineProcess.for_engine(
+        options,
+        kind="vllm",
+        log_path=log_dir / f"vllm-{name}.log",
+        startup_timeout_s=VLLM_STARTUP_TIMEOUT_S,
+    )
+    try:
+        asyncio.run(process.launch())
+    except BaseException:
+        print(process.log_tail(80), file=sys.stderr)
+        raise
+    return RunningEngine(
+        name=name,
+        base_url=options.base_url,
+        process=process,
+        api_key=VLLM_API_KEY,
+        kind="vllm",
+        model_path=model,
+        max_model_len=VLLM_MAX_MODEL_LEN,
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(
+    smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningEngine]:
+    """vLLM serving SmolLM2 (its CPU attention takes head size 64; the tiny model's 16 it
+    does not)."""
+    engine = start_vllm(smollm2_path, "smollm2", tmp_path_factory.mktemp("vllm-logs"))
     yield engine
     engine.process.stop()
 

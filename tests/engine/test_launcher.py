@@ -22,8 +22,9 @@ from skytrain_backend.engine.launcher import (
     hf_command,
 )
 from skytrain_backend.engine.options import EngineCommand, EngineOptions, select_engine
-from skytrain_backend.engine.vllm import lora_rank_slot, vllm_command
+from skytrain_backend.engine.vllm import vllm_command, vllm_platform
 from skytrain_backend.errors import ConfigurationError, EngineError
+from skytrain_backend.planning import lora_rank_slot
 from tests.engine.conftest import free_port
 
 
@@ -64,6 +65,36 @@ def test_vllm_command_enables_runtime_lora_sleep_mode_and_hermes_tool_calls(tmp_
         "VLLM_SERVER_DEV_MODE": "1",
         "VLLM_API_KEY": "secret-1",
     }
+
+
+def test_where_vllm_has_no_sleep_mode_it_is_not_asked_for_and_the_command_says_so(
+    tmp_path: Path,
+) -> None:
+    """vLLM's CPU build refuses --enable-sleep-mode; its sleep routes answer but free nothing."""
+    command = vllm_command(EngineOptions(model=str(tmp_path)), sleep_mode=False)
+    assert "--enable-sleep-mode" not in command.argv
+    assert "--enable-auto-tool-choice" in command.argv
+    assert not command.sleep_frees_memory
+    assert vllm_command(EngineOptions(model=str(tmp_path))).sleep_frees_memory
+
+
+def test_vllm_runs_from_the_interpreter_the_settings_name(tmp_path: Path) -> None:
+    settings = Settings(vllm_python="/opt/vllm-env/bin/python")
+    options = EngineOptions.from_settings(settings, model=str(tmp_path), port=1)
+    assert vllm_command(options).argv[:3] == [
+        "/opt/vllm-env/bin/python",
+        "-m",
+        "vllm.entrypoints.cli.main",
+    ]
+    assert select_engine("vllm", vllm_python="/opt/vllm-env/bin/python") == "vllm"
+    assert select_engine("hf", vllm_python="/opt/vllm-env/bin/python") == "hf"
+
+
+def test_an_interpreter_without_vllm_fails_the_platform_check_saying_why() -> None:
+    with pytest.raises(ConfigurationError, match=r"vLLM does not load in .*No module named"):
+        vllm_platform(sys.executable)
+    with pytest.raises(ConfigurationError, match="could not run vLLM's interpreter"):
+        vllm_platform("/nonexistent/bin/python")
 
 
 def test_vllm_listens_on_loopback_only(tmp_path: Path) -> None:
@@ -212,9 +243,15 @@ async def test_an_engine_that_never_answers_fails_at_the_timeout_and_launch_stop
 
 def test_for_engine_builds_the_command_of_the_chosen_engine(tmp_path: Path) -> None:
     options = EngineOptions(model=str(tmp_path), port=9002, api_key="k")
-    process = EngineProcess.for_engine(options, kind="vllm", log_path=tmp_path / "log")
-    assert process.command == vllm_command(options)
+    process = EngineProcess.for_engine(options, kind="hf", log_path=tmp_path / "log")
+    assert process.command == hf_command(options)
     assert (process.base_url, process.api_key) == ("http://127.0.0.1:9002", "k")
+    # vLLM's command depends on its platform, asked first: one that does not load starts
+    # nothing (the real vLLM's command: tests/engine/test_vllm_cpu.py, `-m vllm`).
+    without_vllm = EngineOptions(model=str(tmp_path), vllm_python=sys.executable)
+    with pytest.raises(ConfigurationError, match="vLLM does not load"):
+        EngineProcess.for_engine(without_vllm, kind="vllm", log_path=tmp_path / "log")
+    assert not (tmp_path / "log").exists()
 
 
 async def test_for_engine_starts_a_working_cpu_engine(
@@ -242,3 +279,17 @@ async def test_for_engine_starts_a_working_cpu_engine(
     finally:
         process.stop()
     assert not process.is_alive()
+
+
+def test_a_model_split_across_nodes_runs_pipeline_stages_over_ray(tmp_path: Path) -> None:
+    """vLLM's documented multi-node layout: tensor parallelism within a node, pipeline
+    stages across nodes, on a Ray cluster; one node asks for neither."""
+    settings = Settings(home=tmp_path, engine_pipeline_parallel_size=2)
+    options = EngineOptions.from_settings(settings, model="m", port=8000, tensor_parallel_size=8)
+    argv = vllm_command(options).argv
+    assert _flag(argv, "--tensor-parallel-size") == "8"
+    assert _flag(argv, "--pipeline-parallel-size") == "2"
+    assert _flag(argv, "--distributed-executor-backend") == "ray"
+    single = vllm_command(EngineOptions(model="m", tensor_parallel_size=8)).argv
+    assert "--pipeline-parallel-size" not in single
+    assert "--distributed-executor-backend" not in single

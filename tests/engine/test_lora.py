@@ -1,4 +1,6 @@
-"""LoRA adapters loaded into a running CPU engine, served by name beside the base model.
+"""LoRA adapters in the CPU engine beyond the contract it shares with vLLM
+(tests/engine/test_engine_contract.py): adapters loaded while requests run and mixed in one
+batch, exactly peft's output, a bad adapter named for what is wrong, adapters kept over sleep.
 
 Adapters are made in the tests with peft (random non-zero weights, ``save_pretrained``), the
 same files the trainer writes. Each test loads adapters under its own names and unloads them.
@@ -24,7 +26,6 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from skytrain_backend.errors import EngineError
 from tests.engine.conftest import RunningEngine
 
 PROMPT = [{"role": "user", "content": "Which adapter are you?"}]
@@ -59,28 +60,15 @@ def _model_ids(engine: RunningEngine) -> list[str]:
     return [m.id for m in engine.openai().models.list().data]
 
 
-async def test_adapters_load_at_runtime_and_serve_beside_the_base_model(
+async def test_adapters_loaded_while_requests_run_serve_at_once_and_mixed_batches_change_nothing(
     tiny_engine: RunningEngine, tiny_model_path: Path, make_adapter: Callable[..., Path]
 ) -> None:
-    first = make_adapter(tiny_model_path, seed=1)
-    second = make_adapter(
-        tiny_model_path, seed=2, rank=8, target_modules=("q_proj", "o_proj", "up_proj")
-    )
-    third = make_adapter(tiny_model_path, seed=3)
-    base = _greedy(tiny_engine, "tiny")
+    names = ("tiny", "mixed-first", "mixed-second")
     async with tiny_engine.client() as client:
-        await client.load_lora("hot-first", str(first))
-        await client.load_lora("hot-second", str(second))
+        await client.load_lora("mixed-first", str(make_adapter(tiny_model_path, seed=1)))
+        await client.load_lora("mixed-second", str(make_adapter(tiny_model_path, seed=2)))
         try:
-            assert _model_ids(tiny_engine) == ["tiny", "hot-first", "hot-second"]
-            names = ("tiny", "hot-first", "hot-second")
             outputs = {name: _greedy(tiny_engine, name) for name in names}
-            assert _same(outputs["tiny"], base)
-            for i, a in enumerate(names):
-                for b in names[i + 1 :]:
-                    assert not _same(outputs[a], outputs[b]), (a, b)
-
-            # A fresh adapter is loaded while the others are mid-request, then served at once.
             aclient = tiny_engine.async_openai()
 
             async def fingerprint(model: str) -> tuple[list[int], list[float]]:
@@ -98,23 +86,16 @@ async def test_adapters_load_at_runtime_and_serve_beside_the_base_model(
 
             running = [asyncio.create_task(fingerprint(m)) for m in names]
             await asyncio.sleep(0.2)
-            await client.load_lora("hot-third", str(third))
-            assert await client.is_serving("hot-third")
-            third_output = _greedy(tiny_engine, "hot-third")
+            await client.load_lora("mixed-third", str(make_adapter(tiny_model_path, seed=3)))
+            assert await client.is_serving("mixed-third")
+            third_output = _greedy(tiny_engine, "mixed-third")
             long_outputs = await asyncio.gather(*running)
             for name, (ids, logprobs) in zip(names, long_outputs, strict=True):
                 # Mixed-adapter batches give each request what it gets alone.
                 assert _same((ids[:8], logprobs[:8]), outputs[name]), name
             assert not any(_same(third_output, output) for output in outputs.values())
-
-            await client.unload_lora("hot-first")
-            assert not await client.is_serving("hot-first")
-            with pytest.raises(openai.NotFoundError):
-                _greedy_ids(tiny_engine, "hot-first")
-            assert _same(_greedy(tiny_engine, "hot-second"), outputs["hot-second"])
-            assert _same(_greedy(tiny_engine, "tiny"), base)
         finally:
-            for name in ("hot-first", "hot-second", "hot-third"):
+            for name in ("mixed-first", "mixed-second", "mixed-third"):
                 if await client.is_serving(name):
                     await client.unload_lora(name)
     assert _model_ids(tiny_engine) == ["tiny"]
@@ -201,62 +182,6 @@ async def test_a_bad_adapter_is_a_400_and_changes_nothing(
                 _greedy_ids(tiny_engine, "broken")
         finally:
             await client.unload_lora("kept")
-
-
-async def test_reloading_a_name_needs_load_inplace_and_then_serves_the_new_weights(
-    tiny_engine: RunningEngine, tiny_model_path: Path, make_adapter: Callable[..., Path]
-) -> None:
-    old, new = make_adapter(tiny_model_path, seed=31), make_adapter(tiny_model_path, seed=32)
-    async with tiny_engine.client() as client:
-        await client.load_lora("step", str(old))
-        try:
-            old_output = _greedy(tiny_engine, "step")
-            with pytest.raises(EngineError, match="already been loaded"):
-                await client.load_lora("step", str(new))
-            assert _same(_greedy(tiny_engine, "step"), old_output)
-            await client.load_lora("step", str(new), replace=True)
-            new_output = _greedy(tiny_engine, "step")
-            assert not _same(new_output, old_output)
-            await client.load_lora("step-again", str(new))
-            assert _same(_greedy(tiny_engine, "step-again"), new_output)
-            await client.unload_lora("step-again")
-        finally:
-            await client.unload_lora("step")
-
-
-def test_unloading_an_unknown_adapter_is_a_404(tiny_engine: RunningEngine) -> None:
-    response = httpx.post(
-        f"{tiny_engine.base_url}/v1/unload_lora_adapter",
-        json={"lora_name": "never-loaded"},
-        timeout=60,
-    )
-    assert response.status_code == 404
-    assert "never-loaded" in response.json()["error"]["message"]
-    with pytest.raises(httpx.HTTPStatusError):
-        httpx.post(
-            f"{tiny_engine.base_url}/v1/load_lora_adapter",
-            json={"lora_name": "tiny", "lora_path": "/x"},
-            timeout=60,
-        ).raise_for_status()
-
-
-async def test_verify_adapter_accepts_a_trained_adapter_and_refuses_a_no_op(
-    tiny_engine: RunningEngine, tiny_model_path: Path, make_adapter: Callable[..., Path]
-) -> None:
-    trained = make_adapter(tiny_model_path, seed=41)
-    no_op = make_adapter(tiny_model_path, seed=42, no_op=True)
-    async with tiny_engine.client() as client:
-        await client.load_lora("trained", str(trained))
-        await client.load_lora("no-op", str(no_op))
-        try:
-            await client.verify_adapter("trained", "tiny", "Hello there")
-            with pytest.raises(EngineError, match="answers exactly like the base model"):
-                await client.verify_adapter("no-op", "tiny", "Hello there")
-            with pytest.raises(EngineError, match="404"):
-                await client.verify_adapter("absent", "tiny", "Hello there")
-        finally:
-            await client.unload_lora("trained")
-            await client.unload_lora("no-op")
 
 
 async def test_adapters_survive_sleep_and_wake_up(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from skytrain_backend.engine.toolcalls import parse_tool_calls, streamable_prefix
+from skytrain_backend.engine.hf.toolcalls import parse_tool_calls, streamable_prefix
 
 
 def test_a_single_call_becomes_a_tool_call_with_json_arguments() -> None:
@@ -40,6 +40,7 @@ def test_malformed_calls_are_returned_as_plain_content() -> None:
         "<tool_call>{not json}</tool_call>",
         '<tool_call>{"arguments": {}}</tool_call>',
         '<tool_call>["f"]</tool_call>',
+        '<tool_call>{"name": "", "arguments": {}}</tool_call>',
     ):
         assert parse_tool_calls(text) == (text, [])
 

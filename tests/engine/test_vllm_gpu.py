@@ -5,7 +5,8 @@ logprobs with token ids ending on the end-of-turn token, tool calls through the 
 sleep and wake-up, unloading; behind the worker's front door, nothing but inference is
 reachable. Then a worker's job order on one GPU: vLLM sleeps (giving its memory back), the
 trainer loads, trains and saves on that GPU, is released, vLLM wakes and serves the new
-adapter.
+adapter. Then the same with Qwen2.5-7B held to an L4's 24 GB (when the model is in the
+Hugging Face cache), with the context `skytrain workers plan` computes.
 
 Run by scripts/gpu-check.sh on a CUDA machine.
 """
@@ -13,8 +14,11 @@ Run by scripts/gpu-check.sh on a CUDA machine.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -226,5 +230,107 @@ async def test_on_one_gpu_vllm_sleeps_while_the_trainer_trains_then_serves_the_n
             await engine.load_lora("small@1", str(tmp_path / "step1"))
             await engine.verify_adapter("small@1", "small", "The capital of France is")
             await engine.check_generates("small@1")
+    finally:
+        process.stop()
+
+
+L4_BYTES = 23034 * 1024**2  # an L4's memory as CUDA reports it (22.5 GiB)
+SEVEN_B = "Qwen/Qwen2.5-7B-Instruct"
+
+
+def _plan_for_an_l4(model: str) -> dict[str, Any]:
+    """What `skytrain workers plan` computes for ``model`` on one L4 (its JSON: no Python API
+    is relied on)."""
+    skytrain = Path(sys.executable).with_name("skytrain")
+    done = subprocess.run(
+        [str(skytrain), "workers", "plan", model, "--gpu", "L4:1", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"`skytrain workers plan` failed: {done.stderr[-2000:]}"
+    plan: dict[str, Any] = json.loads(done.stdout)
+    return plan
+
+
+async def test_a_7b_model_serves_sleeps_trains_and_wakes_within_an_l4s_memory(
+    tmp_path: Path,
+) -> None:
+    """The claim users care about most: Qwen2.5-7B on a 24 GB L4. vLLM gets the plan's share
+    of an L4's memory (whatever this GPU has), the plan's max_model_len, samples, sleeps; the
+    trainer, held to what an L4 would have left, takes one step; vLLM wakes and serves the
+    LoRA it trained."""
+    pytest.importorskip("vllm")
+    import openai
+    import torch
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    from skytrain_backend.trainer import Trainer
+
+    try:
+        model_dir = snapshot_download(SEVEN_B, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pytest.skip(f"{SEVEN_B} is not in the Hugging Face cache of this machine")
+    plan = _plan_for_an_l4(SEVEN_B)
+    assert plan["fits"], plan["reason"]
+    _, total = torch.cuda.mem_get_info()
+    # The plan's utilization is of an L4; here the same bytes are a smaller share.
+    utilization = plan["gpu_memory_utilization"] * L4_BYTES / total
+    options = EngineOptions(
+        model=model_dir,
+        served_model_name="qwen7b",
+        port=free_port(),
+        api_key="gpu-secret",
+        max_model_len=int(plan["max_model_len"]),
+        gpu_memory_utilization=round(utilization, 4),
+        max_lora_rank=8,
+    )
+    process = EngineProcess.for_engine(
+        options, kind="vllm", log_path=tmp_path / "vllm.log", startup_timeout_s=1800
+    )
+    await process.launch()
+    try:
+        config = ModelConfig(lora_rank=8)
+        client = openai.OpenAI(
+            base_url=f"{options.base_url}/v1", api_key="gpu-secret", max_retries=0
+        )
+        prompt = [{"role": "user", "content": "Name a colour."}]
+        async with EngineClient(options.base_url, api_key="gpu-secret") as engine:
+            sampled = client.chat.completions.create(
+                model="qwen7b",
+                messages=prompt,
+                n=4,
+                max_tokens=16,
+                logprobs=True,
+                extra_body={"return_tokens_as_token_ids": True, "return_token_ids": True},
+            )
+            group = TrajectoryGroup.model_validate(
+                {
+                    "trajectories": [
+                        {"messages_and_choices": [*prompt, c.model_dump(mode="json")], "reward": i}
+                        for i, c in enumerate(sampled.choices)
+                    ]
+                }
+            )
+            await engine.sleep(mode="wait")
+            asleep_free, _ = torch.cuda.mem_get_info()
+            held_asleep = total - asleep_free
+            print(f"\nvLLM asleep holds {held_asleep / GIB:.1f} GiB")
+            # The trainer gets what an L4 has left beside the sleeping vLLM.
+            torch.cuda.set_per_process_memory_fraction((L4_BYTES - held_asleep) / total)
+            try:
+                trainer = Trainer.load(model_dir, model_config=config)
+                steps = list(trainer.run(trainer.prepare_rl([group], RLTrainConfig())))
+                assert steps
+                print(f"trainer peak {torch.cuda.max_memory_allocated() / GIB:.1f} GiB")
+                trainer.save(tmp_path / "step1")
+                trainer.release()
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            await engine.wake_up()
+            await engine.load_lora("qwen7b@1", str(tmp_path / "step1"))
+            await engine.check_generates("qwen7b@1")
     finally:
         process.stop()

@@ -43,10 +43,11 @@ from starlette.types import ASGIApp
 
 from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
-from skytrain_backend.db import keys, migrations
+from skytrain_backend.db import api_keys
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.protocol import lora_name
+from tests.fixtures.services import MakeSettings
 
 TENANT_LIMIT = 4
 # A request for a checkpoint still loading waits this long before its 503.
@@ -101,26 +102,14 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = 6
 @pytest.fixture(
     scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
-def gateway_settings(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Settings:
-    home = tmp_path_factory.mktemp(f"gateway-{request.param}")
-    database_url = (
-        request.getfixturevalue("make_postgres_url")()
-        if request.param == "postgres"
-        else f"sqlite:///{home / 'skytrain.db'}"
-    )
-    settings = Settings(
-        home=home,
-        database_url=database_url,
-        provider="none",
+def gateway_settings(request: pytest.FixtureRequest, make_settings: MakeSettings) -> Settings:
+    return make_settings(
+        database=request.param,
         tenant_max_concurrent_requests=TENANT_LIMIT,
         gateway_loading_wait_s=LOADING_WAIT_S,
         # Far longer than any test: every change a test makes must empty the route cache.
         gateway_route_cache_ttl_s=ROUTE_CACHE_TTL_S,
     )
-    migrations.upgrade_url(settings.resolved_database_url)
-    return settings
 
 
 @pytest.fixture(scope="session")
@@ -334,7 +323,7 @@ def tenant(gateway_url: str, gateway_db: sessionmaker[Session]) -> Iterator[Call
     def make() -> Tenant:
         name = f"tenant-{uuid.uuid4().hex[:10]}"
         with gateway_db() as session:
-            _, key = keys.create_key(session, tenant_name=name)
+            _, key = api_keys.create_key(session, tenant_name=name)
         who = Tenant(
             name=name,
             key=key,
@@ -372,11 +361,21 @@ class OpenStream:
     lines: Iterator[str]
 
 
-def open_stream(stack: ExitStack, who: Tenant, model: str) -> OpenStream:
-    """A stream that has started (its first event arrived) and is left open."""
-    response = stack.enter_context(
-        who.http.stream("POST", "/v1/chat/completions", json={**LONG_STREAM, "model": model})
-    )
+def open_stream(
+    stack: ExitStack, who: Tenant, model: str, *, wait_for_a_slot: bool = False
+) -> OpenStream:
+    """A stream that has started (its first event arrived) and is left open. With
+    ``wait_for_a_slot``, a 429 is tried again for a while: a finished request gives its slot
+    back just after its answer ends, so the very next request may still find it held."""
+    deadline = time.monotonic() + 30
+    while True:
+        response = stack.enter_context(
+            who.http.stream("POST", "/v1/chat/completions", json={**LONG_STREAM, "model": model})
+        )
+        if response.status_code != 429 or not wait_for_a_slot or time.monotonic() > deadline:
+            break
+        response.close()
+        time.sleep(0.05)
     assert response.status_code == 200
     stream = OpenStream(response, response.iter_lines())
     assert next(stream.lines).startswith("data: ")

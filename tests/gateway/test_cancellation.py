@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skytrain_backend.engine.hf.engine import HFEngine
-from skytrain_backend.engine.server import create_app as create_engine_app
+from skytrain_backend.engine.hf.server import create_app as create_engine_app
 from tests.gateway.conftest import (
     TENANT_LIMIT,
     Tenant,

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from skytrain_backend.api.gateway import _EngineClient
+from skytrain_backend.api.gateway.upstream import EngineClient
 from tests.gateway.conftest import (
     TENANT_LIMIT,
     Tenant,
@@ -234,7 +234,7 @@ class Counted:
     gateway_app: FastAPI
 
     def in_flight(self) -> int:
-        return int(self.gateway_app.state.gateway.http.in_flight)
+        return int(self.gateway_app.state.gateway.engines.http.in_flight)
 
     def body(self, prompt: str, *, stream: bool) -> dict[str, object]:
         return {
@@ -359,7 +359,7 @@ def test_answers_being_read_when_the_engines_client_closes_fail_instead_of_hangi
     engine, url = counting_engine
 
     async def scenario() -> tuple[str, int]:
-        client = _EngineClient()
+        client = EngineClient()
         body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": HELD}]}
         headers = {"Authorization": f"Bearer {engine.secret}"}
         streamed = await client.post(

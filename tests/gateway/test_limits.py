@@ -11,10 +11,10 @@ from pathlib import Path
 import openai
 import pytest
 
-from skytrain_backend.db import migrations
 from skytrain_backend.db.models import Model
 from skytrain_backend.db.session import create_db_engine, session_factory
 from tests.fixtures.service import start_service, stop_service
+from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import (
     ENGINE_BASE_MODEL,
     LONG_STREAM,
@@ -54,18 +54,17 @@ def test_requests_over_the_tenant_limit_get_429_until_a_stream_ends(
             lambda: alice.chat(name).status_code == 200,
             what="a request admitted once one of the streams was closed",
         )
-        # The closed stream and the finished request gave their slots back, and no more.
-        opened.append(open_stream(streams, alice, name))
+        # The closed stream and the finished request give their slots back, and no more.
+        opened.append(open_stream(streams, alice, name, wait_for_a_slot=True))
         assert alice.chat(name).status_code == 429
 
 
 @pytest.mark.postgres
 def test_a_tenant_at_its_limit_through_one_control_plane_is_refused_through_another(
-    make_postgres_url: Callable[[], str], engine: Engine, tmp_path: Path
+    make_settings: MakeSettings, engine: Engine, tmp_path: Path
 ) -> None:
     """Two `skytrain serve` processes on one PostgreSQL count a tenant's requests together."""
-    database_url = make_postgres_url()
-    migrations.upgrade_url(database_url)
+    database_url = make_settings(database="postgres").resolved_database_url
     env = {
         "SKYTRAIN_DATABASE_URL": database_url,
         "SKYTRAIN_PROVIDER": "none",

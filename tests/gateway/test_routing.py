@@ -18,11 +18,11 @@ import sqlalchemy
 from sqlalchemy import event
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.db import keys
+from skytrain_backend.db import api_keys, credentials
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
 from skytrain_backend.errors import Unavailable
 from skytrain_backend.scheduler import placement
-from skytrain_backend.scheduler.routing import resolve_route
+from skytrain_backend.scheduler.routing import ACTIVITY_RESOLUTION_S, resolve_route
 from tests.gateway.conftest import (
     ENGINE_SERVED_NAME,
     LOADING_WAIT_S,
@@ -211,7 +211,7 @@ def test_a_revoked_key_and_a_gone_worker_are_seen_at_once(
     assert served.headers.get("x-skytrain-worker") == worker_id
 
     with gateway_db() as session:
-        keys.revoke_key(session, id_or_prefix=alice.key[: keys.DISPLAY_PREFIX_LENGTH])
+        api_keys.revoke_key(session, id_or_prefix=alice.key[: api_keys.DISPLAY_PREFIX_LENGTH])
     status, _, message = _error(alice.chat(alices["inference_name"]))
     assert status == 401 and "was revoked" in message
 
@@ -234,7 +234,7 @@ def test_a_repeated_request_reads_none_of_its_route_again(
     model = alice.create_model(worker_id=engine_worker)
     # Statements made to resolve alice's requests, which bind her key's hash or her name (the
     # model's entity); the scheduler's passes run meanwhile.
-    hers = (keys.hash_key(alice.key), alice.name)
+    hers = (credentials.hash_secret(alice.key), alice.name)
     statements: list[str] = []
 
     def note(
@@ -337,7 +337,10 @@ def test_requests_mark_the_model_and_a_pinned_step_active_at_most_every_30s(
 ) -> None:
     alice = tenant()
     model = alice.create_model(worker_id=engine_worker)
-    long_ago = utcnow() - timedelta(hours=1)
+    # Older than the marks' resolution, so the next request writes one; far younger than the
+    # idle timeout (300 s), so the scheduler running meanwhile does not take the model off as
+    # idle and place it again (which writes the mark too).
+    long_ago = utcnow() - timedelta(seconds=2 * ACTIVITY_RESOLUTION_S)
     with gateway_db() as session:
         row = session.get(Model, model["id"])
         assert row is not None

@@ -18,13 +18,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
-from skytrain_backend.db import migrations
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.storage import ObjectStore, open_object_store
 from tests.api import support
 from tests.api.conftest import Caller
 from tests.fixtures.models import model_cache_dir
-from tests.fixtures.services import ApiKey, ControlPlane
+from tests.fixtures.services import ApiKey, ControlPlane, MakeSettings
 from tests.gateway.conftest import serve_in_thread
 
 INFERENCE_LIMIT = 256 * 1024
@@ -33,26 +32,22 @@ INFERENCE_LIMIT = 256 * 1024
 @pytest.fixture(
     scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
-def settings(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Settings:
+def settings(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    make_settings: MakeSettings,
+) -> Settings:
     home = tmp_path_factory.mktemp(f"hostile-{request.param}")
-    database_url = (
-        request.getfixturevalue("make_postgres_url")()
-        if request.param == "postgres"
-        else f"sqlite:///{home / 'skytrain.db'}"
-    )
     (home / "allowed-models").mkdir()
-    built = Settings(
+    return make_settings(
+        database=request.param,
         home=home,
-        database_url=database_url,
         max_request_bytes=1024 * 1024,
         max_inference_request_bytes=INFERENCE_LIMIT,
         max_trajectories_per_request=500,
-        provider="none",
         model_cache_dir=model_cache_dir(),
         base_model_dirs=f"{model_cache_dir()}:{home / 'allowed-models'}",
     )
-    migrations.upgrade_url(built.resolved_database_url)
-    return built
 
 
 # The session fixtures that depend on ``settings`` are overridden too: pytest would otherwise

@@ -10,7 +10,8 @@ in its path and body (so the query and body reach the work behind them).
 An answer fails the test if it is a 5xx, or if it shows a stack trace or a path of the host.
 The one 5xx that is right here is an inference request's 503 with ``Retry-After``: no worker
 serves the seeded model (the provider is ``none``). The number of examples per operation is
-bounded (``FUZZ_EXAMPLES``) so the whole run stays within a minute or two.
+bounded (``FUZZ_EXAMPLES``): a minute or two per database on a quiet 2-core machine, more
+under load, so the test is ``slow``.
 """
 
 from __future__ import annotations
@@ -158,6 +159,10 @@ def _check(case: Case, response: Any) -> None:
     pytest.fail(f"{where}: {text[:500]}")
 
 
+# Minutes on 2 cores (schemathesis sends hundreds of requests per database): `slow`. The
+# ranges and refusals it sweeps have tests of their own in the fast suite
+# (tests/hostile/test_ranges.py on both databases, tests/api/test_validation.py).
+@pytest.mark.slow
 def test_no_request_gets_a_5xx_or_shows_the_host(
     openapi: schemathesis.BaseSchema, seeded: Seeded, control_plane: ControlPlane
 ) -> None:

@@ -116,6 +116,61 @@ def test_a_401_digit_metric_is_refused_naming_it(
     )
 
 
+def _with_number(where: str, number: str) -> str:
+    """A batch (JSON text) whose reward, trajectory metric or group metric is ``number``."""
+    groups = [group(1.0, 0.0) if where == "group metric" else group(1.0, 0.0, score=0.5)]
+    if where == "group metric":
+        groups[0]["metrics"] = {"score": 0.5}
+    text = json.dumps({"trajectory_groups": groups})
+    if where == "reward":
+        return text.replace('"reward": 1.0', f'"reward": {number}', 1)
+    return text.replace('"score": 0.5', f'"score": {number}', 1)
+
+
+@pytest.mark.parametrize(
+    ("where", "path"),
+    [
+        ("reward", "trajectory_groups[0].trajectories[0].reward"),
+        ("trajectory metric", "trajectory_groups[0].trajectories[0].metrics.score"),
+        ("group metric", "trajectory_groups[0].metrics.score"),
+    ],
+)
+@pytest.mark.parametrize("number", [str(2**70), str(2**63), str(-(2**63) - 1)])
+def test_an_integer_past_64_bits_in_a_reward_or_metric_is_refused_naming_it(
+    caller: Caller,
+    stored: Callable[[Caller], Any],
+    model_id: str,
+    where: str,
+    path: str,
+    number: str,
+) -> None:
+    """Integers are taken exactly or not at all: 2^70 used to be stored as 1.18e21."""
+    text = _with_number(where, number)
+    job = text.replace("{", f'{{"model_id": "{model_id}", ', 1)
+    for send in (
+        lambda: _post_json(caller, f"/v1/models/{model_id}/log", text),
+        lambda: _post_json(caller, "/v1/training-jobs", job),
+    ):
+        _refused(caller, stored, send, path, "64 bits")
+
+
+def test_a_metric_of_64_bits_is_stored_exactly_and_one_written_as_a_float_as_a_float(
+    caller: Caller, model_id: str
+) -> None:
+    sent = {
+        "trajectory metric": str(-(2**63)),
+        "group metric": "1.1805916207174113e21",
+    }
+    stored = {}
+    for where, number in sent.items():
+        logged = _post_json(caller, f"/v1/models/{model_id}/log", _with_number(where, number))
+        assert logged.status_code == 201, logged.text
+        batch = caller.http.get(f"/v1/models/{model_id}/logs/{logged.json()['id']}").json()
+        stored[where] = batch["trajectory_groups"][0]
+    assert stored["trajectory metric"]["trajectories"][0]["metrics"]["score"] == -(2**63)
+    assert stored["group metric"]["metrics"]["score"] == 1.1805916207174113e21
+
+
 def test_nan_and_infinity_in_a_training_config_are_refused_naming_the_field(
     caller: Caller, stored: Callable[[Caller], Any], model_id: str
 ) -> None:

@@ -62,7 +62,35 @@ def _env_example() -> dict[str, str]:
 
 
 def test_compose_defines_the_production_services(compose: dict[str, Any]) -> None:
-    assert set(compose["services"]) == {"postgres", "minio", "create-bucket", "migrate", "skytrain"}
+    assert set(compose["services"]) == {
+        "postgres",
+        "minio",
+        "create-bucket",
+        "migrate",
+        "skytrain",
+        "prometheus",
+        "grafana",
+    }
+    # Metrics are opt-in (`--profile metrics`): a plain `up` starts what it always did.
+    assert compose["services"]["prometheus"]["profiles"] == ["metrics"]
+    assert compose["services"]["grafana"]["profiles"] == ["metrics"]
+
+
+def test_prometheus_scrapes_the_metrics_listener_never_the_public_port(
+    compose: dict[str, Any],
+) -> None:
+    server = compose["services"]["skytrain"]
+    port = server["environment"]["SKYTRAIN_METRICS_PORT"]
+    config = yaml.safe_load((INFRA / "prometheus" / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == [f"skytrain:{port}"]
+    # The listener is not published on the host; only the public port is.
+    assert all(not str(p).endswith(f":{port}") for p in server["ports"])
+    sources = [
+        volume["source"] if isinstance(volume, dict) else volume.split(":")[0]
+        for volume in compose["services"]["prometheus"]["volumes"]
+    ]
+    assert any(str(source).endswith("prometheus/prometheus.yml") for source in sources)
 
 
 def test_the_compose_parser_rejects_what_compose_rejects() -> None:

@@ -31,11 +31,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
-from skytrain_backend.db import keys, migrations
+from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.storage import LocalObjectStore
+from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import serve_in_thread
 
 SWEEP_INTERVAL_S = 0.5
@@ -44,23 +45,8 @@ SWEEP_INTERVAL_S = 0.5
 @pytest.fixture(
     scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
-def lifecycle_settings(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Settings:
-    home = tmp_path_factory.mktemp(f"lifecycle-{request.param}")
-    database_url = (
-        request.getfixturevalue("make_postgres_url")()
-        if request.param == "postgres"
-        else f"sqlite:///{home / 'skytrain.db'}"
-    )
-    settings = Settings(
-        home=home,
-        database_url=database_url,
-        provider="none",
-        sweep_interval_s=SWEEP_INTERVAL_S,
-    )
-    migrations.upgrade_url(settings.resolved_database_url)
-    return settings
+def lifecycle_settings(request: pytest.FixtureRequest, make_settings: MakeSettings) -> Settings:
+    return make_settings(database=request.param, sweep_interval_s=SWEEP_INTERVAL_S)
 
 
 @pytest.fixture(scope="session")
@@ -124,7 +110,7 @@ def who(lifecycle_url: str, lifecycle_db: sessionmaker[Session]) -> Iterator[Cal
     def make(base_model: str | None = None) -> Who:
         name = f"t-{uuid.uuid4().hex[:10]}"
         with lifecycle_db() as session:
-            row, key = keys.create_key(session, tenant_name=name)
+            row, key = api_keys.create_key(session, tenant_name=name)
         http = httpx.Client(
             base_url=lifecycle_url, headers={"Authorization": f"Bearer {key}"}, timeout=60
         )

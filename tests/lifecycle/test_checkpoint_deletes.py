@@ -1,6 +1,7 @@
 """Checkpoint deletes are all or nothing, and every part of the system agrees on a model's
-latest step: the rows are marked deleted first and the files removed after (again by the
-scheduler's sweep when the store fails), so no live checkpoint ever lacks its files."""
+latest step: the rows are committed deleted first (no ``uri`` left to read) and the files
+removed after (again by the scheduler's sweep when the store fails), so no checkpoint row,
+live or deleted, ever points at files that are gone."""
 
 from __future__ import annotations
 
@@ -37,6 +38,19 @@ def _trained(
 def _files(store: LocalObjectStore, who: Who, model_id: str, step: int) -> list[str]:
     prefix = keys.checkpoint_prefix(tenant_id=who.tenant_id, model_id=model_id, step=step)
     return [info.key for info in store.list(prefix)]
+
+
+def _deleted_rows(
+    sessions: sessionmaker[Session], model_id: str
+) -> dict[int, tuple[str | None, bool]]:
+    """step -> (uri, purge_pending) of the model's deleted checkpoints."""
+    with sessions() as session:
+        rows = session.execute(
+            select(Checkpoint.step, Checkpoint.uri, Checkpoint.purge_pending).where(
+                Checkpoint.model_id == model_id, Checkpoint.deleted_at.is_not(None)
+            )
+        ).all()
+    return {step: (uri, pending) for step, uri, pending in rows}
 
 
 def test_a_store_failure_while_deleting_leaves_no_live_checkpoint_without_files(
@@ -79,20 +93,18 @@ def test_a_store_failure_while_deleting_leaves_no_live_checkpoint_without_files(
             assert "its latest step is 2" in served.json()["error"]["message"]
         assert not _files(lifecycle_store, alice, model_id, 3)
         assert _files(lifecycle_store, alice, model_id, 4)  # the store refused
+        # The rows were committed before any file was touched: neither points at files, and
+        # step 4 waits for the sweep (the old order, files first, left its uri in place).
+        assert _deleted_rows(lifecycle_db, model_id) == {3: (None, False), 4: (None, True)}
 
-    # Once the store works again, the scheduler's sweep removes what it could not.
+    # Once the store works again, the scheduler's sweep removes what it could not, and only
+    # then clears the mark.
     wait_until(
-        lambda: not _files(lifecycle_store, alice, model_id, 4),
+        lambda: _deleted_rows(lifecycle_db, model_id)[4] == (None, False),
         what="the sweep deleting step 4's files",
         timeout_s=30,
     )
-    with lifecycle_db() as session:
-        rows = session.execute(
-            select(Checkpoint.step, Checkpoint.uri).where(
-                Checkpoint.model_id == model_id, Checkpoint.deleted_at.is_not(None)
-            )
-        ).all()
-    assert sorted(rows) == [(3, None), (4, None)]
+    assert not _files(lifecycle_store, alice, model_id, 4)
 
 
 def test_heartbeat_and_next_job_use_the_latest_live_step(

@@ -7,35 +7,27 @@ from __future__ import annotations
 import socket
 import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
+from skytrain_backend.child_processes import ChildProcess, ProcessIdentity, stop_process
 from skytrain_backend.config import Settings
-from skytrain_backend.db import migrations
-from skytrain_backend.db import processes as process_rows
+from skytrain_backend.db import process_records
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker
 from skytrain_backend.db.session import create_db_engine, session_factory
-from skytrain_backend.processes import ChildProcess, ProcessIdentity, stop_process
+from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import serve_in_thread, wait_until
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def local_settings(request: pytest.FixtureRequest, tmp_path: Path) -> Settings:
+def local_settings(request: pytest.FixtureRequest, make_settings: MakeSettings) -> Settings:
     """A control plane with the local provider (it starts no worker: no model is active)."""
-    database_url = (
-        request.getfixturevalue("make_postgres_url")()
-        if request.param == "postgres"
-        else f"sqlite:///{tmp_path / 'skytrain.db'}"
-    )
-    settings = Settings(home=tmp_path, database_url=database_url, provider="local")
-    migrations.upgrade_url(settings.resolved_database_url)
-    return settings
+    return make_settings(database=request.param, provider="local")
 
 
 @pytest.fixture
@@ -63,7 +55,7 @@ def _record(
     sessions: sessionmaker[Session], process: ChildProcess, owner: ProcessIdentity, worker: str
 ) -> None:
     with sessions() as session:
-        process_rows.record(
+        process_records.record(
             session,
             kind="worker",
             worker_id=worker,
@@ -107,7 +99,7 @@ def test_processes_no_live_control_plane_owns_are_stopped_at_start_and_shutdown(
     assert not mine.is_alive()
     assert others.is_alive()
     with sessions() as session:
-        left = process_rows.on_host(session, host=socket.gethostname())
+        left = process_records.on_host(session, host=socket.gethostname())
         assert [row.pid for row in left] == [others.pid]
 
 

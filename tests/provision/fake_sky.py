@@ -8,7 +8,8 @@ exceptions, so the provider code under test is exactly what runs against a real 
 tasks it receives are real ``sky.Task`` objects built by the provider.
 
 Tests steer it: hold launches to watch the ``launching`` state, make the next launch fail,
-pre-seed clusters, preempt or stop one.
+pre-seed clusters, preempt or stop one, end a cluster's job (its setup failed, say) with the
+log SkyPilot would show.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import IO, Any
 import sky
 from sky import exceptions
 from sky.schemas.api.responses import StatusResponse
+from sky.skylet.job_lib import JobStatus
 
 ENDPOINT_HOST = "203.0.113.7"  # TEST-NET-3: never routed anywhere
 
@@ -32,6 +34,15 @@ class LaunchCall:
     cluster_name: str
     idle_minutes_to_autostop: int
     down: bool
+
+
+@dataclass
+class FakeJob:
+    """The job SkyPilot runs on a cluster: the task's setup, then its run (the worker)."""
+
+    status: JobStatus = JobStatus.SETTING_UP
+    log: str = ""
+    job_id: int = 1
 
 
 @dataclass
@@ -57,10 +68,16 @@ class FakeSky:
         self.launch_gate.set()
         # Ports not yet exposed: `endpoints` answers {} like SkyPilot does meanwhile.
         self.ports_open = True
+        # Kubernetes with `kubernetes.ports: ingress`: the ingress controller's address, and
+        # `endpoints` answers a URL with a path under it, as SkyPilot does in that mode.
+        self.ingress: str | None = None
         # `sky check`: what it prints and finds, or the error it raises.
         self.enabled_clouds = ["AWS", "Kubernetes"]
         self.check_output = "Checking credentials to enable infra for SkyPilot.\n  AWS: enabled\n"
         self.check_error: Exception | None = None
+        # Each launched cluster's job, by cluster name.
+        self.jobs: dict[str, FakeJob] = {}
+        self.job_status_calls = 0
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
 
@@ -87,6 +104,21 @@ class FakeSky:
     def check(self, infra_list: tuple[str, ...] | None, verbose: bool) -> str:
         return self._request("check")
 
+    def job_status(self, cluster_name: str) -> str:
+        self.job_status_calls += 1
+        return self._request("job_status", cluster_name=cluster_name)
+
+    def tail_logs(
+        self, cluster_name: str, job_id: int | None, *, tail: int, output_stream: IO[str]
+    ) -> int:
+        """Like SkyPilot's (a direct call, not a request id): the job's last lines, and an exit
+        code that says whether it failed (100, ``exceptions.JobExitCode.FAILED``)."""
+        self._require_up(cluster_name)
+        job = self.jobs[cluster_name]
+        assert job_id in (None, job.job_id)
+        output_stream.write("".join(job.log.splitlines(keepends=True)[-tail:]))
+        return 100 if job.status in (JobStatus.FAILED, JobStatus.FAILED_SETUP) else 0
+
     def stream_and_get(self, request_id: str, *, output_stream: IO[str]) -> Any:
         output_stream.write(f"[fake sky] request {request_id}\n")
         with self._lock:
@@ -111,6 +143,8 @@ class FakeSky:
                 self.clusters.pop(cluster_name, None)
             raise error
         self.add_cluster(cluster_name, sky.ClusterStatus.UP)
+        # `launch` returns once the job is submitted: its setup runs after (detached).
+        self.jobs[cluster_name] = FakeJob()
         return 1, None
 
     def _run_down(self, cluster_name: str) -> None:
@@ -132,12 +166,25 @@ class FakeSky:
         return {"default": {cloud: ["compute"] for cloud in self.enabled_clouds}}
 
     def _run_endpoints(self, cluster: str, port: int) -> dict[int, str]:
+        self._require_up(cluster)
+        if not self.ports_open:
+            return {}
+        if self.ingress is not None:
+            return {port: f"http://{self.ingress}/skypilot/default/{cluster}/{port}"}
+        return {port: f"{ENDPOINT_HOST}:{port}"}
+
+    def _run_job_status(self, cluster_name: str) -> dict[int | None, JobStatus | None]:
+        """The last job's status, as `sky.job_status(cluster)` answers it."""
+        self._require_up(cluster_name)
+        job = self.jobs.get(cluster_name)
+        return {None: None} if job is None else {job.job_id: job.status}
+
+    def _require_up(self, cluster: str) -> None:
         record = self.clusters.get(cluster)
         if record is None or record.status != sky.ClusterStatus.UP:
             raise exceptions.ClusterNotUpError(
                 f"Cluster {cluster!r} is not in UP status.", cluster_status=None
             )
-        return {port: f"{ENDPOINT_HOST}:{port}"} if self.ports_open else {}
 
     # --- steering ----------------------------------------------------------------------------
 
@@ -159,6 +206,10 @@ class FakeSky:
             nodes=1,
             init_status_reason=reason if status == sky.ClusterStatus.INIT else None,
         )
+
+    def end_job(self, name: str, status: JobStatus, log: str) -> None:
+        """The cluster's job ends (its setup failed, the worker exited) with this log."""
+        self.jobs[name] = FakeJob(status=status, log=log)
 
     def preempt(self, name: str) -> None:
         """The cloud takes a spot instance back: the cluster disappears from `sky status`."""

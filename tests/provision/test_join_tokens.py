@@ -1,40 +1,36 @@
 """Join tokens for workers started by hand: created once, stored hashed, scoped, revocable.
 
-The persistence functions run on SQLite and PostgreSQL; the CLI runs as an operator runs it.
+The persistence functions run on SQLite and PostgreSQL; the CLI runs as an operator runs it,
+through Typer's runner (in this process, with only the operator's environment).
 """
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
+from typer.testing import CliRunner, Result
 
-from skytrain_backend.db import migrations, worker_tokens
-from skytrain_backend.db.keys import hash_key
+from skytrain_backend.cli import app
+from skytrain_backend.config import get_settings
+from skytrain_backend.db import worker_tokens
+from skytrain_backend.db.credentials import hash_secret
 from skytrain_backend.db.models import WorkerToken
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.errors import AuthenticationFailed, Conflict, InvalidRequest, NotFound
+from tests.fixtures.services import MakeSettings
 
-SKYTRAIN = str(Path(sys.executable).parent / "skytrain")
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def session(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Session]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'skytrain.db'}"
-    else:
-        make: Callable[[], str] = request.getfixturevalue("make_postgres_url")
-        url = make()
-    migrations.upgrade_url(url)
-    engine = create_db_engine(url)
+def session(request: pytest.FixtureRequest, make_settings: MakeSettings) -> Iterator[Session]:
+    engine = create_db_engine(make_settings(database=request.param).resolved_database_url)
     with session_factory(engine)() as opened:
         yield opened
     engine.dispose()
@@ -44,7 +40,7 @@ def test_token_is_stored_only_as_its_hash(session: Session) -> None:
     row, token = worker_tokens.create_join_token(session, name="gpu-box", base_model=MODEL)
     assert re.fullmatch(r"swj-[A-Za-z0-9_-]{43}", token)
     stored = session.scalars(select(WorkerToken)).one()
-    assert stored.token_hash == hash_key(token)
+    assert stored.token_hash == hash_secret(token)
     assert token not in (stored.prefix, stored.token_hash, stored.name)
     assert token.startswith(stored.prefix)
     assert (stored.id, stored.base_model, stored.name) == (row.id, MODEL, "gpu-box")
@@ -110,29 +106,32 @@ def test_create_refuses_an_empty_base_model_scope(session: Session) -> None:
 # --- the CLI ------------------------------------------------------------------------------------
 
 
-def _skytrain(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SKYTRAIN_")}
+def _skytrain(home: Path, *args: str) -> Result:
+    """`skytrain ARGS` with nothing set but ``SKYTRAIN_HOME`` (the embedded defaults)."""
+    env: dict[str, str | None] = {k: None for k in os.environ if k.startswith("SKYTRAIN_")}
     env["SKYTRAIN_HOME"] = str(home)
-    return subprocess.run(
-        [SKYTRAIN, *args], env=env, capture_output=True, text=True, timeout=120, check=False
-    )
+    get_settings.cache_clear()
+    try:
+        return CliRunner().invoke(app, list(args), env=env)
+    finally:
+        get_settings.cache_clear()
 
 
 def test_cli_creates_lists_and_revokes_join_tokens(tmp_path: Path) -> None:
     created = _skytrain(tmp_path, "workers", "token", "create", "--base-model", MODEL)
-    assert created.returncode == 0, created.stderr
+    assert created.exit_code == 0, created.stderr
     token = created.stdout.strip()
     assert re.fullmatch(r"swj-[A-Za-z0-9_-]{43}", token)
     assert "not shown again" in created.stderr
 
     listed = _skytrain(tmp_path, "workers", "token", "list")
-    assert listed.returncode == 0, listed.stderr
+    assert listed.exit_code == 0, listed.stderr
     (line,) = [line for line in listed.stdout.splitlines() if token[:10] in line]
     assert MODEL in line and "never" in line
     assert token not in listed.stdout
 
     revoked = _skytrain(tmp_path, "workers", "token", "revoke", f"{token[:10]}...")
-    assert revoked.returncode == 0, revoked.stderr
+    assert revoked.exit_code == 0, revoked.stderr
     engine = create_db_engine(f"sqlite:///{tmp_path / 'skytrain.db'}")
     try:
         with session_factory(engine)() as session, pytest.raises(AuthenticationFailed):
@@ -143,6 +142,7 @@ def test_cli_creates_lists_and_revokes_join_tokens(tmp_path: Path) -> None:
 
 def test_cli_revoke_of_an_unknown_token_fails_with_a_message(tmp_path: Path) -> None:
     result = _skytrain(tmp_path, "workers", "token", "revoke", "swj-nothing")
-    assert result.returncode == 1
+    # An exit with a message, not an exception escaping the command.
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit)
     assert "no join token has id or prefix 'swj-nothing'" in result.stderr
     assert "Traceback" not in result.stderr

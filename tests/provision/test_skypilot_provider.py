@@ -6,6 +6,7 @@ Everything is real skytrain code and real SkyPilot task parsing; only the cluste
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from sky import exceptions
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ConfigurationError
+from skytrain_backend.planning import FitsNoGpu, choose_worker_gpu
 from skytrain_backend.provision.base import WorkerLaunch
 from skytrain_backend.provision.local import worker_log_path
 from skytrain_backend.provision.skypilot import SkyPilotProvider
@@ -173,6 +175,25 @@ def test_endpoint_is_reported_once_the_port_is_exposed(
     assert info.engine_endpoint == f"https://{ENDPOINT_HOST}:8100"
 
 
+def test_a_kubernetes_ingress_endpoint_is_refused_and_the_cluster_downed(
+    provider: SkyPilotProvider, fake: FakeSky
+) -> None:
+    # SkyPilot's ingress mode serves the port as plain HTTP under a path on the ingress: the
+    # front door's TLS end to end (its certificate pinned) cannot go through it.
+    fake.ingress = "198.51.100.20"
+    name = provider.launch(_launch())
+    fake.settle()
+    (info,) = provider.poll()
+    assert (info.state, info.engine_endpoint) == ("failed", None)
+    assert info.message is not None
+    assert f"http://198.51.100.20/skypilot/default/{name}/8100" in info.message
+    assert "ingress" in info.message and "loadbalancer" in info.message
+    assert "podip" in info.message
+    fake.settle()
+    assert fake.downs == [name]
+    assert provider.poll() == []
+
+
 @pytest.mark.parametrize(
     "error",
     [
@@ -319,9 +340,13 @@ def test_a_worker_task_skypilot_rejects_fails_at_start_up(tmp_path: Path, fake: 
     broken = tmp_path / "worker.yaml"
     broken.write_text("resources:\n  accelerators: [L4:1]\n  disk_sise: 100\nrun: echo\n")
     settings = Settings(home=tmp_path, skypilot_worker_yaml=broken)
+    limit = getattr(sys, "tracebacklimit", None)
     with pytest.raises(ConfigurationError, match="SkyPilot rejects the worker task") as raised:
         SkyPilotProvider(settings, sky_api=fake)
     assert "disk_sise" in raised.value.message
+    # SkyPilot set the process's traceback limit to 0 on the way out of its parser; the
+    # provider put it back, so the control plane's later logged tracebacks keep their frames.
+    assert getattr(sys, "tracebacklimit", None) == limit
 
 
 def test_accelerators_setting_must_name_some(tmp_path: Path, fake: FakeSky) -> None:
@@ -351,3 +376,118 @@ def test_a_failing_sky_check_is_a_warning_naming_its_reason(
     [record] = [r for r in caplog.records if "sky check" in r.getMessage()]
     assert record.levelname == "WARNING"
     assert "NoCloudAccessError: Cloud access is not set up" in record.getMessage()
+
+
+# --- the memory plan chooses the resources -------------------------------------------------
+
+PLANNED_MODELS = Path(__file__).resolve().parents[1] / "planning" / "models"
+
+
+def _planned(tmp_path: Path, fake: FakeSky, **settings: object) -> SkyPilotProvider:
+    """A provider on a control plane whose model cache holds real models' config.json."""
+    values: dict[str, object] = {
+        "home": tmp_path,
+        "model_cache_dir": PLANNED_MODELS,
+        "skypilot_accelerators": "H100:1, A10G:1, L4:1",
+    }
+    values.update(settings)
+    return SkyPilotProvider(Settings(**values), sky_api=fake)  # type: ignore[arg-type]
+
+
+def test_a_worker_gets_the_cheapest_gpu_the_plan_fits_with_its_host_memory_and_disk(
+    tmp_path: Path, fake: FakeSky
+) -> None:
+    provider = _planned(tmp_path, fake)
+    provider.launch(_launch())
+    fake.settle()
+    task = fake.launches[0].task
+    choice = choose_worker_gpu(
+        BASE_MODEL, ["L4:1"], settings=Settings(model_cache_dir=PLANNED_MODELS)
+    )
+    assert choice is not None and choice.plan is not None
+    plan = choice.plan
+    # Exactly the chosen accelerator: the plan's numbers are made for it.
+    (resources,) = task.resources
+    assert resources.accelerators == {"L4": 1}
+    assert resources.memory == f"{plan.host_memory_gb}+" and plan.host_memory_gb > 16
+    assert resources.disk_size == plan.disk_gb
+    assert task.envs["SKYTRAIN_ENGINE_MAX_MODEL_LEN"] == str(plan.max_model_len)
+    assert task.envs["SKYTRAIN_ENGINE_GPU_MEMORY_UTILIZATION"] == str(plan.gpu_memory_utilization)
+    assert task.envs["SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE"] == "1"
+    assert task.envs["SKYTRAIN_TRAINER_GRADIENT_CHECKPOINTING"] == "true"
+    assert task.envs["SKYTRAIN_TRAINER_MAX_ROW_TOKENS"] == str(plan.max_row_tokens)
+
+
+def test_a_model_larger_than_one_gpu_gets_a_node_and_tensor_parallelism(
+    tmp_path: Path, fake: FakeSky
+) -> None:
+    provider = _planned(tmp_path, fake, skypilot_accelerators="L4:1, H100:8, H200:1")
+    provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct"))
+    fake.settle()
+    task = fake.launches[0].task
+    assert [r.accelerators for r in task.resources] == [{"H100": 8}]
+    assert int(task.envs["SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE"]) > 1
+    # The trainer too: one process a GPU, the base sharded over them (FSDP2).
+    assert task.envs["SKYTRAIN_TRAINER_DEVICE_MAP"] == "fsdp"
+    assert int(task.envs["SKYTRAIN_TRAINER_SHARDS"]) > 1
+    for resources in task.resources:
+        assert int(resources.memory.rstrip("+")) > 145  # the weights, pinned while asleep
+
+
+def test_a_model_that_fits_no_configured_gpu_is_never_launched(
+    tmp_path: Path, fake: FakeSky
+) -> None:
+    provider = _planned(tmp_path, fake)
+    with pytest.raises(FitsNoGpu, match="fits none of the GPUs workers may get") as raised:
+        provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct"))
+    assert "H100:1: Qwen/Qwen2.5-72B-Instruct does not fit 1 x H100" in raised.value.message
+    fake.settle()
+    assert fake.launches == []
+
+
+def test_the_operators_settings_win_over_the_plan(tmp_path: Path, fake: FakeSky) -> None:
+    provider = _planned(tmp_path, fake, skypilot_disk_size_gb=500)
+    provider.launch(_launch(envs={"SKYTRAIN_ENGINE_MAX_MODEL_LEN": "4096"}))
+    fake.settle()
+    task = fake.launches[0].task
+    assert task.envs["SKYTRAIN_ENGINE_MAX_MODEL_LEN"] == "4096"
+    assert [r.disk_size for r in task.resources] == [500]
+
+
+def test_without_the_models_config_every_configured_gpu_is_offered(
+    tmp_path: Path, fake: FakeSky
+) -> None:
+    provider = _planned(tmp_path, fake, skypilot_accelerators="L4:1, A10G:1")
+    # No copy of this model's config.json on the control plane's machine.
+    provider.launch(_launch(base_model="example-org/unpublished-model"))
+    fake.settle()
+    task = fake.launches[0].task
+    assert sorted(str(r.accelerators) for r in task.resources) == ["{'A10G': 1}", "{'L4': 1}"]
+    assert "SKYTRAIN_ENGINE_MAX_MODEL_LEN" not in task.envs  # the worker plans for itself
+
+
+def test_a_worker_of_several_nodes_gets_num_nodes_and_splits_the_model_across_them(
+    tmp_path: Path, fake: FakeSky
+) -> None:
+    """A base model larger than a node: SkyPilot's num_nodes, vLLM's tensor parallelism within
+    each node and pipeline stages across them, the trainer's ranks on the head node's GPUs."""
+    provider = _planned(tmp_path, fake, skypilot_accelerators="H100:8", skypilot_num_nodes=2)
+    provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct"))
+    fake.settle()
+    task = fake.launches[0].task
+    assert task.num_nodes == 2
+    assert [r.accelerators for r in task.resources] == [{"H100": 8}]
+    assert task.envs["SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE"] == "8"
+    assert task.envs["SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE"] == "2"
+    assert task.envs["SKYTRAIN_TRAINER_SHARDS"] == "8"
+    # The task's run script starts Ray across the nodes before the worker, on the head only.
+    assert "ray start --head" in task.run and "SKYPILOT_NODE_RANK" in task.run
+
+
+def test_a_worker_of_several_nodes_needs_one_gpu_count_to_split_by(
+    tmp_path: Path, fake: FakeSky
+) -> None:
+    """Refused when the control plane starts, before any launch."""
+    with pytest.raises(ConfigurationError, match="all with the same count a node"):
+        _planned(tmp_path, fake, skypilot_accelerators="H100:8, H200:4", skypilot_num_nodes=2)
+    assert fake.launches == []

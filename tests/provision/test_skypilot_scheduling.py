@@ -8,7 +8,7 @@ cloud at the SkyPilot SDK boundary (fake_sky.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend import tls
 from skytrain_backend.config import Settings
-from skytrain_backend.db import jobs, keys, migrations, registry
+from skytrain_backend.db import api_keys, jobs, registry
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -28,6 +28,7 @@ from skytrain_backend.provision.skypilot import SkyPilotProvider
 from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import serving_status
+from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
 
 BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -60,25 +61,17 @@ class ControlPlane:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'skytrain.db'}"
-    make: Callable[[], str] = request.getfixturevalue("make_postgres_url")
-    return make()
-
-
-@pytest.fixture
-def control_plane(database_url: str, tmp_path: Path) -> Iterator[ControlPlane]:
-    migrations.upgrade_url(database_url)
-    settings = Settings(
-        home=tmp_path,
-        database_url=database_url,
+def control_plane(
+    request: pytest.FixtureRequest, make_settings: MakeSettings
+) -> Iterator[ControlPlane]:
+    settings = make_settings(
+        database=request.param,
         provider="skypilot",
         public_url="https://skytrain.example.com",
         skypilot_status_interval_s=0,
         worker_idle_timeout_s=600,
     )
-    engine = create_db_engine(database_url)
+    engine = create_db_engine(settings.resolved_database_url)
     sessions = session_factory(engine)
     fake = FakeSky()
     plane = ControlPlane(settings, sessions, fake, scheduler=None)  # type: ignore[arg-type]
@@ -91,7 +84,7 @@ def control_plane(database_url: str, tmp_path: Path) -> Iterator[ControlPlane]:
 
 def _active_model(plane: ControlPlane, name: str = "agent") -> str:
     with plane.sessions() as session:
-        tenant = keys.get_or_create_tenant(session, name="acme")
+        tenant = api_keys.get_or_create_tenant(session, name="acme")
         model, _ = registry.create_model(
             session,
             tenant=tenant,
@@ -328,3 +321,42 @@ def test_a_preempted_worker_is_lost_and_its_job_runs_on_a_new_one(
         leased = queue.lease_job(session, worker=session.get_one(Worker, second.id), lease_s=60)
         assert leased is not None
         assert (leased.id, leased.attempts, leased.worker_id) == ("job-1", 2, second.id)
+
+
+def test_a_base_model_that_fits_no_configured_gpu_fails_its_worker_with_the_plans_reasons(
+    control_plane: ControlPlane,
+) -> None:
+    """The model was stored before the accelerators changed (creation refuses it now): its
+    launch never reaches SkyPilot, and `skytrain workers list` says why."""
+    plane = control_plane
+    plane.settings = plane.settings.model_copy(
+        update={
+            "model_cache_dir": Path(__file__).resolve().parents[1] / "planning" / "models",
+            "skypilot_accelerators": "L4:1, A10G:1",
+        }
+    )
+    plane.restart()
+    with plane.sessions() as session:
+        tenant = api_keys.get_or_create_tenant(session, name="acme")
+        model, _ = registry.create_model(
+            session,
+            tenant=tenant,
+            entity="acme",
+            project="tests",
+            name="huge",
+            base_model="Qwen/Qwen2.5-72B-Instruct",
+            config={},
+            return_existing=False,
+        )
+        model.last_active_at = utcnow()
+        session.commit()
+        model_id = model.id
+    plane.tick()
+    plane.fake.settle()
+    (worker,) = plane.workers()
+    assert worker.status == "failed"
+    assert "fits none of the GPUs workers may get (L4:1, A10G:1)" in (worker.status_message or "")
+    assert "does not fit 1 x L4 for serving" in (worker.status_message or "")
+    assert plane.fake.launches == []
+    state, _ = _serving(plane, model_id)
+    assert state == "failed"

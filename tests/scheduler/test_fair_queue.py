@@ -1,38 +1,42 @@
 """Training jobs are leased round-robin across tenants, on real job rows in real databases:
-one tenant's long queue does not hold back another tenant's job."""
+one tenant's long queue does not hold back another tenant's job, and one tenant's long job
+yields its worker to another tenant's waiting job once it has had its time slice."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.db import api_keys, registry
 from skytrain_backend.db import jobs as job_rows
-from skytrain_backend.db import keys, migrations, registry
 from skytrain_backend.db import workers as worker_rows
-from skytrain_backend.db.models import Model, Worker, new_id
+from skytrain_backend.db.models import Model, TrainingJob, Worker, new_id, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
-from skytrain_backend.scheduler import queue
+from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.protocol import CheckpointFile
+from skytrain_backend.scheduler import garbage, queue
+from skytrain_backend.storage import ObjectStore
+from skytrain_backend.storage.local import LocalObjectStore
+from tests.fixtures.services import MakeSettings
 
 LEASE_S = 60.0
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def sessions(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[sessionmaker[Session]]:
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path / 'skytrain.db'}"
-    else:
-        url = request.getfixturevalue("make_postgres_url")()
-    engine = create_db_engine(url)
-    migrations.upgrade(engine)
+def sessions(
+    request: pytest.FixtureRequest, make_settings: MakeSettings
+) -> Iterator[sessionmaker[Session]]:
+    engine = create_db_engine(make_settings(database=request.param).resolved_database_url)
     yield session_factory(engine)
     engine.dispose()
 
 
 def _model(session: Session, *, tenant: str, name: str, worker: Worker) -> Model:
-    owner = keys.get_or_create_tenant(session, name=tenant)
+    owner = api_keys.get_or_create_tenant(session, name=tenant)
     model, _ = registry.create_model(
         session,
         tenant=owner,
@@ -120,3 +124,122 @@ def test_tenants_alternate_while_both_have_jobs_queued(sessions: sessionmaker[Se
                 owners |= dict.fromkeys(_queue_jobs(session, model, 3), tenant)
         order = [owners[_run_next(session, worker)] for _ in range(8)]
     assert order in (["a", "b"] * 4, ["b", "a"] * 4)
+
+
+# --- time slices -------------------------------------------------------------------------------
+
+
+def _worker(session: Session) -> Worker:
+    worker, _ = worker_rows.create_worker(
+        session, provider="local", base_model="base", max_models=8, status="ready"
+    )
+    session.commit()
+    return worker
+
+
+def _stage_state(store: ObjectStore, session: Session, job_id: str) -> list[CheckpointFile]:
+    """What a worker uploads when it yields: the job's state as the attempt's files."""
+    job = session.get_one(TrainingJob, job_id)
+    tenant_id = session.get_one(Model, job.model_id).tenant_id
+    files = {"adapter_model.safetensors": b"weights", "progress.pt": b"position"}
+    for name, data in files.items():
+        store.put_bytes(
+            queue.staged_file_key(job, tenant_id=tenant_id, attempt=job.attempts, name=name), data
+        )
+    return [CheckpointFile(name=name, size=len(data)) for name, data in files.items()]
+
+
+def test_a_job_past_its_time_slice_yields_only_to_another_tenants_waiting_job(
+    sessions: sessionmaker[Session],
+) -> None:
+    with sessions() as session:
+        worker = _worker(session)
+        (long,) = _queue_jobs(session, _model(session, tenant="a", name="long", worker=worker), 1)
+        _queue_jobs(session, _model(session, tenant="a", name="next", worker=worker), 1)
+        queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        elsewhere = _worker(session)
+        # Another tenant's job for another worker does not count either.
+        _queue_jobs(session, _model(session, tenant="b", name="other", worker=elsewhere), 1)
+        assert queue.request_yields(session, slice_s=0) == []  # only its own tenant's job waits
+
+        (waiting,) = _queue_jobs(session, _model(session, tenant="b", name="m", worker=worker), 1)
+        assert queue.request_yields(session, slice_s=3600) == []  # its slice is not over
+        assert [job.id for job in queue.request_yields(session, slice_s=0)] == [long]
+        renewed = queue.renew_lease(session, worker=worker, job_id=long, attempt=1, lease_s=LEASE_S)
+        assert renewed.yield_requested
+        assert queue.request_yields(session, slice_s=0) == []  # asked once
+        assert session.get_one(TrainingJob, waiting).status == "queued"
+
+
+def test_a_yielded_job_goes_behind_the_job_it_yielded_to_and_resumes_from_its_state(
+    sessions: sessionmaker[Session], tmp_path: Path
+) -> None:
+    store = LocalObjectStore(tmp_path / "objects")
+    with sessions() as session:
+        worker = _worker(session)
+        (long,) = _queue_jobs(session, _model(session, tenant="a", name="long", worker=worker), 1)
+        leased = queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        assert leased is not None and leased.id == long
+        # Tenant b's newest lease (on another worker) is newer than the yielding job's.
+        elsewhere = _worker(session)
+        _queue_jobs(session, _model(session, tenant="b", name="busy", worker=elsewhere), 1)
+        assert queue.lease_job(session, worker=elsewhere, lease_s=LEASE_S) is not None
+        (waiting,) = _queue_jobs(session, _model(session, tenant="b", name="m", worker=worker), 1)
+        files = _stage_state(store, session, long)
+
+        def preempt(steps_done: int, attempt: int) -> TrainingJob:
+            return queue.preempt_job(
+                session,
+                store=store,
+                worker=worker,
+                job_id=long,
+                attempt=attempt,
+                steps_done=steps_done,
+                files=files,
+            )
+
+        with pytest.raises(InvalidRequest, match="was not asked to yield"):
+            preempt(3, attempt=1)
+        queue.request_yields(session, slice_s=0)
+        wrong = [CheckpointFile(name="progress.pt", size=999)]
+        with pytest.raises(InvalidRequest, match=r"not in the store as named: \['progress.pt"):
+            queue.preempt_job(
+                session,
+                store=store,
+                worker=worker,
+                job_id=long,
+                attempt=1,
+                steps_done=3,
+                files=wrong,
+            )
+        assert session.get_one(TrainingJob, long).status == "running"  # nothing changed
+
+        yielded = preempt(3, attempt=1)
+        assert (yielded.status, yielded.attempts, yielded.preemptions) == ("queued", 1, 1)
+        (event,) = job_rows.list_events(session, job_id=long, limit=10)[0]
+        assert event.type == "training_preempted"
+        assert event.data["steps_done"] == 3
+        # The saved state outlives the sweep of files staged by attempts that are over.
+        garbage.collect_garbage(session, store=store, written_before=utcnow() + timedelta(days=1))
+        assert len(store.list(queue.saved_state_prefix(yielded, tenant_id=_tenant(session, long))))
+
+        # The waiting job first: the yield ended tenant a's turn, though b's lease is newer
+        # than a's and the yielded job is older.
+        assert _run_next(session, worker) == waiting
+        resumed = queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        assert resumed is not None and resumed.id == long
+        handed = queue.job_for_worker(session, resumed)
+        assert (handed["attempt"], handed["steps_done"], handed["base_step"]) == (2, 3, 0)
+
+        # A yield is not a failure: with max_attempts=3, two losses after it still requeue.
+        for attempt in (2, 3):
+            queue.release_jobs(session, jobs=[resumed], reason="worker lost")
+            assert resumed.status == "queued", attempt
+            resumed = queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+            assert resumed is not None and resumed.attempts == attempt + 1
+        assert queue.job_for_worker(session, resumed)["steps_done"] == 3
+
+
+def _tenant(session: Session, job_id: str) -> str:
+    job = session.get_one(TrainingJob, job_id)
+    return session.get_one(Model, job.model_id).tenant_id

@@ -143,7 +143,8 @@ ONE_SECOND = timedelta(seconds=1)
 
 def _unfinished_writes(store: ObjectStore, prefix: str) -> list[datetime]:
     """When each unfinished write under ``prefix`` started, as the store itself reports it
-    (moto reports a fixed time for every multipart upload, so the test cannot use its own)."""
+    (each server keeps it at its own precision, SeaweedFS to the second, so the test cannot
+    use its own clock)."""
     if isinstance(store, S3ObjectStore):
         uploads = store._client.list_multipart_uploads(
             Bucket=store.bucket, Prefix=f"{store.prefix}/{prefix}" if store.prefix else prefix

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -27,7 +27,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db import jobs, keys, migrations, registry
+from skytrain_backend.db import api_keys, jobs, registry
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -40,6 +40,7 @@ from skytrain_backend.scheduler.leader import (
     open_leadership,
 )
 from skytrain_backend.scheduler.loop import Scheduler
+from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import FakeSky
 
 BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"
@@ -71,12 +72,9 @@ def _stop(scheduler: Scheduler) -> None:
 
 
 @pytest.fixture
-def cluster(make_postgres_url: Callable[[], str], tmp_path: Path) -> Iterator[Cluster]:
-    url = make_postgres_url()
-    migrations.upgrade_url(url)
-    settings = Settings(
-        home=tmp_path,
-        database_url=url,
+def cluster(make_settings: MakeSettings) -> Iterator[Cluster]:
+    settings = make_settings(
+        database="postgres",
         provider="skypilot",
         public_url="https://skytrain.example.com",
         skypilot_status_interval_s=0,
@@ -84,6 +82,7 @@ def cluster(make_postgres_url: Callable[[], str], tmp_path: Path) -> Iterator[Cl
         worker_heartbeat_timeout_s=45,
         max_workers=4,
     )
+    url = settings.resolved_database_url
     engine = create_db_engine(url)
     yield Cluster(url, session_factory(engine), FakeSky(), settings)
     engine.dispose()
@@ -91,7 +90,7 @@ def cluster(make_postgres_url: Callable[[], str], tmp_path: Path) -> Iterator[Cl
 
 def _active_model(cluster: Cluster, name: str, base_model: str = BASE_MODEL) -> str:
     with cluster.sessions() as session:
-        tenant = keys.get_or_create_tenant(session, name="acme")
+        tenant = api_keys.get_or_create_tenant(session, name="acme")
         model, _ = registry.create_model(
             session,
             tenant=tenant,
@@ -310,10 +309,9 @@ def test_a_leader_whose_connection_breaks_steps_down(
 
 @pytest.mark.postgres
 def test_control_planes_in_different_schemas_do_not_contend(
-    cluster: Cluster, make_postgres_url: Callable[[], str]
+    cluster: Cluster, make_settings: MakeSettings
 ) -> None:
-    other_url = make_postgres_url()
-    migrations.upgrade_url(other_url)
+    other_url = make_settings(database="postgres").resolved_database_url
     here, there = AdvisoryLockLeadership(cluster.url), AdvisoryLockLeadership(other_url)
     try:
         assert here.hold() and there.hold()
@@ -322,12 +320,11 @@ def test_control_planes_in_different_schemas_do_not_contend(
         there.release()
 
 
-def test_on_sqlite_the_single_process_leads(tmp_path: Path) -> None:
-    url = f"sqlite:///{tmp_path / 'skytrain.db'}"
-    migrations.upgrade_url(url)
+def test_on_sqlite_the_single_process_leads(make_settings: MakeSettings) -> None:
+    settings = make_settings()
+    url = settings.resolved_database_url
     assert isinstance(open_leadership(url), SoleLeadership)
     engine = create_db_engine(url)
-    settings = Settings(home=tmp_path, database_url=url, provider="none")
     scheduler = Scheduler(
         settings=settings, sessions=session_factory(engine), provider=None, leadership=None
     )

@@ -15,8 +15,8 @@ from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
 from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.config import Settings
+from skytrain_backend.db import api_keys, migrations, registry
 from skytrain_backend.db import jobs as job_rows
-from skytrain_backend.db import keys, migrations, registry
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import (
     Checkpoint,
@@ -28,7 +28,7 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.scheduler import placement, queue
+from skytrain_backend.scheduler import placement, queue, scale_in
 from skytrain_backend.storage import LocalObjectStore
 from skytrain_backend.storage import keys as object_keys
 
@@ -54,7 +54,7 @@ def store(tmp_path: Path) -> LocalObjectStore:
 
 
 def _model(session: Session, name: str = "agent") -> Model:
-    tenant = keys.get_or_create_tenant(session, name="tenant")
+    tenant = api_keys.get_or_create_tenant(session, name="tenant")
     model, _ = registry.create_model(
         session,
         tenant=tenant,
@@ -328,13 +328,29 @@ def test_a_lost_worker_frees_its_models_and_requeues_its_job(
         assert (job.status, job.worker_id, model.worker_id) == ("queued", None, None)
 
 
+class _ClearsInThisThread(RouteCache[str]):
+    """Counts the clears a commit in the test's own thread makes. Every commit in the process
+    clears every cache, and a control plane another test module left running in this pytest
+    process (a session fixture, its scheduler in a thread) commits too."""
+
+    def __init__(self) -> None:
+        super().__init__(ttl_s=60)
+        self.clears = 0
+        self._thread = threading.get_ident()
+
+    def clear(self) -> None:
+        if threading.get_ident() == self._thread:
+            self.clears += 1
+        super().clear()
+
+
 def test_placement_keeps_a_placement_committed_after_the_pass_read_the_model(
     sessions: sessionmaker[Session],
 ) -> None:
     """A pass that read the model unplaced does not write over a placement committed before
     its own (a leader taking over, an operator): nor does it empty the route caches."""
-    cache: RouteCache[str] = RouteCache(ttl_s=60)
-    generations: list[int] = []
+    cache = _ClearsInThisThread()
+    clears: list[int] = []
     with sessions() as session:
         emptiest, chosen = _worker(session), _worker(session)
         model = _model(session)
@@ -345,7 +361,7 @@ def test_placement_keeps_a_placement_committed_after_the_pass_read_the_model(
         with sessions() as other:
             other.get_one(Model, model.id).worker_id = chosen.id
             other.commit()
-        generations.append(cache.generation)
+        clears.append(cache.clears)
         return NO_QUOTA
 
     with sessions() as session:
@@ -353,13 +369,12 @@ def test_placement_keeps_a_placement_committed_after_the_pass_read_the_model(
             session,
             idle_timeout_s=600,
             max_workers=2,
-            launch_backoff_s=0,
             launch=None,
             limits=placed_meanwhile,
         )
     with sessions() as session:
         assert session.get_one(Model, model.id).worker_id == chosen.id != emptiest.id
-    assert generations == [cache.generation]
+    assert clears == [cache.clears]
 
 
 @pytest.mark.parametrize("went", ["lost", "draining", "deleted"])
@@ -398,7 +413,6 @@ def test_placement_skips_a_worker_gone_after_the_pass_read_it(
             session,
             idle_timeout_s=600,
             max_workers=1,
-            launch_backoff_s=0,
             launch=None,
             limits=lambda _tenant_id: NO_QUOTA,
         )
@@ -428,7 +442,6 @@ def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit
             session,
             idle_timeout_s=600,
             max_workers=1,
-            launch_backoff_s=0,
             launch=launches.append,
             limits=lambda _tenant_id: NO_QUOTA,
         )
@@ -439,8 +452,110 @@ def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit
             session,
             idle_timeout_s=600,
             max_workers=2,
-            launch_backoff_s=0,
             launch=launches.append,
             limits=lambda _tenant_id: NO_QUOTA,
         )
         assert launches == ["base"]  # one launch per base model per pass
+
+
+def test_a_model_waiting_for_its_worker_does_not_go_idle_meanwhile(
+    sessions: sessionmaker[Session],
+) -> None:
+    """A worker takes minutes to launch on a cloud, longer than a model's idle timeout may
+    be: the model that asked for it must still be active when it registers, or the worker
+    finds nothing to serve and the user's model is never served. The idle clock stands still
+    while the model waits, and starts again when it is placed."""
+    idle_timeout_s = 10.0
+    launches: list[str] = []
+
+    def a_pass(session: Session) -> None:
+        placement.place_models(
+            session,
+            idle_timeout_s=idle_timeout_s,
+            max_workers=1,
+            launch=launches.append,
+            limits=lambda _tenant_id: NO_QUOTA,
+        )
+
+    def time_passes(session: Session, seconds: float) -> None:
+        for row in session.scalars(select(Model).execution_options(populate_existing=True)):
+            assert row.last_active_at is not None
+            row.last_active_at -= timedelta(seconds=seconds)
+        session.commit()
+
+    with sessions() as session:
+        model = _model(session)
+        placement.mark_model_active(session, model=model, min_interval_s=0)
+        a_pass(session)
+        assert launches == ["base"]
+        for _ in range(3):  # 18 s of launching, with passes between
+            time_passes(session, 0.6 * idle_timeout_s)
+            a_pass(session)
+        worker = _worker(session)
+        a_pass(session)
+        placed = session.get_one(Model, model.id)
+        session.refresh(placed)
+        assert placed.worker_id == worker.id
+        assert placed.last_active_at is not None
+        assert placed.last_active_at > utcnow() - timedelta(seconds=idle_timeout_s / 2)
+        # Once placed and unused, it goes idle as before.
+        time_passes(session, idle_timeout_s + 1)
+        assert placement.release_idle_models(session, idle_timeout_s=idle_timeout_s) == 1
+
+
+def test_a_model_on_a_worker_still_starting_does_not_go_idle_meanwhile(
+    sessions: sessionmaker[Session],
+) -> None:
+    """Placed on a worker that is still starting (loading the model, starting vLLM: minutes),
+    a model is not served yet: it keeps its place, and its idle clock runs only once the
+    worker serves it."""
+    idle_timeout_s = 10.0
+
+    def time_passes(session: Session, seconds: float) -> None:
+        for row in session.scalars(select(Model).execution_options(populate_existing=True)):
+            assert row.last_active_at is not None
+            row.last_active_at -= timedelta(seconds=seconds)
+        session.commit()
+
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        worker.status = "starting"
+        session.commit()
+        placement.mark_model_active(session, model=model, min_interval_s=0)
+        _place(session, model, worker)
+        for _ in range(3):  # 18 s of starting
+            time_passes(session, 0.6 * idle_timeout_s)
+            assert placement.release_idle_models(session, idle_timeout_s=idle_timeout_s) == 0
+        worker.status = "ready"
+        session.commit()
+        assert placement.release_idle_models(session, idle_timeout_s=idle_timeout_s) == 0
+        assert scale_in.idle_workers(session, idle_timeout_s=idle_timeout_s) == []
+        time_passes(session, idle_timeout_s + 1)
+        assert placement.release_idle_models(session, idle_timeout_s=idle_timeout_s) == 1
+        session.refresh(model)
+        assert model.worker_id is None
+
+
+def test_a_pass_with_no_idle_clock_to_hold_empties_no_route_cache(
+    sessions: sessionmaker[Session],
+) -> None:
+    """The gateway's route caches are emptied by any UPDATE of the models table: a pass that
+    has no model's idle clock to hold writes none, so cached routes outlive it."""
+    cache = _ClearsInThisThread()
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        placement.mark_model_active(session, model=model, min_interval_s=0)
+        _place(session, model, worker)
+        worker.status = "starting"
+        session.commit()
+        before = cache.clears
+        assert placement.release_idle_models(session, idle_timeout_s=600) == 0
+        assert cache.clears == before
+        model.last_active_at = utcnow() - timedelta(seconds=400)  # past half the timeout
+        session.commit()
+        before = cache.clears
+        assert placement.release_idle_models(session, idle_timeout_s=600) == 0
+        assert cache.clears == before + 1  # held: written, and the caches emptied
+        session.refresh(model)
+        assert model.last_active_at is not None
+        assert model.last_active_at > utcnow() - timedelta(seconds=60)

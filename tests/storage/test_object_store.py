@@ -1,4 +1,4 @@
-"""The object store, on a local directory and on S3 through a moto server over HTTP."""
+"""The object store, on a local directory and on S3 through a SeaweedFS server over HTTP."""
 
 from __future__ import annotations
 
@@ -12,18 +12,16 @@ import httpx
 import pytest
 
 from skytrain_backend.config import Settings
-from skytrain_backend.errors import ConfigurationError, NotFound, StorageError
+from skytrain_backend.errors import ConfigurationError, NotFound, StorageError, StoreUnavailable
 from skytrain_backend.storage import LocalObjectStore, ObjectStore, open_object_store
 from skytrain_backend.storage.s3 import MULTIPART_THRESHOLD, STREAM_PART_BYTES, S3ObjectStore
+from tests.fixtures.services import MakeSettings
 
 
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> ObjectStore:
-    if request.param == "local":
-        return open_object_store((tmp_path / "objects").as_uri(), Settings(home=tmp_path))
-    bucket_url = request.getfixturevalue("make_bucket")()
-    settings = Settings(home=tmp_path, s3_endpoint_url=request.getfixturevalue("s3_endpoint"))
-    return open_object_store(bucket_url, settings)
+def store(request: pytest.FixtureRequest, make_settings: MakeSettings) -> ObjectStore:
+    settings = make_settings(store=request.param)
+    return open_object_store(settings.resolved_object_store_url, settings)
 
 
 def test_bytes_round_trip_and_uri(store: ObjectStore) -> None:
@@ -223,10 +221,32 @@ def test_a_stream_that_cannot_be_written_is_a_storage_error(s3_endpoint: str) ->
 
 
 @pytest.mark.s3
-def test_a_missing_bucket_is_a_storage_error_naming_it(s3_endpoint: str) -> None:
+def test_a_missing_bucket_is_a_storage_error_naming_it(s3_endpoint: str, tmp_path: Path) -> None:
     store = S3ObjectStore(bucket="no-such-bucket", endpoint_url=s3_endpoint, max_attempts=1)
     with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
         store.put_bytes("k", b"v")
+    # A file goes up through boto3's upload_file, which wraps the error in one of its own.
+    (tmp_path / "batch.jsonl").write_bytes(b"v")
+    with pytest.raises(StorageError, match="bucket 'no-such-bucket' does not exist"):
+        store.put_file("k", tmp_path / "batch.jsonl")
+
+
+def test_a_store_that_cannot_be_reached_is_unavailable_not_failed(tmp_path: Path) -> None:
+    """Nothing listens on the endpoint: every call says the store cannot be reached (a 503
+    the client may retry), and names neither the object nor the endpoint to a tenant."""
+    store = S3ObjectStore(bucket="bucket", endpoint_url="http://127.0.0.1:9", max_attempts=1)
+    (tmp_path / "f").write_bytes(b"v")
+    calls = [
+        lambda: store.put_bytes("k", b"v"),
+        lambda: store.put_file("k", tmp_path / "f"),
+        lambda: store.get_bytes("k"),
+        lambda: store.copy("k", "l"),
+        lambda: store.exists("k"),
+    ]
+    for call in calls:
+        with pytest.raises(StoreUnavailable, match="cannot be reached") as raised:
+            call()
+        assert raised.value.status_code == 503
 
 
 def test_open_object_store_picks_by_scheme(tmp_path: Path) -> None:

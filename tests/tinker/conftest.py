@@ -19,9 +19,18 @@ import tinker
 from tests.fixtures.service import Service, start_service, stop_service
 
 
-def run_service(request: pytest.FixtureRequest, home: Path) -> Iterator[Service]:
+def run_service(
+    request: pytest.FixtureRequest, home: Path, overrides: dict[str, str] | None = None
+) -> Iterator[Service]:
     service = start_service(
-        {"SKYTRAIN_WORKER_TINKER_MAX_RUNS": "3", "SKYTRAIN_TINKER_SESSION_TIMEOUT_S": "120"},
+        {
+            "SKYTRAIN_WORKER_TINKER_MAX_RUNS": "3",
+            # The suites share this service with two base models: the tiny model's runs may
+            # fill two workers, and an idle worker keeps its place for 30 minutes.
+            "SKYTRAIN_MAX_WORKERS": "3",
+            "SKYTRAIN_TINKER_SESSION_TIMEOUT_S": "120",
+            **(overrides or {}),
+        },
         home,
     )
     yield service

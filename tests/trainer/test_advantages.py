@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from skytrain_backend.trainer.advantages import balance_advantages, group_advantages
+from skytrain_backend.trainer.advantages import (
+    art_weights,
+    balance_advantages,
+    group_advantages,
+)
 
 
 def test_rewards_equal_up_to_float_noise_carry_no_advantage() -> None:
@@ -29,3 +33,24 @@ def test_advantage_balance_scales_one_side_as_art_does() -> None:
     assert balance_advantages(advantages, balance=1.0) == [-0.0, -0.0, 0.5, 1.0]
     assert balance_advantages(advantages, balance=-0.5) == [-1.0, -0.5, 0.25, 0.5]
     assert balance_advantages(advantages, balance=-1.0) == [-1.0, -0.5, 0.0, 0.0]
+
+
+def test_arts_rule_for_equal_rewards_is_absolute() -> None:
+    # skytrain's rule calls half a point at 1e6 float noise; ART's trains it.
+    assert group_advantages([1e6, 1e6 + 0.5], scale=True) is None
+    art = group_advantages([1e6, 1e6 + 0.5], scale=True, art_rule=True)
+    assert art == pytest.approx([-1.0, 1.0], abs=1e-5)
+    assert group_advantages([1.0, 1.0 + 1e-13], scale=True, art_rule=True) is None
+    assert group_advantages([1.0, 1.0 + 1e-7], scale=False, art_rule=True) is not None
+
+
+def test_art_weights_average_trajectories_and_rescale_advantages() -> None:
+    # A 1-token and a 3-token trajectory: each gets half of the loss, not a quarter / three.
+    weights, advantages = art_weights([1, 3], [2.0, -1.0], [1, 3])
+    per_trajectory = [w * n for w, n in zip(weights, [1, 3], strict=True)]
+    assert per_trajectory == pytest.approx([2.0, 2.0])  # the 4 tokens' mean weight is 1
+    # Divided by the mean |A| over trajectories (1.5), as ART's weighted token mean gives.
+    assert advantages == pytest.approx([2.0 / 1.5, -1.0 / 1.5])
+    # Tokens cut by truncation keep their trajectory's weight but leave the means.
+    weights, _ = art_weights([4, 4], [1.0, -1.0], [4, 2])
+    assert weights[0] == pytest.approx(weights[1])

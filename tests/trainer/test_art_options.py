@@ -22,6 +22,9 @@ from tests.fixtures.art import ART_EVERY_OPTION, art_train_request
 from tests.fixtures.sampling import sample_choices
 
 QUESTIONS = ["Name a color.", "Count to three."]
+# Spreads that differ between groups: scaling by each group's standard deviation then changes
+# the update even after ART's renormalization of the advantages.
+REWARDS = [(0.0, 1.0, 0.2, 3.0), (0.0, 0.5, 0.1, 0.3)]
 
 
 def _off_policy_groups(trainer: Trainer) -> list[TrajectoryGroup]:
@@ -40,7 +43,7 @@ def _off_policy_groups(trainer: Trainer) -> list[TrajectoryGroup]:
                 {
                     "trajectories": [
                         {"messages_and_choices": [*prompt, choice], "reward": reward}
-                        for reward, choice in zip((0.0, 1.0, 0.2, 3.0), choices, strict=True)
+                        for reward, choice in zip(REWARDS[g], choices, strict=True)
                     ]
                 }
             )
@@ -66,16 +69,23 @@ def groups(tiny_model_path: Path) -> list[TrajectoryGroup]:
     return _off_policy_groups(trainer)
 
 
+# What an option needs alongside it to have something to act on: ART's CISPO default clips to
+# (0, 5), so its mask drops nothing where PPO's does; the KL's source matters once it is on.
+CONTEXT: dict[str, dict[str, Any]] = {
+    "mask_prob_ratio": {"loss_fn": "ppo"},
+    "kl_penalty_source": {"kl_penalty_coef": 0.5, "kl_penalty_source": "sample"},
+}
+
+
 def test_each_option_of_arts_train_call_changes_the_update(
     tiny_model_path: Path, groups: list[TrajectoryGroup]
 ) -> None:
-    defaults = {
-        ppo: _update(tiny_model_path, groups, ppo=ppo, learning_rate=1e-2) for ppo in (False, True)
-    }
+    references: dict[str, dict[str, torch.Tensor]] = {}
     for option, value in ART_EVERY_OPTION.items():
-        # ART's CISPO default clips to (0, 5): its mask would drop nothing, PPO's does.
-        ppo = option == "mask_prob_ratio"
-        options = {"ppo": ppo, "learning_rate": 1e-2} | {option: value}
-        updated = _update(tiny_model_path, groups, **options)
-        reference = defaults[ppo if option != "ppo" else False]
+        context = {"learning_rate": 1e-2} | CONTEXT.get(option, {})
+        key = repr(sorted(context.items()))
+        if key not in references:
+            references[key] = _update(tiny_model_path, groups, **context)
+        reference = references[key]
+        updated = _update(tiny_model_path, groups, **(context | {option: value}))
         assert any(not torch.equal(updated[k], reference[k]) for k in reference), option

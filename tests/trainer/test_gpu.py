@@ -179,3 +179,44 @@ def _group(trainer: Trainer, *, max_new_tokens: int = 8, seed: int = 0) -> Traje
 def _train_one_step(trainer: Trainer) -> None:
     plan = trainer.prepare_rl([_group(trainer)], RLTrainConfig(learning_rate=1e-2))
     assert list(trainer.run(plan))
+
+
+def test_offload_frees_the_gpu_and_reload_resumes_with_the_same_state(
+    tiny_model_path: Path,
+) -> None:
+    """A Tinker run's trainer between two operations: in host memory while the engine wakes,
+    then back with its gradients and Adam moments as they were."""
+    from skytrain_backend.trainer import primitives
+
+    trainer = Trainer.load(str(tiny_model_path), model_config=ModelConfig())
+    examples = [primitives.Example(tokens=[1, 5, 9, 13], inputs={"target_tokens": [5, 9, 13, 17]})]
+
+    def forward_backward() -> None:
+        primitives.forward_backward(
+            trainer.policy, examples, loss_fn="cross_entropy", config={}, backward=True
+        )
+
+    forward_backward()
+    primitives.adam_step(trainer, primitives.AdamParams(learning_rate=1e-2))
+    forward_backward()  # gradients pending, as between forward_backward and optim_step
+    params = trainer.policy.trainable_parameters()
+    grads = [p.grad.detach().clone() for p in params if p.grad is not None]
+    moments = [
+        v.detach().clone()
+        for state in trainer.optimizer.state.values()
+        for v in state.values()
+        if v.dim() > 0
+    ]
+    held = torch.cuda.memory_allocated()
+
+    trainer.offload()
+    assert torch.cuda.memory_allocated() < held / 10
+    trainer.reload()
+    assert all(p.device.type == "cuda" for p in trainer.policy.model.parameters())
+    after_grads = [p.grad for p in params if p.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(grads, after_grads, strict=True))
+    after_moments = [
+        v for state in trainer.optimizer.state.values() for v in state.values() if v.dim() > 0
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(moments, after_moments, strict=True))
+    primitives.adam_step(trainer, primitives.AdamParams(learning_rate=1e-2))  # steps on

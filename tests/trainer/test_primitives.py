@@ -132,6 +132,36 @@ def test_datums_sharing_a_forward_pass_are_computed_as_if_alone(trainer: Trainer
     ] == [1, 1]
 
 
+def test_each_datum_in_a_shared_row_uses_its_own_inputs(trainer: Trainer) -> None:
+    # One datum without weights (Tinker: weights of one), one with weights of its own; they
+    # share a forward pass in either order, and each is weighed as if it were alone.
+    plain = p.Example(tokens=[1, 5, 9, 13], inputs={"target_tokens": [5, 9, 13, 17]})
+    weighted = p.Example(
+        tokens=[2, 4, 8], inputs={"target_tokens": [4, 8, 16], "weights": [0.0, 2.0, 0.5]}
+    )
+    alone = [
+        p.forward_backward(
+            trainer.policy, [example], loss_fn="cross_entropy", config={}, backward=False
+        )
+        for example in (plain, weighted)
+    ]
+    (plain_logprobs,), _ = alone[0]
+    (weighted_logprobs,), _ = alone[1]
+    assert alone[0][1]["loss:sum"] == pytest.approx(-sum(plain_logprobs), rel=1e-5)
+    expected_weighted = -sum(
+        w * lp for w, lp in zip([0.0, 2.0, 0.5], weighted_logprobs, strict=True)
+    )
+    assert alone[1][1]["loss:sum"] == pytest.approx(expected_weighted, rel=1e-5)
+    for order in ([plain, weighted], [weighted, plain]):
+        assert len(p.pack_examples(order, row_tokens=64, packed=True)) == 1
+        _, metrics = p.forward_backward(
+            trainer.policy, order, loss_fn="cross_entropy", config={}, backward=False
+        )
+        assert metrics["loss:sum"] == pytest.approx(
+            alone[0][1]["loss:sum"] + alone[1][1]["loss:sum"], rel=1e-5
+        )
+
+
 def test_the_adam_step_is_adamw_with_the_given_hyperparameters(trainer: Trainer) -> None:
     parameters = trainer.policy.trainable_parameters()
     copies = [param.detach().clone().requires_grad_(True) for param in parameters]

@@ -28,12 +28,13 @@ from openai.types.chat.chat_completion import Choice
 import skytrain
 from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
-from skytrain_backend.db import keys, migrations
+from skytrain_backend.db import api_keys
 from skytrain_backend.db.models import Model
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGroup
 from skytrain_backend.trainer import Trainer
 from tests.engine.conversations import TOOLS
+from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import add_engine_worker, run_engine, serve_in_thread
 
 # fp32 on both sides (CPU engine, CPU trainer): what is left is the order of operations.
@@ -101,17 +102,13 @@ class Gateway:
 
 
 @pytest.fixture(scope="module")
-def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway]:
-    home = tmp_path_factory.mktemp("agreement")
-    settings = Settings(
-        home=home, database_url=f"sqlite:///{home / 'skytrain.db'}", provider="none"
-    )
-    migrations.upgrade_url(settings.resolved_database_url)
+def gateway(make_settings: MakeSettings) -> Iterator[Gateway]:
+    settings = make_settings()
     with ExitStack() as stack:
         url = stack.enter_context(serve_in_thread(create_app(settings)))
         sessions = session_factory(create_db_engine(settings.resolved_database_url))
         with sessions() as session:
-            _, key = keys.create_key(session, tenant_name="agreement")
+            _, key = api_keys.create_key(session, tenant_name="agreement")
         client = stack.enter_context(
             openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=600)
         )

@@ -19,8 +19,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from skytrain_backend import tls
-from skytrain_backend.db import worker_tokens
-from skytrain_backend.db.models import Worker
+from skytrain_backend.db import tenants, worker_tokens
+from skytrain_backend.db.models import Model, Worker
+from skytrain_backend.scheduler import placement
+from tests.api.support import group
 from tests.fixtures.services import ApiKey, ControlPlane
 from tests.fixtures.tls import serve_tls
 from tests.gateway.conftest import wait_until
@@ -209,3 +211,61 @@ def test_a_worker_checks_its_token_before_it_starts_anything(
     assert revoked.status_code == 401 and "was revoked" in revoked.text, revoked.text
     with db_sessions() as session:
         assert session.query(Worker).count() == workers_before
+
+
+def test_a_join_token_worker_that_cannot_be_reached_gets_no_model_and_no_job(
+    join: httpx.Client,
+    db_sessions: sessionmaker[Session],
+    control_plane: ControlPlane,
+    api_key: Callable[..., ApiKey],
+) -> None:
+    """Anyone holding a join token can make a worker that advertises an address nobody can
+    reach: until the control plane reaches it, no tenant's model is placed on it and it
+    leases no job (what it trained could not be served). Once reached, it gets both."""
+    base_model = f"tests/unreached-{secrets.token_hex(4)}"
+    secret = secrets.token_urlsafe(24)
+    credentials = tls.self_signed_certificate(["127.0.0.1"])
+    address = f"https://127.0.0.1:{_free_port()}"  # nothing listens there yet
+    answer = _register(
+        join,
+        secret=secret,
+        port=8100,
+        certificate=credentials[0],
+        base_model=base_model,
+        advertise_url=address,
+    )
+    assert answer["reachable"] is False
+    key = api_key()
+    with httpx.Client(base_url=control_plane.url, headers=key.headers, timeout=60) as user:
+        model = user.post(
+            "/v1/models", json={"project": "reach", "name": "m", "base_model": base_model}
+        ).json()
+        job = user.post(
+            "/v1/training-jobs", json={"model_id": model["id"], "trajectory_groups": [group()]}
+        )
+        assert job.status_code == 201, job.text
+
+        def place() -> str | None:
+            """One placement pass, as the scheduler runs it; where the model is now."""
+            with db_sessions() as session:
+                placement.place_models(
+                    session,
+                    idle_timeout_s=control_plane.settings.resolved_model_idle_timeout_s,
+                    max_workers=0,
+                    launch=None,
+                    limits=tenants.limits_by_id(session, control_plane.settings),
+                )
+                return session.get_one(Model, model["id"]).worker_id
+
+        assert place() is None
+        assert join.post("/jobs/lease").status_code == 204
+        serving = user.get(f"/v1/models/{model['id']}").json()["serving"]
+        assert serving["state"] == "unreachable" and "127.0.0.1" not in serving["message"]
+
+        port = int(address.rsplit(":", 1)[1])
+        with serve_tls(_health_only(secret), port=port, credentials=credentials):
+            assert join.post("/heartbeat", json={"status": "ready"}).status_code == 200
+        assert place() == answer["worker_id"]
+        leased = join.post("/jobs/lease")
+        assert leased.status_code == 200, leased.text
+        assert leased.json()["job"]["id"] == job.json()["id"]

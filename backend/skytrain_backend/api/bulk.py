@@ -16,10 +16,11 @@ from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from fastapi.routing import APIRoute
 from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
+
+from skytrain_backend.api.deps import SessionRoute
 
 LARGE_BODY_BYTES = 256 * 1024
 
@@ -57,7 +58,7 @@ def _content_length(request: Request) -> int:
     return int(value) if value.isdigit() else 0
 
 
-class LargeBodyRoute(APIRoute):
+class LargeBodyRoute(SessionRoute):
     """A route whose requests with a body of 256 KiB or more are handled with the GC paused."""
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:

@@ -2,22 +2,44 @@
 
 The app's lifespan puts the settings, the session factory, the object store, the scheduler,
 the inference gateway and the workers' wheel on ``app.state``; these functions hand them to
-routes (no other module reads ``app.state``). ``TenantDep`` authenticates the bearer key
-and is the only way a route learns whose rows it may touch.
+routes (no other module reads ``app.state`` but ``api/rest_admission.py``, which runs before
+routing). ``TenantDep`` is the only way a route learns whose rows it may touch: the tenant of
+the bearer key, whose request ``api/rest_admission.py`` counted against its
+``max_concurrent_rest_requests`` before routing (429 past it).
+
+No request holds a database connection while it waits: for a thread, a lock, a long-poll,
+its body, the object store or an engine. A session's transaction never outlives the thread
+hop that began it. ``SessionDep`` opens no connection itself; a plain ``def`` endpoint
+(``SessionRoute``, the route class of every router) closes its session in its own thread as
+it returns; a coroutine endpoint runs its queries with ``in_thread``, which ends the
+transaction in that thread; authentication uses short sessions of its own
+(``api/auth.py``). Under a burst, threads wait for connections only while the threads holding
+them run, never the other way round: the deadlock that froze the control plane (connections
+held by requests waiting for a thread, every thread waiting for a connection) cannot form.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Annotated, Literal
+import functools
+import inspect
+import weakref
+from collections.abc import AsyncIterator, Callable
+from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
+import anyio
 from fastapi import Depends, Header, Path, Query, Request
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
+from skytrain_backend.api import rest_admission
+from skytrain_backend.api.auth import NO_KEY, Authenticator
+from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.longpoll import Waiting
+from skytrain_backend.api.tenant_load import TenantLoads
+from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings
-from skytrain_backend.db import keys
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.errors import AuthenticationFailed
@@ -35,11 +57,10 @@ from skytrain_backend.ranges import (
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.storage import ObjectStore
 
-if TYPE_CHECKING:
-    from skytrain_backend.api.gateway import Gateway
-    from skytrain_backend.api.tinker import TinkerService
-
 _bearer = HTTPBearer(auto_error=False, description="An API key: sk-st-...")
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
 # The accessors of ``app.state`` are coroutines only so that FastAPI calls them on the event
@@ -52,9 +73,70 @@ async def get_settings(request: Request) -> Settings:
     return settings
 
 
-def get_session(request: Request) -> Iterator[Session]:
-    with request.app.state.sessionmaker() as session:
+async def get_session(request: Request) -> AsyncIterator[Session]:
+    # A new session holds no connection: made on the event loop, it costs no thread hop.
+    session: Session = request.app.state.sessionmaker()
+    try:
         yield session
+    finally:
+        if session.in_transaction():
+            # Left open by a coroutine endpoint that queried on the event loop: closed in a
+            # thread of its own (a fresh limiter), as FastAPI closes a generator's session.
+            await anyio.to_thread.run_sync(session.close, limiter=anyio.CapacityLimiter(1))
+        else:
+            session.close()
+
+
+async def in_thread(
+    session: Session, function: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs
+) -> T:
+    """``function(*args, **kwargs)`` in a worker thread, the session's transaction ended in
+    that same thread: committed when it returns (what it loaded stays loaded, and attached),
+    rolled back when it raises. The connection is back in the pool before the request goes on
+    to wait for anything."""
+
+    def run() -> T:
+        try:
+            result = function(*args, **kwargs)
+        except BaseException:
+            session.rollback()
+            raise
+        session.commit()
+        return result
+
+    return await run_in_threadpool(run)
+
+
+_closing_endpoints: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def _closing_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    """A plain endpoint that closes the sessions it was given before it returns, in the
+    thread it runs in; a coroutine endpoint as it is."""
+    if inspect.iscoroutinefunction(endpoint) or endpoint in _closing_endpoints:
+        return endpoint
+
+    @functools.wraps(endpoint)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return endpoint(*args, **kwargs)
+        finally:
+            for value in kwargs.values():
+                if isinstance(value, Session):
+                    value.close()
+
+    _closing_endpoints.add(run)
+    return run
+
+
+class SessionRoute(APIRoute):
+    """The route class of every router. FastAPI runs a plain ``def`` endpoint in a worker
+    thread and closes a dependency's session after the response, in another hop; here the
+    endpoint closes it in its own thread as it returns (what it did not commit is rolled back,
+    as closing did), so the connection is free before the answer is serialized and sent."""
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, _closing_sessions(endpoint), **kwargs)
 
 
 async def get_store(request: Request) -> ObjectStore:
@@ -98,23 +180,52 @@ StoreDep = Annotated[ObjectStore, Depends(get_store)]
 SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
 NotifierDep = Annotated[Notifier, Depends(get_notifier)]
 WaitingDep = Annotated[Waiting, Depends(get_waiting)]
-GatewayDep = Annotated["Gateway", Depends(get_gateway)]
+GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
-TinkerDep = Annotated["TinkerService", Depends(get_tinker)]
+TinkerDep = Annotated[TinkerService, Depends(get_tinker)]
 
 
 # The bearer key as sent; routes that authenticate in their own session (the inference
-# gateway) pass it to ``get_tenant`` themselves.
+# gateway) pass it to ``api.auth.authenticate`` themselves.
 CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-def get_tenant(session: SessionDep, credentials: CredentialsDep) -> Tenant:
+async def get_authenticator(request: Request) -> Authenticator:
+    authenticator: Authenticator = request.app.state.authenticator
+    return authenticator
+
+
+async def get_rest_loads(request: Request) -> TenantLoads:
+    loads: TenantLoads = request.app.state.rest_loads
+    return loads
+
+
+AuthenticatorDep = Annotated[Authenticator, Depends(get_authenticator)]
+RestLoadsDep = Annotated[TenantLoads, Depends(get_rest_loads)]
+
+
+async def get_tenant(
+    request: Request,
+    credentials: CredentialsDep,
+    authenticator: AuthenticatorDep,
+    loads: RestLoadsDep,
+    settings: SettingsDep,
+) -> AsyncIterator[Tenant]:
+    """The key's tenant, its request counted against its REST requests until answered: by
+    ``RestAdmission`` before routing (every ``/v1`` route), else here."""
+    tenant = rest_admission.admitted(request.scope)
+    if tenant is not None:
+        yield tenant
+        return
     if credentials is None:
-        raise AuthenticationFailed(
-            "no API key: send the header 'Authorization: Bearer sk-st-...' "
-            "(create a key with `skytrain keys create --tenant NAME`)"
-        )
-    return keys.authenticate(session, key=credentials.credentials)
+        raise AuthenticationFailed(NO_KEY)
+    tenant, release = await rest_admission.admit(
+        credentials.credentials, authenticator=authenticator, loads=loads, settings=settings
+    )
+    try:
+        yield tenant
+    finally:
+        release()
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
@@ -123,9 +234,9 @@ TenantDep = Annotated[Tenant, Depends(get_tenant)]
 TINKER_KEY_PREFIX = "tml-"
 
 
-def get_tinker_tenant(
-    session: SessionDep,
+async def get_tinker_tenant(
     credentials: CredentialsDep,
+    authenticator: AuthenticatorDep,
     x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> Tenant:
     key = x_api_key or (credentials.credentials if credentials else None)
@@ -134,7 +245,7 @@ def get_tinker_tenant(
             "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
             "(`skytrain keys create --tenant NAME --tinker` prints it)"
         )
-    return keys.authenticate(session, key=key.removeprefix(TINKER_KEY_PREFIX))
+    return await authenticator.tenant(key.removeprefix(TINKER_KEY_PREFIX))
 
 
 TinkerTenantDep = Annotated[Tenant, Depends(get_tinker_tenant)]

@@ -31,7 +31,7 @@ from skytrain_backend.errors import AuthenticationFailed
 
 WORKER_PREFIX = "/v1/worker/"
 _CHECKPOINT_UPLOAD = re.compile(r"^/v1/worker/jobs/[^/]+/files/[^/]+$")
-_INFERENCE = re.compile(r"^/v1(/preview)?/(chat/)?completions$")
+INFERENCE_PATH = re.compile(r"^/v1(/preview)?/(chat/)?completions$")
 
 # check_worker_token(token, path) raises AuthenticationFailed unless the token may call path.
 CheckWorkerToken = Callable[[str, str], None]
@@ -64,7 +64,7 @@ class RequestLimits:
             if scope["method"] == "PUT" and _CHECKPOINT_UPLOAD.match(path):
                 await self.app(scope, receive, send)
                 return
-        if _INFERENCE.match(path):
+        if INFERENCE_PATH.match(path):
             limit, setting = self.settings.max_inference_request_bytes, "INFERENCE_REQUEST_BYTES"
         else:
             limit, setting = self.settings.max_request_bytes, "REQUEST_BYTES"

@@ -247,12 +247,21 @@ class TrainingJobPublic(_Public):
     config: dict[str, Any]
     num_groups: int
     num_trajectories: int
-    attempts: int
+    attempts: int = Field(description="Times it was leased to a worker, yields included.")
+    preemptions: int = Field(
+        description="Times it yielded its worker to another tenant's job at a step boundary "
+        "(then resumed where it stopped): not failures."
+    )
     step: int | None = Field(validation_alias="result_step", description="The step it produced.")
     error: str | None
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
+    waiting: str | None = Field(
+        default=None,
+        description="Why a queued job has not started yet, in words (given by "
+        "GET /v1/training-jobs/{id}; null once it runs, and in lists).",
+    )
 
 
 class TrainingJobsPublic(BaseModel):

@@ -1,8 +1,12 @@
-"""Each tenant's inference requests in flight, counted against its limits (``db.tenants``).
+"""Each tenant's requests in flight, counted against its limits (``db.tenants``).
 
-A request holds a ``Load`` (one request, its sequences, its tokens) from admission until its
-answer ends. ``TenantLoads.admit`` counts it in, or raises ``RateLimited`` naming the limit it
-would pass; the function it returns counts it out.
+An inference request holds a ``Load`` (one request, its sequences, its tokens) from admission
+until its answer ends; a REST request (``api/rest_admission.py``) holds one REST request until
+the app has answered it. The gateway and the REST routes each count with a ``TenantLoads`` of
+their own. ``TenantLoads.admit`` counts a request in, or raises ``RateLimited`` naming the
+limit it would pass (after waiting, in order of arrival and holding nothing, up to its
+``wait_s`` for the tenant's requests in this process to make room: the REST routes wait,
+the gateway does not); the function it returns counts it out.
 
 - One process (SQLite, the embedded default): counted in memory.
 - PostgreSQL: counted in memory too (a process over a limit on its own refuses at once), and
@@ -20,16 +24,18 @@ release and renewal runs on threads of its own (``DB_THREADS``), not the pool th
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import anyio
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.api.errors import database_outage
 from skytrain_backend.db import tenant_loads
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import RateLimited, Unavailable
@@ -49,12 +55,14 @@ class Load:
     requests: int = 0
     sequences: int = 0
     tokens: int = 0
+    rest_requests: int = 0
 
     def __add__(self, other: Load) -> Load:
         return Load(
             self.requests + other.requests,
             self.sequences + other.sequences,
             self.tokens + other.tokens,
+            self.rest_requests + other.rest_requests,
         )
 
     def __sub__(self, other: Load) -> Load:
@@ -62,30 +70,51 @@ class Load:
             self.requests - other.requests,
             self.sequences - other.sequences,
             self.tokens - other.tokens,
+            self.rest_requests - other.rest_requests,
         )
+
+    def counts(self) -> tenant_loads.Counts:
+        return tenant_loads.Counts(self.requests, self.sequences, self.tokens, self.rest_requests)
+
+
+# What one REST request holds.
+REST_REQUEST = Load(rest_requests=1)
 
 
 def check_admission(held: Load, *, cost: Load, limits: TenantLimits) -> None:
-    """Raise ``RateLimited`` if adding ``cost`` to ``held`` passes one of ``limits``."""
-    if held.requests >= limits.max_concurrent_requests:
+    """Raise ``RateLimited`` if adding ``cost`` to ``held`` passes one of ``limits`` (only the
+    limits of what ``cost`` counts: a tenant's inference load never refuses its REST requests,
+    nor the other way round)."""
+    if cost.rest_requests and held.rest_requests >= limits.max_concurrent_rest_requests:
+        raise RateLimited(
+            f"{limits.max_concurrent_rest_requests} REST requests of yours are in flight, the "
+            "most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REST_REQUESTS, or your "
+            "tenant's max_concurrent_rest_requests; a long-poll counts while it waits): wait "
+            "for some to finish, or lower your client's concurrency",
+            limit="max_concurrent_rest_requests",
+        )
+    if cost.requests and held.requests >= limits.max_concurrent_requests:
         raise RateLimited(
             f"{limits.max_concurrent_requests} inference requests of yours are in flight, "
             "the most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS, or your "
             "tenant's max_concurrent_requests): wait for some to finish, or lower your "
-            "client's concurrency"
+            "client's concurrency",
+            limit="max_concurrent_requests",
         )
-    if held.sequences + cost.sequences > limits.max_sequences_in_flight:
+    if cost.sequences and held.sequences + cost.sequences > limits.max_sequences_in_flight:
         raise RateLimited(
             f"{held.sequences} sequences of yours are being generated and this request "
             f"adds {cost.sequences}, over the {limits.max_sequences_in_flight} allowed at "
-            "once (max_sequences_in_flight): wait for some to finish, or lower n"
+            "once (max_sequences_in_flight): wait for some to finish, or lower n",
+            limit="max_sequences_in_flight",
         )
-    if held.tokens + cost.tokens > limits.max_tokens_in_flight:
+    if cost.tokens and held.tokens + cost.tokens > limits.max_tokens_in_flight:
         raise RateLimited(
             f"your requests in flight count {held.tokens} tokens and this one "
             f"{cost.tokens}, over the {limits.max_tokens_in_flight} allowed at once "
             "(max_tokens_in_flight: body bytes plus n x max_tokens): wait for some to "
-            "finish, or lower max_tokens"
+            "finish, or lower max_tokens",
+            limit="max_tokens_in_flight",
         )
 
 
@@ -102,9 +131,12 @@ class TenantLoads:
         # Releases the database did not take, written at the next renewal.
         self._unwritten: dict[str, Load] = {}
         self._admitting: dict[str, asyncio.Lock] = {}
-        # Releases being written, per tenant: an admission waits for them, so a client's next
-        # request after an answer ended is never refused for the slot that answer held.
+        # Releases being written, per tenant: an admission the database refuses waits for them
+        # and asks again, so a client's next request after an answer ended is never refused
+        # for the slot that answer held.
         self._releasing: dict[str, set[asyncio.Task[None]]] = {}
+        # Requests waiting for room, per tenant, in order of arrival (``admit``'s wait_s).
+        self._waiters: dict[str, collections.deque[asyncio.Event]] = {}
         self._threads: anyio.CapacityLimiter | None = None
 
     async def _in_thread(self, function: Callable[..., None], *args: object) -> None:
@@ -128,21 +160,27 @@ class TenantLoads:
         return self._in_flight.get(tenant_id, Load())
 
     async def admit(
-        self, tenant_id: str, *, limits: TenantLimits, cost: Load
+        self, tenant_id: str, *, limits: TenantLimits, cost: Load, wait_s: float = 0.0
     ) -> Callable[[], None]:
         """Count a request in; returns the function that counts it out (safe to call twice,
-        from the event loop)."""
-        check_admission(self.held(tenant_id), cost=cost, limits=limits)
+        from the event loop). A request over a limit in this process waits up to ``wait_s``
+        (holding nothing) for the tenant's requests to finish, in order of arrival."""
+        await self._wait_in_turn(tenant_id, limits=limits, cost=cost, wait_s=wait_s)
         self._add(tenant_id, cost)
         if self._shared:
             self._start_renewing()
             lock = self._admitting.setdefault(tenant_id, asyncio.Lock())
             try:
                 async with lock:
-                    releasing = self._releasing.get(tenant_id)
-                    if releasing:
+                    try:
+                        await self._in_thread(self._acquire, tenant_id, limits, cost)
+                    except RateLimited:
+                        # The database may not have the releases of answers already sent.
+                        releasing = self._releasing.get(tenant_id)
+                        if not releasing:
+                            raise
                         await asyncio.gather(*releasing, return_exceptions=True)
-                    await self._in_thread(self._acquire, tenant_id, limits, cost)
+                        await self._in_thread(self._acquire, tenant_id, limits, cost)
             except BaseException:
                 self._add(tenant_id, Load() - cost)
                 raise
@@ -154,6 +192,9 @@ class TenantLoads:
                 return
             released = True
             self._add(tenant_id, Load() - cost)
+            waiters = self._waiters.get(tenant_id)
+            if waiters:
+                waiters[0].set()
             if self._shared:
                 task = asyncio.get_running_loop().create_task(self._release(tenant_id, cost))
                 self._tasks.add(task)
@@ -170,9 +211,47 @@ class TenantLoads:
 
         return release
 
+    async def _wait_in_turn(
+        self, tenant_id: str, *, limits: TenantLimits, cost: Load, wait_s: float
+    ) -> None:
+        """Return once ``cost`` fits the tenant's limits in this process; ``RateLimited`` if it
+        still does not after ``wait_s``. Requests that wait are let in in order of arrival: one
+        that comes later does not pass them."""
+        waiters = self._waiters.get(tenant_id)
+        if not waiters:
+            try:
+                check_admission(self.held(tenant_id), cost=cost, limits=limits)
+                return
+            except RateLimited:
+                if wait_s <= 0:
+                    raise
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        waiters = self._waiters.setdefault(tenant_id, collections.deque())
+        turn = asyncio.Event()
+        waiters.append(turn)
+        try:
+            while True:
+                if waiters[0] is turn or loop.time() >= deadline:
+                    try:
+                        check_admission(self.held(tenant_id), cost=cost, limits=limits)
+                        return
+                    except RateLimited:
+                        if loop.time() >= deadline:
+                            raise
+                turn.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(turn.wait(), deadline - loop.time())
+        finally:
+            waiters.remove(turn)
+            if waiters:
+                waiters[0].set()  # the next in line looks: there may be room for it too
+            elif self._waiters.get(tenant_id) is waiters:
+                del self._waiters[tenant_id]
+
     def _add(self, tenant_id: str, delta: Load) -> None:
         left = self.held(tenant_id) + delta
-        if left.requests:
+        if left.requests or left.rest_requests:
             self._in_flight[tenant_id] = left
         else:
             self._in_flight.pop(tenant_id, None)
@@ -181,21 +260,20 @@ class TenantLoads:
         try:
             with self._sessions() as session:
                 counts = tenant_loads.held(session, tenant_id=tenant_id, holder=self.holder)
-                check_admission(
-                    Load(counts.requests, counts.sequences, counts.tokens),
-                    cost=cost,
-                    limits=limits,
-                )
+                check_admission(Load(*astuple(counts)), cost=cost, limits=limits)
                 tenant_loads.add(
                     session,
                     tenant_id=tenant_id,
                     holder=self.holder,
-                    delta=tenant_loads.Counts(cost.requests, cost.sequences, cost.tokens),
+                    delta=cost.counts(),
                     lease_s=LEASE_S,
                 )
                 session.commit()
         except SQLAlchemyError as exc:
             logger.warning("counting a request of tenant %s failed: %s", tenant_id, exc)
+            outage = database_outage(exc)
+            if outage is not None:
+                raise outage from exc
             raise Unavailable(
                 "the control plane could not count your request against your limits (its "
                 "database did not answer): retry shortly",
@@ -203,7 +281,7 @@ class TenantLoads:
             ) from exc
 
     async def _release(self, tenant_id: str, cost: Load) -> None:
-        delta = tenant_loads.Counts(-cost.requests, -cost.sequences, -cost.tokens)
+        delta = (Load() - cost).counts()
 
         def write() -> None:
             with self._sessions() as session:
@@ -242,7 +320,7 @@ class TenantLoads:
                         session,
                         tenant_id=tenant_id,
                         holder=self.holder,
-                        delta=tenant_loads.Counts(delta.requests, delta.sequences, delta.tokens),
+                        delta=delta.counts(),
                         lease_s=LEASE_S,
                     )
                 tenant_loads.renew(session, holder=self.holder, lease_s=LEASE_S)

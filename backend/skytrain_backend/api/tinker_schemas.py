@@ -251,6 +251,9 @@ class SamplingParams(_Request):
         return value
 
 
+MAX_TOP_LOGPROBS = 20
+
+
 class SampleRequest(_Request):
     num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES)
     prompt: ModelInput
@@ -260,8 +263,9 @@ class SampleRequest(_Request):
     sampling_session_id: TinkerId | None = None
     seq_id: SeqId | None = None
     prompt_logprobs: bool | None = None
-    topk_prompt_logprobs: int = Field(default=0, ge=0, le=INT32_MAX)
-    topk_sample_logprobs: int = Field(default=0, ge=0, le=INT32_MAX)
+    # As many top tokens per position as the engines return (vLLM's and skytrain's limit).
+    topk_prompt_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
+    topk_sample_logprobs: int = Field(default=0, ge=0, le=MAX_TOP_LOGPROBS)
     target_prompt_logprobs: JsonObject | None = None
     prompt_alt_tokens_k: int = Field(default=0, ge=0, le=INT32_MAX)
     prompt_logprobs_last_n: int | None = Field(default=None, ge=0, le=INT32_MAX)

@@ -42,7 +42,8 @@ MAX_FREE_FORM_DEPTH = 64
 # msgspec refuses numbers a float cannot hold (1e999) where pydantic reads infinity, so a float
 # that decodes here is finite, as ``allow_inf_nan=False`` asks.
 MetricName = Annotated[str, Meta(max_length=256, pattern=NO_NUL_PATTERN)]
-MetricValue = float | Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)] | bool
+Int64 = Annotated[int, Meta(ge=INT64_MIN, le=INT64_MAX)]
+MetricValue = float | Int64 | bool
 FreeForm = dict[str, Any]
 NonNegativeInt = Annotated[int, Meta(ge=0)]
 
@@ -188,7 +189,9 @@ class Trajectory(msgspec.Struct, kw_only=True):
     messages_and_choices: Turns
     tools: list[FreeForm] | None = None
     additional_histories: list[History] = []
-    reward: float
+    # An integer is read as one, so that one past 64 bits is refused as pydantic refuses it,
+    # then stored as the float the model makes of it.
+    reward: float | Int64
     metrics: dict[MetricName, MetricValue] = {}
     metadata: FreeForm = {}
     logs: list[str] = []
@@ -196,6 +199,7 @@ class Trajectory(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if _too_deep(self.metadata) or (self.tools is not None and _too_deep(self.tools)):
             raise ValueError("nested too deep to judge here")
+        self.reward = float(self.reward)
 
     def histories(self) -> list[Trajectory | History]:
         """The main conversation followed by the additional ones."""

@@ -61,9 +61,10 @@ def mark_deleted(session: Session, *, model_id: str, steps: list[int]) -> list[C
     """Mark the live checkpoints at ``steps`` deleted, all in one transaction; returns them.
 
     Rows are kept (``deleted_at`` set) so a pinned request can be told the step was deleted.
-    Their files are removed afterwards (``scheduler.garbage``): a row is never live without
-    its files, whatever the store does. A model keeps at least one live checkpoint, so step 0
-    cannot be deleted while it is the only one.
+    This commit clears their ``uri`` and marks them ``purge_pending``; their files are removed
+    afterwards (``scheduler.garbage``). So no row, live or deleted, ever points at files that
+    may be gone, whatever the store does and whenever another transaction reads. A model
+    keeps at least one live checkpoint, so step 0 cannot be deleted while it is the only one.
     """
     found = list(
         session.scalars(
@@ -94,6 +95,8 @@ def mark_deleted(session: Session, *, model_id: str, steps: list[int]) -> list[C
     for checkpoint in found:
         checkpoint.deleted_at = now
         checkpoint.size_bytes = 0
+        checkpoint.purge_pending = checkpoint.uri is not None
+        checkpoint.uri = None
     session.commit()
     return found
 

@@ -150,8 +150,10 @@ class Model(Base):
 class Checkpoint(Base):
     """One step of a model. Step 0 is the base model and has no files (``uri`` is null).
 
-    Deleting a checkpoint removes its objects and keeps the row with ``deleted_at`` set, so a
-    request pinned to that step can be told it was deleted rather than that it never existed.
+    Deleting a checkpoint keeps the row with ``deleted_at`` set, so a request pinned to that
+    step can be told it was deleted rather than that it never existed. The row is committed
+    first (``uri`` null, ``purge_pending`` set), its objects removed after: no row ever points
+    at files that may be gone.
     """
 
     __tablename__ = "checkpoints"
@@ -165,6 +167,8 @@ class Checkpoint(Base):
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _created_at()
     deleted_at: Mapped[datetime | None]
+    # Deleted, and its files may still be in the store: the scheduler's sweep removes them.
+    purge_pending: Mapped[bool] = mapped_column(Boolean, default=False)
     # Last request pinned to this step: workers keep recently pinned steps loaded.
     last_requested_at: Mapped[datetime | None]
 
@@ -208,7 +212,21 @@ class TrainingJob(Base):
         ForeignKey("workers.id", ondelete="SET NULL"), index=True
     )
     lease_expires_at: Mapped[datetime | None]
+    # When the job was last leased: the start of the running attempt's time slice, and its
+    # tenant's turn (tenants whose newest lease is oldest go first). A yield moves it to the
+    # moment the job handed its worker back, so it waits behind the job it yielded to.
+    leased_at: Mapped[datetime | None]
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The scheduler asked the running attempt to stop at its next optimizer step and hand
+    # the worker back: another tenant's job waits for it (scheduler.queue.request_yields).
+    yield_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Times the job yielded: a yield is not a failed attempt, so attempts - preemptions are
+    # what max_attempts bounds.
+    preemptions: Mapped[int] = mapped_column(default=0)
+    # The attempt whose staged files hold the state the job saved when it last yielded, and
+    # the optimizer steps done in it: the next attempt resumes there (None: from the start).
+    saved_attempt: Mapped[int | None]
+    saved_steps: Mapped[int | None]
     result_step: Mapped[int | None]
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = _created_at()
@@ -258,6 +276,11 @@ class Worker(Base):
     served: Mapped[list[dict[str, Any]]] = mapped_column(JSONType, default=list)
     # Last time the worker had work: a model placed, a request routed, a job.
     last_active_at: Mapped[datetime | None]
+    # A worker that failed to start: how many launches for its base model failed in a row,
+    # this one included (0 once an operator asked for a retry: `skytrain workers retry`), and
+    # when the next may go (None: not before an operator's retry, the limit being reached).
+    launch_failures: Mapped[int | None]
+    relaunch_after: Mapped[datetime | None]
 
 
 class WorkerToken(Base):
@@ -398,8 +421,9 @@ class ManagedProcess(Base):
 
 
 class TenantLoad(Base):
-    """A tenant's inference requests in flight through one control-plane process, so that
-    every process on a PostgreSQL database counts the tenant's limits across all of them
+    """A tenant's requests in flight through one control-plane process (inference requests
+    counted by its gateway, REST requests by its routes: one row each), so that every process
+    on a PostgreSQL database counts the tenant's limits across all of them
     (``db.tenant_loads``). A row whose ``expires_at`` has passed belongs to a process that
     stopped renewing it (it died) and counts for nothing."""
 
@@ -408,9 +432,10 @@ class TenantLoad(Base):
     tenant_id: Mapped[str] = mapped_column(
         ForeignKey("tenants.id", ondelete="CASCADE"), primary_key=True
     )
-    # The counting process: a random id per gateway, new at each start.
+    # The counter: a random id per gateway and per process's REST routes, new at each start.
     holder: Mapped[str] = mapped_column(String(ID_LENGTH), primary_key=True)
     requests: Mapped[int] = mapped_column(BigInteger)
     sequences: Mapped[int] = mapped_column(BigInteger)
     tokens: Mapped[int] = mapped_column(BigInteger)
+    rest_requests: Mapped[int] = mapped_column(BigInteger)
     expires_at: Mapped[datetime]

@@ -64,13 +64,8 @@ def create_model(
     found = _find(session, tenant_id=tenant.id, entity=entity, project=project, name=name)
     if found is not None:
         return _existing(found, base_model=base_model, return_existing=return_existing), False
-    owned = session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant.id)) or 0
-    if max_models is not None and owned >= max_models:
-        raise QuotaExceeded(
-            f"your tenant owns {owned} models, the most its quota allows ({max_models}): "
-            "delete one with DELETE /v1/models/{id}, or ask the operator to raise it "
-            "(`skytrain tenants limits`)"
-        )
+    if max_models is not None:
+        check_model_quota(session, tenant_id=tenant.id, max_models=max_models)
     model = Model(
         tenant_id=tenant.id,
         entity=entity,
@@ -93,6 +88,19 @@ def create_model(
             raise
         return _existing(found, base_model=base_model, return_existing=return_existing), False
     return model, True
+
+
+def check_model_quota(session: Session, *, tenant_id: str, max_models: int) -> None:
+    """``QuotaExceeded`` if the tenant owns ``max_models`` models already: the one check every
+    way of creating a model goes through (REST, and Tinker's training runs and samplers)."""
+    owned = session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant_id)) or 0
+    if owned >= max_models:
+        raise QuotaExceeded(
+            f"your tenant owns {owned} models, the most its quota allows ({max_models}): "
+            "delete one with DELETE /v1/models/{id}, or ask the operator to raise it "
+            "(`skytrain tenants limits`)",
+            limit="max_models",
+        )
 
 
 def get_model(session: Session, *, tenant_id: str, model_id: str) -> Model:

@@ -17,16 +17,28 @@ from sqlalchemy.orm import Session, sessionmaker
 SQLITE_BUSY_TIMEOUT_S = 30
 
 
-def create_db_engine(url: str) -> Engine:
-    """An engine for ``url``; creates the directory of a SQLite file if needed."""
+def create_db_engine(url: str, *, pool_size: int = 5, max_connections: int = 15) -> Engine:
+    """An engine for ``url`` whose pool keeps ``pool_size`` connections open and opens up to
+    ``max_connections`` at once; creates the directory of a SQLite file if needed.
+
+    The control plane sizes the pool for its threads (``app.py``): each thread that may touch
+    the database can hold a connection at once, and since no request holds one while it waits
+    for anything (``api/deps.py``), a thread waiting for a connection waits only for threads
+    that are running.
+    """
+    kept = min(pool_size, max_connections)
+    pool: dict[str, Any] = {"pool_size": kept, "max_overflow": max_connections - kept}
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return create_engine(url, pool_pre_ping=True)
+        return create_engine(url, pool_pre_ping=True, **pool)
     if parsed.database and parsed.database != ":memory:":
         Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+    else:
+        pool = {}  # one in-memory database per connection: SQLAlchemy's own pool for it
     engine = create_engine(
         url,
         connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_TIMEOUT_S},
+        **pool,
     )
     event.listen(engine, "connect", _configure_sqlite)
     return engine

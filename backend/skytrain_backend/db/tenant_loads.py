@@ -1,7 +1,7 @@
-"""Tenants' inference requests in flight, counted across control-plane processes (PostgreSQL).
+"""Tenants' requests in flight, counted across control-plane processes (PostgreSQL).
 
-Each process keeps one row per tenant it has requests in flight for (``TenantLoad``), changed
-by deltas: ``acquire`` adds a request's cost if the sum over every live row of the tenant
+Each counter of a process (the gateway's inference requests, the REST routes' requests) keeps
+one row per tenant it has requests in flight for (``TenantLoad``), changed by deltas: ``acquire`` adds a request's cost if the sum over every live row of the tenant
 stays within its limits, ``release`` takes it off. Admissions of one tenant are serialised by
 a lock on its ``tenants`` row (``FOR NO KEY UPDATE``: rows that reference the tenant can
 still be written meanwhile), so two processes cannot both admit the last free slot.
@@ -14,7 +14,7 @@ its own rows, even late in renewing them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
@@ -25,6 +25,7 @@ class Counts:
     requests: int = 0
     sequences: int = 0
     tokens: int = 0
+    rest_requests: int = 0
 
 
 def held(session: Session, *, tenant_id: str, holder: str) -> Counts:
@@ -37,12 +38,12 @@ def held(session: Session, *, tenant_id: str, holder: str) -> Counts:
     row = session.execute(
         text(
             "SELECT coalesce(sum(requests), 0), coalesce(sum(sequences), 0), "
-            "coalesce(sum(tokens), 0) FROM tenant_loads "
+            "coalesce(sum(tokens), 0), coalesce(sum(rest_requests), 0) FROM tenant_loads "
             "WHERE tenant_id = :tenant_id AND (holder = :holder OR expires_at > now())"
         ),
         {"tenant_id": tenant_id, "holder": holder},
     ).one()
-    return Counts(int(row[0]), int(row[1]), int(row[2]))
+    return Counts(*(int(value) for value in row))
 
 
 def add(session: Session, *, tenant_id: str, holder: str, delta: Counts, lease_s: float) -> None:
@@ -50,22 +51,16 @@ def add(session: Session, *, tenant_id: str, holder: str, delta: Counts, lease_s
     session.execute(
         text(
             "INSERT INTO tenant_loads (tenant_id, holder, requests, sequences, tokens, "
-            "expires_at) VALUES (:tenant_id, :holder, :requests, :sequences, :tokens, "
-            "now() + make_interval(secs => :lease_s)) "
+            "rest_requests, expires_at) VALUES (:tenant_id, :holder, :requests, :sequences, "
+            ":tokens, :rest_requests, now() + make_interval(secs => :lease_s)) "
             "ON CONFLICT (tenant_id, holder) DO UPDATE SET "
             "requests = tenant_loads.requests + excluded.requests, "
             "sequences = tenant_loads.sequences + excluded.sequences, "
             "tokens = tenant_loads.tokens + excluded.tokens, "
+            "rest_requests = tenant_loads.rest_requests + excluded.rest_requests, "
             "expires_at = excluded.expires_at"
         ),
-        {
-            "tenant_id": tenant_id,
-            "holder": holder,
-            "requests": delta.requests,
-            "sequences": delta.sequences,
-            "tokens": delta.tokens,
-            "lease_s": lease_s,
-        },
+        {"tenant_id": tenant_id, "holder": holder, **asdict(delta), "lease_s": lease_s},
     )
 
 

@@ -3,6 +3,7 @@
 | limit | default setting | counted | over it |
 |---|---|---|---|
 | ``max_concurrent_requests`` | ``SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS`` | inference requests in flight | 429 |
+| ``max_concurrent_rest_requests`` | ``SKYTRAIN_TENANT_MAX_CONCURRENT_REST_REQUESTS`` | REST requests in flight | 429 |
 | ``max_sequences_in_flight`` | ``SKYTRAIN_TENANT_MAX_SEQUENCES_IN_FLIGHT`` | their sequences (n x prompts) | 429 |
 | ``max_tokens_in_flight`` | ``SKYTRAIN_TENANT_MAX_TOKENS_IN_FLIGHT`` | body bytes + n x max_tokens | 429 |
 | ``max_waiting_polls`` | ``SKYTRAIN_TENANT_MAX_WAITING_POLLS`` | long-polls waiting, per process | answered at once |
@@ -16,6 +17,7 @@ other limit follows its setting, so changing a default changes it for every such
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -31,6 +33,7 @@ from skytrain_backend.errors import InvalidRequest, NotFound
 _REQUEST_LIMITS = frozenset(
     {
         "max_concurrent_requests",
+        "max_concurrent_rest_requests",
         "max_sequences_in_flight",
         "max_tokens_in_flight",
         "max_waiting_polls",
@@ -43,6 +46,7 @@ class TenantLimits:
     """The limits in force for one tenant."""
 
     max_concurrent_requests: int
+    max_concurrent_rest_requests: int
     max_sequences_in_flight: int
     max_tokens_in_flight: int
     max_waiting_polls: int
@@ -51,8 +55,9 @@ class TenantLimits:
     max_workers: int
 
     @classmethod
-    def names(cls) -> list[str]:
-        return [field.name for field in fields(cls)]
+    @functools.cache
+    def names(cls) -> tuple[str, ...]:
+        return tuple(field.name for field in fields(cls))
 
     @classmethod
     def defaults(cls, settings: Settings) -> TenantLimits:

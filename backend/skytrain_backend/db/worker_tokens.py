@@ -1,8 +1,8 @@
 """Join tokens: how a worker started by hand (``sky launch sky/worker.yaml``) joins.
 
 An operator creates one with ``skytrain workers token create``; it is ``swj-`` followed by 32
-random bytes, shown once, and only its sha256 is stored (like API keys: with that much entropy
-there is nothing to brute-force, so no salt or slow hash). A token may be scoped to one base
+random bytes, shown once, and only its sha256 is stored, as for API keys
+(``db/credentials.py``). A token may be scoped to one base
 model, and revoked at any time. A worker that registers with a join token gets a worker row
 and a worker token (``swt-...``) of its own for every later call, so revoking the join token
 stops new workers from joining without cutting off the ones already running.
@@ -10,17 +10,16 @@ stops new workers from joining without cutting off the ones already running.
 
 from __future__ import annotations
 
-import secrets
-
-from sqlalchemy import or_, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db.keys import LAST_USED_RESOLUTION, hash_key
-from skytrain_backend.db.models import WorkerToken, utcnow
-from skytrain_backend.errors import AuthenticationFailed, Conflict, InvalidRequest, NotFound
+from skytrain_backend.db import credentials
+from skytrain_backend.db.credentials import hash_secret
+from skytrain_backend.db.models import WorkerToken
+from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
 
 JOIN_TOKEN_PREFIX = "swj-"
-DISPLAY_PREFIX_LENGTH = len(JOIN_TOKEN_PREFIX) + 6
+DISPLAY_PREFIX_LENGTH = len(JOIN_TOKEN_PREFIX) + credentials.DISPLAY_CHARS
 MAX_BASE_MODEL_LENGTH = 512
 
 
@@ -43,11 +42,11 @@ def create_join_token(
             f"the base model name is {len(base_model)} characters long; "
             f"at most {MAX_BASE_MODEL_LENGTH} are allowed"
         )
-    token = JOIN_TOKEN_PREFIX + secrets.token_urlsafe(32)
+    token = credentials.new_secret(JOIN_TOKEN_PREFIX)
     row = WorkerToken(
         name=name,
         prefix=token[:DISPLAY_PREFIX_LENGTH],
-        token_hash=hash_key(token),
+        token_hash=hash_secret(token),
         base_model=base_model,
     )
     session.add(row)
@@ -64,30 +63,19 @@ def list_join_tokens(session: Session, *, include_revoked: bool = True) -> list[
 
 def revoke_join_token(session: Session, *, id_or_prefix: str) -> WorkerToken:
     """Revoke the token with this id or display prefix; refuses a prefix shared by several."""
-    matches = list(
-        session.scalars(
-            select(WorkerToken).where(
-                or_(WorkerToken.id == id_or_prefix, WorkerToken.prefix == id_or_prefix)
-            )
-        )
+    return credentials.revoke(
+        session,
+        WorkerToken,
+        id_or_prefix=id_or_prefix,
+        noun="join token",
+        nouns="join tokens",
+        list_command="skytrain workers token list",
     )
-    if not matches:
-        raise NotFound(
-            f"no join token has id or prefix {id_or_prefix!r}: see `skytrain workers token list`"
-        )
-    if len(matches) > 1:
-        ids = ", ".join(sorted(token.id for token in matches))
-        raise Conflict(f"prefix {id_or_prefix!r} matches several join tokens ({ids}): revoke by id")
-    row = matches[0]
-    if row.revoked_at is None:
-        row.revoked_at = utcnow()
-        session.commit()
-    return row
 
 
 def live_join_token(session: Session, *, token: str) -> WorkerToken:
     """The join token ``token``; AuthenticationFailed when it is unknown or revoked."""
-    row = session.scalar(select(WorkerToken).where(WorkerToken.token_hash == hash_key(token)))
+    row = session.scalar(select(WorkerToken).where(WorkerToken.token_hash == hash_secret(token)))
     if row is None:
         raise AuthenticationFailed(
             "unknown join token: create one with `skytrain workers token create` on the "
@@ -114,8 +102,5 @@ def verify_join_token(session: Session, *, token: str, base_model: str) -> Worke
             f"not {base_model!r}: start the worker with that base model, or create a token "
             "for this one with `skytrain workers token create --base-model`"
         )
-    now = utcnow()
-    if row.last_used_at is None or now - row.last_used_at > LAST_USED_RESOLUTION:
-        row.last_used_at = now
-        session.commit()
+    credentials.mark_used(session, row)
     return row

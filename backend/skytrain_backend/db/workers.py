@@ -7,15 +7,15 @@ provider for a worker, or handed out when a worker joins with an operator's join
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db import worker_tokens
+from skytrain_backend.db import credentials, worker_tokens
+from skytrain_backend.db.credentials import hash_secret
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
 
@@ -36,14 +36,6 @@ ENDED_STATUSES = ("stopped", "lost", "failed")
 REGISTERED_STATUSES = ("starting", "unreachable", "ready", "training", "sleeping", "draining")
 
 
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
-def new_worker_token() -> str:
-    return WORKER_TOKEN_PREFIX + secrets.token_urlsafe(32)
-
-
 def create_worker(
     session: Session,
     *,
@@ -54,12 +46,12 @@ def create_worker(
     engine_secret: str | None = None,
 ) -> tuple[Worker, str]:
     """A new worker row and the token it will authenticate with (shown to nobody else)."""
-    token = new_worker_token()
+    token = credentials.new_secret(WORKER_TOKEN_PREFIX)
     worker = Worker(
         provider=provider,
         base_model=base_model,
         status=status,
-        token_hash=hash_token(token),
+        token_hash=hash_secret(token),
         engine_secret=engine_secret or secrets.token_urlsafe(24),
         capacity={"max_models": max_models},
         hardware={},
@@ -73,7 +65,7 @@ def create_worker(
 
 
 def authenticate_worker(session: Session, *, token: str) -> Worker:
-    worker = session.scalar(select(Worker).where(Worker.token_hash == hash_token(token)))
+    worker = session.scalar(select(Worker).where(Worker.token_hash == hash_secret(token)))
     if worker is None:
         raise AuthenticationFailed(
             "unknown worker token: workers use the token they were started with "
@@ -153,10 +145,15 @@ def heartbeat(
     status: str,
     served: list[dict[str, Any]],
     unreachable: str | None = None,
+    stats: dict[str, float] | None = None,
 ) -> Worker:
     """Record a heartbeat; ``unreachable`` (why the front door was not reached) keeps an
-    unreachable worker so, with the reason, instead of taking the status it reports."""
+    unreachable worker so, with the reason, instead of taking the status it reports.
+    ``stats`` (the engine's batch and KV use, GPU memory) replace the last reported, kept in
+    ``hardware["stats"]`` for the metrics (observability.collector)."""
     worker.last_heartbeat_at = utcnow()
+    if stats is not None:
+        worker.hardware = {**(worker.hardware or {}), "stats": stats}
     if worker.status == "unreachable" and unreachable is not None:
         worker.status_message = unreachable
     elif worker.status != "draining":
@@ -183,7 +180,27 @@ def silent_workers(session: Session, *, timeout_s: float) -> list[Worker]:
 
 
 def list_workers(session: Session, *, include_ended: bool = False) -> list[Worker]:
+    """Live workers, and each base model's last worker if it failed to start (why no worker
+    runs for it); every worker with ``include_ended``."""
     statement = select(Worker).order_by(Worker.created_at, Worker.id)
     if not include_ended:
-        statement = statement.where(Worker.status.in_(LIVE_STATUSES))
+        newest = (
+            select(Worker.base_model, func.max(Worker.created_at).label("created_at"))
+            .group_by(Worker.base_model)
+            .subquery()
+        )
+        failed_last = (
+            select(Worker.id)
+            .join(
+                newest,
+                and_(
+                    Worker.base_model == newest.c.base_model,
+                    Worker.created_at == newest.c.created_at,
+                ),
+            )
+            .where(Worker.status == "failed")
+        )
+        statement = statement.where(
+            or_(Worker.status.in_(LIVE_STATUSES), Worker.id.in_(failed_last))
+        )
     return list(session.scalars(statement))

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import httpx
 
+from skytrain_backend.child_processes import ChildProcess
 from skytrain_backend.config import subprocess_env
 from skytrain_backend.errors import ConfigurationError
-from skytrain_backend.processes import ChildProcess
 
 STARTUP_TIMEOUT_S = 120.0
 # The server stops each worker with SIGTERM and up to 15 s of grace before SIGKILL.
@@ -104,14 +104,14 @@ def service_env(
 
 
 def _create_key(database_url: str) -> str:
-    from skytrain_backend.db import keys, migrations
+    from skytrain_backend.db import api_keys, migrations
     from skytrain_backend.db.session import create_db_engine, session_factory
 
     engine = create_db_engine(database_url)
     try:
         migrations.prepare_schema(engine, auto_migrate=True)
         with session_factory(engine)() as session:
-            _, key = keys.create_key(session, tenant_name=DEMO_TENANT, name="skytrain demo")
+            _, key = api_keys.create_key(session, tenant_name=DEMO_TENANT, name="skytrain demo")
     finally:
         engine.dispose()
     return key

@@ -64,7 +64,7 @@ def serve(
 
     settings = get_settings()
     try:
-        kind = select_engine(engine or settings.engine)
+        kind = select_engine(engine or settings.engine, vllm_python=settings.vllm_python)
         options = EngineOptions.from_settings(
             settings,
             model=model,
@@ -79,11 +79,11 @@ def serve(
             max_lora_rank=max_lora_rank,
         )
         if kind == "vllm":
-            from skytrain_backend.engine.vllm import vllm_command
+            from skytrain_backend.engine.vllm import vllm_engine_command
 
-            command = vllm_command(options)
+            command = vllm_engine_command(options)
             os.execve(command.argv[0], command.argv, os.environ | command.env)
-        from skytrain_backend.engine.server import serve as serve_hf
+        from skytrain_backend.engine.hf.server import serve as serve_hf
 
         serve_hf(
             options.model,

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from skytrain_backend.errors import EngineError, EngineRefused
+from skytrain_backend.errors import EngineError, EngineRefused, EngineTimeout
 from skytrain_backend.protocol import TOKEN_ID_PREFIX
 
 
@@ -58,6 +58,13 @@ class EngineClient:
     async def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
             response = await self._http.request(method, path, **kwargs)
+        except httpx.TimeoutException as exc:
+            timeout = kwargs.get("timeout")
+            within = f" within {timeout:.0f}s" if isinstance(timeout, int | float) else ""
+            raise EngineTimeout(
+                f"engine at {self.base_url} did not answer {method} {path}{within} "
+                f"({type(exc).__name__})"
+            ) from exc
         except httpx.HTTPError as exc:
             raise EngineError(
                 f"engine at {self.base_url} did not answer {method} {path}: {exc}"
@@ -71,6 +78,11 @@ class EngineClient:
                 f"({response.status_code}): {_error_message(response)}"
             )
         return response
+
+    async def metrics_text(self) -> str:
+        """The engine's Prometheus text (vLLM's ``/metrics``; the CPU engine has none)."""
+        response = await self._request("GET", "/metrics", timeout=2)
+        return response.text
 
     # --- liveness -------------------------------------------------------------------------------
 
@@ -124,13 +136,26 @@ class EngineClient:
     async def unload_lora(self, name: str) -> None:
         await self._request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
 
-    async def sleep(self, level: int = 1, *, mode: str = "wait") -> None:
+    async def sleep(
+        self, level: int = 1, *, mode: str = "wait", timeout_s: float | None = None
+    ) -> None:
         """Put the engine to sleep; ``wait`` (the default here, unlike vLLM's ``abort``) lets
-        the requests in flight finish first, refusing new ones."""
-        await self._request("POST", "/sleep", params={"level": level, "mode": mode})
+        the requests in flight finish first, refusing new ones. ``EngineTimeout`` past
+        ``timeout_s`` (default: the client's); the engine goes on with the sleep all the
+        same, so a ``mode="abort"`` sleep then ends the requests it waits for."""
+        await self._request(
+            "POST",
+            "/sleep",
+            params={"level": level, "mode": mode},
+            **({} if timeout_s is None else {"timeout": timeout_s}),
+        )
 
-    async def wake_up(self) -> None:
-        await self._request("POST", "/wake_up")
+    async def wake_up(self, *, timeout_s: float | None = None) -> None:
+        """Wake the engine (vLLM maps its memory again and copies its weights back);
+        ``EngineTimeout`` past ``timeout_s`` (default: the client's)."""
+        await self._request(
+            "POST", "/wake_up", **({} if timeout_s is None else {"timeout": timeout_s})
+        )
 
     async def is_sleeping(self) -> bool:
         response = await self._request("GET", "/is_sleeping")

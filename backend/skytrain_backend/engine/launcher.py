@@ -15,6 +15,7 @@ import os
 import sys
 from pathlib import Path
 
+from skytrain_backend.child_processes import ChildProcess
 from skytrain_backend.config import subprocess_env
 from skytrain_backend.engine.client import EngineClient
 from skytrain_backend.engine.options import (
@@ -22,8 +23,7 @@ from skytrain_backend.engine.options import (
     EngineOptions,
     ResolvedEngine,
 )
-from skytrain_backend.engine.vllm import vllm_command
-from skytrain_backend.processes import ChildProcess
+from skytrain_backend.engine.vllm import vllm_engine_command
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ def hf_command(options: EngineOptions) -> EngineCommand:
 
 
 def engine_command(options: EngineOptions, kind: ResolvedEngine) -> EngineCommand:
-    return vllm_command(options) if kind == "vllm" else hf_command(options)
+    """The command of engine ``kind``; for vLLM this asks its interpreter about the platform
+    (seconds), so call it off the event loop."""
+    return vllm_engine_command(options) if kind == "vllm" else hf_command(options)
 
 
 class EngineProcess:

@@ -33,6 +33,10 @@ class EngineOptions:
     max_lora_rank: int = 64
     gpu_memory_utilization: float = 0.8
     tensor_parallel_size: int = 1
+    # Nodes the model is split across by layers (a multi-node worker: vLLM over Ray).
+    pipeline_parallel_size: int = 1
+    # The interpreter that runs vLLM (one with vllm installed); None: this one.
+    vllm_python: str | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -50,17 +54,20 @@ class EngineOptions:
     ) -> EngineOptions:
         """Options for ``model`` with the engine settings (``SKYTRAIN_ENGINE_*``) applied.
 
-        An override of None means "not given": the setting (or the default) stays.
+        A setting or override of None means "not given": the default stays; overrides win.
         """
         values: dict[str, object] = {
             "max_loras": settings.engine_max_loras,
             "max_lora_rank": settings.engine_max_lora_rank,
             "gpu_memory_utilization": settings.engine_gpu_memory_utilization,
             "tensor_parallel_size": settings.engine_tensor_parallel_size,
+            "pipeline_parallel_size": settings.engine_pipeline_parallel_size,
             "max_model_len": settings.engine_max_model_len,
+            "vllm_python": settings.vllm_python,
         }
         values.update({key: value for key, value in overrides.items() if value is not None})
-        return cls(model=model, port=port, **values)  # type: ignore[arg-type]
+        given = {key: value for key, value in values.items() if value is not None}
+        return cls(model=model, port=port, **given)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,9 @@ class EngineCommand:
 
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)
+    # Whether /sleep gives the engine's memory back (vLLM only where its platform has sleep
+    # mode); where it does not, the sleep routes still answer.
+    sleep_frees_memory: bool = True
 
 
 def cuda_available() -> bool:
@@ -79,16 +89,20 @@ def cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def select_engine(kind: EngineKind | str) -> ResolvedEngine:
-    """``auto`` is vLLM when CUDA and vllm are both present, the CPU engine otherwise."""
-    has_vllm = importlib.util.find_spec("vllm") is not None
+def select_engine(kind: EngineKind | str, *, vllm_python: str | None = None) -> ResolvedEngine:
+    """``auto`` is vLLM when CUDA and vllm are both present, the CPU engine otherwise.
+
+    With ``vllm_python`` (an interpreter of its own that has vllm) vLLM counts as present.
+    """
+    has_vllm = vllm_python is not None or importlib.util.find_spec("vllm") is not None
     if kind == "hf":
         return "hf"
     if kind == "vllm":
         if not has_vllm:
             raise ConfigurationError(
-                "engine 'vllm' was asked for but vllm is not installed: "
-                "`pip install 'skytrain[gpu]'`, or use engine 'hf' (or 'auto')"
+                "engine 'vllm' was asked for but vllm is not installed: run the worker in "
+                "the vLLM image (vllm/vllm-openai:v0.34.0, as sky/worker.yaml and "
+                "infra/Dockerfile.worker do), or use engine 'hf' (or 'auto')"
             )
         return "vllm"
     if kind != "auto":

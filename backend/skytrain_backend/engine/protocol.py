@@ -17,7 +17,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from skytrain_backend.protocol import Message
+from skytrain_backend.chat_template import ToolSpec
+from skytrain_backend.protocol import Message, TokenLogprob, ToolCall
 from skytrain_backend.ranges import INT32_MAX, Seed
 
 FinishReason = Literal["stop", "length", "tool_calls"]
@@ -100,38 +101,6 @@ class _SamplingFields(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class FunctionSpec(BaseModel):
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-
-
-class ToolSpec(BaseModel):
-    type: Literal["function"] = "function"
-    function: FunctionSpec
-
-
-def template_tools(tools: list[ToolSpec] | None) -> list[Any] | None:
-    """Tools as the engine hands them to the chat template."""
-    return [tool.model_dump(exclude_none=True) for tool in tools] if tools else None
-
-
-def template_message(message: Message) -> dict[str, Any]:
-    """A message as the engine hands it to the chat template: content as one string (text
-    parts joined), tool calls as plain dicts. The trainer renders conversations it has no
-    prompt ids for with this same function."""
-    rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-    if message.role == "assistant" and message.content is None:
-        rendered["content"] = None
-    if message.tool_calls:
-        rendered["tool_calls"] = [call.model_dump() for call in message.tool_calls]
-    if message.tool_call_id:
-        rendered["tool_call_id"] = message.tool_call_id
-    if message.name:
-        rendered["name"] = message.name
-    return rendered
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[Message] = Field(min_length=1)
     tools: list[ToolSpec] | None = None
@@ -181,11 +150,15 @@ class CompletionRequest(_SamplingFields):
     prompt: Prompt
     max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # vLLM's: each prompt token's logprob (and this many most likely tokens at its position).
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if self.prompt == [] or self.prompt == "" or self.prompt == [[]]:
             raise ValueError("prompt is empty: send a string or a list of token ids")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs is served on completions that are not streamed")
         return self
 
     @property
@@ -250,29 +223,9 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class TopLogprob(BaseModel):
-    token: str
-    logprob: float
-    bytes: list[int] | None = None
-
-
-class TokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob] = Field(default_factory=list)
-
-
+# Token logprobs and tool calls are the very types a trajectory stores (``protocol.py``).
 class ChatLogprobs(BaseModel):
     content: list[TokenLogprob] | None = None
-
-
-class FunctionCall(BaseModel):
-    name: str
-    arguments: str
-
-
-class ToolCall(BaseModel):
-    id: str = Field(default_factory=lambda: random_id("chatcmpl-tool"))
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
@@ -347,10 +300,20 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float]] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry in a choice's ``prompt_logprobs`` (vLLM's format, keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    # One entry per prompt token (None for the first): the token's and the top ones' logprobs.
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None

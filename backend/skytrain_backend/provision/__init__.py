@@ -21,6 +21,8 @@ def open_provider(settings: Settings, sessions: sessionmaker[Session]) -> Provid
             envs={
                 "SKYTRAIN_HOME": str(settings.home),
                 "SKYTRAIN_MODEL_CACHE_DIR": str(settings.resolved_model_cache_dir),
+                # The worker's and its engine's lines in the control plane's format.
+                "SKYTRAIN_LOG_FORMAT": settings.log_format,
             },
         )
     if settings.provider == "skypilot":

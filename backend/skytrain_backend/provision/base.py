@@ -45,6 +45,18 @@ class ClusterInfo:
     message: str | None = None
 
 
+@dataclass(frozen=True)
+class StartupReport:
+    """What a provider knows of a launched worker that has not registered yet."""
+
+    # Its process has ended (SkyPilot: the cluster's job, setup included, finished): it will
+    # never register.
+    ended: bool
+    # The provider's own words: the job's state and, once it ended or when asked, its last
+    # log lines. For the operator (`skytrain workers list`), never the tenant.
+    detail: str
+
+
 class Provider(abc.ABC):
     """Starts and stops workers; see the module docstring."""
 
@@ -61,6 +73,18 @@ class Provider(abc.ABC):
     @abc.abstractmethod
     def terminate(self, cluster_name: str) -> None:
         """Stop a worker and release its machine. Stopping one that is gone is not an error."""
+
+    def accelerator_choices(self) -> list[str] | None:
+        """The GPUs (``'L4:1'``...) a worker of this provider may get, or None when the
+        provider does not choose them (a local worker uses what its machine has)."""
+        return None
+
+    def startup_report(self, cluster_name: str, *, with_log: bool = False) -> StartupReport | None:
+        """What became of the worker on ``cluster_name``, launched and up but not registered
+        yet; ``with_log`` asks for its last log lines even while it runs (the scheduler is
+        about to give up on it). None: nothing known (yet). Cheap to call every pass: a
+        provider that has to ask a remote service spaces its questions out."""
+        return None
 
     def stop_orphans(self) -> list[str]:
         """At start-up: stop the workers that an earlier control plane started and left

@@ -7,7 +7,7 @@ control plane's database URL), writing everything it prints to
 ``$SKYTRAIN_HOME/workers/<worker_id>.log``, the file ``skytrain logs WORKER`` shows.
 
 Each worker process is also recorded in SQL with this control plane as its owner
-(``db.processes``): ``stop_orphans`` stops the ones whose control plane no longer runs (at
+(``db.process_records``): ``stop_orphans`` stops the ones whose control plane no longer runs (at
 start-up), and ``close`` stops every one this control plane owns, whether or not it still
 knows it in memory.
 """
@@ -26,10 +26,10 @@ from typing import IO
 
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.child_processes import ChildProcess, ProcessIdentity, stop_process
 from skytrain_backend.config import worker_env
-from skytrain_backend.db import processes as process_rows
-from skytrain_backend.processes import ChildProcess, ProcessIdentity, stop_process
-from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
+from skytrain_backend.db import process_records
+from skytrain_backend.provision.base import ClusterInfo, Provider, StartupReport, WorkerLaunch
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,7 @@ class LocalProvider(Provider):
             [self._python, "-m", "skytrain_backend", "worker"], env=env, stdout=log_file
         )
         with self._sessions() as session:
-            process_rows.record(
+            process_records.record(
                 session,
                 kind="worker",
                 worker_id=launch.worker_id,
@@ -142,6 +142,20 @@ class LocalProvider(Provider):
             infos.append(ClusterInfo(worker.worker_id, cluster_name, "failed", message=message))
         return infos
 
+    def startup_report(self, cluster_name: str, *, with_log: bool = False) -> StartupReport | None:
+        """Its log's last lines when asked (``poll`` reports a process that ended)."""
+        with self._lock:
+            worker = self._workers.get(cluster_name)
+        if worker is None or not with_log:
+            return None
+        tail = log_tail(worker.log_path)
+        return StartupReport(
+            ended=False,
+            detail=f"its process still runs; the last lines of {worker.log_path}:\n{tail}"
+            if tail
+            else "its process still runs and has written nothing to its log",
+        )
+
     def terminate(self, cluster_name: str) -> None:
         with self._lock:
             worker = self._workers.get(cluster_name)
@@ -171,10 +185,10 @@ class LocalProvider(Provider):
     def _stop_recorded(self, whose: Callable[[ProcessIdentity], bool]) -> list[str]:
         stopped = []
         with self._sessions() as session:
-            rows = process_rows.on_host(session, host=self.host)
-            chosen = [row for row in rows if whose(process_rows.owner(row))]
+            rows = process_records.on_host(session, host=self.host)
+            chosen = [row for row in rows if whose(process_records.owner(row))]
             for row in chosen:
-                identity = process_rows.identity(row)
+                identity = process_records.identity(row)
                 if stop_process(identity):
                     logger.warning(
                         "stopped worker process %d (worker %s): its control plane (pid %d) "
@@ -185,9 +199,9 @@ class LocalProvider(Provider):
                     )
                 if row.worker_id is not None:
                     stopped.append(row.worker_id)
-                process_rows.forget(session, host=self.host, process=identity)
+                process_records.forget(session, host=self.host, process=identity)
         return stopped
 
     def _forget(self, worker: _LocalWorker) -> None:
         with self._sessions() as session:
-            process_rows.forget(session, host=self.host, process=worker.process.identity)
+            process_records.forget(session, host=self.host, process=worker.process.identity)

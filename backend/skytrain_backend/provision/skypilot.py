@@ -9,6 +9,10 @@ the request's result. Launches and teardowns wait in background threads, so ``la
 
 - ``launching`` while ``sky launch`` runs (with SkyPilot's progress note when it has one);
 - ``up`` with the worker's front door endpoint from ``sky endpoints`` once the cluster is UP;
+  SkyPilot runs the task's setup inside the cluster's job after ``sky launch`` returned, so
+  while the worker has not registered the scheduler asks ``startup_report``: the job's state
+  (``sky.job_status``) and, once it ended (a failed setup: ``FAILED_SETUP``) or when the
+  scheduler gives up on it, its last log lines (``sky.tail_logs``);
 - ``failed`` with SkyPilot's own error message when the launch fails (no capacity, quota,
   missing credentials, no cloud enabled), once; a half-made cluster is torn down;
 - ``gone`` when a cluster it launched disappears or stops (spot preemption, autostop, a
@@ -25,7 +29,7 @@ everything else runs for real, including SkyPilot's own task parsing.
 from __future__ import annotations
 
 import contextlib
-import copy
+import functools
 import io
 import logging
 import re
@@ -33,28 +37,43 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from pathlib import Path
-from typing import IO, Any, Literal, Protocol, cast
-
-import yaml
+from typing import IO, Any, Literal, ParamSpec, Protocol, TypeVar, cast
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ConfigurationError
-from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
+from skytrain_backend.provision.base import ClusterInfo, Provider, StartupReport, WorkerLaunch
 from skytrain_backend.provision.local import worker_log_path
+from skytrain_backend.provision.sky_task import (
+    accelerator_choices,
+    configured_accelerators,
+    default_worker_yaml,
+    load_task_config,
+    task_accelerators,
+    tracebacks_kept,
+    worker_task,
+)
+
+__all__ = [
+    "SkyPilotProvider",
+    "accelerator_choices",
+    "configured_accelerators",
+    "default_worker_yaml",
+    "describe_error",
+    "load_task_config",
+    "task_accelerators",
+    "worker_task",
+]
 
 logger = logging.getLogger(__name__)
 
-_PACKAGE_DIR = Path(__file__).resolve().parents[1]
-# The wheel ships sky/ as skytrain_backend/_sky; a source checkout has it at the top.
-_WORKER_YAML_CANDIDATES = (
-    _PACKAGE_DIR / "_sky" / "worker.yaml",
-    _PACKAGE_DIR.parents[1] / "sky" / "worker.yaml",
-)
 _ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 MAX_MESSAGE_CHARS = 4000
 # `sky check` at start-up may start SkyPilot's API server and ask every cloud: give it time.
 SKY_CHECK_TIMEOUT_S = 180.0
+# The states of a cluster's job after which it runs no more (SkyPilot's JobStatus.is_terminal).
+ENDED_JOB_STATES = frozenset({"SUCCEEDED", "FAILED", "FAILED_SETUP", "FAILED_DRIVER", "CANCELLED"})
+# Lines of a job's log a startup report carries.
+JOB_LOG_LINES = 20
 
 
 class SkyApi(Protocol):
@@ -79,10 +98,30 @@ class SkyApi(Protocol):
 
     def check(self, infra_list: tuple[str, ...] | None, verbose: bool) -> Any: ...
 
+    def job_status(self, cluster_name: str) -> Any: ...
+
+    def tail_logs(
+        self, cluster_name: str, job_id: int | None, *, tail: int, output_stream: IO[str]
+    ) -> int: ...
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _keeping_tracebacks(call: Callable[_P, _R]) -> Callable[_P, _R]:
+    @functools.wraps(call)
+    def kept(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with tracebacks_kept():
+            return call(*args, **kwargs)
+
+    return kept
+
 
 class _SkyPilotSdk:
     """The real ``SkyApi``: SkyPilot's client SDK."""
 
+    @_keeping_tracebacks
     def launch(
         self, task: Any, *, cluster_name: str, idle_minutes_to_autostop: int, down: bool
     ) -> Any:
@@ -95,108 +134,61 @@ class _SkyPilotSdk:
             down=down,
         )
 
+    @_keeping_tracebacks
     def status(self, cluster_names: list[str] | None = None, *, refresh: Any) -> Any:
         import sky
 
         return sky.status(cluster_names, refresh=refresh)
 
+    @_keeping_tracebacks
     def endpoints(self, cluster: str, port: int) -> Any:
         import sky
 
         return sky.endpoints(cluster, port)
 
+    @_keeping_tracebacks
     def down(self, cluster_name: str) -> Any:
         import sky
 
         return sky.down(cluster_name)
 
+    @_keeping_tracebacks
     def get(self, request_id: Any) -> Any:
         import sky
 
         return sky.get(request_id)
 
+    @_keeping_tracebacks
     def stream_and_get(self, request_id: Any, *, output_stream: IO[str]) -> Any:
         import sky
 
         return sky.stream_and_get(request_id, output_stream=cast(io.TextIOBase, output_stream))
 
+    @_keeping_tracebacks
     def check(self, infra_list: tuple[str, ...] | None, verbose: bool) -> Any:
         from sky.client import sdk
 
         return sdk.check(infra_list, verbose)
 
+    @_keeping_tracebacks
+    def job_status(self, cluster_name: str) -> Any:
+        import sky
 
-def default_worker_yaml() -> Path:
-    for candidate in _WORKER_YAML_CANDIDATES:
-        if candidate.is_file():
-            return candidate
-    searched = " and ".join(str(path) for path in _WORKER_YAML_CANDIDATES)
-    raise ConfigurationError(
-        f"skytrain's sky/worker.yaml is missing (looked in {searched}): "
-        "set SKYTRAIN_SKYPILOT_WORKER_YAML to a SkyPilot task for workers"
-    )
+        return sky.job_status(cluster_name)
 
+    @_keeping_tracebacks
+    def tail_logs(
+        self, cluster_name: str, job_id: int | None, *, tail: int, output_stream: IO[str]
+    ) -> int:
+        import sky
 
-def load_task_config(path: Path) -> dict[str, Any]:
-    try:
-        config = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise ConfigurationError(f"cannot read the worker task {path}: {exc}") from None
-    if not isinstance(config, dict):
-        raise ConfigurationError(f"the worker task {path} is not a SkyPilot task (a mapping)")
-    return config
-
-
-def accelerator_choices(spec: str) -> list[str] | None:
-    """``'L4:1, A10G:1'`` -> ``['L4:1', 'A10G:1']``; ``'none'`` -> None (a CPU-only worker)."""
-    if spec.strip().lower() == "none":
-        return None
-    choices = [item.strip() for item in spec.split(",") if item.strip()]
-    if not choices:
-        raise ConfigurationError(
-            f"accelerators {spec!r} name none: list them ('L4:1,A10G:1') or say 'none'"
+        return sky.tail_logs(
+            cluster_name,
+            job_id,
+            follow=False,
+            tail=tail,
+            output_stream=cast(io.TextIOBase, output_stream),
         )
-    return choices
-
-
-def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[str, Any]) -> Any:
-    """The ``sky.Task`` for one worker, parsed and validated by SkyPilot itself.
-
-    The launch's values go in as SkyPilot does for ``sky launch --env/--secret``: settings as
-    envs, and the worker token, engine secret and HF token as secrets, which SkyPilot keeps
-    out of ``sky status`` and its dashboard.
-    """
-    import sky
-
-    config = copy.deepcopy(task_config)
-    resources = config.setdefault("resources", {})
-    accelerators = launch.accelerators or settings.skypilot_accelerators
-    if accelerators:
-        choices = accelerator_choices(accelerators)
-        if choices is None:
-            resources.pop("accelerators", None)
-        else:
-            resources["accelerators"] = choices
-    if settings.skypilot_infra:
-        resources["infra"] = settings.skypilot_infra
-    if settings.skypilot_disk_size_gb is not None:
-        resources["disk_size"] = settings.skypilot_disk_size_gb
-    resources["use_spot"] = settings.skypilot_use_spot
-    resources["ports"] = settings.skypilot_worker_port
-    envs = {
-        **launch.envs,
-        "SKYTRAIN_CONTROL_PLANE_URL": launch.control_plane_url,
-        "SKYTRAIN_WORKER_BASE_MODEL": launch.base_model,
-        "WORKER_PORT": str(settings.skypilot_worker_port),
-    }
-    secrets = {
-        "SKYTRAIN_WORKER_TOKEN": launch.join_token,
-        "SKYTRAIN_ENGINE_SECRET": launch.engine_secret,
-        "HF_TOKEN": settings.hf_token.get_secret_value() if settings.hf_token else "",
-    }
-    return sky.Task.from_yaml_config(
-        config, env_overrides=list(envs.items()), secrets_overrides=list(secrets.items())
-    )
 
 
 def describe_error(exc: BaseException) -> str:
@@ -221,6 +213,9 @@ class _Cluster:
     # What the last poll said about a launched cluster, repeated until `sky status` is asked
     # again.
     last: ClusterInfo | None = None
+    # The last startup report, repeated until its job's state is asked again.
+    startup: StartupReport | None = None
+    next_job_check_at: float = 0.0
 
 
 class SkyPilotProvider(Provider):
@@ -305,6 +300,9 @@ class SkyPilotProvider(Provider):
                 f"SkyPilot rejects the worker task {self._task_path} with these settings: "
                 f"{describe_error(exc)}"
             ) from None
+
+    def accelerator_choices(self) -> list[str] | None:
+        return configured_accelerators(None, settings=self._settings, task_config=self._task_config)
 
     def cluster_name(self, worker_id: str) -> str:
         return f"{self._prefix}{worker_id}"
@@ -411,6 +409,49 @@ class SkyPilotProvider(Provider):
         with open(worker_log_path(self._log_dir, worker_id), "a") as log:
             yield log
 
+    # --- a worker that has not registered yet ----------------------------------------------
+
+    def startup_report(self, cluster_name: str, *, with_log: bool = False) -> StartupReport | None:
+        """The state of the cluster's job (asked at most every ``skypilot_status_interval_s``
+        unless ``with_log``), with its last log lines once it ended or when ``with_log``."""
+        now = self._clock()
+        with self._lock:
+            cluster = self._clusters.get(cluster_name)
+            if cluster is None or cluster.phase != "launched":
+                return None
+            if not with_log and now < cluster.next_job_check_at:
+                return cluster.startup
+            cluster.next_job_check_at = now + self._settings.skypilot_status_interval_s
+        try:
+            statuses = self._sky.get(self._sky.job_status(cluster_name))
+        except Exception as exc:
+            logger.info("no job status for %s yet: %s", cluster_name, describe_error(exc))
+            return cluster.startup
+        job_id, state = _last_job(statuses)
+        if job_id is None:
+            report = StartupReport(ended=False, detail="SkyPilot has not submitted its job yet")
+        else:
+            ended = state in ENDED_JOB_STATES
+            detail = f"its SkyPilot job {job_id} is {state}"
+            if ended or with_log:
+                tail = self._job_log(cluster_name, job_id)
+                if tail:
+                    detail += f"; the last lines of `sky logs {cluster_name} {job_id}`:\n{tail}"
+            report = StartupReport(ended=ended, detail=detail)
+        cluster.startup = report
+        return report
+
+    def _job_log(self, name: str, job_id: int) -> str:
+        """The last lines of the job's log (its setup's output first), or '' if SkyPilot
+        cannot tell."""
+        output = io.StringIO()
+        try:
+            self._sky.tail_logs(name, job_id, tail=JOB_LOG_LINES, output_stream=output)
+        except Exception as exc:
+            logger.info("no log of job %d on %s: %s", job_id, name, describe_error(exc))
+        text = _ANSI_ESCAPE.sub("", output.getvalue()).strip()
+        return text[-MAX_MESSAGE_CHARS:]
+
     # --- poll ------------------------------------------------------------------------------
 
     def poll(self) -> list[ClusterInfo]:
@@ -457,7 +498,13 @@ class SkyPilotProvider(Provider):
             info = replace(base, message=record.get("init_status_reason") or "initializing")
         else:
             if cluster.endpoint is None:
-                cluster.endpoint = self._endpoint(cluster.name)
+                try:
+                    cluster.endpoint = self._endpoint(cluster.name)
+                except _UnusableEndpoint as exc:
+                    # Every launch would end the same way: the worker fails, its cluster goes.
+                    self._forget(cluster)
+                    self.terminate(cluster.name)
+                    return replace(base, state="failed", message=str(exc))
             info = ClusterInfo(
                 cluster.worker_id, cluster.name, "up", engine_endpoint=cluster.endpoint
             )
@@ -492,7 +539,12 @@ class SkyPilotProvider(Provider):
     def _endpoint(self, name: str) -> str | None:
         """The front door's URL as SkyPilot exposes it, or None while the port is not open yet.
 
-        The front door speaks HTTPS only, whatever scheme SkyPilot's answer names.
+        The front door speaks HTTPS only, with its own certificate, so it needs the port
+        itself: SkyPilot answers ``host:port`` for clouds' VMs and for Kubernetes'
+        ``loadbalancer`` and ``podip`` port modes, which becomes ``https://host:port``.
+        Kubernetes' ``ingress`` mode answers ``http://ingress[:port]/skypilot/<namespace>/
+        <cluster>/<port>`` (a path on an HTTP ingress), which no rewrite makes reachable:
+        ``_UnusableEndpoint``.
         """
         port = self._settings.skypilot_worker_port
         try:
@@ -504,7 +556,32 @@ class SkyPilotProvider(Provider):
         if not url:
             return None
         url = str(url).rstrip("/")
-        return "https://" + url.split("://", 1)[-1]
+        address = url.split("://", 1)[-1]
+        if "/" in address:
+            raise _UnusableEndpoint(
+                f"SkyPilot exposes the worker's port {port} on {name} as {url}: a path on "
+                "Kubernetes' ingress (`kubernetes: ports: ingress` in ~/.sky/config.yaml, or a "
+                "local kind cluster, which always uses it). The worker's front door needs the "
+                "port itself (TLS end to end, its certificate pinned by the control plane): "
+                "set `kubernetes: ports: loadbalancer` (or `podip` when the control plane runs "
+                "inside the cluster) and launch again"
+            )
+        return "https://" + address
+
+
+class _UnusableEndpoint(ConfigurationError):
+    """SkyPilot exposes the front door's port in a way the control plane cannot use."""
+
+
+def _last_job(statuses: Any) -> tuple[int | None, str | None]:
+    """The newest job and its state's name from ``sky.job_status``'s answer ({id: status};
+    ``{None: None}`` before any job)."""
+    jobs = {job_id: status for job_id, status in (statuses or {}).items() if job_id is not None}
+    if not jobs:
+        return None, None
+    job_id = max(jobs, key=int)
+    status = jobs[job_id]
+    return int(job_id), None if status is None else str(getattr(status, "value", status))
 
 
 def _status_name(record: Any) -> str | None:

@@ -1,13 +1,15 @@
 """Objects the database no longer refers to: removed, and retried until they are gone.
 
-- Deleted checkpoints: ``DELETE .../checkpoints`` marks the rows deleted first and removes the
-  files after; a row keeps its ``uri`` until its files are gone, so files the store failed
-  to delete are deleted again by the scheduler's next sweep (``purge_deleted_checkpoints``).
+- Deleted checkpoints: ``DELETE .../checkpoints`` commits the rows first (deleted, ``uri``
+  cleared, ``purge_pending`` set) and removes the files after, so no reader ever finds a row
+  that points at files already gone. A row stays ``purge_pending`` until its files are gone:
+  files the store failed to delete are deleted again by the scheduler's next sweep
+  (``purge_deleted_checkpoints``).
 - Everything else (``collect_garbage``): an object under a model that no row refers to, last
   written before a grace period, is deleted. Such objects are what a crash leaves between
   writing an object and committing its row (a checkpoint copied but never committed, a job's
-  input whose row never came, files staged by an attempt that is over), or what a failed
-  delete left. The grace period spares objects whose row is about to be committed. Uploaded
+  input whose row never came, files staged by an attempt that is over and whose state the job
+  does not resume from), or what a failed delete left. The grace period spares objects whose row is about to be committed. Uploaded
   files (``tenants/{id}/files/``) have no rows and are kept.
 - Writes that never finished (``abort_stale_uploads``): an S3 multipart upload or a local
   temporary file that a process killed mid-write left, once a day old (no request's upload
@@ -25,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, TrajectoryBatch
 from skytrain_backend.errors import StorageError
+from skytrain_backend.protocol import TERMINAL_JOB_STATUSES
 from skytrain_backend.storage import ObjectStore, keys
 
 logger = logging.getLogger(__name__)
@@ -36,15 +39,15 @@ STALE_UPLOAD_AGE = timedelta(days=1)
 def purge_deleted_checkpoints(
     session: Session, *, store: ObjectStore, model_id: str | None = None
 ) -> int:
-    """Delete the files of deleted checkpoints that still have some; how many were purged.
+    """Delete the files of deleted checkpoints still ``purge_pending``; how many were purged.
 
-    A checkpoint whose files the store fails to delete keeps its ``uri`` and is tried again
-    at the next call; the failure is logged for the operator, never shown to a tenant.
+    A checkpoint whose files the store fails to delete stays pending and is tried again at
+    the next call; the failure is logged for the operator, never shown to a tenant.
     """
     statement = (
         select(Checkpoint, Model.tenant_id)
         .join(Model, Model.id == Checkpoint.model_id)
-        .where(Checkpoint.deleted_at.is_not(None), Checkpoint.uri.is_not(None))
+        .where(Checkpoint.purge_pending.is_(True))
         .order_by(Checkpoint.deleted_at)
     )
     if model_id is not None:
@@ -64,7 +67,7 @@ def purge_deleted_checkpoints(
                 exc.message,
             )
             continue
-        checkpoint.uri = None
+        checkpoint.purge_pending = False
         session.commit()
         purged += 1
     session.rollback()
@@ -77,7 +80,8 @@ class _ModelRows:
 
     exists: bool
     checkpoint_steps: set[str] = field(default_factory=set)
-    jobs: dict[str, tuple[str, int]] = field(default_factory=dict)  # id -> (status, attempts)
+    # id -> (status, attempts, the attempt whose staged files hold its saved state)
+    jobs: dict[str, tuple[str, int, int | None]] = field(default_factory=dict)
     batches: set[str] = field(default_factory=set)
 
 
@@ -122,9 +126,9 @@ def _model_rows(session: Session, *, tenant_id: str, model_id: str) -> _ModelRow
         select(Checkpoint.step).where(Checkpoint.model_id == model_id, Checkpoint.uri.is_not(None))
     )
     jobs = session.execute(
-        select(TrainingJob.id, TrainingJob.status, TrainingJob.attempts).where(
-            TrainingJob.model_id == model_id
-        )
+        select(
+            TrainingJob.id, TrainingJob.status, TrainingJob.attempts, TrainingJob.saved_attempt
+        ).where(TrainingJob.model_id == model_id)
     )
     batches = session.scalars(
         select(TrajectoryBatch.id).where(TrajectoryBatch.model_id == model_id)
@@ -132,7 +136,7 @@ def _model_rows(session: Session, *, tenant_id: str, model_id: str) -> _ModelRow
     return _ModelRows(
         exists=True,
         checkpoint_steps={str(step) for step in steps},
-        jobs={job_id: (status, attempts) for job_id, status, attempts in jobs},
+        jobs={job_id: (status, attempts, saved) for job_id, status, attempts, saved in jobs},
         batches=set(batches),
     )
 
@@ -149,9 +153,14 @@ def _referenced(rows: _ModelRows, rest: list[str]) -> bool:
     if kind == "jobs" and rest[1] in rows.jobs:
         if len(rest) == 3:
             return True  # the job's input
-        status, attempts = rows.jobs[rest[1]]
-        # Files staged by an attempt: only the attempt that runs now still needs them.
-        return rest[2] == "attempts" and status == "running" and rest[3] == str(attempts)
+        status, attempts, saved = rows.jobs[rest[1]]
+        if rest[2] != "attempts":
+            return False
+        # Files staged by an attempt: the attempt that runs now needs them, and so does every
+        # attempt to come while they hold the state the job resumes from.
+        running = status == "running" and rest[3] == str(attempts)
+        resumed = status not in TERMINAL_JOB_STATUSES and rest[3] == str(saved)
+        return running or resumed
     return kind not in ("checkpoints", "logs", "jobs")  # a layout of the future: kept
 
 

@@ -1,11 +1,15 @@
 """The scheduler loop the control plane runs in the background.
 
 Each pass (about once a second, or at once when woken by a registration, a request or a
-job): expire job leases, declare silent workers lost, reconcile with the provider, place
-active models (launching workers when needed), and stop idle workers. Every
-``sweep_interval_s`` it also removes the files of deleted checkpoints that are still there,
-and every ``garbage_interval_s`` the objects no row refers to (``garbage``). A pass runs in a
-thread with its own session; nothing in it blocks API requests.
+job): expire job leases, declare silent workers lost, ask jobs that have had their time slice
+to yield their worker to another tenant's waiting job, reconcile with the provider, fail the
+workers that will not register (their process ended, or ``worker_register_deadline_s`` went
+by: their machines are stopped), take idle models off their workers, place active models
+(launching workers when needed, after the back-off of failed launches; at ``max_workers``,
+stopping an idle worker to make room), and stop idle workers. Every ``sweep_interval_s`` it
+also removes the files of deleted checkpoints that are still there, and every
+``garbage_interval_s`` the objects no row refers to (``garbage``). A pass runs in a thread
+with its own session; nothing in it blocks API requests.
 
 Several control-plane processes may share one database: every one runs this loop, but only
 the leader (``scheduler.leader``) runs passes. The others follow: they try to take the
@@ -32,9 +36,11 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
+from skytrain_backend.errors import FitsNoGpu
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
-from skytrain_backend.scheduler import garbage, placement, queue, tinker
+from skytrain_backend.scheduler import garbage, placement, queue, scale_in, tinker
 from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
+from skytrain_backend.scheduler.placement import LaunchBackoff
 from skytrain_backend.storage import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -69,6 +75,11 @@ class Scheduler:
         self._next_upload_sweep = time.monotonic() + settings.garbage_interval_s
         self._sessions = sessions
         self._interval_s = interval_s
+        self._backoff = LaunchBackoff(
+            base_s=settings.worker_launch_backoff_s,
+            max_s=settings.worker_launch_backoff_max_s,
+            max_failures=settings.worker_launch_max_failures,
+        )
         self._role_logged = False
         # Held by a pass: shutting down waits for one still running in its thread.
         self._pass_lock = threading.Lock()
@@ -115,8 +126,18 @@ class Scheduler:
                     self._worker_gone(session, worker=worker, status="stopped", reason=reason)
 
     def _worker_gone(self, session: Session, *, worker: Worker, status: str, reason: str) -> None:
-        placement.worker_gone(session, worker=worker, status=status, reason=reason)
+        placement.worker_gone(
+            session, worker=worker, status=status, reason=reason, backoff=self._backoff
+        )
         self.on_worker_gone(worker.id)
+
+    def _failed_start(self, session: Session, *, worker: Worker, reason: str) -> None:
+        """A launched worker that will never register: its machine stopped, its launch
+        counted as failed."""
+        assert self.provider is not None
+        if worker.cluster_name:
+            self.provider.terminate(worker.cluster_name)
+        self._worker_gone(session, worker=worker, status="failed", reason=reason)
 
     def wake(self) -> None:
         """Run a pass soon; safe to call from any thread."""
@@ -181,17 +202,29 @@ class Scheduler:
                     if drained
                     else f"no heartbeat for {s.worker_heartbeat_timeout_s:.0f}s",
                 )
+            queue.request_yields(session, slice_s=s.job_time_slice_s)
             if self.provider is not None:
                 self._reconcile(session, self.provider.poll())
-            placement.place_models(
+                self._fail_unregistered(session)
+            # Idle models leave first, so the models waiting for their places get them now.
+            placement.release_idle_models(session, idle_timeout_s=s.resolved_model_idle_timeout_s)
+            held_back = placement.place_models(
                 session,
-                idle_timeout_s=s.worker_idle_timeout_s,
+                idle_timeout_s=s.resolved_model_idle_timeout_s,
                 max_workers=s.max_workers,
-                launch_backoff_s=s.worker_launch_backoff_s,
                 launch=(lambda base: self._launch(session, base)) if self.provider else None,
                 limits=tenants.limits_by_id(session, s),
             )
-            for worker in placement.idle_workers(session, idle_timeout_s=s.worker_idle_timeout_s):
+            # At max_workers, a model that needs a worker does not wait for idle ones to time
+            # out: they stop now, and a later pass launches its worker in their place.
+            for worker, reason in scale_in.make_room(
+                session,
+                held_back=held_back,
+                idle_timeout_s=s.resolved_model_idle_timeout_s,
+                max_workers=s.max_workers,
+            ):
+                self._stop_drained(session, worker, reason=reason)
+            for worker in scale_in.idle_workers(session, idle_timeout_s=s.worker_idle_timeout_s):
                 self._stop_idle(session, worker)
             if self.store is not None and time.monotonic() >= self._next_sweep:
                 self._next_sweep = time.monotonic() + s.sweep_interval_s
@@ -230,6 +263,11 @@ class Scheduler:
         )
         try:
             worker.cluster_name = self.provider.launch(launch)
+        except FitsNoGpu as exc:
+            # The operator's configuration, not a fault: the reasons, without a traceback.
+            logger.warning("no worker launched for %s: %s", base_model, exc)
+            self._worker_gone(session, worker=worker, status="failed", reason=str(exc))
+            return
         except Exception as exc:
             logger.exception("launching a worker for %s failed", base_model)
             self._worker_gone(session, worker=worker, status="failed", reason=str(exc))
@@ -247,10 +285,17 @@ class Scheduler:
             "SKYTRAIN_ENGINE_MAX_LORA_RANK": s.engine_max_lora_rank,
             "SKYTRAIN_ENGINE_GPU_MEMORY_UTILIZATION": s.engine_gpu_memory_utilization,
             "SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE": s.engine_tensor_parallel_size,
+            "SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE": s.engine_pipeline_parallel_size,
             "SKYTRAIN_ENGINE_MAX_MODEL_LEN": s.engine_max_model_len,
+            "SKYTRAIN_ENGINE_SLEEP_WAIT_S": s.engine_sleep_wait_s,
+            "SKYTRAIN_ENGINE_SLEEP_TIMEOUT_S": s.engine_sleep_timeout_s,
             "SKYTRAIN_WORKER_MAX_MODELS": s.worker_max_models,
             "SKYTRAIN_WORKER_SLEEP_ENGINE": s.worker_sleep_engine,
             "SKYTRAIN_TRAINER_MEMORY_LIMIT_MB": s.trainer_memory_limit_mb,
+            "SKYTRAIN_TRAINER_GRADIENT_CHECKPOINTING": s.trainer_gradient_checkpointing,
+            "SKYTRAIN_TRAINER_MAX_ROW_TOKENS": s.trainer_max_row_tokens,
+            "SKYTRAIN_TRAINER_DEVICE_MAP": s.trainer_device_map,
+            "SKYTRAIN_TRAINER_SHARDS": s.trainer_shards,
             "SKYTRAIN_WORKER_TINKER_MAX_RUNS": s.worker_tinker_max_runs,
         }
         return {key: str(value) for key, value in envs.items() if value is not None}
@@ -274,9 +319,24 @@ class Scheduler:
                     session, worker=worker, status=status, reason=info.message or "failed"
                 )
             elif info.state == "gone":
-                status = "stopped" if worker.status == "draining" else "lost"
+                # Gone before it registered: its start failed (a failed setup autostops).
+                if worker.status == "draining":
+                    status = "stopped"
+                else:
+                    status = "lost" if worker.last_heartbeat_at is not None else "failed"
                 self._worker_gone(
                     session, worker=worker, status=status, reason=info.message or "gone"
+                )
+            elif (
+                info.state == "up"
+                and worker.status == "provisioning"
+                and (report := self.provider.startup_report(info.cluster_name)) is not None
+                and report.ended
+            ):
+                self._failed_start(
+                    session,
+                    worker=worker,
+                    reason=f"its process ended before it registered: {report.detail}",
                 )
             elif info.engine_endpoint and worker.engine_endpoint != info.engine_endpoint:
                 worker.engine_endpoint = info.engine_endpoint
@@ -309,16 +369,42 @@ class Scheduler:
                     reason=f"the {self.provider.name} provider no longer knows this worker",
                 )
 
+    def _fail_unregistered(self, session: Session) -> None:
+        """Workers this provider launched that did not register within the deadline."""
+        assert self.provider is not None
+        deadline_s = self.settings.worker_register_deadline_s
+        late = session.scalars(
+            select(Worker).where(
+                Worker.provider == self.provider.name,
+                Worker.status == "provisioning",
+                Worker.created_at < utcnow() - timedelta(seconds=deadline_s),
+            )
+        )
+        for worker in list(late):
+            reason = (
+                f"did not register within {deadline_s:.0f}s of its launch "
+                "(SKYTRAIN_WORKER_REGISTER_DEADLINE_S)"
+            )
+            if worker.cluster_name:
+                report = self.provider.startup_report(worker.cluster_name, with_log=True)
+                if report is not None:
+                    reason += f"; {report.detail}"
+            self._failed_start(session, worker=worker, reason=reason)
+
     def _stop_idle(self, session: Session, worker: Worker) -> None:
-        logger.info("stopping idle worker %s", worker.id)
+        worker.status = "draining"
+        session.commit()
+        self._stop_drained(session, worker, reason="idle")
+
+    def _stop_drained(self, session: Session, worker: Worker, *, reason: str) -> None:
+        """Stop a worker marked draining: its machine, if this control plane's provider
+        started it; a worker started by hand is only asked (it exits at its next heartbeat,
+        and is recorded stopped when its heartbeats end)."""
+        logger.info("stopping worker %s: %s", worker.id, reason)
         if self.provider is not None and worker.provider == self.provider.name:
-            worker.status = "draining"
-            session.commit()
             if worker.cluster_name:
                 self.provider.terminate(worker.cluster_name)
-            self._worker_gone(session, worker=worker, status="stopped", reason="idle")
+            self._worker_gone(session, worker=worker, status="stopped", reason=reason)
         else:
-            # A worker started by hand: ask it to drain; it exits at its next heartbeat.
-            worker.status = "draining"
-            worker.status_message = "idle: asked to drain"
+            worker.status_message = f"{reason}: asked to drain"
             session.commit()

@@ -2,19 +2,40 @@
 are started and stopped.
 
 - A model is *active* while it was registered, used for inference or trained within
-  ``worker_idle_timeout_s``, or has a job queued or running. Active models are placed.
-- Placement is sticky: a model stays on its worker until that worker is gone; then it is placed
-  again (its adapters are fetched from the object store by the new worker). A pass places or
+  ``model_idle_timeout_s``, or has a job queued or running (a Tinker run's job runs while its
+  session lives). Active models are placed. The idle clock stands still while an active
+  model waits for a place or for its worker to start serving (to within half the timeout).
+- A placed model that is no longer active is taken off its worker (``release_idle_models``):
+  the worker's next heartbeat answer leaves it out, so the agent unloads its adapters, and its
+  place (the worker's ``max_models``, the tenant's ``max_placed_models``) goes to a model that
+  waits. Its next request makes it active again, and it is placed again like any model.
+- Otherwise placement is sticky: a model stays on its worker until that worker is gone; then
+  it is placed again (its adapters are fetched from the object store by the new worker). A
+  pass places or
   unplaces a model only if its row still holds the worker the pass read (the row locked on
   PostgreSQL): a placement committed meanwhile by another control plane is not written over.
   Nor is a model placed on a worker that went away after the pass read it (its row is locked
   and its status checked first): the model waits for the next pass.
 - A model with no live worker for its base model makes the provider start one, up to
-  ``max_workers``. A launch that failed is not retried for ``worker_launch_backoff_s``, so a
-  missing cloud credential shows up as the model's status instead of a launch loop.
-- A worker with no active model for ``worker_idle_timeout_s`` is stopped.
+  ``max_workers``. A worker that failed to start (its launch failed, its setup failed, it did
+  not register by the deadline) holds the next launch for its base model back: for
+  ``worker_launch_backoff_s``, doubling with each failure in a row up to
+  ``worker_launch_backoff_max_s``; after ``worker_launch_max_failures`` in a row, until an
+  operator runs ``skytrain workers retry``. So a missing cloud credential or a setup that
+  cannot install shows up as the model's status instead of a launch loop.
+- A worker with no active model for ``worker_idle_timeout_s`` is stopped. Sooner when the
+  control plane runs ``max_workers`` workers and a model waits for a launch (``scale_in.make_room``):
+  then a worker with nothing to do (no active model placed on it, no job queued for one or
+  running on it: an open Tinker run's job runs while its session lives) is stopped at once,
+  the one idle longest first, one per base model held back (less the workers already
+  draining; none when stopping every such worker would not let one launch), and a later
+  pass launches the waiting model's worker. A worker that serves an active model, runs a
+  job, or is still provisioning or starting is never stopped for it; nor is any worker
+  stopped for a model that waits on its tenant's own ``max_workers`` quota.
 - A model goes only to a worker whose engine loads adapters of its LoRA rank; a model (or a
   job) no worker for its base model could serve is refused up front (``check_lora_rank``).
+  So is a model whose base model fits none of the GPUs the provider's workers may get, by
+  the memory plan (``check_fits_a_gpu``), unless a worker for it is already registered.
 - Quotas: a tenant has at most ``max_placed_models`` models placed at once, on at most
   ``max_workers`` workers (``db.tenants``); its next model waits until one goes idle, so one
   tenant's models cannot fill every worker while another tenant's model waits forever.
@@ -24,16 +45,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta
 
-from sqlalchemy import exists, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from skytrain_backend.config import Settings
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.planning import choose_worker_gpu
 from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.provision.base import Provider
 from skytrain_backend.scheduler import queue
 
 logger = logging.getLogger(__name__)
@@ -41,24 +66,112 @@ logger = logging.getLogger(__name__)
 # Models wait on an unreachable worker (it may be reached once the provider reports its
 # address) and on one whose engine sleeps during a job.
 PLACEABLE_STATUSES = ("provisioning", "starting", "unreachable", "ready", "training", "sleeping")
+# Workers launched or registered that do not serve yet: a model placed on one still waits.
+STARTING_STATUSES = ("provisioning", "starting")
+# Workers that serve (or may, once reached): only these are stopped for being idle.
+SERVING_STATUSES = ("unreachable", "ready", "training", "sleeping")
+# Workers that joined with a join token (not started by this control plane's provider).
+JOINED_PROVIDER = "manual"
 
 
-def _has_open_job() -> object:
+def _placeable() -> ColumnElement[bool]:
+    """Workers models may be placed on: live ones, except a joined worker the control plane
+    cannot reach. Whoever holds a join token can make one advertise any address; until it is
+    reached it gets no tenant's model (its models go elsewhere, or wait)."""
+    return and_(
+        Worker.status.in_(PLACEABLE_STATUSES),
+        or_(Worker.status != "unreachable", Worker.provider != JOINED_PROVIDER),
+    )
+
+
+@dataclass(frozen=True)
+class LaunchBackoff:
+    """How launches for a base model whose workers failed to start are spaced out."""
+
+    base_s: float
+    max_s: float
+    max_failures: int
+
+    def wait_s(self, failures: int) -> float | None:
+        """The wait after ``failures`` failed launches in a row (None: no more launches)."""
+        if failures >= self.max_failures:
+            return None
+        return float(min(self.base_s * 2 ** (failures - 1), self.max_s))
+
+
+def has_open_job() -> object:
+    """A job of the model (``Model`` in the query) is queued or running."""
     return exists().where(
         TrainingJob.model_id == Model.id, TrainingJob.status.in_(("queued", "running"))
     )
 
 
+def release_idle_models(session: Session, *, idle_timeout_s: float) -> int:
+    """Take every placed model unused for ``idle_timeout_s`` (and with no open job) off its
+    worker; how many. A model used meanwhile (its row is locked and read again) keeps its
+    place."""
+    _hold_idle_clocks_of_starting_workers(session, idle_timeout_s=idle_timeout_s)
+    since = utcnow() - timedelta(seconds=idle_timeout_s)
+    idle = or_(Model.last_active_at.is_(None), Model.last_active_at <= since)
+    serving = select(Worker.id).where(Worker.status.not_in(STARTING_STATUSES))
+    released = 0
+    for model_id, worker_id in session.execute(
+        select(Model.id, Model.worker_id).where(
+            Model.worker_id.in_(serving),
+            idle,
+            ~has_open_job(),  # type: ignore[operator]
+        )
+    ).all():
+        row = session.execute(
+            select(Model.worker_id)
+            .where(Model.id == model_id, idle, ~has_open_job())  # type: ignore[operator]
+            .with_for_update(key_share=True)
+        ).first()
+        if row is None or row.worker_id != worker_id:
+            session.rollback()
+            continue
+        session.execute(update(Model).where(Model.id == model_id).values(worker_id=None))
+        session.commit()
+        released += 1
+        logger.info(
+            "model %s idle for %.0fs: taken off worker %s", model_id, idle_timeout_s, worker_id
+        )
+    return released
+
+
+def _hold_idle_clocks_of_starting_workers(session: Session, *, idle_timeout_s: float) -> None:
+    """An active model placed on a worker that has not started serving yet still waits: its
+    idle clock stands still (refreshed at half the timeout) until the worker serves it.
+
+    Written only when a clock is due: any UPDATE of the models table empties the gateway's
+    route caches in this process (``api/route_cache.py``), which one every pass would do."""
+    now = utcnow()
+    starting = select(Worker.id).where(Worker.status.in_(STARTING_STATUSES))
+    due = and_(
+        Model.worker_id.in_(starting),
+        Model.last_active_at > now - timedelta(seconds=idle_timeout_s),
+        Model.last_active_at <= now - timedelta(seconds=idle_timeout_s / 2),
+    )
+    if session.scalar(select(exists().where(due))):
+        session.execute(
+            update(Model)
+            .where(due)
+            .values(last_active_at=now)
+            .execution_options(synchronize_session=False)
+        )
+    session.commit()
+
+
 def active_models_without_worker(session: Session, *, idle_timeout_s: float) -> list[Model]:
     """Active models that no live worker holds."""
     since = utcnow() - timedelta(seconds=idle_timeout_s)
-    live = select(Worker.id).where(Worker.status.in_(PLACEABLE_STATUSES))
+    live = select(Worker.id).where(_placeable())
     return list(
         session.scalars(
             select(Model)
             .where(
                 or_(Model.worker_id.is_(None), Model.worker_id.not_in(live)),
-                or_(Model.last_active_at > since, _has_open_job()),  # type: ignore[arg-type]
+                or_(Model.last_active_at > since, has_open_job()),  # type: ignore[arg-type]
             )
             .order_by(Model.last_active_at)
         )
@@ -70,7 +183,7 @@ def tenant_placements(session: Session, *, tenant_id: str) -> dict[str, int]:
     rows = session.execute(
         select(Model.worker_id, func.count(Model.id))
         .join(Worker, Worker.id == Model.worker_id)
-        .where(Model.tenant_id == tenant_id, Worker.status.in_(PLACEABLE_STATUSES))
+        .where(Model.tenant_id == tenant_id, _placeable())
         .group_by(Model.worker_id)
     )
     return {str(worker_id): int(count) for worker_id, count in rows}
@@ -83,10 +196,11 @@ def quota_wait(session: Session, *, model: Model, limits: TenantLimits) -> str |
         return (
             f"your tenant has {sum(held.values())} models on workers, the most its quota allows "
             f"(max_placed_models={limits.max_placed_models}): this model is placed once one "
-            "of them goes idle, or when the operator raises the quota"
+            "of them goes idle (unused for SKYTRAIN_MODEL_IDLE_TIMEOUT_S), or when the "
+            "operator raises the quota"
         )
     if len(held) >= limits.max_workers and (
-        _worker_with_room(
+        worker_with_room(
             session, base_model=model.base_model, lora_rank=_lora_rank(model), among=set(held)
         )
         is None
@@ -105,24 +219,26 @@ def place_models(
     *,
     idle_timeout_s: float,
     max_workers: int,
-    launch_backoff_s: float,
     launch: Callable[[str], None] | None,
     limits: Callable[[str], TenantLimits],
-) -> None:
+) -> list[str]:
     """Put every active unplaced model on a worker of its base model, launching if needed.
 
     ``launch(base_model)`` asks the provider for a new worker (None: no provider);
-    ``limits(tenant_id)`` are the tenant's quotas.
+    ``limits(tenant_id)`` are the tenant's quotas. Returns the base models whose launch
+    ``max_workers`` held back (each once): ``make_room`` stops idle workers for them.
     """
     launched: set[str] = set()
+    held_back: list[str] = []
     for model in active_models_without_worker(session, idle_timeout_s=idle_timeout_s):
         quota = limits(model.tenant_id)
         held = tenant_placements(session, tenant_id=model.tenant_id)
         if sum(held.values()) >= quota.max_placed_models:
-            _unplace(session, model)
+            if _unplace(session, model):
+                _hold_idle_clock(session, model, idle_timeout_s=idle_timeout_s)
             continue
         at_worker_quota = len(held) >= quota.max_workers
-        worker = _worker_with_room(
+        worker = worker_with_room(
             session,
             base_model=model.base_model,
             lora_rank=_lora_rank(model),
@@ -144,24 +260,48 @@ def place_models(
                 logger.debug("model %s was placed meanwhile; left as it is", model.id)
                 continue
             model.worker_id = worker.id
+            # Its idle time counts from now: the wait for a place was not idleness.
+            model.last_active_at = utcnow()
             session.commit()
             logger.info("placed model %s on worker %s", model.id, worker.id)
             continue
         if not _unplace(session, model):
             continue
+        _hold_idle_clock(session, model, idle_timeout_s=idle_timeout_s)
         base = model.base_model
         if (
             launch is None
             or at_worker_quota
             or base in launched
-            or _recently_failed(session, base_model=base, backoff_s=launch_backoff_s)
+            or base in held_back
+            or launch_hold(session, base_model=base) is not None
         ):
             continue
-        if _live_worker_count(session) >= max_workers:
+        if live_worker_count(session) >= max_workers:
             logger.info("model %s waits: max_workers=%d reached", model.id, max_workers)
+            held_back.append(base)
             continue
         launched.add(base)
         launch(base)
+    return held_back
+
+
+def _hold_idle_clock(session: Session, model: Model, *, idle_timeout_s: float) -> None:
+    """An active model waiting for a place (a worker launching, which takes minutes on a
+    cloud; the tenant's quota) stays active: it would otherwise go idle before its worker
+    registers, and that worker find nothing to serve. Refreshed at half the timeout, so a
+    waiting model costs one write per ``idle_timeout_s / 2``, not one per pass."""
+    now = utcnow()
+    if model.last_active_at is not None and model.last_active_at > now - timedelta(
+        seconds=idle_timeout_s / 2
+    ):
+        return
+    session.execute(
+        update(Model)
+        .where(Model.id == model.id, Model.worker_id.is_(None))
+        .values(last_active_at=now)
+    )
+    session.commit()
 
 
 def _lora_rank(model: Model) -> int:
@@ -182,7 +322,7 @@ def _claim_worker(session: Session, worker: Worker) -> bool:
     committed."""
     claimed = session.scalar(
         update(Worker)
-        .where(Worker.id == worker.id, Worker.status.in_(PLACEABLE_STATUSES))
+        .where(Worker.id == worker.id, _placeable())
         .values(last_active_at=utcnow())
         .returning(Worker.id)
     )
@@ -213,7 +353,7 @@ def _unplace(session: Session, model: Model) -> bool:
     return True
 
 
-def _worker_with_room(
+def worker_with_room(
     session: Session, *, base_model: str, lora_rank: int, among: set[str] | None = None
 ) -> Worker | None:
     """The live worker of ``base_model`` (one of ``among``, when given) holding the fewest
@@ -221,7 +361,7 @@ def _worker_with_room(
     placed = select(func.count(Model.id)).where(Model.worker_id == Worker.id).scalar_subquery()
     statement = (
         select(Worker, placed)
-        .where(Worker.base_model == base_model, Worker.status.in_(PLACEABLE_STATUSES))
+        .where(Worker.base_model == base_model, _placeable())
         .order_by(placed, Worker.created_at)
     )
     if among is not None:
@@ -268,7 +408,39 @@ def check_lora_rank(
     )
 
 
-def _live_worker_count(session: Session) -> int:
+def check_fits_a_gpu(
+    session: Session, *, base_model: str, settings: Settings, provider: Provider | None
+) -> None:
+    """Refuse (FitsNoGpu, 400, with each GPU's reason) a base model whose config this
+    control plane has and that fits none of the GPUs the provider's workers may get.
+
+    An unknown config or GPU passes (the worker plans for itself), and so does a base model
+    a registered worker already serves.
+    """
+    accelerators = provider.accelerator_choices() if provider is not None else None
+    if not accelerators:
+        return
+    if not served_by_a_registered_worker(session, base_model=base_model):
+        choose_worker_gpu(base_model, accelerators, settings=settings)
+
+
+def served_by_a_registered_worker(session: Session, *, base_model: str) -> bool:
+    """A worker for ``base_model`` has registered: it planned for its own GPUs, which may not
+    be the provider's (a worker joined by hand)."""
+    return bool(
+        session.scalar(
+            select(
+                exists().where(
+                    Worker.base_model == base_model,
+                    Worker.status.in_(worker_rows.REGISTERED_STATUSES),
+                )
+            )
+        )
+    )
+
+
+def live_worker_count(session: Session) -> int:
+    """Workers counted in ``max_workers``: every live one, draining ones included."""
     return int(
         session.scalar(
             select(func.count(Worker.id)).where(Worker.status.in_(worker_rows.LIVE_STATUSES))
@@ -277,25 +449,94 @@ def _live_worker_count(session: Session) -> int:
     )
 
 
-def _recently_failed(session: Session, *, base_model: str, backoff_s: float) -> bool:
-    newest = session.scalar(
+def newest_worker(session: Session, *, base_model: str) -> Worker | None:
+    """The last worker started (or joined) for ``base_model``: what became of it decides
+    whether another is launched."""
+    return session.scalar(
         select(Worker)
         .where(Worker.base_model == base_model)
         .order_by(Worker.created_at.desc())
         .limit(1)
     )
+
+
+@dataclass(frozen=True)
+class LaunchHold:
+    """Why no worker is launched for a base model now: its last ones failed to start."""
+
+    failures: int
+    # When the next launch goes (None: not before an operator's `skytrain workers retry`).
+    after: datetime | None
+    worker: Worker
+
+    def describe(self, base_model: str) -> str:
+        """In words, with what the operator can do; no provider's details."""
+        said = f"{self.failures} in a row"
+        if self.after is None:
+            return (
+                f"{said}; no more are launched until the operator finds why (`skytrain workers "
+                f"list`, `skytrain logs {self.worker.id}`) and runs `skytrain workers retry "
+                f"{base_model}`"
+            )
+        wait_s = max(0.0, (self.after - utcnow()).total_seconds())
+        return f"{said}; the next is launched in {_duration(wait_s)}"
+
+
+def launch_hold(session: Session, *, base_model: str) -> LaunchHold | None:
+    """What holds the next launch for ``base_model`` back, if anything does."""
+    newest = newest_worker(session, base_model=base_model)
+    if newest is None or newest.status != "failed" or not newest.launch_failures:
+        return None
+    if newest.relaunch_after is not None and newest.relaunch_after <= utcnow():
+        return None
+    return LaunchHold(newest.launch_failures, newest.relaunch_after, newest)
+
+
+def retry_launches(session: Session, *, base_model: str) -> Worker | None:
+    """An operator's retry: forget the failures in a row of ``base_model``'s launches, so
+    the next pass launches a worker if a model needs one. The worker whose failure is
+    forgiven (None: its last worker did not fail to start, so nothing holds launches back)."""
+    newest = newest_worker(session, base_model=base_model)
     if newest is None or newest.status != "failed":
-        return False
-    ended = newest.stopped_at or newest.created_at
-    return ended > utcnow() - timedelta(seconds=backoff_s)
+        return None
+    newest.launch_failures = 0
+    newest.relaunch_after = None
+    session.commit()
+    return newest
 
 
-def worker_gone(session: Session, *, worker: Worker, status: str, reason: str) -> None:
-    """A worker stopped, was lost or failed: free its models and release its jobs."""
+def _duration(seconds: float) -> str:
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 90:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
+
+
+def worker_gone(
+    session: Session,
+    *,
+    worker: Worker,
+    status: str,
+    reason: str,
+    backoff: LaunchBackoff | None = None,
+) -> None:
+    """A worker stopped, was lost or failed: free its models and release its jobs.
+
+    A worker that ``failed`` to start counts as one more failed launch for its base model in
+    a row, and holds the next launch back as ``backoff`` says.
+    """
     worker.status = status
     worker.status_message = reason
     worker.stopped_at = utcnow()
     worker.served = []
+    if status == "failed" and backoff is not None:
+        failures = _failures_before(session, worker) + 1
+        wait_s = backoff.wait_s(failures)
+        worker.launch_failures = failures
+        worker.relaunch_after = (
+            None if wait_s is None else worker.stopped_at + timedelta(seconds=wait_s)
+        )
     for model in session.scalars(select(Model).where(Model.worker_id == worker.id)):
         model.worker_id = None
     session.commit()
@@ -310,22 +551,21 @@ def worker_gone(session: Session, *, worker: Worker, status: str, reason: str) -
     logger.warning("worker %s %s: %s", worker.id, status, reason)
 
 
-def idle_workers(session: Session, *, idle_timeout_s: float) -> list[Worker]:
-    """Live workers that held no active model for ``idle_timeout_s``."""
-    since = utcnow() - timedelta(seconds=idle_timeout_s)
-    active_model_on_worker = exists().where(
-        Model.worker_id == Worker.id,
-        or_(Model.last_active_at > since, _has_open_job()),  # type: ignore[arg-type]
-    )
-    return list(
-        session.scalars(
-            select(Worker).where(
-                Worker.status.in_(("unreachable", "ready", "training", "sleeping")),
-                ~active_model_on_worker,
-                or_(Worker.last_active_at.is_(None), Worker.last_active_at < since),
-            )
+def _failures_before(session: Session, worker: Worker) -> int:
+    """Failed launches in a row for the worker's base model before this worker's."""
+    previous = session.scalar(
+        select(Worker)
+        .where(
+            Worker.base_model == worker.base_model,
+            Worker.id != worker.id,
+            Worker.created_at <= worker.created_at,
         )
+        .order_by(Worker.created_at.desc())
+        .limit(1)
     )
+    if previous is None or previous.status != "failed":
+        return 0
+    return previous.launch_failures or 0
 
 
 def mark_model_active(session: Session, *, model: Model, min_interval_s: float = 30.0) -> None:

@@ -10,6 +10,13 @@ checks the lease, inserts the checkpoint row (unique per model and step) and fin
 Its files were uploaded under the attempt's own staging prefix and are copied into place
 before that transaction, so a stale attempt can never overwrite a committed checkpoint.
 
+Time slices: a running job that has held its worker longer than ``job_time_slice_s`` while
+another tenant's job waits for that worker is asked to yield (``request_yields``). Its worker
+stops after the optimizer step in progress, uploads the job's state as the attempt's staged
+files and hands the job back (``preempt_job``): queued again, not a failed attempt, with its
+tenant's turn just used, so the waiting job is leased first. The next attempt resumes from
+the saved state (``LeasedJob.steps_done``), on any worker.
+
 PostgreSQL leases with ``FOR UPDATE SKIP LOCKED`` so concurrent workers never take the same
 job; SQLite serializes writers, and a process lock keeps its read-then-write atomic.
 """
@@ -22,14 +29,21 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from sqlalchemy import exists, func, select
+from sqlalchemy import Select, exists, func, select
 from sqlalchemy.orm import Session, aliased
 
 from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db import registry
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
-from skytrain_backend.errors import InvalidRequest, LeaseLost, NotFound, StorageError
-from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig
+from skytrain_backend.errors import (
+    InvalidRequest,
+    LeaseLost,
+    NotFound,
+    StorageError,
+    StoreUnavailable,
+)
+from skytrain_backend.observability import metrics as observed
+from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, CheckpointFile, ModelConfig
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
 
@@ -38,7 +52,9 @@ logger = logging.getLogger(__name__)
 _SQLITE_LEASE_LOCK = threading.Lock()
 
 # What a worker reports during a job: the end events are the control plane's own.
-WORKER_EVENT_TYPES = frozenset({"training_started", "gradient_step", "job_timeline"})
+WORKER_EVENT_TYPES = frozenset(
+    {"training_started", "training_resumed", "gradient_step", "job_timeline"}
+)
 # The jobs a worker's training loop leases; ``tinker`` jobs (a Tinker training run's lease on
 # its model) are leased by the worker's Tinker executor.
 TRAINING_JOB_KINDS = ("rl", "sft")
@@ -53,11 +69,16 @@ def lease_job(
 ) -> TrainingJob | None:
     """Give ``worker`` a queued job (of ``kinds``) of a model placed on it, if any.
 
-    Tenants take turns: the job goes to the tenant whose last job started longest ago (one
-    that never had a job first), and within a tenant to its oldest queued job. So one
-    tenant's thirty queued jobs do not all run before another tenant's one. A model never
-    has two running jobs: its next job waits until the running one ends.
+    Tenants take turns: the job goes to the tenant whose newest lease is oldest (one that
+    never had a job first), and within a tenant to its oldest queued job. So one tenant's
+    thirty queued jobs do not all run before another tenant's one. A job that yielded its
+    worker counts as leased when it yielded, so the job it yielded to goes first. A model
+    never has two running jobs: its next job waits until the running one ends. A worker the
+    control plane cannot reach gets none: the adapter it trained could not be served.
     """
+    if worker.status == "unreachable":
+        session.rollback()
+        return None
     if session.get_bind().dialect.name == "sqlite":
         with _SQLITE_LEASE_LOCK:
             return _lease(session, worker=worker, lease_s=lease_s, kinds=kinds, skip_locked=False)
@@ -67,26 +88,7 @@ def lease_job(
 def _lease(
     session: Session, *, worker: Worker, lease_s: float, kinds: Sequence[str], skip_locked: bool
 ) -> TrainingJob | None:
-    running = aliased(TrainingJob)
-    started, owned = aliased(TrainingJob), aliased(Model)
-    tenant_last_started = (
-        select(func.max(started.started_at))
-        .join(owned, owned.id == started.model_id)
-        .where(owned.tenant_id == Model.tenant_id)
-        .scalar_subquery()
-    )
-    statement = (
-        select(TrainingJob)
-        .join(Model, Model.id == TrainingJob.model_id)
-        .where(
-            TrainingJob.status == "queued",
-            TrainingJob.kind.in_(kinds),
-            Model.worker_id == worker.id,
-            ~exists().where(running.model_id == TrainingJob.model_id, running.status == "running"),
-        )
-        .order_by(tenant_last_started.asc().nulls_first(), TrainingJob.created_at, TrainingJob.id)
-        .limit(1)
-    )
+    statement = _waiting_jobs(worker_id=worker.id, kinds=kinds).limit(1)
     if skip_locked:
         statement = statement.with_for_update(skip_locked=True, of=TrainingJob)
     job = session.scalar(statement)
@@ -97,11 +99,82 @@ def _lease(
     job.status = "running"
     job.worker_id = worker.id
     job.attempts += 1
-    job.base_step = registry.latest_step(session, model_id=job.model_id)
+    if job.saved_attempt is None:
+        job.base_step = registry.latest_step(session, model_id=job.model_id)
+    # else: the saved state was trained from the base step it started at.
     job.lease_expires_at = now + timedelta(seconds=lease_s)
     job.started_at = job.started_at or now
+    job.leased_at = now
+    job.yield_requested = False
     session.commit()
     return job
+
+
+def _waiting_jobs(*, worker_id: str, kinds: Sequence[str]) -> Select[TrainingJob]:
+    """The queued jobs ``worker_id`` may lease, in the order it leases them."""
+    running = aliased(TrainingJob)
+    leased, owned = aliased(TrainingJob), aliased(Model)
+    tenant_last_leased = (
+        select(func.max(leased.leased_at))
+        .join(owned, owned.id == leased.model_id)
+        .where(owned.tenant_id == Model.tenant_id)
+        .scalar_subquery()
+    )
+    return (
+        select(TrainingJob)
+        .join(Model, Model.id == TrainingJob.model_id)
+        .where(
+            TrainingJob.status == "queued",
+            TrainingJob.kind.in_(kinds),
+            Model.worker_id == worker_id,
+            ~exists().where(running.model_id == TrainingJob.model_id, running.status == "running"),
+        )
+        .order_by(tenant_last_leased.asc().nulls_first(), TrainingJob.created_at, TrainingJob.id)
+    )
+
+
+def request_yields(session: Session, *, slice_s: float) -> list[TrainingJob]:
+    """Ask each running training job that has held its worker for more than ``slice_s`` to
+    yield, when another tenant's job waits for that worker; the jobs asked.
+
+    The worker learns it with its next event (one per optimizer step) or lease renewal,
+    stops after the step in progress and hands the job back with its state saved, so the
+    waiting job starts within ``slice_s`` + one step + the save (DEVELOPERS.md, "Time
+    slices"). Only a job of another tenant counts: a tenant's own jobs take their turn
+    after each other, and Tinker runs are not training jobs of the worker's job loop.
+    """
+    cutoff = utcnow() - timedelta(seconds=slice_s)
+    holders = session.execute(
+        select(TrainingJob, Model.tenant_id)
+        .join(Model, Model.id == TrainingJob.model_id)
+        .where(
+            TrainingJob.status == "running",
+            TrainingJob.kind.in_(TRAINING_JOB_KINDS),
+            TrainingJob.worker_id.is_not(None),
+            TrainingJob.yield_requested.is_(False),
+            TrainingJob.leased_at <= cutoff,
+        )
+    ).all()
+    asked = []
+    for job, tenant_id in holders:
+        assert job.worker_id is not None
+        waiting = session.scalar(
+            _waiting_jobs(worker_id=job.worker_id, kinds=TRAINING_JOB_KINDS)
+            .where(Model.tenant_id != tenant_id)
+            .limit(1)
+        )
+        if waiting is None:
+            continue
+        job.yield_requested = True
+        asked.append(job)
+        logger.info(
+            "asking job %s to yield worker %s: job %s of another tenant waits for it",
+            job.id,
+            job.worker_id,
+            waiting.id,
+        )
+    session.commit()
+    return asked
 
 
 def leased_job(session: Session, *, worker: Worker, job_id: str, attempt: int) -> TrainingJob:
@@ -136,7 +209,8 @@ def unlease(session: Session, *, worker_id: str, job_id: str, attempt: int) -> N
         return
     job.attempts -= 1
     if job.attempts == 0:
-        job.started_at = None  # the tenant's turn is not used up by a lease nobody received
+        # The tenant's turn is not used up by a lease nobody received.
+        job.started_at = job.leased_at = None
     # A job is queued only with attempts to spare, so with that attempt taken back it has
     # some again: it is never failed here, and has no reason to give.
     _cancel_or_requeue(session, job)
@@ -160,19 +234,95 @@ def record_event(
     attempt: int,
     type: str,
     data: dict[str, Any],
-) -> None:
+) -> TrainingJob:
+    """Record an event of the attempt; the job, whose flags say what is asked of it."""
     if type not in WORKER_EVENT_TYPES:
         raise InvalidRequest(
             f"workers report {sorted(WORKER_EVENT_TYPES)} events; {type!r} is not one of them"
         )
-    leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+    job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
     job_rows.add_event(session, job_id=job_id, type=type, data=data)  # type: ignore[arg-type]
     session.commit()
+    return job
 
 
 def staged_file_key(job: TrainingJob, *, tenant_id: str, attempt: int, name: str) -> str:
+    return _staged_prefix(job, tenant_id=tenant_id, attempt=attempt) + name
+
+
+def _staged_prefix(job: TrainingJob, *, tenant_id: str, attempt: int) -> str:
     prefix = keys.model_prefix(tenant_id=tenant_id, model_id=job.model_id)
-    return f"{prefix}jobs/{job.id}/attempts/{attempt}/{name}"
+    return f"{prefix}jobs/{job.id}/attempts/{attempt}/"
+
+
+def saved_state_prefix(job: TrainingJob, *, tenant_id: str) -> str:
+    """Where the state the job saved when it last yielded lies (NotFound if it has none)."""
+    if job.saved_attempt is None:
+        raise NotFound(f"training job {job.id} has no saved state: it starts from the beginning")
+    return _staged_prefix(job, tenant_id=tenant_id, attempt=job.saved_attempt)
+
+
+def preempt_job(
+    session: Session,
+    *,
+    store: ObjectStore,
+    worker: Worker,
+    job_id: str,
+    attempt: int,
+    steps_done: int,
+    files: list[CheckpointFile],
+) -> TrainingJob:
+    """Take back a job that yielded at a step boundary with its state in the attempt's
+    staged ``files``: queued again behind the job it yielded to, its attempt not counted as
+    a failure, resumed from that state by its next attempt.
+
+    Only a job asked to yield may: a worker cannot keep a job going for ever by handing it
+    back. Its state must be further on than the one it resumed from, and every file must be
+    in the store as named; otherwise nothing changes (InvalidRequest)."""
+    job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+    if not job.yield_requested:
+        # Not a 409: that tells a worker its lease is lost.
+        raise InvalidRequest(
+            f"training job {job_id} was not asked to yield its worker: finish it, or hand it "
+            "back with POST .../fail"
+        )
+    if steps_done <= (job.saved_steps or 0):
+        raise InvalidRequest(
+            f"job {job_id} resumed after step {job.saved_steps}; a state saved after step "
+            f"{steps_done} is no further on"
+        )
+    tenant_id = session.get_one(Model, job.model_id).tenant_id
+    prefix = _staged_prefix(job, tenant_id=tenant_id, attempt=attempt)
+    stored = {info.key.removeprefix(prefix): info.size for info in store.list(prefix)}
+    missing = [f"{f.name} ({f.size} bytes)" for f in files if stored.get(f.name) != f.size]
+    if missing:
+        raise InvalidRequest(
+            f"the saved state of job {job_id} is not in the store as named: {missing}; "
+            "upload each file with PUT .../files/{name} first"
+        )
+    previous = job.saved_attempt
+    job.saved_attempt, job.saved_steps = attempt, steps_done
+    job.preemptions += 1
+    # The tenant's turn ends now: the job it yielded to, whose tenant's newest lease is
+    # older, goes first.
+    job.leased_at = utcnow()
+    job_rows.add_event(
+        session,
+        job_id=job.id,
+        type="training_preempted",
+        data={
+            "steps_done": steps_done,
+            "attempt": attempt,
+            "message": f"another tenant's job was waiting for the worker: this job stopped "
+            f"after step {steps_done}, saved its state, and resumes from there once that "
+            "job has started",
+        },
+    )
+    _cancel_or_requeue(session, job)
+    session.commit()
+    if previous is not None and previous != attempt:
+        _delete_quietly(store, _staged_prefix(job, tenant_id=tenant_id, attempt=previous))
+    return job
 
 
 def complete_job(
@@ -201,6 +351,15 @@ def complete_job(
         for name in files:
             source = staged_file_key(job, tenant_id=model.tenant_id, attempt=attempt, name=name)
             total += store.copy(source, prefix + name)
+    except StoreUnavailable as exc:
+        # The store is away for now: nothing is committed, the job stays leased and its staged
+        # files stay where they are, so the worker's retry commits once the store is back
+        # (copying again over what was copied; the garbage sweep takes that if none comes).
+        session.rollback()
+        raise StoreUnavailable(
+            f"the object store could not be reached while committing step {step} of job "
+            f"{job.id}; nothing was committed: retry ({exc.message})"
+        ) from exc
     except StorageError as exc:
         _fail_commit(session, store=store, job=job, step=step, prefixes=(prefix, staged), exc=exc)
         raise StorageError(
@@ -220,6 +379,7 @@ def complete_job(
     served = [item for item in worker.served or [] if item.get("model_id") != model.id]
     worker.served = [*served, {"model_id": model.id, "step": step}]
     now = utcnow()
+    observed.JOBS_ENDED.labels(status="succeeded").inc()
     job.status = "succeeded"
     job.result_step = step
     job.finished_at = now
@@ -279,7 +439,7 @@ def fail_job(
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
     if cancelled:
         _finish(session, job, status="cancelled", error="the job was cancelled")
-    elif retryable and job.attempts < job.max_attempts:
+    elif retryable and _failed_attempts(job) < job.max_attempts:
         _requeue(job)
     else:
         _finish(session, job, status="failed", error=error_message)
@@ -287,13 +447,20 @@ def fail_job(
     return job
 
 
+def _failed_attempts(job: TrainingJob) -> int:
+    """The attempts that ended in a failure or a lost worker (yields do not count)."""
+    return job.attempts - job.preemptions
+
+
 def _requeue(job: TrainingJob) -> None:
     job.status = "queued"
     job.worker_id = None
     job.lease_expires_at = None
+    job.yield_requested = False
 
 
 def _finish(session: Session, job: TrainingJob, *, status: str, error: str) -> None:
+    observed.JOBS_ENDED.labels(status=status).inc()
     job.status = status
     job.error = error
     job.finished_at = utcnow()
@@ -309,14 +476,14 @@ def release_jobs(session: Session, *, jobs: list[TrainingJob], reason: str) -> N
     for job in jobs:
         if job.status in TERMINAL_JOB_STATUSES:
             continue
-        if job.cancel_requested or job.attempts < job.max_attempts:
+        if job.cancel_requested or _failed_attempts(job) < job.max_attempts:
             _cancel_or_requeue(session, job)
         else:
             _finish(
                 session,
                 job,
                 status="failed",
-                error=f"gave up after {job.attempts} attempts; the last one: {reason}",
+                error=f"gave up after {_failed_attempts(job)} attempts; the last one: {reason}",
             )
     session.commit()
 
@@ -357,4 +524,5 @@ def job_for_worker(session: Session, job: TrainingJob) -> dict[str, Any]:
         # Usually base_step + 1; higher when newer steps were deleted (never reused).
         "step": registry.next_step(session, model_id=job.model_id),
         "attempt": job.attempts,
+        "steps_done": job.saved_steps or 0,
     }

@@ -60,6 +60,7 @@ def resolve_route(
     model: str,
     idle_timeout_s: float,
     limits: TenantLimits | None = None,
+    max_workers: int | None = None,
     on_unplaced: Callable[[], None] | None = None,
 ) -> EngineRoute:
     """The engine serving ``model`` for the tenant.
@@ -67,21 +68,28 @@ def resolve_route(
     Raises ``NotFound`` for an unknown model or step, ``InvalidRequest`` for a malformed name,
     ``RateLimited`` when the tenant's quota (``limits``) keeps the model off the workers, and
     ``Unavailable`` (with the serving state's message and retry delay) when no engine serves
-    the checkpoint yet; ``on_unplaced`` is called first when no worker holds the model,
-    so the scheduler can place it now rather than at its next pass. ``idle_timeout_s`` is the
-    scheduler's: activity marks are refreshed well within it. The session's transaction is
-    over when this returns, so a long stream holds no database connection.
+    the checkpoint yet (``max_workers``, the control plane's, may be what it waits for);
+    ``on_unplaced`` is called first when no worker holds the model, so the scheduler can
+    place it now rather than at its next pass. ``idle_timeout_s`` is the scheduler's:
+    activity marks are refreshed well within it. The session's transaction is over when this
+    returns, so a long stream holds no database connection.
     """
     interval_s = min(ACTIVITY_RESOLUTION_S, idle_timeout_s / 4)
     try:
         found, pinned = _find_model(session, tenant_id=tenant_id, model=model)
         step = _target_step(session, model=found, pinned=pinned, interval_s=interval_s)
         placement.mark_model_active(session, model=found, min_interval_s=interval_s)
-        status = serving_status(session, model=found, step=step, limits=limits)
+        status = serving_status(
+            session, model=found, step=step, limits=limits, max_workers=max_workers
+        )
         if status.over_quota:
-            raise RateLimited(status.message, retry_after_s=status.retry_after_s)
+            raise RateLimited(
+                status.message, retry_after_s=status.retry_after_s, limit="placement_quota"
+            )
         if not status.ready:
-            if status.state in UNPLACED_STATES and on_unplaced is not None:
+            if on_unplaced is not None and (
+                status.state in UNPLACED_STATES or found.worker_id is None
+            ):
                 on_unplaced()
             raise Unavailable(
                 status.message, retry_after_s=status.retry_after_s, state=status.state

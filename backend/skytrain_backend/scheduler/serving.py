@@ -14,10 +14,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import registry
-from skytrain_backend.db.models import Model, TrainingJob, Worker
+from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.protocol import lora_name
-from skytrain_backend.scheduler import placement
+from skytrain_backend.protocol import ModelConfig, lora_name
+from skytrain_backend.scheduler import placement, scale_in
 
 ServingState = Literal[
     "waiting", "provisioning", "starting", "unreachable", "training", "loading", "ready", "failed"
@@ -68,9 +68,12 @@ def serving_status(
     model: Model,
     step: int | None = None,
     limits: TenantLimits | None = None,
+    max_workers: int | None = None,
 ) -> ServingStatus:
     """The model's serving state for ``step`` (default: its latest); with the tenant's
-    ``limits``, an unplaced model says when its quota is what keeps it waiting."""
+    ``limits``, an unplaced model says when its quota is what keeps it waiting, and with
+    the control plane's ``max_workers`` (``Settings.launched_workers_limit``), when that
+    limit does."""
     target = registry.latest_step(session, model_id=model.id) if step is None else step
     worker = session.get(Worker, model.worker_id) if model.worker_id else None
     if worker is None or worker.status not in LIVE_WORKER_STATUSES:
@@ -79,7 +82,7 @@ def serving_status(
             return ServingStatus(
                 state="waiting", ready=False, message=reason, retry_after_s=30.0, over_quota=True
             )
-        return _unplaced(session, model=model)
+        return _unplaced(session, model=model, max_workers=max_workers)
     if worker.status in ("provisioning", "starting"):
         return ServingStatus(
             state="starting",
@@ -136,14 +139,25 @@ def _unreachable(worker: Worker, *, model: Model) -> ServingStatus:
     )
 
 
-def _unplaced(session: Session, *, model: Model) -> ServingStatus:
+def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> ServingStatus:
     """No live worker holds the model: say whether one is coming, or why not."""
-    newest = session.scalar(
-        select(Worker)
-        .where(Worker.base_model == model.base_model)
-        .order_by(Worker.created_at.desc())
-        .limit(1)
+    room = placement.worker_with_room(
+        session,
+        base_model=model.base_model,
+        lora_rank=ModelConfig.model_validate(model.config or {}).lora_rank,
     )
+    if room is not None and room.status in (*ROUTABLE_WORKER_STATUSES, "sleeping"):
+        # Placed at the scheduler's next pass (woken by the request): a model unused for a
+        # while left its worker, and its next request brings it back.
+        return ServingStatus(
+            state="loading",
+            ready=False,
+            worker_id=room.id,
+            message=f"placing {model.entity}/{model.project}/{model.name} on worker {room.id}, "
+            "which loads it in a few seconds",
+            retry_after_s=2.0,
+        )
+    newest = placement.newest_worker(session, base_model=model.base_model)
     if newest is not None and newest.status in ("provisioning", "starting"):
         detail = f": {newest.status_message}" if newest.status_message else ""
         return ServingStatus(
@@ -159,15 +173,32 @@ def _unplaced(session: Session, *, model: Model) -> ServingStatus:
     if newest is not None and newest.status == "failed":
         # Why it failed (a launch error, a stack trace with the host's paths) is the
         # operator's to read, in the control plane's log and `skytrain logs`.
+        hold = placement.launch_hold(session, base_model=model.base_model)
+        held = f" ({hold.describe(model.base_model)})" if hold is not None else ""
         return ServingStatus(
             state="failed",
             ready=False,
             worker_id=newest.id,
-            message=f"the last worker for base model {model.base_model!r} failed to start: "
-            "check that the name is right (a Hugging Face model id you may use, or a directory "
-            f"the operator allows); otherwise the operator can see why with `skytrain logs "
-            f"{newest.id}`",
-            retry_after_s=30.0,
+            message=f"the last worker for base model {model.base_model!r} failed to start"
+            f"{held}: check that the name is right (a Hugging Face model id you may use, or a "
+            f"directory the operator allows); otherwise the operator can see why with "
+            f"`skytrain logs {newest.id}`",
+            retry_after_s=_retry_after_s(hold),
+        )
+    if (
+        room is None
+        and max_workers is not None
+        and placement.live_worker_count(session) >= max_workers
+    ):
+        return _at_max_workers(session, model=model, max_workers=max_workers)
+    if newest is not None and newest.status in LIVE_WORKER_STATUSES:
+        return ServingStatus(
+            state="waiting",
+            ready=False,
+            message=f"the workers for {model.base_model} hold as many models as they may "
+            "(max_models): this model is placed once one of theirs goes idle (unused for "
+            "SKYTRAIN_MODEL_IDLE_TIMEOUT_S), or a worker with room starts",
+            retry_after_s=5.0,
         )
     return ServingStatus(
         state="waiting",
@@ -175,3 +206,69 @@ def _unplaced(session: Session, *, model: Model) -> ServingStatus:
         message=f"waiting for a worker for {model.base_model} to be placed on",
         retry_after_s=5.0,
     )
+
+
+def _at_max_workers(session: Session, *, model: Model, max_workers: int) -> ServingStatus:
+    """The model needs a worker of its own and the control plane runs as many as it may: an
+    idle one is stopped to make room (``scale_in.make_room``), or it waits for one."""
+    limit = f"the control plane runs the most workers it may (max_workers={max_workers})"
+    stopping = session.scalar(
+        select(Worker.id)
+        .where(
+            Worker.status == "draining",
+            Worker.status_message.startswith(scale_in.MAKING_ROOM),
+        )
+        .limit(1)
+    )
+    if stopping is not None:
+        return ServingStatus(
+            state="waiting",
+            ready=False,
+            message=f"{limit}: an idle worker is being stopped to make room, then a worker "
+            f"for {model.base_model} can start",
+            retry_after_s=10.0,
+        )
+    return ServingStatus(
+        state="waiting",
+        ready=False,
+        message=f"{limit}, and they have work: a worker for {model.base_model} starts once "
+        "one of them has none left (its models unused for SKYTRAIN_MODEL_IDLE_TIMEOUT_S, "
+        "their jobs ended) and is stopped to make room, or when the operator raises "
+        "SKYTRAIN_MAX_WORKERS",
+        retry_after_s=30.0,
+    )
+
+
+def job_waiting(
+    session: Session, *, job: TrainingJob, limits: TenantLimits, max_workers: int | None = None
+) -> str | None:
+    """Why a queued job has not started (None when it is not queued): its model waits for a
+    worker (the serving message), another job of the model runs first, or the worker holding
+    the model is busy (it trains one job at a time, tenants taking turns)."""
+    if job.status != "queued":
+        return None
+    model = session.get_one(Model, job.model_id)
+    status = serving_status(session, model=model, step=0, limits=limits, max_workers=max_workers)
+    if not status.ready:
+        return status.message
+    running = session.scalar(
+        select(TrainingJob.id).where(
+            TrainingJob.model_id == model.id, TrainingJob.status == "running"
+        )
+    )
+    if running is not None:
+        return f"training job {running} of this model runs first"
+    return (
+        f"waiting for worker {status.worker_id}, which trains one job at a time (tenants take "
+        "turns)"
+    )
+
+
+def _retry_after_s(hold: placement.LaunchHold | None) -> float:
+    """Until the next launch for a base model whose workers failed to start (30 s to 10 min:
+    a retry cannot help sooner; after the limit, the operator's fix may come any time)."""
+    if hold is None:
+        return 30.0
+    if hold.after is None:
+        return 600.0
+    return min(max((hold.after - utcnow()).total_seconds(), 30.0), 600.0)

@@ -1,4 +1,4 @@
-"""The object store on S3 or any S3-compatible service (MinIO, R2, moto), through boto3.
+"""The object store on S3 or any S3-compatible service (MinIO, R2, SeaweedFS), through boto3.
 
 Retries use botocore's ``standard`` mode (exponential backoff on throttling and transient
 errors); objects above ``MULTIPART_THRESHOLD`` go up in parts through boto3's transfer manager,
@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 import boto3
+from boto3.exceptions import S3UploadFailedError
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from skytrain_backend.errors import NotFound, ObjectMissing, StorageError
+from skytrain_backend.errors import NotFound, ObjectMissing, StorageError, StoreUnavailable
 from skytrain_backend.storage.base import (
     CHUNK_BYTES,
     ObjectInfo,
@@ -78,9 +80,14 @@ class S3ObjectStore(ObjectStore):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _fail(self, action: str, key: str, exc: Exception) -> Exception:
-        """Translate boto3's exceptions: a missing object is NotFound, the rest StorageError."""
-        if isinstance(exc, ClientError):
-            code = str(exc.response.get("Error", {}).get("Code", ""))
+        """Translate boto3's exceptions: a missing object is NotFound, a store that cannot be
+        reached or cannot serve now (after botocore's retries) StoreUnavailable, the rest
+        StorageError."""
+        # boto3's upload_file wraps the ClientError it met in an exception of its own.
+        cause = exc.__context__ if isinstance(exc, S3UploadFailedError) else exc
+        where = f"{self.url} at {self.endpoint_url or 'AWS'}"
+        if isinstance(cause, ClientError):
+            code = str(cause.response.get("Error", {}).get("Code", ""))
             if code in _MISSING_CODES:
                 return ObjectMissing(f"object {key!r} does not exist in {self.url}")
             if code == "NoSuchBucket":
@@ -88,6 +95,12 @@ class S3ObjectStore(ObjectStore):
                     f"bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'}: "
                     "create it or fix SKYTRAIN_OBJECT_STORE_URL"
                 )
+            if cause.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+                return StoreUnavailable(f"could not {action} object {key!r} in {where}: {exc}")
+        if isinstance(cause, BotoConnectionError | HTTPClientError):
+            return StoreUnavailable(
+                f"could not {action} object {key!r}: the store {where} cannot be reached: {exc}"
+            )
         return StorageError(f"could not {action} object {key!r} in {self.url}: {exc}")
 
     def put_bytes(self, key: str, data: bytes) -> None:
@@ -108,7 +121,7 @@ class S3ObjectStore(ObjectStore):
     def put_file(self, key: str, path: Path) -> None:
         try:
             self._client.upload_file(str(path), self.bucket, self._key(key), Config=self._transfer)
-        except (BotoCoreError, ClientError) as exc:
+        except (BotoCoreError, ClientError, S3UploadFailedError) as exc:
             raise self._fail("write", key, exc) from exc
 
     def open_writer(self, key: str) -> ObjectWriter:

@@ -2,14 +2,16 @@
 
 Every tensor here is flat over *prediction sites* (trained tokens), shape ``(N,)``: the packed
 rows already dropped everything that is not trained. One step's loss is the sum of the per-token
-losses divided by the number of trained tokens in the step (a token mean over the whole step,
-however many rows it spans).
+losses, each times its token's weight, divided by the number of trained tokens in the step
+(however many rows it spans). The weights are 1 (a token mean) unless the job aggregates as ART
+does (``advantages.art_weights``: each trajectory weighs the same).
 
 The importance ratio of a token, ``pi / pi_old``, is taken at ART's four levels (token,
-sequence, their average or geometric average); ART's options then act on it in ART's order: a
-cap (``max_negative_advantage_importance_sampling_weight``), the mask of ratios outside the
-clip range (``mask_prob_ratio``), and Kimi K2's advantage correction (``kimi_k2_tau``), before
-the PPO or CISPO loss.
+sequence, their average or geometric average), its log clamped to +-20 as ART does; ART's
+options then act on it in ART's order: a cap
+(``max_negative_advantage_importance_sampling_weight``), the mask of ratios outside the clip
+range (``mask_prob_ratio``), Kimi K2's advantage correction (``kimi_k2_tau``) and ART's KL
+shaping of the advantages (``art_kl_advantages``), before the PPO or CISPO loss.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from torch.utils.checkpoint import checkpoint
 
 LOSS_FUNCTIONS = ("ppo", "cispo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence", "average", "geometric_average")
+# exp() of a larger log ratio overflows half precision; ART clamps there too (art/loss.py).
+LOG_RATIO_BOUND = 20.0
 
 
 def _logprobs_and_entropy(
@@ -91,15 +95,17 @@ def importance_ratio(
     ``token``: exp(log pi - log pi_old) of the token. ``sequence`` (GSPO): exp of the mean log
     ratio over the token's sequence, its gradient flowing to every token of the sequence.
     ``average``: the mean of the two; ``geometric_average``: the square root of their product.
+    Log ratios are clamped to +-``LOG_RATIO_BOUND`` before exp.
     """
     log_ratio = logprobs - old_logprobs
-    token = torch.exp(log_ratio)
+    token = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     if level == "token":
         return token
     if level not in IMPORTANCE_SAMPLING_LEVELS:
         allowed = ", ".join(repr(name) for name in IMPORTANCE_SAMPLING_LEVELS)
         raise ValueError(f"importance_sampling_level must be one of {allowed}, got {level!r}")
-    sequence = torch.exp(sequence_mean(log_ratio, sequence_ids))
+    sequence_log_ratio = sequence_mean(log_ratio, sequence_ids)
+    sequence = torch.exp(sequence_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     if level == "sequence":
         return sequence
     if level == "average":
@@ -127,6 +133,22 @@ def kimi_k2_advantages(
 ) -> torch.Tensor:
     """ART's ``kimi_k2_tau``: each token's advantage minus tau * log(pi / pi_old) (no gradient)."""
     return advantages - tau * (logprobs - old_logprobs).detach()
+
+
+def art_kl_advantages(
+    advantages: torch.Tensor,
+    source_logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    *,
+    mean_kl: float,
+    coef: float,
+) -> torch.Tensor:
+    """ART's KL penalty, which shapes the advantages instead of adding a loss term: each
+    token's advantage plus ``coef * (mean_kl - kl)`` with kl = log pi_source - log pi_ref
+    (no gradient), ``mean_kl`` its mean over the step's tokens. Tokens the policy drifted
+    further from the reference than average are discouraged, the others encouraged."""
+    kl = (source_logprobs - reference_logprobs).detach()
+    return advantages + coef * (mean_kl - kl)
 
 
 def ppo_loss(
@@ -193,6 +215,11 @@ def kl_penalty(logprobs: torch.Tensor, reference_logprobs: torch.Tensor) -> torc
     return torch.exp(delta) - delta - 1
 
 
-def token_mean(per_token: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """Sum over these tokens divided by the step's trained token count (rows add up to a mean)."""
+def token_mean(
+    per_token: torch.Tensor, num_tokens: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Sum over these tokens (each times its weight, if given) divided by the step's trained
+    token count: the rows of a step add up to its loss."""
+    if weights is not None:
+        per_token = per_token * weights
     return per_token.sum() / max(num_tokens, 1)

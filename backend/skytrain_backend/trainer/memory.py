@@ -10,11 +10,11 @@ clean failure instead of a dead worker:
 - ``out_of_memory_as_error`` turns CUDA's own out-of-memory error, where the estimate fell
   short, into the same ``OutOfMemory`` after freeing what the failed step held.
 
-The estimate counts the tensors kept for the backward pass: per layer about ``10 * hidden +
-3 * intermediate`` values per token (attention projections, norms, residuals, the MLP), one
-layer's worth plus each layer's input with gradient checkpointing, every layer's without; and
-the output layer's fp32 logits, their log-softmax and gradient for one chunk of tokens.
-Attention scores are not counted: the SDPA kernels on CUDA never materialize them.
+The estimate is the memory plan's (``planning.shapes.activation_bytes``: one formula for the
+plan and the trainer): the tensors kept for the backward pass per layer (norms with their
+fp32 upcasts, attention projections, the SwiGLU intermediates), one layer's worth plus each
+layer's input with gradient checkpointing, every layer's without; the output layer's fp32
+logits for one chunk of tokens; and a packed row's attention mask.
 """
 
 from __future__ import annotations
@@ -22,50 +22,22 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from skytrain_backend.errors import OutOfMemory
+from skytrain_backend.planning.shapes import ModelShape, activation_bytes
+
+__all__ = [
+    "MIB",
+    "ActivationBudget",
+    "ModelShape",
+    "activation_bytes",
+    "out_of_memory_as_error",
+    "release_device_memory",
+]
 
 MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    vocab_size: int
-
-    @classmethod
-    def of(cls, config: Any) -> ModelShape:
-        hidden = int(config.hidden_size)
-        return cls(
-            hidden_size=hidden,
-            intermediate_size=int(getattr(config, "intermediate_size", None) or 4 * hidden),
-            num_layers=int(config.num_hidden_layers),
-            vocab_size=int(config.vocab_size),
-        )
-
-
-def activation_bytes(
-    shape: ModelShape,
-    *,
-    row_tokens: int,
-    chunk_size: int,
-    dtype_bytes: int,
-    gradient_checkpointing: bool,
-) -> int:
-    """Bytes a forward and backward pass over one row of ``row_tokens`` keeps alive at once."""
-    per_layer = row_tokens * dtype_bytes * (10 * shape.hidden_size + 3 * shape.intermediate_size)
-    if gradient_checkpointing:
-        layers = per_layer + shape.num_layers * row_tokens * shape.hidden_size * dtype_bytes
-    else:
-        layers = shape.num_layers * per_layer
-    logits = 3 * min(row_tokens, chunk_size) * shape.vocab_size * 4
-    return layers + logits
 
 
 class ActivationBudget:
@@ -79,9 +51,12 @@ class ActivationBudget:
         dtype_bytes: int,
         gradient_checkpointing: bool,
         limit_bytes: int | None,
+        devices: tuple[torch.device, ...] = (),
     ) -> None:
         self.shape = shape
         self.device = device
+        # Every GPU the model is spread over (device_map "auto"); default: ``device`` alone.
+        self.devices = devices or (device,)
         self.dtype_bytes = dtype_bytes
         self.gradient_checkpointing = gradient_checkpointing
         self.limit_bytes = limit_bytes
@@ -92,12 +67,15 @@ class ActivationBudget:
             return self.limit_bytes, "the worker's limit (SKYTRAIN_TRAINER_MEMORY_LIMIT_MB)"
         if self.device.type != "cuda":
             return None
-        free, _ = torch.cuda.mem_get_info(self.device)
-        # Memory torch's allocator holds but does not use is free for this step too.
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return free + cached, f"free on {self.device}"
+        total = 0
+        for device in self.devices:
+            free, _ = torch.cuda.mem_get_info(device)
+            # Memory torch's allocator holds but does not use is free for this step too.
+            total += free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        where = ", ".join(str(device) for device in self.devices)
+        return total, f"free on {where}"
 
-    def check(self, *, row_tokens: int, chunk_size: int) -> None:
+    def check(self, *, row_tokens: int, chunk_size: int, packed: bool = True) -> None:
         """Raise OutOfMemory if a row of ``row_tokens`` would not fit."""
         available = self.available()
         if available is None:
@@ -109,6 +87,7 @@ class ActivationBudget:
             chunk_size=chunk_size,
             dtype_bytes=self.dtype_bytes,
             gradient_checkpointing=self.gradient_checkpointing,
+            packed=packed,
         )
         if needed > limit:
             raise OutOfMemory(

@@ -4,13 +4,18 @@ On CUDA with ``unsloth`` importable the model is loaded with Unsloth's ``FastLan
 (faster kernels, its own gradient checkpointing); otherwise with transformers + peft. Both give
 a peft model with the same adapter layout, saved with peft's ``save_pretrained`` so vLLM and
 peft load it alike. Weights are bf16 on CUDA and fp32 on CPU; LoRA weights stay fp32 (peft's
-default) so small updates are not rounded away.
+default) so small updates are not rounded away. On CUDA the weights go straight onto the GPU
+(``device_map``), never first into host memory whole; a model too large for one GPU is spread
+over the node's GPUs layer by layer (``spread``, the memory plan's ``device_map="auto"``;
+peft only).
 
 Unsloth replaces the attention code, and custom 4D attention masks are not part of what it
 promises, so with Unsloth every sequence gets its own row (``supports_packed_rows`` is False)
 and the forward is an ordinary causal one. It loads the exact repository asked for
 (``use_exact_model_name``), the one the engine serves; the worker imports it before
-transformers and peft, as it needs.
+transformers and peft, as it needs. Unsloth cuts every row to the ``max_seq_length`` it was
+loaded with, silently: ``Policy.max_row_tokens`` says so, and the trainer never packs a row
+longer (``trainer.row_length_limit``).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from safetensors.torch import load_file
 from skytrain_backend import hub
 from skytrain_backend.errors import TrainingError
 from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.trainer.distributed import SINGLE, Shards
 from skytrain_backend.trainer.loss import token_logprobs
 from skytrain_backend.trainer.memory import ActivationBudget
 from skytrain_backend.trainer.packing import PackedRow
@@ -94,16 +100,36 @@ def _load_with_unsloth(
     return model, tokenizer
 
 
-def _load_with_peft(path: str, model_config: ModelConfig, device: torch.device) -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def load_device_map(device: torch.device, *, spread: bool) -> str | dict[str, int] | None:
+    """Where from_pretrained puts the weights: straight onto the GPU (or spread over the
+    node's GPUs), on the CPU as loaded."""
+    if device.type != "cuda":
+        return None
+    return "auto" if spread else {"": device.index or 0}
+
+
+def _load_with_peft(
+    path: str, model_config: ModelConfig, device: torch.device, *, spread: bool, shards: Shards
+) -> tuple[Any, Any]:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model: Any = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
-        attn_implementation="sdpa",
-    )
-    model.to(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model: Any
+    if shards.sharded and not shards.is_main:
+        # Rank 0 reads the weights; the others only build the model's shape, without
+        # storage, and receive their shards from it (``Shards.shard``).
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(path), dtype=dtype, attn_implementation="sdpa"
+            )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=dtype,
+            attn_implementation="sdpa",
+            device_map=None if shards.sharded else load_device_map(device, spread=spread),
+        )
     if model_config.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # Seed LoRA's random init (A matrices) without touching the caller's random state.
@@ -116,34 +142,68 @@ def _load_with_peft(path: str, model_config: ModelConfig, device: torch.device) 
 class Policy:
     """A peft model, its tokenizer, and the forward pass that reads logprobs at row sites."""
 
-    def __init__(self, model: PeftModel, tokenizer: Any, *, device: torch.device, unsloth: bool):
+    def __init__(
+        self,
+        model: PeftModel,
+        tokenizer: Any,
+        *,
+        device: torch.device,
+        unsloth: bool,
+        max_row_tokens: int | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.device = device
         self.uses_unsloth = unsloth
         self.supports_packed_rows = not unsloth
+        # The longest row the model takes whole (Unsloth's max_seq_length); None: any.
+        self.max_row_tokens = max_row_tokens
         base: Any = model.get_base_model()
         self._decoder = base.get_decoder()
         self._lm_head = base.get_output_embeddings()
+        # Every device holding weights (several when spread over the node's GPUs).
+        self.devices = tuple(
+            sorted({p.device for p in model.parameters()}, key=lambda d: d.index or 0)
+        )
         self._softcap = getattr(base.config, "final_logit_softcapping", None)
         # Set by the trainer: refuses rows whose activations would not fit (None: no check).
         self.budget: ActivationBudget | None = None
 
     @classmethod
-    def load(cls, base_model: str, *, model_config: ModelConfig, device: torch.device) -> Policy:
-        """Load ``base_model`` (through ``hub.resolve_model``) with a fresh, seeded adapter.
+    def load(
+        cls,
+        base_model: str,
+        *,
+        model_config: ModelConfig,
+        device: torch.device,
+        spread: bool = False,
+        shards: Shards = SINGLE,
+    ) -> Policy:
+        """Load ``base_model`` (through ``hub.resolve_model``) with a fresh, seeded adapter;
+        ``spread``: over every GPU of the node (the module docstring).
 
         A fresh adapter has zero B matrices, so it computes exactly the base model (step 0).
         """
         path = hub.resolve_model(base_model)
-        fast = _import_unsloth() if device.type == "cuda" else None
+        single = not spread and not shards.sharded
+        fast = _import_unsloth() if device.type == "cuda" and single else None
         if fast is not None:
             model, tokenizer = _load_with_unsloth(fast, path, model_config, device)
         else:
-            model, tokenizer = _load_with_peft(path, model_config, device)
+            model, tokenizer = _load_with_peft(
+                path, model_config, device, spread=spread, shards=shards
+            )
+            # Several ranks: rank 0 loaded it into host memory; each keeps its shard.
+            shards.shard(model, device)
         # The adapter names the model as users do, not the local path it was loaded from.
         model.peft_config["default"].base_model_name_or_path = base_model
-        return cls(model, tokenizer, device=device, unsloth=fast is not None)
+        return cls(
+            model,
+            tokenizer,
+            device=device,
+            unsloth=fast is not None,
+            max_row_tokens=model_config.max_seq_length if fast is not None else None,
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -255,11 +315,15 @@ class Policy:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logprobs (with gradient, if enabled) and entropies at the row's prediction sites."""
         if self.budget is not None and torch.is_grad_enabled():
-            self.budget.check(row_tokens=len(row), chunk_size=chunk_size)
+            self.budget.check(row_tokens=len(row), chunk_size=chunk_size, packed=not row.is_plain)
         hidden = self.hidden_states(row)
-        sources = torch.tensor(row.source_positions, device=self.device)
-        targets = torch.tensor(row.target_ids, device=self.device)
-        return token_logprobs(hidden[sources], targets, head=self._head, chunk_size=chunk_size)
+        # Spread over GPUs, the last layer and the output layer may sit on other devices.
+        sources = torch.tensor(row.source_positions, device=hidden.device)
+        targets = torch.tensor(row.target_ids, device=self._lm_head.weight.device)
+        logprobs, entropies = token_logprobs(
+            hidden[sources], targets, head=self._head, chunk_size=chunk_size
+        )
+        return logprobs.to(self.device), entropies.to(self.device)
 
     @contextlib.contextmanager
     def adapter_disabled(self) -> Iterator[None]:

@@ -165,16 +165,20 @@ def forward_backward(
     with torch.set_grad_enabled(backward):
         for row, indices in rows:
             logprobs, _ = policy.site_logprobs(row, chunk_size=LOGPROB_CHUNK_SIZE)  # (L,)
-            names = [name for name in examples[indices[0]].inputs if name != "target_tokens"]
-            inputs = {
-                name: torch.tensor(
-                    [value for i in indices for value in examples[i].inputs[name]],
-                    dtype=torch.float32,
-                    device=policy.device,
-                )
-                for name in names
-            }
-            loss = loss_function(logprobs, inputs, config).sum()
+            # Each datum's loss from its own inputs: datums sharing a row may name different
+            # optional inputs (one with weights, one without).
+            losses = []
+            start = 0
+            for i in indices:
+                end = start + len(examples[i].tokens)
+                inputs = {
+                    name: torch.tensor(values, dtype=torch.float32, device=policy.device)
+                    for name, values in examples[i].inputs.items()
+                    if name != "target_tokens"
+                }
+                losses.append(loss_function(logprobs[start:end], inputs, config).sum())
+                start = end
+            loss = torch.stack(losses).sum()
             if backward:
                 loss.backward()
             total += float(loss.detach())

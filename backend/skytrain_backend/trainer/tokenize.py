@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError
 
-from skytrain_backend.engine.protocol import ToolSpec, template_message, template_tools
+from skytrain_backend.chat_template import ToolSpec, template_message, template_tools
 from skytrain_backend.errors import TrainingError
 from skytrain_backend.protocol import Choice, History, Message, Trajectory, TrajectoryGroup
 from skytrain_backend.trainer.advantages import balance_advantages, group_advantages
@@ -53,13 +53,15 @@ class TokenizedSequence:
 
     ``logprobs[i]`` is the engine's logprob of ``token_ids[i]`` where it sampled that token, NaN
     elsewhere. ``history_index`` 0 is the trajectory's main conversation, 1.. its additional
-    histories.
+    histories. ``weight`` multiplies each trained token's loss (1, except under ART's
+    aggregation: ``advantages.art_weights``).
     """
 
     token_ids: list[int]
     trained: list[bool]
     logprobs: list[float]
     advantage: float = 0.0
+    weight: float = 1.0
     group_index: int = 0
     trajectory_index: int = 0
     history_index: int = 0
@@ -75,6 +77,7 @@ class TokenizedSequence:
             trained=self.trained[:length],
             logprobs=self.logprobs[:length],
             advantage=self.advantage,
+            weight=self.weight,
             group_index=self.group_index,
             trajectory_index=self.trajectory_index,
             history_index=self.history_index,
@@ -376,29 +379,37 @@ def tokenize_rl_groups(
     allow_training_without_logprobs: bool,
     advantage_balance: float = 0.0,
     keep_zero_variance_groups: bool = False,
+    art_rules: bool = False,
 ) -> RLBatch:
     """Advantages per group, then every history of every trajectory as token ids.
 
     Groups whose rewards are all equal (to float noise) carry no signal and are skipped (and
-    counted), unless ``keep_zero_variance_groups``.
+    counted), unless ``keep_zero_variance_groups``. With ``art_rules``, ART's: rewards are
+    equal within 1e-12 of the group's first, and a trajectory whose advantage is exactly 0
+    (its reward is the group's mean) is left out too (counted).
     """
     closing_text = turn_closing_text(tokenizer)
     sequences: list[TokenizedSequence] = []
-    skipped = 0
+    skipped = zero_advantage = 0
     rewards: list[float] = []
     for g, group in enumerate(groups):
         group_rewards = [trajectory.reward for trajectory in group.trajectories]
         rewards += group_rewards
-        advantages = group_advantages(group_rewards, scale=scale_rewards)
+        advantages = group_advantages(group_rewards, scale=scale_rewards, art_rule=art_rules)
         if advantages is None:
             skipped += 1
             if not keep_zero_variance_groups:
                 continue
             advantages = [0.0] * len(group_rewards)
+        # ART drops them before advantage_balance, which can zero an advantage it keeps.
+        dropped = {t for t, a in enumerate(advantages) if a == 0} if art_rules else set()
+        zero_advantage += len(dropped)
         advantages = balance_advantages(advantages, balance=advantage_balance)
         for t, (trajectory, advantage) in enumerate(
             zip(group.trajectories, advantages, strict=True)
         ):
+            if t in dropped:
+                continue
             for h, history in enumerate(trajectory.histories()):
                 items = rl_trained_items(
                     history, allow_training_without_logprobs=allow_training_without_logprobs
@@ -418,6 +429,7 @@ def tokenize_rl_groups(
     summary = {
         "groups/total": float(len(groups)),
         "groups/skipped_zero_variance": float(skipped),
+        "trajectories/skipped_zero_advantage": float(zero_advantage),
         "trajectories/total": float(len(rewards)),
         "sequences/total": float(len(sequences)),
         "train/reward": mean_reward,

@@ -2,7 +2,7 @@
 
 The worker never touches the database: everything goes through these calls, so the same code
 works from a laptop or from a GPU on another cloud. Bodies and answers are the worker protocol's
-types (``protocol.py``); an answer that does not validate fails the call with the control
+types (``protocol/worker.py``); an answer that does not validate fails the call with the control
 plane's version in the message, since it means the two were not installed from the same
 release. Idempotent calls (heartbeat, renew, downloads) are retried through transient failures;
 calls that change state once (lease, complete, fail) are not, and the control plane's lease
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -39,15 +40,30 @@ from skytrain_backend.protocol import (
     JobAttempt,
     JobCompleted,
     JobCompletion,
+    JobEventRecorded,
     JobEventReport,
     JobFailed,
     JobFailure,
     JobLease,
+    JobPreempted,
+    JobPreemption,
     LeasedJob,
     LeaseRenewed,
     WorkerEventType,
     WorkerRegistered,
     WorkerRegistration,
+)
+from skytrain_backend.protocol.tinker import (
+    CheckpointFileInfo,
+    CheckpointFileList,
+    NextOperationRequest,
+    OperationCompletion,
+    OperationFailure,
+    SaveCommit,
+    TinkerLease,
+    TinkerOperation,
+    TinkerOperationAnswer,
+    TinkerRun,
 )
 
 T = TypeVar("T")
@@ -174,9 +190,13 @@ class ControlPlaneClient:
 
     async def event(
         self, job_id: str, *, attempt: int, type: WorkerEventType, data: dict[str, Any]
-    ) -> None:
+    ) -> JobEventRecorded:
+        """Report an event; the answer says whether the job is to stop (cancel or yield)."""
         body = _body(JobEventReport(attempt=attempt, type=type, data=data))
-        await self._retrying(lambda: self._send("POST", f"/jobs/{job_id}/events", json=body))
+        response = await self._retrying(
+            lambda: self._send("POST", f"/jobs/{job_id}/events", json=body)
+        )
+        return _answer(JobEventRecorded, response)
 
     async def download_input(self, job_id: str, target: Path) -> Path:
         return await self._retrying(lambda: self._download(f"/jobs/{job_id}/input", target))
@@ -234,14 +254,117 @@ class ControlPlaneClient:
         response = await self._send("POST", f"/jobs/{job_id}/fail", json=_body(body))
         return _answer(JobFailed, response)
 
-    async def request(
-        self, method: str, path: str, *, retry: bool = False, **kwargs: Any
-    ) -> httpx.Response:
-        """Any worker route (a path under ``/v1/worker``), for callers with a protocol of their
-        own (the Tinker executor); ``retry`` for idempotent calls."""
-        if retry:
-            return await self._retrying(lambda: self._send(method, path, **kwargs))
-        return await self._send(method, path, **kwargs)
+    async def preempt(
+        self, job_id: str, *, attempt: int, steps_done: int, files: list[Path]
+    ) -> JobPreempted:
+        """Hand back a job asked to yield, its state in the attempt's uploaded ``files``."""
+        body = JobPreemption(
+            attempt=attempt,
+            steps_done=steps_done,
+            files=[CheckpointFile(name=f.name, size=f.stat().st_size) for f in files],
+        )
+        response = await self._send("POST", f"/jobs/{job_id}/preempt", json=_body(body))
+        return _answer(JobPreempted, response)
+
+    async def download_saved_state(self, job_id: str, directory: Path) -> Path:
+        """The state the job saved when it last yielded, into ``directory``."""
+        path = f"/jobs/{job_id}/saved-state"
+        response = await self._retrying(lambda: self._send("GET", path))
+        for item in response.json()["data"]:
+            name = str(item["name"])
+            if Path(name).name != name or name in ("", ".", ".."):
+                raise SkytrainError(f"the saved state of job {job_id} has a file named {name!r}")
+            await self._retrying(
+                functools.partial(self._download, f"{path}/{name}", directory / name)
+            )
+        return directory
+
+    # --- the Tinker executor's calls (``/v1/worker/tinker/...``, ``protocol/tinker.py``) ---
+
+    async def tinker_lease(self, *, wait_s: float = 0.0) -> TinkerRun | None:
+        """A Tinker run placed on this worker, with its rebuild plan; None after ``wait_s``."""
+        response = await self._send(
+            "POST",
+            "/tinker/lease",
+            params={"wait_s": wait_s},
+            json={},
+            timeout=self._long_poll_timeout(wait_s),
+        )
+        return None if response.status_code == 204 else _answer(TinkerLease, response).run
+
+    async def tinker_next(
+        self, job_id: str, *, attempt: int, seq_id: int, wait_s: float
+    ) -> TinkerOperation | None:
+        """Operation ``seq_id`` of the run once it has arrived; None after ``wait_s``."""
+        body = _body(NextOperationRequest(attempt=attempt, seq_id=seq_id, wait_s=wait_s))
+        response = await self._send(
+            "POST",
+            f"/tinker/runs/{job_id}/next",
+            json=body,
+            timeout=self._long_poll_timeout(wait_s),
+        )
+        if response.status_code == 204:
+            return None
+        return _answer(TinkerOperationAnswer, response).operation
+
+    async def tinker_operation(self, job_id: str, seq_id: int, *, attempt: int) -> TinkerOperation:
+        path = f"/tinker/runs/{job_id}/operations/{seq_id}"
+        response = await self._retrying(
+            lambda: self._send("GET", path, params={"attempt": attempt})
+        )
+        return _answer(TinkerOperationAnswer, response).operation
+
+    async def tinker_input(self, job_id: str, seq_id: int, *, attempt: int, target: Path) -> Path:
+        """An operation's input object (a forward-backward's protobuf batch) into ``target``."""
+        path = f"/tinker/runs/{job_id}/operations/{seq_id}/input?attempt={attempt}"
+        return await self.download(path, target)
+
+    async def tinker_output(
+        self, job_id: str, seq_id: int, *, attempt: int, content: bytes, media_type: str
+    ) -> None:
+        path = f"/tinker/runs/{job_id}/operations/{seq_id}/output"
+        await self._retrying(
+            lambda: self._send(
+                "PUT",
+                path,
+                params={"attempt": attempt},
+                content=content,
+                headers={"Content-Type": media_type},
+            )
+        )
+
+    async def tinker_complete(
+        self, job_id: str, seq_id: int, completion: OperationCompletion
+    ) -> None:
+        path = f"/tinker/runs/{job_id}/operations/{seq_id}/complete"
+        await self._retrying(lambda: self._send("POST", path, json=_body(completion)))
+
+    async def tinker_fail(self, job_id: str, seq_id: int, failure: OperationFailure) -> None:
+        path = f"/tinker/runs/{job_id}/operations/{seq_id}/fail"
+        await self._send("POST", path, json=_body(failure))
+
+    async def tinker_save(self, job_id: str, seq_id: int, commit: SaveCommit) -> None:
+        path = f"/tinker/runs/{job_id}/operations/{seq_id}/save"
+        await self._retrying(lambda: self._send("POST", path, json=_body(commit)))
+
+    async def tinker_checkpoint_files(
+        self, job_id: str, model_id: str, step: int, *, attempt: int
+    ) -> list[CheckpointFileInfo]:
+        path = f"/tinker/runs/{job_id}/checkpoints/{model_id}/{step}/files"
+        response = await self._retrying(
+            lambda: self._send("GET", path, params={"attempt": attempt})
+        )
+        files = _answer(CheckpointFileList, response).data
+        for item in files:
+            if Path(item.name).name != item.name or item.name in (".", ".."):
+                raise SkytrainError(f"checkpoint {model_id}:{step} has a file named {item.name!r}")
+        return files
+
+    async def tinker_checkpoint_file(
+        self, job_id: str, model_id: str, step: int, name: str, *, attempt: int, target: Path
+    ) -> Path:
+        path = f"/tinker/runs/{job_id}/checkpoints/{model_id}/{step}/files/{name}"
+        return await self.download(f"{path}?attempt={attempt}", target)
 
     async def download(self, path: str, target: Path) -> Path:
         """A worker route's body into ``target`` (never half a file), retried."""

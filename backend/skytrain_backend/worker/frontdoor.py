@@ -29,9 +29,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
+from skytrain_backend.observability import logs
 from skytrain_backend.protocol import TENANT_HEADER
 
 logger = logging.getLogger(__name__)
+
+_INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 # (method, path) pairs forwarded to the engine; anything else is not found.
 FORWARDED_ROUTES = frozenset(
@@ -90,6 +93,9 @@ class FrontDoor:
             limits=ENGINE_LIMITS,
         )
 
+        # Requests being answered now (the engine's batch, as the heartbeat reports it).
+        self.in_flight = 0
+
     async def aclose(self) -> None:
         await self._engine.aclose()
 
@@ -99,8 +105,15 @@ class FrontDoor:
             return
         if scope["type"] != "http":
             return
-        response = await self._answer(Request(scope, receive))
-        await response(scope, receive, send)
+        # Running requests as the operator's metrics show them: inference, not health checks
+        # or adapter loads.
+        counted = scope.get("path") in _INFERENCE_PATHS
+        self.in_flight += counted
+        try:
+            response = await self._answer(Request(scope, receive))
+            await response(scope, receive, send)
+        finally:
+            self.in_flight -= counted
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -206,4 +219,9 @@ def _forwarded_headers(request: Request) -> dict[str, str]:
     headers = {"Content-Type": request.headers.get("content-type", "")}
     if (tenant := request.headers.get(TENANT_HEADER)) is not None:
         headers[TENANT_HEADER] = tenant
+    # The id the gateway gave the request (observability.http bound it), for the engine's
+    # lines too; made unique for this hop, since vLLM takes it as its own request id and a
+    # caller may send the same id twice.
+    if (request_id := logs.current_request_id()) is not None:
+        headers[logs.REQUEST_ID_HEADER] = logs.engine_request_id(request_id)
     return headers

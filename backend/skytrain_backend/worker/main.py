@@ -33,9 +33,11 @@ import uvicorn
 from skytrain_backend import __version__, tls
 from skytrain_backend.config import EngineKind, Settings
 from skytrain_backend.errors import ConfigurationError
+from skytrain_backend.observability.http import Observe
 from skytrain_backend.worker.agent import AgentOptions, WorkerAgent
 from skytrain_backend.worker.client import ControlPlaneClient
 from skytrain_backend.worker.frontdoor import FrontDoor
+from skytrain_backend.worker.stats import StatsReader
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,8 @@ class WorkerConfig:
     engine_secret: str
     startup_timeout_s: float
     max_models: int
-    # None: sleep the engine during jobs when it is vLLM (it shares the GPU with the trainer).
+    # None: sleep the engine during jobs when it is vLLM with sleep mode (it shares the GPU
+    # with the trainer).
     sleep_engine: bool | None
     trainer_memory_limit_mb: int | None
     max_request_bytes: int
@@ -177,14 +180,17 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     or a drain request."""
     from skytrain_backend.engine.options import select_engine
 
-    kind = select_engine(config.engine)
+    kind = select_engine(config.engine, vllm_python=settings.vllm_python)
     if kind == "vllm":
         import_unsloth_first()
     from skytrain_backend.engine.client import EngineClient
     from skytrain_backend.engine.launcher import EngineProcess
     from skytrain_backend.engine.options import EngineOptions
-    from skytrain_backend.engine.vllm import lora_rank_slot
+    from skytrain_backend.planning import lora_rank_slot
+    from skytrain_backend.worker.sizing import size_this_worker
 
+    # The memory plan fills in what the worker was not told (on CUDA; worker.sizing).
+    sizing = await asyncio.to_thread(size_this_worker, settings, base_model=config.base_model)
     # The engine listens on loopback with a secret of its own: only this worker reaches it.
     engine_key = secrets.token_urlsafe(32)
     options = EngineOptions.from_settings(
@@ -194,6 +200,7 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
         host="127.0.0.1",
         api_key=engine_key,
         served_model_name=config.base_model,
+        **sizing.engine,
     )
     control_plane = ControlPlaneClient(config.control_plane_url, config.token)
     try:
@@ -208,7 +215,9 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     logger.info(
         "starting the %s engine for %s on 127.0.0.1:%d", kind, config.base_model, options.port
     )
-    engine_process = EngineProcess.for_engine(
+    # Off the event loop: for vLLM this asks its interpreter about the platform (seconds).
+    engine_process = await asyncio.to_thread(
+        EngineProcess.for_engine,
         options,
         kind=kind,
         log_path=config.work_dir / "engine.log",
@@ -231,7 +240,9 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     port = int(listener.getsockname()[1])
     server = _FrontDoorServer(
         uvicorn.Config(
-            front_door,
+            # Each request's id (the gateway's) binds to its log lines and goes to the engine.
+            Observe(front_door, count=False),
+            log_config=None,
             ssl_certfile=str(certificate_path),
             ssl_keyfile=str(key_path),
             log_level="warning",
@@ -254,7 +265,12 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     )
 
     engine = EngineClient(options.base_url, api_key=engine_key)
-    sleep_engine = kind == "vllm" if config.sleep_engine is None else config.sleep_engine
+    # By default vLLM sleeps during jobs where that frees its memory (not on vLLM's CPU build).
+    sleep_engine = (
+        kind == "vllm" and engine_process.command.sleep_frees_memory
+        if config.sleep_engine is None
+        else config.sleep_engine
+    )
     limit_mb = config.trainer_memory_limit_mb
     agent = WorkerAgent(
         control_plane=control_plane,
@@ -269,15 +285,24 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             advertise_url=config.advertise_url,
             engine_secret=config.engine_secret,
             sleep_engine_during_training=sleep_engine,
+            engine_sleep_wait_s=settings.engine_sleep_wait_s,
+            engine_sleep_timeout_s=settings.engine_sleep_timeout_s,
             device=config.device,
             max_models=config.max_models,
             max_lora_rank=lora_rank_slot(options.max_lora_rank)
             if kind == "vllm"
             else options.max_lora_rank,
             trainer_memory_limit_bytes=limit_mb * 1024 * 1024 if limit_mb else None,
+            trainer_options=sizing.trainer,
+            trainer_shards=sizing.trainer_shards,
             tinker_max_runs=settings.worker_tinker_max_runs,
             hardware=_hardware(),
             version=__version__,
+        ),
+        stats=StatsReader(
+            running_requests=lambda: front_door.in_flight,
+            engine=engine,
+            read_kv_cache=kind == "vllm",
         ),
     )
     loop = asyncio.get_running_loop()

@@ -14,8 +14,11 @@ most ``max_runs`` at once: each keeps a trainer in memory), and for each one:
 3. renews the run's lease meanwhile, and lets the trainer go when the lease is lost or the
    run ends (its session finished).
 
-Operations run one at a time across runs (they share the device); the torch work is done off
-the event loop, so heartbeats and renewals go on. An operation the trainer refuses (a token
+Operations that compute run one at a time, across runs and with the agent's jobs: each takes
+the agent's trainer turn (``WorkerAgent.trainer_turn``), which puts an engine that shares the
+GPU to sleep and wakes it after; between two operations a run's trainer waits in host memory
+(``Trainer.offload``), so a Tinker run never holds the GPU while the engine serves. The torch
+work is done off the event loop, so heartbeats and renewals go on. An operation the trainer refuses (a token
 id outside the vocabulary, a non-finite gradient) fails alone and leaves the state as it was;
 anything unexpected drops the state, and the run is leased again and rebuilt.
 """
@@ -26,6 +29,8 @@ import asyncio
 import contextlib
 import logging
 import shutil
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -33,6 +38,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 from skytrain_backend import tinker_wire
 from skytrain_backend.errors import LeaseLost, SkytrainError, TrainingError
 from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.protocol.tinker import (
+    BatchOperation,
+    CreationOperation,
+    LoadOperation,
+    OperationCompletion,
+    OperationFailure,
+    OperationResult,
+    OptimOperation,
+    RebuildPlan,
+    RestorePoint,
+    SaveCommit,
+    SaveOperation,
+    TinkerOperation,
+)
 from skytrain_backend.worker.client import LEASE_RETRY_S, ControlPlaneClient, until_stopped
 
 if TYPE_CHECKING:
@@ -40,16 +59,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-API = "/tinker"
-CREATIONS = frozenset({"create_model", "load_create"})
-SAVES = frozenset({"save_weights", "save_weights_for_sampler"})
 NEXT_WAIT_S = 10.0
 
 
 class AdapterHost(Protocol):
-    """The agent: loads a checkpoint into the engine and counts it as served."""
+    """The agent: loads a checkpoint into the engine and counts it as served; gives the
+    device to one trainer at a time."""
 
     async def serve_checkpoint(self, model_id: str, step: int, directory: Path) -> bool: ...
+
+    def trainer_turn(self, what: str) -> AbstractAsyncContextManager[None]: ...
+
+    @property
+    def trainer_shares_engine_device(self) -> bool: ...
 
 
 class _RunEnded(SkytrainError):
@@ -66,7 +88,7 @@ class _Run:
     model_config: ModelConfig
     next_seq: int
     latest_step: int
-    plan: dict[str, Any]
+    plan: RebuildPlan
     trainer: Trainer | None = None
     # The committed step whose weights the trainer holds, while nothing changed them.
     saved_step: int | None = None
@@ -76,9 +98,6 @@ class _Run:
     def check(self) -> None:
         if self.ended is not None:
             raise _RunEnded(self.ended)
-
-    def query(self) -> dict[str, int]:
-        return {"attempt": self.attempt}
 
 
 class TinkerExecutor:
@@ -90,6 +109,8 @@ class TinkerExecutor:
         work_dir: Path,
         device: str | None,
         max_runs: int,
+        trainer_options: dict[str, Any] | None = None,
+        trainer_shards: int = 1,
         lease_s: float = 60.0,
         wait_s: float = 30.0,
     ) -> None:
@@ -97,13 +118,18 @@ class TinkerExecutor:
         self._adapters = adapters
         self._work_dir = work_dir
         self._device = device
+        # Trainer.load's memory-plan keywords, as for the worker's jobs.
+        self._trainer_options = trainer_options or {}
+        # More than 1: the memory plan shards this worker's trainer (worker.sharded), which
+        # Tinker's one-process trainer cannot be: its runs are refused rather than loaded
+        # whole onto one device that cannot hold them.
+        self._trainer_shards = trainer_shards
         self._max_runs = max_runs
         self.lease_s = lease_s
         self._wait_s = wait_s
         self._runs: dict[str, _Run] = {}
         # Set when a run ends: the executor, full, may lease another.
         self._room = asyncio.Event()
-        self._compute = asyncio.Lock()
 
     async def run(self, stopping: asyncio.Event) -> None:
         """Lease runs while there is room, until ``stopping`` is set."""
@@ -131,26 +157,19 @@ class TinkerExecutor:
             await asyncio.gather(*served, return_exceptions=True)
 
     async def _lease(self) -> _Run | None:
-        response = await self._cp.request(
-            "POST",
-            f"{API}/lease",
-            params={"wait_s": self._wait_s},
-            json={},
-            timeout=self._wait_s + 30,
-        )
-        if response.status_code == 204:
+        run = await self._cp.tinker_lease(wait_s=self._wait_s)
+        if run is None:
             return None
-        run = response.json()["run"]
         return _Run(
-            job_id=run["job_id"],
-            attempt=int(run["attempt"]),
-            run_id=run["run_id"],
-            model_id=run["model_id"],
-            base_model=run["base_model"],
-            model_config=ModelConfig.model_validate(run["model_config"]),
-            next_seq=int(run["plan"]["next_seq"]),
-            latest_step=int(run.get("latest_step", 0)),
-            plan=run["plan"],
+            job_id=run.job_id,
+            attempt=run.attempt,
+            run_id=run.run_id,
+            model_id=run.model_id,
+            base_model=run.base_model,
+            model_config=run.model_config_,
+            next_seq=run.plan.next_seq,
+            latest_step=run.latest_step,
+            plan=run.plan,
         )
 
     # --- one run --------------------------------------------------------------------------------
@@ -162,6 +181,13 @@ class TinkerExecutor:
             "Tinker run %s (attempt %d): from operation %d", run.run_id, run.attempt, run.next_seq
         )
         try:
+            if self._trainer_shards > 1:
+                raise _CreationFailed(
+                    f"{run.base_model} needs its training sharded over {self._trainer_shards} "
+                    "devices on this worker, and Tinker runs train on one device for now; "
+                    "train it with skytrain's training jobs (REST, SDK or ART's client), "
+                    "which use every shard"
+                )
             await self._rebuild(run)
             while True:
                 run.check()
@@ -224,14 +250,10 @@ class TinkerExecutor:
                 run.ended = "cancelled"
                 return
 
-    async def _next(self, run: _Run) -> dict[str, Any] | None:
-        response = await self._cp.request(
-            "POST",
-            f"{API}/runs/{run.job_id}/next",
-            json={"attempt": run.attempt, "seq_id": run.next_seq, "wait_s": NEXT_WAIT_S},
-            timeout=NEXT_WAIT_S + 30,
+    async def _next(self, run: _Run) -> TinkerOperation | None:
+        return await self._cp.tinker_next(
+            run.job_id, attempt=run.attempt, seq_id=run.next_seq, wait_s=NEXT_WAIT_S
         )
-        return None if response.status_code == 204 else dict(response.json()["operation"])
 
     # --- rebuilding state -----------------------------------------------------------------------
 
@@ -240,137 +262,146 @@ class TinkerExecutor:
         creation itself is next)."""
         if run.next_seq == 0:
             return
-        restore = run.plan["restore"]
+        restore = run.plan.restore
         if restore is None:
             raise _CreationFailed("its creation failed")
         await self._build(run, restore)
-        for seq_id in run.plan["replay"]:
+        for seq_id in run.plan.replay:
             run.check()
-            response = await self._cp.request(
-                "GET",
-                f"{API}/runs/{run.job_id}/operations/{seq_id}",
-                params=run.query(),
-                retry=True,
-            )
-            operation = response.json()["operation"]
+            operation = await self._cp.tinker_operation(run.job_id, seq_id, attempt=run.attempt)
             with contextlib.suppress(TrainingError):
                 await self._change_state(run, operation)
         logger.info(
-            "Tinker run %s rebuilt: %d operations replayed", run.run_id, len(run.plan["replay"])
+            "Tinker run %s rebuilt: %d operations replayed", run.run_id, len(run.plan.replay)
         )
 
-    async def _build(self, run: _Run, restore: dict[str, Any]) -> None:
+    async def _build(self, run: _Run, restore: RestorePoint) -> None:
         from skytrain_backend.trainer import Trainer, primitives
 
-        checkpoint = restore.get("checkpoint")
+        checkpoint = restore.checkpoint
         directory = None
         if checkpoint is not None:
-            directory = await self._fetch(run, checkpoint["model_id"], int(checkpoint["step"]))
+            directory = await self._fetch(run, checkpoint.model_id, checkpoint.step)
 
         def build() -> Trainer:
             trainer = Trainer.load(
-                run.base_model, model_config=run.model_config, device=self._device
+                run.base_model,
+                model_config=run.model_config,
+                device=self._device,
+                **self._trainer_options,
             )
-            if restore.get("seed") is not None:
-                primitives.reseed_adapter(trainer, int(restore["seed"]))
+            if restore.seed is not None:
+                primitives.reseed_adapter(trainer, restore.seed)
             if directory is not None:
-                primitives.load_weights(
-                    trainer, directory, with_optimizer=bool(restore.get("optimizer"))
-                )
+                primitives.load_weights(trainer, directory, with_optimizer=restore.optimizer)
             return trainer
 
-        async with self._compute:
+        async with self._turn(run, "loading its model"):
             run.trainer = await asyncio.to_thread(build)
         run.saved_step = None
+
+    @contextlib.asynccontextmanager
+    async def _turn(self, run: _Run, what: str) -> AsyncIterator[None]:
+        """The device for one operation of ``run``: its trainer on it meanwhile, back in host
+        memory after when the engine shares the device."""
+        async with self._adapters.trainer_turn(f"Tinker run {run.run_id}: {what}"):
+            if run.trainer is not None:
+                await asyncio.to_thread(run.trainer.reload)
+            try:
+                yield
+            finally:
+                if run.trainer is not None and self._adapters.trainer_shares_engine_device:
+                    await asyncio.to_thread(run.trainer.offload)
 
     async def _fetch(self, run: _Run, model_id: str, step: int) -> Path:
         """A local copy of a checkpoint the run may read."""
         directory = self._work_dir / "checkpoints" / model_id / str(step)
-        base = f"{API}/runs/{run.job_id}/checkpoints/{model_id}/{step}/files"
-        response = await self._cp.request("GET", base, params=run.query(), retry=True)
-        for item in response.json()["data"]:
-            if not (directory / item["name"]).is_file():
-                await self._cp.download(
-                    f"{base}/{item['name']}?attempt={run.attempt}", directory / item["name"]
+        files = await self._cp.tinker_checkpoint_files(
+            run.job_id, model_id, step, attempt=run.attempt
+        )
+        for item in files:
+            if not (directory / item.name).is_file():
+                await self._cp.tinker_checkpoint_file(
+                    run.job_id,
+                    model_id,
+                    step,
+                    item.name,
+                    attempt=run.attempt,
+                    target=directory / item.name,
                 )
         return directory
 
     # --- operations -----------------------------------------------------------------------------
 
-    async def _execute(self, run: _Run, operation: dict[str, Any]) -> None:
-        kind, seq_id = operation["kind"], int(operation["seq_id"])
-        path = f"{API}/runs/{run.job_id}/operations/{seq_id}"
-        if operation.get("finished"):
+    async def _execute(self, run: _Run, operation: TinkerOperation) -> None:
+        if operation.finished:
             return
-        if kind in CREATIONS:
+        seq_id = operation.seq_id
+        if isinstance(operation, CreationOperation):
             try:
-                await self._build(run, _restore(operation["params"]))
+                await self._build(run, operation.params.restore())
             except Exception as exc:
                 logger.exception("Tinker run %s: creating the model failed", run.run_id)
-                message = _creation_error(exc, run.base_model, operation["params"].get("path"))
-                await self._cp.request(
-                    "POST",
-                    f"{path}/fail",
-                    json={"attempt": run.attempt, "error": message, "category": "user"},
+                message = _creation_error(exc, run.base_model, operation.params.path)
+                await self._cp.tinker_fail(
+                    run.job_id, seq_id, OperationFailure(attempt=run.attempt, error=message)
                 )
                 raise _CreationFailed(message) from exc
-            await self._complete(run, path, {})
+            await self._complete(run, seq_id, OperationResult())
             return
-        if kind in SAVES:
-            await self._save(run, operation, path)
+        if isinstance(operation, SaveOperation):
+            await self._save(run, operation)
             return
         try:
             result, output = await self._change_state(run, operation)
         except TrainingError as exc:
-            await self._cp.request(
-                "POST",
-                f"{path}/fail",
-                json={"attempt": run.attempt, "error": exc.message, "category": "user"},
+            await self._cp.tinker_fail(
+                run.job_id, seq_id, OperationFailure(attempt=run.attempt, error=exc.message)
             )
             return
         if output is not None:
-            await self._cp.request(
-                "PUT",
-                f"{path}/output",
-                params=run.query(),
+            await self._cp.tinker_output(
+                run.job_id,
+                seq_id,
+                attempt=run.attempt,
                 content=output,
-                headers={"Content-Type": tinker_wire.PROTOBUF_MEDIA_TYPE},
-                retry=True,
+                media_type=tinker_wire.PROTOBUF_MEDIA_TYPE,
             )
-        await self._complete(run, path, result, has_output=output is not None)
+        await self._complete(run, seq_id, result, has_output=output is not None)
 
     async def _complete(
-        self, run: _Run, path: str, result: dict[str, Any], *, has_output: bool = False
+        self, run: _Run, seq_id: int, result: OperationResult, *, has_output: bool = False
     ) -> None:
-        await self._cp.request(
-            "POST",
-            f"{path}/complete",
-            json={"attempt": run.attempt, "result": result, "has_output": has_output},
-            retry=True,
-        )
+        completion = OperationCompletion(attempt=run.attempt, result=result, has_output=has_output)
+        await self._cp.tinker_complete(run.job_id, seq_id, completion)
 
     async def _change_state(
-        self, run: _Run, operation: dict[str, Any]
-    ) -> tuple[dict[str, Any], bytes | None]:
+        self, run: _Run, operation: TinkerOperation
+    ) -> tuple[OperationResult, bytes | None]:
         """Run a forward, forward-backward, optimizer step or load: its result and output."""
         from skytrain_backend.trainer import primitives
 
         trainer = run.trainer
         assert trainer is not None
-        kind = operation["kind"]
-        if kind == "load_weights":
-            params = operation["params"]
+        if isinstance(operation, LoadOperation):
+            if operation.params is None:
+                raise TrainingError("the load was refused: nothing to load")
+            source = operation.params
             await self._build(
-                run, {"checkpoint": params["source"], "optimizer": params["optimizer"]}
+                run, RestorePoint(checkpoint=source.source, optimizer=source.optimizer)
             )
-            return {}, None
-        if kind == "optim_step":
-            adam = primitives.AdamParams(**operation["params"]["adam"])
-            async with self._compute:
+            return OperationResult(), None
+        if isinstance(operation, OptimOperation):
+            if operation.params is None:
+                raise TrainingError("the optimizer step was refused: nothing to apply")
+            adam = primitives.AdamParams(**operation.params.adam.model_dump())
+            async with self._turn(run, operation.kind):
                 metrics = await asyncio.to_thread(primitives.adam_step, trainer, adam)
             run.saved_step = None
-            return {"metrics": metrics}, None
-        body = await self._input(run, int(operation["seq_id"]))
+            return OperationResult(metrics=metrics), None
+        if not isinstance(operation, BatchOperation):
+            raise TrainingError(f"a {operation.kind} does not change a run's state")
+        body = await self._input(run, operation.seq_id)
         batch = tinker_wire.parse_forward_backward(body, max_tokens=run.model_config.max_seq_length)
         examples = [
             primitives.Example(
@@ -379,28 +410,26 @@ class TinkerExecutor:
             )
             for datum in batch.data
         ]
-        async with self._compute:
+        async with self._turn(run, operation.kind):
             logprobs, metrics = await asyncio.to_thread(
                 primitives.forward_backward,
                 trainer.policy,
                 examples,
                 loss_fn=batch.loss_fn,
                 config=batch.loss_config,
-                backward=kind == "forward_backward",
+                backward=operation.kind == "forward_backward",
             )
-        return {}, tinker_wire.encode_forward_backward_output(logprobs, metrics)
+        return OperationResult(), tinker_wire.encode_forward_backward_output(logprobs, metrics)
 
     async def _input(self, run: _Run, seq_id: int) -> bytes:
         target = self._work_dir / "tinker" / run.job_id / f"{seq_id}.pb"
-        await self._cp.download(
-            f"{API}/runs/{run.job_id}/operations/{seq_id}/input?attempt={run.attempt}", target
-        )
+        await self._cp.tinker_input(run.job_id, seq_id, attempt=run.attempt, target=target)
         try:
             return target.read_bytes()
         finally:
             target.unlink(missing_ok=True)
 
-    async def _save(self, run: _Run, operation: dict[str, Any], path: str) -> None:
+    async def _save(self, run: _Run, operation: SaveOperation) -> None:
         """Write the checkpoint (unless the weights did not change since the last one), load
         a sampler save into the engine, then commit it."""
         from skytrain_backend.trainer import primitives
@@ -408,30 +437,33 @@ class TinkerExecutor:
         trainer = run.trainer
         assert trainer is not None
         grads_pending = primitives.has_gradients(trainer)
-        payload: dict[str, Any] = {
-            "attempt": run.attempt,
-            "grads_pending": grads_pending,
-            "optim_steps": trainer.step,
-        }
+        files: list[str] = []
+        served = False
+        reuse_step = None
         if run.saved_step is not None:
-            step = run.saved_step
-            payload.update(step=step, reuse_step=step)
+            step = reuse_step = run.saved_step
         else:
             step = run.latest_step + 1
-            payload["step"] = step
             directory = self._work_dir / "checkpoints" / run.model_id / str(step)
             shutil.rmtree(directory, ignore_errors=True)
-            async with self._compute:
+            async with self._turn(run, operation.kind):
                 await asyncio.to_thread(trainer.save, directory)
-            files = sorted(p for p in directory.iterdir() if p.is_file())
-            for file in files:
+            written = sorted(p for p in directory.iterdir() if p.is_file())
+            for file in written:
                 await self._cp.upload_file(run.job_id, file, attempt=run.attempt)
-            payload["files"] = [file.name for file in files]
-            if operation["kind"] == "save_weights_for_sampler":
-                payload["served"] = await self._adapters.serve_checkpoint(
-                    run.model_id, step, directory
-                )
-        await self._cp.request("POST", f"{path}/save", json=payload, retry=True)
+            files = [file.name for file in written]
+            if operation.kind == "save_weights_for_sampler":
+                served = await self._adapters.serve_checkpoint(run.model_id, step, directory)
+        commit = SaveCommit(
+            attempt=run.attempt,
+            files=files,
+            step=step,
+            reuse_step=reuse_step,
+            grads_pending=grads_pending,
+            optim_steps=trainer.step,
+            served=served,
+        )
+        await self._cp.tinker_save(run.job_id, operation.seq_id, commit)
         run.latest_step = max(run.latest_step, step)
         run.saved_step = step
 
@@ -442,15 +474,6 @@ def _creation_error(exc: Exception, base_model: str, path: str | None) -> str:
         return exc.message
     what = f"{base_model!r} with the weights of {path}" if path else repr(base_model)
     return f"{what} could not be loaded ({type(exc).__name__}): check the base model's name"
-
-
-def _restore(params: dict[str, Any]) -> dict[str, Any]:
-    """A creation's or load's parameters as what ``_build`` starts from."""
-    return {
-        "seed": params.get("seed"),
-        "checkpoint": params.get("source"),
-        "optimizer": bool(params.get("optimizer")),
-    }
 
 
 class _CreationFailed(SkytrainError):

@@ -14,6 +14,7 @@ from skytrain_backend.api.deps import (
     ModelId,
     OrderQuery,
     SessionDep,
+    SessionRoute,
     StepPath,
     StoreDep,
     TenantDep,
@@ -31,7 +32,9 @@ from skytrain_backend.errors import NotFound
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import ObjectStore, keys
 
-router = APIRouter(prefix="/models/{model_id}/checkpoints", tags=["checkpoints"])
+router = APIRouter(
+    prefix="/models/{model_id}/checkpoints", tags=["checkpoints"], route_class=SessionRoute
+)
 
 
 @router.get("", response_model=CheckpointsPublic)

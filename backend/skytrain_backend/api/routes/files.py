@@ -8,13 +8,13 @@ from collections.abc import Iterable, Iterator
 from fastapi import APIRouter, UploadFile
 
 from skytrain_backend.api import ingest
-from skytrain_backend.api.deps import SettingsDep, StoreDep, TenantDep
+from skytrain_backend.api.deps import SessionRoute, SettingsDep, StoreDep, TenantDep
 from skytrain_backend.api.schemas import FilePublic
 from skytrain_backend.db.models import new_id
 from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.storage import ObjectStore, keys
 
-router = APIRouter(prefix="/files", tags=["files"])
+router = APIRouter(prefix="/files", tags=["files"], route_class=SessionRoute)
 
 FILE_SCHEME = "skytrain-file://"
 _FILE_ID_RE = re.compile(r"^[0-9a-f]{32}$")

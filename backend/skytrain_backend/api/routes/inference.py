@@ -1,5 +1,5 @@
 """OpenAI chat completions and completions for the caller's models: the gateway's routes
-(``api/gateway.py`` does the work)."""
+(``api/gateway/`` does the work)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,6 @@ from itertools import groupby
 
 from fastapi import APIRouter, Request, status
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import LargeBodyRoute, json_body_doc
@@ -22,6 +21,7 @@ from skytrain_backend.api.deps import (
     StepQuery,
     StoreDep,
     TenantDep,
+    in_thread,
 )
 from skytrain_backend.api.schemas import (
     LogCreate,
@@ -57,7 +57,7 @@ async def log_trajectories(
     batches of that split, combined, into the checkpoint at that step as ``{split}/{metric}``."""
     body = await ingest.read_body(request)
     try:
-        return await run_in_threadpool(_log, body, model_id, session, tenant, store, settings)
+        return await in_thread(session, _log, body, model_id, session, tenant, store, settings)
     finally:
         body.close()
 
@@ -78,6 +78,7 @@ def _log(
                 buffer, schema=LogCreate, list_field="trajectory_groups"
             )
             model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+            session.commit()  # ends the read: no connection is held while the batch streams
             batch_id = new_id()
             key = keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch_id)
             batch.stream_to(store, key)

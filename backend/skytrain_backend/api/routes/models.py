@@ -12,12 +12,13 @@ from skytrain_backend.api.deps import (
     OrderQuery,
     SchedulerDep,
     SessionDep,
+    SessionRoute,
     SettingsDep,
     StoreDep,
     TenantDep,
 )
+from skytrain_backend.api.model_rules import check_new_model
 from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
-from skytrain_backend.base_models import check_base_model
 from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import Model
 from skytrain_backend.protocol import ModelConfig
@@ -25,7 +26,7 @@ from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.serving import ServingStatus, serving_status
 from skytrain_backend.storage import keys
 
-router = APIRouter(prefix="/models", tags=["models"])
+router = APIRouter(prefix="/models", tags=["models"], route_class=SessionRoute)
 
 
 def model_public(
@@ -60,24 +61,26 @@ def create_model(
 
     ``base_model`` is a Hugging Face model id, or a directory inside one the operator allows.
     Registering makes the model active: the scheduler places it on a worker (starting one if
-    needed); ``serving`` says how far that got. A LoRA rank no worker would load is refused.
+    needed); ``serving`` says how far that got. A LoRA rank no worker would load is refused,
+    and so is a base model that fits none of the GPUs workers may get (the memory plan's
+    reasons in the message).
     """
-    base_model = check_base_model(body.base_model, allowed_dirs=settings.resolved_base_model_dirs)
     config = body.config or ModelConfig()
-    placement.check_lora_rank(
+    limits = check_new_model(
         session,
-        base_model=base_model,
+        tenant=tenant,
+        settings=settings,
+        base_model=body.base_model,
         lora_rank=config.lora_rank,
-        default_limit=settings.engine_max_lora_rank,
+        provider=scheduler.provider,
     )
-    limits = tenants.limits_of(tenant, settings)
     model, created = registry.create_model(
         session,
         tenant=tenant,
         entity=body.entity or tenant.name,
         project=body.project,
         name=body.name,
-        base_model=base_model,
+        base_model=body.base_model,
         config=config.model_dump(mode="json"),
         return_existing=body.return_existing,
         max_models=limits.max_models,
@@ -89,7 +92,9 @@ def create_model(
     return model_public(
         model,
         latest_step=registry.latest_step(session, model_id=model.id),
-        serving=serving_status(session, model=model, limits=limits),
+        serving=serving_status(
+            session, model=model, limits=limits, max_workers=settings.launched_workers_limit
+        ),
     )
 
 
@@ -129,7 +134,12 @@ def get_model(
     return model_public(
         model,
         latest_step=registry.latest_step(session, model_id=model.id),
-        serving=serving_status(session, model=model, limits=tenants.limits_of(tenant, settings)),
+        serving=serving_status(
+            session,
+            model=model,
+            limits=tenants.limits_of(tenant, settings),
+            max_workers=settings.launched_workers_limit,
+        ),
     )
 
 

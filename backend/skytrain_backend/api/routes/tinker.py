@@ -3,16 +3,16 @@
 Authentication: the SDK sends ``X-API-Key: tml-<skytrain key>``; the key's tenant owns what is
 created, and another tenant's run, future or sampler is not found. Training operations are
 queued in the run's order and return futures (``retrieve_future``); see
-``scheduler.tinker`` for how workers run them, ``api.tinker`` for sampling, and
+``scheduler.tinker_worker`` for how workers run them, ``api.tinker`` for sampling, and
 ``docs/tinker.md`` for what is served and what is not.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Annotated, Any
+from typing import Any
 
-from fastapi import APIRouter, Path, Query, Request, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy import select
@@ -22,35 +22,32 @@ from starlette.concurrency import run_in_threadpool
 from skytrain_backend import tinker_wire
 from skytrain_backend.api import tinker_schemas as schemas
 from skytrain_backend.api.deps import (
+    SchedulerDep,
     SessionDep,
+    SessionRoute,
     SettingsDep,
     StoreDep,
     TinkerDep,
     TinkerTenantDep,
 )
-from skytrain_backend.api.tinker import TinkerService, sampling_body
-from skytrain_backend.db import registry
+from skytrain_backend.api.model_rules import check_new_model
+from skytrain_backend.api.routes import tinker_futures, tinker_runs, tinker_sampling
+from skytrain_backend.api.routes.tinker_common import PathId, future, queued, submit, tenant_run
 from skytrain_backend.db import tinker as tinker_rows
 from skytrain_backend.db.models import (
-    Checkpoint,
     Model,
     Tenant,
     TinkerCheckpoint,
     TinkerRequest,
     TinkerRun,
-    TinkerSampler,
     Worker,
 )
-from skytrain_backend.errors import InvalidRequest, NotFound, PayloadTooLarge
+from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.protocol import ModelConfig, format_validation_error
-from skytrain_backend.ranges import INT32_MAX, NO_NUL_PATTERN
 from skytrain_backend.scheduler import tinker as runs
 from skytrain_backend.scheduler.serving import LIVE_WORKER_STATUSES
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"])
-
-# An id in the path: refused (400) before it reaches SQL if it holds NUL or is too long.
-PathId = Annotated[str, Path(min_length=1, max_length=256, pattern=NO_NUL_PATTERN)]
+router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=SessionRoute)
 
 _ADAM_ONLY = "skytrain's Tinker runs use Adam (AdamW) only: leave optimizer out or use AdamParams"
 
@@ -136,19 +133,13 @@ def finish_session(
     runs.finish_session(session, row=row, status=status)
 
 
-# --- training runs ------------------------------------------------------------------------------
-
-
-def _future(row: TinkerRequest, **extra: Any) -> schemas.UntypedAPIFuture:
-    return schemas.UntypedAPIFuture(request_id=row.id, model_id=row.run_id, **extra)
-
-
 @router.post("/create_model")
 def create_model(
     body: schemas.CreateModelRequest,
     tenant: TinkerTenantDep,
     session: SessionDep,
     settings: SettingsDep,
+    scheduler: SchedulerDep,
 ) -> schemas.UntypedAPIFuture:
     tinker_session = tinker_rows.open_session(
         session, tenant_id=tenant.id, session_id=body.session_id
@@ -158,6 +149,15 @@ def create_model(
     lora = body.lora_config or schemas.LoraConfig(rank=32)
     config = runs.lora_model_config(
         rank=lora.rank, train_attn=lora.train_attn, train_mlp=lora.train_mlp
+    )
+    limits = check_new_model(
+        session,
+        tenant=tenant,
+        settings=settings,
+        base_model=body.base_model,
+        lora_rank=config.lora_rank,
+        provider=scheduler.provider,
+        tinker_training=True,
     )
     # An unseeded adapter gets a seed now: a rebuilt state must start from the same weights.
     seed = lora.seed if lora.seed is not None else uuid.uuid4().int % 2**31
@@ -172,24 +172,9 @@ def create_model(
         user_metadata=body.user_metadata or {},
         creation={"kind": "create_model", "seed": seed},
         max_attempts=settings.job_max_attempts,
+        max_models=limits.max_models,
     )
-    return _future(operation)
-
-
-def _queued(
-    tinker: TinkerService, session: Session, operation: TinkerRequest
-) -> schemas.UntypedAPIFuture:
-    """The future of a queued operation, its run's worker told at once."""
-    if operation.run_id is not None:
-        run = session.get_one(TinkerRun, operation.run_id)
-        tinker.notify(f"job:{run.job_id}")
-    return _future(operation)
-
-
-def _run(session: Session, tenant: Tenant, model_id: str) -> TinkerRun:
-    run = tinker_rows.get_run(session, tenant_id=tenant.id, run_id=model_id)
-    tinker_rows.touch_run(session, run=run)
-    return run
+    return future(operation)
 
 
 @router.post("/get_info")
@@ -228,7 +213,7 @@ async def forward_backward(
 
     def queue_it() -> TinkerRequest:
         message = tinker_wire.decode_forward_backward(body)
-        run = _run(session, tenant, message.model_id)
+        run = tenant_run(session, tenant, message.model_id)
         model = session.get_one(Model, run.model_id)
         kind = "forward" if message.forward_only else "forward_backward"
         max_tokens = ModelConfig.model_validate(model.config).max_seq_length
@@ -259,7 +244,7 @@ async def forward_backward(
             body=body,
         )
 
-    return _queued(tinker, session, await run_in_threadpool(queue_it))
+    return queued(tinker, session, await run_in_threadpool(queue_it))
 
 
 @router.post("/optim_step")
@@ -270,7 +255,7 @@ def optim_step(
     store: StoreDep,
     tinker: TinkerDep,
 ) -> schemas.UntypedAPIFuture:
-    run = _run(session, tenant, body.model_id)
+    run = tenant_run(session, tenant, body.model_id)
     refused = None
     params: dict[str, Any] = {}
     if body.optimizer_params is not None:
@@ -281,16 +266,16 @@ def optim_step(
             params = {"adam": adam.model_dump()}
         except ValidationError as exc:
             refused = format_validation_error(exc, root="adam_params")
-    operation = runs.submit(
+    return submit(
+        tinker,
         session,
-        store=store,
+        store,
         run=run,
         seq_id=body.seq_id,
         kind="optim_step",
         params=params,
         refused=refused,
     )
-    return _queued(tinker, session, operation)
 
 
 def _name_refusal(
@@ -324,18 +309,18 @@ def save_weights(
     store: StoreDep,
     tinker: TinkerDep,
 ) -> schemas.UntypedAPIFuture:
-    run = _run(session, tenant, body.model_id)
+    run = tenant_run(session, tenant, body.model_id)
     name = body.path or f"state-{body.seq_id}"
-    operation = runs.submit(
+    return submit(
+        tinker,
         session,
-        store=store,
+        store,
         run=run,
         seq_id=body.seq_id,
         kind="save_weights",
         params={"name": name, "overwrite": body.overwrite, "user_metadata": body.user_metadata},
         refused=_name_refusal(session, run, "training", name, overwrite=body.overwrite),
     )
-    return _queued(tinker, session, operation)
 
 
 @router.post("/save_weights_for_sampler")
@@ -346,22 +331,22 @@ def save_weights_for_sampler(
     store: StoreDep,
     tinker: TinkerDep,
 ) -> schemas.UntypedAPIFuture:
-    run = _run(session, tenant, body.model_id)
+    run = tenant_run(session, tenant, body.model_id)
     refused = None
     if body.kind != "snapshot":
         refused = f"sampling client kind {body.kind!r} is not served: skytrain's are snapshots"
     elif body.path is not None:
         refused = _name_refusal(session, run, "sampler", body.path, overwrite=False)
-    operation = runs.submit(
+    return submit(
+        tinker,
         session,
-        store=store,
+        store,
         run=run,
         seq_id=body.seq_id,
         kind="save_weights_for_sampler",
         params={"name": body.path, "user_metadata": body.user_metadata},
         refused=refused,
     )
-    return _queued(tinker, session, operation)
 
 
 def _load_source(
@@ -387,6 +372,7 @@ def load_weights(
     store: StoreDep,
     settings: SettingsDep,
     tinker: TinkerDep,
+    scheduler: SchedulerDep,
 ) -> schemas.UntypedAPIFuture:
     """Load a checkpoint into a live run (``model_id`` + ``seq_id``), or create a run from one
     (``session_id`` + ``model_seq_id``: ``create_training_client_from_state``)."""
@@ -403,24 +389,35 @@ def load_weights(
         tinker_session = tinker_rows.open_session(
             session, tenant_id=tenant.id, session_id=body.session_id
         )
+        config = ModelConfig.model_validate(source_model.config)
+        limits = check_new_model(
+            session,
+            tenant=tenant,
+            settings=settings,
+            base_model=source_model.base_model,
+            lora_rank=config.lora_rank,
+            provider=scheduler.provider,
+            tinker_training=True,
+        )
         operation = runs.create_run(
             session,
             tenant=tenant,
             tinker_session=tinker_session,
             model_seq_id=body.model_seq_id,
             base_model=source_model.base_model,
-            model_config=ModelConfig.model_validate(source_model.config),
+            model_config=config,
             lora_config=source_run.lora_config,
             user_metadata=body.user_metadata or {},
             creation={"kind": "load_create", **params},
             max_attempts=settings.job_max_attempts,
+            max_models=limits.max_models,
         )
-        return _future(operation)
+        return future(operation)
     if body.model_id is None:
         raise InvalidRequest(
             "load_weights needs model_id and seq_id, or session_id and model_seq_id"
         )
-    run = _run(session, tenant, body.model_id)
+    run = tenant_run(session, tenant, body.model_id)
     refused = None
     params = {}
     try:
@@ -433,297 +430,19 @@ def load_weights(
             )
     except (InvalidRequest, NotFound) as exc:
         refused = exc.message
-    operation = runs.submit(
+    return submit(
+        tinker,
         session,
-        store=store,
+        store,
         run=run,
         seq_id=body.seq_id,
         kind="load_weights",
         params=params,
         refused=refused,
     )
-    return _queued(tinker, session, operation)
 
 
-# --- sampling -----------------------------------------------------------------------------------
-
-
-def _base_model_sampler_model(session: Session, tenant: Tenant, base_model: str) -> Model:
-    """The tenant's model that stands for ``base_model`` itself (step 0), created once."""
-    name = "base-" + uuid.uuid5(uuid.NAMESPACE_URL, base_model).hex[:16]
-    model = session.scalar(
-        select(Model).where(
-            Model.tenant_id == tenant.id,
-            Model.entity == tenant.name,
-            Model.project == runs.PROJECT,
-            Model.name == name,
-        )
-    )
-    if model is not None:
-        return model
-    model, _ = registry.create_model(
-        session,
-        tenant=tenant,
-        entity=tenant.name,
-        project=runs.PROJECT,
-        name=name,
-        base_model=base_model,
-        config=ModelConfig().model_dump(mode="json"),
-        return_existing=True,
-    )
-    return model
-
-
-@router.post("/create_sampling_session")
-def create_sampling_session(
-    body: schemas.CreateSamplingSessionRequest, tenant: TinkerTenantDep, session: SessionDep
-) -> schemas.CreateSamplingSessionResponse:
-    tinker_rows.open_session(session, tenant_id=tenant.id, session_id=body.session_id)
-    if body.model_path is not None:
-        run, checkpoint = runs.resolve_path(session, tenant_id=tenant.id, path=body.model_path)
-        model = session.get_one(Model, run.model_id)
-        step = checkpoint.step
-    elif body.base_model is not None:
-        model = _base_model_sampler_model(session, tenant, body.base_model)
-        step = 0
-    else:
-        raise InvalidRequest("create_sampling_session needs model_path or base_model")
-    sampler = TinkerSampler(
-        tenant_id=tenant.id,
-        base_model=model.base_model,
-        model_id=model.id,
-        step=step,
-        model_path=body.model_path,
-    )
-    session.add(sampler)
-    session.commit()
-    return schemas.CreateSamplingSessionResponse(sampling_session_id=sampler.id)
-
-
-@router.get("/samplers/{sampler_id}")
-def get_sampler(
-    sampler_id: PathId, tenant: TinkerTenantDep, session: SessionDep
-) -> schemas.GetSamplerResponse:
-    sampler = tinker_rows.get_sampler(session, tenant_id=tenant.id, sampler_id=sampler_id)
-    return schemas.GetSamplerResponse(
-        sampler_id=sampler.id, base_model=sampler.base_model, model_path=sampler.model_path
-    )
-
-
-_UNSERVED_SAMPLING = {
-    "prompt_logprobs": "prompt logprobs (compute_logprobs): use a training client's forward",
-    "topk_prompt_logprobs": "top-k prompt logprobs",
-    "topk_sample_logprobs": "top-k sampled-token logprobs",
-    "target_prompt_logprobs": "target prompt logprobs",
-    "prompt_alt_tokens_k": "prompt alternative tokens",
-    "prompt_logprobs_last_n": "prompt logprobs",
-    "record_stability_info": "stability information (stable_reinforce)",
-}
-
-
-@router.post("/asample")
-async def asample(
-    body: schemas.SampleRequest,
-    tenant: TinkerTenantDep,
-    session: SessionDep,
-    tinker: TinkerDep,
-) -> schemas.UntypedAPIFuture:
-    """Queue a sampling request; its task (in this process) asks the sampler's engine."""
-    for field_name, what in _UNSERVED_SAMPLING.items():
-        if getattr(body, field_name):
-            raise InvalidRequest(f"{field_name}: {what} is not served by skytrain")
-    if body.sampling_session_id is None:
-        raise InvalidRequest(
-            "asample needs a sampling_session_id: create a SamplingClient with the SDK"
-        )
-    try:
-        prompt = body.prompt.token_ids()
-    except (ValueError, ValidationError) as exc:
-        raise InvalidRequest(str(exc)) from None
-    if not prompt:
-        raise InvalidRequest("the prompt is empty: send at least one token")
-    if len(prompt) > runs.MAX_SEQ_LENGTH:
-        raise PayloadTooLarge(
-            f"the prompt has {len(prompt)} tokens, more than {runs.MAX_SEQ_LENGTH}"
-        )
-    sampler_id = body.sampling_session_id
-
-    def record() -> tuple[TinkerRequest, TinkerSampler]:
-        sampler = tinker_rows.get_sampler(session, tenant_id=tenant.id, sampler_id=sampler_id)
-        row = TinkerRequest(
-            tenant_id=tenant.id,
-            sampler_id=sampler.id,
-            kind="sample",
-            status="running",
-            params={"num_samples": body.num_samples, "prompt_tokens": len(prompt)},
-        )
-        session.add(row)
-        session.commit()
-        return row, sampler
-
-    row, sampler = await run_in_threadpool(record)
-    tinker.start_sample(
-        request_id=row.id,
-        tenant_id=tenant.id,
-        model=f"{sampler.model_id}:step{sampler.step}",
-        body=sampling_body(
-            prompt=prompt, num_samples=body.num_samples, params=body.sampling_params
-        ),
-    )
-    return _future(row, sample_sequence_ids=[f"{row.id}:{i}" for i in range(body.num_samples)])
-
-
-# --- futures ------------------------------------------------------------------------------------
-
-
-def _result(store: Any, session: Session, row: TinkerRequest) -> Response:
-    """A succeeded future's answer: protobuf for forward-backward and sampling."""
-    if row.kind in ("forward", "forward_backward"):
-        assert row.result_uri is not None and row.run_id is not None
-        run = session.get_one(TinkerRun, row.run_id)
-        assert row.seq_id is not None
-        content = store.get_bytes(runs.output_key(run, row.seq_id))
-        return Response(content, media_type=tinker_wire.PROTOBUF_MEDIA_TYPE)
-    if row.kind == "sample":
-        sequences = [
-            tinker_wire.SampledSequence(s["tokens"], s["logprobs"], s["stop_reason"])
-            for s in (row.result or {})["sequences"]
-        ]
-        content = tinker_wire.encode_sample_response(sequences)
-        return Response(content, media_type=tinker_wire.PROTOBUF_MEDIA_TYPE)
-    return JSONResponse(row.result or {})
-
-
-@router.post("/retrieve_future")
-async def retrieve_future(
-    body: schemas.FutureRetrieveRequest,
-    tenant: TinkerTenantDep,
-    session: SessionDep,
-    tinker: TinkerDep,
-    store: StoreDep,
-) -> Response:
-    """The future's answer; one not done yet is waited on for a while (holding no database
-    connection), then answered ``try_again``."""
-    tenant_id = tenant.id
-    session.rollback()
-    answer = await tinker.wait(
-        tenant_id=tenant_id,
-        request_id=body.request_id,
-        on_done=lambda session, row: _result(store, session, row),
-    )
-    if isinstance(answer, Response):
-        return answer
-    if isinstance(answer, runs.Failed):
-        failed = schemas.RequestFailedResponse(error=answer.error, category=answer.category)
-        return JSONResponse(failed.model_dump())
-    pending = schemas.TryAgainResponse(
-        request_id=body.request_id, queue_state=answer.queue_state, queue_state_reason=answer.reason
-    )
-    return JSONResponse(pending.model_dump())
-
-
-@router.post("/cancel_future", status_code=204)
-def cancel_future(tenant: TinkerTenantDep) -> None:
-    """Accepted and ignored: a sample runs to its end (the SDK sends this only when the
-    server's dynamic config enables it, which skytrain's does not)."""
-
-
-# --- training runs and checkpoints ----------------------------------------------------------------
-
-
-def _checkpoint_public(
-    named: TinkerCheckpoint, checkpoint: Checkpoint
-) -> schemas.TinkerCheckpointPublic:
-    segment = "weights" if named.kind == "training" else "sampler_weights"
-    return schemas.TinkerCheckpointPublic(
-        checkpoint_id=f"{segment}/{named.name}",
-        checkpoint_type=named.kind,
-        time=named.created_at,
-        tinker_path=runs.TinkerPath.of(named.run_id, named.kind, named.name),  # type: ignore[arg-type]
-        size_bytes=checkpoint.size_bytes,
-        user_metadata=named.user_metadata or None,
-    )
-
-
-def _run_public(session: Session, tenant: Tenant, run: TinkerRun) -> schemas.TrainingRunPublic:
-    model = session.get_one(Model, run.model_id)
-    named = tinker_rows.named_checkpoints(session, tenant_id=tenant.id, run_id=run.id)
-    latest = {
-        kind: next((item for item in named if item[0].kind == kind), None)
-        for kind in ("training", "sampler")
-    }
-    job = runs.run_job(session, run=run)
-    return schemas.TrainingRunPublic(
-        training_run_id=run.id,
-        base_model=model.base_model,
-        model_owner=tenant.name,
-        corrupted=job.status == "failed",
-        lora_rank=ModelConfig.model_validate(model.config).lora_rank,
-        last_request_time=run.last_request_at,
-        last_checkpoint=_checkpoint_public(*latest["training"]) if latest["training"] else None,
-        last_sampler_checkpoint=(
-            _checkpoint_public(*latest["sampler"]) if latest["sampler"] else None
-        ),
-        user_metadata={k: str(v) for k, v in run.user_metadata.items()} or None,
-    )
-
-
-Limit = Annotated[int, Query(ge=1, le=1000)]
-Offset = Annotated[int, Query(ge=0, le=INT32_MAX)]
-
-
-@router.get("/training_runs")
-def list_training_runs(
-    tenant: TinkerTenantDep, session: SessionDep, limit: Limit = 20, offset: Offset = 0
-) -> schemas.TrainingRunsResponse:
-    found, total = tinker_rows.list_runs(session, tenant_id=tenant.id, limit=limit, offset=offset)
-    return schemas.TrainingRunsResponse(
-        training_runs=[_run_public(session, tenant, run) for run in found],
-        cursor=schemas.Cursor(offset=offset, limit=limit, total_count=total),
-    )
-
-
-@router.get("/training_runs/{run_id}")
-def get_training_run(
-    run_id: PathId, tenant: TinkerTenantDep, session: SessionDep
-) -> schemas.TrainingRunPublic:
-    run = tinker_rows.get_run(session, tenant_id=tenant.id, run_id=run_id)
-    return _run_public(session, tenant, run)
-
-
-@router.get("/training_runs/{run_id}/checkpoints")
-def list_run_checkpoints(
-    run_id: PathId, tenant: TinkerTenantDep, session: SessionDep
-) -> schemas.CheckpointsListResponse:
-    run = tinker_rows.get_run(session, tenant_id=tenant.id, run_id=run_id)
-    named = tinker_rows.named_checkpoints(session, tenant_id=tenant.id, run_id=run.id)
-    return schemas.CheckpointsListResponse(
-        checkpoints=[_checkpoint_public(*item) for item in named]
-    )
-
-
-@router.get("/checkpoints")
-def list_checkpoints(
-    tenant: TinkerTenantDep, session: SessionDep, limit: Limit = 100, offset: Offset = 0
-) -> schemas.CheckpointsListResponse:
-    named = tinker_rows.named_checkpoints(session, tenant_id=tenant.id)
-    page = named[offset : offset + limit]
-    return schemas.CheckpointsListResponse(
-        checkpoints=[_checkpoint_public(*item) for item in page],
-        cursor=schemas.Cursor(offset=offset, limit=limit, total_count=len(named)),
-    )
-
-
-@router.post("/weights_info")
-def weights_info(
-    body: schemas.WeightsInfoRequest, tenant: TinkerTenantDep, session: SessionDep
-) -> schemas.WeightsInfoResponse:
-    run, _ = runs.resolve_path(session, tenant_id=tenant.id, path=body.tinker_path)
-    model = session.get_one(Model, run.model_id)
-    config = ModelConfig.model_validate(model.config)
-    return schemas.WeightsInfoResponse(
-        base_model=model.base_model,
-        lora_rank=config.lora_rank,
-        train_mlp=bool(set(runs.MLP_MODULES) & set(config.lora_target_modules)),
-        train_attn=bool(set(runs.ATTENTION_MODULES) & set(config.lora_target_modules)),
-    )
+# The sampling, futures and REST-client routes, in modules of their own.
+router.include_router(tinker_sampling.router)
+router.include_router(tinker_futures.router)
+router.include_router(tinker_runs.router)

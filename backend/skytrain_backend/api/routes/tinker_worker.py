@@ -3,72 +3,58 @@
 A run is leased as a ``tinker`` training job (renewed and released through the job routes);
 every call names the attempt it holds, so a worker that lost the run gets 409 and stops. A
 save's checkpoint files are staged with the job routes' file upload, then committed here.
-See ``scheduler.tinker`` for the queue and the rebuild plan.
+See ``scheduler.tinker_worker`` for the queue and the rebuild plan.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request, Response
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from skytrain_backend.api import stored_files
 from skytrain_backend.api.deps import (
     NotifierDep,
     SessionDep,
+    SessionRoute,
     SettingsDep,
     StoreDep,
     TinkerDep,
     WaitS,
+    in_thread,
 )
 from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.api.routes.worker import WorkerDep
 from skytrain_backend.db import notify
 from skytrain_backend.db.models import Model, Worker
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.protocol.tinker import (
+    CheckpointFileInfo,
+    CheckpointFileList,
+    NextOperationRequest,
+    OperationCompletion,
+    OperationFailure,
+    SaveCommit,
+    TinkerLease,
+    TinkerOperation,
+    TinkerOperationAnswer,
+    TinkerRun,
+)
 from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler import tinker as runs
+from skytrain_backend.scheduler import tinker_worker as worker_runs
 from skytrain_backend.storage import keys
 
-router = APIRouter(prefix="/worker/tinker", tags=["workers"], include_in_schema=False)
-
-# The longest a worker's wait for the next operation is held.
-MAX_WAIT_S = 20.0
+router = APIRouter(
+    prefix="/worker/tinker", tags=["workers"], include_in_schema=False, route_class=SessionRoute
+)
 
 Attempt = Annotated[int, Query(ge=1)]
 
 
-class NextRequest(BaseModel):
-    attempt: int = Field(ge=1)
-    seq_id: int = Field(ge=0)
-    wait_s: float = Field(default=10.0, ge=0, le=MAX_WAIT_S)
-
-
-class CompleteRequest(BaseModel):
-    attempt: int = Field(ge=1)
-    result: dict[str, Any] = Field(default_factory=dict)
-    has_output: bool = False
-
-
-class FailRequest(BaseModel):
-    attempt: int = Field(ge=1)
-    error: str = Field(min_length=1)
-    category: Literal["user", "server"] = "user"
-
-
-class SaveRequest(BaseModel):
-    attempt: int = Field(ge=1)
-    files: list[str] = Field(default_factory=list)
-    step: int = Field(ge=1)
-    reuse_step: int | None = Field(default=None, ge=1)
-    grads_pending: bool
-    optim_steps: int = Field(ge=0)
-    served: bool = False
-
-
-@router.post("/lease")
+@router.post("/lease", response_model=TinkerLease, responses={204: {"description": "No run"}})
 async def lease(
     request: Request,
     worker: WorkerDep,
@@ -76,23 +62,22 @@ async def lease(
     settings: SettingsDep,
     notifier: NotifierDep,
     wait_s: WaitS = 0.0,
-) -> Response:
+) -> TinkerLease | Response:
     """Lease a Tinker run placed on this worker, waiting up to ``wait_s`` for one (a run is a
     ``tinker`` training job: its queuing wakes the wait like any job's)."""
     worker_id = worker.id
-    await run_in_threadpool(session.rollback)
 
-    def claim() -> dict[str, Any] | None:
+    def claim() -> TinkerRun | None:
         try:
             current = session.get_one(Worker, worker_id)
             if current.status == "draining":
                 return None
-            return runs.lease_run(session, worker=current, lease_s=settings.job_lease_s)
+            return worker_runs.lease_run(session, worker=current, lease_s=settings.job_lease_s)
         finally:
             session.rollback()
 
-    def release(run: dict[str, Any]) -> None:
-        queue.unlease(session, worker_id=worker_id, job_id=run["job_id"], attempt=run["attempt"])
+    def release(run: TinkerRun) -> None:
+        queue.unlease(session, worker_id=worker_id, job_id=run.job_id, attempt=run.attempt)
 
     run = await long_poll(
         request,
@@ -105,44 +90,52 @@ async def lease(
     )
     if run is None:
         return Response(status_code=204)
-    return JSONResponse({"run": run})
+    return TinkerLease(run=run)
 
 
-@router.post("/runs/{job_id}/next")
+@router.post(
+    "/runs/{job_id}/next",
+    response_model=TinkerOperationAnswer,
+    responses={204: {"description": "Not arrived yet"}},
+)
 async def next_operation(
-    job_id: str, body: NextRequest, worker: WorkerDep, session: SessionDep, tinker: TinkerDep
-) -> Response:
+    job_id: str,
+    body: NextOperationRequest,
+    worker: WorkerDep,
+    session: SessionDep,
+    tinker: TinkerDep,
+) -> TinkerOperationAnswer | Response:
     """Operation ``seq_id`` of the run, waiting up to ``wait_s`` for it to arrive (holding no
     database connection meanwhile)."""
     worker_id = worker.id
     session.rollback()
 
-    def look() -> tuple[bool, dict[str, Any] | None]:
+    def look() -> tuple[bool, TinkerOperation | None]:
         with tinker.sessions() as session:
-            operation = runs.next_operation(
+            operation = worker_runs.next_operation(
                 session,
                 worker=session.get_one(Worker, worker_id),
                 job_id=job_id,
                 attempt=body.attempt,
                 seq_id=body.seq_id,
             )
-            found = None if operation is None else runs.operation_for_worker(operation)
+            found = None if operation is None else worker_runs.operation_for_worker(operation)
         return found is not None, found
 
-    found = await tinker.watch(f"job:{job_id}", look, timeout_s=body.wait_s)
+    found = await tinker.watch(f"job:{job_id}", look, turn=worker_id, timeout_s=body.wait_s)
     if found is None:
         return Response(status_code=204)
-    return JSONResponse({"operation": found})
+    return TinkerOperationAnswer(operation=found)
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}")
 def operation(
     job_id: str, seq_id: int, attempt: Attempt, worker: WorkerDep, session: SessionDep
-) -> dict[str, Any]:
-    _, found = runs.worker_operation(
+) -> TinkerOperationAnswer:
+    _, found = worker_runs.worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
-    return {"operation": runs.operation_for_worker(found)}
+    return TinkerOperationAnswer(operation=worker_runs.operation_for_worker(found))
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}/input")
@@ -154,7 +147,7 @@ def operation_input(
     session: SessionDep,
     store: StoreDep,
 ) -> StreamingResponse:
-    run, found = runs.worker_operation(
+    run, found = worker_runs.worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
     if found.input_uri is None:
@@ -174,11 +167,16 @@ async def operation_output(
     session: SessionDep,
     store: StoreDep,
 ) -> None:
-    run, _ = await run_in_threadpool(
-        runs.worker_operation, session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
+    run, _ = await in_thread(
+        session,
+        worker_runs.worker_operation,
+        session,
+        worker=worker,
+        job_id=job_id,
+        attempt=attempt,
+        seq_id=seq_id,
     )
     key = runs.output_key(run, seq_id)
-    session.rollback()
     await run_in_threadpool(store.put_bytes, key, await request.body())
 
 
@@ -186,13 +184,13 @@ async def operation_output(
 def complete(
     job_id: str,
     seq_id: int,
-    body: CompleteRequest,
+    body: OperationCompletion,
     worker: WorkerDep,
     session: SessionDep,
     store: StoreDep,
     tinker: TinkerDep,
 ) -> None:
-    request_id = runs.complete(
+    request_id = worker_runs.complete(
         session,
         store=store,
         worker=worker,
@@ -209,12 +207,12 @@ def complete(
 def fail(
     job_id: str,
     seq_id: int,
-    body: FailRequest,
+    body: OperationFailure,
     worker: WorkerDep,
     session: SessionDep,
     tinker: TinkerDep,
 ) -> None:
-    request_id = runs.fail(
+    request_id = worker_runs.fail(
         session,
         worker=worker,
         job_id=job_id,
@@ -230,13 +228,13 @@ def fail(
 def save(
     job_id: str,
     seq_id: int,
-    body: SaveRequest,
+    body: SaveCommit,
     worker: WorkerDep,
     session: SessionDep,
     store: StoreDep,
     tinker: TinkerDep,
 ) -> None:
-    request_id = runs.commit_save(
+    request_id = worker_runs.commit_save(
         session,
         store=store,
         worker=worker,
@@ -256,8 +254,8 @@ def save(
 def _readable(
     session: SessionDep, *, worker: WorkerDep, job_id: str, attempt: int, model_id: str, step: int
 ) -> tuple[Model, str]:
-    run = runs.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
-    runs.readable_checkpoint(session, run=run, model_id=model_id, step=step)
+    run = worker_runs.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
+    worker_runs.readable_checkpoint(session, run=run, model_id=model_id, step=step)
     model = session.get_one(Model, model_id)
     return model, keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
 
@@ -271,16 +269,16 @@ def checkpoint_files(
     worker: WorkerDep,
     session: SessionDep,
     store: StoreDep,
-) -> dict[str, Any]:
+) -> CheckpointFileList:
     _, prefix = _readable(
         session, worker=worker, job_id=job_id, attempt=attempt, model_id=model_id, step=step
     )
-    return {
-        "data": [
-            {"name": info.key.removeprefix(prefix), "size": info.size}
+    return CheckpointFileList(
+        data=[
+            CheckpointFileInfo(name=info.key.removeprefix(prefix), size=info.size)
             for info in store.list(prefix)
         ]
-    }
+    )
 
 
 @router.get("/runs/{job_id}/checkpoints/{model_id}/{step}/files/{name}")
@@ -297,13 +295,4 @@ def checkpoint_file(
     _, prefix = _readable(
         session, worker=worker, job_id=job_id, attempt=attempt, model_id=model_id, step=step
     )
-    return StreamingResponse(
-        store.iter_chunks(prefix + _file_name(name)), media_type="application/octet-stream"
-    )
-
-
-def _file_name(name: str) -> str:
-    """A checkpoint file's name: one path segment, never a way out of the prefix."""
-    if not name or "/" in name or name in (".", ".."):
-        raise InvalidRequest(f"{name!r} is not a checkpoint file name")
-    return name
+    return stored_files.download(store, prefix, name)

@@ -8,10 +8,11 @@ asked to stop.
 from __future__ import annotations
 
 import contextlib
+from typing import Any, Generic, TypeVar
 
+import msgspec
 from fastapi import APIRouter, Request, Response
 from sqlalchemy.orm import Session
-from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import LargeBodyRoute, json_body_doc
@@ -30,6 +31,7 @@ from skytrain_backend.api.deps import (
     TenantDep,
     WaitingDep,
     WaitS,
+    in_thread,
 )
 from skytrain_backend.api.longpoll import WAIT_REFUSED_HEADER, long_poll
 from skytrain_backend.api.routes.files import read_uploaded_file
@@ -44,8 +46,9 @@ from skytrain_backend.api.schemas import (
 from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
-from skytrain_backend.db.tenants import limits_of
+from skytrain_backend.db.tenants import TenantLimits, limits_of
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.observability import metrics
 from skytrain_backend.protocol import (
     TERMINAL_JOB_STATUSES,
     JobKind,
@@ -57,6 +60,7 @@ from skytrain_backend.protocol import (
 )
 from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.loop import Scheduler
+from skytrain_backend.scheduler.serving import job_waiting
 from skytrain_backend.storage import ObjectStore, keys
 
 router = APIRouter(tags=["training jobs"], route_class=LargeBodyRoute)
@@ -77,6 +81,8 @@ def _store_job(
     max_attempts: int,
     scheduler: Scheduler,
     job_id: str,
+    limits: TenantLimits,
+    max_workers: int | None,
 ) -> TrainingJobPublic:
     def insert(uri: str) -> TrainingJob:
         # A job makes its model active: the scheduler places it on a worker if needed.
@@ -97,7 +103,16 @@ def _store_job(
         store, session, key=_input_key(model, job_id), data=batch.output, insert=insert
     )
     scheduler.wake()
-    return TrainingJobPublic.model_validate(job)
+    return _job_public(session, job, limits=limits, max_workers=max_workers)
+
+
+def _job_public(
+    session: Session, job: TrainingJob, *, limits: TenantLimits, max_workers: int | None
+) -> TrainingJobPublic:
+    """The job; a queued one says in ``waiting`` why it has not started."""
+    public = TrainingJobPublic.model_validate(job)
+    public.waiting = job_waiting(session, job=job, limits=limits, max_workers=max_workers)
+    return public
 
 
 def _input_key(model: Model, job_id: str) -> str:
@@ -112,6 +127,100 @@ def _check_servable(session: Session, *, model: Model, settings: Settings) -> No
         lora_rank=ModelConfig.model_validate(model.config or {}).lora_rank,
         default_limit=settings.engine_max_lora_rank,
     )
+
+
+RequestT = TypeVar("RequestT", TrainingJobCreate, SFTTrainingJobCreate)
+ConfigT = TypeVar("ConfigT", RLTrainConfig, SFTTrainConfig)
+Items = list[msgspec.Raw] | None
+
+
+class _JobBody(Generic[RequestT, ConfigT]):
+    """How one kind of job reads its body; ``_queue_job`` does what both kinds share."""
+
+    kind: JobKind
+    schema: type[RequestT]
+    list_field: str
+
+    def config(self, request: RequestT, items: Items) -> ConfigT:
+        """The job's options; raises for a body that asks for something impossible."""
+        raise NotImplementedError
+
+    def add_items(self, items: Items, batch: ingest.Batch, config: ConfigT) -> None:
+        """The body's list, each item validated, into the batch."""
+        raise NotImplementedError
+
+    def finish(
+        self, request: RequestT, batch: ingest.Batch, *, store: ObjectStore, tenant: Tenant
+    ) -> None:
+        """What remains once the body's buffer is closed."""
+
+
+class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
+    """A GRPO job's body: trajectory groups, skytrain's or ART's options."""
+
+    kind: JobKind = "rl"
+    schema = TrainingJobCreate
+    list_field = "trajectory_groups"
+
+    def __init__(self) -> None:
+        self._trainable_turns = 0
+
+    def config(self, request: TrainingJobCreate, items: Items) -> RLTrainConfig:
+        if request.config is not None and request.experimental_config is not None:
+            raise InvalidRequest(
+                "send either config (skytrain's options) or experimental_config (ART's), not both"
+            )
+        return request.config or RLTrainConfig.from_experimental(request.experimental_config)
+
+    def add_items(self, items: Items, batch: ingest.Batch, config: RLTrainConfig) -> None:
+        allow = config.allow_training_without_logprobs
+        for index, group in enumerate(
+            ingest.each_item(items or [], ingest.parse_group, field="trajectory_groups")
+        ):
+            self._trainable_turns += ingest.trainable_turns(
+                group, index, allow_training_without_logprobs=allow
+            )
+            batch.add(group)
+
+    def finish(
+        self, request: TrainingJobCreate, batch: ingest.Batch, *, store: ObjectStore, tenant: Tenant
+    ) -> None:
+        check_trainable_turns(self._trainable_turns)
+
+
+class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
+    """An SFT job's body: trajectories, or the URL of an uploaded JSONL file."""
+
+    kind: JobKind = "sft"
+    schema = SFTTrainingJobCreate
+    list_field = "trajectories"
+
+    def config(self, request: SFTTrainingJobCreate, items: Items) -> SFTTrainConfig:
+        if (items is None) == (request.training_data_url is None):
+            raise InvalidRequest(
+                "send exactly one of trajectories (a list) or training_data_url "
+                "(skytrain-file://<id> from POST /v1/files)"
+            )
+        return request.config or SFTTrainConfig()
+
+    def add_items(self, items: Items, batch: ingest.Batch, config: SFTTrainConfig) -> None:
+        if items is not None:
+            for trajectory in ingest.each_item(
+                items, ingest.parse_trajectory, field="trajectories"
+            ):
+                batch.add(trajectory)
+
+    def finish(
+        self,
+        request: SFTTrainingJobCreate,
+        batch: ingest.Batch,
+        *,
+        store: ObjectStore,
+        tenant: Tenant,
+    ) -> None:
+        if request.training_data_url is not None:
+            lines = read_uploaded_file(store, tenant_id=tenant.id, url=request.training_data_url)
+            ingest.parse_trajectory_lines(lines, batch)
 
 
 @router.post(
@@ -129,63 +238,7 @@ async def create_training_job(
     scheduler: SchedulerDep,
 ) -> TrainingJobPublic:
     """Queue a GRPO step on the trajectory groups (ART's experimental_config is accepted)."""
-    body = await ingest.read_body(request)
-    try:
-        return await run_in_threadpool(
-            _queue_rl_job, body, session, tenant, store, settings, scheduler
-        )
-    finally:
-        body.close()
-
-
-def _queue_rl_job(
-    body: ingest.Spool,
-    session: Session,
-    tenant: Tenant,
-    store: ObjectStore,
-    settings: Settings,
-    scheduler: Scheduler,
-) -> TrainingJobPublic:
-    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
-    try:
-        with body.view() as buffer:
-            request, items = ingest.split_body(
-                buffer, schema=TrainingJobCreate, list_field="trajectory_groups"
-            )
-            model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
-            _check_servable(session, model=model, settings=settings)
-            if request.config is not None and request.experimental_config is not None:
-                raise InvalidRequest(
-                    "send either config (skytrain's options) or experimental_config (ART's), "
-                    "not both"
-                )
-            config = request.config or RLTrainConfig.from_experimental(request.experimental_config)
-            allow = config.allow_training_without_logprobs
-            job_id = new_id()
-            batch.stream_to(store, _input_key(model, job_id))
-            trainable_turns = 0
-            for index, group in enumerate(
-                ingest.each_item(items or [], ingest.parse_group, field="trajectory_groups")
-            ):
-                trainable_turns += ingest.trainable_turns(
-                    group, index, allow_training_without_logprobs=allow
-                )
-                batch.add(group)
-            del items  # the raw items point into the buffer, which closes with this block
-        check_trainable_turns(trainable_turns)
-        return _store_job(
-            session=session,
-            store=store,
-            model=model,
-            kind="rl",
-            config=config,
-            batch=batch,
-            max_attempts=settings.job_max_attempts,
-            scheduler=scheduler,
-            job_id=job_id,
-        )
-    finally:
-        batch.close()
+    return await _queue(_RLJob(), request, session, tenant, store, settings, scheduler)
 
 
 @router.post(
@@ -203,16 +256,29 @@ async def create_sft_training_job(
     scheduler: SchedulerDep,
 ) -> TrainingJobPublic:
     """Queue supervised fine-tuning on ``trajectories`` or on an uploaded JSONL file."""
+    return await _queue(_SFTJob(), request, session, tenant, store, settings, scheduler)
+
+
+async def _queue(
+    job: _JobBody[Any, Any],
+    request: Request,
+    session: Session,
+    tenant: Tenant,
+    store: ObjectStore,
+    settings: Settings,
+    scheduler: Scheduler,
+) -> TrainingJobPublic:
     body = await ingest.read_body(request)
     try:
-        return await run_in_threadpool(
-            _queue_sft_job, body, session, tenant, store, settings, scheduler
+        return await in_thread(
+            session, _queue_job, job, body, session, tenant, store, settings, scheduler
         )
     finally:
         body.close()
 
 
-def _queue_sft_job(
+def _queue_job(
+    job: _JobBody[Any, Any],
     body: ingest.Spool,
     session: Session,
     tenant: Tenant,
@@ -220,40 +286,32 @@ def _queue_sft_job(
     settings: Settings,
     scheduler: Scheduler,
 ) -> TrainingJobPublic:
+    """Validate the body, stream its batch to the store and record the job ``queued``."""
     batch = ingest.Batch(limit=settings.max_trajectories_per_request)
     try:
         with body.view() as buffer:
-            request, items = ingest.split_body(
-                buffer, schema=SFTTrainingJobCreate, list_field="trajectories"
-            )
+            request, items = ingest.split_body(buffer, schema=job.schema, list_field=job.list_field)
             model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
             _check_servable(session, model=model, settings=settings)
-            if (items is None) == (request.training_data_url is None):
-                raise InvalidRequest(
-                    "send exactly one of trajectories (a list) or training_data_url "
-                    "(skytrain-file://<id> from POST /v1/files)"
-                )
+            session.commit()  # ends the read: no connection is held while the batch streams
+            config = job.config(request, items)
             job_id = new_id()
             batch.stream_to(store, _input_key(model, job_id))
-            if items is not None:
-                for trajectory in ingest.each_item(
-                    items, ingest.parse_trajectory, field="trajectories"
-                ):
-                    batch.add(trajectory)
+            job.add_items(items, batch, config)
             del items  # the raw items point into the buffer, which closes with this block
-        if request.training_data_url is not None:
-            lines = read_uploaded_file(store, tenant_id=tenant.id, url=request.training_data_url)
-            ingest.parse_trajectory_lines(lines, batch)
+        job.finish(request, batch, store=store, tenant=tenant)
         return _store_job(
             session=session,
             store=store,
             model=model,
-            kind="sft",
-            config=request.config or SFTTrainConfig(),
+            kind=job.kind,
+            config=config,
             batch=batch,
             max_attempts=settings.job_max_attempts,
             scheduler=scheduler,
             job_id=job_id,
+            limits=limits_of(tenant, settings),
+            max_workers=settings.launched_workers_limit,
         )
     finally:
         batch.close()
@@ -286,16 +344,27 @@ def list_training_jobs(
 
 
 @router.get("/training-jobs/{job_id}", response_model=TrainingJobPublic)
-def get_training_job(job_id: JobId, session: SessionDep, tenant: TenantDep) -> TrainingJobPublic:
-    return TrainingJobPublic.model_validate(
-        jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
+def get_training_job(
+    job_id: JobId, session: SessionDep, tenant: TenantDep, settings: SettingsDep
+) -> TrainingJobPublic:
+    """The job; a queued one says in ``waiting`` why it has not started."""
+    job = jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
+    return _job_public(
+        session,
+        job,
+        limits=limits_of(tenant, settings),
+        max_workers=settings.launched_workers_limit,
     )
 
 
 @router.post("/training-jobs/{job_id}/cancel", response_model=TrainingJobPublic)
 def cancel_training_job(job_id: JobId, session: SessionDep, tenant: TenantDep) -> TrainingJobPublic:
     job = jobs.get_job(session, tenant_id=tenant.id, job_id=job_id)
-    return TrainingJobPublic.model_validate(jobs.cancel_job(session, job=job))
+    queued = job.status == "queued"
+    cancelled = jobs.cancel_job(session, job=job)
+    if queued:  # ended here; a running job ends when its worker stops it
+        metrics.JOBS_ENDED.labels(status="cancelled").inc()
+    return TrainingJobPublic.model_validate(cancelled)
 
 
 @router.get("/training-jobs/{job_id}/events", response_model=TrainingJobEventsPublic)
@@ -317,10 +386,9 @@ async def list_training_job_events(
     ``wait_s``, or the job ended). A tenant has at most ``max_waiting_polls`` such waits at
     once: past them, the answer comes at once, with the ``X-Skytrain-Wait-Refused`` header
     saying why."""
-    job = await run_in_threadpool(jobs.get_job, session, tenant_id=tenant.id, job_id=job_id)
+    job = await in_thread(session, jobs.get_job, session, tenant_id=tenant.id, job_id=job_id)
     job_key, tenant_id = job.id, tenant.id
     wait_limit = limits_of(tenant, settings).max_waiting_polls
-    await run_in_threadpool(session.rollback)  # nothing is held while the request waits
     # ART's client knows these four types only (its event model is a Literal of them).
     types = ART_EVENT_TYPES if request.url.path.startswith("/v1/preview/") else None
 

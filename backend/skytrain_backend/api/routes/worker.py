@@ -2,7 +2,7 @@
 
 Workers pull: they install the control plane's own wheel, register, heartbeat, lease jobs,
 report events and upload results. Bodies and answers are the worker protocol's types in
-``protocol.py``. See the "Worker <-> control plane" table in DEVELOPERS.md for the whole
+``protocol/worker.py``. See the "Worker <-> control plane" table in DEVELOPERS.md for the whole
 protocol.
 """
 
@@ -19,29 +19,36 @@ from sqlalchemy import select
 from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend import tls
+from skytrain_backend.api import stored_files
 from skytrain_backend.api.deps import (
     NotifierDep,
     PackageDep,
     SchedulerDep,
     SessionDep,
+    SessionRoute,
     SettingsDep,
     StoreDep,
     WaitS,
+    in_thread,
 )
 from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.db import notify, registry, worker_tokens, workers
 from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest, NotFound
+from skytrain_backend.observability import metrics
 from skytrain_backend.protocol import (
     Heartbeat,
     HeartbeatAnswer,
     JobAttempt,
     JobCompleted,
     JobCompletion,
+    JobEventRecorded,
     JobEventReport,
     JobFailed,
     JobFailure,
     JobLease,
+    JobPreempted,
+    JobPreemption,
     LeasedJob,
     LeaseRenewed,
     ModelConfig,
@@ -52,7 +59,9 @@ from skytrain_backend.protocol import (
 from skytrain_backend.scheduler import queue
 from skytrain_backend.storage import compression, keys
 
-router = APIRouter(prefix="/worker", tags=["workers"], include_in_schema=False)
+router = APIRouter(
+    prefix="/worker", tags=["workers"], include_in_schema=False, route_class=SessionRoute
+)
 
 _bearer = HTTPBearer(auto_error=False)
 # How long a step a request was pinned to stays loaded on the model's worker.
@@ -62,13 +71,17 @@ HEARTBEAT_INTERVAL_S = 2.0
 SPOOL_IN_MEMORY_BYTES = 16 * 1024 * 1024
 
 
-def get_worker(
+async def get_worker(
     session: SessionDep,
     credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Worker:
+    """The token's worker, attached to the request's session (the route changes it), whose
+    connection went back to the pool in the lookup's thread."""
     if credentials is None:
         raise AuthenticationFailed("no worker token: send 'Authorization: Bearer swt-...'")
-    return workers.authenticate_worker(session, token=credentials.credentials)
+    return await in_thread(
+        session, workers.authenticate_worker, session, token=credentials.credentials
+    )
 
 
 WorkerDep = Annotated[Worker, Depends(get_worker)]
@@ -208,6 +221,7 @@ def heartbeat(body: Heartbeat, worker: WorkerDep, session: SessionDep) -> Heartb
         status=body.status,
         served=[item.model_dump() for item in body.served],
         unreachable=unreachable,
+        stats=None if body.stats is None else body.stats.model_dump(exclude_none=True),
     )
     return _assignments(session, worker=worker)
 
@@ -260,7 +274,10 @@ async def lease(
     worker_id = worker.id
     if worker.status == "draining":
         return Response(status_code=204)  # at once: a draining worker gets nothing to wait for
-    await run_in_threadpool(session.rollback)  # nothing is held while the request waits
+
+    # The wait of a job leased for the first time: observed once the lease is delivered (a
+    # lease taken back because the worker left is leased again, and counted then).
+    first_waits: list[float] = []
 
     def claim() -> JobLease | None:
         try:
@@ -270,6 +287,8 @@ async def lease(
             job = queue.lease_job(session, worker=current, lease_s=settings.job_lease_s)
             if job is None:
                 return None
+            if job.attempts == 1 and job.preemptions == 0:
+                first_waits.append((utcnow() - job.created_at).total_seconds())
             return JobLease(job=LeasedJob.model_validate(queue.job_for_worker(session, job)))
         finally:
             session.rollback()
@@ -286,7 +305,11 @@ async def lease(
         wait_s=wait_s,
         release=release,
     )
-    return Response(status_code=204) if leased is None else leased
+    if leased is None:
+        return Response(status_code=204)
+    if first_waits:
+        metrics.JOB_QUEUE_WAIT.observe(first_waits[-1])
+    return leased
 
 
 @router.post("/jobs/{job_id}/renew", response_model=LeaseRenewed)
@@ -296,7 +319,7 @@ def renew(
     job = queue.renew_lease(
         session, worker=worker, job_id=job_id, attempt=body.attempt, lease_s=settings.job_lease_s
     )
-    return LeaseRenewed(cancel_requested=job.cancel_requested)
+    return LeaseRenewed(cancel_requested=job.cancel_requested, yield_requested=job.yield_requested)
 
 
 @router.get("/jobs/{job_id}/input")
@@ -320,10 +343,17 @@ def job_input(
     return StreamingResponse(chunks, media_type="application/x-ndjson", headers=headers)
 
 
-@router.post("/jobs/{job_id}/events", status_code=201)
-def job_event(job_id: str, body: JobEventReport, worker: WorkerDep, session: SessionDep) -> None:
-    queue.record_event(
+@router.post("/jobs/{job_id}/events", status_code=201, response_model=JobEventRecorded)
+def job_event(
+    job_id: str, body: JobEventReport, worker: WorkerDep, session: SessionDep
+) -> JobEventRecorded:
+    """Record an event; the answer says whether the job is to stop (a cancel, or a yield to
+    another tenant's job), which the worker reads after each optimizer step."""
+    job = queue.record_event(
         session, worker=worker, job_id=job_id, attempt=body.attempt, type=body.type, data=body.data
+    )
+    return JobEventRecorded(
+        cancel_requested=job.cancel_requested, yield_requested=job.yield_requested
     )
 
 
@@ -338,12 +368,15 @@ async def upload_file(
     attempt: Annotated[int, Query(ge=1)],
 ) -> None:
     """Stage one checkpoint file under the attempt's own prefix (copied in on complete)."""
-    job = await run_in_threadpool(
-        queue.leased_job, session, worker=worker, job_id=job_id, attempt=attempt
-    )
-    model = await run_in_threadpool(session.get_one, Model, job.model_id)
-    session.rollback()  # release the row lock while the bytes stream in
-    key = queue.staged_file_key(job, tenant_id=model.tenant_id, attempt=attempt, name=name)
+    stored_files.file_name(name)
+
+    def staged_key() -> str:
+        job = queue.leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+        model = session.get_one(Model, job.model_id)
+        return queue.staged_file_key(job, tenant_id=model.tenant_id, attempt=attempt, name=name)
+
+    # The row lock and the connection are released before the bytes stream in.
+    key = await in_thread(session, staged_key)
     with tempfile.SpooledTemporaryFile(max_size=SPOOL_IN_MEMORY_BYTES) as spool:
         async for chunk in request.stream():
             spool.write(chunk)
@@ -355,16 +388,20 @@ async def upload_file(
 def complete(
     job_id: str, body: JobCompletion, worker: WorkerDep, session: SessionDep, store: StoreDep
 ) -> JobCompleted:
-    checkpoint = queue.complete_job(
-        session,
-        store=store,
-        worker=worker,
-        job_id=job_id,
-        attempt=body.attempt,
-        step=body.step,
-        metrics=body.metrics,
-        files=[item.name for item in body.files],
+    checkpoint = metrics.timed_phase(
+        "commit",
+        lambda: queue.complete_job(
+            session,
+            store=store,
+            worker=worker,
+            job_id=job_id,
+            attempt=body.attempt,
+            step=body.step,
+            metrics=body.metrics,
+            files=[item.name for item in body.files],
+        ),
     )
+    metrics.record_job_completion(body.metrics)
     return JobCompleted(step=checkpoint.step, checkpoint_id=checkpoint.id)
 
 
@@ -385,18 +422,60 @@ def fail(
     return JobFailed(status=job.status)
 
 
+@router.post("/jobs/{job_id}/preempt", response_model=JobPreempted)
+def preempt(
+    job_id: str,
+    body: JobPreemption,
+    worker: WorkerDep,
+    session: SessionDep,
+    store: StoreDep,
+    scheduler: SchedulerDep,
+) -> JobPreempted:
+    """Hand back a job asked to yield, its state saved in the attempt's staged files: it is
+    queued again behind the job it yielded to, and resumes from that state."""
+    job = queue.preempt_job(
+        session,
+        store=store,
+        worker=worker,
+        job_id=job_id,
+        attempt=body.attempt,
+        steps_done=body.steps_done,
+        files=body.files,
+    )
+    scheduler.wake()
+    return JobPreempted(status=job.status)
+
+
+@router.get("/jobs/{job_id}/saved-state")
+def saved_state_files(
+    job_id: str, worker: WorkerDep, session: SessionDep, store: StoreDep
+) -> dict[str, Any]:
+    """The files of the state the job saved when it last yielded, to resume from."""
+    prefix = _saved_state_prefix(session, worker=worker, job_id=job_id)
+    return stored_files.listing(store, prefix)
+
+
+@router.get("/jobs/{job_id}/saved-state/{name}")
+def saved_state_file(
+    job_id: str, name: str, worker: WorkerDep, session: SessionDep, store: StoreDep
+) -> StreamingResponse:
+    prefix = _saved_state_prefix(session, worker=worker, job_id=job_id)
+    return stored_files.download(store, prefix, name)
+
+
+def _saved_state_prefix(session: SessionDep, *, worker: Worker, job_id: str) -> str:
+    job = _worker_job(session, worker=worker, job_id=job_id)
+    tenant_id = session.get_one(Model, job.model_id).tenant_id
+    return queue.saved_state_prefix(job, tenant_id=tenant_id)
+
+
 @router.get("/models/{model_id}/checkpoints/{step}/files")
 def checkpoint_files(
     model_id: str, step: int, worker: WorkerDep, session: SessionDep, store: StoreDep
 ) -> dict[str, Any]:
     model = _placed_model(session, worker=worker, model_id=model_id)
     prefix = keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
-    return {
-        "data": [
-            {"name": info.key.removeprefix(prefix), "size": info.size}
-            for info in store.list(prefix)
-        ]
-    }
+    return stored_files.listing(store, prefix)
 
 
 @router.get("/models/{model_id}/checkpoints/{step}/files/{name}")
@@ -404,8 +483,8 @@ def checkpoint_file(
     model_id: str, step: int, name: str, worker: WorkerDep, session: SessionDep, store: StoreDep
 ) -> StreamingResponse:
     model = _placed_model(session, worker=worker, model_id=model_id)
-    key = keys.checkpoint_key(tenant_id=model.tenant_id, model_id=model.id, step=step, file=name)
-    return StreamingResponse(store.iter_chunks(key), media_type="application/octet-stream")
+    prefix = keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
+    return stored_files.download(store, prefix, name)
 
 
 @router.get("/package", response_class=FileResponse)

@@ -29,22 +29,30 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import torch
-from transformers import DynamicCache
 
 from skytrain_backend.engine.hf import kvcache
-from skytrain_backend.engine.hf.detokenizer import IncrementalDetokenizer
-from skytrain_backend.engine.hf.runner import ModelRunner, read_adapter
+from skytrain_backend.engine.hf.requests import (
+    Adapter,
+    Batch,
+    EngineStats,
+    FairQueue,
+    Request,
+    RequestFailed,
+    SampledToken,
+    SequenceState,
+    SequenceUpdate,
+    publish_all,
+)
+from skytrain_backend.engine.hf.runner import ModelRunner, PromptTokenLogprob, read_adapter
 from skytrain_backend.engine.hf.sampling import SamplingParams, gather_logprobs, sample_next_tokens
 from skytrain_backend.errors import (
     ConfigurationError,
@@ -59,242 +67,12 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-EngineFinishReason = Literal["stop", "length"]
-
 ASLEEP_MESSAGE = "the engine is sleeping: POST /wake_up before sending requests"
 PAUSING_MESSAGE = "the engine is going to sleep once its running requests finish: retry later"
 
 # What ``sleep`` does with requests in flight (vLLM's ``/sleep?mode=``): abort them, or let
 # them finish while new ones are refused.
 SleepMode = Literal["abort", "wait"]
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprob: float
-    # The most likely (token id, logprob) pairs at this step, when top logprobs were asked for.
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class SequenceUpdate:
-    """What one step produced for one sequence (choice ``index`` of its request)."""
-
-    index: int
-    token: SampledToken
-    text: str
-    finish_reason: EngineFinishReason | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass(frozen=True)
-class RequestFailed:
-    error: SkytrainError
-
-
-@dataclass
-class EngineStats:
-    """What the engine thread has computed since it started."""
-
-    # Sequences prefilled, and the prompt rows the model ran for them: fewer rows than
-    # sequences when sequences shared a prompt's prefill.
-    prefilled_sequences: int = 0
-    prefill_rows: int = 0
-
-
-@dataclass(frozen=True)
-class Adapter:
-    name: str
-    path: str
-    internal_name: str
-
-
-class _Request:
-    """A submitted request as the engine thread sees it."""
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        adapter: str | None,
-        params: SamplingParams,
-        n: int,
-        key: str,
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.adapter = adapter
-        self.params = params
-        self.n = n
-        # Whose turn it takes (see the module docstring), and its sequences admitted so far.
-        self.key = key
-        self.admitted = 0
-        self.queue: asyncio.Queue[SequenceUpdate | RequestFailed] = asyncio.Queue()
-        self.loop = loop
-
-    def publish(self, item: SequenceUpdate | RequestFailed) -> None:
-        _publish_all([(self, item)])
-
-
-def _publish_all(items: list[tuple[_Request, SequenceUpdate | RequestFailed]]) -> None:
-    """Hand each item to its request's queue: one wake-up of each event loop for all of them
-    (a step's tokens for a whole batch), rather than one per token."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Request, Any]]] = {}
-    for request, item in items:
-        by_loop.setdefault(request.loop, []).append((request, item))
-    for loop, delivered in by_loop.items():
-        # A closed event loop raises RuntimeError: nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_deliver, delivered)
-
-
-def _deliver(items: list[tuple[_Request, SequenceUpdate | RequestFailed]]) -> None:
-    for request, item in items:
-        request.queue.put_nowait(item)
-
-
-class _FairQueue:
-    """Waiting requests, one queue per key; the keys take turns, one sequence at a time.
-
-    The dict's order is the order of turns: a key that was served moves to the end.
-    """
-
-    def __init__(self) -> None:
-        self._queues: dict[str, deque[_Request]] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._queues)
-
-    def push(self, request: _Request) -> None:
-        self._queues.setdefault(request.key, deque()).append(request)
-
-    def next_request(self, held: Counter[str], cap: int) -> _Request | None:
-        """The head request of the first key in turn that holds fewer than ``cap`` places;
-        that key's turn passes (it moves to the end)."""
-        for key, queue in self._queues.items():
-            if held[key] < cap:
-                self._queues[key] = self._queues.pop(key)
-                return queue[0]
-        return None
-
-    def done(self, request: _Request) -> None:
-        """Take a request out (all its sequences admitted, or failed)."""
-        queue = self._queues.get(request.key)
-        if queue is None:
-            return
-        with contextlib.suppress(ValueError):
-            queue.remove(request)
-        if not queue:
-            del self._queues[request.key]
-
-    def remove(self, request_ids: set[str]) -> None:
-        for queue in list(self._queues.values()):
-            for request in [r for r in queue if r.request_id in request_ids]:
-                self.done(request)
-
-    def drain(self) -> list[_Request]:
-        requests = [request for queue in self._queues.values() for request in queue]
-        self._queues.clear()
-        return requests
-
-
-class _Sequence:
-    def __init__(
-        self,
-        request: _Request,
-        index: int,
-        internal_adapter: str | None,
-        tokenizer: Any,
-        device: torch.device,
-    ) -> None:
-        self.request = request
-        self.index = index
-        self.internal_adapter = internal_adapter
-        self.params = request.params
-        self.prompt_len = len(request.prompt_token_ids)
-        self.num_generated = 0
-        self.finished = False
-        self.detokenizer = IncrementalDetokenizer(tokenizer, self.params)
-        self.generator = torch.Generator(device=device)
-        if self.params.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(self.params.seed + index)
-
-    def append(
-        self, token: SampledToken, *, eos_token_ids: frozenset[int], max_len: int
-    ) -> SequenceUpdate:
-        """Record a sampled token, decide whether the sequence is done; the step to publish."""
-        params = self.params
-        self.num_generated += 1
-        finish_reason: EngineFinishReason | None = None
-        stop_reason: int | str | None = None
-        if token.token_id in params.stop_token_ids:
-            finish_reason, stop_reason = "stop", token.token_id
-        elif token.token_id in eos_token_ids and not params.ignore_eos:
-            finish_reason = "stop"
-        else:
-            matched = self.detokenizer.add(token.token_id)
-            if matched is not None:
-                finish_reason, stop_reason = "stop", matched
-        if finish_reason is None and (
-            self.num_generated >= params.max_tokens
-            or self.prompt_len + self.num_generated >= max_len
-        ):
-            finish_reason = "length"
-        if finish_reason is not None:
-            self.finished = True
-            if stop_reason is None or isinstance(stop_reason, int):
-                self.detokenizer.flush()
-        text = self.detokenizer.release(final=self.finished)
-        return SequenceUpdate(self.index, token, text, finish_reason, stop_reason)
-
-
-class _Batch:
-    """Running sequences, left-padded to a common length; the cache lacks each last token."""
-
-    def __init__(
-        self,
-        sequences: list[_Sequence],
-        cache: DynamicCache,
-        attention_mask_BL: torch.Tensor,
-        next_tokens_B: torch.Tensor,
-        positions_B: torch.Tensor,
-    ) -> None:
-        self.sequences = sequences
-        self.cache = cache
-        self.attention_mask_BL = attention_mask_BL
-        self.next_tokens_B = next_tokens_B
-        self.positions_B = positions_B
-
-    def absorb(self, other: _Batch) -> None:
-        width, other_width = self.attention_mask_BL.shape[1], other.attention_mask_BL.shape[1]
-        self.attention_mask_BL = kvcache.left_pad(
-            self.cache, self.attention_mask_BL, max(other_width - width, 0)
-        )
-        other.attention_mask_BL = kvcache.left_pad(
-            other.cache, other.attention_mask_BL, max(width - other_width, 0)
-        )
-        kvcache.concatenate(self.cache, other.cache)
-        self.attention_mask_BL = torch.cat([self.attention_mask_BL, other.attention_mask_BL])
-        self.next_tokens_B = torch.cat([self.next_tokens_B, other.next_tokens_B])
-        self.positions_B = torch.cat([self.positions_B, other.positions_B])
-        self.sequences += other.sequences
-
-    def drop_finished(self) -> bool:
-        """Remove finished sequences; False when none is left."""
-        keep = [i for i, sequence in enumerate(self.sequences) if not sequence.finished]
-        if not keep:
-            return False
-        if len(keep) < len(self.sequences):
-            rows = torch.tensor(keep, device=self.next_tokens_B.device)
-            self.attention_mask_BL = kvcache.keep_rows(self.cache, self.attention_mask_BL, rows)
-            self.next_tokens_B = self.next_tokens_B[rows]
-            self.positions_B = self.positions_B[rows]
-            self.sequences = [self.sequences[i] for i in keep]
-        return True
 
 
 class HFEngine:
@@ -353,9 +131,9 @@ class HFEngine:
         self._pending_sleeps: list[concurrent.futures.Future[None]] = []
         # Control calls as the engine thread carried them out: {"call", "at" (Unix time), ...}.
         self.control_log: list[dict[str, Any]] = []
-        self._batch: _Batch | None = None
+        self._batch: Batch | None = None
         self._mergeable: bool | None = None
-        self._waiting = _FairQueue()
+        self._waiting = FairQueue()
         self._commands: deque[Callable[[], None]] = deque()
         self._aborted: set[str] = set()
         self._wakeup = threading.Condition()
@@ -397,7 +175,7 @@ class HFEngine:
         if self._pausing:
             raise Unavailable(PAUSING_MESSAGE)
         key = f"tenant:{tenant}" if tenant else f"model:{adapter or self.served_model_name}"
-        request = _Request(
+        request = Request(
             request_id, prompt_token_ids, adapter, params, n, key, asyncio.get_running_loop()
         )
         with self._wakeup:
@@ -414,6 +192,16 @@ class HFEngine:
         finally:
             if running:
                 self.abort(request_id)
+
+    async def score_prompt(
+        self, prompt_token_ids: list[int], *, adapter: str | None, k: int
+    ) -> list[PromptTokenLogprob | None]:
+        """``Runner.score_prompt`` on the engine thread, between two decode steps."""
+        if self._asleep:
+            raise Unavailable(ASLEEP_MESSAGE)
+        return await self._call(
+            lambda: self.runner.score_prompt(prompt_token_ids, self._internal_adapter(adapter), k=k)
+        )
 
     def abort(self, request_id: str) -> None:
         with self._wakeup:
@@ -550,13 +338,13 @@ class HFEngine:
             for future in pending:
                 future.set_result(None)
 
-    def _admit(self) -> list[_Sequence]:
+    def _admit(self) -> list[SequenceState]:
         """Waiting sequences that fit in the batch, one at a time, the keys taking turns."""
         running = self._batch.sequences if self._batch else []
         if running and not self._mergeable:
             return []
         held = Counter(sequence.request.key for sequence in running)
-        admitted: list[_Sequence] = []
+        admitted: list[SequenceState] = []
         with self._wakeup:
             while len(running) + len(admitted) < self.max_num_seqs:
                 request = self._waiting.next_request(held, self.max_seqs_per_key)
@@ -564,7 +352,7 @@ class HFEngine:
                     break
                 try:
                     internal = self._internal_adapter(request.adapter)
-                    sequence = _Sequence(
+                    sequence = SequenceState(
                         request, request.admitted, internal, self.tokenizer, self.runner.device
                     )
                 except Exception as exc:
@@ -581,7 +369,7 @@ class HFEngine:
                     self._waiting.done(request)
         return admitted
 
-    def _prefill_each_alone_if_needed(self, sequences: list[_Sequence]) -> None:
+    def _prefill_each_alone_if_needed(self, sequences: list[SequenceState]) -> None:
         """Prefill the admitted sequences together; if that fails, each request's alone, so
         a request that cannot run fails by itself while the others (and the running batch,
         which a failed prefill leaves untouched) go on."""
@@ -609,13 +397,13 @@ class HFEngine:
             raise NotFound(f"The lora adapter '{name}' was unloaded before the request started.")
         return adapter.internal_name
 
-    def _prompt_rows(self, sequences: list[_Sequence]) -> tuple[list[_Sequence], list[int]]:
+    def _prompt_rows(self, sequences: list[SequenceState]) -> tuple[list[SequenceState], list[int]]:
         """The sequences whose prompts the prefill runs (one per distinct prompt and adapter
         when prefills are shared), and for each sequence the index of its row among them."""
         if not (self.share_prefill and self.runner.can_expand_rows()):
             return sequences, list(range(len(sequences)))
         rows: dict[tuple[str | None, tuple[int, ...]], int] = {}
-        prompts: list[_Sequence] = []
+        prompts: list[SequenceState] = []
         row_of: list[int] = []
         for sequence in sequences:
             key = (sequence.internal_adapter, tuple(sequence.request.prompt_token_ids))
@@ -625,7 +413,7 @@ class HFEngine:
             row_of.append(rows[key])
         return prompts, row_of
 
-    def _prefill(self, sequences: list[_Sequence]) -> None:
+    def _prefill(self, sequences: list[SequenceState]) -> None:
         device = self.runner.device
         prompts, row_of = self._prompt_rows(sequences)
         width = max(sequence.prompt_len for sequence in prompts)
@@ -651,7 +439,7 @@ class HFEngine:
         self.stats.prefill_rows += len(prompts)
         if self._mergeable is None:
             self._mergeable = kvcache.is_mergeable(cache)
-        batch = _Batch(
+        batch = Batch(
             sequences,
             cache,
             attention_mask_UL if rows_B is None else attention_mask_UL[rows_B],
@@ -680,12 +468,12 @@ class HFEngine:
         batch.next_tokens_B = self._sample(batch.sequences, logits_BV)
         self._drop_finished()
 
-    def _sample(self, sequences: list[_Sequence], logits_BV: torch.Tensor) -> torch.Tensor:
+    def _sample(self, sequences: list[SequenceState], logits_BV: torch.Tensor) -> torch.Tensor:
         params = [s.params for s in sequences]
         tokens_B = sample_next_tokens(logits_BV, params, [s.generator for s in sequences])
         top_k = max((p.num_logprobs or 0 for p in params), default=0)
         chosen, top = gather_logprobs(logits_BV.log_softmax(dim=-1), tokens_B, top_k)
-        updates: list[tuple[_Request, SequenceUpdate | RequestFailed]] = []
+        updates: list[tuple[Request, SequenceUpdate | RequestFailed]] = []
         for sequence, token_id, logprob, candidates in zip(
             sequences, tokens_B.tolist(), chosen, top, strict=True
         ):
@@ -694,7 +482,7 @@ class HFEngine:
                 token, eos_token_ids=self.eos_token_ids, max_len=self.max_model_len
             )
             updates.append((sequence.request, update))
-        _publish_all(updates)
+        publish_all(updates)
         return tokens_B
 
     def _drop_finished(self) -> None:

@@ -39,6 +39,21 @@ class AdapterWeights:
     state_dict: dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class PromptTokenLogprob:
+    """A prompt token's logprob given the tokens before it, its rank among the vocabulary
+    (1: the most likely), and the most likely (token id, logprob) pairs at its position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+# Prompt positions scored at a time: a (chunk, vocabulary) block of logits is all it holds.
+SCORE_CHUNK = 256
+
+
 def read_adapter(path: str) -> AdapterWeights:
     """A LoRA adapter saved by peft's ``save_pretrained``; InvalidRequest says what is wrong."""
     directory = Path(path)
@@ -244,3 +259,65 @@ class ModelRunner:
         if rows_B is not None:
             output.past_key_values.batch_select_indices(rows)
         return output.logits[:, -1, :].float(), output.past_key_values
+
+    def score_prompt(
+        self, input_ids: list[int], adapter: str | None, *, k: int
+    ) -> list[PromptTokenLogprob | None]:
+        """Each prompt token's logprob given the tokens before it, its rank, and the ``k``
+        most likely tokens at its position (None for the first token, which has no context):
+        one forward pass of the whole prompt, without a cache, its output layer run
+        ``SCORE_CHUNK`` positions at a time (a long prompt's (T, V) logits never exist)."""
+        kwargs: dict[str, Any] = {}
+        if isinstance(self.model, PeftModel):
+            kwargs["adapter_names"] = [adapter or BASE_ADAPTER]
+        ids_1T = torch.tensor([input_ids], device=self.device)
+        head = self.model.get_output_embeddings()
+        captured: list[torch.Tensor] = []
+
+        def keep_hidden(_module: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+            # The final hidden states of every position; the model's own output layer then
+            # runs on the last one only.
+            captured.append(args[0])
+            return (args[0][:, -1:], *args[1:])
+
+        chunked = self._plain_output_layer()
+        hook = head.register_forward_pre_hook(keep_hidden) if chunked else None
+        scored: list[PromptTokenLogprob | None] = [None]
+        with torch.inference_mode():
+            try:
+                output = self.model(
+                    input_ids=ids_1T,
+                    attention_mask=torch.ones_like(ids_1T),
+                    use_cache=False,
+                    logits_to_keep=0,
+                    **kwargs,
+                )
+            finally:
+                if hook is not None:
+                    hook.remove()
+            hidden_TH = captured[0][0, :-1] if chunked else output.logits[0, :-1]
+            for start in range(0, hidden_TH.shape[0], SCORE_CHUNK):
+                block = hidden_TH[start : start + SCORE_CHUNK]
+                logprobs_CV = (head(block) if chunked else block).float().log_softmax(dim=-1)
+                targets = ids_1T[0, 1 + start : 1 + start + block.shape[0]]
+                chosen_C = logprobs_CV.gather(-1, targets[:, None])[:, 0]
+                ranks_C = (logprobs_CV > chosen_C[:, None]).sum(dim=-1) + 1
+                values_CK, ids_CK = logprobs_CV.topk(k, dim=-1)
+                for token, logprob, rank, ids, values in zip(
+                    targets.tolist(),
+                    chosen_C.tolist(),
+                    ranks_C.tolist(),
+                    ids_CK.tolist(),
+                    values_CK.tolist(),
+                    strict=True,
+                ):
+                    top = list(zip(ids, values, strict=True))
+                    scored.append(PromptTokenLogprob(token, logprob, rank, top))
+        return scored
+
+    def _plain_output_layer(self) -> bool:
+        """Whether the logits are the output layer's product and nothing more (no LoRA on
+        it, no soft-capping or scaling after it), so it can be run on chunks of positions."""
+        config = getattr(self.model, "config", None)
+        after = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+        return self.can_expand_rows() and not any(getattr(config, name, None) for name in after)

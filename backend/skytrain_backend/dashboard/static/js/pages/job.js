@@ -39,7 +39,8 @@ function facts(job, model) {
     h("dt", null, "input"), h("dd", null, job.kind === "rl"
       ? `${job.num_groups} groups, ${job.num_trajectories} trajectories`
       : `${job.num_trajectories} trajectories`),
-    h("dt", null, "attempts"), h("dd", null, String(job.attempts)),
+    h("dt", null, "attempts"), h("dd", null, String(job.attempts),
+      job.preemptions ? ` (${job.preemptions} yielded the worker to another tenant's job)` : null),
     h("dt", null, "created"), h("dd", null, formatTime(job.created_at)),
     h("dt", null, "started"), h("dd", null, formatTime(job.started_at)),
     h("dt", null, "took"), h("dd", null, job.started_at ? formatDuration(job.started_at, job.finished_at) : "–"),
@@ -74,6 +75,7 @@ export async function jobPage(root, context) {
   let chart = null;
   const steps = []; // gradient_step events' data, in order (a new attempt starts over)
   let expected = null;
+  let yielded = false; // handed the worker to another tenant's job; resumes where it stopped
   let cursor = null;
 
   function showFailure() {
@@ -85,7 +87,9 @@ export async function jobPage(root, context) {
     progress.value = steps.length;
     progressText.textContent = expected === null
       ? (TERMINAL.has(job.status) ? "" : "waiting for the worker to start training")
-      : `${steps.length} of ${expected} gradient steps`;
+      : `${steps.length} of ${expected} gradient steps`
+        + (yielded && !TERMINAL.has(job.status)
+          ? ": yielded the worker to another tenant's job, resumes from here" : "");
     const keys = [...new Set(steps.flatMap((data) => Object.keys(data).filter((key) => typeof data[key] === "number" && key !== "step")))];
     metricRow.hidden = keys.length === 0;
     if (!keys.length) return;
@@ -116,6 +120,13 @@ export async function jobPage(root, context) {
         if (event.type === "training_started") {
           steps.length = 0;
           expected = event.data.num_gradient_steps ?? null;
+        } else if (event.type === "training_preempted") {
+          yielded = true;
+        } else if (event.type === "training_resumed") {
+          // From the state saved after that step: later steps of a lost attempt run again.
+          steps.length = Math.min(steps.length, event.data.steps_done ?? steps.length);
+          expected = event.data.num_gradient_steps ?? expected;
+          yielded = false;
         } else if (event.type === "gradient_step") {
           steps.push(event.data);
         }

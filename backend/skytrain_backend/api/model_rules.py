@@ -1,0 +1,80 @@
+"""The rules a new model meets, whichever protocol creates it: ``POST /v1/models`` (the REST API
+and ART's client) and the Tinker protocol's training runs (``create_model``,
+``create_training_client_from_state``) and base-model samplers (``create_sampling_session``).
+
+- its base model is a Hugging Face id or a directory the operator allows
+  (``base_models.check_base_model``: no host path such as ``/etc`` reaches a worker);
+- its LoRA rank is one a worker for that base model loads (``placement.check_lora_rank``);
+- its base model fits one of the GPUs the provider's workers may get, when this control plane
+  knows its config (``placement.check_fits_a_gpu``: the memory plan's reasons otherwise);
+- for a Tinker training run, one device trains it: Tinker runs use a one-process trainer, so a
+  base model the memory plan shards over several GPUs is refused up front
+  (``check_one_device_trains``; the worker refuses such a run too);
+- the tenant owns fewer models than its ``max_models`` quota: checked where the model row is
+  inserted (``registry.check_model_quota``), so asking for one that exists is never refused.
+
+Each is checked before anything is stored, so a refused request leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy.orm import Session
+
+from skytrain_backend.base_models import check_base_model
+from skytrain_backend.config import Settings
+from skytrain_backend.db import tenants
+from skytrain_backend.db.models import Tenant
+from skytrain_backend.db.tenants import TenantLimits
+from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.planning import choose_worker_gpu
+from skytrain_backend.provision.base import Provider
+from skytrain_backend.scheduler import placement
+
+
+def check_new_model(
+    session: Session,
+    *,
+    tenant: Tenant,
+    settings: Settings,
+    base_model: str,
+    lora_rank: int,
+    provider: Provider | None,
+    tinker_training: bool = False,
+) -> TenantLimits:
+    """Refuse (``InvalidRequest``, ``FitsNoGpu``) a base model or LoRA rank the tenant may not
+    use (``tinker_training``: for a Tinker training run); the tenant's limits, whose
+    ``max_models`` the creation then enforces."""
+    check_base_model(base_model, allowed_dirs=settings.resolved_base_model_dirs)
+    placement.check_lora_rank(
+        session,
+        base_model=base_model,
+        lora_rank=lora_rank,
+        default_limit=settings.engine_max_lora_rank,
+    )
+    placement.check_fits_a_gpu(session, base_model=base_model, settings=settings, provider=provider)
+    if tinker_training:
+        check_one_device_trains(
+            session, base_model=base_model, settings=settings, provider=provider
+        )
+    return tenants.limits_of(tenant, settings)
+
+
+def check_one_device_trains(
+    session: Session, *, base_model: str, settings: Settings, provider: Provider | None
+) -> None:
+    """Refuse a Tinker training run on a base model whose workers' memory plan shards the
+    trainer: Tinker's trainer is one process on one device. Passes when the plan is unknown
+    here (no GPUs configured, no config.json) or a registered worker serves the base model
+    (it planned for its own GPUs): the worker refuses then, if it must."""
+    accelerators = provider.accelerator_choices() if provider is not None else None
+    if not accelerators or placement.served_by_a_registered_worker(session, base_model=base_model):
+        return
+    choice = choose_worker_gpu(base_model, accelerators, settings=settings)
+    plan = choice.plan if choice is not None else None
+    if plan is not None and plan.trainer_shards > 1:
+        raise InvalidRequest(
+            f"{base_model} trains sharded over {plan.trainer_shards} GPUs ({plan.gpu}), and "
+            "Tinker training runs train on one GPU for now: train it with skytrain's training "
+            "jobs (REST, SDK or ART's client), or choose a base model one GPU trains "
+            "(sampling it through Tinker works)"
+        )

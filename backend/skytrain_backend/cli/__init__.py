@@ -1,0 +1,22 @@
+"""The ``skytrain`` command line: one Typer app, its commands in a module per group.
+
+- ``control``: ``serve``, ``keys``, ``tenants``, ``db``, ``engine``;
+- ``workers``: ``worker``, ``workers``, ``jobs``, ``logs``;
+- ``models``: ``models list|show|delete`` (every tenant's, for the operator);
+- ``status``: the whole deployment on one screen;
+- ``demo``.
+
+Every command imports what it needs inside its function, so ``skytrain --help`` and the
+control plane's commands never load torch.
+"""
+
+from __future__ import annotations
+
+from skytrain_backend.cli import control, demo, models, status, workers
+from skytrain_backend.cli._common import app
+
+__all__ = ["app", "control", "demo", "main", "models", "status", "workers"]
+
+
+def main() -> None:
+    app()

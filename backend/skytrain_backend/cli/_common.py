@@ -1,0 +1,125 @@
+"""What every command of the ``skytrain`` command line shares: the Typer app, the database
+session, and how lists are printed. Commands import what they need inside their function, so
+``skytrain --help`` and the control plane's commands never load torch."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+import typer
+
+from skytrain_backend import __version__
+
+if TYPE_CHECKING:
+    from sqlalchemy import Engine
+    from sqlalchemy.orm import Session
+
+app = typer.Typer(
+    name="skytrain",
+    help="skytrain: a self-hosted backend that trains LLM agents with reinforcement learning.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"skytrain {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """skytrain: a self-hosted backend that trains LLM agents with reinforcement learning."""
+
+
+def _fail(message: str) -> typer.Exit:
+    typer.echo(f"error: {message}", err=True)
+    return typer.Exit(code=1)
+
+
+def _engine() -> Engine:
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db.session import create_db_engine
+
+    return create_db_engine(get_settings().resolved_database_url)
+
+
+@contextlib.contextmanager
+def _session() -> Iterator[Session]:
+    """A session on a schema that is current (upgraded first where auto-migration is on)."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db import migrations
+    from skytrain_backend.db.session import session_factory
+    from skytrain_backend.errors import SkytrainError
+
+    engine = _engine()
+    try:
+        migrations.prepare_schema(engine, auto_migrate=get_settings().should_auto_migrate)
+        with session_factory(engine)() as session:
+            yield session
+    except SkytrainError as exc:
+        raise _fail(exc.message) from None
+    finally:
+        engine.dispose()
+
+
+def _when(moment: datetime | None, default: str = "") -> str:
+    """A time as the list commands show it (UTC, to the minute)."""
+    return f"{moment:%Y-%m-%d %H:%M}" if moment else default
+
+
+def _columns(rows: Sequence[Sequence[str]]) -> None:
+    """Plain aligned columns: readable in a terminal, greppable in a pipe, never wrapped, so
+    ids stay whole to copy into `revoke`."""
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    for row in rows:
+        typer.echo(
+            "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        )
+
+
+def _ago(moment: datetime | None) -> str:
+    if moment is None:
+        return "-"
+    from skytrain_backend.db.models import utcnow
+
+    seconds = int((utcnow() - moment).total_seconds())
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size}{unit} ago"
+    return f"{seconds}s ago"
+
+
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=title, title_justify="left")
+    for index, column in enumerate(columns):
+        # The first column holds ids: never folded, so they can be copied.
+        width = max((len(row[0]) for row in rows), default=None) if index == 0 else None
+        table.add_column(column, overflow="fold", no_wrap=index == 0, min_width=width)
+    for row in rows:
+        # Plain text: a cell's brackets (a log's "skytrain[gpu]") are not rich's markup.
+        table.add_row(*(Text(cell) for cell in row))
+    # Piped into another program, ids must come out whole rather than folded to 80 columns.
+    Console(width=None if sys.stdout.isatty() else 240).print(table)
+
+
+def _log_to_stderr() -> None:
+    """skytrain's own log lines (INFO and up) on stderr, as SKYTRAIN_LOG_FORMAT says (text
+    or one JSON object a line), with the request's context."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.observability.logs import configure_logging
+
+    configure_logging(get_settings().log_format)

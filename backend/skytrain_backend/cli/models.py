@@ -1,0 +1,161 @@
+"""``skytrain models list|show|delete``: every tenant's models, for the operator (a tenant
+sees only its own through the API and the dashboard)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+
+from skytrain_backend.cli._common import _ago, _fail, _session, _table, app
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+    from skytrain_backend.db.models import Model
+
+models_app = typer.Typer(help="See and delete the models of every tenant.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+
+MODEL_ARGUMENT = typer.Argument(..., help="The model's id, or its entity/project/name.")
+
+
+def _find(session: Session, ref: str) -> Model:
+    """The model ``ref`` names: an id, or entity/project/name (unique across tenants)."""
+    from sqlalchemy import select
+
+    from skytrain_backend.db.models import Model
+
+    parts = ref.split("/")
+    if len(parts) == 3:
+        entity, project, name = parts
+        found = session.scalars(
+            select(Model).where(
+                Model.entity == entity, Model.project == project, Model.name == name
+            )
+        ).first()
+    else:
+        found = session.get(Model, ref)
+    if found is None:
+        raise _fail(f"no model {ref!r}: see `skytrain models list`")
+    return found
+
+
+@models_app.command("list")
+def models_list(
+    tenant: str | None = typer.Option(None, help="Only this tenant's models (its name)."),
+    limit: int = typer.Option(100, min=1, max=100_000, help="Most recent models to show."),
+) -> None:
+    """List models, newest first: id, tenant, name, base model, latest step, the worker it is
+    placed on, last activity."""
+    from sqlalchemy import select
+
+    from skytrain_backend.db import registry
+    from skytrain_backend.db.models import Model, Tenant
+
+    with _session() as session:
+        statement = (
+            select(Model, Tenant.name)
+            .join(Tenant, Tenant.id == Model.tenant_id)
+            .order_by(Model.created_at.desc())
+            .limit(limit)
+        )
+        if tenant is not None:
+            statement = statement.where(Tenant.name == tenant)
+        found = [(model, owner) for model, owner in session.execute(statement)]
+        steps = registry.latest_steps(session, model_ids=[model.id for model, _ in found])
+        rows = [
+            [
+                model.id,
+                owner,
+                f"{model.entity}/{model.project}/{model.name}",
+                model.base_model,
+                str(steps.get(model.id, 0)),
+                model.worker_id or "-",
+                _ago(model.last_active_at),
+            ]
+            for model, owner in found
+        ]
+    _table("models", ["id", "tenant", "name", "base model", "step", "worker", "active"], rows)
+
+
+@models_app.command("show")
+def models_show(model: str = MODEL_ARGUMENT) -> None:
+    """Show a model: owner, base model, config, where it is served, its checkpoints and its
+    latest training jobs."""
+    import json
+
+    from sqlalchemy import select
+
+    from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob
+
+    with _session() as session:
+        row = _find(session, model)
+        owner = session.get_one(Tenant, row.tenant_id).name
+        typer.echo(f"model        {row.id}")
+        typer.echo(f"name         {row.entity}/{row.project}/{row.name}")
+        typer.echo(f"tenant       {owner}")
+        typer.echo(f"base model   {row.base_model}")
+        typer.echo(f"worker       {row.worker_id or '- (not placed)'}")
+        typer.echo(f"created      {_ago(row.created_at)}")
+        typer.echo(f"last active  {_ago(row.last_active_at)}")
+        typer.echo(f"config       {json.dumps(row.config or {}, sort_keys=True)}")
+        checkpoints = session.scalars(
+            select(Checkpoint)
+            .where(Checkpoint.model_id == row.id, Checkpoint.deleted_at.is_(None))
+            .order_by(Checkpoint.step.desc())
+            .limit(20)
+        )
+        _table(
+            "checkpoints",
+            ["step", "size", "created"],
+            [[str(c.step), f"{c.size_bytes} B", _ago(c.created_at)] for c in checkpoints],
+        )
+        jobs = session.scalars(
+            select(TrainingJob)
+            .where(TrainingJob.model_id == row.id)
+            .order_by(TrainingJob.created_at.desc())
+            .limit(10)
+        )
+        _table(
+            "training jobs",
+            ["id", "status", "step", "created", "error"],
+            [
+                [
+                    job.id,
+                    job.status,
+                    "-" if job.result_step is None else str(job.result_step),
+                    _ago(job.created_at),
+                    (job.error or "")[:80],
+                ]
+                for job in jobs
+            ],
+        )
+
+
+@models_app.command("delete")
+def models_delete(
+    model: str = MODEL_ARGUMENT,
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask for confirmation."),
+) -> None:
+    """Delete a model with its checkpoints, logs and jobs: its objects first, then its rows
+    (a failed delete can be run again). Refused while one of its jobs runs."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db import registry
+    from skytrain_backend.errors import SkytrainError
+    from skytrain_backend.storage import keys, open_object_store
+
+    settings = get_settings()
+    with _session() as session:
+        row = _find(session, model)
+        name = f"{row.entity}/{row.project}/{row.name}"
+        if not yes:
+            typer.confirm(f"Delete model {row.id} ({name}) and all its checkpoints?", abort=True)
+        try:
+            registry.check_deletable(session, model=row)
+            store = open_object_store(settings.resolved_object_store_url, settings)
+            store.delete_prefix(keys.model_prefix(tenant_id=row.tenant_id, model_id=row.id))
+            registry.delete_model_rows(session, model=row)
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
+    typer.echo(f"Deleted model {row.id} ({name}).")

@@ -1,0 +1,137 @@
+"""``skytrain status``: the deployment on one screen, read from the database every control
+plane shares: the control planes and which one leads (runs the scheduler), the workers, the
+queue, the running jobs and the last errors."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import typer
+
+from skytrain_backend.cli._common import _ago, _session, _table, app
+
+if TYPE_CHECKING:
+    from sqlalchemy.orm import Session
+
+LAST_ERRORS = 5
+
+
+@app.command()
+def status() -> None:
+    """Show the control planes (and the leader), live workers, the queue, running jobs and
+    the last errors (failed jobs, workers that failed or were lost)."""
+    from sqlalchemy import func, select
+
+    from skytrain_backend.db import workers
+    from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+
+    with _session() as session:
+        _control_planes(session)
+        rows = []
+        for row in workers.list_workers(session, include_ended=False):
+            placed = session.scalar(select(func.count(Model.id)).where(Model.worker_id == row.id))
+            rows.append(
+                [
+                    row.id,
+                    row.provider,
+                    row.status,
+                    row.base_model,
+                    str(placed),
+                    _ago(row.last_heartbeat_at),
+                ]
+            )
+        _table("workers", ["id", "provider", "status", "base model", "models", "heartbeat"], rows)
+        queued, oldest = session.execute(
+            select(func.count(TrainingJob.id), func.min(TrainingJob.created_at)).where(
+                TrainingJob.status == "queued"
+            )
+        ).one()
+        wait = (
+            ""
+            if oldest is None
+            else f", the oldest for {int((utcnow() - oldest).total_seconds())}s"
+        )
+        typer.echo(f"\nqueue: {queued} training job(s) waiting{wait}")
+        running = session.execute(
+            select(TrainingJob, Model)
+            .join(Model, Model.id == TrainingJob.model_id)
+            .where(TrainingJob.status == "running")
+            .order_by(TrainingJob.leased_at)
+        )
+        _table(
+            "running jobs",
+            ["id", "model", "worker", "attempt", "leased"],
+            [
+                [
+                    job.id,
+                    f"{model.entity}/{model.project}/{model.name}",
+                    job.worker_id or "-",
+                    str(job.attempts),
+                    _ago(job.leased_at),
+                ]
+                for job, model in running
+            ],
+        )
+        errors = [
+            [_ago(job.created_at), f"job {job.id}", (job.error or "")[:160]]
+            for job in session.scalars(
+                select(TrainingJob)
+                .where(TrainingJob.status == "failed")
+                .order_by(TrainingJob.created_at.desc())
+                .limit(LAST_ERRORS)
+            )
+        ]
+        errors += [
+            [_ago(row.stopped_at or row.last_heartbeat_at), f"worker {row.id} {row.status}",
+             (row.status_message or "")[:160]]
+            for row in session.scalars(
+                select(Worker)
+                .where(Worker.status.in_(("failed", "lost")))
+                .order_by(Worker.created_at.desc())
+                .limit(LAST_ERRORS)
+            )
+        ]  # fmt: skip
+        _table("last errors", ["when", "what", "error"], errors)
+
+
+def _control_planes(session: Session) -> None:
+    """The processes that run a scheduler on this database, and the one holding this
+    schema's lock (the leader). Deployments in other schemas of the same database show as
+    followers too: PostgreSQL does not say which schema a connection works in."""
+    from sqlalchemy import text
+
+    from skytrain_backend.scheduler.leader import APPLICATION_NAME_PREFIX, lock_key
+
+    if session.get_bind().dialect.name != "postgresql":
+        typer.echo("control plane: embedded (SQLite): the one process on this database leads")
+        return
+    key = lock_key(str(session.scalar(text("SELECT current_schema()"))))
+    unsigned = key % 2**64
+    found = session.execute(
+        text(
+            "SELECT a.application_name, a.client_addr, a.backend_start, l.pid IS NOT NULL "
+            "FROM pg_stat_activity a LEFT JOIN pg_locks l ON l.pid = a.pid "
+            "AND l.locktype = 'advisory' AND l.granted "
+            "AND l.classid = :high AND l.objid = :low "
+            "WHERE a.application_name LIKE :prefix AND a.datname = current_database() "
+            "ORDER BY a.backend_start"
+        ),
+        {
+            "high": unsigned >> 32,
+            "low": unsigned & 0xFFFFFFFF,
+            "prefix": APPLICATION_NAME_PREFIX + " %",
+        },
+    )
+    _table(
+        "control planes",
+        ["process", "address", "since", "role"],
+        [
+            [
+                name.removeprefix(APPLICATION_NAME_PREFIX).strip(),
+                str(address or "local"),
+                _ago(since) if since else "-",
+                "leader" if leads else "follower",
+            ]
+            for name, address, since, leads in found
+        ],
+    )

@@ -1,0 +1,415 @@
+"""The fleet's commands: ``worker`` (run one), ``workers``, ``jobs`` and ``logs``."""
+
+from __future__ import annotations
+
+import typer
+
+from skytrain_backend.cli._common import (
+    _ago,
+    _columns,
+    _fail,
+    _log_to_stderr,
+    _session,
+    _table,
+    _when,
+    app,
+)
+
+workers_app = typer.Typer(
+    help="See the workers and manage their join tokens.", no_args_is_help=True
+)
+jobs_app = typer.Typer(help="See training jobs.", no_args_is_help=True)
+app.add_typer(workers_app, name="workers")
+app.add_typer(jobs_app, name="jobs")
+
+
+@app.command()
+def worker(
+    control_plane: str | None = typer.Option(
+        None, help="URL of the control plane. [default: SKYTRAIN_CONTROL_PLANE_URL]"
+    ),
+    token: str | None = typer.Option(
+        None, help="Worker token to register with. [default: SKYTRAIN_WORKER_TOKEN]"
+    ),
+    base_model: str | None = typer.Option(
+        None, help="Base model the engine serves. [default: SKYTRAIN_WORKER_BASE_MODEL]"
+    ),
+    engine: str | None = typer.Option(
+        None, help="auto (vLLM with CUDA), vllm or hf. [default: SKYTRAIN_ENGINE]"
+    ),
+    host: str | None = typer.Option(
+        None,
+        help="Address the worker's front door (HTTPS, engine secret) listens on. "
+        "[default: SKYTRAIN_WORKER_HOST, 0.0.0.0]",
+    ),
+    port: int | None = typer.Option(
+        None,
+        help="Port of the worker's front door; 0: a free one. [default: SKYTRAIN_WORKER_PORT, 8100]",
+    ),
+    advertise_url: str | None = typer.Option(
+        None,
+        help="The front door's URL as the control plane reaches it (https://HOST:PORT). "
+        "[default: the address the worker's registration comes from, on --port]",
+    ),
+    device: str | None = typer.Option(None, help="Trainer device (cuda, cpu). [default: auto]"),
+) -> None:
+    """Run a worker: start the inference engine (on 127.0.0.1) and the front door the control
+    plane reaches it through, join the control plane, serve and train."""
+    import asyncio
+
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.errors import SkytrainError
+    from skytrain_backend.worker.main import WorkerConfig, run_worker
+
+    _log_to_stderr()
+    settings = get_settings()
+    try:
+        config = WorkerConfig.from_settings(
+            settings,
+            control_plane_url=control_plane,
+            token=token,
+            base_model=base_model,
+            engine=engine,
+            host=host,
+            port=port,
+            advertise_url=advertise_url,
+            device=device,
+        )
+        asyncio.run(run_worker(config, settings))
+    except SkytrainError as exc:
+        raise _fail(exc.message) from None
+
+
+@workers_app.command("list")
+def workers_list(
+    all_: bool = typer.Option(
+        False, "--all", help="Include every stopped, lost and failed worker."
+    ),
+) -> None:
+    """List workers: status, base model, models placed, the address the control plane
+    reaches them at, last heartbeat, and the reason for the status. A base model whose last
+    worker failed to start shows that worker too: why it failed (SkyPilot's job state and
+    log for a failed setup) and when the next is launched."""
+    from sqlalchemy import func, select
+
+    from skytrain_backend.db import workers
+    from skytrain_backend.db.models import Model
+    from skytrain_backend.scheduler import placement
+
+    with _session() as session:
+        rows, held = [], []
+        for row in workers.list_workers(session, include_ended=all_):
+            placed = session.scalar(select(func.count(Model.id)).where(Model.worker_id == row.id))
+            reason = row.status_message or ""
+            hold = placement.launch_hold(session, base_model=row.base_model)
+            if hold is not None and hold.worker.id == row.id:
+                held.append(
+                    f"{row.base_model}: its last worker, {row.id}, failed to start (failed "
+                    f"launches: {hold.describe(row.base_model)}). Why:\n{reason}"
+                )
+                reason = f"failed launches: {hold.failures} in a row (why: below)"
+            rows.append(
+                [
+                    row.id,
+                    row.provider,
+                    row.status,
+                    row.base_model,
+                    str(placed),
+                    row.engine_endpoint or "",
+                    _ago(row.last_heartbeat_at),
+                    reason,
+                ]
+            )
+    _table(
+        "workers",
+        ["id", "provider", "status", "base model", "models", "address", "heartbeat", "reason"],
+        rows,
+    )
+    # In full below the table, whose columns fold a long log.
+    for text in held:
+        typer.echo(f"\n{text}")
+
+
+@workers_app.command("retry")
+def workers_retry(
+    base_model: str = typer.Argument(..., help="The base model whose workers failed to start."),
+) -> None:
+    """Launch workers for BASE_MODEL again after they failed to start: the failures in a row
+    are forgotten, so the back-off and the limit (SKYTRAIN_WORKER_LAUNCH_MAX_FAILURES) start
+    over. Fix the cause first: `skytrain workers list` and `skytrain logs WORKER` say why."""
+    from skytrain_backend.scheduler import placement
+
+    with _session() as session:
+        worker = placement.retry_launches(session, base_model=base_model)
+        if worker is None:
+            raise _fail(
+                f"no failed launch of {base_model!r} holds workers back: its last worker did "
+                "not fail to start (see `skytrain workers list --all`)"
+            )
+        forgiven = worker.id
+    typer.echo(
+        f"workers for {base_model} are launched again as soon as a model needs one (the "
+        f"failures up to worker {forgiven} are forgotten)"
+    )
+
+
+@workers_app.command("plan")
+def workers_plan(
+    base_model: str = typer.Argument(
+        ...,
+        help="A Hugging Face id whose config.json is in the model cache or the Hugging Face "
+        "cache, or a model directory.",
+    ),
+    gpu: list[str] | None = typer.Option(
+        None,
+        "--gpu",
+        help="GPU type and count per worker, NAME:COUNT (L4:1, H100:8); repeat it to compare. "
+        "[default: SKYTRAIN_SKYPILOT_ACCELERATORS, else one of each GPU skytrain knows]",
+    ),
+    json_: bool = typer.Option(
+        False, "--json", help="Print JSON: one object for one --gpu, else a list."
+    ),
+    context: int | None = typer.Option(
+        None,
+        min=16,
+        max=1024 * 1024,
+        help="Context vLLM must serve (max_model_len). [default: SKYTRAIN_ENGINE_MAX_MODEL_LEN, "
+        "else the model's own, at most 32768, held 4 times]",
+    ),
+    lora_rank: int | None = typer.Option(
+        None,
+        min=1,
+        max=512,
+        help="Largest LoRA rank served and trained. [default: SKYTRAIN_ENGINE_MAX_LORA_RANK]",
+    ),
+    max_loras: int | None = typer.Option(
+        None,
+        min=1,
+        max=256,
+        help="Adapters vLLM holds at once. [default: SKYTRAIN_ENGINE_MAX_LORAS]",
+    ),
+    row_tokens: int | None = typer.Option(
+        None,
+        min=16,
+        max=1024 * 1024,
+        help="Longest training row wanted. [default: SKYTRAIN_TRAINER_MAX_ROW_TOKENS, else the "
+        "context]",
+    ),
+) -> None:
+    """Show how BASE_MODEL is served and trained on a worker's GPUs: whether it fits and why,
+    vLLM's max_model_len, gpu_memory_utilization and tensor_parallel_size, the trainer's
+    gradient checkpointing and longest row, host memory and disk, and the arithmetic.
+
+    The SkyPilot provider asks for the cheapest configured GPU that fits, with the plan's host
+    memory and disk; a worker on CUDA starts vLLM and the trainer with the plan's numbers."""
+    import json
+
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.planning import (
+        GPU_TYPES,
+        ModelShape,
+        UnplannableModel,
+        find_model_config,
+        parse_gpu,
+        plan_worker,
+    )
+
+    settings = get_settings()
+    config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+    if config is None:
+        raise _fail(
+            f"no config.json for {base_model} on this machine: put it in the model cache "
+            f"({settings.resolved_model_cache_dir}/{base_model.replace('/', '--')}/config.json), "
+            f"download it (`hf download {base_model} config.json`), or name a model directory"
+        )
+    try:
+        shape = ModelShape.from_config(config)
+        specs = [
+            parse_gpu(item)
+            for item in gpu or (settings.skypilot_accelerators or "").split(",")
+            if item.strip() and item.strip().lower() != "none"
+        ] or [parse_gpu(gpu_type.name) for gpu_type in GPU_TYPES]
+    except UnplannableModel as exc:
+        raise _fail(f"cannot plan {base_model}: {exc}") from None
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    unknown = [str(spec) for spec in specs if spec.gpu is None]
+    if unknown:
+        known = ", ".join(gpu_type.name for gpu_type in GPU_TYPES)
+        raise _fail(f"unknown GPU {', '.join(unknown)}: skytrain knows {known}")
+    plans = [
+        plan_worker(
+            shape,
+            spec.gpu,
+            model=base_model,
+            gpu_count=spec.count,
+            lora_rank=lora_rank or settings.engine_max_lora_rank,
+            max_loras=max_loras or settings.engine_max_loras,
+            context=context or settings.engine_max_model_len,
+            row_tokens=row_tokens or settings.trainer_max_row_tokens,
+        )
+        for spec in specs
+        if spec.gpu is not None
+    ]
+    if json_:
+        documents = [plan.to_json() for plan in plans]
+        typer.echo(json.dumps(documents[0] if gpu and len(gpu) == 1 else documents, indent=2))
+        return
+    for plan in plans:
+        verdict = "fits" if plan.fits else "does not fit"
+        typer.echo(f"{base_model} on {plan.gpu}: {verdict}")
+        typer.echo(f"  {plan.reason}")
+        if plan.fits:
+            typer.echo(
+                f"  vLLM: --max-model-len {plan.max_model_len} --gpu-memory-utilization "
+                f"{plan.gpu_memory_utilization} --tensor-parallel-size "
+                f"{plan.tensor_parallel_size}, sleep level {plan.sleep_level}; trainer: "
+                f"{plan.trainer_dtype} on {plan.trainer_device_map}"
+                + (
+                    f" ({plan.trainer_shards} processes, torchrun + FSDP2)"
+                    if plan.trainer_shards > 1
+                    else ""
+                )
+                + ", gradient checkpointing "
+                f"{'on' if plan.gradient_checkpointing else 'off'}, rows up to "
+                f"{plan.max_row_tokens} tokens; host memory {plan.host_memory_gb} GB, disk "
+                f"{plan.disk_gb} GB"
+            )
+        _table(
+            f"{base_model} on {plan.gpu}",
+            ["phase", "item", "amount", "how"],
+            [[row.phase, row.item, row.value, row.how] for row in plan.rows],
+        )
+
+
+token_app = typer.Typer(
+    help="Join tokens for workers started by hand (`sky launch sky/worker.yaml`).",
+    no_args_is_help=True,
+)
+workers_app.add_typer(token_app, name="token")
+
+
+@token_app.command("create")
+def workers_token_create(
+    name: str | None = typer.Option(None, help="A label to recognise the token by."),
+    base_model: str | None = typer.Option(
+        None, help="Only workers serving this base model may join with it. [default: any]"
+    ),
+) -> None:
+    """Create a join token and print it (the token alone on stdout). It is shown only once."""
+    from skytrain_backend.db import worker_tokens
+    from skytrain_backend.errors import SkytrainError
+
+    with _session() as session:
+        try:
+            row, token = worker_tokens.create_join_token(session, name=name, base_model=base_model)
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
+    scope = f"workers for {base_model!r}" if base_model else "workers of any base model"
+    typer.echo(f"Created join token {row.id} ({row.prefix}...) for {scope}.", err=True)
+    typer.echo("Store it now: it is not shown again.", err=True)
+    typer.echo(token)
+
+
+@token_app.command("list")
+def workers_token_list() -> None:
+    """List join tokens: id, prefix, label, base model scope, created, last used, revoked (UTC)."""
+    from skytrain_backend.db import worker_tokens
+
+    rows = [("id", "prefix", "name", "base model", "created", "last used", "revoked")]
+    with _session() as session:
+        rows.extend(
+            (
+                row.id,
+                f"{row.prefix}...",
+                row.name or "",
+                row.base_model or "any",
+                _when(row.created_at),
+                _when(row.last_used_at, "never"),
+                _when(row.revoked_at),
+            )
+            for row in worker_tokens.list_join_tokens(session)
+        )
+    _columns(rows)
+
+
+@token_app.command("revoke")
+def workers_token_revoke(
+    token: str = typer.Argument(..., help="The token's id or its prefix (swj-xxxxxx)."),
+) -> None:
+    """Revoke a join token: no new worker joins with it (running workers keep their own)."""
+    from skytrain_backend.db import worker_tokens
+    from skytrain_backend.errors import SkytrainError
+
+    with _session() as session:
+        try:
+            row = worker_tokens.revoke_join_token(session, id_or_prefix=token.removesuffix("..."))
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
+    typer.echo(f"Revoked join token {row.id} ({row.prefix}...).")
+
+
+@jobs_app.command("list")
+def jobs_list(
+    status: str | None = typer.Option(None, help="Only jobs in this status (queued, running...)."),
+    limit: int = typer.Option(20, help="Most recent jobs to show."),
+) -> None:
+    """List the most recent training jobs of every tenant."""
+    from sqlalchemy import select
+
+    from skytrain_backend.db.models import Model, TrainingJob
+
+    with _session() as session:
+        statement = (
+            select(TrainingJob, Model)
+            .join(Model, Model.id == TrainingJob.model_id)
+            .order_by(TrainingJob.created_at.desc())
+            .limit(limit)
+        )
+        if status is not None:
+            statement = statement.where(TrainingJob.status == status)
+        rows = [
+            [
+                job.id,
+                f"{model.entity}/{model.project}/{model.name}",
+                job.kind,
+                job.status,
+                str(job.attempts),
+                "-" if job.result_step is None else str(job.result_step),
+                job.worker_id or "-",
+                _ago(job.created_at),
+                (job.error or "")[:80],
+            ]
+            for job, model in session.execute(statement)
+        ]
+    _table(
+        "training jobs",
+        ["id", "model", "kind", "status", "attempts", "step", "worker", "created", "error"],
+        rows,
+    )
+
+
+@app.command()
+def logs(
+    worker_id: str = typer.Argument(..., help="The worker's id (see `skytrain workers list`)."),
+    lines: int = typer.Option(100, "--lines", "-n", help="How many of the last lines to show."),
+) -> None:
+    """Show a worker's log: everything a local worker printed; a SkyPilot worker's launch."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db.models import Worker
+    from skytrain_backend.provision.local import log_tail, worker_log_path
+
+    with _session() as session:
+        row = session.get(Worker, worker_id)
+        if row is None:
+            raise _fail(f"no worker {worker_id!r}: see `skytrain workers list --all`")
+        provider, cluster = row.provider, row.cluster_name
+    path = worker_log_path(get_settings().home / "workers", worker_id)
+    text = log_tail(path, lines)
+    if text:
+        typer.echo(text)
+    if provider == "skypilot" and cluster:
+        typer.echo(f"(the worker's own output: `sky logs {cluster}`)", err=True)
+    elif not text:
+        where = "on its own host" if provider == "manual" else f"at {path}"
+        raise _fail(f"no log for worker {worker_id} {where}")

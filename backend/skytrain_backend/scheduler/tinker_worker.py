@@ -1,0 +1,395 @@
+"""What a worker's Tinker executor runs (``api/routes/tinker_worker.py`` serves it): leasing a
+run with the plan to rebuild its state, its operations in ``seq_id`` order, their results,
+failures and saves. The runs themselves, their queue and their names: ``scheduler.tinker``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import TypeAdapter
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db import registry
+from skytrain_backend.db.models import (
+    Checkpoint,
+    Model,
+    TinkerCheckpoint,
+    TinkerRequest,
+    TinkerRun,
+    TinkerSampler,
+    TrainingJob,
+    Worker,
+    utcnow,
+)
+from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.protocol import tinker as wire
+from skytrain_backend.protocol.tinker import CREATIONS, SAVES, STATE_CHANGES
+from skytrain_backend.scheduler import queue
+from skytrain_backend.scheduler.tinker import (
+    FINISHED,
+    JOB_KIND,
+    CheckpointKind,
+    TinkerPath,
+    output_key,
+)
+from skytrain_backend.storage import keys
+from skytrain_backend.storage.base import ObjectStore
+
+# --- what a worker runs -------------------------------------------------------------------------
+
+
+def lease_run(session: Session, *, worker: Worker, lease_s: float) -> wire.TinkerRun | None:
+    """A queued run of a model placed on the worker, with the plan to rebuild its state."""
+    job = queue.lease_job(session, worker=worker, lease_s=lease_s, kinds=(JOB_KIND,))
+    if job is None:
+        return None
+    run = session.scalars(select(TinkerRun).where(TinkerRun.job_id == job.id)).one()
+    model = session.get_one(Model, run.model_id)
+    return wire.TinkerRun(
+        job_id=job.id,
+        attempt=job.attempts,
+        run_id=run.id,
+        model_id=model.id,
+        base_model=model.base_model,
+        model_config_=ModelConfig.model_validate(model.config),
+        latest_step=registry.next_step(session, model_id=model.id) - 1,
+        plan=plan(session, run=run),
+    )
+
+
+def plan(session: Session, *, run: TinkerRun) -> wire.RebuildPlan:
+    """How a worker rebuilds the run's state: where from (``restore``), which finished
+    operations to rerun (``replay``), and the first operation still to run (``next_seq``)."""
+    operations = list(
+        session.scalars(
+            select(TinkerRequest)
+            .where(TinkerRequest.run_id == run.id)
+            .order_by(TinkerRequest.seq_id)
+        )
+    )
+    finished: list[TinkerRequest] = []
+    for operation in operations:
+        if operation.seq_id != len(finished) or operation.status not in FINISHED:
+            break
+        finished.append(operation)
+    if not finished or finished[0].status != "succeeded":
+        return wire.RebuildPlan(restore=None, replay=[], next_seq=len(finished))
+    restore_at = 0
+    restore = _restore_from(finished[0])
+    for operation in reversed(finished):
+        if operation.status != "succeeded":
+            continue
+        point = _restore_point(session, run=run, operation=operation)
+        if point is not None:
+            restore_at, restore = operation.seq_id or 0, point
+            break
+    # Failed steps too (an optimizer step that failed still dropped the gradients it found),
+    # but not those refused before they reached a worker.
+    replay = [
+        op.seq_id or 0
+        for op in finished[restore_at + 1 :]
+        if op.kind in STATE_CHANGES and not op.params.get("refused")
+    ]
+    return wire.RebuildPlan(restore=restore, replay=replay, next_seq=len(finished))
+
+
+def _restore_from(creation: TinkerRequest) -> wire.RestorePoint:
+    return wire.CreationParams.model_validate(creation.params).restore()
+
+
+def _restore_point(
+    session: Session, *, run: TinkerRun, operation: TinkerRequest
+) -> wire.RestorePoint | None:
+    if operation.kind in CREATIONS or operation.kind == "load_weights":
+        return _restore_from(operation)
+    if operation.kind not in SAVES or operation.params.get("grads_pending", True):
+        return None
+    step = operation.params.get("committed_step")
+    live = session.scalar(
+        select(Checkpoint.id).where(
+            Checkpoint.model_id == run.model_id,
+            Checkpoint.step == step,
+            Checkpoint.deleted_at.is_(None),
+        )
+    )
+    if live is None or step is None:
+        return None
+    return wire.RestorePoint(
+        checkpoint=wire.CheckpointSource(model_id=run.model_id, step=int(step)), optimizer=True
+    )
+
+
+def leased_run(session: Session, *, worker: Worker, job_id: str, attempt: int) -> TinkerRun:
+    """The run whose job ``worker`` holds as ``attempt`` (``LeaseLost`` otherwise)."""
+    job = queue.leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+    return session.scalars(select(TinkerRun).where(TinkerRun.job_id == job.id)).one()
+
+
+_OPERATION: TypeAdapter[wire.TinkerOperation] = TypeAdapter(wire.TinkerOperation)
+
+
+def operation_for_worker(operation: TinkerRequest) -> wire.TinkerOperation:
+    """An operation as a worker runs it, its parameters typed by its kind."""
+    refused = bool(operation.params.get("refused"))
+    return _OPERATION.validate_python(
+        {
+            "seq_id": operation.seq_id,
+            "request_id": operation.id,
+            "kind": operation.kind,
+            # A refused step or load has nothing a worker could read.
+            "params": None
+            if refused and operation.kind in ("optim_step", "load_weights")
+            else operation.params,
+            "has_input": operation.input_uri is not None,
+            # Refused on arrival: the worker only moves past it.
+            "finished": operation.status in FINISHED,
+        }
+    )
+
+
+def next_operation(
+    session: Session, *, worker: Worker, job_id: str, attempt: int, seq_id: int
+) -> TinkerRequest | None:
+    """Operation ``seq_id`` of the run, once it has arrived (marked running)."""
+    run = leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
+    operation = session.scalar(
+        select(TinkerRequest).where(TinkerRequest.run_id == run.id, TinkerRequest.seq_id == seq_id)
+    )
+    if operation is None:
+        session.rollback()
+        return None
+    if operation.status == "queued":
+        operation.status = "running"
+    session.commit()
+    return operation
+
+
+def worker_operation(
+    session: Session, *, worker: Worker, job_id: str, attempt: int, seq_id: int
+) -> tuple[TinkerRun, TinkerRequest]:
+    run = leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
+    operation = session.scalar(
+        select(TinkerRequest).where(TinkerRequest.run_id == run.id, TinkerRequest.seq_id == seq_id)
+    )
+    if operation is None:
+        raise NotFound(f"run {run.id} has no operation {seq_id}")
+    return run, operation
+
+
+def readable_checkpoint(
+    session: Session, *, run: TinkerRun, model_id: str, step: int
+) -> Checkpoint:
+    """A checkpoint the run may load: its own model's, or one its operations named."""
+    allowed = model_id == run.model_id or any(
+        (op.params.get("source") or {}).get("model_id") == model_id
+        and (op.params.get("source") or {}).get("step") == step
+        for op in session.scalars(
+            select(TinkerRequest).where(
+                TinkerRequest.run_id == run.id,
+                TinkerRequest.kind.in_(("load_create", "load_weights")),
+            )
+        )
+    )
+    checkpoint = session.scalar(
+        select(Checkpoint).where(Checkpoint.model_id == model_id, Checkpoint.step == step)
+    )
+    if not allowed or checkpoint is None or checkpoint.uri is None:
+        raise NotFound(f"run {run.id} has no checkpoint {model_id} step {step} to load")
+    return checkpoint
+
+
+def _finish(operation: TinkerRequest, *, result: dict[str, Any] | None = None) -> None:
+    operation.status = "succeeded"
+    operation.result = result or {}
+    operation.finished_at = utcnow()
+
+
+def complete(
+    session: Session,
+    *,
+    store: ObjectStore,
+    worker: Worker,
+    job_id: str,
+    attempt: int,
+    seq_id: int,
+    result: wire.OperationResult,
+    has_output: bool,
+) -> str:
+    """Record an operation's result (an output object already uploaded, if ``has_output``);
+    the future's id."""
+    run, operation = worker_operation(
+        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
+    )
+    if operation.status in FINISHED:
+        session.rollback()
+        return operation.id
+    if has_output:
+        key = output_key(run, seq_id)
+        if not store.exists(key):
+            raise InvalidRequest(f"operation {seq_id}'s output was not uploaded")
+        operation.result_uri = store.uri(key)
+    _finish(operation, result=_public_result(run, operation, result))
+    session.commit()
+    return operation.id
+
+
+def _public_result(
+    run: TinkerRun, operation: TinkerRequest, reported: wire.OperationResult
+) -> dict[str, Any]:
+    """What the future answers, in the SDK's response shape for the operation."""
+    if operation.kind == "create_model":
+        return {"model_id": run.id, "type": "create_model"}
+    if operation.kind in ("load_create", "load_weights"):
+        return {"model_id": run.id, "path": operation.params.get("path"), "type": "load_weights"}
+    if operation.kind == "optim_step":
+        return {"metrics": reported.metrics or {}}
+    return {}
+
+
+def fail(
+    session: Session,
+    *,
+    worker: Worker,
+    job_id: str,
+    attempt: int,
+    seq_id: int,
+    error: str,
+    category: Literal["user", "server"],
+) -> str:
+    """An operation the worker could not run (its inputs, or the trainer's refusal); the
+    state it leaves is the one before it, so later operations run on. The future's id."""
+    _, operation = worker_operation(
+        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
+    )
+    if operation.status not in FINISHED:
+        operation.status = "failed"
+        operation.error = error
+        operation.error_category = category
+        operation.finished_at = utcnow()
+    session.commit()
+    return operation.id
+
+
+def commit_save(
+    session: Session,
+    *,
+    store: ObjectStore,
+    worker: Worker,
+    job_id: str,
+    attempt: int,
+    seq_id: int,
+    files: list[str],
+    step: int,
+    reuse_step: int | None,
+    grads_pending: bool,
+    optim_steps: int,
+    served: bool,
+) -> str:
+    """Commit a save: the staged files as the model's next step (or ``reuse_step``, when the
+    weights did not change since that save), its name, and the future's answer (its id)."""
+    run, operation = worker_operation(
+        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
+    )
+    if operation.status in FINISHED:
+        session.rollback()
+        return operation.id
+    job = session.get_one(TrainingJob, job_id)
+    model = session.get_one(Model, run.model_id)
+    params = dict(operation.params)
+    name = params.get("name")
+    kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
+    existing = None
+    if name is not None:
+        existing = session.scalar(
+            select(TinkerCheckpoint).where(
+                TinkerCheckpoint.run_id == run.id,
+                TinkerCheckpoint.kind == kind,
+                TinkerCheckpoint.name == name,
+            )
+        )
+        if existing is not None and not params.get("overwrite"):
+            operation.status = "failed"
+            operation.error = (
+                f"run {run.id} already has a checkpoint named {name!r}: choose another name, "
+                "or pass overwrite=True"
+            )
+            operation.error_category = "user"
+            operation.finished_at = utcnow()
+            session.commit()
+            return operation.id
+    if reuse_step is not None:
+        step = reuse_step
+        if (
+            session.scalar(
+                select(Checkpoint.id).where(
+                    Checkpoint.model_id == model.id, Checkpoint.step == step
+                )
+            )
+            is None
+        ):
+            raise InvalidRequest(f"model {model.id} has no step {step} to reuse")
+    else:
+        if not files:
+            raise InvalidRequest("a save needs its checkpoint files")
+        expected = registry.next_step(session, model_id=model.id)
+        if step != expected:
+            raise InvalidRequest(f"run {run.id} saves step {expected} next, not step {step}")
+        total = 0
+        for file_name in files:
+            source = queue.staged_file_key(
+                job, tenant_id=model.tenant_id, attempt=attempt, name=file_name
+            )
+            target = keys.checkpoint_key(
+                tenant_id=model.tenant_id, model_id=model.id, step=step, file=file_name
+            )
+            total += store.copy(source, target)
+        prefix = keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
+        session.add(
+            Checkpoint(
+                model_id=model.id,
+                step=step,
+                uri=store.uri(prefix.rstrip("/")),
+                metrics={"tinker/optim_steps": float(optim_steps)},
+                size_bytes=total,
+            )
+        )
+    if served:
+        others = [item for item in worker.served or [] if item.get("model_id") != model.id]
+        worker.served = [*others, {"model_id": model.id, "step": step}]
+    result: dict[str, Any]
+    if name is not None:
+        if existing is not None:
+            existing.step = step
+            existing.created_at = utcnow()
+        else:
+            session.add(
+                TinkerCheckpoint(
+                    run_id=run.id,
+                    kind=kind,
+                    name=name,
+                    step=step,
+                    user_metadata=params.get("user_metadata") or {},
+                )
+            )
+        result = {"path": TinkerPath.of(run.id, kind, name), "type": operation.kind}
+    else:
+        sampler = TinkerSampler(
+            tenant_id=run.tenant_id, base_model=model.base_model, model_id=model.id, step=step
+        )
+        session.add(sampler)
+        session.flush()
+        result = {"sampling_session_id": sampler.id, "type": operation.kind}
+    params.update(committed_step=step, grads_pending=grads_pending)
+    operation.params = params
+    model.last_active_at = utcnow()
+    _finish(operation, result=result)
+    session.commit()
+    if reuse_step is None:
+        store.delete_prefix(
+            keys.model_prefix(tenant_id=model.tenant_id, model_id=model.id)
+            + f"jobs/{job.id}/attempts/"
+        )
+    return operation.id

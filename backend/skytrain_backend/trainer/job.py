@@ -1,0 +1,185 @@
+"""One training job from files, in the process(es) that run it: the trainer's entry point
+under ``torchrun``.
+
+``python -m skytrain_backend.trainer.job SPEC.json`` (one ``JobSpec``, or a list of them run
+one after the other by the same processes) loads the trainer (sharded over the
+processes ``torchrun`` started, ``distributed``; one process without it), prepares the job
+from the data file the spec names, runs its steps and saves the checkpoint (rank 0 writes).
+Every rank reads the same spec and data, so every rank makes the same plan. Rank 0 appends
+what happens to ``metrics_path``, one JSON object a line: ``{"event": "prepared", "plan":
+{...}}`` (the plan's steps, summary and warning), ``{"event": "step", "metrics": {...}}``
+after each step, and ``{"event": "saved"}`` or ``{"event": "stopped"}`` at the end. It
+writes the checkpoint to ``output_dir``: the adapter at the next step, or the job's progress
+(``Trainer.save_progress``), which a spec with ``resume_from`` continues, when it stops
+between two steps: after ``stop_after`` steps, or when the worker says so.
+
+With ``control_dir`` the worker drives the steps as it drives an in-process trainer: after
+step ``k`` (not the last) rank 0 waits for ``go-k`` (the next step) or ``stop`` (save the
+progress: the worker yields to another job) to appear there, and every rank follows it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from skytrain_backend.protocol import (
+    ModelConfig,
+    RLTrainConfig,
+    SFTTrainConfig,
+    Trajectory,
+    TrajectoryGroup,
+)
+from skytrain_backend.trainer.distributed import Shards
+from skytrain_backend.trainer.plans import PackingKind
+
+if TYPE_CHECKING:
+    from skytrain_backend.trainer.trainer import RLPlan, SFTPlan, Trainer
+
+
+class JobSpec(BaseModel):
+    """What one run of the job entry point does (written by the worker, or a test)."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    kind: Literal["rl", "sft"]
+    base_model: str
+    lora: ModelConfig
+    # RLTrainConfig or SFTTrainConfig as JSON.
+    config: dict[str, Any]
+    # A JSON list of trajectory groups (rl) or trajectories (sft).
+    data_path: Path
+    output_dir: Path
+    metrics_path: Path
+    # The checkpoint the job starts from (None: a fresh adapter).
+    adapter_dir: Path | None = None
+    # A stopped job's directory (save_progress): the job continues from it.
+    resume_from: Path | None = None
+    # Stop after this many steps and save the job's progress instead of finishing.
+    stop_after: int | None = Field(default=None, ge=1)
+    # Where the worker says "go-K" or "stop" after step K (None: run every step).
+    control_dir: Path | None = None
+    device: str | None = None
+    packing: PackingKind | None = None
+    gradient_checkpointing: bool | None = None
+    max_row_tokens: int | None = Field(default=None, ge=1)
+
+
+# How often rank 0 looks for the worker's word between two steps.
+CONTROL_POLL_S = 0.05
+
+_JOBS: TypeAdapter[JobSpec | list[JobSpec]] = TypeAdapter(JobSpec | list[JobSpec])
+
+
+def _read(spec: JobSpec) -> list[TrajectoryGroup] | list[Trajectory]:
+    data = json.loads(spec.data_path.read_text())
+    if spec.kind == "rl":
+        return [TrajectoryGroup.model_validate(group) for group in data]
+    return [Trajectory.model_validate(trajectory) for trajectory in data]
+
+
+def _prepare(
+    trainer: Trainer, spec: JobSpec, data: list[TrajectoryGroup] | list[Trajectory]
+) -> RLPlan | SFTPlan:
+    if spec.kind == "rl":
+        groups = cast(list[TrajectoryGroup], data)
+        return trainer.prepare_rl(
+            groups, RLTrainConfig.model_validate(spec.config), resume_from=spec.resume_from
+        )
+    trajectories = cast(list[Trajectory], data)
+    return trainer.prepare_sft(
+        trajectories, SFTTrainConfig.model_validate(spec.config), resume_from=spec.resume_from
+    )
+
+
+def run_job(spec: JobSpec, shards: Shards) -> None:
+    """Run ``spec`` as this rank of ``shards``. The data is read first: a batch it cannot
+    train on fails before the base model loads."""
+    data = _read(spec)
+    # transformers and peft load with the trainer, after the data is known to be good.
+    from skytrain_backend.trainer.trainer import Trainer
+
+    trainer = Trainer.load(
+        spec.base_model,
+        model_config=spec.lora,
+        adapter_dir=spec.resume_from or spec.adapter_dir,
+        device=spec.device,
+        gradient_checkpointing=spec.gradient_checkpointing,
+        max_row_tokens=spec.max_row_tokens,
+        packing=spec.packing,
+        shards=shards,
+    )
+    plan = _prepare(trainer, spec, data)
+
+    def tell(event: dict[str, Any]) -> None:
+        if shards.is_main:
+            with spec.metrics_path.open("a") as out:
+                out.write(json.dumps(event) + "\n")
+
+    tell(
+        {
+            "event": "prepared",
+            "plan": {
+                "num_gradient_steps": plan.num_gradient_steps,
+                "steps_done": plan.steps_done,
+                "summary": plan.summary,
+                "warning": plan.warning,
+            },
+        }
+    )
+    for metrics in trainer.run(plan):
+        tell(
+            {
+                "event": "step",
+                "steps_done": plan.steps_done,
+                "metrics": metrics,
+                "summary": plan.summary,
+                "warning": plan.warning,
+            }
+        )
+        if plan.steps_done == plan.num_gradient_steps:
+            continue
+        told = _wait_for_word(spec.control_dir, plan.steps_done) if shards.is_main else False
+        stopping = shards.any(told) or plan.steps_done == spec.stop_after
+        if stopping:
+            trainer.save_progress(plan, spec.output_dir)
+            tell({"event": "stopped", "steps_done": plan.steps_done, "summary": plan.summary})
+            return
+    trainer.save(spec.output_dir)
+    tell({"event": "saved", "summary": plan.summary, "warning": plan.warning})
+
+
+def _wait_for_word(control_dir: Path | None, steps_done: int) -> bool:
+    """Whether the worker says stop after ``steps_done`` steps (False: go on)."""
+    if control_dir is None:
+        return False
+    while True:
+        if (control_dir / "stop").exists():
+            return True
+        if (control_dir / f"go-{steps_done}").exists():
+            return False
+        time.sleep(CONTROL_POLL_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m skytrain_backend.trainer.job SPEC.json", file=sys.stderr)
+        return 2
+    specs = _JOBS.validate_json(Path(args[0]).read_text())
+    shards = Shards.from_environment()
+    try:
+        for spec in specs if isinstance(specs, list) else [specs]:
+            run_job(spec, shards)
+    finally:
+        shards.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

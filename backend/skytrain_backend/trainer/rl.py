@@ -1,0 +1,336 @@
+"""GRPO steps: ``prepare_rl`` and the RL optimizer step of ``Trainer`` (module ``trainer``)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from skytrain_backend.errors import InvalidRequest, TrainingError
+from skytrain_backend.protocol import (
+    RLTrainConfig,
+    TrajectoryGroup,
+    check_trainable,
+)
+from skytrain_backend.trainer.core import TrainerCore
+from skytrain_backend.trainer.loss import (
+    art_kl_advantages,
+    capped_ratio,
+    clipped_fractions,
+    importance_ratio,
+    kimi_k2_advantages,
+    kl_penalty,
+    masked_ratio,
+    policy_loss_function,
+    token_mean,
+)
+from skytrain_backend.trainer.memory import (
+    out_of_memory_as_error,
+)
+from skytrain_backend.trainer.packing import (
+    Packing,
+    merged_stats,
+)
+from skytrain_backend.trainer.plans import (
+    Metrics,
+    RLPlan,
+    _Agreement,
+    _apply_art_weights,
+    _row_old_logprobs,
+    _site_advantages,
+    _steps_over_groups,
+    _steps_per_row,
+    art_row_length,
+)
+from skytrain_backend.trainer.progress import Progress
+from skytrain_backend.trainer.tokenize import (
+    TokenizedSequence,
+    tokenize_rl_groups,
+)
+
+
+class RLTraining(TrainerCore):
+    """The RL half of ``Trainer``."""
+
+    # --- RL ----------------------------------------------------------------------------------
+
+    def prepare_rl(
+        self,
+        groups: Sequence[TrajectoryGroup],
+        config: RLTrainConfig,
+        *,
+        separate_pass: bool = False,
+        resume_from: Path | None = None,
+    ) -> RLPlan:
+        """Tokenize, split into steps and pack ``groups``; read the old logprobs of the rows
+        that the first step's forward pass will not read, without gradient. Raises
+        TrainingError for input it cannot train on.
+
+        The first step reads its own rows' old logprobs unless ``separate_pass`` or the
+        policy drops out: then every row is read here, and the agreement metrics and warning
+        are in the plan at once (``agreement_pending`` is False).
+
+        ``resume_from``: the directory ``save_progress`` wrote for this job (this trainer
+        loaded from it): the plan continues after the steps done there, with the old
+        logprobs, summary and metrics saved then (nothing is read again)."""
+        self._check_not_released()
+        policy_loss_function(config.loss_fn)  # an unknown loss fails before any work
+        try:
+            check_trainable(
+                list(groups),
+                allow_training_without_logprobs=config.allow_training_without_logprobs,
+            )
+        except InvalidRequest as exc:
+            raise TrainingError(exc.message) from exc
+        art = config.aggregation == "art"
+        batch = tokenize_rl_groups(
+            self.policy.tokenizer,
+            groups,
+            scale_rewards=config.scale_rewards,
+            allow_training_without_logprobs=config.allow_training_without_logprobs,
+            advantage_balance=config.advantage_balance,
+            art_rules=art,
+        )
+        self._check_vocabulary(batch.sequences)
+        seed = config.seed + self.step
+        num_steps = config.num_gradient_steps
+        if isinstance(num_steps, int):
+            requested = config.packed_sequence_length or self.model_config.max_seq_length
+            row_length = self.row_length(requested)
+            by_group: defaultdict[int, list[TokenizedSequence]] = defaultdict(list)
+            for sequence in batch.sequences:
+                by_group[sequence.group_index].append(sequence)
+            parts = [
+                [s for g in sorted(part) for s in by_group[g]]
+                for part in _steps_over_groups(sorted(by_group), num_steps, seed=seed)
+            ]
+        else:  # "per_row"
+            requested = config.packed_sequence_length or art_row_length(
+                batch.sequences, max_seq_length=self.model_config.max_seq_length
+            )
+            row_length = self.row_length(requested)
+            parts = _steps_per_row(batch.sequences, row_length)
+        packings = [self._pack(part, row_length) for part in parts]
+        steps = [packing for packing in packings if packing.rows]
+        if batch.sequences and not steps:
+            raise TrainingError(
+                f"every trained token lies beyond {row_length} tokens, so nothing is left to "
+                f"train on: {self._shorter_rows_advice(requested, row_length)}"
+            )
+        if art:
+            _apply_art_weights(steps, batch.sequences)
+        summary = (
+            batch.summary
+            | merged_stats(packings, row_length=row_length)
+            | {"train/num_gradient_steps": float(len(steps))}
+        )
+        if resume_from is not None:
+            return self._resumed_rl_plan(config, steps, summary, Path(resume_from))
+        # Dropout would make the first step's forward pass differ from the old policy's; ART's
+        # KL from the sampler needs every old logprob before its step.
+        art_kl_from_sample = config.kl_penalty_coef > 0 and config.kl_penalty_source == "sample"
+        first_step_reads = (
+            bool(steps)
+            and not separate_pass
+            and not self.policy.drops_out
+            and not art_kl_from_sample
+        )
+        agreement = _Agreement()
+        with out_of_memory_as_error("computing the old logprobs", self.policy.device):
+            old_logprobs = self._old_logprobs(
+                steps[1:] if first_step_reads else steps, config, agreement
+            )
+        plan = RLPlan(
+            config=config,
+            steps=steps,
+            old_logprobs=old_logprobs,
+            summary=summary,
+            base_step=self.step,
+        )
+        if first_step_reads:
+            plan.old_logprobs.insert(0, [None] * len(steps[0].rows))
+            plan._agreement = agreement
+        else:
+            self._finish_agreement(plan, agreement)
+        return plan
+
+    def _resumed_rl_plan(
+        self, config: RLTrainConfig, steps: list[Packing], summary: Metrics, directory: Path
+    ) -> RLPlan:
+        progress = Progress.read(directory, kind="rl", base_step=self.step, num_steps=len(steps))
+        done = progress.position.steps_done
+        saved_rows = [len(rows) for rows in progress.old_logprobs]
+        if saved_rows != [len(packing.rows) for packing in steps[done:]]:
+            raise TrainingError(
+                f"the saved state in {directory} has rows {saved_rows} for the steps after "
+                f"step {done}, but this job packs {[len(p.rows) for p in steps[done:]]}: it was "
+                "saved by another job, or by a trainer that packs differently"
+            )
+        device = self.policy.device
+        old_logprobs: list[list[torch.Tensor | None]] = [
+            [None] * len(packing.rows) for packing in steps[:done]
+        ]
+        old_logprobs += [[row.to(device) for row in rows] for rows in progress.old_logprobs]
+        return RLPlan(
+            config=config,
+            steps=steps,
+            old_logprobs=old_logprobs,
+            summary=summary | progress.summary,
+            base_step=self.step,
+            warning=progress.warning,
+            position=progress.position,
+        )
+
+    @torch.no_grad()
+    def _old_logprobs(
+        self, steps: Sequence[Packing], config: RLTrainConfig, agreement: _Agreement
+    ) -> list[list[torch.Tensor | None]]:
+        """The old logprobs of every row of ``steps``, read in a pass without gradient."""
+        self.policy.model.eval()
+        old: list[list[torch.Tensor | None]] = []
+        for packing in steps:
+            # Each rank reads its own rows (``distributed``): the others stay None there.
+            old.append([None] * len(packing.rows))
+            for position, row, scale in self.shards.rows(packing.rows):
+                current, _ = self.policy.site_logprobs(
+                    row, chunk_size=config.logprob_calculation_chunk_size
+                )
+                if scale:
+                    old[-1][position] = _row_old_logprobs(packing, row, current, config, agreement)
+        return old
+
+    def _finish_agreement(self, plan: RLPlan, agreement: _Agreement) -> None:
+        if self.shards.sharded:
+            parts = self.shards.gather(
+                ([d.cpu() for d in agreement.differences], agreement.missing)
+            )
+            agreement = _Agreement(
+                differences=[d for differences, _ in parts for d in differences],
+                missing=sum(missing for _, missing in parts),
+            )
+        measured, plan.warning = agreement.result(self.policy.model.dtype)
+        plan.summary |= measured
+        plan._agreement = None
+
+    def _rl_step(self, plan: RLPlan, index: int) -> Metrics:
+        config, packing = plan.config, plan.steps[index]
+        self.policy.model.train()
+        # Gradients left by a step that failed halfway must not leak into this one.
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_function = policy_loss_function(config.loss_fn)
+        epsilon, epsilon_high = config.clip_range()
+        chunk_size = config.logprob_calculation_chunk_size
+        num_tokens = sum(row.num_sites for row in packing.rows)
+        totals: defaultdict[str, float] = defaultdict(float)
+        step_old_logprobs = plan.old_logprobs[index]
+        art_kl = config.kl_penalty_coef > 0 and config.kl_penalty_source is not None
+        references, mean_kl = (
+            self._art_kl_inputs(packing, step_old_logprobs, config) if art_kl else ({}, 0.0)
+        )
+        # This rank's rows (all of them in one process); ``scale`` 0: a padding row, run so
+        # that every rank runs as many passes, that counts for nothing (``distributed``).
+        for position, row, scale in self.shards.rows(packing.rows):
+            logprobs, entropy = self.policy.site_logprobs(row, chunk_size=chunk_size)
+            old_logprobs = step_old_logprobs[position]
+            if old_logprobs is None and not scale:
+                old_logprobs = logprobs.detach()
+            elif old_logprobs is None:
+                # The first step: no update has happened yet (the step updates once, after all
+                # its rows), so this forward pass computes the old policy's logprobs.
+                assert plan._agreement is not None
+                old_logprobs = _row_old_logprobs(
+                    packing, row, logprobs.detach(), config, plan._agreement
+                )
+                step_old_logprobs[position] = old_logprobs
+            advantages, weights, sequence_ids = _site_advantages(packing, row, self.policy.device)
+            ratio = importance_ratio(
+                logprobs, old_logprobs, sequence_ids, level=config.importance_sampling_level
+            )
+            ratio = capped_ratio(ratio, config.max_negative_advantage_importance_sampling_weight)
+            if config.mask_prob_ratio:
+                ratio = masked_ratio(ratio, epsilon=epsilon, epsilon_high=epsilon_high)
+            if config.kimi_k2_tau:
+                advantages = kimi_k2_advantages(
+                    advantages, logprobs, old_logprobs, tau=config.kimi_k2_tau
+                )
+            if art_kl:
+                source = old_logprobs if config.kl_penalty_source == "sample" else logprobs
+                advantages = art_kl_advantages(
+                    advantages,
+                    source,
+                    references[position],
+                    mean_kl=mean_kl,
+                    coef=config.kl_penalty_coef,
+                )
+            per_token = loss_function(
+                ratio, logprobs, advantages, epsilon=epsilon, epsilon_high=epsilon_high
+            )
+            totals["loss/policy"] += scale * float((per_token * weights).detach().sum())
+            if config.kl_penalty_coef > 0 and not art_kl:
+                with torch.no_grad(), self.policy.adapter_disabled():
+                    reference, _ = self.policy.site_logprobs(row, chunk_size=chunk_size)
+                kl = kl_penalty(logprobs, reference)
+                per_token = per_token + config.kl_penalty_coef * kl
+                totals["loss/kl"] += scale * float(kl.detach().sum())
+            (token_mean(per_token, num_tokens, weights) * scale).backward()
+            low, high = clipped_fractions(
+                ratio, advantages, epsilon=epsilon, epsilon_high=epsilon_high
+            )
+            totals["clip_ratio/low"] += scale * float(low.sum())
+            totals["clip_ratio/high"] += scale * float(high.sum())
+            totals["entropy"] += scale * float(entropy.sum())
+            totals["ratio/mean"] += scale * float(ratio.detach().sum())
+        totals = defaultdict(float, self.shards.sum(dict(totals)))
+        if plan._agreement is not None:
+            self._finish_agreement(plan, plan._agreement)
+        trajectories = {(s.group_index, s.trajectory_index) for s in packing.sequences}
+        learning_rate = config.learning_rate * len(trajectories) ** (
+            config.num_trajectories_learning_rate_multiplier_power
+        )
+        grad_norm = self._optimizer_step(
+            learning_rate=learning_rate,
+            weight_decay=config.weight_decay,
+            max_grad_norm=config.max_grad_norm,
+            adam_beta2=config.adam_beta2,
+        )
+        metrics = {key: value / max(num_tokens, 1) for key, value in totals.items()}
+        metrics["loss"] = metrics["loss/policy"] + config.kl_penalty_coef * metrics.get(
+            "loss/kl", 0.0
+        )
+        if art_kl:
+            metrics["kl/policy_ref"] = mean_kl
+        return metrics | {
+            "grad_norm": grad_norm,
+            "learning_rate": learning_rate,
+            "train/num_trainable_tokens": float(num_tokens),
+            "train/num_sequences": float(len(packing.sequences)),
+        }
+
+    @torch.no_grad()
+    def _art_kl_inputs(
+        self, packing: Packing, old_logprobs: Sequence[torch.Tensor | None], config: RLTrainConfig
+    ) -> tuple[dict[int, torch.Tensor], float]:
+        """The reference (base model) logprobs of each row of a step, and the mean over the
+        step's tokens of the KL ART shapes advantages with: log pi_source - log pi_ref, the
+        source being the sampler (the old logprobs, all read before the step for this) or the
+        current policy (read here, as the step's own forward pass will compute it). Each rank
+        reads its own rows (by position); the mean is over every rank's."""
+        chunk_size = config.logprob_calculation_chunk_size
+        references: dict[int, torch.Tensor] = {}
+        total, count = 0.0, 0
+        for position, row, scale in self.shards.rows(packing.rows):
+            with self.policy.adapter_disabled():
+                reference, _ = self.policy.site_logprobs(row, chunk_size=chunk_size)
+            old = old_logprobs[position]
+            if config.kl_penalty_source == "sample":
+                assert old is not None or not scale, "prepare_rl reads the old logprobs for this"
+                source = old if old is not None else reference
+            else:
+                source, _ = self.policy.site_logprobs(row, chunk_size=chunk_size)
+            references.setdefault(position, reference)
+            total += scale * float((source - reference).sum())
+            count += int(scale) * row.num_sites
+        summed = self.shards.sum({"total": total, "count": float(count)})
+        return references, summed["total"] / max(summed["count"], 1)

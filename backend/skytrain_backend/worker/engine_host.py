@@ -1,0 +1,238 @@
+"""The worker's engine as the agent keeps it: alive, awake or asleep, its adapters loaded.
+
+The engine serves the base model and one LoRA adapter per checkpoint placed here (named by
+``lora_name``). ``EngineHost`` loads and unloads them, restarts an engine that died (it comes
+back serving the base model only; the heartbeat loads the adapters again), and gives the
+device to one trainer at a time (``trainer_turn``): an engine that shares the GPU with the
+trainer is put to sleep for it, after the control plane is told to stop routing here, and is
+woken after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+from skytrain_backend.errors import EngineTimeout, SkytrainError
+from skytrain_backend.protocol import lora_name
+from skytrain_backend.worker.client import ControlPlaneClient
+
+if TYPE_CHECKING:
+    from skytrain_backend.engine.client import EngineClient
+
+logger = logging.getLogger(__name__)
+
+ENGINE_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class EngineProcess(Protocol):
+    """The engine subprocess the agent supervises."""
+
+    def is_alive(self) -> bool: ...
+
+    async def restart(self) -> None: ...
+
+    def log_tail(self) -> str: ...
+
+
+async def _nothing() -> None:
+    return None
+
+
+class EngineHost:
+    """The engine, its process and the checkpoints loaded into it."""
+
+    def __init__(
+        self,
+        *,
+        control_plane: ControlPlaneClient,
+        engine: EngineClient,
+        engine_process: EngineProcess | None,
+        work_dir: Path,
+        sleep_during_training: bool,
+        sleep_wait_s: float,
+        sleep_timeout_s: float,
+    ) -> None:
+        self._cp = control_plane
+        self.engine = engine
+        self._process = engine_process
+        self._work_dir = work_dir
+        self._sleep_during_training = sleep_during_training
+        self._sleep_wait_s = sleep_wait_s
+        self._sleep_timeout_s = sleep_timeout_s
+        # (model id, step) -> the local directory its adapter was loaded from. Steps loaded
+        # but not committed yet are never reported as served (see worker/jobs.py).
+        self.served: dict[tuple[str, int], Path] = {}
+        self._lock = asyncio.Lock()
+        # Held while a trainer holds the device: a whole job, or one Tinker operation.
+        self.turn = asyncio.Lock()
+        # True from the moment the engine is told to sleep until it is awake again.
+        self.asleep = False
+        # Tells the control plane the worker's state (set by the agent): sent as the engine
+        # goes to sleep, so that nothing is routed here meanwhile.
+        self.on_asleep: Callable[[], Awaitable[None]] = _nothing
+
+    @property
+    def trainer_shares_engine_device(self) -> bool:
+        """Whether the engine sleeps while a trainer computes (it shares the GPU)."""
+        return self._sleep_during_training
+
+    @contextlib.asynccontextmanager
+    async def trainer_turn(self, what: str) -> AsyncIterator[None]:
+        """The device for one Tinker operation (``what``): after any job or other operation
+        on it, with the engine asleep when it shares the device, awake again after."""
+        async with self.turn:
+            await self.sleep()
+            if self.asleep:
+                logger.info("the engine sleeps for %s", what)
+            try:
+                yield
+            finally:
+                await self.wake()
+
+    async def supervise(self) -> None:
+        """Restart the engine if it died."""
+        process = self._process
+        if process is None or process.is_alive():
+            return
+        logger.error("the engine died; restarting it. Its last lines:\n%s", process.log_tail())
+        async with self._lock:
+            await self._restart(process)
+
+    async def _restart(self, process: EngineProcess) -> None:
+        """Start the engine again (under the engine lock): it comes back awake, serving the
+        base model only; the heartbeat loads the adapters again."""
+        self.served.clear()
+        await process.restart()
+        self.asleep = False
+
+    async def wake_or_restart(self, job_id: str) -> None:
+        """After a job, whatever became of it: the engine awake, restarted if it will not
+        wake."""
+        try:
+            await self.wake()
+        except Exception:
+            logger.exception("the engine did not wake up after job %s; restarting it", job_id)
+            if self._process is not None:
+                async with self._lock:
+                    await self._restart(self._process)
+
+    async def sync_adapters(
+        self, wanted: set[tuple[str, int]], *, committing: str | None = None
+    ) -> None:
+        """Load the checkpoints placed here into the engine; unload those no longer wanted
+        (but not the steps of ``committing``, the model whose new step is being committed)."""
+        if self.asleep:
+            return
+        for key in sorted(wanted - set(self.served)):
+            try:
+                directory = await self.fetch_checkpoint(*key, ENGINE_ADAPTER_FILES)
+                async with self._lock:
+                    if self.asleep:
+                        return
+                    await self.engine.load_lora(lora_name(*key), str(directory))
+                    self.served[key] = directory
+                logger.info("serving %s step %d", *key)
+            except Exception:
+                logger.exception("could not load %s step %d into the engine", *key)
+        for key in sorted(set(self.served) - wanted):
+            if key[0] == committing:
+                continue  # its new step is being committed right now
+            async with self._lock:
+                with contextlib.suppress(Exception):
+                    await self.engine.unload_lora(lora_name(*key))
+                self.served.pop(key, None)
+
+    async def serve_checkpoint(self, model_id: str, step: int, directory: Path) -> bool:
+        """Load a checkpoint written on this worker into the engine (the Tinker executor's
+        sampler saves); False while the engine sleeps (the heartbeat loads it on waking)."""
+        if self.asleep:
+            return False
+        name = lora_name(model_id, step)
+        async with self._lock:
+            await self.engine.load_lora(name, str(directory))
+            self.served[(model_id, step)] = directory
+        if not await self.engine.is_serving(name):
+            raise SkytrainError(f"the engine does not serve {name} after loading it")
+        return True
+
+    async def load_new_step(self, key: tuple[str, int], directory: Path) -> None:
+        """Load a step just trained into the engine and check that it generates with it."""
+        name = lora_name(*key)
+        async with self._lock:
+            await self.engine.load_lora(name, str(directory))
+            self.served[key] = directory
+        if not await self.engine.is_serving(name):
+            raise SkytrainError(f"the engine does not serve {name} after loading it")
+        await self.engine.check_generates(name)
+
+    async def unload(self, key: tuple[str, int]) -> None:
+        """Take a step out of the engine (quietly: an engine that died has dropped it)."""
+        async with self._lock:
+            with contextlib.suppress(Exception):
+                await self.engine.unload_lora(lora_name(*key))
+            self.served.pop(key, None)
+
+    async def fetch_checkpoint(
+        self, model_id: str, step: int, names: tuple[str, ...] | None = None
+    ) -> Path:
+        """A local copy of a checkpoint's files (downloaded once, kept in the work dir)."""
+        directory = self._work_dir / "checkpoints" / model_id / str(step)
+        if names is None:
+            listing = await self._cp.list_checkpoint_files(model_id, step)
+            names = tuple(item["name"] for item in listing)
+        for name in names:
+            if not (directory / name).is_file():
+                await self._cp.download_checkpoint_file(model_id, step, name, directory / name)
+        return directory
+
+    async def sleep(self) -> None:
+        """Stop routing here, then sleep the engine once its requests in flight finished, or
+        aborted once they had ``engine_sleep_wait_s``."""
+        if not self._sleep_during_training or self.asleep:
+            return
+        wait_s = self._sleep_wait_s
+        timeout_s = self._sleep_timeout_s
+        async with self._lock:
+            self.asleep = True
+            try:
+                await self.on_asleep()
+            except Exception:
+                logger.exception("could not tell the control plane the engine sleeps")
+            try:
+                await self.engine.sleep(mode="wait", timeout_s=wait_s)
+                return
+            except EngineTimeout:
+                logger.warning(
+                    "requests in flight did not finish within %.0fs "
+                    "(SKYTRAIN_ENGINE_SLEEP_WAIT_S): aborting them to train",
+                    wait_s,
+                )
+            # The engine goes on with the waiting sleep; this one ends what it waits for.
+            try:
+                await self.engine.sleep(mode="abort", timeout_s=timeout_s)
+            except EngineTimeout as exc:
+                raise EngineTimeout(
+                    f"the engine did not go to sleep within {timeout_s:.0f}s of aborting its "
+                    f"requests ({exc.message}): raise SKYTRAIN_ENGINE_SLEEP_TIMEOUT_S if moving "
+                    "its weights out of the GPU takes longer on this machine"
+                ) from exc
+
+    async def wake(self) -> None:
+        if not self.asleep:
+            return
+        timeout_s = self._sleep_timeout_s
+        async with self._lock:
+            try:
+                await self.engine.wake_up(timeout_s=timeout_s)
+            except EngineTimeout as exc:
+                raise EngineTimeout(
+                    f"the engine did not wake up within {timeout_s:.0f}s ({exc.message}): raise "
+                    "SKYTRAIN_ENGINE_SLEEP_TIMEOUT_S if moving its weights back to the GPU takes "
+                    "longer on this machine"
+                ) from exc
+            self.asleep = False

@@ -1,0 +1,44 @@
+"""What the worker agent is told at start: its engine, its front door, its limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class AgentOptions:
+    base_model: str
+    served_model_name: str
+    work_dir: Path
+    # The front door: its port and certificate, and its URL when the worker knows it.
+    port: int
+    certificate: str
+    engine_secret: str
+    advertise_url: str | None = None
+    # Put the engine to sleep while training (an engine sharing the GPU with the trainer).
+    sleep_engine_during_training: bool = False
+    # How long a sleep waits for requests in flight (then aborts them), and how long the sleep
+    # itself, or a wake-up, may take.
+    engine_sleep_wait_s: float = 300.0
+    engine_sleep_timeout_s: float = 600.0
+    device: str | None = None
+    max_models: int = 8
+    # The largest LoRA rank the engine loads (None: any).
+    max_lora_rank: int | None = None
+    # Most bytes one training step's activations may take (None: the trainer's default).
+    trainer_memory_limit_bytes: int | None = None
+    # Trainer.load's memory-plan keywords (gradient_checkpointing, max_row_tokens, spread).
+    trainer_options: dict[str, Any] = field(default_factory=dict)
+    # Trainer processes a job runs on (the plan's trainer_shards): more than 1, under
+    # torchrun with the base model sharded (worker.sharded).
+    trainer_shards: int = 1
+    hardware: dict[str, Any] = field(default_factory=dict)
+    version: str = ""
+    # How long one lease request waits on the control plane for a job (a long-poll: a job
+    # queued meanwhile is answered at once).
+    job_wait_s: float = 30.0
+    max_cached_trainers: int = 2
+    # Tinker training runs held at once (worker.tinker), beside the job loop.
+    tinker_max_runs: int = 2

@@ -1,0 +1,96 @@
+"""Creating a model whose base model fits none of the GPUs workers may get is a 400 with the
+memory plan's reasons, on /v1/models and ART's /v1/preview/models.
+
+The control plane is the real app over HTTP with the ``skypilot`` provider; only SkyPilot's
+SDK is the fake cloud (tests/provision/fake_sky.py), since no cloud is reachable. The model
+cache holds real models' config.json (tests/planning/models).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from skytrain_backend.app import create_app
+from skytrain_backend.db import api_keys
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.provision import skypilot
+from tests.fixtures.services import MakeSettings
+from tests.provision.fake_sky import FakeSky
+
+MODELS = Path(__file__).resolve().parents[1] / "planning" / "models"
+
+
+@pytest.fixture(scope="module")
+def http(make_settings: MakeSettings) -> Iterator[httpx.Client]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    settings = make_settings(
+        provider="skypilot",
+        model_cache_dir=MODELS,
+        skypilot_accelerators="L4:1, A10G:1",
+        host="127.0.0.1",
+        port=port,
+        public_url="https://skytrain.example.com",
+        max_workers=0,  # the test is about creation: no launch
+    )
+    engine = create_db_engine(settings.resolved_database_url)
+    with session_factory(engine)() as session:
+        _, key = api_keys.create_key(session, tenant_name="acme")
+    engine.dispose()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(skypilot, "_SkyPilotSdk", FakeSky)  # FAKE CLOUD: SkyPilot's SDK only
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(settings), log_level="warning", ws="none")
+        )
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started:
+            assert thread.is_alive(), "the control plane did not start"
+            thread.join(0.05)
+        headers = {"Authorization": f"Bearer {key}"}
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
+            yield client
+        server.should_exit = True
+        thread.join(30)
+    sock.close()
+
+
+def _create(http: httpx.Client, path: str, name: str, base_model: str) -> httpx.Response:
+    body: dict[str, Any] = {"project": "fits", "name": name, "base_model": base_model}
+    return http.post(path, json=body)
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/preview/models"])
+def test_a_base_model_that_fits_no_configured_gpu_is_refused_with_the_plans_reasons(
+    http: httpx.Client, path: str
+) -> None:
+    name = f"too-big-{path.count('/')}"
+    response = _create(http, path, name, "Qwen/Qwen2.5-32B-Instruct")
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    message = error["message"]
+    assert "fits none of the GPUs workers may get (L4:1, A10G:1)" in message
+    assert "L4:1: Qwen/Qwen2.5-32B-Instruct does not fit 1 x L4 for serving" in message
+    assert "A10G:1: Qwen/Qwen2.5-32B-Instruct does not fit 1 x A10G" in message
+    assert str(MODELS) not in message  # no host path
+    listed = http.get("/v1/models", params={"project": "fits"}).json()["data"]
+    assert name not in [model["name"] for model in listed]
+
+
+def test_a_base_model_that_fits_is_created(http: httpx.Client) -> None:
+    assert _create(http, "/v1/models", "fits", "Qwen/Qwen2.5-7B-Instruct").status_code == 201
+
+
+def test_a_base_model_whose_config_is_unknown_is_left_to_the_worker(http: httpx.Client) -> None:
+    response = _create(http, "/v1/models", "unknown", "example-org/unpublished-model")
+    assert response.status_code == 201, response.text

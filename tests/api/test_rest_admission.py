@@ -1,0 +1,173 @@
+"""A tenant's REST requests in flight are capped (``max_concurrent_rest_requests``): past the
+cap a request waits for room, in order of arrival, then gets 429 with Retry-After naming the
+limit; other tenants are not affected; a request whose client hung up gives its place back;
+on PostgreSQL the cap holds across control planes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.api.tenant_load import REST_REQUEST, TenantLoads
+from skytrain_backend.config import Settings
+from skytrain_backend.db import tenants
+from skytrain_backend.errors import RateLimited
+from skytrain_backend.ranges import MAX_WAIT_S
+from tests.api.conftest import Caller
+from tests.api.support import group
+from tests.fixtures.service import start_service, stop_service
+from tests.fixtures.services import ControlPlane, MakeSettings
+
+DEADLINE_S = 30
+
+
+def _queued_job_events(http: httpx.Client) -> str:
+    """The events path of a job that stays queued (no workers): a long-poll on it waits."""
+    model = http.post(
+        "/v1/models", json={"project": "tests", "name": "admitted", "base_model": "tiny/llama"}
+    )
+    assert model.status_code == 201, model.text
+    job = http.post(
+        "/v1/training-jobs",
+        json={"model_id": model.json()["id"], "trajectory_groups": [group(1.0, 0.0)]},
+    )
+    assert job.status_code == 201, job.text
+    return f"/v1/training-jobs/{job.json()['id']}/events"
+
+
+async def _until_refused(client: httpx.AsyncClient) -> httpx.Response:
+    """List models until the answer is 429: once the request holding the tenant's one slot
+    has been admitted (it was sent first, but may not have arrived yet)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        response = await client.get("/v1/models")
+        if response.status_code == 429 or time.monotonic() > deadline:
+            return response
+
+
+async def _until_served(client: httpx.AsyncClient) -> httpx.Response:
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        response = await client.get("/v1/models")
+        if response.status_code != 429 or time.monotonic() > deadline:
+            return response
+
+
+def _assert_refused_naming_the_limit(response: httpx.Response, *, limit: int) -> None:
+    assert response.status_code == 429, response.text
+    assert int(response.headers["Retry-After"]) >= 1
+    message = response.json()["error"]["message"]
+    assert f"{limit} REST requests of yours are in flight" in message, message
+    assert "max_concurrent_rest_requests" in message, message
+
+
+def test_past_its_cap_a_tenant_is_refused_others_are_served_and_a_hang_up_frees_its_place(
+    control_plane: ControlPlane,
+    caller: Caller,
+    other: Caller,
+    db_sessions: sessionmaker[Session],
+) -> None:
+    events = _queued_job_events(caller.http)
+    with db_sessions() as session:
+        tenants.set_limits(
+            session,
+            tenant_name=caller.key.tenant_name,
+            values={"max_concurrent_rest_requests": 1},
+            reset=[],
+        )
+
+    async def scenario() -> None:
+        async with (
+            httpx.AsyncClient(
+                base_url=control_plane.url, headers=caller.key.headers, timeout=None
+            ) as mine,
+            httpx.AsyncClient(
+                base_url=control_plane.url, headers=other.key.headers, timeout=60
+            ) as theirs,
+        ):
+            holding = asyncio.create_task(mine.get(events, params={"wait_s": MAX_WAIT_S}))
+            _assert_refused_naming_the_limit(await _until_refused(mine), limit=1)
+
+            # Another tenant is served meanwhile, its models and its job's events alike.
+            assert (await theirs.get("/v1/models")).status_code == 200
+            assert not holding.done()
+
+            # The client holding the slot hangs up: its place is given back.
+            holding.cancel()
+            await asyncio.gather(holding, return_exceptions=True)
+            assert (await _until_served(mine)).status_code == 200
+
+    asyncio.run(scenario())
+
+
+def test_requests_past_the_cap_wait_in_order_of_arrival_for_room(
+    settings: Settings, db_sessions: sessionmaker[Session]
+) -> None:
+    limits = tenants.TenantLimits.defaults(settings)
+    limits = tenants.TenantLimits(**{**vars(limits), "max_concurrent_rest_requests": 1})
+
+    async def scenario() -> None:
+        loads = TenantLoads(sessions=db_sessions, shared=False)
+        release_first = await loads.admit("t", limits=limits, cost=REST_REQUEST)
+        admitted: list[str] = []
+
+        async def wait(name: str) -> Callable[[], None]:
+            release = await loads.admit("t", limits=limits, cost=REST_REQUEST, wait_s=60)
+            admitted.append(name)
+            return release
+
+        second = asyncio.create_task(wait("second"))
+        await asyncio.sleep(0)
+        third = asyncio.create_task(wait("third"))
+        await asyncio.sleep(0.1)
+        assert admitted == []
+        with pytest.raises(RateLimited):  # no wait: refused at once
+            await loads.admit("t", limits=limits, cost=REST_REQUEST)
+
+        release_first()
+        release_second = await second
+        assert admitted == ["second"] and not third.done()
+        release_second()
+        (await third)()
+        assert admitted == ["second", "third"]
+        assert loads.held("t").rest_requests == 0
+        await loads.aclose()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.postgres
+def test_a_tenant_at_its_cap_through_one_control_plane_is_refused_through_another(
+    make_settings: MakeSettings, tmp_path: Path
+) -> None:
+    database_url = make_settings(database="postgres").resolved_database_url
+    env = {"SKYTRAIN_DATABASE_URL": database_url, "SKYTRAIN_PROVIDER": "none"}
+    first = start_service(env, tmp_path / "first")
+    second = start_service(env, tmp_path / "second")
+    try:
+        with first.http("alice") as http:
+            events = _queued_job_events(http)
+        first.cli("tenants", "limits", "alice", "--max-concurrent-rest-requests", "1")
+        headers = {"Authorization": f"Bearer {first.key('alice')}"}
+
+        async def scenario() -> None:
+            async with (
+                httpx.AsyncClient(base_url=first.url, headers=headers, timeout=None) as one,
+                httpx.AsyncClient(base_url=second.url, headers=headers, timeout=60) as two,
+            ):
+                holding = asyncio.create_task(one.get(events, params={"wait_s": MAX_WAIT_S}))
+                _assert_refused_naming_the_limit(await _until_refused(two), limit=1)
+                holding.cancel()
+                await asyncio.gather(holding, return_exceptions=True)
+                assert (await _until_served(two)).status_code == 200
+
+        asyncio.run(scenario())
+    finally:
+        stop_service(second)
+        stop_service(first)

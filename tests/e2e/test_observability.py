@@ -1,0 +1,164 @@
+"""What an operator sees of a real deployment (`skytrain serve` + a local worker with the tiny
+model, JSON logs, the metrics listener) after one chat request and one training job: the
+skytrain_* series, the request's id in the gateway's and the worker's log lines, the model
+in `skytrain models list`, and no key, token or secret in any log."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy
+
+from tests.e2e import support
+from tests.fixtures.service import Service, start_service, stop_service
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    overrides = {
+        "SKYTRAIN_METRICS_PORT": str(_free_port()),
+        "SKYTRAIN_LOG_FORMAT": "json",
+        "SKYTRAIN_MAX_WORKERS": "1",
+    }
+    running = start_service(overrides, tmp_path_factory.mktemp("observability") / "home")
+    yield running
+    stop_service(running)
+
+
+def _json_lines(text: str) -> list[dict[str, Any]]:
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                lines.append(json.loads(line))
+            except ValueError:
+                continue
+    return lines
+
+
+def _series(text: str, name: str) -> dict[str, float]:
+    """Every sample of ``name`` (its labels as written -> value)."""
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, _, number = line.rpartition(" ")
+            found[labels.removeprefix(name)] = float(number)
+    return found
+
+
+def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
+    service: Service, tiny_model_path: Path
+) -> None:
+    metrics_url = f"http://127.0.0.1:{service.env['SKYTRAIN_METRICS_PORT']}/metrics"
+    key = service.key("alice")
+    with service.http("alice") as http:
+        created = http.post(
+            "/v1/models",
+            json={"project": "obs", "name": "agent", "base_model": str(tiny_model_path)},
+        )
+        assert created.status_code == 201, created.text
+        model = created.json()
+        support.wait_until_served(http, model["id"])
+        chat = http.post(
+            "/v1/chat/completions",
+            headers={"X-Request-Id": "operator-trace-1"},
+            json={
+                "model": model["inference_name"],
+                "messages": [{"role": "user", "content": "Say hi"}],
+                "max_tokens": 4,
+            },
+        )
+        assert chat.status_code == 200, chat.text
+        assert chat.headers["x-request-id"] == "operator-trace-1"
+        client = support.openai_client(service.url, key)
+        groups = support.sample_groups(client, model["inference_name"], groups=2, n=2, max_tokens=6)
+        job, events = support.train(http, model["id"], groups, learning_rate=1e-3)
+        assert events[-1]["type"] == "training_ended", events[-1]
+        # A heartbeat after the job reports the worker's stats.
+        support.wait_until_served(http, model["id"], step=1)
+
+    # The public port never serves the metrics.
+    assert httpx.get(f"{service.url}/metrics").status_code == 404
+    text = httpx.get(metrics_url, timeout=30).text
+    requests = _series(text, "skytrain_http_requests_total")
+    assert any('route="/v1/chat/completions"' in k and 'status="200"' in k for k in requests)
+    assert _series(text, "skytrain_gateway_upstream_seconds_count")
+    assert sum(_series(text, "skytrain_gateway_tokens_total").values()) > 0
+    assert _series(text, "skytrain_training_jobs")['{status="succeeded"}'] == 1
+    phases = _series(text, "skytrain_training_phase_seconds_count")
+    assert {'{phase="download"}', '{phase="steps"}', '{phase="commit"}'} <= set(phases)
+    assert _series(text, "skytrain_training_queue_wait_seconds_count")[""] == 1
+    workers = _series(text, "skytrain_workers")
+    # The one local worker, in whatever live status its last heartbeat gave (ready, or still
+    # training for a moment after the job).
+    live = {k: v for k, v in workers.items() if 'status="ready"' in k or 'status="training"' in k}
+    assert sum(live.values()) == 1 and all('provider="local"' in k for k in live), workers
+    assert _series(text, "skytrain_worker_engine_running_requests")
+    assert model["id"] not in text  # never a label
+
+    listed = service.cli("models", "list")
+    assert model["id"] in listed and "obs/agent" in listed and "alice" in listed
+    assert service.cli("models", "list", "--tenant", "nobody").count(model["id"]) == 0
+    status = service.cli("status")
+    assert "workers" in status and "queue: 0" in status
+
+    # The gateway's line and the worker's front-door line of the chat share its id.
+    gateway = [
+        line
+        for line in _json_lines(service.log())
+        if line["request_id"] == "operator-trace-1" and line["logger"].endswith("gateway")
+    ]
+    assert gateway and gateway[0]["tenant_id"] and gateway[0]["model_id"] == model["id"]
+    worker = [
+        line
+        for line in _json_lines(service.worker_logs())
+        if line.get("request_id") == "operator-trace-1"
+    ]
+    assert worker, service.worker_logs()[-3000:]
+    # The engine's line for it carries the id, made unique for the engine.
+    assert any(
+        str(line.get("request_id")).startswith("operator-trace-1-")
+        for line in _json_lines(_all_worker_output(service))
+    )
+    # The worker's lines while it ran the job carry the job and the worker.
+    assert any(
+        line.get("job_id") == job["id"] and line.get("worker_id")
+        for line in _json_lines(service.worker_logs())
+    )
+    for line in _json_lines(service.log()):
+        assert set(line) >= {"time", "level", "logger", "message", "request_id", "tenant_id"}
+
+    # No key, token or secret in any log line: the caller's key, any key or worker token
+    # (by their shapes), the worker's engine secret.
+    everything = service.log() + "\n" + _all_worker_output(service)
+    assert key not in everything
+    assert not re.findall(r"(?:sk-st-|sw[jt]-)[A-Za-z0-9_\-]{20,}", everything)
+    engine = sqlalchemy.create_engine(f"sqlite:///{service.home / 'skytrain.db'}")
+    with engine.connect() as connection:
+        engine_secrets = connection.execute(
+            sqlalchemy.text("SELECT engine_secret FROM workers")
+        ).scalars()
+        for secret in engine_secrets:
+            assert secret not in everything
+    engine.dispose()
+
+
+def _all_worker_output(service: Service) -> str:
+    return "\n".join(
+        path.read_text(errors="replace") for path in sorted(service.home.rglob("*.log"))
+    )

@@ -1,0 +1,72 @@
+"""The worker routes name stored files by one path segment: any other name is a 400 that says
+so, before the store is asked (it used to reach the store and come back as a 502), and an
+upload under such a name stores nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.storage import LocalObjectStore, keys
+from tests.api.support import add_checkpoint, group
+from tests.lifecycle.conftest import Who, WorkerClient
+
+ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x00" * 64}
+# As sent in the path: "..", "." and a backslash, percent-encoded so that the client sends
+# them as they are.
+BAD_NAMES = ["%2E%2E", "%2E", "a%5Cb"]
+
+
+@pytest.mark.parametrize("raw", BAD_NAMES)
+def test_a_worker_reading_a_checkpoint_file_by_a_bad_name_gets_a_400(
+    raw: str,
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_db: sessionmaker[Session],
+    lifecycle_store: LocalObjectStore,
+) -> None:
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    add_checkpoint(
+        lifecycle_db,
+        lifecycle_store,
+        tenant_id=alice.tenant_id,
+        model_id=model_id,
+        step=1,
+        files=ADAPTER,
+    )
+    worker = worker_client(model_id)
+    good = worker.http.get(f"/models/{model_id}/checkpoints/1/files/adapter_config.json")
+    assert good.status_code == 200, good.text
+    assert good.content == ADAPTER["adapter_config.json"]
+
+    bad = worker.http.get(f"/models/{model_id}/checkpoints/1/files/{raw}")
+    assert bad.status_code == 400, bad.text
+    assert "is not a checkpoint file name" in bad.json()["error"]["message"]
+
+
+def test_a_worker_uploading_under_a_bad_name_gets_a_400_and_nothing_is_stored(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_store: LocalObjectStore,
+) -> None:
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    job = alice.http.post(
+        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+    )
+    assert job.status_code == 201, job.text
+    leased = worker.http.post("/jobs/lease", json={})
+    assert leased.status_code == 200, leased.text
+    job_id = leased.json()["job"]["id"]
+
+    bad = worker.http.put(f"/jobs/{job_id}/files/%2E%2E", params={"attempt": 1}, content=b"x")
+    assert bad.status_code == 400, bad.text
+    assert "is not a checkpoint file name" in bad.json()["error"]["message"]
+    prefix = keys.model_prefix(tenant_id=alice.tenant_id, model_id=model_id) + "jobs/"
+    assert [info.key for info in lifecycle_store.list(prefix)] == [
+        keys.job_input_key(tenant_id=alice.tenant_id, model_id=model_id, job_id=job_id)
+    ]

@@ -1,0 +1,159 @@
+"""Placement slots turn over: a model idle for ``SKYTRAIN_MODEL_IDLE_TIMEOUT_S`` is taken off its
+worker (the worker's heartbeat answer no longer lists it, so the agent unloads its adapters),
+the model that waited for its place gets it, and the idle model's next request places it again.
+
+A real control plane (uvicorn in this process, SQLite, its scheduler running) with a short idle
+timeout; the worker is a row and an HTTP client calling the worker routes as the agent does.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+
+import tinker
+from skytrain_backend.app import create_app
+from skytrain_backend.config import Settings
+from skytrain_backend.db import api_keys
+from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.session import create_db_engine, session_factory
+from tests.fixtures.services import MakeSettings
+from tests.gateway.conftest import serve_in_thread, wait_until
+
+# Long enough that the models a test keeps using (a request each round) never go idle.
+IDLE_S = 5.0
+SLOTS = 8  # the default of both a worker's max_models and a tenant's max_placed_models
+
+
+@dataclass(frozen=True)
+class Plane:
+    url: str
+    settings: Settings
+    sessions: sessionmaker[Session]
+
+
+@pytest.fixture(scope="module")
+def plane(make_settings: MakeSettings) -> Iterator[Plane]:
+    settings = make_settings(model_idle_timeout_s=IDLE_S)
+    engine = create_db_engine(settings.resolved_database_url)
+    with serve_in_thread(create_app(settings)) as url:
+        yield Plane(url=url, settings=settings, sessions=session_factory(engine))
+    engine.dispose()
+
+
+def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane) -> None:
+    base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
+    with plane.sessions() as session:
+        _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
+        _, token = worker_rows.create_worker(
+            session, provider="manual", base_model=base_model, max_models=SLOTS, status="ready"
+        )
+        session.commit()
+    user = httpx.Client(base_url=plane.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    agent = httpx.Client(
+        base_url=f"{plane.url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
+    )
+
+    def register(name: str) -> dict[str, Any]:
+        """Create the model, or use it again (registering marks a model active)."""
+        response = user.post(
+            "/v1/models",
+            json={
+                "project": "idle",
+                "name": name,
+                "base_model": base_model,
+                "return_existing": True,
+            },
+        )
+        assert response.status_code in (200, 201), response.text
+        return dict(response.json())
+
+    def serving(model: dict[str, Any]) -> dict[str, Any]:
+        return dict(user.get(f"/v1/models/{model['id']}").json()["serving"])
+
+    def placed_here() -> set[str]:
+        answer = agent.post("/heartbeat", json={"status": "ready"})
+        assert answer.status_code == 200, answer.text
+        return {item["model_id"] for item in answer.json()["models"]}
+
+    with user, agent:
+        models = [register(f"m{index}") for index in range(SLOTS)]
+        wait_until(
+            lambda: placed_here() == {m["id"] for m in models},
+            what="the eight models placed on the worker",
+            timeout_s=30,
+        )
+        ninth = register("m8")
+        shown = serving(ninth)
+        assert shown["state"] == "waiting" and not shown["ready"]
+        assert f"max_placed_models={SLOTS}" in shown["message"]
+        assert "idle" in shown["message"]
+
+        first, busy = models[0], models[1:]
+
+        def ninth_placed_while_the_others_are_used() -> bool:
+            # The ninth is asked for too, as a client waiting for it would.
+            for model in [*busy, ninth]:
+                register(model["name"])
+            return ninth["id"] in placed_here()
+
+        wait_until(
+            ninth_placed_while_the_others_are_used,
+            what="the ninth model placed in the idle one's slot",
+            timeout_s=30,
+        )
+        # The idle model left the worker (whose agent unloads its adapters); the used ones
+        # kept their places.
+        here = placed_here()
+        assert first["id"] not in here
+        assert here == {m["id"] for m in busy} | {ninth["id"]}
+
+        # Everything goes idle; the first model's next use places it again.
+        wait_until(lambda: not placed_here(), what="all models released", timeout_s=30)
+        register(first["name"])
+        wait_until(
+            lambda: placed_here() == {first["id"]},
+            what="the idle model placed again on its next use",
+            timeout_s=30,
+        )
+
+
+def test_a_tinker_run_keeps_its_place_while_its_session_lives_and_leaves_after(
+    plane: Plane,
+) -> None:
+    """An open Tinker run holds its model's place however long it is idle (its trainer is on
+    the worker); once its session ends, its model leaves like any idle one."""
+    base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
+    with plane.sessions() as session:
+        _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
+        _, token = worker_rows.create_worker(
+            session, provider="manual", base_model=base_model, max_models=SLOTS, status="ready"
+        )
+        session.commit()
+    service = tinker.ServiceClient(base_url=plane.url, api_key="tml-" + key)
+    agent = httpx.Client(
+        base_url=f"{plane.url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
+    )
+
+    def placed_here() -> set[str]:
+        answer = agent.post("/heartbeat", json={"status": "ready"})
+        assert answer.status_code == 200, answer.text
+        return {item["model_id"] for item in answer.json()["models"]}
+
+    with agent:
+        # The run's creation waits for a worker agent to build its trainer (this one never
+        # does): its future is left pending; its model is placed at once.
+        service.create_lora_training_client(base_model=base_model, rank=8)
+        wait_until(lambda: len(placed_here()) == 1, what="the run's model placed", timeout_s=30)
+        (run_model,) = placed_here()
+        time.sleep(IDLE_S * 2)  # idle: nothing sampled or trained, yet the run is open
+        assert placed_here() == {run_model}
+        service.close("success").result(timeout=60)
+        wait_until(lambda: not placed_here(), what="the ended run's model released", timeout_s=30)

@@ -1,0 +1,332 @@
+"""At ``max_workers``, an idle worker makes room for a model that waits for a worker.
+
+A model whose base model no live worker serves needs a launch; when the control plane already
+runs ``SKYTRAIN_MAX_WORKERS`` workers, a worker with nothing to do (no active model, no job) is
+stopped at once rather than after ``SKYTRAIN_WORKER_IDLE_TIMEOUT_S``, and the next pass
+launches the waiting model's worker. Workers that serve an active model, run a job or are
+still starting are never stopped for it, nor is anything stopped because a tenant is at its
+own ``max_workers`` quota.
+
+The real scheduler, placement and worker rows on SQLite and PostgreSQL; the clusters live in
+``FakeSky``, the fake cloud at the SkyPilot SDK boundary (tests/provision/fake_sky.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import sky
+from sqlalchemy.orm import Session, sessionmaker
+
+from skytrain_backend.config import Settings
+from skytrain_backend.db import api_keys, jobs, migrations, registry, tenants
+from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.models import Model, Tenant, Worker, utcnow
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.provision.skypilot import SkyPilotProvider
+from skytrain_backend.scheduler import queue
+from skytrain_backend.scheduler.loop import Scheduler
+from skytrain_backend.scheduler.serving import serving_status
+from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
+
+BASE_A = "Qwen/Qwen2.5-1.5B-Instruct"
+BASE_B = "Qwen/Qwen2.5-7B-Instruct"
+LONG_AGO = timedelta(hours=2)
+# Workers idle less than SKYTRAIN_WORKER_IDLE_TIMEOUT_S (30 min): only making room stops them.
+WORKER_IDLE = timedelta(minutes=10)
+
+
+@dataclass
+class Plane:
+    settings: Settings
+    sessions: sessionmaker[Session]
+    fake: FakeSky
+    scheduler: Scheduler
+
+    def tick(self) -> None:
+        self.scheduler.tick()
+        self.fake.settle()
+
+    def status(self, worker_id: str) -> str:
+        with self.sessions() as session:
+            return session.get_one(Worker, worker_id).status
+
+    def launched(self) -> list[str]:
+        return [call.task.envs["SKYTRAIN_WORKER_BASE_MODEL"] for call in self.fake.launches]
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'skytrain.db'}"
+    make: Callable[[], str] = request.getfixturevalue("make_postgres_url")
+    return make()
+
+
+@pytest.fixture
+def make_plane(database_url: str, tmp_path: Path) -> Iterator[Callable[[int], Plane]]:
+    """A control plane (its scheduler and the skypilot provider) running at most
+    ``max_workers`` workers."""
+    migrations.upgrade_url(database_url)
+    engine = create_db_engine(database_url)
+    fakes: list[FakeSky] = []
+
+    def make(max_workers: int) -> Plane:
+        settings = Settings(
+            home=tmp_path,
+            database_url=database_url,
+            provider="skypilot",
+            public_url="https://skytrain.example.com",
+            skypilot_status_interval_s=0,
+            max_workers=max_workers,
+            worker_idle_timeout_s=1800,
+        )
+        fake = FakeSky()
+        fakes.append(fake)
+        sessions = session_factory(engine)
+        scheduler = Scheduler(
+            settings=settings,
+            sessions=sessions,
+            provider=SkyPilotProvider(settings, sky_api=fake),
+        )
+        return Plane(settings, sessions, fake, scheduler)
+
+    yield make
+    for fake in fakes:
+        fake.launch_gate.set()
+        fake.settle()
+    engine.dispose()
+
+
+def _model(
+    plane: Plane,
+    name: str,
+    *,
+    base_model: str,
+    tenant: str = "acme",
+    idle: bool = False,
+    worker_id: str | None = None,
+) -> str:
+    """A model of ``tenant``, used just now (or long ago: ``idle``), placed on ``worker_id``."""
+    with plane.sessions() as session:
+        owner = api_keys.get_or_create_tenant(session, name=tenant)
+        model, _ = registry.create_model(
+            session,
+            tenant=owner,
+            entity=tenant,
+            project="tests",
+            name=name,
+            base_model=base_model,
+            config={},
+            return_existing=False,
+        )
+        model.last_active_at = utcnow() - (LONG_AGO if idle else timedelta(0))
+        model.worker_id = worker_id
+        session.commit()
+        return model.id
+
+
+def _worker(
+    plane: Plane,
+    base_model: str,
+    *,
+    idle_for: timedelta = WORKER_IDLE,
+    provider: str = "skypilot",
+) -> str:
+    """A registered worker with nothing placed on it, its last work ``idle_for`` ago; its
+    cluster up in the fake cloud when the provider started it."""
+    with plane.sessions() as session:
+        worker, _ = worker_rows.create_worker(
+            session, provider=provider, base_model=base_model, max_models=8
+        )
+        if provider == "skypilot":
+            worker.cluster_name = f"skytrain-{worker.id}"
+            plane.fake.add_cluster(worker.cluster_name, sky.ClusterStatus.UP)
+        session.commit()
+        worker_rows.register(
+            session,
+            worker=worker,
+            base_model=base_model,
+            served_model_name=base_model,
+            engine_endpoint=f"https://{ENDPOINT_HOST}:8100",  # what SkyPilot reports
+            engine_secret=worker.engine_secret,
+            engine_certificate="",
+            capacity={"max_models": 8},
+            hardware={},
+            unreachable=None,
+        )
+        worker.last_active_at = utcnow() - idle_for
+        session.commit()
+        return worker.id
+
+
+def _serving(plane: Plane, model_id: str) -> tuple[str, str]:
+    with plane.sessions() as session:
+        status = serving_status(
+            session,
+            model=session.get_one(Model, model_id),
+            limits=tenants.TenantLimits.defaults(plane.settings),
+            max_workers=plane.settings.max_workers,
+        )
+        return status.state, status.message
+
+
+def test_an_idle_worker_is_stopped_to_make_room_for_a_model_that_waits(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """The gap: at max_workers=1 a worker of another base model with nothing to do held a
+    new model's launch back for up to SKYTRAIN_WORKER_IDLE_TIMEOUT_S (30 min)."""
+    plane = make_plane(1)
+    # Its worker registered a moment ago, so the idle timeout is far from stopping it.
+    idle_worker = _worker(plane, BASE_A, idle_for=timedelta(seconds=5))
+    _model(plane, "earlier", base_model=BASE_A, idle=True, worker_id=idle_worker)
+    waiting = _model(plane, "new", base_model=BASE_B)
+
+    plane.tick()
+    assert plane.status(idle_worker) == "stopped"
+    assert plane.fake.downs == [f"skytrain-{idle_worker}"]
+    with plane.sessions() as session:
+        reason = session.get_one(Worker, idle_worker).status_message or ""
+    assert "make room" in reason and "max_workers=1" in reason
+
+    plane.tick()  # the count allows a launch now
+    assert plane.launched() == [BASE_B]
+    assert _serving(plane, waiting)[0] == "provisioning"
+
+
+@pytest.mark.parametrize("busy", ["active model", "running job", "starting"])
+def test_a_worker_with_work_is_not_stopped_and_the_model_says_it_waits_for_max_workers(
+    make_plane: Callable[[int], Plane], busy: str
+) -> None:
+    plane = make_plane(1)
+    worker_id = _worker(plane, BASE_A)
+    if busy == "active model":
+        _model(plane, "in-use", base_model=BASE_A, worker_id=worker_id)
+    elif busy == "running job":
+        # Unused for two hours, but training: a job (and a Tinker run's) keeps its model active.
+        trained = _model(plane, "training", base_model=BASE_A, idle=True, worker_id=worker_id)
+        with plane.sessions() as session:
+            jobs.add_job(
+                session,
+                job_id="job-1",
+                model_id=trained,
+                kind="rl",
+                config={},
+                input_uri="file:///nowhere/input.jsonl",
+                num_groups=1,
+                num_trajectories=2,
+                max_attempts=3,
+            )
+            session.commit()
+            worker = session.get_one(Worker, worker_id)
+            assert queue.lease_job(session, worker=worker, lease_s=60) is not None
+    else:
+        with plane.sessions() as session:
+            session.get_one(Worker, worker_id).status = "starting"
+            session.commit()
+    waiting = _model(plane, "new", base_model=BASE_B)
+
+    for _ in range(2):
+        plane.tick()
+    assert plane.status(worker_id) == ("starting" if busy == "starting" else "ready")
+    assert (plane.fake.downs, plane.launched()) == ([], [])
+    state, message = _serving(plane, waiting)
+    assert state == "waiting"
+    assert "max_workers=1" in message and "being stopped" not in message
+
+
+def test_the_worker_idle_longest_is_stopped_and_no_more_than_the_launches_need(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    plane = make_plane(2)
+    longest = _worker(plane, BASE_A, idle_for=timedelta(minutes=20))
+    shorter = _worker(plane, BASE_A, idle_for=timedelta(minutes=1))
+    _model(plane, "new", base_model=BASE_B)
+    _model(plane, "new-too", base_model=BASE_B)  # same base model: one launch serves both
+
+    plane.tick()
+    assert (plane.status(longest), plane.status(shorter)) == ("stopped", "ready")
+    plane.tick()
+    assert plane.launched() == [BASE_B]
+    assert plane.status(shorter) == "ready"
+
+
+def test_no_worker_is_stopped_when_that_would_not_let_the_launch_go(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """Above the limit (the operator lowered it, or workers joined by hand), stopping the
+    one idle worker would still leave the count at max_workers: it is left to its timeout."""
+    plane = make_plane(1)
+    busy = _worker(plane, BASE_A)
+    _model(plane, "in-use", base_model=BASE_A, worker_id=busy)
+    idle = _worker(plane, BASE_A)
+    _model(plane, "new", base_model=BASE_B)
+
+    for _ in range(2):
+        plane.tick()
+    assert (plane.status(busy), plane.status(idle)) == ("ready", "ready")
+    assert (plane.fake.downs, plane.launched()) == ([], [])
+
+
+def test_a_worker_started_by_hand_is_asked_to_drain_and_counts_until_it_has_gone(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """A joined worker cannot be stopped by the control plane: it is asked to drain and
+    exits at its next heartbeat. Meanwhile it still counts in max_workers, and no second
+    worker is stopped for the same launch."""
+    plane = make_plane(2)
+    joined = _worker(plane, BASE_A, idle_for=timedelta(minutes=20), provider="manual")
+    other = _worker(plane, BASE_A, idle_for=timedelta(minutes=1))
+    waiting = _model(plane, "new", base_model=BASE_B)
+
+    plane.tick()
+    assert plane.status(joined) == "draining"
+    state, message = _serving(plane, waiting)
+    assert state == "waiting"
+    assert "max_workers=2" in message and "being stopped to make room" in message
+    plane.tick()
+    assert (plane.status(other), plane.launched()) == ("ready", [])
+
+    with plane.sessions() as session:  # its process exited: no heartbeat since
+        session.get_one(Worker, joined).last_heartbeat_at = utcnow() - LONG_AGO
+        session.commit()
+    plane.tick()
+    assert plane.status(joined) == "stopped"
+    plane.tick()
+    assert plane.launched() == [BASE_B]
+    assert plane.status(other) == "ready"
+
+
+def test_a_tenant_at_its_own_worker_quota_does_not_stop_other_workers(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """max_workers per tenant is the tenant's own limit: its model waits for one of the
+    tenant's workers, and no one else's idle worker is stopped for it."""
+    plane = make_plane(2)
+    with plane.sessions() as session:
+        api_keys.get_or_create_tenant(session, name="capped")
+        tenants.set_limits(session, tenant_name="capped", values={"max_workers": 1}, reset=[])
+    busy = _worker(plane, BASE_A)
+    _model(plane, "in-use", base_model=BASE_A, tenant="capped", worker_id=busy)
+    idle = _worker(plane, BASE_A)
+    capped = _model(plane, "new", base_model=BASE_B, tenant="capped")
+
+    for _ in range(2):
+        plane.tick()
+    assert (plane.status(busy), plane.status(idle)) == ("ready", "ready")
+    assert (plane.fake.downs, plane.launched()) == ([], [])
+    with plane.sessions() as session:
+        model = session.get_one(Model, capped)
+        quota = tenants.limits_of(session.get_one(Tenant, model.tenant_id), plane.settings)
+        status = serving_status(session, model=model, limits=quota)
+    assert status.over_quota and "max_workers=1" in status.message
+
+    # Another tenant's model of the same base model, held back by max_workers alone, does
+    # make room.
+    _model(plane, "new", base_model=BASE_B, tenant="other")
+    plane.tick()
+    assert (plane.status(busy), plane.status(idle)) == ("ready", "stopped")

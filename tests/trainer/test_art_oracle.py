@@ -1,0 +1,352 @@
+"""An ART job trains exactly as ART does: openpipe-art 0.5.23's own code is the oracle.
+
+For one batch (multi-turn tool calls, a trajectory at its group's mean reward, a group of
+equal rewards, a group of rewards near 1e6 half a point apart), ART's ``ServerlessBackend.train``
+says what it sends (each option set below), ART's tokenization and packing lay out the rows,
+and ``art.loss.loss_fn`` gives the loss and its gradient with respect to the logprobs of a row;
+the chain rule through the same model (fp64, its adapter moved off zero so the policy differs
+from the reference) gives ART's gradient of the adapter. skytrain's job, made from the body
+ART sends, must take as many optimizer steps as ART has rows, use ART's optimizer settings,
+and compute the same loss and gradient.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGroup
+from skytrain_backend.trainer import Trainer
+from skytrain_backend.trainer.loss import token_logprobs
+from skytrain_backend.trainer.packing import PackedRow
+from skytrain_backend.trainer.tokenize import end_of_turn_token_id
+from tests.fixtures.art import ART_EVERY_OPTION, art_train_request
+from tests.fixtures.art_oracle import ArtOracle, ArtPacked
+from tests.fixtures.sampling import choice_from_token_ids, sample_choices
+
+MAX_SEQ_LENGTH = 4096
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+# Long enough for ART to share it between a group's rows (ART shares 64 tokens or more).
+SYSTEM = {
+    "role": "system",
+    "content": "You are a careful weather assistant. Call get_weather for any city the user "
+    "names, then answer in one short sentence with the temperature and the sky. Never guess "
+    "a forecast, never answer for a city that was not asked about, and keep every answer "
+    "under twenty words.",
+}
+CITIES = ["Paris", "Oslo", "Lima", "Cairo"]
+
+
+def _with_ids(choice: dict[str, Any], prompt_ids: list[int]) -> dict[str, Any]:
+    """The choice as skytrain's endpoints return it: every field of OpenAI's token logprobs,
+    the prompt's ids and the sampled ids."""
+    content = choice["logprobs"]["content"]
+    for entry in content:
+        entry.setdefault("bytes", None)
+        entry.setdefault("top_logprobs", [])
+    sampled = [int(entry["token"].removeprefix("token_id:")) for entry in content]
+    return {**choice, "prompt_token_ids": prompt_ids, "token_ids": sampled}
+
+
+def _prompt_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: Any) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def _off_policy(choice: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """The sampler's logprobs moved (ratios from about 0.5 to 2), so every option acts."""
+    for entry in choice["logprobs"]["content"]:
+        entry["logprob"] += rng.uniform(-0.7, 0.7)
+    return choice
+
+
+def _agent_trajectory(model: Any, tokenizer: Any, city: str, seed: int) -> list[dict[str, Any]]:
+    """system, user, a tool call, the tool's answer, a sampled reply."""
+    rng = random.Random(seed)
+    user = {"role": "user", "content": f"What is the weather in {city}?"}
+    arguments = json.dumps({"city": city})
+    call_text = f'<tool_call>{{"name": "get_weather", "arguments": {arguments}}}</tool_call>'
+    call_ids = [
+        *tokenizer(call_text, add_special_tokens=False)["input_ids"],
+        end_of_turn_token_id(tokenizer),
+    ]
+    call_message = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": f"call_{seed}",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": arguments},
+            }
+        ],
+    }
+    context = [SYSTEM, user]
+    call = choice_from_token_ids(
+        model, tokenizer, context, call_ids, tools=TOOLS, message=call_message
+    )
+    call = _with_ids(_off_policy(call, rng), _prompt_ids(tokenizer, context, TOOLS))
+    result = {"role": "tool", "tool_call_id": f"call_{seed}", "content": "18C, sunny"}
+    context = [SYSTEM, user, call_message, result]
+    (reply,) = sample_choices(
+        model, tokenizer, context, n=1, max_new_tokens=10, seed=seed, tools=TOOLS
+    )
+    reply = _with_ids(_off_policy(reply, rng), _prompt_ids(tokenizer, context, TOOLS))
+    return [SYSTEM, user, call, result, reply]
+
+
+def _chat_group(
+    model: Any, tokenizer: Any, question: str, rewards: list[float], seed: int
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    context = [SYSTEM, {"role": "user", "content": question}]
+    prompt_ids = _prompt_ids(tokenizer, context, None)
+    choices = sample_choices(
+        model, tokenizer, context, n=len(rewards), max_new_tokens=10, seed=seed
+    )
+    return {
+        "trajectories": [
+            {
+                "messages_and_choices": [*context, _with_ids(_off_policy(c, rng), prompt_ids)],
+                "reward": reward,
+            }
+            for c, reward in zip(choices, rewards, strict=True)
+        ]
+    }
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_hf_model: Any, tiny_tokenizer: Any) -> list[dict[str, Any]]:
+    """Four groups as ART's client sends them (``TrajectoryGroup.model_dump(mode="json")``)."""
+    agent = {
+        "trajectories": [
+            {
+                "messages_and_choices": _agent_trajectory(
+                    tiny_hf_model, tiny_tokenizer, city, seed
+                ),
+                "tools": TOOLS,
+                "reward": reward,
+            }
+            for seed, (city, reward) in enumerate(zip(CITIES, [1.0, 0.0, 0.5, 0.2], strict=True))
+        ]
+    }
+    return [
+        agent,
+        # 0.5 is the group's mean: that trajectory's advantage is exactly 0 (ART leaves it out).
+        _chat_group(tiny_hf_model, tiny_tokenizer, "Name a colour.", [0.0, 1.0, 0.5, 0.5], 10),
+        _chat_group(tiny_hf_model, tiny_tokenizer, "Say hello.", [1.0, 1.0], 11),
+        # Half a point apart at 1e6: ART trains it (its rule is absolute).
+        _chat_group(tiny_hf_model, tiny_tokenizer, "Count to two.", [1e6, 1e6 + 0.5], 12),
+    ]
+
+
+@pytest.fixture(scope="module")
+def moved_trainer(tiny_model_path: Path) -> Trainer:
+    """The tiny model in fp64 with its adapter moved off zero; tests train copies of it."""
+    trainer = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
+    trainer.policy.model.double()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in trainer.policy.model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return trainer
+
+
+def _row_logprobs(trainer: Trainer, packed: ArtPacked, row: int) -> tuple[torch.Tensor, int]:
+    """The policy's logprob of each position's next token in ART's row ``(1, S)`` (0 at the
+    last real position and in the padding), and the row's real length. ART's attention:
+    a token sees its own segment and its parent's (``group_ids``, ``parent_ids``)."""
+    tensors = {key: value[row] for key, value in packed.tensors.items()}
+    length = int((tensors["group_ids"] != -1).sum())
+    tokens = tensors["tokens"][:length].tolist()
+    hidden = trainer.policy.hidden_states(
+        PackedRow(
+            input_ids=tokens,
+            position_ids=tensors["input_pos"][:length].tolist(),
+            segment_ids=tensors["group_ids"][:length].tolist(),
+            parent_ids=tensors["parent_ids"][:length].tolist(),
+        )
+    )
+    logprobs, _ = token_logprobs(
+        hidden[:-1],
+        torch.tensor(tokens[1:]),
+        head=trainer.policy._head,
+        chunk_size=4096,
+    )
+    padding = logprobs.new_zeros(tensors["tokens"].shape[0] - length + 1)
+    return torch.cat([logprobs, padding])[None], length
+
+
+def _arts_gradient(
+    trainer: Trainer, oracle: ArtOracle, packed: ArtPacked
+) -> tuple[float, list[torch.Tensor]]:
+    """ART's loss of its (only) row and its gradient of the adapter's parameters."""
+    assert packed.rows == 1
+    new_logprobs, _ = _row_logprobs(trainer, packed, 0)
+    reference = None
+    if packed.dev_config.get("kl_penalty_coef", 0.0) > 0:
+        with torch.no_grad(), trainer.policy.adapter_disabled():
+            reference, _ = _row_logprobs(trainer, packed, 0)
+    loss, grad = oracle.loss(0, new_logprobs, reference)
+    parameters = trainer.policy.trainable_parameters()
+    gradients = torch.autograd.grad((new_logprobs * grad).sum(), parameters)
+    return loss, list(gradients)
+
+
+def _skytrains_step(
+    trainer: Trainer, groups: list[dict[str, Any]], config: RLTrainConfig
+) -> tuple[int, dict[str, float], dict[str, Any], list[torch.Tensor]]:
+    """skytrain's job on the batch: its number of steps, the first step's metrics, optimizer
+    settings and gradient (read where the optimizer takes it)."""
+    seen: dict[str, Any] = {}
+    step = trainer._optimizer_step
+
+    def read_gradient(**settings: Any) -> float:
+        seen["settings"] = settings
+        seen["gradient"] = [
+            parameter.grad.detach().clone() for parameter in trainer.policy.trainable_parameters()
+        ]
+        return step(**settings)
+
+    trainer._optimizer_step = read_gradient  # type: ignore[method-assign]
+    plan = trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in groups], config)
+    metrics = next(iter(trainer.run(plan)))
+    return plan.num_gradient_steps, metrics, seen["settings"], seen["gradient"]
+
+
+def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    flat_a, flat_b = torch.cat([x.flatten() for x in a]), torch.cat([x.flatten() for x in b])
+    return float(torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0))
+
+
+OPTION_SETS = {
+    "defaults": {},
+    "every option": ART_EVERY_OPTION,
+    "kl from the sampler": {"kl_penalty_coef": 0.3},
+    "sequence ratios, balance, unscaled": {
+        "importance_sampling_level": "sequence",
+        "advantage_balance": -0.5,
+        "normalize_advantages": False,
+    },
+    "ppo masked, capped, kimi": {
+        "loss_fn": "ppo",
+        "mask_prob_ratio": True,
+        "max_negative_advantage_importance_sampling_weight": 1.5,
+        "kimi_k2_tau": 0.1,
+        "importance_sampling_level": "average",
+    },
+}
+
+
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+def test_an_art_job_makes_arts_update(
+    art_oracle: ArtOracle,
+    batch: list[dict[str, Any]],
+    tiny_model_path: Path,
+    moved_trainer: Trainer,
+    options: dict[str, Any],
+) -> None:
+    packed = art_oracle.pack(
+        batch, tokenizer=tiny_model_path, max_seq_length=MAX_SEQ_LENGTH, **options
+    )
+    # The request bodies the tests build (tests/fixtures/art.py) are ART's own.
+    assert (
+        packed.experimental_config
+        == (art_train_request("oracle", [], **options)["experimental_config"])
+    )
+    config = RLTrainConfig.from_experimental(packed.experimental_config)
+    trainer = copy.deepcopy(moved_trainer)
+    arts_loss, arts_gradient = _arts_gradient(trainer, art_oracle, packed)
+
+    steps, metrics, settings, gradient = _skytrains_step(trainer, batch, config)
+
+    assert steps == packed.rows
+    # ART's optimizer (art/dev/get_model_config.py, art/unsloth/train.py).
+    assert (settings["adam_beta2"], settings["weight_decay"], settings["max_grad_norm"]) == (
+        0.99,
+        0.1,
+        0.1,
+    )
+    assert metrics["loss/policy"] == pytest.approx(arts_loss, rel=1e-5, abs=1e-7)
+    assert _cosine(gradient, arts_gradient) >= 0.9999
+
+
+def _agent_batch(groups: int, per_group: int, seed: int) -> list[dict[str, Any]]:
+    """Agent rollouts as token ids: a prompt per group (system prompt and tools), then 2 to 4
+    turns of sampled ids, each after a tool's answer (under 2048 tokens in all)."""
+    rng = random.Random(seed)
+
+    def ids(count: int) -> list[int]:
+        return [rng.randrange(100, 40_000) for _ in range(count)]
+
+    batch = []
+    for _ in range(groups):
+        prompt = ids(rng.randrange(200, 350))
+        trajectories = []
+        for _ in range(per_group):
+            context, items = list(prompt), []
+            for _ in range(rng.randrange(2, 5)):
+                sampled = ids(rng.randrange(40, 160))
+                items.append(
+                    {
+                        "index": 0,
+                        "finish_reason": "stop",
+                        "message": {"role": "assistant", "content": "..."},
+                        "logprobs": {
+                            "content": [
+                                {
+                                    "token": f"token_id:{token}",
+                                    "logprob": -1.0,
+                                    "bytes": None,
+                                    "top_logprobs": [],
+                                }
+                                for token in sampled
+                            ]
+                        },
+                        "prompt_token_ids": list(context),
+                        "token_ids": sampled,
+                    }
+                )
+                context += sampled + ids(rng.randrange(20, 80))  # the tool's answer
+            trajectories.append(
+                {
+                    "messages_and_choices": [{"role": "user", "content": "..."}, *items],
+                    "reward": rng.random(),
+                }
+            )
+        batch.append({"trajectories": trajectories})
+    return batch
+
+
+def test_an_art_job_takes_one_step_per_row_as_art_does(
+    art_oracle: ArtOracle, tiny_model_path: Path, tiny_trainer: Trainer
+) -> None:
+    """ART's steps: one per packed row, rows of the longest sequence rounded up to 2048: one
+    step for the batch above, many for an 8 x 4 batch of agent rollouts, each step training
+    the sequences of ART's row, in ART's order."""
+    batch = _agent_batch(groups=8, per_group=4, seed=0)
+    packed = art_oracle.pack(batch, tokenizer=tiny_model_path, max_seq_length=MAX_SEQ_LENGTH)
+    assert packed.rows > 8
+    config = RLTrainConfig.from_experimental(packed.experimental_config)
+    plan = tiny_trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in batch], config)
+    assert plan.num_gradient_steps == packed.rows
+    trained = [sum(row.num_sites for row in step.rows) for step in plan.steps]
+    assert trained == packed.tensors["assistant_mask"].sum(dim=1).tolist()

@@ -1,0 +1,73 @@
+"""The sharded trainer's launch (worker.sharded): torchrun's rendezvous on one node and from
+SkyPilot's multi-node environment, and a failed run's error. The runs that train are in
+tests/trainer/test_distributed.py."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from skytrain_backend.errors import ConfigurationError, TrainingError
+from skytrain_backend.protocol import ModelConfig, SFTTrainConfig, Trajectory
+from skytrain_backend.worker.sharded import Rendezvous, ShardedTrainer, torchrun_command
+
+
+def test_one_node_meets_at_a_local_rendezvous() -> None:
+    rendezvous = Rendezvous.from_skypilot({}, gpus_per_node=8)
+    assert rendezvous.world_size == 8
+    command = torchrun_command(Path("job.json"), rendezvous)
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert "--nproc-per-node=8" in command and "--standalone" in command
+    assert command[-3:] == ["-m", "skytrain_backend.trainer.job", "job.json"]
+    # A single-node SkyPilot task lists one address: still local.
+    assert Rendezvous.from_skypilot({"SKYPILOT_NODE_IPS": "10.0.0.5\n"}, gpus_per_node=2).nodes == 1
+
+
+def test_several_nodes_meet_at_the_head_node_skypilot_names_first() -> None:
+    env = {
+        "SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n10.0.0.7\n",
+        "SKYPILOT_NODE_RANK": "2",
+        "SKYTRAIN_TRAINER_MASTER_PORT": "29600",
+    }
+    rendezvous = Rendezvous.from_skypilot(env, gpus_per_node=8)
+    assert rendezvous.world_size == 24
+    assert rendezvous.torchrun_args() == [
+        "--nproc-per-node=8",
+        "--nnodes=3",
+        "--node-rank=2",
+        "--master-addr=10.0.0.5",
+        "--master-port=29600",
+    ]
+
+
+@pytest.mark.parametrize("rank", [None, "3", "head"])
+def test_several_nodes_without_a_usable_node_rank_are_refused(rank: str | None) -> None:
+    env = {"SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6"}
+    if rank is not None:
+        env["SKYPILOT_NODE_RANK"] = rank
+    with pytest.raises(ConfigurationError, match="needs this node's rank"):
+        Rendezvous.from_skypilot(env, gpus_per_node=8)
+
+
+def test_a_failed_run_is_a_training_error_without_this_machines_paths(tmp_path: Path) -> None:
+    """A batch the ranks cannot read fails them before any model loads."""
+    trainer = ShardedTrainer(
+        str(tmp_path / "model"),
+        model_config=ModelConfig(),
+        adapter_dir=None,
+        rendezvous=Rendezvous(gpus_per_node=1),
+        work_dir=tmp_path / "runs",
+        device="cpu",
+    )
+    bad = Trajectory.model_construct(messages_and_choices=[], reward=0.0)  # needs a message
+    plan = trainer.prepare_sft([bad], SFTTrainConfig())
+    with pytest.raises(TrainingError, match=r"1 processes\) failed with exit code") as raised:
+        next(trainer.run(plan))
+    assert str(tmp_path) not in raised.value.message
+    # What the ranks were given, on this worker's disk.
+    spec = json.loads((tmp_path / "runs" / "run-1" / "job.json").read_text())
+    assert spec["kind"] == "sft" and spec["control_dir"].endswith("control")
+    assert "Error" in (tmp_path / "runs" / "run-1" / "output.log").read_text()
