@@ -16,14 +16,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import pytest
 import sky
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db import api_keys, jobs, migrations, registry, tenants
+from skytrain_backend.db import api_keys, jobs, registry, tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, Tenant, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -31,6 +30,7 @@ from skytrain_backend.provision.skypilot import SkyPilotProvider
 from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import serving_status
+from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
 
 BASE_A = "Qwen/Qwen2.5-1.5B-Instruct"
@@ -60,24 +60,17 @@ class Plane:
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'skytrain.db'}"
-    make: Callable[[], str] = request.getfixturevalue("make_postgres_url")
-    return make()
-
-
-@pytest.fixture
-def make_plane(database_url: str, tmp_path: Path) -> Iterator[Callable[[int], Plane]]:
-    """A control plane (its scheduler and the skypilot provider) running at most
-    ``max_workers`` workers."""
-    migrations.upgrade_url(database_url)
+def make_plane(
+    request: pytest.FixtureRequest, make_settings: MakeSettings
+) -> Iterator[Callable[[int], Plane]]:
+    """Control planes (their scheduler and the skypilot provider) on one database, each running
+    at most ``max_workers`` workers."""
+    database_url = make_settings(database=request.param).resolved_database_url
     engine = create_db_engine(database_url)
     fakes: list[FakeSky] = []
 
     def make(max_workers: int) -> Plane:
-        settings = Settings(
-            home=tmp_path,
+        settings = make_settings(
             database_url=database_url,
             provider="skypilot",
             public_url="https://skytrain.example.com",
