@@ -83,16 +83,20 @@ def test_status_names_the_leading_control_plane_on_postgresql(
     make_settings: MakeSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = make_settings(database="postgres").resolved_database_url
+    # Another deployment in another schema of the same database, with its own leader.
+    elsewhere = make_settings(database="postgres").resolved_database_url
     monkeypatch.setenv("SKYTRAIN_DATABASE_URL", url)
     get_settings.cache_clear()
     leader, follower = open_leadership(url), open_leadership(url)
+    other = open_leadership(elsewhere)
     try:
-        assert leader.hold() and not follower.hold()
+        assert leader.hold() and not follower.hold() and other.hold()
         result = CliRunner().invoke(app, ["status"])
     finally:
-        follower.release()
-        leader.release()
+        for leadership in (other, follower, leader):
+            leadership.release()
         get_settings.cache_clear()
     assert result.exit_code == 0, result.output
-    # The database is shared with other tests' schemas: their schedulers are followers here.
-    assert result.output.count("leader") == 1 and result.output.count("follower") >= 1
+    # Only this schema's two: other deployments' schedulers (the other schema's here, other
+    # tests' in the suite) are not listed.
+    assert result.output.count("leader") == 1 and result.output.count("follower") == 1

@@ -95,18 +95,19 @@ def status() -> None:
 
 
 def _control_planes(session: Session) -> None:
-    """The processes that run a scheduler on this database, and the one holding this
-    schema's lock (the leader). Deployments in other schemas of the same database show as
-    followers too: PostgreSQL does not say which schema a connection works in."""
+    """The processes that run a scheduler on this deployment's schema, and the one holding its
+    lock (the leader). Each names its lock connection with the schema's tag, so deployments in
+    other schemas of the same database are left out."""
     from sqlalchemy import text
 
-    from skytrain_backend.scheduler.leader import APPLICATION_NAME_PREFIX, lock_key
+    from skytrain_backend.scheduler.leader import APPLICATION_NAME_PREFIX, lock_key, schema_tag
 
     if session.get_bind().dialect.name != "postgresql":
         typer.echo("control plane: embedded (SQLite): the one process on this database leads")
         return
     key = lock_key(str(session.scalar(text("SELECT current_schema()"))))
     unsigned = key % 2**64
+    prefix = f"{APPLICATION_NAME_PREFIX} {schema_tag(key)} "
     found = session.execute(
         text(
             "SELECT a.application_name, a.client_addr, a.backend_start, l.pid IS NOT NULL "
@@ -119,7 +120,7 @@ def _control_planes(session: Session) -> None:
         {
             "high": unsigned >> 32,
             "low": unsigned & 0xFFFFFFFF,
-            "prefix": APPLICATION_NAME_PREFIX + " %",
+            "prefix": prefix + "%",
         },
     )
     _table(
@@ -127,7 +128,7 @@ def _control_planes(session: Session) -> None:
         ["process", "address", "since", "role"],
         [
             [
-                name.removeprefix(APPLICATION_NAME_PREFIX).strip(),
+                name.removeprefix(prefix),
                 str(address or "local"),
                 _ago(since) if since else "-",
                 "leader" if leads else "follower",

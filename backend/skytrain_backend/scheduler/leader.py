@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 KEEPALIVE_IDLE_S = 10
 KEEPALIVE_INTERVAL_S = 5
 KEEPALIVE_COUNT = 3
-# pg_stat_activity shows it, so an operator can see which host leads.
+# pg_stat_activity shows it, so an operator can see which host leads: the prefix, the schema's
+# tag (``schema_tag``), then ``host:pid``.
 APPLICATION_NAME_PREFIX = "skytrain-scheduler"
 
 
@@ -75,6 +76,7 @@ class AdvisoryLockLeadership(Leadership):
             poolclass=NullPool,
             isolation_level="AUTOCOMMIT",
             connect_args={
+                # Until the schema is known (set again once connected, with its tag).
                 "application_name": f"{APPLICATION_NAME_PREFIX} {process_name()}"[:63],
                 "connect_timeout": 10,
                 # This end: a server that vanished breaks the connection, and the leader steps
@@ -131,6 +133,10 @@ class AdvisoryLockLeadership(Leadership):
             connection.execute(text(f"SET tcp_keepalives_count = {KEEPALIVE_COUNT}"))
             if self._key is None:
                 self._key = lock_key(str(connection.scalar(text("SELECT current_schema()"))))
+            connection.execute(
+                text("SELECT set_config('application_name', :name, false)"),
+                {"name": application_name(self._key)},
+            )
         except BaseException:
             connection.close()
             raise
@@ -151,6 +157,17 @@ def lock_key(schema: str) -> int:
     processes and versions (advisory locks are already scoped to one database)."""
     digest = hashlib.blake2b(f"skytrain.scheduler/{schema}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
+
+
+def schema_tag(key: int) -> str:
+    """A schema's short name in ``pg_stat_activity``: its lock key's first 8 hex digits, so
+    deployments in other schemas of one database tell their schedulers apart."""
+    return f"{key % 2**64:016x}"[:8]
+
+
+def application_name(key: int) -> str:
+    """A scheduler's lock connection as ``pg_stat_activity`` shows it (63 characters at most)."""
+    return f"{APPLICATION_NAME_PREFIX} {schema_tag(key)} {process_name()}"[:63]
 
 
 def open_leadership(database_url: str) -> Leadership:
