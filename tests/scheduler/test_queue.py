@@ -29,6 +29,7 @@ from skytrain_backend.db.models import (
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.scheduler import placement, queue, scale_in
+from skytrain_backend.scheduler.serving import serving_status
 from skytrain_backend.storage import LocalObjectStore
 from skytrain_backend.storage import keys as object_keys
 
@@ -288,6 +289,36 @@ def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
         session.refresh(job)
         assert (job.status, job.result_step, job.attempts) == ("succeeded", 1, 2)
         assert {"model_id": model.id, "step": 1} in session.get_one(Worker, new_worker.id).served
+
+
+def test_a_commit_from_a_sleeping_worker_serves_the_new_step_on_the_next_request(
+    sessions: sessionmaker[Session], store: LocalObjectStore
+) -> None:
+    """A worker whose engine slept for the job woke it and loaded the new step before it
+    completed (worker/jobs.py): the commit routes the next request there, without waiting for
+    the worker's next heartbeat to say it is awake. A sharded e2e worker's first request after
+    ``training_ended`` got 503 "its engine sleeps" that way."""
+    with sessions() as session:
+        worker, model = _worker(session), _model(session)
+        _place(session, model, worker)
+        job = _job(session, model)
+        queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        worker.status = "sleeping"  # its heartbeat as the engine went to sleep
+        session.commit()
+        assert serving_status(session, model=model).state == "training"
+        _stage_files(store, job, model, attempt=1)
+        queue.complete_job(
+            session,
+            store=store,
+            worker=worker,
+            job_id=job.id,
+            attempt=1,
+            step=1,
+            metrics={},
+            files=["adapter_config.json", "adapter_model.safetensors"],
+        )
+        routed = serving_status(session, model=model)
+        assert (routed.ready, routed.step, routed.worker_id) == (True, 1, worker.id)
 
 
 def test_a_running_job_is_cancelled_through_its_worker(sessions: sessionmaker[Session]) -> None:

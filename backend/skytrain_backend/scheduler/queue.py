@@ -378,6 +378,10 @@ def complete_job(
     # the request that follows training_ended goes to the new step.
     served = [item for item in worker.served or [] if item.get("model_id") != model.id]
     worker.served = [*served, {"model_id": model.id, "step": step}]
+    if worker.status == "sleeping":
+        # It woke its engine for that and holds the GPU until this answer (no Tinker operation
+        # puts it back to sleep meanwhile): routable now, not at its next heartbeat.
+        worker.status = "training"
     now = utcnow()
     observed.JOBS_ENDED.labels(status="succeeded").inc()
     job.status = "succeeded"
