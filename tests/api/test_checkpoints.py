@@ -42,6 +42,7 @@ def trained(
     return make
 
 
+@pytest.mark.slow
 def test_checkpoints_page_by_id_cursor_in_step_order(
     caller: Caller, trained: Callable[[int], str]
 ) -> None:

@@ -80,6 +80,7 @@ def _serving(env: dict[str, str]) -> Iterator[tuple[str, Callable[[], str]]]:
             process.wait()
 
 
+@pytest.mark.slow
 def test_keys_create_list_revoke_against_a_running_server(tmp_path: Path) -> None:
     env = _env(tmp_path)
     created = _run(env, "keys", "create", "--tenant", "acme", "--name", "laptop")
@@ -121,6 +122,7 @@ def test_revoke_unknown_key_fails_with_a_message(tmp_path: Path) -> None:
 
 
 @pytest.mark.postgres
+@pytest.mark.slow
 def test_serve_refuses_an_outdated_schema_and_hides_the_password(
     tmp_path: Path, make_postgres_url: Callable[[], str]
 ) -> None:
@@ -140,6 +142,7 @@ def test_serve_refuses_an_outdated_schema_and_hides_the_password(
     assert "hunter2-secret" not in printed
 
 
+@pytest.mark.slow
 def test_db_commands_report_and_move_the_revision(tmp_path: Path) -> None:
     env = _env(tmp_path)
     (head,) = migrations.head_revisions()

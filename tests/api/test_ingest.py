@@ -32,6 +32,7 @@ from tests.fixtures.services import ON_EVERY_BACKEND
 
 
 @ON_EVERY_BACKEND
+@pytest.mark.slow
 def test_a_failed_insert_deletes_the_object_it_wrote(
     db_sessions: sessionmaker[Session], object_store: ObjectStore
 ) -> None:
@@ -86,6 +87,7 @@ def _fill(batch: ingest.Batch, *, size: float) -> list[bytes]:
 
 
 @ON_EVERY_BACKEND
+@pytest.mark.slow
 def test_a_batch_streamed_in_parts_is_stored_whole(
     db_sessions: sessionmaker[Session], object_store: ObjectStore
 ) -> None:

@@ -44,6 +44,7 @@ def service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Service]
     stop_service(served)
 
 
+@pytest.mark.slow
 def test_an_idle_connection_outlives_the_clients_own_idle_timeout(service: Service) -> None:
     with _connect(service) as connection:
         assert _health(connection).startswith(b"HTTP/1.1 200")
@@ -53,6 +54,7 @@ def test_an_idle_connection_outlives_the_clients_own_idle_timeout(service: Servi
 
 
 @pytest.mark.parametrize("service", [{"SKYTRAIN_KEEP_ALIVE_S": "1"}], indirect=True)
+@pytest.mark.slow
 def test_the_server_closes_a_connection_idle_past_its_keep_alive(service: Service) -> None:
     with _connect(service) as connection:
         assert _health(connection).startswith(b"HTTP/1.1 200")

@@ -12,6 +12,7 @@ from tests.fixtures.services import ON_EVERY_BACKEND
 pytestmark = ON_EVERY_BACKEND
 
 
+@pytest.mark.slow
 def test_log_stores_batch_with_summary_metrics(caller: Caller, object_store: ObjectStore) -> None:
     model_id = caller.create_model()["id"]
     groups = [group(1.0, 0.0, correct=1.0), group(0.5, 0.5, correct=0.0)]

@@ -143,6 +143,7 @@ def test_requests_past_the_cap_wait_in_order_of_arrival_for_room(
 
 
 @pytest.mark.postgres
+@pytest.mark.slow
 def test_a_tenant_at_its_cap_through_one_control_plane_is_refused_through_another(
     make_settings: MakeSettings, tmp_path: Path
 ) -> None:

@@ -91,6 +91,7 @@ def _requests(o: Owned, own_model: str) -> list[tuple[str, str, dict[str, Any]]]
 
 
 @pytest.mark.parametrize("prefix", ["/v1", "/v1/preview"])
+@pytest.mark.slow
 def test_every_route_hides_the_other_tenants_rows(
     caller: Caller,
     other: Caller,

@@ -202,6 +202,7 @@ def sampled_token_ids(choice: Choice) -> list[str]:
 # --- Backend and registration -----------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_backend_from_the_environment_registers_as_the_keys_tenant(
     sdk_service: Service, sdk_key: str, tiny_model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -231,6 +232,7 @@ def revoked_key(sdk_service: Service) -> str:
     return key
 
 
+@pytest.mark.slow
 async def test_unknown_and_revoked_keys_are_refused_with_the_servers_reason(
     sdk_service: Service, revoked_key: str, tiny_model_path: Path
 ) -> None:
@@ -246,6 +248,7 @@ async def test_unknown_and_revoked_keys_are_refused_with_the_servers_reason(
             await model.register(former)
 
 
+@pytest.mark.slow
 async def test_register_waits_until_served_showing_what_it_waits_for(
     backend: skytrain.Backend, tiny_model_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -451,6 +454,7 @@ async def test_train_sft_fine_tunes_on_the_assistant_turns(
 # --- logs, checkpoints ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_delete_checkpoints_keeps_the_latest_and_the_best_and_pull_loads_in_peft(
     backend: skytrain.Backend, tiny_model_path: Path, tmp_path: Path, s3_endpoint: str
 ) -> None:
@@ -590,6 +594,7 @@ def _art_group(
     }
 
 
+@pytest.mark.slow
 async def test_art_serverless_client_flow_against_the_preview_routes(
     sdk_service: Service, sdk_key: str, tiny_model_path: Path
 ) -> None:

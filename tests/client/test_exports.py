@@ -10,6 +10,8 @@ import pkgutil
 import subprocess
 import sys
 
+import pytest
+
 import skytrain
 
 
@@ -81,6 +83,7 @@ def test_exception_tree_has_one_root_and_builtin_bases() -> None:
         )
 
 
+@pytest.mark.slow
 def test_importing_the_sdk_loads_no_torch_and_no_server_code() -> None:
     code = (
         "import sys, skytrain; "

@@ -224,6 +224,7 @@ def chart_data(page: Page, name: str) -> dict[str, Any]:
 # --- sign-in and models -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_sign_in_shows_the_tenants_models_and_a_wrong_key_is_refused(
     service: Service, runs: Runs, open_page: Callable[..., Page], screenshot: Any
 ) -> None:
@@ -430,6 +431,7 @@ def test_checkpoints_give_each_steps_inference_name_and_files(
     assert json.loads(saved.read_text())["peft_type"] == "LORA"
 
 
+@pytest.mark.slow
 def test_a_jobs_events_appear_on_its_page_while_it_runs_and_its_step_on_the_charts(
     service: Service, runs: Runs, open_page: Callable[..., Page], screenshot: Any
 ) -> None:
@@ -528,6 +530,7 @@ async def _sample_for(service: Service, runs: Runs, *, groups: int, size: int) -
 # --- tenants ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_another_tenants_model_is_not_reachable_by_url(
     service: Service, runs: Runs, open_page: Callable[..., Page]
 ) -> None:

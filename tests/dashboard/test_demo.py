@@ -22,6 +22,7 @@ pytestmark = [pytest.mark.e2e]
 LINK = re.compile(r"dashboard \(open it while the demo runs\): (http://127\.0\.0\.1:\d+/#key=\S+)")
 
 
+@pytest.mark.slow
 def test_the_demos_dashboard_shows_its_model_while_it_trains_and_ctrl_c_stops_everything(
     tmp_path: Path, tiny_model_path: Path, open_page: Callable[..., Page]
 ) -> None:

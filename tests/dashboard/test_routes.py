@@ -24,6 +24,7 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]
     stop_service(service)
 
 
+@pytest.mark.slow
 def test_the_page_is_served_at_the_root_with_a_policy_that_keeps_it_on_this_server(
     control_plane: Service,
 ) -> None:

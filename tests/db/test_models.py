@@ -82,6 +82,7 @@ def test_event_ids_increase_and_deleting_a_model_cascades(engine: Engine) -> Non
         assert session.scalar(select(func.count()).select_from(Checkpoint)) == 0
 
 
+@pytest.mark.slow
 def test_a_step_is_committed_once(engine: Engine) -> None:
     model_id = _model(engine)
     with session_factory(engine)() as session:

@@ -138,6 +138,7 @@ def test_the_csv_has_one_line_per_step(tmp_path: Path) -> None:
     assert lines[2].startswith("1,0.2000,0.4500")
 
 
+@pytest.mark.slow
 def test_the_demo_starts_without_importing_torch() -> None:
     # The demo is a client plus a control plane: torch loads only in the worker it starts.
     code = "import sys, skytrain_backend.demo; print(sorted({'torch', 'transformers'} & set(sys.modules)))"

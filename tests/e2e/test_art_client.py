@@ -22,6 +22,7 @@ pytestmark = pytest.mark.e2e
 FLOW = Path(__file__).with_name("art_client_flow.py")
 
 
+@pytest.mark.slow
 def test_arts_serverless_backend_trains_serves_and_cleans_up(
     embedded_service: Service, art_python: Path, tiny_model_path: Path, tmp_path: Path
 ) -> None:

@@ -61,6 +61,7 @@ def _sample_until(
         steps.append(headers["x-skytrain-step"])
 
 
+@pytest.mark.slow
 def test_a_step_whose_commit_failed_is_never_served_and_is_unloaded(
     embedded_service: Service, tiny_model_path: Path
 ) -> None:

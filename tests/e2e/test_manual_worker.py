@@ -25,6 +25,7 @@ def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_a_hand_started_worker_joins_with_a_join_token(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:

@@ -14,6 +14,7 @@ import sqlite3
 from pathlib import Path
 
 import psutil
+import pytest
 
 from tests.e2e import support
 from tests.fixtures.service import Service, start_service, stop_service
@@ -49,6 +50,7 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_a_killed_control_plane_takes_its_worker_along_and_the_next_one_knows(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:

@@ -134,6 +134,7 @@ def sliced_service(tmp_path: Path) -> Any:
     stop_service(service)
 
 
+@pytest.mark.slow
 def test_a_long_job_yields_its_worker_to_another_tenants_job_and_resumes_exactly(
     sliced_service: Service, tiny_model_path: Path
 ) -> None:

@@ -169,6 +169,7 @@ def _launched_by(service: Service) -> list[str]:
     return sorted(path.stem for path in (service.home / "workers").glob("*.log"))
 
 
+@pytest.mark.slow
 def test_a_model_registered_through_the_follower_is_placed_by_the_leader_only(
     replicas: Replicas, tiny_model_path: Path
 ) -> None:
@@ -206,6 +207,7 @@ def test_a_model_registered_through_the_follower_is_placed_by_the_leader_only(
     assert replicas.rows("select status, attempts from training_jobs") == [("succeeded", 1)]
 
 
+@pytest.mark.slow
 def test_killing_the_leader_mid_job_hands_scheduling_over_and_the_job_completes_once(
     replicas_with_a_hand_started_worker: Replicas, tiny_model_path: Path
 ) -> None:

@@ -31,6 +31,7 @@ def _register(service: Service, tenant: str, name: str, base_model: Path) -> dic
         return dict(response.json())
 
 
+@pytest.mark.slow
 def test_sample_train_and_serve_the_new_step(
     embedded_service: Service, tiny_model_path: Path
 ) -> None:
@@ -74,6 +75,7 @@ def test_sample_train_and_serve_the_new_step(
         assert steps == [0, 1]
 
 
+@pytest.mark.slow
 def test_a_killed_worker_loses_nothing(embedded_service: Service, tiny_model_path: Path) -> None:
     service = embedded_service
     model = _register(service, "alice", "survivor", tiny_model_path)
@@ -111,6 +113,7 @@ def test_a_killed_worker_loses_nothing(embedded_service: Service, tiny_model_pat
     assert "succeeded" in row and "2" in row.split()
 
 
+@pytest.mark.slow
 def test_a_worker_told_to_stop_hands_its_job_back_between_two_steps(
     embedded_service: Service, tiny_model_path: Path
 ) -> None:
@@ -136,6 +139,7 @@ def test_a_worker_told_to_stop_hands_its_job_back_between_two_steps(
         assert support.wait_until_served(http, model["id"], step=1)["worker_id"] != first_worker
 
 
+@pytest.mark.slow
 def test_two_models_share_a_worker_and_tenants_stay_apart(
     embedded_service: Service, tiny_model_path: Path
 ) -> None:
@@ -203,6 +207,7 @@ def _worker_pid(service: Service, worker_id: str) -> int:
     return int(json.loads(hardware)["pid"])
 
 
+@pytest.mark.slow
 def test_idle_workers_stop_and_requests_bring_them_back(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:
@@ -274,6 +279,7 @@ def _rows(service: Service, query: str, *args: str) -> list[tuple]:  # type: ign
         return db.execute(query, args).fetchall()
 
 
+@pytest.mark.slow
 def test_a_stopped_control_plane_hands_its_workers_jobs_out_again(
     tmp_path: Path, tiny_model_path: Path
 ) -> None:

@@ -37,6 +37,7 @@ def service(tiny_model_path: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     stop_service(running)
 
 
+@pytest.mark.slow
 def test_a_sharded_worker_trains_a_job_on_its_ranks_and_serves_the_step(
     service: Service, tiny_model_path: Path
 ) -> None:
@@ -102,6 +103,7 @@ def sliced_sharded_service(tmp_path: Path) -> Iterator[Service]:
     stop_service(service)
 
 
+@pytest.mark.slow
 def test_a_sharded_job_yields_at_a_step_boundary_and_resumes_exactly(
     sliced_sharded_service: Service, tiny_model_path: Path
 ) -> None:

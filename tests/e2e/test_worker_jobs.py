@@ -92,6 +92,7 @@ def _job(http: httpx.Client, job_id: str) -> dict[str, Any]:
     return dict(http.get(f"/v1/training-jobs/{job_id}").json())
 
 
+@pytest.mark.slow
 def test_a_lora_rank_above_the_workers_limit_is_refused_at_creation(
     service: Service, tiny_model_path: Path
 ) -> None:
@@ -210,6 +211,7 @@ def test_a_config_error_fails_the_job_once_without_a_retry(
         assert (row["status"], row["attempts"]) == ("failed", 1)
 
 
+@pytest.mark.slow
 def test_a_job_aborts_requests_still_in_flight_after_the_sleep_timeout_and_trains(
     service: Service, tiny_model_path: Path
 ) -> None:

@@ -46,6 +46,7 @@ def _greedy(engine: RunningEngine, content: str, max_tokens: int, model: str | N
     )
 
 
+@pytest.mark.slow
 def test_a_seed_repeats_n_choices_exactly(tiny_engine: RunningEngine) -> None:
     def sample() -> list[list[int]]:
         response = tiny_engine.openai().chat.completions.create(

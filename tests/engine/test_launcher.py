@@ -254,6 +254,7 @@ def test_for_engine_builds_the_command_of_the_chosen_engine(tmp_path: Path) -> N
     assert not (tmp_path / "log").exists()
 
 
+@pytest.mark.slow
 async def test_for_engine_starts_a_working_cpu_engine(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:

@@ -67,6 +67,7 @@ def _check_run(run: SmokeRun) -> list[skytrain.Trajectory]:
     return trajectories
 
 
+@pytest.mark.slow
 async def test_2048_smoke_step(examples_service: Service, tiny_model_path: Path) -> None:
     run = await _smoke(examples_service, game_2048.smoke, tiny_model_path)
     for trajectory in _check_run(run):
@@ -129,6 +130,7 @@ def test_training_script_trains_evaluates_and_logs(
         assert sorted(batch["step"] for batch in logs) == [0, 1]
 
 
+@pytest.mark.slow
 def test_the_readme_quickstart_runs_and_is_what_the_readme_shows(
     examples_service: Service,
     tiny_model_path: Path,

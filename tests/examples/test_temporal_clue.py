@@ -93,6 +93,7 @@ def test_solve_finds_the_one_answer_a_hand_made_puzzle_allows():
         {"suspects": 5, "weapons": 4, "rooms": 5, "hours": 6},
     ],
 )
+@pytest.mark.slow
 def test_generated_puzzles_have_exactly_one_answer_and_no_spare_clue(sizes):
     for seed in range(25):
         puzzle = generate_puzzle(seed, **sizes)

@@ -204,6 +204,7 @@ def test_abandoned_request_closes_the_engine_request_while_it_generates(
     assert watched.engine.produced[-1] < ABANDONED["max_tokens"]
 
 
+@pytest.mark.slow
 def test_engine_dying_mid_stream_ends_it_with_an_error_event(
     tenant: Callable[[], Tenant],
     gateway_db: sessionmaker[Session],

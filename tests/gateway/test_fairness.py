@@ -69,6 +69,7 @@ def _latency(who: Tenant, model: str) -> float:
     return elapsed
 
 
+@pytest.mark.slow
 def test_a_flood_by_one_tenant_multiplies_anothers_latency_by_a_small_factor_only(
     tenant: Callable[[], Tenant],
     small_batch_worker: str,

@@ -154,6 +154,7 @@ def test_a_certificate_other_than_the_pinned_one_is_refused_before_anything_is_s
     assert problem is None
 
 
+@pytest.mark.slow
 def test_the_gateway_refuses_a_worker_whose_certificate_is_not_the_registered_one(
     tenant: Callable[[], Tenant],
     gateway_db: sessionmaker[Session],

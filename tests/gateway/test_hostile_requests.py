@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import pytest
+
 from tests.gateway.conftest import Engine, Tenant
 
 
+@pytest.mark.slow
 def test_a_seed_past_64_bits_is_refused_and_the_worker_serves_the_next_tenant(
     tenant: Callable[[], Tenant], engine: Engine, engine_worker: str
 ) -> None:

@@ -60,6 +60,7 @@ def test_requests_over_the_tenant_limit_get_429_until_a_stream_ends(
 
 
 @pytest.mark.postgres
+@pytest.mark.slow
 def test_a_tenant_at_its_limit_through_one_control_plane_is_refused_through_another(
     make_settings: MakeSettings, engine: Engine, tmp_path: Path
 ) -> None:

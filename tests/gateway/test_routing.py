@@ -129,6 +129,7 @@ def test_model_on_a_starting_worker_is_unavailable_saying_so(
     assert int(response.headers["retry-after"]) >= 1
 
 
+@pytest.mark.slow
 def test_step_not_loaded_yet_is_unavailable_saying_it_is_loading(
     tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
 ) -> None:

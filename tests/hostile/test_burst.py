@@ -69,6 +69,7 @@ def _queued_job_events(http: httpx.Client) -> str:
     return f"/v1/training-jobs/{job.json()['id']}/events"
 
 
+@pytest.mark.slow
 def test_one_tenants_burst_gets_200_or_429_and_another_tenant_is_answered_throughout(
     service: Service,
 ) -> None:

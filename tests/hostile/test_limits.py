@@ -121,6 +121,7 @@ def impatient_url(control_plane: ControlPlane) -> Iterator[str]:
         yield url
 
 
+@pytest.mark.slow
 def test_a_body_trickled_too_slowly_gets_408(impatient_url: str, caller: Caller) -> None:
     for path in ("/v1/models", "/v1/training-jobs", "/v1/chat/completions"):
         answer = _send_head(

@@ -88,6 +88,7 @@ def test_guide_runs_skytrain_commands_and_options_that_exist() -> None:
 
 
 @pytest.mark.postgres
+@pytest.mark.slow
 def test_first_steps_run_as_written(tmp_path: Path, make_postgres_url: Callable[[], str]) -> None:
     (block,) = _shell_blocks("First steps")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SKYTRAIN_")}

@@ -102,6 +102,7 @@ def _assert_store_unreachable(response: httpx.Response, plane: Plane) -> None:
         assert secret not in response.text
 
 
+@pytest.mark.slow
 def test_a_batch_sent_while_the_store_stops_is_refused_whole_and_taken_once_it_is_back(
     plane: Plane,
 ) -> None:
@@ -136,6 +137,7 @@ def test_a_batch_sent_while_the_store_stops_is_refused_whole_and_taken_once_it_i
     assert plane.objects(model_id) == [f"jobs/{job['id']}/input.jsonl"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_uploaded_while_the_store_stops_is_committed_once_it_is_back(
     plane: Plane,
 ) -> None:

@@ -108,6 +108,7 @@ def _skytrain(env: dict[str, str], *args: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 def test_no_cloud_access_fails_the_model_and_logs_skypilots_error_for_the_operator(
     env: dict[str, str],
 ) -> None:

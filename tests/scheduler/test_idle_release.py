@@ -48,6 +48,7 @@ def plane(make_settings: MakeSettings) -> Iterator[Plane]:
     engine.dispose()
 
 
+@pytest.mark.slow
 def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane) -> None:
     base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
     with plane.sessions() as session:
@@ -125,6 +126,7 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane) -> Non
         )
 
 
+@pytest.mark.slow
 def test_a_tinker_run_keeps_its_place_while_its_session_lives_and_leaves_after(
     plane: Plane,
 ) -> None:

@@ -48,6 +48,7 @@ def client(sleeping_service: Service) -> Iterator[Callable[[], tinker.ServiceCli
         service_client.close("success").result(timeout=60)
 
 
+@pytest.mark.slow
 def test_the_engine_sleeps_around_each_tinker_operation_and_serves_between(
     client: Callable[[], tinker.ServiceClient], sleeping_service: Service, base_model: str
 ) -> None:

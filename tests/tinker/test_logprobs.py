@@ -49,6 +49,7 @@ def _assert_pairs(got: list[tuple[int, float]] | None, want: list[tuple[int, flo
     assert [value for _, value in got] == pytest.approx([value for _, value in want], abs=ATOL)
 
 
+@pytest.mark.slow
 def test_prompt_and_top_logprobs_are_those_of_a_direct_forward_pass(
     tinker_client: ClientFactory, base_model: str, direct: torch.nn.Module
 ) -> None:

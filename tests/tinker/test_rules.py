@@ -155,6 +155,7 @@ def _sampler_id(client: tinker.SamplingClient) -> str:
     return sampler_id
 
 
+@pytest.mark.slow
 def test_pending_samples_count_against_the_tenants_requests_in_flight(
     tenant: Callable[..., Tenant],
 ) -> None:
@@ -181,6 +182,7 @@ def test_pending_samples_count_against_the_tenants_requests_in_flight(
     assert "max_placed_models=0" in waiting["queue_state_reason"]
 
 
+@pytest.mark.slow
 def test_retrieve_future_waits_are_capped_per_tenant(tenant: Callable[..., Tenant]) -> None:
     """Past ``max_waiting_polls`` waits of a tenant, ``retrieve_future`` answers 429 at once
     (the SDK backs off and asks again); other tenants still wait."""

@@ -55,6 +55,7 @@ def new_training_client(
     )
 
 
+@pytest.mark.slow
 def test_cross_entropy_steps_lower_the_loss_and_saves_are_ordinary_checkpoints(
     tinker_client: ClientFactory, tinker_service: Service, base_model: str
 ) -> None:
@@ -158,6 +159,7 @@ def test_sampled_tokens_and_logprobs_agree_with_forward(
     assert forward.metrics["loss:sum"] == pytest.approx(-sampled_tokens, rel=1e-3)
 
 
+@pytest.mark.slow
 def test_save_state_and_load_state_resume_identically(
     tinker_client: ClientFactory, base_model: str
 ) -> None:
@@ -204,6 +206,7 @@ def test_bad_operations_fail_their_futures_and_the_run_goes_on(
     assert train_step(training) < first
 
 
+@pytest.mark.slow
 def test_another_tenants_key_cannot_touch_the_model(
     tinker_client: ClientFactory, tinker_service: Service, base_model: str
 ) -> None:

@@ -35,6 +35,7 @@ def plane(make_settings: MakeSettings) -> Iterator[tuple[str, str]]:
         yield url, key
 
 
+@pytest.mark.slow
 def test_a_client_that_stops_heartbeating_ends_its_runs(plane: tuple[str, str]) -> None:
     url, key = plane
     sdk = httpx.Client(base_url=url, headers={"X-API-Key": "tml-" + key}, timeout=60)

@@ -41,6 +41,7 @@ def _live_worker_pid(service: Service) -> int:
     return int(json.loads(rows[0][0])["pid"])
 
 
+@pytest.mark.slow
 def test_a_killed_worker_loses_nothing_and_every_future_resolves(
     tinker_client: ClientFactory, tinker_service: Service, base_model: str
 ) -> None:

@@ -77,6 +77,7 @@ CONTEXT: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.slow
 def test_each_option_of_arts_train_call_changes_the_update(
     tiny_model_path: Path, groups: list[TrajectoryGroup]
 ) -> None:

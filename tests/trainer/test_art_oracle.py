@@ -257,6 +257,7 @@ OPTION_SETS = {
 
 
 @pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
+@pytest.mark.slow
 def test_an_art_job_makes_arts_update(
     art_oracle: ArtOracle,
     batch: list[dict[str, Any]],
@@ -336,6 +337,7 @@ def _agent_batch(groups: int, per_group: int, seed: int) -> list[dict[str, Any]]
     return batch
 
 
+@pytest.mark.slow
 def test_an_art_job_takes_one_step_per_row_as_art_does(
     art_oracle: ArtOracle, tiny_model_path: Path, tiny_trainer: Trainer
 ) -> None:

@@ -93,6 +93,7 @@ def _assert_same_metrics(one: list[dict[str, float]], two: list[dict[str, float]
             assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 def test_an_rl_job_on_two_processes_updates_as_one(tiny_model_path: Path, tmp_path: Path) -> None:
     sampler = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
     # 3 + 2 + 3 + 2 trajectories in 2 steps: a step of 5 rows gives one rank a padding row.
@@ -138,6 +139,7 @@ def test_an_rl_job_on_two_processes_updates_as_one(tiny_model_path: Path, tmp_pa
     assert [e["event"] for e in second.events] == ["loaded", "gradient_step", "saved"]
 
 
+@pytest.mark.slow
 def test_an_sft_job_on_two_processes_updates_as_one(tiny_model_path: Path, tmp_path: Path) -> None:
     trajectories = _answers(5)
     config = SFTTrainConfig(learning_rate=5e-2, batch_size=3, num_epochs=1, seed=7)

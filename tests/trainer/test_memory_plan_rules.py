@@ -25,6 +25,7 @@ def test_a_row_is_cut_to_every_limit_that_is_set() -> None:
     assert row_length_limit(1024, 1792, None) == 1024
 
 
+@pytest.mark.slow
 def test_rows_longer_than_the_plans_longest_are_cut_and_counted(tiny_model_path: Path) -> None:
     cut = Trainer.load(
         str(tiny_model_path), model_config=ModelConfig(), device="cpu", max_row_tokens=56
@@ -41,6 +42,7 @@ def test_rows_longer_than_the_plans_longest_are_cut_and_counted(tiny_model_path:
         cut.prepare_rl(groups, RLTrainConfig())
 
 
+@pytest.mark.slow
 def test_rows_never_exceed_what_the_model_takes_whole(tiny_model_path: Path) -> None:
     """Unsloth's loader records the max_seq_length it was loaded with as the policy's longest
     row; a job asking for longer packed rows gets rows of that length, cut in the open."""

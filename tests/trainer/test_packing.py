@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import pytest
 import torch
 
 from skytrain_backend.protocol import TrajectoryGroup
@@ -46,6 +47,7 @@ def _sampled_groups(trainer: Trainer) -> list[TrajectoryGroup]:
     return groups
 
 
+@pytest.mark.slow
 def test_packed_rows_give_the_same_logprobs_as_each_sequence_alone(tiny_trainer: Trainer) -> None:
     policy = tiny_trainer.policy
     # A trained-looking adapter: with B = 0 the LoRA path would not be exercised at all.

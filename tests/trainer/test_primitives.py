@@ -87,6 +87,7 @@ def _gradients(trainer: Trainer) -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.slow
 def test_gradients_accumulate_over_forward_backward_calls(trainer: Trainer) -> None:
     # A trained adapter first: a fresh one has zero B matrices, hence zero A gradients.
     p.forward_backward(trainer.policy, [FIRST], loss_fn="cross_entropy", config={}, backward=True)
@@ -200,6 +201,7 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_any_gradient(traine
     assert not p.has_gradients(trainer)
 
 
+@pytest.mark.slow
 def test_saved_weights_load_back_exactly_with_or_without_the_optimizer(
     trainer: Trainer, tiny_model_path: Path, tmp_path: Path
 ) -> None:

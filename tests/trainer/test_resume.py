@@ -113,6 +113,7 @@ def _answers(count: int) -> list[Trajectory]:
     ]
 
 
+@pytest.mark.slow
 def test_an_sft_job_resumed_on_another_trainer_ends_exactly_as_one_never_stopped(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:
@@ -172,6 +173,7 @@ def _groups(trainer: Trainer, rewards: list[list[float]]) -> list[TrajectoryGrou
         (0.2, 2),
     ],
 )
+@pytest.mark.slow
 def test_a_multi_step_rl_job_resumed_on_another_trainer_ends_exactly_as_one_never_stopped(
     tiny_model_path: Path, tmp_path: Path, lora_dropout: float, stop_after: int
 ) -> None:

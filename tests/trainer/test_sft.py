@@ -69,6 +69,7 @@ def test_sft_refuses_learning_rates_that_do_not_match_the_steps(tiny_trainer: Tr
         )
 
 
+@pytest.mark.slow
 def test_an_sft_run_of_many_epochs_holds_no_more_than_a_run_of_one(
     tiny_trainer: Trainer,
 ) -> None:

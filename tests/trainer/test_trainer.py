@@ -74,6 +74,7 @@ def test_fresh_adapter_computes_exactly_the_base_model(
     assert tiny_trainer.step == 0
 
 
+@pytest.mark.slow
 def test_every_job_measures_how_far_the_sampler_is_before_its_first_update(
     tiny_trainer: Trainer,
 ) -> None:
@@ -135,6 +136,7 @@ def test_a_plan_runs_once_and_only_on_the_step_it_was_prepared_at(tiny_trainer: 
         list(tiny_trainer.run(stale))
 
 
+@pytest.mark.slow
 def test_a_job_takes_num_gradient_steps_over_whole_groups(tiny_trainer: Trainer) -> None:
     groups = _groups(tiny_trainer, [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0, 0.5], [2.0, 2.0], [0.0, 3.0]])
     before = _adapter(tiny_trainer)
@@ -165,6 +167,7 @@ def test_a_job_takes_num_gradient_steps_over_whole_groups(tiny_trainer: Trainer)
     assert tiny_trainer.prepare_rl(groups, many).num_gradient_steps == 3
 
 
+@pytest.mark.slow
 def test_kl_penalty_is_zero_until_the_adapter_moves(tiny_trainer: Trainer) -> None:
     groups = _groups(tiny_trainer, [[0.0, 1.0, 0.0, 1.0], [1.0, 0.0]])
     config = RLTrainConfig(learning_rate=1e-2, kl_penalty_coef=0.5, num_gradient_steps=2)
@@ -202,6 +205,7 @@ def test_saved_adapter_loads_in_peft_with_identical_outputs(
             assert not torch.equal(reloaded(input_ids=input_ids).logits, expected)
 
 
+@pytest.mark.slow
 def test_resumed_training_continues_identically(tiny_model_path: Path, tmp_path: Path) -> None:
     config = RLTrainConfig(learning_rate=1e-2)
     first = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
@@ -348,6 +352,7 @@ FIRST_STEP_CASES = {
 
 
 @pytest.mark.parametrize("case", list(FIRST_STEP_CASES))
+@pytest.mark.slow
 def test_the_first_step_reads_the_old_logprobs_as_a_separate_pass_would(
     tiny_model_path: Path, case: str
 ) -> None:
@@ -388,6 +393,7 @@ def test_the_first_step_reads_the_old_logprobs_as_a_separate_pass_would(
         torch.testing.assert_close(fused_adapter[name], value)
 
 
+@pytest.mark.slow
 def test_with_dropout_the_old_logprobs_are_read_in_a_separate_pass(
     tiny_model_path: Path, tmp_path: Path
 ) -> None:
@@ -415,6 +421,7 @@ def test_with_dropout_the_old_logprobs_are_read_in_a_separate_pass(
         assert len(list(trainer.run(plan))) == 1
 
 
+@pytest.mark.slow
 def test_train_rl_refuses_a_batch_truncated_to_nothing(tiny_trainer: Trainer) -> None:
     groups = _groups(tiny_trainer, [[0.0, 1.0]])
     with pytest.raises(TrainingError, match="beyond 16 tokens"):
@@ -429,6 +436,7 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny_trainer: Trainer) -> 
         tiny_trainer.prepare_rl([TrajectoryGroup.model_validate(raw)], RLTrainConfig())
 
 
+@pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_update(tiny_model_path: Path) -> None:
     config = RLTrainConfig(learning_rate=1e-2, kl_penalty_coef=0.1)
     updated = []
@@ -448,6 +456,7 @@ def test_gradient_checkpointing_gives_the_same_update(tiny_model_path: Path) -> 
         torch.testing.assert_close(updated[1][name], value)
 
 
+@pytest.mark.slow
 def test_every_packing_takes_the_same_steps_and_makes_the_same_update(
     tiny_model_path: Path,
 ) -> None:

@@ -52,6 +52,7 @@ def test_several_nodes_without_a_usable_node_rank_are_refused(rank: str | None) 
         Rendezvous.from_skypilot(env, gpus_per_node=8)
 
 
+@pytest.mark.slow
 def test_a_failed_run_is_a_training_error_without_this_machines_paths(tmp_path: Path) -> None:
     """A batch the ranks cannot read fails them before any model loads."""
     trainer = ShardedTrainer(

@@ -7,7 +7,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_the_worker_entry_point_imports_no_training_library_before_unsloth() -> None:
     code = (
         "import sys, skytrain_backend.cli, skytrain_backend.worker.main, "
