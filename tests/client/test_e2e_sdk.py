@@ -296,6 +296,7 @@ async def test_register_waits_until_served_showing_what_it_waits_for(
 # --- sampling -------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 async def test_openai_client_samples_token_ids_from_latest_and_pinned_steps(
     backend: skytrain.Backend, tiny_model_path: Path
 ) -> None:

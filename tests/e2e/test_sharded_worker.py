@@ -72,6 +72,7 @@ def test_a_sharded_worker_trains_a_job_on_its_ranks_and_serves_the_step(
         assert headers["x-skytrain-step"] == "1"
 
 
+@pytest.mark.slow
 def test_a_tinker_run_on_the_sharded_worker_is_refused_with_the_reason(
     service: Service, tiny_model_path: Path
 ) -> None:

@@ -117,6 +117,7 @@ def test_a_lora_rank_above_the_workers_limit_is_refused_at_creation(
         assert "too-wide" not in names
 
 
+@pytest.mark.slow
 def test_a_job_sleeps_the_engine_trains_frees_wakes_then_loads_and_serves_the_step(
     service: Service, tiny_model_path: Path
 ) -> None:

@@ -81,6 +81,7 @@ async def test_2048_smoke_step(examples_service: Service, tiny_model_path: Path)
             assert 0 < trajectory.reward < GAME_WIN
 
 
+@pytest.mark.slow
 async def test_tic_tac_toe_smoke_step(examples_service: Service, tiny_model_path: Path) -> None:
     run = await _smoke(examples_service, tic_tac_toe.smoke, tiny_model_path)
     for trajectory in _check_run(run):

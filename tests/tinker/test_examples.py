@@ -24,6 +24,7 @@ def _named_checkpoints(service: Service, tenant: str) -> set[str]:
     return {checkpoint.checkpoint_id for checkpoint in listed}
 
 
+@pytest.mark.slow
 def test_the_sl_loop_example_lowers_the_loss(
     tinker_service: Service, base_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -46,6 +47,7 @@ def test_the_sl_loop_example_lowers_the_loss(
     assert _named_checkpoints(tinker_service, "erin") == {"weights/000003", "sampler_weights/final"}
 
 
+@pytest.mark.slow
 def test_the_rl_loop_example_runs_its_steps(
     tinker_service: Service, base_model: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

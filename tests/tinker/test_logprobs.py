@@ -98,6 +98,7 @@ def test_prompt_and_top_logprobs_are_those_of_a_direct_forward_pass(
         ).result(timeout=TIMEOUT_S)
 
 
+@pytest.mark.slow
 def test_a_trained_samplers_prompt_logprobs_are_the_trainers(
     tinker_client: ClientFactory, base_model: str
 ) -> None:

@@ -113,6 +113,7 @@ def test_cross_entropy_steps_lower_the_loss_and_saves_are_ordinary_checkpoints(
     assert training.model_id in [r.training_run_id for r in runs.training_runs]
 
 
+@pytest.mark.slow
 def test_sampled_tokens_and_logprobs_agree_with_forward(
     tinker_client: ClientFactory, base_model: str
 ) -> None:

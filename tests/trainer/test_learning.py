@@ -104,6 +104,7 @@ def _grpo(
     return batch_rewards
 
 
+@pytest.mark.slow
 def test_grpo_raises_the_reward_of_the_tiny_model(tiny_model_path: Path) -> None:
     # lm_head is adapted too: a random model's output layer is where a vocabulary is learned.
     model_config = ModelConfig(

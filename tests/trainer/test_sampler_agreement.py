@@ -237,6 +237,7 @@ USER = {"role": "user", "content": "Write a short poem about the sea."}
 FOLLOW_UP = {"role": "user", "content": "Now make it rhyme."}
 
 
+@pytest.mark.slow
 def test_two_turns_after_a_non_canonical_first_turn_agree(
     gateway: Gateway, tiny: str, tiny_model_path: Path, trainers: dict[Path, Trainer]
 ) -> None:
@@ -250,6 +251,7 @@ def test_two_turns_after_a_non_canonical_first_turn_agree(
     assert summary["sequences/trained"] == 4
 
 
+@pytest.mark.slow
 def test_a_template_that_rewrites_assistant_turns_agrees(
     gateway: Gateway, qwen3_style_path: Path, trainers: dict[Path, Trainer]
 ) -> None:
@@ -275,6 +277,7 @@ def test_a_template_that_rewrites_assistant_turns_agrees(
     _check(trainer, two, "two turns, Qwen3-style template")
 
 
+@pytest.mark.slow
 def test_additional_histories_agree(
     gateway: Gateway, tiny: str, tiny_model_path: Path, trainers: dict[Path, Trainer]
 ) -> None:
