@@ -1,7 +1,8 @@
 """One job trained by 2 processes (torchrun, gloo on loopback, the tiny model's layers sharded
 with FSDP2) ends with the adapter and optimizer state one process ends with, to float noise:
 an RL job driven by the worker's own ``ShardedTrainer``, yielding after its first step and
-resumed by another, and an SFT job stopped and resumed by the ranks' entry point itself."""
+resumed by another, and an SFT job with LoRA dropout stopped and resumed by the ranks' entry
+point itself."""
 
 from __future__ import annotations
 
@@ -140,10 +141,16 @@ def test_an_rl_job_on_two_processes_updates_as_one(tiny_model_path: Path, tmp_pa
 
 
 @pytest.mark.slow
-def test_an_sft_job_on_two_processes_updates_as_one(tiny_model_path: Path, tmp_path: Path) -> None:
+def test_an_sft_job_with_dropout_on_two_processes_updates_as_one(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """With LoRA dropout too: each row draws its masks from a generator of its own, so the
+    rank that runs it draws what one process draws."""
     trajectories = _answers(5)
     config = SFTTrainConfig(learning_rate=5e-2, batch_size=3, num_epochs=1, seed=7)
-    one = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
+    # Rows of 64 tokens hold one answer each: 3 rows, then 2, split over the ranks.
+    lora = ModelConfig(lora_dropout=0.3, max_seq_length=64)
+    one = Trainer.load(str(tiny_model_path), model_config=lora, device="cpu")
     one_metrics = list(one.run(one.prepare_sft(trajectories, config)))
     one.save(tmp_path / "one")
     (tmp_path / "data.json").write_text(
@@ -152,7 +159,7 @@ def test_an_sft_job_on_two_processes_updates_as_one(tiny_model_path: Path, tmp_p
     spec = JobSpec(
         kind="sft",
         base_model=str(tiny_model_path),
-        lora=ModelConfig(),
+        lora=lora,
         config=config.model_dump(mode="json"),
         data_path=tmp_path / "data.json",
         output_dir=tmp_path / "unused",

@@ -3,10 +3,12 @@ and releasing its memory, the data checks and the optimizer step (``TrainerCore`
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Self
 
@@ -327,6 +329,24 @@ class TrainerCore:
                     f"token ids outside this model's vocabulary (0..{size - 1}): {bad[:5]}; was "
                     "it sampled from another base model?"
                 )
+
+    @contextlib.contextmanager
+    def _row_masks(self, seed: int, index: int, position: int) -> Iterator[None]:
+        """Dropout masks for row ``position`` of gradient step ``index`` drawn from a generator
+        of their own, seeded by the job's ``seed``, the model's step and the row: a row draws
+        the same masks whichever rank of a sharded trainer runs it and whatever rows ran before
+        it, so N processes make one process's update with dropout too, and a resumed or rerun
+        job draws the masks it drew before. torch's own generators are left as they were."""
+        if not self.policy.drops_out:
+            yield
+            return
+        device = self.policy.device
+        digest = hashlib.blake2b(
+            f"{seed}/{self.step}/{index}/{position}".encode(), digest_size=8
+        ).digest()
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(int.from_bytes(digest, "big") >> 1)
+            yield
 
     def _optimizer_step(
         self,

@@ -28,8 +28,9 @@ What each rank does:
 One process (no ``torchrun``, or a world of one) is ``SINGLE``: every method is then the
 identity, and the trainer runs exactly as it did before.
 
-Not done (docs/operators.md): dropout draws different masks on each rank than one process
-would.
+Dropout: each row draws its masks from a generator of its own (``TrainerCore._row_masks``,
+seeded by the job, the step and the row), so a row draws the same masks on whichever rank
+runs it, and N processes make one process's update with LoRA dropout too.
 """
 
 from __future__ import annotations

@@ -33,8 +33,9 @@ PlanKind = Literal["rl", "sft"]
 
 @dataclass
 class RandomState:
-    """torch's generators (CPU, and the device's on CUDA) as a step left them: LoRA dropout
-    draws from them, so a resumed step draws the masks the uninterrupted one would."""
+    """torch's generators (CPU, and the device's on CUDA) as a step left them, so a resumed
+    plan goes on with them as the uninterrupted one would (LoRA dropout's masks come from a
+    generator per row, seeded by the job, the step and the row, and need none of this)."""
 
     cpu: torch.Tensor
     cuda: torch.Tensor | None = None

@@ -227,12 +227,13 @@ class RLTraining(TrainerCore):
         step_old_logprobs = plan.old_logprobs[index]
         art_kl = config.kl_penalty_coef > 0 and config.kl_penalty_source is not None
         references, mean_kl = (
-            self._art_kl_inputs(packing, step_old_logprobs, config) if art_kl else ({}, 0.0)
+            self._art_kl_inputs(packing, index, step_old_logprobs, config) if art_kl else ({}, 0.0)
         )
         # This rank's rows (all of them in one process); ``scale`` 0: a padding row, run so
         # that every rank runs as many passes, that counts for nothing (``distributed``).
         for position, row, scale in self.shards.rows(packing.rows):
-            logprobs, entropy = self.policy.site_logprobs(row, chunk_size=chunk_size)
+            with self._row_masks(config.seed, index, position):
+                logprobs, entropy = self.policy.site_logprobs(row, chunk_size=chunk_size)
             old_logprobs = step_old_logprobs[position]
             if old_logprobs is None and not scale:
                 old_logprobs = logprobs.detach()
@@ -310,7 +311,11 @@ class RLTraining(TrainerCore):
 
     @torch.no_grad()
     def _art_kl_inputs(
-        self, packing: Packing, old_logprobs: Sequence[torch.Tensor | None], config: RLTrainConfig
+        self,
+        packing: Packing,
+        index: int,
+        old_logprobs: Sequence[torch.Tensor | None],
+        config: RLTrainConfig,
     ) -> tuple[dict[int, torch.Tensor], float]:
         """The reference (base model) logprobs of each row of a step, and the mean over the
         step's tokens of the KL ART shapes advantages with: log pi_source - log pi_ref, the
@@ -328,7 +333,9 @@ class RLTraining(TrainerCore):
                 assert old is not None or not scale, "prepare_rl reads the old logprobs for this"
                 source = old if old is not None else reference
             else:
-                source, _ = self.policy.site_logprobs(row, chunk_size=chunk_size)
+                # With the masks the step's own forward pass of the row draws.
+                with self._row_masks(config.seed, index, position):
+                    source, _ = self.policy.site_logprobs(row, chunk_size=chunk_size)
             references.setdefault(position, reference)
             total += scale * float((source - reference).sum())
             count += int(scale) * row.num_sites

@@ -135,7 +135,11 @@ class SFTTraining(TrainerCore):
         )
 
     def _sft_step(
-        self, sequences: list[TokenizedSequence], learning_rate: float, config: SFTTrainConfig
+        self,
+        index: int,
+        sequences: list[TokenizedSequence],
+        learning_rate: float,
+        config: SFTTrainConfig,
     ) -> Metrics:
         packing = self._pack(sequences, self.row_length(self.model_config.max_seq_length))
         self.policy.model.train()
@@ -143,8 +147,9 @@ class SFTTraining(TrainerCore):
         num_tokens = sum(row.num_sites for row in packing.rows)
         total_loss = total_entropy = 0.0
         # This rank's rows; ``scale`` 0: a padding row (``distributed``).
-        for _, row, scale in self.shards.rows(packing.rows):
-            logprobs, entropy = self.policy.site_logprobs(row, chunk_size=LOGPROB_CHUNK_SIZE)
+        for position, row, scale in self.shards.rows(packing.rows):
+            with self._row_masks(config.seed, index, position):
+                logprobs, entropy = self.policy.site_logprobs(row, chunk_size=LOGPROB_CHUNK_SIZE)
             loss = token_mean(-logprobs, num_tokens) * scale
             loss.backward()
             total_loss += float(loss.detach())

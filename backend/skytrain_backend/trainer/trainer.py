@@ -87,8 +87,8 @@ class Trainer(RLTraining, SFTTraining):
         plan.started = True
         position = plan.position
         if position.random_state is None:
-            # LoRA dropout draws from torch's global generator: seeded per job and step, a
-            # rerun of the same job on a new worker draws the same masks.
+            # torch's global generator, seeded per job and step (LoRA dropout draws from a
+            # generator per row instead: ``_row_masks``).
             torch.manual_seed(plan.config.seed + self.step)
         else:
             # A resumed plan: the generators as its last step done left them.
@@ -109,5 +109,8 @@ class Trainer(RLTraining, SFTTraining):
         else:
             # The batches of the steps done are made again and dropped: each epoch's shuffle
             # draws from one seeded generator, so the later ones depend on the earlier ones.
-            for sequences, learning_rate in itertools.islice(plan.batches(), plan.steps_done, None):
-                yield functools.partial(self._sft_step, sequences, learning_rate, plan.config)
+            batches = itertools.islice(plan.batches(), plan.steps_done, None)
+            for index, (sequences, learning_rate) in enumerate(batches, start=plan.steps_done):
+                yield functools.partial(
+                    self._sft_step, index, sequences, learning_rate, plan.config
+                )
