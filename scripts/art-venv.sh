@@ -17,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-VENV=${SKYTRAIN_ART_VENV:-${SKYTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skytrain}/art-venv}
+VENV=${SKYTRAIN_ART_VENV:-${SKYTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:?is unset: set SKYTRAIN_CACHE_DIR}/.cache}/skytrain}/art-venv}
 # One build at a time: the suite's processes (pytest-xdist) may each ask for it at once, and
 # two builds in one directory would remove each other's files. The others wait, then find it
 # ready.

