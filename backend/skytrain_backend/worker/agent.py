@@ -168,18 +168,21 @@ class WorkerAgent:
 
     async def _send_heartbeat(self) -> None:
         """Tell the control plane what the worker does and serves; learn its placements."""
-        job = self._jobs.current
-        # A step loaded but not committed yet is reported too: the control plane routes to
-        # committed steps only, and a heartbeat built just before the commit but read after
-        # it must not take the new step out of the served list the commit just wrote.
-        served = [ServedCheckpoint(model_id=m, step=s) for (m, s) in self._host.served]
-        served += [ServedCheckpoint(model_id=m, step=0) for m in self._placements]
         stats = await self._stats.read() if self._stats is not None else None
-        answer = await self._cp.heartbeat(
-            Heartbeat(
+
+        def now() -> Heartbeat:
+            # Built for each try (a retried one says what the worker does then). A step loaded
+            # but not committed yet is reported too: the control plane routes to committed
+            # steps only, and a heartbeat built just before the commit but read after it must
+            # not take the new step out of the served list the commit just wrote.
+            job = self._jobs.current
+            served = [ServedCheckpoint(model_id=m, step=s) for (m, s) in self._host.served]
+            served += [ServedCheckpoint(model_id=m, step=0) for m in self._placements]
+            return Heartbeat(
                 status=self._status(), served=served, job_id=job.id if job else None, stats=stats
             )
-        )
+
+        answer = await self._cp.heartbeat(now)
         self._placements = {
             item.model_id: _Placement(
                 model_id=item.model_id,
@@ -189,6 +192,7 @@ class WorkerAgent:
             )
             for item in answer.models
         }
+        job = self._jobs.current
         if job is not None and job.id in answer.cancel_job_ids:
             job.cancelled = True
         if answer.drain:

@@ -157,9 +157,12 @@ class ControlPlaneClient:
             self._http.headers["Authorization"] = f"Bearer {answer.worker_token}"
         return answer
 
-    async def heartbeat(self, heartbeat: Heartbeat) -> HeartbeatAnswer:
+    async def heartbeat(self, build: Callable[[], Heartbeat]) -> HeartbeatAnswer:
+        """Send what ``build`` says the worker does, built again for each try: a body retried
+        after a job committed (the control plane was away meanwhile) would set the worker back
+        to what it did before, its engine asleep or without the new step."""
         response = await self._retrying(
-            lambda: self._send("POST", "/heartbeat", json=_body(heartbeat))
+            lambda: self._send("POST", "/heartbeat", json=_body(build()))
         )
         return _answer(HeartbeatAnswer, response)
 
