@@ -214,8 +214,13 @@ def test_a_yielded_job_goes_behind_the_job_it_yielded_to_and_resumes_from_its_st
             )
         assert session.get_one(TrainingJob, long).status == "running"  # nothing changed
 
+        # The worker's engine slept for the job and woke before handing it back: it serves
+        # again from the hand-back on, not from its next heartbeat.
+        worker.status = "sleeping"
+        session.commit()
         yielded = preempt(3, attempt=1)
         assert (yielded.status, yielded.attempts, yielded.preemptions) == ("queued", 1, 1)
+        assert worker.status == "training"
         (event,) = job_rows.list_events(session, job_id=long, limit=10)[0]
         assert event.type == "training_preempted"
         assert event.data["steps_done"] == 3

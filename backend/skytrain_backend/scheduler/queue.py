@@ -319,10 +319,19 @@ def preempt_job(
         },
     )
     _cancel_or_requeue(session, job)
+    _woke(worker)
     session.commit()
     if previous is not None and previous != attempt:
         _delete_quietly(store, _staged_prefix(job, tenant_id=tenant_id, attempt=previous))
     return job
+
+
+def _woke(worker: Worker) -> None:
+    """A worker that completes or hands back a job woke its engine first, and holds the GPU
+    until the answer (worker/jobs.py: no Tinker operation puts it back to sleep meanwhile):
+    routable now, not at its next heartbeat."""
+    if worker.status == "sleeping":
+        worker.status = "training"
 
 
 def complete_job(
@@ -378,10 +387,7 @@ def complete_job(
     # the request that follows training_ended goes to the new step.
     served = [item for item in worker.served or [] if item.get("model_id") != model.id]
     worker.served = [*served, {"model_id": model.id, "step": step}]
-    if worker.status == "sleeping":
-        # It woke its engine for that and holds the GPU until this answer (no Tinker operation
-        # puts it back to sleep meanwhile): routable now, not at its next heartbeat.
-        worker.status = "training"
+    _woke(worker)
     now = utcnow()
     observed.JOBS_ENDED.labels(status="succeeded").inc()
     job.status = "succeeded"
