@@ -20,4 +20,8 @@ echo "==> pytest"
 # Three processes (pytest-xdist), each test file on one of them: on 2 cores the suite's many
 # waits (servers starting, workers registering) overlap. Files go out longest first
 # (tests/durations.json; tests/conftest.py orders them). `-n 0` runs it in this process.
+# One torch thread each (the processes and the workers they start), unless the caller says
+# otherwise: three processes of two threads on two cores wait on each other's descheduled
+# threads more than they compute.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 "$BIN/pytest" -n "${SKYTRAIN_TEST_PROCESSES:-3}" --dist loadfile --no-loadscope-reorder "$@"
