@@ -121,6 +121,28 @@ def test_on_cuda_the_first_steps_own_pass_reads_the_old_logprobs_within_bf16_noi
     assert moved > 0 and adapter_diff <= 0.05 * moved
 
 
+def test_on_cuda_checkpointing_with_lora_dropout_makes_the_same_update(
+    tiny_model_path: Path,
+) -> None:
+    """The layers run again in the backward pass draw their forward pass's dropout masks
+    (Unsloth's own checkpointing would draw new ones: a job with dropout uses transformers')."""
+    config = RLTrainConfig(learning_rate=1e-2)
+    results = []
+    for checkpointing in (False, True):
+        model_config = ModelConfig(gradient_checkpointing=checkpointing, lora_dropout=0.3)
+        trainer = Trainer.load(str(tiny_model_path), model_config=model_config)
+        initial = [p.detach().float().clone() for p in trainer.policy.trainable_parameters()]
+        groups = [_group(trainer, seed=seed) for seed in range(3)]
+        list(trainer.run(trainer.prepare_rl(groups, config)))
+        adapter = [p.detach().float().clone() for p in trainer.policy.trainable_parameters()]
+        results.append((initial, adapter))
+    (initial, plain), (_, checkpointed) = results
+    moved = max(float((p - i).abs().max()) for p, i in zip(plain, initial, strict=True))
+    difference = max(float((c - p).abs().max()) for c, p in zip(checkpointed, plain, strict=True))
+    print(f"CUDA, LoRA dropout 0.3: checkpointed vs plain max diff {difference:.2e}, moved {moved}")
+    assert moved > 0 and difference <= 0.05 * moved
+
+
 def test_release_gives_the_gpu_memory_back(tiny_model_path: Path, tmp_path: Path) -> None:
     before = torch.cuda.memory_allocated()
     trainer = Trainer.load(str(tiny_model_path), model_config=ModelConfig())

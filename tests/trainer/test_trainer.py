@@ -438,12 +438,14 @@ def test_token_ids_outside_the_vocabulary_are_refused(tiny_trainer: Trainer) -> 
 
 @pytest.mark.slow
 def test_gradient_checkpointing_gives_the_same_update(tiny_model_path: Path) -> None:
+    """With LoRA dropout too: the layers run again in the backward pass draw the masks their
+    forward pass drew."""
     config = RLTrainConfig(learning_rate=1e-2, kl_penalty_coef=0.1)
     updated = []
     for checkpointing in (False, True):
         trainer = Trainer.load(
             str(tiny_model_path),
-            model_config=ModelConfig(gradient_checkpointing=checkpointing),
+            model_config=ModelConfig(gradient_checkpointing=checkpointing, lora_dropout=0.3),
             device="cpu",
         )
         _train(trainer, _groups(trainer, [[0.0, 1.0, 0.4]]), config)

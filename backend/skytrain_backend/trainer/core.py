@@ -331,18 +331,22 @@ class TrainerCore:
                 )
 
     @contextlib.contextmanager
-    def _row_masks(self, seed: int, index: int, position: int) -> Iterator[None]:
+    def _row_masks(
+        self, seed: int, index: int, position: int, *, stream: str = "policy"
+    ) -> Iterator[None]:
         """Dropout masks for row ``position`` of gradient step ``index`` drawn from a generator
-        of their own, seeded by the job's ``seed``, the model's step and the row: a row draws
-        the same masks whichever rank of a sharded trainer runs it and whatever rows ran before
-        it, so N processes make one process's update with dropout too, and a resumed or rerun
-        job draws the masks it drew before. torch's own generators are left as they were."""
+        of their own, seeded by the job's ``seed``, the model's step, the row and ``stream``
+        (the policy's pass, or the base model's reference pass): a row draws the same masks
+        whichever rank of a sharded trainer runs it and whatever rows ran before it, so N
+        processes make one process's update with dropout too, and a resumed or rerun job draws
+        the masks it drew before. The CPU's and this device's generators are put back after
+        (a model spread over several GPUs in one process gets the others re-seeded)."""
         if not self.policy.drops_out:
             yield
             return
         device = self.policy.device
         digest = hashlib.blake2b(
-            f"{seed}/{self.step}/{index}/{position}".encode(), digest_size=8
+            f"{seed}/{self.step}/{index}/{position}/{stream}".encode(), digest_size=8
         ).digest()
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(int.from_bytes(digest, "big") >> 1)

@@ -94,10 +94,20 @@ def _load_with_unsloth(
         lora_dropout=model_config.lora_dropout,
         target_modules=list(model_config.lora_target_modules),
         bias="none",
-        use_gradient_checkpointing="unsloth" if model_config.gradient_checkpointing else False,
+        use_gradient_checkpointing=_unsloth_checkpointing(model_config),
         random_state=LORA_INIT_SEED,
     )
     return model, tokenizer
+
+
+def _unsloth_checkpointing(model_config: ModelConfig) -> str | bool:
+    """Unsloth's own checkpointing (activations offloaded to host memory) runs each layer again
+    in the backward pass without putting back the random state of its forward pass: with LoRA
+    dropout the gradient would go through other masks than the loss. Transformers' own
+    checkpointing puts it back, so a job with dropout uses that."""
+    if not model_config.gradient_checkpointing:
+        return False
+    return True if model_config.lora_dropout > 0 else "unsloth"
 
 
 def load_device_map(device: torch.device, *, spread: bool) -> str | dict[str, int] | None:

@@ -270,7 +270,11 @@ class RLTraining(TrainerCore):
             )
             totals["loss/policy"] += scale * float((per_token * weights).detach().sum())
             if config.kl_penalty_coef > 0 and not art_kl:
-                with torch.no_grad(), self.policy.adapter_disabled():
+                with (
+                    torch.no_grad(),
+                    self.policy.adapter_disabled(),
+                    self._row_masks(config.seed, index, position, stream="reference"),
+                ):
                     reference, _ = self.policy.site_logprobs(row, chunk_size=chunk_size)
                 kl = kl_penalty(logprobs, reference)
                 per_token = per_token + config.kl_penalty_coef * kl
@@ -326,7 +330,10 @@ class RLTraining(TrainerCore):
         references: dict[int, torch.Tensor] = {}
         total, count = 0.0, 0
         for position, row, scale in self.shards.rows(packing.rows):
-            with self.policy.adapter_disabled():
+            with (
+                self.policy.adapter_disabled(),
+                self._row_masks(config.seed, index, position, stream="reference"),
+            ):
                 reference, _ = self.policy.site_logprobs(row, chunk_size=chunk_size)
             old = old_logprobs[position]
             if config.kl_penalty_source == "sample":
