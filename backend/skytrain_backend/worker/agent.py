@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,7 @@ class WorkerAgent:
         self._options = options
         self._stats = stats
         self._placements: dict[str, _Placement] = {}
+        self._placements_asked_at = 0.0
         self._stopping = asyncio.Event()
         self._host = EngineHost(
             control_plane=control_plane,
@@ -170,7 +172,11 @@ class WorkerAgent:
         """Tell the control plane what the worker does and serves; learn its placements."""
         stats = await self._stats.read() if self._stats is not None else None
 
+        built_at = time.monotonic()
+
         def now() -> Heartbeat:
+            nonlocal built_at
+            built_at = time.monotonic()
             # Built for each try (a retried one says what the worker does then). A step loaded
             # but not committed yet is reported too: the control plane routes to committed
             # steps only, and a heartbeat built just before the commit but read after it must
@@ -192,6 +198,8 @@ class WorkerAgent:
             )
             for item in answer.models
         }
+        # What the placements know of: the commits confirmed before this try was built.
+        self._placements_asked_at = built_at
         job = self._jobs.current
         if job is not None and job.id in answer.cancel_job_ids:
             job.cancelled = True
@@ -203,7 +211,9 @@ class WorkerAgent:
         """Load the checkpoints placed here into the engine; unload those no longer wanted."""
         wanted = {(p.model_id, s) for p in self._placements.values() for s in p.steps if s > 0}
         job = self._jobs.current
-        await self._host.sync_adapters(wanted, committing=job.model_id if job else None)
+        await self._host.sync_adapters(
+            wanted, committing=job.model_id if job else None, asked_at=self._placements_asked_at
+        )
 
     async def _job_loop(self) -> None:
         while not self._stopping.is_set():

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -67,6 +69,11 @@ class EngineHost:
         # (model id, step) -> the local directory its adapter was loaded from. Steps loaded
         # but not committed yet are never reported as served (see worker/jobs.py).
         self.served: dict[tuple[str, int], Path] = {}
+        # Steps loaded here for a commit (a job's new step, a Tinker sampler save): kept loaded
+        # until ``confirm``; then when it was confirmed. A heartbeat's answer (what is placed
+        # here) read before the commit does not list them, and must not unload them.
+        self._unconfirmed: set[tuple[str, int]] = set()
+        self._confirmed_at: dict[tuple[str, int], float] = {}
         self._lock = asyncio.Lock()
         # Held while a trainer holds the device: a whole job, or one Tinker operation.
         self.turn = asyncio.Lock()
@@ -107,6 +114,8 @@ class EngineHost:
         """Start the engine again (under the engine lock): it comes back awake, serving the
         base model only; the heartbeat loads the adapters again."""
         self.served.clear()
+        self._unconfirmed.clear()
+        self._confirmed_at.clear()
         await process.restart()
         self.asleep = False
 
@@ -122,10 +131,17 @@ class EngineHost:
                     await self._restart(self._process)
 
     async def sync_adapters(
-        self, wanted: set[tuple[str, int]], *, committing: str | None = None
+        self,
+        wanted: set[tuple[str, int]],
+        *,
+        committing: str | None = None,
+        asked_at: float = math.inf,
     ) -> None:
-        """Load the checkpoints placed here into the engine; unload those no longer wanted
-        (but not the steps of ``committing``, the model whose new step is being committed)."""
+        """Load the checkpoints placed here into the engine; unload those no longer wanted,
+        but not the steps of ``committing`` (the model whose new step is being committed),
+        nor a step loaded for a commit that is not confirmed yet or was confirmed after
+        ``asked_at`` (``time.monotonic()`` when the heartbeat whose answer says ``wanted`` was
+        built: the control plane may have answered before that commit)."""
         if self.asleep:
             return
         for key in sorted(wanted - set(self.served)):
@@ -142,10 +158,13 @@ class EngineHost:
         for key in sorted(set(self.served) - wanted):
             if key[0] == committing:
                 continue  # its new step is being committed right now
+            if key in self._unconfirmed or self._confirmed_at.get(key, -math.inf) >= asked_at:
+                continue  # loaded for a commit the answer may not know of yet
             async with self._lock:
                 with contextlib.suppress(Exception):
                     await self.engine.unload_lora(lora_name(*key))
                 self.served.pop(key, None)
+                self._confirmed_at.pop(key, None)
 
     async def serve_checkpoint(self, model_id: str, step: int, directory: Path) -> bool:
         """Load a checkpoint written on this worker into the engine (the Tinker executor's
@@ -156,6 +175,7 @@ class EngineHost:
         async with self._lock:
             await self.engine.load_lora(name, str(directory))
             self.served[(model_id, step)] = directory
+            self._unconfirmed.add((model_id, step))
         if not await self.engine.is_serving(name):
             raise SkytrainError(f"the engine does not serve {name} after loading it")
         return True
@@ -166,9 +186,16 @@ class EngineHost:
         async with self._lock:
             await self.engine.load_lora(name, str(directory))
             self.served[key] = directory
+            self._unconfirmed.add(key)
         if not await self.engine.is_serving(name):
             raise SkytrainError(f"the engine does not serve {name} after loading it")
         await self.engine.check_generates(name)
+
+    def confirm(self, key: tuple[str, int]) -> None:
+        """The commit of a step loaded for it returned: from now on a heartbeat's answer
+        knows of it (one built before now may not)."""
+        self._unconfirmed.discard(key)
+        self._confirmed_at[key] = time.monotonic()
 
     async def unload(self, key: tuple[str, int]) -> None:
         """Take a step out of the engine (quietly: an engine that died has dropped it)."""
@@ -176,6 +203,8 @@ class EngineHost:
             with contextlib.suppress(Exception):
                 await self.engine.unload_lora(lora_name(*key))
             self.served.pop(key, None)
+            self._unconfirmed.discard(key)
+            self._confirmed_at.pop(key, None)
 
     async def fetch_checkpoint(
         self, model_id: str, step: int, names: tuple[str, ...] | None = None

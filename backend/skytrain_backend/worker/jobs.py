@@ -368,6 +368,7 @@ class JobRunner:
             await self._cp.complete(
                 running.id, attempt=running.attempt, step=step, metrics=summary, files=files
             )
+            self._host.confirm(key)
         except BaseException:
             # Not committed (lease lost, store failure...): the step must not stay loaded, or
             # the job's next attempt could not load its own result under the same name.

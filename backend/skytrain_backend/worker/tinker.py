@@ -63,10 +63,15 @@ NEXT_WAIT_S = 10.0
 
 
 class AdapterHost(Protocol):
-    """The agent: loads a checkpoint into the engine and counts it as served; gives the
-    device to one trainer at a time."""
+    """The agent's engine host: loads a checkpoint into the engine and counts it as served
+    (``confirm`` once its commit returned, ``unload`` if it failed); gives the device to one
+    trainer at a time."""
 
     async def serve_checkpoint(self, model_id: str, step: int, directory: Path) -> bool: ...
+
+    def confirm(self, key: tuple[str, int]) -> None: ...
+
+    async def unload(self, key: tuple[str, int]) -> None: ...
 
     def trainer_turn(self, what: str) -> AbstractAsyncContextManager[None]: ...
 
@@ -463,7 +468,14 @@ class TinkerExecutor:
             optim_steps=trainer.step,
             served=served,
         )
-        await self._cp.tinker_save(run.job_id, operation.seq_id, commit)
+        try:
+            await self._cp.tinker_save(run.job_id, operation.seq_id, commit)
+        except BaseException:
+            if served:  # never committed: served to no one, and its name is free again
+                await self._adapters.unload((run.model_id, step))
+            raise
+        if served:
+            self._adapters.confirm((run.model_id, step))
         run.latest_step = max(run.latest_step, step)
         run.saved_step = step
 
