@@ -210,10 +210,7 @@ class WorkerAgent:
     async def _sync_adapters(self) -> None:
         """Load the checkpoints placed here into the engine; unload those no longer wanted."""
         wanted = {(p.model_id, s) for p in self._placements.values() for s in p.steps if s > 0}
-        job = self._jobs.current
-        await self._host.sync_adapters(
-            wanted, committing=job.model_id if job else None, asked_at=self._placements_asked_at
-        )
+        await self._host.sync_adapters(wanted, asked_at=self._placements_asked_at)
 
     async def _job_loop(self) -> None:
         while not self._stopping.is_set():

@@ -134,14 +134,13 @@ class EngineHost:
         self,
         wanted: set[tuple[str, int]],
         *,
-        committing: str | None = None,
         asked_at: float = math.inf,
     ) -> None:
         """Load the checkpoints placed here into the engine; unload those no longer wanted,
-        but not the steps of ``committing`` (the model whose new step is being committed),
-        nor a step loaded for a commit that is not confirmed yet or was confirmed after
-        ``asked_at`` (``time.monotonic()`` when the heartbeat whose answer says ``wanted`` was
-        built: the control plane may have answered before that commit)."""
+        but not a step loaded for a commit (a job's new step, a Tinker sampler save) that is
+        not confirmed yet or was confirmed after ``asked_at`` (``time.monotonic()`` when the
+        heartbeat whose answer says ``wanted`` was built: the control plane may have answered
+        before that commit)."""
         if self.asleep:
             return
         for key in sorted(wanted - set(self.served)):
@@ -156,8 +155,6 @@ class EngineHost:
             except Exception:
                 logger.exception("could not load %s step %d into the engine", *key)
         for key in sorted(set(self.served) - wanted):
-            if key[0] == committing:
-                continue  # its new step is being committed right now
             if key in self._unconfirmed or self._confirmed_at.get(key, -math.inf) >= asked_at:
                 continue  # loaded for a commit the answer may not know of yet
             async with self._lock:
