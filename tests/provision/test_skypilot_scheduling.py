@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend import tls
 from skytrain_backend.config import Settings
-from skytrain_backend.db import api_keys, jobs, registry
+from skytrain_backend.db import api_keys, registry
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -28,6 +28,7 @@ from skytrain_backend.provision.skypilot import SkyPilotProvider
 from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import serving_status
+from tests.fixtures.rows import add_rl_job
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
 
@@ -286,17 +287,7 @@ def test_a_preempted_worker_is_lost_and_its_job_runs_on_a_new_one(
     model_id = _active_model(plane)
     first = _up_and_registered(plane, model_id)
     with plane.sessions() as session:
-        jobs.add_job(
-            session,
-            job_id="job-1",
-            model_id=model_id,
-            kind="rl",
-            config={},
-            input_uri="file:///nowhere/input.jsonl",
-            num_groups=1,
-            num_trajectories=2,
-            max_attempts=3,
-        )
+        add_rl_job(session, model_id, job_id="job-1")
         session.commit()
         leased = queue.lease_job(session, worker=session.get_one(Worker, first.id), lease_s=60)
         assert leased is not None and (leased.status, leased.attempts) == ("running", 1)

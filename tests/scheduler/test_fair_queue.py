@@ -14,13 +14,14 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.db import api_keys, registry
 from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db import workers as worker_rows
-from skytrain_backend.db.models import Model, TrainingJob, Worker, new_id, utcnow
+from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import CheckpointFile
 from skytrain_backend.scheduler import garbage, queue
 from skytrain_backend.storage import ObjectStore
 from skytrain_backend.storage.local import LocalObjectStore
+from tests.fixtures.rows import add_rl_job
 from tests.fixtures.services import MakeSettings
 
 LEASE_S = 60.0
@@ -55,17 +56,7 @@ def _model(session: Session, *, tenant: str, name: str, worker: Worker) -> Model
 def _queue_jobs(session: Session, model: Model, count: int) -> list[str]:
     ids = []
     for _ in range(count):
-        job = job_rows.add_job(
-            session,
-            job_id=new_id(),
-            model_id=model.id,
-            kind="rl",
-            config={},
-            input_uri="unused",
-            num_groups=1,
-            num_trajectories=2,
-            max_attempts=3,
-        )
+        job = add_rl_job(session, model.id)
         session.commit()
         ids.append(job.id)
     return ids

@@ -11,7 +11,6 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import batches, registry
-from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob, new_id, utcnow
 from skytrain_backend.errors import StorageError
 from skytrain_backend.scheduler import garbage
@@ -19,6 +18,7 @@ from skytrain_backend.storage import ObjectStore
 from skytrain_backend.storage import keys as object_keys
 from skytrain_backend.storage.local import LocalObjectStore
 from skytrain_backend.storage.s3 import MULTIPART_THRESHOLD, S3ObjectStore
+from tests.fixtures.rows import add_rl_job
 from tests.fixtures.services import ON_EVERY_BACKEND, ApiKey
 
 pytestmark = ON_EVERY_BACKEND
@@ -57,17 +57,7 @@ def test_objects_no_row_refers_to_are_collected_after_the_grace_period(
         session.add(
             Checkpoint(model_id=model_id, step=2, uri=None, metrics={}, deleted_at=utcnow())
         )
-        running = job_rows.add_job(
-            session,
-            job_id=new_id(),
-            model_id=model_id,
-            kind="rl",
-            config={},
-            input_uri="x",
-            num_groups=1,
-            num_trajectories=2,
-            max_attempts=3,
-        )
+        running = add_rl_job(session, model_id)
         running.status, running.attempts = "running", 2
         batch = batches.add_batch(
             session,

@@ -27,7 +27,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db import api_keys, jobs, registry
+from skytrain_backend.db import api_keys, registry
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -40,6 +40,7 @@ from skytrain_backend.scheduler.leader import (
     open_leadership,
 )
 from skytrain_backend.scheduler.loop import Scheduler
+from tests.fixtures.rows import add_rl_job
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import FakeSky
 
@@ -134,17 +135,7 @@ def _ready_worker(cluster: Cluster, base_model: str, *, cluster_up: bool) -> str
 def _running_job(cluster: Cluster, model_id: str, worker_id: str) -> None:
     with cluster.sessions() as session:
         session.get_one(Model, model_id).worker_id = worker_id
-        jobs.add_job(
-            session,
-            job_id="job-1",
-            model_id=model_id,
-            kind="rl",
-            config={},
-            input_uri="file:///nowhere/input.jsonl",
-            num_groups=1,
-            num_trajectories=2,
-            max_attempts=3,
-        )
+        add_rl_job(session, model_id, job_id="job-1")
         session.commit()
         leased = queue.lease_job(session, worker=session.get_one(Worker, worker_id), lease_s=60)
         assert leased is not None

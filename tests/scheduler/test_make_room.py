@@ -22,7 +22,7 @@ import sky
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db import api_keys, jobs, registry, tenants
+from skytrain_backend.db import api_keys, registry, tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, Tenant, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -30,6 +30,7 @@ from skytrain_backend.provision.skypilot import SkyPilotProvider
 from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import serving_status
+from tests.fixtures.rows import add_rl_job
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
 
@@ -203,17 +204,7 @@ def test_a_worker_with_work_is_not_stopped_and_the_model_says_it_waits_for_max_w
         # Unused for two hours, but training: a job (and a Tinker run's) keeps its model active.
         trained = _model(plane, "training", base_model=BASE_A, idle=True, worker_id=worker_id)
         with plane.sessions() as session:
-            jobs.add_job(
-                session,
-                job_id="job-1",
-                model_id=trained,
-                kind="rl",
-                config={},
-                input_uri="file:///nowhere/input.jsonl",
-                num_groups=1,
-                num_trajectories=2,
-                max_attempts=3,
-            )
+            add_rl_job(session, trained, job_id="job-1")
             session.commit()
             worker = session.get_one(Worker, worker_id)
             assert queue.lease_job(session, worker=worker, lease_s=60) is not None

@@ -32,6 +32,7 @@ from skytrain_backend.scheduler import placement, queue, scale_in
 from skytrain_backend.scheduler.serving import serving_status
 from skytrain_backend.storage import LocalObjectStore
 from skytrain_backend.storage import keys as object_keys
+from tests.fixtures.rows import add_rl_job
 
 LEASE_S = 60.0
 NO_QUOTA = TenantLimits.defaults(Settings(tenant_max_placed_models=100, tenant_max_workers=100))
@@ -78,15 +79,10 @@ def _worker(session: Session) -> Worker:
 
 
 def _job(session: Session, model: Model, *, max_attempts: int = 3) -> TrainingJob:
-    job = job_rows.add_job(
+    job = add_rl_job(
         session,
+        model.id,
         job_id=f"job{session.scalar(select(func.count(TrainingJob.id))) or 0:04d}{model.id[:8]}",
-        model_id=model.id,
-        kind="rl",
-        config={},
-        input_uri="unused",
-        num_groups=1,
-        num_trajectories=2,
         max_attempts=max_attempts,
     )
     session.commit()
