@@ -67,7 +67,8 @@ class EngineHost:
         self._sleep_wait_s = sleep_wait_s
         self._sleep_timeout_s = sleep_timeout_s
         # (model id, step) -> the local directory its adapter was loaded from. Steps loaded
-        # but not committed yet are never reported as served (see worker/jobs.py).
+        # for a commit are in it too; the heartbeat reports them, and the control plane routes
+        # to committed steps only (see worker/jobs.py).
         self.served: dict[tuple[str, int], Path] = {}
         # Steps loaded here for a commit (a job's new step, a Tinker sampler save): kept loaded
         # until ``confirm``; then when it was confirmed. A heartbeat's answer (what is placed
