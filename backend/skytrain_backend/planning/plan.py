@@ -412,6 +412,8 @@ class _Planner:
                     chunk_size=LOGPROB_CHUNK_SIZE,
                     dtype_bytes=2,
                     gradient_checkpointing=checkpointing,
+                    lora_rank=self.lora_rank,
+                    lora_modules=self.lora_modules,
                 )
                 return needed <= room
 
@@ -467,6 +469,8 @@ class _Planner:
                 chunk_size=LOGPROB_CHUNK_SIZE,
                 dtype_bytes=2,
                 gradient_checkpointing=True,
+                lora_rank=self.lora_rank,
+                lora_modules=self.lora_modules,
             )
             return self.refuse(
                 s,
