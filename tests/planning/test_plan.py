@@ -258,3 +258,20 @@ def test_a_config_is_found_in_a_model_directory_and_not_for_an_unknown_id(
 def test_a_malformed_gpu_spec_is_refused(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_gpu(spec)
+
+
+def test_a_sharded_trainer_counts_the_embeddings_whole_on_every_gpu() -> None:
+    """trainer.distributed keeps the embeddings, lm_head and final norm whole on each rank:
+    4.64 GiB per GPU for Qwen2.5-72B that dividing every weight by the shards left out."""
+    config = _config(QWEN_72B)
+    plan = _plan(QWEN_72B, "H100:8")
+    assert plan.trainer_shards == 8
+    shape = _shape(QWEN_72B)
+    whole = (2 * config["vocab_size"] * config["hidden_size"] + config["hidden_size"]) * 2
+    assert whole / GIB == pytest.approx(4.64, abs=0.01)
+    layers = shape.parameters() * 2 - whole
+    gathered = 2 * layers / config["num_hidden_layers"]
+    per_gpu = layers / 8 + whole + gathered
+    row = {row.item: row for row in plan.rows if row.phase == "train"}["base weights"]
+    assert row.value == f"{per_gpu / GIB:.2f} GiB"
+    assert "output layer and final norm whole on each 4.64 GiB" in row.how

@@ -393,17 +393,19 @@ class _Planner:
         asleep = (NON_TORCH_GIB + (NCCL_GIB if s.tp > 1 else 0) + CUDA_GRAPHS_GIB) * GIB
         free_per_gpu = gpu.memory_bytes * (1 - ALLOCATOR_SLACK) - asleep - TRAINER_CONTEXT_GIB * GIB
         weights = shape.parameters() * 2
+        # FSDP shards the decoder layers only: the rest stays whole on every rank.
+        whole = shape.unsharded_parameters() * 2
         lora_params = shape.lora_parameters(rank=self.lora_rank, modules=self.lora_modules)
         lora = lora_params * LORA_TRAINING_BYTES_PER_PARAMETER
         wanted_row = self.row_tokens or max_model_len
 
-        layer = weights / max(shape.num_layers, 1)
+        layer = (weights - whole) / max(shape.num_layers, 1)
 
         def longest_on(gpus: int) -> tuple[int | None, bool, float]:
             """The longest row on each of ``gpus`` shards, whether it needs checkpointing,
             the room per GPU."""
-            gathered = 2 * layer if gpus > 1 else 0.0
-            room = free_per_gpu - weights / gpus - gathered - lora
+            held = weights if gpus == 1 else (weights - whole) / gpus + whole + 2 * layer
+            room = free_per_gpu - held - lora
 
             def fits(tokens: int, checkpointing: bool) -> bool:
                 needed = activation_bytes(
@@ -442,9 +444,10 @@ class _Planner:
             self.row(
                 "train",
                 "base weights",
-                _gib(weights / trainer_gpus + 2 * layer),
-                f"parameters x 2 B (bf16) = {_gib(weights)}, over {trainer_gpus} shards (FSDP2), "
-                f"+ 2 layers gathered at a time {_gib(2 * layer)}",
+                _gib((weights - whole) / trainer_gpus + whole + 2 * layer),
+                f"decoder layers x 2 B (bf16) = {_gib(weights - whole)} over {trainer_gpus} "
+                f"shards (FSDP2), + embeddings, output layer and final norm whole on each "
+                f"{_gib(whole)}, + 2 layers gathered at a time {_gib(2 * layer)}",
             )
         else:
             self.row("train", "base weights", _gib(weights), "parameters x 2 B (bf16)")

@@ -182,6 +182,12 @@ class ModelShape:
             + (self.hidden_size)
         )
 
+    def unsharded_parameters(self) -> int:
+        """The weights a sharded trainer keeps whole on every rank (``trainer.distributed``):
+        the embeddings, the output layer unless tied, and the final norm."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return embeddings + self.hidden_size
+
     def lora_parameters(self, *, rank: int, modules: tuple[str, ...] | None = None) -> int:
         """Parameters of a LoRA adapter of ``rank`` on ``modules`` (default: every linear layer
         of the decoder, as vLLM's LoRA slots hold), over all layers."""
