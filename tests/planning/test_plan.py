@@ -275,3 +275,20 @@ def test_a_sharded_trainer_counts_the_embeddings_whole_on_every_gpu() -> None:
     row = {row.item: row for row in plan.rows if row.phase == "train"}["base weights"]
     assert row.value == f"{per_gpu / GIB:.2f} GiB"
     assert "output layer and final norm whole on each 4.64 GiB" in row.how
+
+
+def test_host_memory_counts_the_tinker_runs_trainers_parked_between_operations() -> None:
+    """Each parked Tinker run holds its whole trainer in host memory (Trainer.offload): for
+    a 7B on an L4, two runs add about 29 GiB to vLLM's 14 GiB of pinned weights."""
+    shape = _shape(QWEN_7B)
+    trainer = shape.parameters() * 2 + shape.lora_parameters(rank=8) * 16
+    none = _plan(QWEN_7B, "L4:1", lora_rank=8, tinker_runs=0)
+    two = _plan(QWEN_7B, "L4:1", lora_rank=8, tinker_runs=2)
+    assert none.fits and two.fits
+    assert (two.host_memory_gb - none.host_memory_gb) == pytest.approx(2 * trainer / 1e9, abs=1)
+    assert two.host_memory_gb >= 55
+    row = {row.item: row for row in two.rows if row.phase == "host"}["memory"]
+    assert "2 Tinker runs' trainers parked between operations" in row.how
+    # A sharded trainer runs no Tinker runs: none are counted.
+    sharded = _plan(QWEN_72B, "H100:8", tinker_runs=2)
+    assert sharded.host_memory_gb == _plan(QWEN_72B, "H100:8", tinker_runs=0).host_memory_gb

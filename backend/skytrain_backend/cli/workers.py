@@ -247,6 +247,7 @@ def workers_plan(
             max_loras=max_loras or settings.engine_max_loras,
             context=context or settings.engine_max_model_len,
             row_tokens=row_tokens or settings.trainer_max_row_tokens,
+            tinker_runs=settings.worker_tinker_max_runs,
         )
         for spec in specs
         if spec.gpu is not None

@@ -26,8 +26,8 @@ what the phases leave free:
   states, and the activations of its own rows (``trainer.distributed``), over all the
   node's GPUs.
 
-Host memory is the pinned copy of vLLM's weights during training plus the processes'
-own; disk is the checkpoint plus the image, packages and scratch. Every figure is a row of
+Host memory and disk are ``host``'s: vLLM's pinned weights during training, the Tinker runs'
+trainers parked between operations, the processes' own; the checkpoint and the image. Every figure is a row of
 ``rows`` an operator can check by hand. Pure arithmetic: no torch, no files.
 """
 
@@ -40,6 +40,7 @@ from typing import Any
 
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.planning.gpus import GIB, GpuType
+from skytrain_backend.planning.host import host_needs
 from skytrain_backend.planning.shapes import SERVE_DTYPE_BYTES, ModelShape, activation_bytes
 
 # The values vLLM's --max-lora-rank accepts.
@@ -72,13 +73,6 @@ ROW_STEP = 256
 MIN_ROW_TOKENS = 1024
 LOGPROB_CHUNK_SIZE = 1024
 SLEEP_LEVEL = 1
-# Host memory beside the pinned weights: vLLM's API server and engine core, the worker and
-# the trainer (torch, CUDA libraries, tokenizers), and each further tensor-parallel process.
-HOST_BASE_GIB = 10.0
-HOST_PER_GPU_PROCESS_GIB = 2.0
-# Disk beside the checkpoint: the vLLM image unpacked, packages, adapters, logs.
-DISK_BASE_GB = 60
-GB = 1000**3
 
 
 def lora_rank_slot(rank: int) -> int:
@@ -222,13 +216,16 @@ def plan_worker(
     context: int | None = None,
     row_tokens: int | None = None,
     lora_modules: tuple[str, ...] | None = None,
+    tinker_runs: int = 2,
 ) -> WorkerPlan:
     """The plan for ``model`` (of ``shape``) on ``gpu_count`` GPUs of type ``gpu``.
 
     ``lora_rank`` is the largest rank served and trained, ``max_loras`` the adapters vLLM
     holds at once; ``context`` the wanted ``max_model_len`` (default: the model's own, at
     most ``DEFAULT_CONTEXT``); ``row_tokens`` the longest training row wanted (default: the
-    context); ``lora_modules`` the layers trained adapters target (default: all).
+    context); ``lora_modules`` the layers trained adapters target (default: all);
+    ``tinker_runs`` the Tinker runs whose trainers wait in host memory at once
+    (``SKYTRAIN_WORKER_TINKER_MAX_RUNS``).
     """
     return _Planner(
         shape,
@@ -240,6 +237,7 @@ def plan_worker(
         context=context,
         row_tokens=row_tokens,
         lora_modules=lora_modules,
+        tinker_runs=tinker_runs,
     ).plan()
 
 
@@ -256,8 +254,10 @@ class _Planner:
         context: int | None,
         row_tokens: int | None,
         lora_modules: tuple[str, ...] | None,
+        tinker_runs: int,
     ) -> None:
         self.shape, self.gpu, self.model, self.count = shape, gpu, model, gpu_count
+        self.tinker_runs = tinker_runs
         self.rank_slot = lora_rank_slot(lora_rank)
         self.lora_rank, self.max_loras = lora_rank, max_loras
         self.context, self.row_tokens, self.lora_modules = context, row_tokens, lora_modules
@@ -493,34 +493,17 @@ class _Planner:
             "activations (shapes.activation_bytes) fit the room"
             + (" with gradient checkpointing" if checkpointing else " without checkpointing"),
         )
-        pinned = (s.weights + s.lora) * s.tp
-        # A sharded trainer's rank 0 reads the whole base into host memory before FSDP
-        # spreads it (trainer.distributed), while vLLM's weights wait there.
-        loading = weights if trainer_gpus > 1 else 0
-        host_gib = pinned + loading + (HOST_BASE_GIB + HOST_PER_GPU_PROCESS_GIB * s.tp) * GIB
-        host_gb = math.ceil(host_gib / GB)
-        self.row(
-            "host",
-            "memory",
-            f"{host_gb} GB",
-            f"vLLM's weights and LoRA slots pinned while asleep {_gib(pinned)} + processes "
-            f"{HOST_BASE_GIB:g} GiB + {HOST_PER_GPU_PROCESS_GIB:g} GiB per vLLM GPU"
-            + (
-                f" + the base as the first of {trainer_gpus} trainer processes loads it "
-                f"{_gib(loading)}"
-                if loading
-                else ""
-            ),
+        host = host_needs(
+            shape,
+            pinned_bytes=(s.weights + s.lora) * s.tp,
+            vllm_gpus=s.tp,
+            trainer_shards=trainer_gpus,
+            trainer_bytes=weights + lora,
+            parked_trainers=self.tinker_runs,
         )
-        checkpoint = shape.parameters() * shape.checkpoint_dtype_bytes
-        disk_gb = math.ceil((checkpoint / GB + DISK_BASE_GB) / 10) * 10
-        self.row(
-            "host",
-            "disk",
-            f"{disk_gb} GB",
-            f"checkpoint {checkpoint / GB:.1f} GB ({shape.checkpoint_dtype_bytes} B a "
-            f"parameter) + image, packages and scratch {DISK_BASE_GB} GB, to the next 10",
-        )
+        host_gb, disk_gb = host.memory_gb, host.disk_gb
+        self.row("host", "memory", f"{host_gb} GB", host.memory_how)
+        self.row("host", "disk", f"{disk_gb} GB", host.disk_how)
         sequences = s.kv_tokens / max_model_len
         reason = (
             f"fits {self.count} x {gpu.name}: vLLM on {s.tp} GPU{'s' if s.tp > 1 else ''} "

@@ -120,6 +120,7 @@ def size_worker(
         max_loras=settings.engine_max_loras,
         context=settings.engine_max_model_len,
         row_tokens=settings.trainer_max_row_tokens,
+        tinker_runs=settings.worker_tinker_max_runs,
     )
     if not plan.fits:
         raise ConfigurationError(f"this worker cannot serve and train {base_model}: {plan.reason}")
