@@ -292,3 +292,10 @@ def test_host_memory_counts_the_tinker_runs_trainers_parked_between_operations()
     # A sharded trainer runs no Tinker runs: none are counted.
     sharded = _plan(QWEN_72B, "H100:8", tinker_runs=2)
     assert sharded.host_memory_gb == _plan(QWEN_72B, "H100:8", tinker_runs=0).host_memory_gb
+
+
+def test_the_rest_of_the_gpu_outside_vllms_share_is_shown() -> None:
+    plan = _plan(QWEN_7B, "L4:1")
+    assert plan.gpu_memory_utilization == 0.92
+    row = {row.item: row for row in plan.rows if row.phase == "serve"}["outside vLLM"]
+    assert row.value == f"{22_478 * 1024**2 * 0.08 / GIB:.2f} GiB"

@@ -10,7 +10,8 @@ Host memory holds, at its peak (a training job running while Tinker runs wait):
 - the processes themselves: vLLM's API server and engine core, the worker and the trainer
   (torch, CUDA libraries, tokenizers), and each further tensor-parallel process.
 
-Disk is the checkpoint plus the image, packages and scratch. Pure arithmetic.
+Disk is the checkpoint plus the image, packages and scratch. A worker without a GPU has no
+plan; ``cpu_worker_host_bytes`` is the host memory it cannot do without. Pure arithmetic.
 """
 
 from __future__ import annotations
@@ -80,3 +81,14 @@ def host_needs(
         f"+ image, packages and scratch {DISK_BASE_GB} GB, to the next 10"
     )
     return HostNeeds(memory_gb, memory_how, disk_gb, disk_how)
+
+
+def cpu_worker_host_bytes(shape: ModelShape, *, lora_rank: int, tinker_runs: int) -> int:
+    """The least host memory a worker without a GPU needs: the built-in engine's copy of the
+    weights (at the checkpoint's dtype), and an fp32 trainer (weights and LoRA states) for a
+    job and for each Tinker run it holds (on a CPU, nothing is parked: each keeps its own).
+    A floor: the processes' own memory comes on top."""
+    trainers = (1 + tinker_runs) * (
+        shape.parameters() * 4 + shape.lora_parameters(rank=lora_rank) * 16
+    )
+    return shape.parameters() * shape.checkpoint_dtype_bytes + trainers

@@ -46,10 +46,12 @@ from skytrain_backend.planning.shapes import SERVE_DTYPE_BYTES, ModelShape, acti
 # The values vLLM's --max-lora-rank accepts.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
-# vLLM's default utilization; less on a GPU too small to leave RESERVED_GIB beside it.
+# The share of each GPU vLLM gets (vLLM's own default is 0.9); less on a GPU too small to
+# leave RESERVED_GIB beside it.
 MAX_GPU_MEMORY_UTILIZATION = 0.92
-# What shares the GPU with vLLM while it serves: the worker's own CUDA context (it imports
-# the trainer) and what its allocator keeps.
+# What must fit in the rest, outside vLLM's share, while it serves: the worker's own CUDA
+# context (it imports the trainer) and what its allocator keeps. vLLM refuses to start
+# unless its share is free, so the worker checks that before starting it (worker.sizing).
 RESERVED_GIB = 1.0
 # Measured by vLLM at start-up beside weights and KV cache (its logs: "non_torch_memory",
 # "PyTorch activation peak memory", CUDA graphs); NCCL adds buffers on more than one GPU.
@@ -326,6 +328,13 @@ class _Planner:
             "vLLM's share",
             _gib(s.budget),
             f"gpu_memory_utilization {self.util} x {_gib(self.gpu.memory_bytes)}",
+        )
+        self.row(
+            "serve",
+            "outside vLLM",
+            _gib(self.gpu.memory_bytes * (1 - self.util)),
+            f"the rest of the GPU: the worker's CUDA context and allocator ({RESERVED_GIB:g} GiB "
+            "planned); it must be free when vLLM starts",
         )
         self.row("serve", "weights", _gib(s.weights), f"parameters{per} x {SERVE_DTYPE_BYTES} B")
         self.row(
