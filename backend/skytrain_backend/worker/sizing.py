@@ -193,15 +193,36 @@ class Machine:
 
 
 def this_machine() -> Machine:
-    """This machine's memory (psutil), and on CUDA each GPU's (``mem_get_info``: the figures
-    vLLM checks at start; it makes this process's CUDA context, which the plan counts)."""
+    """This machine's memory (psutil), and on CUDA each GPU's free and total memory."""
     import psutil
-    import torch
 
     gpus: tuple[tuple[int, int], ...] = ()
-    if torch.cuda.is_available():
-        gpus = tuple(torch.cuda.mem_get_info(index) for index in range(torch.cuda.device_count()))
+    if cuda_gpus() is not None:
+        gpus = _gpu_memory()
     return Machine(host_memory_bytes=psutil.virtual_memory().total, gpus=gpus)
+
+
+# ``mem_get_info`` makes a CUDA context on every GPU it asks about; in a process of its own,
+# the worker keeps none (vLLM checks the same free memory when it starts).
+_GPU_MEMORY = (
+    "import json, torch; print(json.dumps([torch.cuda.mem_get_info(index) "
+    "for index in range(torch.cuda.device_count())]))"
+)
+
+
+def _gpu_memory() -> tuple[tuple[int, int], ...]:
+    """(free, total) bytes of each GPU, as CUDA reports them to a short-lived process."""
+    import json
+    import subprocess
+    import sys
+
+    found = subprocess.run(
+        [sys.executable, "-c", _GPU_MEMORY], capture_output=True, text=True, timeout=120
+    )
+    if found.returncode != 0:
+        logger.warning("cannot read the GPUs' free memory: %s", found.stderr.strip()[-500:])
+        return ()
+    return tuple((int(free), int(total)) for free, total in json.loads(found.stdout))
 
 
 def check_machine(sizing: Sizing, machine: Machine, *, base_model: str) -> None:
