@@ -131,3 +131,34 @@ def test_the_plans_activations_per_token_are_what_autograd_keeps(
         - _planned(dtype_bytes, checkpointing=checkpointing, tokens=SHORT)
     ) / (LONG - SHORT)
     assert planned == pytest.approx(measured, rel=0.10)
+
+
+def test_the_trainers_budget_counts_the_adapters_rank() -> None:
+    """ActivationBudget shares the plan's formula: a row that fits a limit at rank 8 is
+    refused at rank 64, whose LoRA layers keep more, with the sizes in the message."""
+    from skytrain_backend.errors import OutOfMemory
+    from skytrain_backend.trainer.memory import ActivationBudget
+
+    shape = ModelShape.from_config(TINY)
+
+    def budget(rank: int, limit: int) -> ActivationBudget:
+        return ActivationBudget(
+            shape,
+            device=torch.device("cpu"),
+            dtype_bytes=4,
+            gradient_checkpointing=False,
+            limit_bytes=limit,
+            lora_rank=rank,
+        )
+
+    at_8 = activation_bytes(
+        shape,
+        row_tokens=LONG,
+        chunk_size=SHORT,
+        dtype_bytes=4,
+        gradient_checkpointing=False,
+        lora_rank=8,
+    )
+    budget(8, at_8).check(row_tokens=LONG, chunk_size=SHORT)
+    with pytest.raises(OutOfMemory, match=f"a row of {LONG} tokens needs about"):
+        budget(64, at_8).check(row_tokens=LONG, chunk_size=SHORT)
