@@ -8,7 +8,9 @@
 # starts it with the max_model_len `skytrain workers plan Qwen/Qwen2.5-7B-Instruct --gpu L4:1
 # --json` computes, samples, sleeps; the trainer, held to what an L4 has left, takes one step;
 # vLLM wakes and serves the LoRA (test_a_7b_model_..._within_an_l4s_memory; the plan's JSON
-# goes to $OUT/plan-7b-l4.json).
+# goes to $OUT/plan-7b-l4.json). The plan beside vLLM: SmolLM2-135M served with the plan's
+# numbers for this GPU, vLLM's KV-cache tokens and the memory outside its share against the
+# plan's, a ratio per figure ($OUT/plan-vs-vllm.txt; bench/plan_vs_vllm.py).
 #
 # Usage: scripts/gpu-check.sh [extra pytest arguments]
 #   OUT=<dir>                where the report goes (default /tmp/gpu-check)
@@ -85,6 +87,13 @@ echo "==> the memory plan for a 7B on an L4"
 "$VENV/bin/skytrain" workers plan Qwen/Qwen2.5-7B-Instruct --gpu L4:1 --json \
     >"$OUT/plan-7b-l4.json" 2>&1 || echo "no plan (see $OUT/plan-7b-l4.json)"
 cat "$OUT/plan-7b-l4.json"
+
+# The plan's serving figures beside vLLM's own on this GPU (bench/plan_vs_vllm.py): KV-cache
+# tokens and memory, vLLM's memory, the memory outside its share and this process's CUDA
+# context, each with its ratio. Without vLLM it says so and measures nothing.
+echo "==> the memory plan against vLLM on this GPU"
+"$VENV/bin/python" bench/plan_vs_vllm.py --out "$OUT" 2>&1 | tee "$OUT/plan-vs-vllm.txt" ||
+    echo "no comparison (see $OUT/plan-vs-vllm.txt and $OUT/vllm-plan.log)"
 
 echo "==> the GPU tests"
 export SKYTRAIN_TEST_MODEL_CACHE=${SKYTRAIN_TEST_MODEL_CACHE:-$PWD/.cache/models}

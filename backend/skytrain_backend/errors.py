@@ -18,7 +18,8 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
     ├── Unavailable (ConnectionError)           503 (+ Retry-After)
     │   └── DatabaseUnavailable
     ├── ConfigurationError (ValueError)         500; raised at start-up
-    │   └── SchemaOutdated
+    │   ├── SchemaOutdated
+    │   └── MachineTooSmall                     (a worker's host or GPU is short of its plan)
     ├── StorageError (OSError)                  502
     │   └── StoreUnavailable                    503 (+ Retry-After)
     ├── EngineError (RuntimeError)              502
@@ -145,6 +146,12 @@ class ConfigurationError(SkytrainError, ValueError):
 
 class SchemaOutdated(ConfigurationError):
     """The database schema is older than this version of skytrain."""
+
+
+class MachineTooSmall(ConfigurationError):
+    """A worker's host or GPU memory is less than its memory plan needs: it stops at start."""
+
+    type = "machine_too_small"
 
 
 class StorageError(SkytrainError, OSError):

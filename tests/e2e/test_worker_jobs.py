@@ -48,6 +48,7 @@ def _memory_limit_mb(model_path: Path) -> int:
         chunk_size=1024,
         dtype_bytes=4,
         gradient_checkpointing=False,
+        lora_rank=8,  # the models' default rank
     )
     return math.ceil(needed / MIB)
 

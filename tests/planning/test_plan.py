@@ -258,3 +258,44 @@ def test_a_config_is_found_in_a_model_directory_and_not_for_an_unknown_id(
 def test_a_malformed_gpu_spec_is_refused(spec: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_gpu(spec)
+
+
+def test_a_sharded_trainer_counts_the_embeddings_whole_on_every_gpu() -> None:
+    """trainer.distributed keeps the embeddings, lm_head and final norm whole on each rank:
+    4.64 GiB per GPU for Qwen2.5-72B that dividing every weight by the shards left out."""
+    config = _config(QWEN_72B)
+    plan = _plan(QWEN_72B, "H100:8")
+    assert plan.trainer_shards == 8
+    shape = _shape(QWEN_72B)
+    whole = (2 * config["vocab_size"] * config["hidden_size"] + config["hidden_size"]) * 2
+    assert whole / GIB == pytest.approx(4.64, abs=0.01)
+    layers = shape.parameters() * 2 - whole
+    gathered = 2 * layers / config["num_hidden_layers"]
+    per_gpu = layers / 8 + whole + gathered
+    row = {row.item: row for row in plan.rows if row.phase == "train"}["base weights"]
+    assert row.value == f"{per_gpu / GIB:.2f} GiB"
+    assert "output layer and final norm whole on each 4.64 GiB" in row.how
+
+
+def test_host_memory_counts_the_tinker_runs_trainers_parked_between_operations() -> None:
+    """Each parked Tinker run holds its whole trainer in host memory (Trainer.offload): for
+    a 7B on an L4, two runs add about 29 GiB to vLLM's 14 GiB of pinned weights."""
+    shape = _shape(QWEN_7B)
+    trainer = shape.parameters() * 2 + shape.lora_parameters(rank=8) * 16
+    none = _plan(QWEN_7B, "L4:1", lora_rank=8, tinker_runs=0)
+    two = _plan(QWEN_7B, "L4:1", lora_rank=8, tinker_runs=2)
+    assert none.fits and two.fits
+    assert (two.host_memory_gb - none.host_memory_gb) == pytest.approx(2 * trainer / 1e9, abs=1)
+    assert two.host_memory_gb >= 55
+    row = {row.item: row for row in two.rows if row.phase == "host"}["memory"]
+    assert "2 Tinker runs' trainers parked between operations" in row.how
+    # A sharded trainer runs no Tinker runs: none are counted.
+    sharded = _plan(QWEN_72B, "H100:8", tinker_runs=2)
+    assert sharded.host_memory_gb == _plan(QWEN_72B, "H100:8", tinker_runs=0).host_memory_gb
+
+
+def test_the_rest_of_the_gpu_outside_vllms_share_is_shown() -> None:
+    plan = _plan(QWEN_7B, "L4:1")
+    assert plan.gpu_memory_utilization == 0.92
+    row = {row.item: row for row in plan.rows if row.phase == "serve"}["outside vLLM"]
+    assert row.value == f"{22_478 * 1024**2 * 0.08 / GIB:.2f} GiB"

@@ -131,3 +131,33 @@ def test_an_unknown_model_or_gpu_is_an_error_saying_what_to_do() -> None:
     assert "unknown GPU MI300X:1: skytrain knows L4, A10G" in unknown.output
     malformed = runner.invoke(app, ["workers", "plan", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "L4:0"])
     assert malformed.exit_code == 1 and "1 to 16" in malformed.output
+
+
+def test_the_models_rank_is_planned_not_the_largest_a_worker_loads() -> None:
+    """At rank 64 (SKYTRAIN_ENGINE_MAX_LORA_RANK's default) an L4 refuses Llama-3.1-8B and
+    cuts a 7B's training rows to 1,536 tokens; at rank 8, models' default, both train
+    rows of 4,096 tokens and more."""
+    llama = "meta-llama/Llama-3.1-8B-Instruct"
+    assert _plan(llama, "--gpu", "L4:1")["fits"] is False
+    at_8 = _plan(llama, "--gpu", "L4:1", "--lora-rank", "8")
+    assert at_8["fits"] is True, at_8["reason"]
+    assert at_8["max_row_tokens"] >= 4096
+    qwen = _plan("Qwen/Qwen2.5-7B-Instruct", "--gpu", "L4:1", "--lora-rank", "8")
+    assert qwen["max_row_tokens"] >= 4096
+    assert (
+        qwen["max_row_tokens"]
+        > _plan("Qwen/Qwen2.5-7B-Instruct", "--gpu", "L4:1")["max_row_tokens"]
+    )
+    rows = {row["item"]: row["how"] for row in qwen["rows"]}
+    assert "x rank 8 (--max-lora-rank)" in rows["LoRA slots"]
+    assert "(rank 8)" in rows["LoRA states"]
+
+
+def test_a_rank_above_what_workers_load_is_refused() -> None:
+    result = CliRunner().invoke(
+        app, ["workers", "plan", "Qwen/Qwen2.5-7B-Instruct", "--lora-rank", "128"]
+    )
+    assert result.exit_code == 2
+    # Click's error box wraps the message: read it as one line.
+    message = " ".join(result.output.replace("│", " ").split())
+    assert "128 is above SKYTRAIN_ENGINE_MAX_LORA_RANK (64), the largest rank a worker" in message

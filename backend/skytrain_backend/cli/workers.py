@@ -153,6 +153,18 @@ def workers_retry(
     )
 
 
+def _loadable_lora_rank(value: int | None) -> int | None:
+    from skytrain_backend.config import get_settings
+
+    largest = get_settings().engine_max_lora_rank
+    if value is not None and value > largest:
+        raise typer.BadParameter(
+            f"{value} is above SKYTRAIN_ENGINE_MAX_LORA_RANK ({largest}), the largest rank a "
+            "worker loads: models of that rank are refused at creation"
+        )
+    return value
+
+
 @workers_app.command("plan")
 def workers_plan(
     base_model: str = typer.Argument(
@@ -180,7 +192,11 @@ def workers_plan(
         None,
         min=1,
         max=512,
-        help="Largest LoRA rank served and trained. [default: SKYTRAIN_ENGINE_MAX_LORA_RANK]",
+        callback=_loadable_lora_rank,
+        help="The models' LoRA rank: vLLM's slots and the trainer's LoRA states and "
+        "activations are planned at it (models are created at rank 8 unless they say "
+        "otherwise); at most SKYTRAIN_ENGINE_MAX_LORA_RANK, the largest a worker loads. "
+        "[default: SKYTRAIN_ENGINE_MAX_LORA_RANK]",
     ),
     max_loras: int | None = typer.Option(
         None,
@@ -247,6 +263,7 @@ def workers_plan(
             max_loras=max_loras or settings.engine_max_loras,
             context=context or settings.engine_max_model_len,
             row_tokens=row_tokens or settings.trainer_max_row_tokens,
+            tinker_runs=settings.worker_tinker_max_runs,
         )
         for spec in specs
         if spec.gpu is not None

@@ -10,6 +10,7 @@ no torch, no transformers (the control plane imports it).
 - ``shapes``: a model's sizes from its config, parameter and KV-cache counts, and the
   trainer's activation estimate (``trainer.memory`` uses it);
 - ``plan``: ``plan_worker``, the plan for one model on ``GPU:N``;
+- ``host``: the host memory and disk a worker needs beside its GPUs;
 - ``choice``: ``choose_gpu``, the cheapest of the configured GPUs that fits;
 - ``configs``: a model's ``config.json`` from this machine's copies.
 """

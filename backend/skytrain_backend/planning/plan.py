@@ -26,8 +26,8 @@ what the phases leave free:
   states, and the activations of its own rows (``trainer.distributed``), over all the
   node's GPUs.
 
-Host memory is the pinned copy of vLLM's weights during training plus the processes'
-own; disk is the checkpoint plus the image, packages and scratch. Every figure is a row of
+Host memory and disk are ``host``'s: vLLM's pinned weights during training, the Tinker runs'
+trainers parked between operations, the processes' own; the checkpoint and the image. Every figure is a row of
 ``rows`` an operator can check by hand. Pure arithmetic: no torch, no files.
 """
 
@@ -40,15 +40,18 @@ from typing import Any
 
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.planning.gpus import GIB, GpuType
+from skytrain_backend.planning.host import host_needs
 from skytrain_backend.planning.shapes import SERVE_DTYPE_BYTES, ModelShape, activation_bytes
 
 # The values vLLM's --max-lora-rank accepts.
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
-# vLLM's default utilization; less on a GPU too small to leave RESERVED_GIB beside it.
+# The share of each GPU vLLM gets (vLLM's own default is 0.9); less on a GPU too small to
+# leave RESERVED_GIB beside it.
 MAX_GPU_MEMORY_UTILIZATION = 0.92
-# What shares the GPU with vLLM while it serves: the worker's own CUDA context (it imports
-# the trainer) and what its allocator keeps.
+# What must fit in the rest, outside vLLM's share, while it serves: the worker's own CUDA
+# context (it imports the trainer) and what its allocator keeps. vLLM refuses to start
+# unless its share is free, so the worker checks that before starting it (worker.sizing).
 RESERVED_GIB = 1.0
 # Measured by vLLM at start-up beside weights and KV cache (its logs: "non_torch_memory",
 # "PyTorch activation peak memory", CUDA graphs); NCCL adds buffers on more than one GPU.
@@ -72,13 +75,6 @@ ROW_STEP = 256
 MIN_ROW_TOKENS = 1024
 LOGPROB_CHUNK_SIZE = 1024
 SLEEP_LEVEL = 1
-# Host memory beside the pinned weights: vLLM's API server and engine core, the worker and
-# the trainer (torch, CUDA libraries, tokenizers), and each further tensor-parallel process.
-HOST_BASE_GIB = 10.0
-HOST_PER_GPU_PROCESS_GIB = 2.0
-# Disk beside the checkpoint: the vLLM image unpacked, packages, adapters, logs.
-DISK_BASE_GB = 60
-GB = 1000**3
 
 
 def lora_rank_slot(rank: int) -> int:
@@ -222,13 +218,16 @@ def plan_worker(
     context: int | None = None,
     row_tokens: int | None = None,
     lora_modules: tuple[str, ...] | None = None,
+    tinker_runs: int = 2,
 ) -> WorkerPlan:
     """The plan for ``model`` (of ``shape``) on ``gpu_count`` GPUs of type ``gpu``.
 
     ``lora_rank`` is the largest rank served and trained, ``max_loras`` the adapters vLLM
     holds at once; ``context`` the wanted ``max_model_len`` (default: the model's own, at
     most ``DEFAULT_CONTEXT``); ``row_tokens`` the longest training row wanted (default: the
-    context); ``lora_modules`` the layers trained adapters target (default: all).
+    context); ``lora_modules`` the layers trained adapters target (default: all);
+    ``tinker_runs`` the Tinker runs whose trainers wait in host memory at once
+    (``SKYTRAIN_WORKER_TINKER_MAX_RUNS``).
     """
     return _Planner(
         shape,
@@ -240,6 +239,7 @@ def plan_worker(
         context=context,
         row_tokens=row_tokens,
         lora_modules=lora_modules,
+        tinker_runs=tinker_runs,
     ).plan()
 
 
@@ -256,8 +256,10 @@ class _Planner:
         context: int | None,
         row_tokens: int | None,
         lora_modules: tuple[str, ...] | None,
+        tinker_runs: int,
     ) -> None:
         self.shape, self.gpu, self.model, self.count = shape, gpu, model, gpu_count
+        self.tinker_runs = tinker_runs
         self.rank_slot = lora_rank_slot(lora_rank)
         self.lora_rank, self.max_loras = lora_rank, max_loras
         self.context, self.row_tokens, self.lora_modules = context, row_tokens, lora_modules
@@ -327,6 +329,13 @@ class _Planner:
             _gib(s.budget),
             f"gpu_memory_utilization {self.util} x {_gib(self.gpu.memory_bytes)}",
         )
+        self.row(
+            "serve",
+            "outside vLLM",
+            _gib(self.gpu.memory_bytes * (1 - self.util)),
+            f"the rest of the GPU: the worker's CUDA context and allocator ({RESERVED_GIB:g} GiB "
+            "planned); it must be free when vLLM starts",
+        )
         self.row("serve", "weights", _gib(s.weights), f"parameters{per} x {SERVE_DTYPE_BYTES} B")
         self.row(
             "serve",
@@ -393,17 +402,19 @@ class _Planner:
         asleep = (NON_TORCH_GIB + (NCCL_GIB if s.tp > 1 else 0) + CUDA_GRAPHS_GIB) * GIB
         free_per_gpu = gpu.memory_bytes * (1 - ALLOCATOR_SLACK) - asleep - TRAINER_CONTEXT_GIB * GIB
         weights = shape.parameters() * 2
+        # FSDP shards the decoder layers only: the rest stays whole on every rank.
+        whole = shape.unsharded_parameters() * 2
         lora_params = shape.lora_parameters(rank=self.lora_rank, modules=self.lora_modules)
         lora = lora_params * LORA_TRAINING_BYTES_PER_PARAMETER
         wanted_row = self.row_tokens or max_model_len
 
-        layer = weights / max(shape.num_layers, 1)
+        layer = (weights - whole) / max(shape.num_layers, 1)
 
         def longest_on(gpus: int) -> tuple[int | None, bool, float]:
             """The longest row on each of ``gpus`` shards, whether it needs checkpointing,
             the room per GPU."""
-            gathered = 2 * layer if gpus > 1 else 0.0
-            room = free_per_gpu - weights / gpus - gathered - lora
+            held = weights if gpus == 1 else (weights - whole) / gpus + whole + 2 * layer
+            room = free_per_gpu - held - lora
 
             def fits(tokens: int, checkpointing: bool) -> bool:
                 needed = activation_bytes(
@@ -412,6 +423,8 @@ class _Planner:
                     chunk_size=LOGPROB_CHUNK_SIZE,
                     dtype_bytes=2,
                     gradient_checkpointing=checkpointing,
+                    lora_rank=self.lora_rank,
+                    lora_modules=self.lora_modules,
                 )
                 return needed <= room
 
@@ -440,9 +453,10 @@ class _Planner:
             self.row(
                 "train",
                 "base weights",
-                _gib(weights / trainer_gpus + 2 * layer),
-                f"parameters x 2 B (bf16) = {_gib(weights)}, over {trainer_gpus} shards (FSDP2), "
-                f"+ 2 layers gathered at a time {_gib(2 * layer)}",
+                _gib((weights - whole) / trainer_gpus + whole + 2 * layer),
+                f"decoder layers x 2 B (bf16) = {_gib(weights - whole)} over {trainer_gpus} "
+                f"shards (FSDP2), + embeddings, output layer and final norm whole on each "
+                f"{_gib(whole)}, + 2 layers gathered at a time {_gib(2 * layer)}",
             )
         else:
             self.row("train", "base weights", _gib(weights), "parameters x 2 B (bf16)")
@@ -467,6 +481,8 @@ class _Planner:
                 chunk_size=LOGPROB_CHUNK_SIZE,
                 dtype_bytes=2,
                 gradient_checkpointing=True,
+                lora_rank=self.lora_rank,
+                lora_modules=self.lora_modules,
             )
             return self.refuse(
                 s,
@@ -486,34 +502,17 @@ class _Planner:
             "activations (shapes.activation_bytes) fit the room"
             + (" with gradient checkpointing" if checkpointing else " without checkpointing"),
         )
-        pinned = (s.weights + s.lora) * s.tp
-        # A sharded trainer's rank 0 reads the whole base into host memory before FSDP
-        # spreads it (trainer.distributed), while vLLM's weights wait there.
-        loading = weights if trainer_gpus > 1 else 0
-        host_gib = pinned + loading + (HOST_BASE_GIB + HOST_PER_GPU_PROCESS_GIB * s.tp) * GIB
-        host_gb = math.ceil(host_gib / GB)
-        self.row(
-            "host",
-            "memory",
-            f"{host_gb} GB",
-            f"vLLM's weights and LoRA slots pinned while asleep {_gib(pinned)} + processes "
-            f"{HOST_BASE_GIB:g} GiB + {HOST_PER_GPU_PROCESS_GIB:g} GiB per vLLM GPU"
-            + (
-                f" + the base as the first of {trainer_gpus} trainer processes loads it "
-                f"{_gib(loading)}"
-                if loading
-                else ""
-            ),
+        host = host_needs(
+            shape,
+            pinned_bytes=(s.weights + s.lora) * s.tp,
+            vllm_gpus=s.tp,
+            trainer_shards=trainer_gpus,
+            trainer_bytes=weights + lora,
+            parked_trainers=self.tinker_runs,
         )
-        checkpoint = shape.parameters() * shape.checkpoint_dtype_bytes
-        disk_gb = math.ceil((checkpoint / GB + DISK_BASE_GB) / 10) * 10
-        self.row(
-            "host",
-            "disk",
-            f"{disk_gb} GB",
-            f"checkpoint {checkpoint / GB:.1f} GB ({shape.checkpoint_dtype_bytes} B a "
-            f"parameter) + image, packages and scratch {DISK_BASE_GB} GB, to the next 10",
-        )
+        host_gb, disk_gb = host.memory_gb, host.disk_gb
+        self.row("host", "memory", f"{host_gb} GB", host.memory_how)
+        self.row("host", "disk", f"{disk_gb} GB", host.disk_how)
         sequences = s.kv_tokens / max_model_len
         reason = (
             f"fits {self.count} x {gpu.name}: vLLM on {s.tp} GPU{'s' if s.tp > 1 else ''} "

@@ -182,6 +182,12 @@ class ModelShape:
             + (self.hidden_size)
         )
 
+    def unsharded_parameters(self) -> int:
+        """The weights a sharded trainer keeps whole on every rank (``trainer.distributed``):
+        the embeddings, the output layer unless tied, and the final norm."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tied_embeddings else 2)
+        return embeddings + self.hidden_size
+
     def lora_parameters(self, *, rank: int, modules: tuple[str, ...] | None = None) -> int:
         """Parameters of a LoRA adapter of ``rank`` on ``modules`` (default: every linear layer
         of the decoder, as vLLM's LoRA slots hold), over all layers."""
@@ -245,6 +251,62 @@ class ModelShape:
         )
 
 
+# peft keeps LoRA weights in fp32 (``autocast_adapter_dtype``) and casts each input to them.
+ADAPTER_DTYPE_BYTES = 4
+FP32_BYTES = 4
+
+
+def _lora_saved_bytes_per_token(
+    shape: ModelShape, *, dtype_bytes: int, lora_rank: int, lora_modules: tuple[str, ...] | None
+) -> int:
+    """What peft's LoRA layers of one decoder layer keep for the backward pass, per token.
+
+    Each targeted layer runs ``lora_B(lora_A(x.to(fp32)))``: autograd keeps the fp32 input
+    (for A's gradient) and A's output (for B's). When the model is not fp32 every targeted
+    layer makes its own copy of its input (q, k and v three of the same one); in an fp32
+    model the cast is a no-op, so they share the input the layer got: the norm's output once
+    for q/k/v and once for gate/up, down's input, and o's input is the attention output
+    already counted.
+    """
+    fan_ins = {name: fan_in for name, (fan_in, _) in shape.linear_shapes().items()}
+    if shape.num_experts:
+        fan_ins |= {name: shape.hidden_size for name in ("gate_proj", "up_proj")}
+        fan_ins["down_proj"] = shape.mlp_width
+    targeted = [name for name in fan_ins if lora_modules is None or name in lora_modules]
+    if dtype_bytes != ADAPTER_DTYPE_BYTES:
+        inputs = sum(fan_ins[name] for name in targeted)
+    else:
+        shared = ({"q_proj", "k_proj", "v_proj"}, {"gate_proj", "up_proj"}, {"down_proj"})
+        inputs = sum(
+            fan_ins[min(group & set(targeted))] for group in shared if group & set(targeted)
+        )
+    return ADAPTER_DTYPE_BYTES * (inputs + lora_rank * len(targeted))
+
+
+def layer_activation_bytes_per_token(
+    shape: ModelShape,
+    *,
+    dtype_bytes: int,
+    lora_rank: int,
+    lora_modules: tuple[str, ...] | None = None,
+) -> int:
+    """What autograd keeps of one decoder layer for one token (see ``activation_bytes``)."""
+    h = shape.hidden_size
+    # RMSNorm upcasts its input to fp32 and keeps it with its 1/rms; the weight's product is
+    # not kept (the weight is frozen).
+    norms = 2 * (FP32_BYTES * h + FP32_BYTES)
+    # SDPA keeps the rotated q and k, v, its output and the softmax's log-sum-exp per head.
+    attention = dtype_bytes * (2 * shape.q_size + 2 * shape.kv_size) + (
+        FP32_BYTES * shape.num_attention_heads
+    )
+    # SwiGLU: gate's and up's outputs and the activated gate.
+    mlp = 3 * dtype_bytes * shape.mlp_width
+    lora = _lora_saved_bytes_per_token(
+        shape, dtype_bytes=dtype_bytes, lora_rank=lora_rank, lora_modules=lora_modules
+    )
+    return norms + attention + mlp + lora
+
+
 def activation_bytes(
     shape: ModelShape,
     *,
@@ -252,32 +314,38 @@ def activation_bytes(
     chunk_size: int,
     dtype_bytes: int,
     gradient_checkpointing: bool,
+    lora_rank: int,
+    lora_modules: tuple[str, ...] | None = None,
     packed: bool = True,
 ) -> int:
     """Bytes a training forward and backward pass over one row of ``row_tokens`` keeps alive.
 
-    Per layer and token, what autograd keeps for the backward pass:
+    Per layer and token, what autograd keeps for the backward pass (measured with
+    ``saved_tensors_hooks`` on a tiny model: ``tests/trainer/test_activation_plan.py``):
 
-    - each of the two RMSNorms: its input, the fp32 copy it normalizes (transformers upcasts)
-      and its output;
-    - attention: q, k and v, the rotated q and k, and the attention output (o_proj's input);
-      SDPA on CUDA never materializes the score matrix;
-    - the SwiGLU MLP: gate and up, the activated gate, and their product (down's input).
+    - each of the two RMSNorms: the fp32 copy it normalizes (transformers upcasts) and 1/rms;
+    - attention: the rotated q and k, v, the attention output (o_proj's input) and the
+      softmax's log-sum-exp; SDPA never materializes the score matrix;
+    - the SwiGLU MLP: gate and up, and the activated gate;
+    - peft's LoRA layers (``lora_rank``, on ``lora_modules``, default all): each one's input
+      cast to fp32 and its A's output (``_lora_saved_bytes_per_token``).
 
     With gradient checkpointing, every layer's input plus one layer's worth (the one being
-    recomputed); without, every layer's worth. Then the output layer's fp32 logits, their
-    log-softmax and its gradient for one chunk of ``chunk_size`` tokens, and for a packed row
-    (``packed``) its ``L x L`` attention mask, as a bool and as the additive bias SDPA makes.
+    recomputed); without, every layer's worth and the final norm's. Beside the layers: the
+    rotary tables, then the output layer's fp32 logits, their log-softmax and its gradient
+    for one chunk of ``chunk_size`` tokens, and for a packed row (``packed``) its ``L x L``
+    attention mask, as a bool and as the additive bias SDPA makes.
     """
     h = shape.hidden_size
-    norms = 2 * row_tokens * h * (2 * dtype_bytes + 4)
-    attention = row_tokens * dtype_bytes * (3 * shape.q_size + 3 * shape.kv_size)
-    mlp = row_tokens * dtype_bytes * 4 * shape.mlp_width
-    per_layer = norms + attention + mlp
+    per_layer = row_tokens * layer_activation_bytes_per_token(
+        shape, dtype_bytes=dtype_bytes, lora_rank=lora_rank, lora_modules=lora_modules
+    )
+    rotary = row_tokens * 2 * shape.head_dim * dtype_bytes
     if gradient_checkpointing:
+        # The final norm's tensors are gone before the first layer is recomputed.
         layers = per_layer + shape.num_layers * row_tokens * h * dtype_bytes
     else:
-        layers = shape.num_layers * per_layer
+        layers = shape.num_layers * per_layer + row_tokens * (FP32_BYTES * h + FP32_BYTES)
     logits = 3 * min(row_tokens, chunk_size) * shape.vocab_size * 4
     mask = row_tokens * row_tokens * (1 + dtype_bytes) if packed else 0
-    return layers + logits + mask
+    return layers + rotary + logits + mask

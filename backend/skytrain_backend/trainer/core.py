@@ -153,6 +153,8 @@ class TrainerCore:
             dtype_bytes=2 if torch_device.type == "cuda" else 4,
             gradient_checkpointing=bool(model_config.gradient_checkpointing),
             limit_bytes=activation_memory_limit_bytes,
+            lora_rank=model_config.lora_rank,
+            lora_modules=tuple(model_config.lora_target_modules),
         )
         trainer._record("loaded", device=str(torch_device), step=trainer.step)
         return trainer

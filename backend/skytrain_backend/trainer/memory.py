@@ -12,9 +12,10 @@ clean failure instead of a dead worker:
 
 The estimate is the memory plan's (``planning.shapes.activation_bytes``: one formula for the
 plan and the trainer): the tensors kept for the backward pass per layer (norms with their
-fp32 upcasts, attention projections, the SwiGLU intermediates), one layer's worth plus each
-layer's input with gradient checkpointing, every layer's without; the output layer's fp32
-logits for one chunk of tokens; and a packed row's attention mask.
+fp32 upcasts, attention's q, k, v and output, the SwiGLU intermediates, and peft's fp32 copy
+of each LoRA layer's input with its A's output, at the adapter's own rank), one layer's worth
+plus each layer's input with gradient checkpointing, every layer's without; the output
+layer's fp32 logits for one chunk of tokens; and a packed row's attention mask.
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ class ActivationBudget:
         dtype_bytes: int,
         gradient_checkpointing: bool,
         limit_bytes: int | None,
+        lora_rank: int,
+        lora_modules: tuple[str, ...] | None = None,
         devices: tuple[torch.device, ...] = (),
     ) -> None:
         self.shape = shape
+        self.lora_rank, self.lora_modules = lora_rank, lora_modules
         self.device = device
         # Every GPU the model is spread over (device_map "auto"); default: ``device`` alone.
         self.devices = devices or (device,)
@@ -87,6 +91,8 @@ class ActivationBudget:
             chunk_size=chunk_size,
             dtype_bytes=self.dtype_bytes,
             gradient_checkpointing=self.gradient_checkpointing,
+            lora_rank=self.lora_rank,
+            lora_modules=self.lora_modules,
             packed=packed,
         )
         if needed > limit:

@@ -187,10 +187,12 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     from skytrain_backend.engine.launcher import EngineProcess
     from skytrain_backend.engine.options import EngineOptions
     from skytrain_backend.planning import lora_rank_slot
-    from skytrain_backend.worker.sizing import size_this_worker
+    from skytrain_backend.worker.sizing import check_machine, size_this_worker, this_machine
 
     # The memory plan fills in what the worker was not told (on CUDA; worker.sizing).
     sizing = await asyncio.to_thread(size_this_worker, settings, base_model=config.base_model)
+    # Before anything loads: a host or GPU short of what the plan needs stops the worker now.
+    check_machine(sizing, await asyncio.to_thread(this_machine), base_model=config.base_model)
     # The engine listens on loopback with a secret of its own: only this worker reaches it.
     engine_key = secrets.token_urlsafe(32)
     options = EngineOptions.from_settings(

@@ -7,24 +7,35 @@ plan itself, for the GPUs it finds, and fills in whatever it was not told; a set
 is given always wins. A plan that says the model does not fit stops the worker before vLLM
 starts, with the plan's reason; a config it cannot read or count leaves vLLM and the trainer
 to their own defaults.
+
+Before it loads anything, the worker checks the machine it got against what it needs
+(``check_machine``): its host memory (psutil) against the plan's, or, without a GPU, against
+the copies of the weights it will hold (``planning.host.cpu_worker_host_bytes``); and on CUDA
+each GPU vLLM uses must have vLLM's share free (``torch.cuda.mem_get_info``), which vLLM
+itself refuses to start without. A machine short of either stops the worker with
+``MachineTooSmall``, naming both figures.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from skytrain_backend.config import Settings
-from skytrain_backend.errors import ConfigurationError
+from skytrain_backend.errors import ConfigurationError, MachineTooSmall
 from skytrain_backend.planning import (
     GpuType,
     ModelShape,
     UnplannableModel,
     WorkerPlan,
+    find_model_config,
     gpu_from_device,
     plan_worker,
 )
+from skytrain_backend.planning.gpus import GIB
+from skytrain_backend.planning.host import GB, cpu_worker_host_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +51,8 @@ class Sizing:
     plan: WorkerPlan | None = None
     # Trainer processes: more than 1 runs jobs under torchrun (``worker.sharded``).
     trainer_shards: int = 1
+    # The host memory the worker needs (None: unknown, not checked).
+    host_memory_bytes: int | None = None
 
 
 def _told(settings: Settings) -> dict[str, Any]:
@@ -68,6 +81,7 @@ def _planned(plan: WorkerPlan) -> dict[str, Any]:
 
 
 def _sizing(values: dict[str, Any], plan: WorkerPlan | None = None) -> Sizing:
+    host = plan.host_memory_gb if plan is not None else None
     return Sizing(
         engine={
             key: values[key]
@@ -82,6 +96,7 @@ def _sizing(values: dict[str, Any], plan: WorkerPlan | None = None) -> Sizing:
         },
         plan=plan,
         trainer_shards=values["shards"] or 1,
+        host_memory_bytes=host * GB if host is not None else None,
     )
 
 
@@ -99,7 +114,7 @@ def size_worker(
     ConfigurationError when the plan says the model does not fit.
     """
     told = _told(settings)
-    if gpu is None or None not in told.values():
+    if gpu is None:
         return _sizing(told)
     if config is None:
         logger.warning("no config.json for %s: vLLM and the trainer use their defaults", base_model)
@@ -120,7 +135,11 @@ def size_worker(
         max_loras=settings.engine_max_loras,
         context=settings.engine_max_model_len,
         row_tokens=settings.trainer_max_row_tokens,
+        tinker_runs=settings.worker_tinker_max_runs,
     )
+    if None not in told.values():
+        # Told everything: the plan only sizes the machine check (when it has figures).
+        return _sizing(told, plan if plan.fits else None)
     if not plan.fits:
         raise ConfigurationError(f"this worker cannot serve and train {base_model}: {plan.reason}")
     logger.info("memory plan: %s", plan.reason)
@@ -131,13 +150,11 @@ def size_worker(
 
 
 def size_this_worker(settings: Settings, *, base_model: str) -> Sizing:
-    """``size_worker`` for the GPUs this machine has (none without CUDA), reading the base
-    model's config only when a setting is left to the plan."""
-    if None not in _told(settings).values():
-        return _sizing(_told(settings))
+    """``size_worker`` for the GPUs this machine has; without CUDA, the settings and the host
+    memory the weights need (when this machine has the base model's config.json)."""
     found = cuda_gpus()
     if found is None:
-        return _sizing(_told(settings))
+        return _without_gpu(settings, base_model=base_model)
     from skytrain_backend import hub
 
     gpu, count = found
@@ -148,6 +165,91 @@ def size_this_worker(settings: Settings, *, base_model: str) -> Sizing:
         gpu=gpu,
         gpu_count=count,
     )
+
+
+def _without_gpu(settings: Settings, *, base_model: str) -> Sizing:
+    sizing = _sizing(_told(settings))
+    config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+    try:
+        shape = ModelShape.from_config(config) if config is not None else None
+    except UnplannableModel:
+        shape = None
+    if shape is None:
+        return sizing
+    needed = cpu_worker_host_bytes(
+        shape,
+        lora_rank=settings.engine_max_lora_rank,
+        tinker_runs=settings.worker_tinker_max_runs,
+    )
+    return dataclasses.replace(sizing, host_memory_bytes=needed)
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What the worker found: the host's memory, and each GPU's free and total memory."""
+
+    host_memory_bytes: int
+    gpus: tuple[tuple[int, int], ...] = ()
+
+
+def this_machine() -> Machine:
+    """This machine's memory (psutil), and on CUDA each GPU's free and total memory."""
+    import psutil
+
+    gpus: tuple[tuple[int, int], ...] = ()
+    if cuda_gpus() is not None:
+        gpus = _gpu_memory()
+    return Machine(host_memory_bytes=psutil.virtual_memory().total, gpus=gpus)
+
+
+# ``mem_get_info`` makes a CUDA context on every GPU it asks about; in a process of its own,
+# the worker keeps none (vLLM checks the same free memory when it starts).
+_GPU_MEMORY = (
+    "import json, torch; print(json.dumps([torch.cuda.mem_get_info(index) "
+    "for index in range(torch.cuda.device_count())]))"
+)
+
+
+def _gpu_memory() -> tuple[tuple[int, int], ...]:
+    """(free, total) bytes of each GPU, as CUDA reports them to a short-lived process."""
+    import json
+    import subprocess
+    import sys
+
+    found = subprocess.run(
+        [sys.executable, "-c", _GPU_MEMORY], capture_output=True, text=True, timeout=120
+    )
+    if found.returncode != 0:
+        logger.warning("cannot read the GPUs' free memory: %s", found.stderr.strip()[-500:])
+        return ()
+    return tuple((int(free), int(total)) for free, total in json.loads(found.stdout))
+
+
+def check_machine(sizing: Sizing, machine: Machine, *, base_model: str) -> None:
+    """MachineTooSmall when the host or a GPU vLLM uses has less memory than needed."""
+    needed = sizing.host_memory_bytes
+    if needed is not None and machine.host_memory_bytes < needed:
+        how = f"its memory plan ({sizing.plan.gpu})" if sizing.plan else "the copies of its weights"
+        raise MachineTooSmall(
+            f"this worker cannot serve and train {base_model}: the host has "
+            f"{machine.host_memory_bytes / GIB:.1f} GiB of memory and {how} needs "
+            f"{needed / GIB:.1f} GiB: use a machine with more memory, or fewer Tinker runs "
+            "at once (SKYTRAIN_WORKER_TINKER_MAX_RUNS)"
+        )
+    share = sizing.engine.get("gpu_memory_utilization")
+    if share is None or not machine.gpus:
+        return
+    for index, (free, total) in enumerate(
+        machine.gpus[: sizing.engine["tensor_parallel_size"] or 1]
+    ):
+        if free < share * total:
+            raise MachineTooSmall(
+                f"this worker cannot start vLLM for {base_model}: GPU {index} has "
+                f"{free / GIB:.2f} GiB free of {total / GIB:.2f} GiB, and vLLM's share "
+                f"(gpu_memory_utilization {share}) is {share * total / GIB:.2f} GiB: another "
+                "process holds GPU memory (nvidia-smi shows which), or lower "
+                "SKYTRAIN_ENGINE_GPU_MEMORY_UTILIZATION"
+            )
 
 
 def cuda_gpus() -> tuple[GpuType, int] | None:

@@ -1,0 +1,110 @@
+"""A worker checks the machine it got before loading anything (worker.sizing.check_machine):
+its host memory against what it needs, and on CUDA each GPU's free memory against vLLM's
+share. The start path is the real one (`skytrain worker`, psutil's figures); the GPU cases
+state a machine's figures as a ``Machine`` value (no CUDA here)."""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from skytrain_backend.cli import app
+from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.errors import MachineTooSmall
+from skytrain_backend.planning import find_model_config, parse_gpu
+from skytrain_backend.worker.sizing import Machine, check_machine, size_worker
+
+MODELS = Path(__file__).resolve().parents[1] / "planning" / "models"
+QWEN_7B = "Qwen/Qwen2.5-7B-Instruct"
+GIB = 1024**3
+
+
+@pytest.fixture
+def settings_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    monkeypatch.setenv("SKYTRAIN_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SKYTRAIN_ENGINE", "hf")
+    get_settings.cache_clear()
+    yield tmp_path / "home"
+    get_settings.cache_clear()
+
+
+def test_a_worker_on_a_host_smaller_than_its_model_stops_before_loading_anything(
+    settings_home: Path, tmp_path: Path
+) -> None:
+    """Qwen2.5-72B's config.json alone (no weights): the weights a CPU worker would hold are
+    far more than this host's memory, so `skytrain worker` stops at start, saying both
+    figures, before it contacts the control plane or starts an engine."""
+    model = tmp_path / "qwen-72b"
+    model.mkdir()
+    shutil.copy(MODELS / "Qwen--Qwen2.5-72B-Instruct" / "config.json", model / "config.json")
+    result = CliRunner().invoke(
+        app,
+        [
+            "worker",
+            "--control-plane",
+            "http://127.0.0.1:9",  # never reached: the check comes first
+            "--token",
+            "join-token",
+            "--base-model",
+            str(model),
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    assert f"error: this worker cannot serve and train {model}: the host has " in result.output
+    assert "GiB of memory and the copies of its weights needs " in result.output
+    assert "control plane" not in result.output
+    worker_dirs = settings_home / "worker"
+    assert not worker_dirs.exists() or not list(worker_dirs.rglob("engine.log"))
+
+
+def _sizing_7b_on_l4(tmp_path: Path, **settings: Any) -> Any:
+    config = find_model_config(QWEN_7B, cache_dir=MODELS)
+    sizing = size_worker(
+        Settings(home=tmp_path, **settings),
+        base_model=QWEN_7B,
+        config=config,
+        gpu=parse_gpu("L4").gpu,
+    )
+    assert sizing.plan is not None and sizing.host_memory_bytes is not None
+    return sizing
+
+
+def test_a_host_below_the_plans_memory_stops_the_worker(tmp_path: Path) -> None:
+    """A 7B on an L4 with two Tinker runs is planned at 60 GB of host memory: a 32 GiB host
+    is refused; told every setting, the worker still plans for the check."""
+    for sizing in (
+        _sizing_7b_on_l4(tmp_path),
+        _sizing_7b_on_l4(
+            tmp_path,
+            engine_max_model_len=8192,
+            engine_gpu_memory_utilization=0.9,
+            engine_tensor_parallel_size=1,
+            trainer_gradient_checkpointing=True,
+            trainer_max_row_tokens=4096,
+            trainer_device_map="cuda:0",
+            trainer_shards=1,
+        ),
+    ):
+        l4 = (int(21.5 * GIB), 22_478 * 1024**2)
+        with pytest.raises(MachineTooSmall) as raised:
+            check_machine(sizing, Machine(32 * GIB, (l4,)), base_model=QWEN_7B)
+        assert "the host has 32.0 GiB of memory and its memory plan (L4:1) needs " in str(
+            raised.value
+        )
+        check_machine(sizing, Machine(64 * GIB, (l4,)), base_model=QWEN_7B)
+
+
+def test_a_gpu_without_vllms_share_free_stops_the_worker(tmp_path: Path) -> None:
+    sizing = _sizing_7b_on_l4(tmp_path)
+    total = 22_478 * 1024**2
+    busy = (int(total * 0.8), total)  # another process holds a fifth of it
+    with pytest.raises(MachineTooSmall) as raised:
+        check_machine(sizing, Machine(64 * GIB, (busy,)), base_model=QWEN_7B)
+    message = str(raised.value)
+    assert f"GPU 0 has {busy[0] / GIB:.2f} GiB free of {total / GIB:.2f} GiB" in message
+    assert "gpu_memory_utilization 0.92" in message and "nvidia-smi" in message
