@@ -49,7 +49,7 @@ def start_control_plane(
     and ``accelerators``, reading the Hub at ``hub``."""
     stops: list[Callable[[], None]] = []
 
-    def start(*, accelerators: str, hub: str, hub_timeout_s: float = 30.0) -> Plane:
+    def start(*, accelerators: str, hub: str, hub_timeout_s: float = 30.0, **more: object) -> Plane:
         sock = socket.socket()
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -66,6 +66,7 @@ def start_control_plane(
             host="127.0.0.1",
             port=port,
             public_url="https://skytrain.example.com",
+            **more,
         )
         engine = create_db_engine(settings.resolved_database_url)
         with session_factory(engine)() as session:
@@ -195,3 +196,16 @@ def test_a_gated_base_model_without_a_token_says_so_and_launches_nothing(
     assert f"base model {LLAMA_8B} is gated" in serving["message"]
     assert "HF_TOKEN" in serving["message"]
     assert plane.fake.launches == []
+
+
+def test_a_gated_base_model_is_planned_with_the_operators_token(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(
+        accelerators="A100-80GB:1", hub=loopback_hub.url, hf_token="hf_llama_token"
+    )
+    response = _create(plane, "gated", LLAMA_8B)
+    assert response.status_code == 201, response.text
+    (launch,) = _wait_for(lambda: list(plane.fake.launches))
+    assert [r.accelerators for r in launch.task.resources] == [{"A100-80GB": 1}]
+    assert "SKYTRAIN_ENGINE_MAX_MODEL_LEN" in launch.task.envs  # planned, not left to it
