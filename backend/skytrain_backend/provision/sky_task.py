@@ -122,7 +122,8 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
     out of ``sky status`` and its dashboard.
 
     Resources come from the memory plan (``planning``) when the base model's config is known
-    (the launch's, which the control plane read from the Hub, or this machine's): the cheapest configured accelerator it fits, exactly, with the host memory
+    (the launch's, which the control plane read from the Hub, or this machine's): the
+    cheapest configured accelerator it fits, exactly, with the host memory
     (``memory: N+``) and disk it needs, and the plan's numbers for the worker as envs
     (``SKYTRAIN_ENGINE_MAX_MODEL_LEN``...); a base model that fits none raises FitsNoGpu.
     Otherwise every configured accelerator is offered and the worker plans for itself.
