@@ -17,6 +17,7 @@ tqdm.tqdm.monitor_interval = 0
 pytest_plugins = [
     "tests.fixtures.leaks",
     "tests.fixtures.art_oracle",
+    "tests.fixtures.hub",
     "tests.fixtures.models",
     "tests.fixtures.services",
 ]

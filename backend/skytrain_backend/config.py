@@ -12,7 +12,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ProviderName = Literal["local", "skypilot", "none"]
@@ -346,7 +346,24 @@ class Settings(BaseSettings):
         default=20.0, ge=0, description="Least time between two `sky status` queries."
     )
     hf_token: SecretStr | None = Field(
-        default=None, description="Hugging Face token given to workers (gated models)."
+        default=None,
+        validation_alias=AliasChoices("SKYTRAIN_HF_TOKEN", "HF_TOKEN", "hf_token"),
+        description="Hugging Face token (else HF_TOKEN) for gated base models: the control "
+        "plane reads their config.json with it; workers get it as a secret.",
+    )
+    hf_endpoint: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("SKYTRAIN_HF_ENDPOINT", "HF_ENDPOINT", "hf_endpoint"),
+        pattern=r"^https?://[^\s]+$",
+        description="The Hub (else HF_ENDPOINT; default https://huggingface.co) base models' "
+        "config.json is read from.",
+    )
+    hub_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Longest a model's creation or a launch waits for a base model's "
+        "config.json from the Hub (the fetch goes on in the background).",
     )
 
     # --- workers and engines -----------------------------------------------------------------

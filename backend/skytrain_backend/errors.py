@@ -16,7 +16,8 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
     │   └── LeaseLost
     ├── RateLimited                             429 (+ Retry-After)
     ├── Unavailable (ConnectionError)           503 (+ Retry-After)
-    │   └── DatabaseUnavailable
+    │   ├── DatabaseUnavailable
+    │   └── ModelConfigUnavailable              (a base model's config.json: not from the Hub)
     ├── ConfigurationError (ValueError)         500; raised at start-up
     │   ├── SchemaOutdated
     │   └── MachineTooSmall                     (a worker's host or GPU is short of its plan)
@@ -129,6 +130,12 @@ class Unavailable(SkytrainError, ConnectionError):
         self.retry_after_s = retry_after_s
         # What is under way, when known (a model's serving state: "loading", "starting"...).
         self.state = state
+
+
+class ModelConfigUnavailable(Unavailable):
+    """A base model's ``config.json``, which the memory plan needs before any launch, could
+    not be had from the Hugging Face Hub: gated or private, missing, or the Hub unreachable.
+    The message names the base model and what to do; it never shows the Hub's address."""
 
 
 class DatabaseUnavailable(Unavailable):

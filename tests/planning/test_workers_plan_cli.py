@@ -13,16 +13,21 @@ from typer.testing import CliRunner
 
 from skytrain_backend.cli import app
 from skytrain_backend.config import get_settings
+from tests.fixtures.hub import LoopbackHub
 
 MODELS = Path(__file__).parent / "models"
 
 
 @pytest.fixture(autouse=True)
-def model_cache(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
+def model_cache(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, loopback_hub: LoopbackHub
+) -> Iterator[None]:
     for name in ("SKYTRAIN_SKYPILOT_ACCELERATORS", "SKYTRAIN_ENGINE_MAX_MODEL_LEN"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("SKYTRAIN_HOME", str(tmp_path))
     monkeypatch.setenv("SKYTRAIN_MODEL_CACHE_DIR", str(MODELS))
+    # A model the cache lacks is asked of the Hub: the loopback one, never the real one.
+    monkeypatch.setenv("HF_ENDPOINT", loopback_hub.url)
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
@@ -123,7 +128,8 @@ def test_an_unknown_model_or_gpu_is_an_error_saying_what_to_do() -> None:
     runner = CliRunner()
     missing = runner.invoke(app, ["workers", "plan", "nobody/no-such-model", "--gpu", "L4:1"])
     assert missing.exit_code == 1
-    assert "no config.json for nobody/no-such-model" in missing.output
+    assert "base model nobody/no-such-model is not on the Hugging Face Hub" in missing.output
+    assert "check the model id" in missing.output
     unknown = runner.invoke(
         app, ["workers", "plan", "Qwen/Qwen2.5-7B-Instruct", "--gpu", "MI300X:1"]
     )

@@ -5,8 +5,9 @@ and ART's client) and the Tinker protocol's training runs (``create_model``,
 - its base model is a Hugging Face id or a directory the operator allows
   (``base_models.check_base_model``: no host path such as ``/etc`` reaches a worker);
 - its LoRA rank is one a worker for that base model loads (``placement.check_lora_rank``);
-- its base model fits one of the GPUs the provider's workers may get, when this control plane
-  knows its config (``placement.check_fits_a_gpu``: the memory plan's reasons otherwise);
+- its base model fits one of the GPUs the provider's workers may get, by its config.json (read
+  from the Hub when this control plane has none; ``placement.check_fits_a_gpu``: the memory
+  plan's reasons otherwise);
 - for a Tinker training run, one device trains it: Tinker runs use a one-process trainer, so a
   base model the memory plan shards over several GPUs is refused up front
   (``check_one_device_trains``; the worker refuses such a run too);
@@ -25,10 +26,11 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.errors import InvalidRequest, ModelConfigUnavailable
 from skytrain_backend.planning import choose_worker_gpu
 from skytrain_backend.provision.base import Provider
 from skytrain_backend.scheduler import placement
+from skytrain_backend.scheduler.model_configs import ModelConfigs
 
 
 def check_new_model(
@@ -39,6 +41,7 @@ def check_new_model(
     base_model: str,
     lora_rank: int,
     provider: Provider | None,
+    configs: ModelConfigs,
     tinker_training: bool = False,
 ) -> TenantLimits:
     """Refuse (``InvalidRequest``, ``FitsNoGpu``) a base model or LoRA rank the tenant may not
@@ -51,16 +54,23 @@ def check_new_model(
         lora_rank=lora_rank,
         default_limit=settings.engine_max_lora_rank,
     )
-    placement.check_fits_a_gpu(session, base_model=base_model, settings=settings, provider=provider)
+    placement.check_fits_a_gpu(
+        session, base_model=base_model, settings=settings, provider=provider, configs=configs
+    )
     if tinker_training:
         check_one_device_trains(
-            session, base_model=base_model, settings=settings, provider=provider
+            session, base_model=base_model, settings=settings, provider=provider, configs=configs
         )
     return tenants.limits_of(tenant, settings)
 
 
 def check_one_device_trains(
-    session: Session, *, base_model: str, settings: Settings, provider: Provider | None
+    session: Session,
+    *,
+    base_model: str,
+    settings: Settings,
+    provider: Provider | None,
+    configs: ModelConfigs,
 ) -> None:
     """Refuse a Tinker training run on a base model whose workers' memory plan shards the
     trainer: Tinker's trainer is one process on one device. Passes when the plan is unknown
@@ -69,7 +79,11 @@ def check_one_device_trains(
     accelerators = provider.accelerator_choices() if provider is not None else None
     if not accelerators or placement.served_by_a_registered_worker(session, base_model=base_model):
         return
-    choice = choose_worker_gpu(base_model, accelerators, settings=settings)
+    try:
+        config = configs.get(base_model)
+    except ModelConfigUnavailable:
+        return
+    choice = choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
     plan = choice.plan if choice is not None else None
     if plan is not None and plan.trainer_shards > 1:
         raise InvalidRequest(

@@ -169,8 +169,9 @@ def _loadable_lora_rank(value: int | None) -> int | None:
 def workers_plan(
     base_model: str = typer.Argument(
         ...,
-        help="A Hugging Face id whose config.json is in the model cache or the Hugging Face "
-        "cache, or a model directory.",
+        help="A Hugging Face id (its config.json from the model cache, the Hugging Face "
+        "cache, else downloaded alone from the Hub: HF_ENDPOINT, HF_TOKEN), or a model "
+        "directory.",
     ),
     gpu: list[str] | None = typer.Option(
         None,
@@ -220,7 +221,9 @@ def workers_plan(
     memory and disk; a worker on CUDA starts vLLM and the trainer with the plan's numbers."""
     import json
 
+    from skytrain_backend.base_models import is_hub_id
     from skytrain_backend.config import get_settings
+    from skytrain_backend.errors import ModelConfigUnavailable
     from skytrain_backend.planning import (
         GPU_TYPES,
         ModelShape,
@@ -229,15 +232,23 @@ def workers_plan(
         parse_gpu,
         plan_worker,
     )
+    from skytrain_backend.planning.configs import fetch_hub_config
 
     settings = get_settings()
     config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+    if config is None and is_hub_id(base_model):
+        token = settings.hf_token
+        try:
+            config = fetch_hub_config(
+                base_model,
+                endpoint=settings.hf_endpoint,
+                token=token.get_secret_value() if token else None,
+                timeout_s=settings.hub_timeout_s,
+            )
+        except ModelConfigUnavailable as exc:
+            raise _fail(exc.message) from None
     if config is None:
-        raise _fail(
-            f"no config.json for {base_model} on this machine: put it in the model cache "
-            f"({settings.resolved_model_cache_dir}/{base_model.replace('/', '--')}/config.json), "
-            f"download it (`hf download {base_model} config.json`), or name a model directory"
-        )
+        raise _fail(f"no config.json in {base_model}: name a model directory, or a Hugging Face id")
     try:
         shape = ModelShape.from_config(config)
         specs = [

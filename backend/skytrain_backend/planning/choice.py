@@ -71,12 +71,18 @@ def choose_gpu(
 
 
 def choose_worker_gpu(
-    base_model: str, accelerators: Sequence[str], *, settings: Settings
+    base_model: str,
+    accelerators: Sequence[str],
+    *,
+    settings: Settings,
+    config: dict[str, Any] | None = None,
 ) -> GpuChoice | None:
     """``choose_gpu`` for a worker of ``base_model`` with the engine settings (LoRA slots,
-    context, row length), or None when this machine has no config.json for it (or cannot
-    count it): the worker, which downloads the model, plans for itself."""
-    config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+    context, row length), from its ``config`` (default: this machine's copy), or None when
+    there is none (or it cannot be counted): the worker, which downloads the model, plans
+    for itself."""
+    if config is None:
+        config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
     if config is None:
         return None
     try:

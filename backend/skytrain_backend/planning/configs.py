@@ -1,18 +1,25 @@
-"""Where a base model's ``config.json`` is found without downloading anything.
+"""Where a base model's ``config.json`` is found: on this machine, or from the Hub alone.
 
 A directory named by a path holds its own; a Hugging Face id's is in skytrain's model cache
 (``$SKYTRAIN_HOME/models``, the converted copies) or in the Hugging Face cache (a machine
-that downloaded the model once, ``HF_HOME``). Anything else is unknown to this machine: the
-control plane then lets the worker, which downloads the model, decide.
+that downloaded the model once, ``HF_HOME``): ``find_model_config``, which downloads nothing.
+
+``fetch_hub_config`` downloads that one file (never the weights) from the Hub the operator
+names (``HF_ENDPOINT``), with the operator's ``HF_TOKEN``: a fresh control plane plans with
+it before any launch. What keeps the file from it (a gated or private repository, a wrong
+id, the Hub out of reach) is a ``ModelConfigUnavailable`` naming the base model and what to
+do, and never the Hub's address.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from skytrain_backend.base_models import is_hub_id
+from skytrain_backend.errors import ModelConfigUnavailable
 
 CONFIG_FILE = "config.json"
 # A config.json is a few kilobytes; a file far larger is not one.
@@ -41,3 +48,76 @@ def find_model_config(base_model: str, *, cache_dir: Path) -> dict[str, Any] | N
 
     found = try_to_load_from_cache(base_model, CONFIG_FILE)
     return read_config(Path(found)) if isinstance(found, str) else None
+
+
+def fetch_hub_config(
+    base_model: str, *, endpoint: str | None, token: str | None, timeout_s: float
+) -> dict[str, Any]:
+    """``base_model``'s config.json downloaded alone from the Hub at ``endpoint`` (None: the
+    public Hub), with ``token`` (None: none, even if this machine has one saved); the file
+    goes to a temporary directory, never into a cache the workers or other tenants read.
+
+    Raises ModelConfigUnavailable when the Hub refuses it (gated or private: 401/403), has
+    no such repository or file (404), cannot be reached in ``timeout_s``, or sends
+    something that is not a JSON object.
+    """
+    from huggingface_hub import hf_hub_download
+
+    with tempfile.TemporaryDirectory(prefix="skytrain-config-") as directory:
+        try:
+            path = hf_hub_download(
+                base_model,
+                CONFIG_FILE,
+                cache_dir=directory,
+                endpoint=endpoint,
+                token=token or False,
+                etag_timeout=timeout_s,
+            )
+        except Exception as exc:
+            raise ModelConfigUnavailable(_why_unavailable(base_model, exc)) from None
+        config = read_config(Path(path))
+    if config is None:
+        raise ModelConfigUnavailable(
+            f"the Hugging Face Hub's {CONFIG_FILE} for base model {base_model} is not a JSON "
+            "object of at most 1 MiB: check the model id"
+        )
+    return config
+
+
+def _why_unavailable(base_model: str, exc: BaseException) -> str:
+    """What kept ``base_model``'s config.json away, in words a tenant and an operator can act
+    on: huggingface_hub's own messages carry the Hub's URL, so none of them is passed on."""
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        RemoteEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, HfHubHTTPError):
+        cause = cause.__cause__ or cause.__context__
+    status = cause.response.status_code if isinstance(cause, HfHubHTTPError) else None
+    if isinstance(cause, GatedRepoError) or status == 403:
+        return (
+            f"base model {base_model} is gated on the Hugging Face Hub, and the control plane "
+            f"may not read its {CONFIG_FILE}: the operator sets HF_TOKEN (SKYTRAIN_HF_TOKEN) to "
+            "a token of an account that accepted the model's terms, or choose another base model"
+        )
+    if isinstance(cause, RemoteEntryNotFoundError | RevisionNotFoundError):
+        return (
+            f"base model {base_model} has no {CONFIG_FILE} on the Hugging Face Hub: check the "
+            "model id (a transformers model's repository, such as Qwen/Qwen2.5-7B-Instruct)"
+        )
+    if isinstance(cause, RepositoryNotFoundError) or status in (401, 404):
+        return (
+            f"base model {base_model} is not on the Hugging Face Hub, or is private: check the "
+            "model id; for a private or gated model the operator sets HF_TOKEN "
+            "(SKYTRAIN_HF_TOKEN) to a token that may read it"
+        )
+    return (
+        f"the Hugging Face Hub could not be reached for base model {base_model}'s "
+        f"{CONFIG_FILE} (offline, or no answer in time): it is asked again later; if this "
+        "lasts, the operator checks the network and HF_ENDPOINT"
+    )

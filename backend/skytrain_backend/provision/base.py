@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 ClusterState = Literal["launching", "up", "failed", "gone"]
 
@@ -30,6 +30,9 @@ class WorkerLaunch:
     # Extra SKYTRAIN_* settings for the worker process (engine kind, timeouts...).
     envs: dict[str, str] = field(default_factory=dict)
     accelerators: str | None = None
+    # The base model's config.json as the control plane read it (the Hub's, kept in the
+    # object store): what a provider that chooses GPUs plans with. None: not known here.
+    base_model_config: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)

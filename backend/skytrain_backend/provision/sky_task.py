@@ -121,8 +121,9 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
     envs, and the worker token, engine secret and HF token as secrets, which SkyPilot keeps
     out of ``sky status`` and its dashboard.
 
-    Resources come from the memory plan (``planning``) when the base model's config is on
-    this machine: the cheapest configured accelerator it fits, exactly, with the host memory
+    Resources come from the memory plan (``planning``) when the base model's config is known
+    (the launch's, which the control plane read from the Hub, or this machine's): the
+    cheapest configured accelerator it fits, exactly, with the host memory
     (``memory: N+``) and disk it needs, and the plan's numbers for the worker as envs
     (``SKYTRAIN_ENGINE_MAX_MODEL_LEN``...); a base model that fits none raises FitsNoGpu.
     Otherwise every configured accelerator is offered and the worker plans for itself.
@@ -146,7 +147,9 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
             resources["accelerators"] = choices
     nodes = settings.skypilot_num_nodes
     choice = (
-        choose_worker_gpu(launch.base_model, choices, settings=settings)
+        choose_worker_gpu(
+            launch.base_model, choices, settings=settings, config=launch.base_model_config
+        )
         if choices and nodes == 1
         else None
     )

@@ -36,10 +36,11 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
-from skytrain_backend.errors import FitsNoGpu
+from skytrain_backend.errors import FitsNoGpu, ModelConfigUnavailable
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
 from skytrain_backend.scheduler import garbage, placement, queue, scale_in, tinker
 from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
+from skytrain_backend.scheduler.model_configs import ModelConfigs
 from skytrain_backend.scheduler.placement import LaunchBackoff
 from skytrain_backend.storage import ObjectStore
 
@@ -68,6 +69,9 @@ class Scheduler:
         self._leadership = leadership or SoleLeadership()
         # Where the sweeps remove objects no row refers to any more (None: no sweeping).
         self.store = store
+        # Base models' config.json for the memory plan: the routes plan a model's creation
+        # with it, and each launch before it goes.
+        self.configs = ModelConfigs(settings, store)
         self._next_sweep = 0.0
         self._next_garbage = 0.0
         # Not at start: on an S3-compatible store that reports a wrong start time (moto: a
@@ -253,20 +257,31 @@ class Scheduler:
             engine_secret=secret,
         )
         session.commit()
-        launch = WorkerLaunch(
-            worker_id=worker.id,
-            base_model=base_model,
-            control_plane_url=self.settings.resolved_public_url,
-            join_token=token,
-            engine_secret=secret,
-            envs=self._worker_envs(),
-        )
+        config = None
         try:
+            if self.provider.accelerator_choices():
+                # The plan picks the GPU: without the base model's config, nothing is launched.
+                config = self.configs.get(base_model, fresh=True)
+            launch = WorkerLaunch(
+                worker_id=worker.id,
+                base_model=base_model,
+                control_plane_url=self.settings.resolved_public_url,
+                join_token=token,
+                engine_secret=secret,
+                envs=self._worker_envs(),
+                base_model_config=config,
+            )
             worker.cluster_name = self.provider.launch(launch)
-        except FitsNoGpu as exc:
-            # The operator's configuration, not a fault: the reasons, without a traceback.
+        except (FitsNoGpu, ModelConfigUnavailable) as exc:
+            # The plan's refusal, or its missing config: the tenant's status says why (the
+            # words are skytrain's own, with no host's details), without a traceback.
             logger.warning("no worker launched for %s: %s", base_model, exc)
-            self._worker_gone(session, worker=worker, status="failed", reason=str(exc))
+            self._worker_gone(
+                session,
+                worker=worker,
+                status="failed",
+                reason=f"{placement.NOT_LAUNCHED}{exc.message}",
+            )
             return
         except Exception as exc:
             logger.exception("launching a worker for %s failed", base_model)

@@ -55,11 +55,12 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.errors import InvalidRequest, ModelConfigUnavailable
 from skytrain_backend.planning import choose_worker_gpu
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.provision.base import Provider
 from skytrain_backend.scheduler import queue
+from skytrain_backend.scheduler.model_configs import ModelConfigs
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,10 @@ STARTING_STATUSES = ("provisioning", "starting")
 SERVING_STATUSES = ("unreachable", "ready", "training", "sleeping")
 # Workers that joined with a join token (not started by this control plane's provider).
 JOINED_PROVIDER = "manual"
+# How the status of a failed worker whose launch the memory plan stopped starts (its base
+# model fits no configured GPU, or its config.json could not be read): the rest is
+# skytrain's own words, shown to the tenant.
+NOT_LAUNCHED = "not launched: "
 
 
 def _placeable() -> ColumnElement[bool]:
@@ -409,19 +414,30 @@ def check_lora_rank(
 
 
 def check_fits_a_gpu(
-    session: Session, *, base_model: str, settings: Settings, provider: Provider | None
+    session: Session,
+    *,
+    base_model: str,
+    settings: Settings,
+    provider: Provider | None,
+    configs: ModelConfigs,
 ) -> None:
-    """Refuse (FitsNoGpu, 400, with each GPU's reason) a base model whose config this
-    control plane has and that fits none of the GPUs the provider's workers may get.
+    """Refuse (FitsNoGpu, 400, with each GPU's reason) a base model that fits none of the
+    GPUs the provider's workers may get, by its config.json (read from the Hub when this
+    control plane has none: ``model_configs``).
 
-    An unknown config or GPU passes (the worker plans for itself), and so does a base model
-    a registered worker already serves.
+    A config the Hub does not give passes: the model is created, and its status says why
+    no worker is launched for it (``NOT_LAUNCHED``), until the config can be read. An
+    unknown GPU passes (the worker plans for itself), and so does a base model a registered
+    worker already serves.
     """
     accelerators = provider.accelerator_choices() if provider is not None else None
-    if not accelerators:
+    if not accelerators or served_by_a_registered_worker(session, base_model=base_model):
         return
-    if not served_by_a_registered_worker(session, base_model=base_model):
-        choose_worker_gpu(base_model, accelerators, settings=settings)
+    try:
+        config = configs.get(base_model)
+    except ModelConfigUnavailable:
+        return
+    choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
 
 
 def served_by_a_registered_worker(session: Session, *, base_model: str) -> bool:

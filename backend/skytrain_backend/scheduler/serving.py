@@ -175,6 +175,18 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
         # operator's to read, in the control plane's log and `skytrain logs`.
         hold = placement.launch_hold(session, base_model=model.base_model)
         held = f" ({hold.describe(model.base_model)})" if hold is not None else ""
+        said = newest.status_message or ""
+        if said.startswith(placement.NOT_LAUNCHED):
+            # The memory plan's refusal or its missing config.json: skytrain's own words.
+            tries = f" (failed launches: {hold.describe(model.base_model)})" if hold else ""
+            return ServingStatus(
+                state="failed",
+                ready=False,
+                worker_id=newest.id,
+                message=f"no worker for base model {model.base_model!r} is launched: "
+                f"{said.removeprefix(placement.NOT_LAUNCHED)}{tries}",
+                retry_after_s=_retry_after_s(hold),
+            )
         return ServingStatus(
             state="failed",
             ready=False,

@@ -1,10 +1,13 @@
 """Object keys, built here and only here from ids the server generated.
 
 No key ever contains text a client chose, so a request cannot name another tenant's objects
-or a path outside the store. Everything a tenant owns lives under ``tenants/{tenant_id}/``.
+or a path outside the store. Everything a tenant owns lives under ``tenants/{tenant_id}/``;
+what the control plane keeps for every tenant (base models' config.json) under ``hub/``.
 """
 
 from __future__ import annotations
+
+import hashlib
 
 # Where every key starts.
 TENANTS_PREFIX = "tenants/"
@@ -41,3 +44,10 @@ def file_key(*, tenant_id: str, file_id: str) -> str:
 def tinker_op_key(*, tenant_id: str, model_id: str, seq_id: int, name: str) -> str:
     """A Tinker operation's input or output (``input.pb``, ``output.pb``)."""
     return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}tinker/ops/{seq_id}/{name}"
+
+
+def hub_config_key(*, endpoint: str, base_model: str) -> str:
+    """Where the control plane keeps a base model's config.json read from the Hub at
+    ``endpoint``: named by a digest, so neither the id nor the Hub's address is in the key."""
+    digest = hashlib.sha256(f"{endpoint}\n{base_model}".encode()).hexdigest()
+    return f"hub/configs/{digest}.json"

@@ -73,6 +73,7 @@ def create_model(
         base_model=body.base_model,
         lora_rank=config.lora_rank,
         provider=scheduler.provider,
+        configs=scheduler.configs,
     )
     model, created = registry.create_model(
         session,

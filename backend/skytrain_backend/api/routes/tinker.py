@@ -157,6 +157,7 @@ def create_model(
         base_model=body.base_model,
         lora_rank=config.lora_rank,
         provider=scheduler.provider,
+        configs=scheduler.configs,
         tinker_training=True,
     )
     # An unseeded adapter gets a seed now: a rebuilt state must start from the same weights.
@@ -397,6 +398,7 @@ def load_weights(
             base_model=source_model.base_model,
             lora_rank=config.lora_rank,
             provider=scheduler.provider,
+            configs=scheduler.configs,
             tinker_training=True,
         )
         operation = runs.create_run(

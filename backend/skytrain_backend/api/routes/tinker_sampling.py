@@ -36,13 +36,19 @@ from skytrain_backend.errors import InvalidRequest, PayloadTooLarge
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.provision.base import Provider
 from skytrain_backend.scheduler import tinker as runs
+from skytrain_backend.scheduler.model_configs import ModelConfigs
 
 # Included by the main Tinker router (api/routes/tinker.py), under its /api/v1 prefix.
 router = APIRouter(tags=["tinker"], route_class=SessionRoute)
 
 
 def _base_model_sampler_model(
-    session: Session, tenant: Tenant, settings: Settings, provider: Provider | None, base_model: str
+    session: Session,
+    tenant: Tenant,
+    settings: Settings,
+    provider: Provider | None,
+    configs: ModelConfigs,
+    base_model: str,
 ) -> Model:
     """The tenant's model that stands for ``base_model`` itself (step 0), created once, under
     the rules of any new model."""
@@ -54,6 +60,7 @@ def _base_model_sampler_model(
         base_model=base_model,
         lora_rank=config.lora_rank,
         provider=provider,
+        configs=configs,
     )
     name = "base-" + uuid.uuid5(uuid.NAMESPACE_URL, base_model).hex[:16]
     model = session.scalar(
@@ -95,7 +102,7 @@ def create_sampling_session(
         step = checkpoint.step
     elif body.base_model is not None:
         model = _base_model_sampler_model(
-            session, tenant, settings, scheduler.provider, body.base_model
+            session, tenant, settings, scheduler.provider, scheduler.configs, body.base_model
         )
         step = 0
     else:

@@ -1,0 +1,211 @@
+"""A fresh control plane plans a new model from its base model's config.json on the Hub
+before any launch: the real app over HTTP with the ``skypilot`` provider and its scheduler,
+an empty model cache, HF_ENDPOINT pointed at the loopback Hub (tests/fixtures/hub.py, the
+real models' config.json). Only SkyPilot's SDK is the fake cloud (tests/provision/fake_sky.py).
+
+Without the plan, every configured accelerator was offered and a Qwen2.5-32B landed on an L4,
+which its worker refused, launch after launch.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from skytrain_backend.app import create_app
+from skytrain_backend.db import api_keys
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.provision import skypilot
+from skytrain_backend.storage import keys, open_object_store
+from tests.fixtures.hub import LoopbackHub
+from tests.fixtures.services import MakeSettings
+from tests.provision.fake_sky import FakeSky
+
+QWEN_32B = "Qwen/Qwen2.5-32B-Instruct"
+LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
+
+
+@dataclass
+class Plane:
+    http: httpx.Client
+    fake: FakeSky
+    settings: Any
+
+
+@pytest.fixture
+def start_control_plane(
+    make_settings: MakeSettings, tmp_path: Path
+) -> Iterator[Callable[..., Plane]]:
+    """Starts the real app (its scheduler running) on a fresh home with an empty model cache
+    and ``accelerators``, reading the Hub at ``hub``."""
+    stops: list[Callable[[], None]] = []
+
+    def start(*, accelerators: str, hub: str, hub_timeout_s: float = 30.0, **more: object) -> Plane:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        settings = make_settings(
+            home=tmp_path,
+            provider="skypilot",
+            model_cache_dir=tmp_path / "empty-model-cache",
+            skypilot_accelerators=accelerators,
+            skypilot_status_interval_s=0,
+            hf_endpoint=hub,
+            hub_timeout_s=hub_timeout_s,
+            worker_launch_backoff_s=0,
+            worker_launch_max_failures=1000,
+            host="127.0.0.1",
+            port=port,
+            public_url="https://skytrain.example.com",
+            **more,
+        )
+        engine = create_db_engine(settings.resolved_database_url)
+        with session_factory(engine)() as session:
+            _, key = api_keys.create_key(session, tenant_name="acme")
+        engine.dispose()
+        fake = FakeSky()
+        patch = pytest.MonkeyPatch()
+        patch.setattr(skypilot, "_SkyPilotSdk", lambda: fake)  # FAKE CLOUD: SkyPilot's SDK only
+        server = uvicorn.Server(
+            uvicorn.Config(create_app(settings), log_level="warning", ws="none")
+        )
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started:
+            assert thread.is_alive(), "the control plane did not start"
+            thread.join(0.05)
+        http = httpx.Client(
+            base_url=f"http://127.0.0.1:{port}",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60.0,
+        )
+
+        def stop() -> None:
+            http.close()
+            server.should_exit = True
+            thread.join(30)
+            sock.close()
+            fake.launch_gate.set()
+            fake.settle()
+            patch.undo()
+
+        stops.append(stop)
+        return Plane(http, fake, settings)
+
+    yield start
+    for stop in stops:
+        stop()
+
+
+def _create(plane: Plane, name: str, base_model: str) -> httpx.Response:
+    return plane.http.post(
+        "/v1/models", json={"project": "hub", "name": name, "base_model": base_model}
+    )
+
+
+def _wait_for(what: Callable[[], Any], *, timeout_s: float = 60.0) -> Any:
+    """What ``what`` returns once it is truthy: the scheduler acts in its own thread."""
+    deadline = time.monotonic() + timeout_s
+    while not (found := what()):
+        assert time.monotonic() < deadline, "the scheduler did not get there"
+        time.sleep(0.1)
+    return found
+
+
+def _serving(plane: Plane, model_id: str) -> dict[str, Any]:
+    response = plane.http.get(f"/v1/models/{model_id}")
+    assert response.status_code == 200, response.text
+    serving: dict[str, Any] = response.json()["serving"]
+    return serving
+
+
+def _failed(plane: Plane, model_id: str, words: str) -> dict[str, Any]:
+    def failed_with_words() -> dict[str, Any] | None:
+        serving = _serving(plane, model_id)
+        return serving if serving["state"] == "failed" and words in serving["message"] else None
+
+    found: dict[str, Any] = _wait_for(failed_with_words)
+    return found
+
+
+def test_a_32b_model_launches_on_the_gpu_it_fits_at_once(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(accelerators="L4:1, A100-80GB:1", hub=loopback_hub.url)
+    response = _create(plane, "big", QWEN_32B)
+    assert response.status_code == 201, response.text
+    (launch,) = _wait_for(lambda: list(plane.fake.launches))
+    (resources,) = launch.task.resources
+    assert resources.accelerators == {"A100-80GB": 1}
+    assert int(resources.memory.rstrip("+")) > 32  # the plan's host memory, not the task's
+    assert ("GET", f"/{QWEN_32B}/resolve/main/config.json") in loopback_hub.requests
+    # Kept in the object store, for every control plane sharing it.
+    store = open_object_store(plane.settings.resolved_object_store_url, plane.settings)
+    key = keys.hub_config_key(endpoint=loopback_hub.url, base_model=QWEN_32B)
+    assert b'"hidden_size": 5120' in store.get_bytes(key)
+
+
+def test_a_32b_model_is_refused_before_any_launch_when_only_l4s_are_configured(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(accelerators="L4:1", hub=loopback_hub.url)
+    response = _create(plane, "big", QWEN_32B)
+    assert response.status_code == 400, response.text
+    message = response.json()["error"]["message"]
+    assert f"L4:1: {QWEN_32B} does not fit 1 x L4 for serving" in message
+    assert "weights 61.03 GiB" in message
+    assert plane.http.get("/v1/models", params={"project": "hub"}).json()["data"] == []
+    assert plane.fake.launches == []
+
+
+def test_a_model_created_while_the_hub_is_down_is_planned_once_it_answers(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    loopback_hub.online = False
+    # huggingface_hub retries a 503 for about 20 s: the control plane waits 1 s of that.
+    plane = start_control_plane(accelerators="L4:1", hub=loopback_hub.url, hub_timeout_s=1)
+    response = _create(plane, "big", QWEN_32B)
+    assert response.status_code == 201, response.text  # it cannot be planned yet
+    model_id = response.json()["id"]
+    down = _failed(plane, model_id, "Hugging Face Hub")
+    assert f"base model {QWEN_32B}" in down["message"]
+    assert loopback_hub.url.split("//")[1] not in down["message"]
+    loopback_hub.online = True
+    # The next launch plans first: the plan's reason, and still nothing launched.
+    refused = _failed(plane, model_id, "does not fit 1 x L4")
+    assert "weights 61.03 GiB" in refused["message"]
+    assert plane.fake.launches == []
+
+
+def test_a_gated_base_model_without_a_token_says_so_and_launches_nothing(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(accelerators="L4:1, A100-80GB:1", hub=loopback_hub.url)
+    response = _create(plane, "gated", LLAMA_8B)
+    assert response.status_code == 201, response.text
+    serving = _failed(plane, response.json()["id"], "is gated")
+    assert f"base model {LLAMA_8B} is gated" in serving["message"]
+    assert "HF_TOKEN" in serving["message"]
+    assert plane.fake.launches == []
+
+
+def test_a_gated_base_model_is_planned_with_the_operators_token(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(
+        accelerators="A100-80GB:1", hub=loopback_hub.url, hf_token="hf_llama_token"
+    )
+    response = _create(plane, "gated", LLAMA_8B)
+    assert response.status_code == 201, response.text
+    (launch,) = _wait_for(lambda: list(plane.fake.launches))
+    assert [r.accelerators for r in launch.task.resources] == [{"A100-80GB": 1}]
+    assert "SKYTRAIN_ENGINE_MAX_MODEL_LEN" in launch.task.envs  # planned, not left to it

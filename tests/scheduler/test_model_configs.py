@@ -1,0 +1,48 @@
+"""The control plane's base-model configs: read from the Hub once, then from the object store
+by every control plane sharing it (the loopback Hub of tests/fixtures/hub.py, a real local
+object store)."""
+
+from __future__ import annotations
+
+import pytest
+
+from skytrain_backend.config import Settings
+from skytrain_backend.errors import ModelConfigUnavailable
+from skytrain_backend.scheduler.model_configs import ModelConfigs
+from skytrain_backend.storage import open_object_store
+from tests.fixtures.hub import LoopbackHub
+from tests.fixtures.services import MakeSettings
+
+QWEN_7B = "Qwen/Qwen2.5-7B-Instruct"
+
+
+def _configs(settings: Settings) -> ModelConfigs:
+    return ModelConfigs(settings, open_object_store(settings.resolved_object_store_url, settings))
+
+
+def test_a_config_read_from_the_hub_serves_every_control_plane_sharing_the_store(
+    make_settings: MakeSettings, loopback_hub: LoopbackHub
+) -> None:
+    settings = make_settings(hf_endpoint=loopback_hub.url)
+    first = _configs(settings).get(QWEN_7B)
+    assert first is not None and first["hidden_size"] == 3584
+    asked = len(loopback_hub.requests)
+    assert asked > 0
+    loopback_hub.online = False  # another control plane, the Hub down meanwhile
+    assert _configs(settings).get(QWEN_7B) == first
+    assert len(loopback_hub.requests) == asked
+
+
+def test_a_failure_is_not_asked_again_at_once_unless_fresh(
+    make_settings: MakeSettings, loopback_hub: LoopbackHub
+) -> None:
+    configs = _configs(make_settings(hf_endpoint=loopback_hub.url))
+    with pytest.raises(ModelConfigUnavailable, match="nobody/no-such-model is not on the"):
+        configs.get("nobody/no-such-model")
+    asked = len(loopback_hub.requests)
+    with pytest.raises(ModelConfigUnavailable, match="check the model id"):
+        configs.get("nobody/no-such-model")
+    assert len(loopback_hub.requests) == asked  # remembered, not asked again
+    with pytest.raises(ModelConfigUnavailable):
+        configs.get("nobody/no-such-model", fresh=True)  # the scheduler, before a launch
+    assert len(loopback_hub.requests) > asked
