@@ -66,6 +66,7 @@ def test_every_set_field_is_accepted_by_the_server() -> None:
         kl_penalty_source="current_learner",
         scale_rewards=False,
         allow_training_without_logprobs=True,
+        unsampled_old_logprobs="job_start",
         aggregation="token_mean",
         logprob_calculation_chunk_size=256,
         packed_sequence_length=2048,

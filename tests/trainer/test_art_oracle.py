@@ -25,6 +25,7 @@ from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGrou
 from skytrain_backend.trainer import Trainer
 from skytrain_backend.trainer.loss import token_logprobs
 from skytrain_backend.trainer.packing import PackedRow
+from skytrain_backend.trainer.plans import RLPlan
 from skytrain_backend.trainer.tokenize import end_of_turn_token_id
 from tests.fixtures.art import ART_EVERY_OPTION, art_train_request
 from tests.fixtures.art_oracle import ArtOracle, ArtPacked
@@ -196,16 +197,16 @@ def _row_logprobs(trainer: Trainer, packed: ArtPacked, row: int) -> tuple[torch.
 
 
 def _arts_gradient(
-    trainer: Trainer, oracle: ArtOracle, packed: ArtPacked
+    trainer: Trainer, oracle: ArtOracle, packed: ArtPacked, row: int = 0
 ) -> tuple[float, list[torch.Tensor]]:
-    """ART's loss of its (only) row and its gradient of the adapter's parameters."""
-    assert packed.rows == 1
-    new_logprobs, _ = _row_logprobs(trainer, packed, 0)
+    """ART's loss of ``row`` and its gradient of the adapter's parameters, at the trainer's
+    parameters now."""
+    new_logprobs, _ = _row_logprobs(trainer, packed, row)
     reference = None
     if packed.dev_config.get("kl_penalty_coef", 0.0) > 0:
         with torch.no_grad(), trainer.policy.adapter_disabled():
-            reference, _ = _row_logprobs(trainer, packed, 0)
-    loss, grad = oracle.loss(0, new_logprobs, reference)
+            reference, _ = _row_logprobs(trainer, packed, row)
+    loss, grad = oracle.loss(row, new_logprobs, reference)
     parameters = trainer.policy.trainable_parameters()
     gradients = torch.autograd.grad((new_logprobs * grad).sum(), parameters)
     return loss, list(gradients)
@@ -235,6 +236,10 @@ def _skytrains_step(
 def _cosine(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     flat_a, flat_b = torch.cat([x.flatten() for x in a]), torch.cat([x.flatten() for x in b])
     return float(torch.nn.functional.cosine_similarity(flat_a, flat_b, dim=0))
+
+
+def _norm(gradient: list[torch.Tensor]) -> float:
+    return float(torch.cat([x.flatten() for x in gradient]).norm())
 
 
 OPTION_SETS = {
@@ -275,6 +280,7 @@ def test_an_art_job_makes_arts_update(
     )
     config = RLTrainConfig.from_experimental(packed.experimental_config)
     trainer = copy.deepcopy(moved_trainer)
+    assert packed.rows == 1
     arts_loss, arts_gradient = _arts_gradient(trainer, art_oracle, packed)
 
     steps, metrics, settings, gradient = _skytrains_step(trainer, batch, config)
@@ -290,22 +296,34 @@ def test_an_art_job_makes_arts_update(
     assert _cosine(gradient, arts_gradient) >= 0.9999
 
 
-def _agent_batch(groups: int, per_group: int, seed: int) -> list[dict[str, Any]]:
-    """Agent rollouts as token ids: a prompt per group (system prompt and tools), then 2 to 4
-    turns of sampled ids, each after a tool's answer (under 2048 tokens in all)."""
+def _agent_batch(
+    groups: int,
+    per_group: int,
+    seed: int,
+    *,
+    system: int = 0,
+    prompt: tuple[int, int] = (200, 350),
+    turns: tuple[int, int] = (2, 5),
+    sampled: tuple[int, int] = (40, 160),
+    tool: tuple[int, int] = (20, 80),
+) -> list[dict[str, Any]]:
+    """Agent rollouts as token ids: a prompt per group (``system`` tokens common to every
+    group, then the group's own), then ``turns`` of sampled ids, each after a tool's answer
+    (lengths drawn from the ranges, upper bounds excluded)."""
     rng = random.Random(seed)
 
     def ids(count: int) -> list[int]:
         return [rng.randrange(100, 40_000) for _ in range(count)]
 
+    common = ids(system)
     batch = []
     for _ in range(groups):
-        prompt = ids(rng.randrange(200, 350))
+        group_prompt = common + ids(rng.randrange(*prompt))
         trajectories = []
         for _ in range(per_group):
-            context, items = list(prompt), []
-            for _ in range(rng.randrange(2, 5)):
-                sampled = ids(rng.randrange(40, 160))
+            context, items = list(group_prompt), []
+            for _ in range(rng.randrange(*turns)):
+                tokens = ids(rng.randrange(*sampled))
                 items.append(
                     {
                         "index": 0,
@@ -319,14 +337,14 @@ def _agent_batch(groups: int, per_group: int, seed: int) -> list[dict[str, Any]]
                                     "bytes": None,
                                     "top_logprobs": [],
                                 }
-                                for token in sampled
+                                for token in tokens
                             ]
                         },
                         "prompt_token_ids": list(context),
-                        "token_ids": sampled,
+                        "token_ids": tokens,
                     }
                 )
-                context += sampled + ids(rng.randrange(20, 80))  # the tool's answer
+                context += tokens + ids(rng.randrange(*tool))  # the tool's answer
             trajectories.append(
                 {
                     "messages_and_choices": [{"role": "user", "content": "..."}, *items],
@@ -337,18 +355,149 @@ def _agent_batch(groups: int, per_group: int, seed: int) -> list[dict[str, Any]]
     return batch
 
 
+def _sequence_length(trajectory: dict[str, Any]) -> int:
+    last = trajectory["messages_and_choices"][-1]
+    return len(last["prompt_token_ids"]) + len(last["token_ids"])
+
+
+def _steps_as_art_does(
+    art_oracle: ArtOracle,
+    tiny_model_path: Path,
+    trainer: Trainer,
+    batch: list[dict[str, Any]],
+    **options: Any,
+) -> tuple[ArtPacked, RLPlan]:
+    """ART's rows of ``batch`` and skytrain's plan of the job ART's client sends for it."""
+    packed = art_oracle.pack(
+        batch, tokenizer=tiny_model_path, max_seq_length=MAX_SEQ_LENGTH, **options
+    )
+    config = RLTrainConfig.from_experimental(packed.experimental_config)
+    plan = trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in batch], config)
+    assert plan.num_gradient_steps == packed.rows
+    trained = [sum(row.num_sites for row in step.rows) for step in plan.steps]
+    assert trained == packed.tensors["assistant_mask"].sum(dim=1).tolist()
+    return packed, plan
+
+
 @pytest.mark.slow
 def test_an_art_job_takes_one_step_per_row_as_art_does(
     art_oracle: ArtOracle, tiny_model_path: Path, tiny_trainer: Trainer
 ) -> None:
-    """ART's steps: one per packed row, rows of the longest sequence rounded up to 2048: one
-    step for the batch above, many for an 8 x 4 batch of agent rollouts, each step training
-    the sequences of ART's row, in ART's order."""
-    batch = _agent_batch(groups=8, per_group=4, seed=0)
-    packed = art_oracle.pack(batch, tokenizer=tiny_model_path, max_seq_length=MAX_SEQ_LENGTH)
+    """ART's steps: one per packed row, rows of the longest sequence rounded up to 2048: many
+    for an 8 x 4 batch of agent rollouts, each step training the tokens of ART's row, in
+    ART's order; with a system prompt common to every group, ART shares it between groups
+    in a row, so its rows hold other sequences than one prompt per group would."""
+    packed, _ = _steps_as_art_does(
+        art_oracle, tiny_model_path, tiny_trainer, _agent_batch(groups=8, per_group=4, seed=0)
+    )
     assert packed.rows > 8
+    shared = _agent_batch(groups=8, per_group=4, seed=1, system=120)
+    _steps_as_art_does(art_oracle, tiny_model_path, tiny_trainer, shared)
+
+
+@pytest.mark.slow
+def test_an_art_job_drops_sequences_longer_than_its_rows_as_art_does(
+    art_oracle: ArtOracle, tiny_model_path: Path, tiny_trainer: Trainer
+) -> None:
+    """A sequence longer than ``packed_sequence_length`` is left out whole, never cut and
+    trained in part, and the job counts it."""
+    batch = _agent_batch(
+        groups=4,
+        per_group=4,
+        seed=2,
+        prompt=(30, 50),
+        turns=(1, 4),
+        sampled=(10, 40),
+        tool=(5, 15),
+    )
+    lengths = [_sequence_length(t) for group in batch for t in group["trajectories"]]
+    too_long = sum(length > 128 for length in lengths)
+    assert 0 < too_long < len(lengths)
+    _, plan = _steps_as_art_does(
+        art_oracle, tiny_model_path, tiny_trainer, batch, packed_sequence_length=128
+    )
+    assert plan.summary["sequences/dropped"] == too_long
+    assert plan.summary["tokens/dropped"] > 0
+    assert plan.summary["tokens/truncated"] == 0
+
+
+@pytest.mark.slow
+def test_an_art_jobs_learning_rate_per_step_is_arts(
+    art_oracle: ArtOracle, tiny_model_path: Path, tiny_trainer: Trainer
+) -> None:
+    """``num_trajectories_learning_rate_multiplier_power``: ART scales each row's rate by the
+    number of its tree's segments less the number of their parents, to the power
+    (``art/unsloth/train.py``'s ``compute_loss``): rows of shared prompts train faster, and a
+    row that shares nothing (prompts under 64 tokens) trains at rate 0."""
+    power, learning_rate = 0.5, 1e-5
+    shared = _agent_batch(groups=6, per_group=4, seed=3, system=70)
+    unshared = _agent_batch(groups=2, per_group=2, seed=4, prompt=(10, 20))
+    for batch, some_shared in ((shared, True), (unshared, False)):
+        packed, plan = _steps_as_art_does(
+            art_oracle,
+            tiny_model_path,
+            tiny_trainer,
+            batch,
+            learning_rate=learning_rate,
+            num_trajectories_learning_rate_multiplier_power=power,
+        )
+        counts = [
+            len(packed.tensors["group_ids"][row].unique())
+            - len(packed.tensors["parent_ids"][row].unique())
+            for row in range(packed.rows)
+        ]
+        assert (max(counts) > 1) == some_shared
+        metrics = list(tiny_trainer.run(plan))
+        assert [m["learning_rate"] for m in metrics] == pytest.approx(
+            [learning_rate * count**power for count in counts], rel=1e-12, abs=0
+        )
+
+
+@pytest.mark.slow
+def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
+    art_oracle: ArtOracle, tiny_model_path: Path, moved_trainer: Trainer
+) -> None:
+    """A job of several rows: at each step, once the earlier steps have moved the policy,
+    skytrain's gradient has the direction and the norm of ART's loss at that point. Tokens without a sampler logprob keep ratio 1 on every step (ART
+    takes the step's own logprobs for them), not the ratio to the policy before the job."""
+    batch = _agent_batch(
+        groups=2,
+        per_group=3,
+        seed=5,
+        prompt=(20, 40),
+        turns=(1, 3),
+        sampled=(10, 30),
+        tool=(5, 10),
+    )
+    for trajectory in batch[0]["trajectories"][:2]:  # sampled ids, no logprobs
+        for item in trajectory["messages_and_choices"][1:]:
+            item["logprobs"] = None
+    options = {
+        "learning_rate": 1e-3,
+        "allow_training_without_logprobs": True,
+        "packed_sequence_length": 128,
+    }
+    packed = art_oracle.pack(
+        batch, tokenizer=tiny_model_path, max_seq_length=MAX_SEQ_LENGTH, **options
+    )
+    assert packed.rows >= 2
     config = RLTrainConfig.from_experimental(packed.experimental_config)
-    plan = tiny_trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in batch], config)
+    trainer = copy.deepcopy(moved_trainer)
+    plan = trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in batch], config)
     assert plan.num_gradient_steps == packed.rows
-    trained = [sum(row.num_sites for row in step.rows) for step in plan.steps]
-    assert trained == packed.tensors["assistant_mask"].sum(dim=1).tolist()
+    arts: list[list[torch.Tensor]] = []
+    ours: list[list[torch.Tensor]] = []
+    step = trainer._optimizer_step
+
+    def compare(**settings: Any) -> float:
+        # Before this step's update: ART's gradient of its row at the same parameters.
+        arts.append(_arts_gradient(trainer, art_oracle, packed, len(arts))[1])
+        ours.append([p.grad.detach().clone() for p in trainer.policy.trainable_parameters()])
+        return step(**settings)
+
+    trainer._optimizer_step = compare  # type: ignore[method-assign]
+    metrics = list(trainer.run(plan))
+    assert [m["learning_rate"] for m in metrics] == [1e-3] * packed.rows
+    for index, (art, our) in enumerate(zip(arts, ours, strict=True)):
+        assert _cosine(our, art) >= 0.9999, f"step {index + 1}"
+        assert _norm(our) == pytest.approx(_norm(art), rel=1e-5), f"step {index + 1}"

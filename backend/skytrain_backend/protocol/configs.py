@@ -85,6 +85,7 @@ ART_PRESET: dict[str, Any] = {
     "adam_beta2": 0.99,
     "weight_decay": 0.1,
     "max_grad_norm": 0.1,
+    "unsampled_old_logprobs": "current",
 }
 
 
@@ -147,6 +148,10 @@ class RLTrainConfig(BaseModel):
     kl_penalty_source: KLPenaltySource | None = None
     scale_rewards: bool = True
     allow_training_without_logprobs: bool = False
+    # Tokens the sampler gave no logprob for (allow_training_without_logprobs): their old
+    # policy is the policy at the job's start ("job_start"), or each step's own, so their
+    # ratio is exactly 1 on every step ("current", ART's rule).
+    unsampled_old_logprobs: Literal["job_start", "current"] = "job_start"
     aggregation: Aggregation = "token_mean"
     logprob_calculation_chunk_size: int = Field(default=1024, ge=1, le=MAX_SEQUENCE_LENGTH)
     packed_sequence_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)

@@ -23,7 +23,6 @@ Pure Python: no torch here; the forward pass turns a row into tensors.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -243,67 +242,3 @@ def merged_stats(packings: Sequence[Packing], *, row_length: int) -> dict[str, f
         if capacity
         else 0.0,
     }
-
-
-# ART shares a prefix in a row only when it is at least this long (art/preprocessing/pack.py).
-ART_MIN_SHARED_PREFIX = 64
-
-
-def _art_prompt_length(sequences: Sequence[TokenizedSequence]) -> int:
-    """What ART shares of a group's sequences: their common prefix, ending before the token
-    that predicts the first trained one."""
-    first_trained = min(
-        (sequence.trained.index(True) for sequence in sequences if any(sequence.trained)),
-        default=0,
-    )
-    common = _common_prefix_length([sequence.token_ids for sequence in sequences])
-    return max(min(common, first_trained) - 1, 0)
-
-
-def art_rows(sequences: Sequence[TokenizedSequence], *, row_length: int) -> list[list[int]]:
-    """Which sequences ART puts in each row (indices into ``sequences``), in ART's row order.
-
-    ART's placement (``prefix_tree_pack``): each group's sequences in ART's order (shuffled
-    with the group's index as seed), the groups by their longest sequence, longest first; each
-    sequence goes to the row it leaves the least room in (its group's prompt costs nothing in
-    a row that holds it already, if it is 64 tokens or more), a new row when none has room;
-    then the rows are shuffled with their number as seed. Sequences must fit ``row_length``.
-    One difference is left: ART also shares prefixes common to several groups (a system
-    prompt they all start with), which can fit more sequences in a row than this does.
-    """
-    by_group: dict[int, list[int]] = {}
-    for index, sequence in enumerate(sequences):
-        by_group.setdefault(sequence.group_index, []).append(index)
-    shared: dict[int, int] = {}
-    for group, indices in by_group.items():
-        random.Random(group).shuffle(indices)
-        prompt = _art_prompt_length([sequences[i] for i in indices])
-        shared[group] = prompt if len(indices) > 1 and prompt >= ART_MIN_SHARED_PREFIX else 0
-    ordered = sorted(
-        by_group.items(),
-        key=lambda item: max(len(sequences[i].token_ids) for i in item[1]),
-        reverse=True,
-    )
-    rows: list[list[int]] = []
-    used: list[int] = []
-    groups_in: list[set[int]] = []
-    for group, indices in ordered:
-        for index in indices:
-            length = len(sequences[index].token_ids)
-            best, best_room = None, row_length + 1
-            for position, row_used in enumerate(used):
-                cost = length - (shared[group] if group in groups_in[position] else 0)
-                room = row_length - (row_used + cost)
-                if room >= 0 and room < best_room:
-                    best, best_room = position, room
-            if best is None:
-                rows.append([])
-                used.append(0)
-                groups_in.append(set())
-                best = len(rows) - 1
-            cost = length - (shared[group] if group in groups_in[best] else 0)
-            rows[best].append(index)
-            used[best] += cost
-            groups_in[best].add(group)
-    random.Random(len(rows)).shuffle(rows)
-    return rows

@@ -18,11 +18,8 @@ from skytrain_backend.protocol import (
     SFTTrainConfig,
 )
 from skytrain_backend.trainer.advantages import art_weights
-from skytrain_backend.trainer.packing import (
-    PackedRow,
-    Packing,
-    art_rows,
-)
+from skytrain_backend.trainer.art_layout import art_layout
+from skytrain_backend.trainer.packing import PackedRow, Packing
 from skytrain_backend.trainer.progress import Position
 from skytrain_backend.trainer.tokenize import (
     TokenizedSequence,
@@ -99,10 +96,30 @@ class RLPlan:
     # The differences gathered so far while the first step has rows left to read.
     _agreement: _Agreement | None = field(default=None, repr=False)
     position: Position = field(default_factory=Position, repr=False)
+    # ART's steps: per step, ART's count for the learning-rate multiplier (``art_layout``);
+    # None: each step's number of trajectories.
+    rate_counts: list[int] | None = None
 
     @property
     def num_gradient_steps(self) -> int:
         return len(self.steps)
+
+    def learning_rate_multiplier(self, index: int) -> float:
+        """Step ``index``'s learning rate over the job's: its count (trajectories, or ART's
+        count) to the power ``num_trajectories_learning_rate_multiplier_power``. A count of 0
+        (an ART row that shares no prefix) gives 0 for a positive power, as ART's does, and 1
+        for a negative one, where ART's would fail dividing by zero."""
+        power = self.config.num_trajectories_learning_rate_multiplier_power
+        if power == 0:
+            return 1.0
+        if self.rate_counts is not None:
+            count = self.rate_counts[index]
+        else:
+            sequences = self.steps[index].sequences
+            count = len({(s.group_index, s.trajectory_index) for s in sequences})
+        if count == 0:
+            return 0.0 if power > 0 else 1.0
+        return float(count) ** power
 
     @property
     def steps_done(self) -> int:
@@ -239,17 +256,30 @@ def art_row_length(sequences: Sequence[TokenizedSequence], *, max_seq_length: in
     return min(math.ceil(longest / ART_ROW_MULTIPLE) * ART_ROW_MULTIPLE, max_seq_length)
 
 
-def _steps_per_row(
-    sequences: Sequence[TokenizedSequence], row_length: int
-) -> list[list[TokenizedSequence]]:
-    """ART's steps: one per row, the rows as ART fills and orders them (``art_rows``). The
+@dataclass
+class ArtSteps:
+    """ART's steps over a batch: the sequences of each row, each row's count for the
+    learning-rate multiplier, and what was dropped for being longer than a row."""
+
+    parts: list[list[TokenizedSequence]]
+    trajectories: list[int]
+    summary: Metrics
+
+
+def _steps_per_row(sequences: Sequence[TokenizedSequence], row_length: int) -> ArtSteps:
+    """ART's steps: one per row, the rows as ART fills and orders them (``art_layout``). The
     rows decide what each step trains on; how the trainer then lays a step out
-    (``Trainer.packing``) does not change it."""
-    kept = [
-        sequence.truncated(row_length) if len(sequence.token_ids) > row_length else sequence
-        for sequence in sequences
-    ]
-    return [[kept[index] for index in row] for row in art_rows(kept, row_length=row_length)]
+    (``Trainer.packing``) does not change it. A sequence longer than a row is dropped whole,
+    as ART drops it, and counted (``sequences/dropped``, ``tokens/dropped``)."""
+    layout = art_layout(sequences, row_length=row_length)
+    return ArtSteps(
+        parts=[[sequences[index] for index in row] for row in layout.rows],
+        trajectories=layout.trajectories,
+        summary={
+            "sequences/dropped": float(len(layout.dropped)),
+            "tokens/dropped": float(sum(sequences[i].num_trained for i in layout.dropped)),
+        },
+    )
 
 
 def _apply_art_weights(steps: Sequence[Packing], sequences: Sequence[TokenizedSequence]) -> None:

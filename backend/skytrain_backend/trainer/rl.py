@@ -40,6 +40,7 @@ from skytrain_backend.trainer.plans import (
     _apply_art_weights,
     _row_old_logprobs,
     _site_advantages,
+    _site_sampling_logprobs,
     _steps_over_groups,
     _steps_per_row,
     art_row_length,
@@ -106,14 +107,19 @@ class RLTraining(TrainerCore):
                 [s for g in sorted(part) for s in by_group[g]]
                 for part in _steps_over_groups(sorted(by_group), num_steps, seed=seed)
             ]
+            rate_counts, dropped = None, {}
         else:  # "per_row"
             requested = config.packed_sequence_length or art_row_length(
                 batch.sequences, max_seq_length=self.model_config.max_seq_length
             )
             row_length = self.row_length(requested)
-            parts = _steps_per_row(batch.sequences, row_length)
+            art_steps = _steps_per_row(batch.sequences, row_length)
+            parts, rate_counts, dropped = art_steps.parts, art_steps.trajectories, art_steps.summary
         packings = [self._pack(part, row_length) for part in parts]
-        steps = [packing for packing in packings if packing.rows]
+        kept = [index for index, packing in enumerate(packings) if packing.rows]
+        steps = [packings[index] for index in kept]
+        if rate_counts is not None:
+            rate_counts = [rate_counts[index] for index in kept]
         if batch.sequences and not steps:
             raise TrainingError(
                 f"every trained token lies beyond {row_length} tokens, so nothing is left to "
@@ -123,11 +129,12 @@ class RLTraining(TrainerCore):
             _apply_art_weights(steps, batch.sequences)
         summary = (
             batch.summary
+            | dropped
             | merged_stats(packings, row_length=row_length)
             | {"train/num_gradient_steps": float(len(steps))}
         )
         if resume_from is not None:
-            return self._resumed_rl_plan(config, steps, summary, Path(resume_from))
+            return self._resumed_rl_plan(config, steps, summary, Path(resume_from), rate_counts)
         # Dropout would make the first step's forward pass differ from the old policy's; ART's
         # KL from the sampler needs every old logprob before its step.
         art_kl_from_sample = config.kl_penalty_coef > 0 and config.kl_penalty_source == "sample"
@@ -148,6 +155,7 @@ class RLTraining(TrainerCore):
             old_logprobs=old_logprobs,
             summary=summary,
             base_step=self.step,
+            rate_counts=rate_counts,
         )
         if first_step_reads:
             plan.old_logprobs.insert(0, [None] * len(steps[0].rows))
@@ -157,7 +165,12 @@ class RLTraining(TrainerCore):
         return plan
 
     def _resumed_rl_plan(
-        self, config: RLTrainConfig, steps: list[Packing], summary: Metrics, directory: Path
+        self,
+        config: RLTrainConfig,
+        steps: list[Packing],
+        summary: Metrics,
+        directory: Path,
+        rate_counts: list[int] | None,
     ) -> RLPlan:
         progress = Progress.read(directory, kind="rl", base_step=self.step, num_steps=len(steps))
         done = progress.position.steps_done
@@ -181,6 +194,7 @@ class RLTraining(TrainerCore):
             base_step=self.step,
             warning=progress.warning,
             position=progress.position,
+            rate_counts=rate_counts,
         )
 
     @torch.no_grad()
@@ -245,6 +259,9 @@ class RLTraining(TrainerCore):
                     packing, row, logprobs.detach(), config, plan._agreement
                 )
                 step_old_logprobs[position] = old_logprobs
+            if config.unsampled_old_logprobs == "current" and not config.precalculate_logprobs:
+                unsampled = _site_sampling_logprobs(packing, row, logprobs.device).isnan()
+                old_logprobs = torch.where(unsampled, logprobs.detach(), old_logprobs)
             advantages, weights, sequence_ids = _site_advantages(packing, row, self.policy.device)
             ratio = importance_ratio(
                 logprobs, old_logprobs, sequence_ids, level=config.importance_sampling_level
@@ -290,10 +307,7 @@ class RLTraining(TrainerCore):
         totals = defaultdict(float, self.shards.sum(dict(totals)))
         if plan._agreement is not None:
             self._finish_agreement(plan, plan._agreement)
-        trajectories = {(s.group_index, s.trajectory_index) for s in packing.sequences}
-        learning_rate = config.learning_rate * len(trajectories) ** (
-            config.num_trajectories_learning_rate_multiplier_power
-        )
+        learning_rate = config.learning_rate * plan.learning_rate_multiplier(index)
         grad_norm = self._optimizer_step(
             learning_rate=learning_rate,
             weight_decay=config.weight_decay,
