@@ -6,6 +6,7 @@ over HTTP, on SQLite (the database is not what these tests test)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -166,7 +167,10 @@ def test_a_checkpoint_uploaded_while_the_store_stops_is_committed_once_it_is_bac
             f"/jobs/{job_id}/files/{second}", params={"attempt": 1}, content=big
         )
         _assert_store_unreachable(refused, plane)
-        files = [{"name": name, "size": len(data)} for name, data in ADAPTER.items()]
+        files = [
+            {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            for name, data in ADAPTER.items()
+        ]
         completion = {"attempt": 1, "step": 1, "metrics": {}, "files": files}
         not_committed = as_worker.post(f"/jobs/{job_id}/complete", json=completion)
         _assert_store_unreachable(not_committed, plane)

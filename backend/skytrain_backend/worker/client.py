@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,6 +50,7 @@ from skytrain_backend.protocol import (
     JobPreemption,
     LeasedJob,
     LeaseRenewed,
+    StagedFile,
     WorkerEventType,
     WorkerRegistered,
     WorkerRegistration,
@@ -234,7 +236,7 @@ class ControlPlaneClient:
             attempt=attempt,
             step=step,
             metrics=metrics,
-            files=[CheckpointFile(name=f.name, size=f.stat().st_size) for f in files],
+            files=await asyncio.to_thread(lambda: [_staged(f) for f in files]),
         )
         response = await self._send("POST", f"/jobs/{job_id}/complete", json=_body(body))
         return _answer(JobCompleted, response)
@@ -412,6 +414,17 @@ async def until_stopped(call: Awaitable[T], stopping: asyncio.Event) -> T | None
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return None if task.cancelled() else task.result()
+
+
+def _staged(path: Path, chunk_bytes: int = 1 << 20) -> StagedFile:
+    """What the control plane checks the staged copy of ``path`` against before it commits."""
+    sha256 = hashlib.sha256()
+    size = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            sha256.update(chunk)
+            size += len(chunk)
+    return StagedFile(name=path.name, size=size, sha256=sha256.hexdigest())
 
 
 async def _file_chunks(path: Path, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:

@@ -398,7 +398,7 @@ def complete(
             attempt=body.attempt,
             step=body.step,
             metrics=body.metrics,
-            files=[item.name for item in body.files],
+            files=body.files,
         ),
     )
     metrics.record_job_completion(body.metrics)
