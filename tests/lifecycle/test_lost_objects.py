@@ -5,15 +5,19 @@ do, with no key or path of the store; and ``skytrain storage check`` lists the r
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner, Result
 
 from skytrain_backend.cli import app
 from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.errors import ObjectDamaged
 from skytrain_backend.storage import LocalObjectStore, keys
+from skytrain_backend.worker.client import ControlPlaneClient
 from tests.api.support import group
 from tests.lifecycle.conftest import Who, WorkerClient
 
@@ -45,7 +49,7 @@ def _committed_step(alice: Who, worker: WorkerClient, model_id: str) -> str:
     return str(completed.json()["checkpoint_id"])
 
 
-def _storage_check(settings: Settings) -> Result:
+def _storage_check(settings: Settings, *args: str) -> Result:
     """`skytrain storage check` as the operator's shell runs it (settings from the
     environment), through Typer's runner."""
     env = {
@@ -55,7 +59,7 @@ def _storage_check(settings: Settings) -> Result:
     }
     get_settings.cache_clear()
     try:
-        return CliRunner().invoke(app, ["storage", "check"], env=env)
+        return CliRunner().invoke(app, ["storage", "check", *args], env=env)
     finally:
         get_settings.cache_clear()
 
@@ -80,6 +84,11 @@ def _cut_short(store: LocalObjectStore, prefix: str) -> None:
     )
 
 
+LOST_FILE = {
+    "one file deleted": "adapter_model.safetensors is missing",
+    "every file deleted": "adapter_config.json is missing",
+    "a file cut short": "adapter_model.safetensors holds 100 bytes, not 4096",
+}
 LOSSES: dict[str, Callable[[LocalObjectStore, str], None]] = {
     "one file deleted": _delete_one,
     "every file deleted": _delete_all,
@@ -110,9 +119,10 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
     error = listed.json()["error"]
     assert error["type"] == "object_damaged"
     message = _damaged(listed.text, listed.status_code, lifecycle_store)
-    assert f"step 1 of model {model_id} was committed with {sum(map(len, ADAPTER.values()))}" in (
+    assert f"step 1 of model {model_id} is damaged in the object store since its commit" in (
         message
     )
+    assert LOST_FILE[loss] in message
     assert "skytrain storage check" in message
     downloaded = alice.http.get(f"{listing}/adapter_config.json", params={"redirect": "false"})
     assert downloaded.json()["error"]["type"] == "object_damaged"
@@ -124,9 +134,10 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
 
     checked = _storage_check(lifecycle_settings)
     assert checked.exit_code == 1, checked.stdout
-    (line,) = [line for line in checked.stdout.splitlines() if checkpoint_id in line]
-    state = "missing" if loss == "every file deleted" else "wrong size"
-    assert "checkpoint" in line and state in line
+    lines = [line for line in checked.stdout.splitlines() if checkpoint_id in line]
+    assert len(lines) == (2 if loss == "every file deleted" else 1)
+    state = "wrong size" if loss == "a file cut short" else "missing"
+    assert all("checkpoint" in line and state in line for line in lines)
 
 
 def test_storage_check_lists_a_pending_jobs_lost_input(
@@ -146,3 +157,57 @@ def test_storage_check_lists_a_pending_jobs_lost_input(
     assert checked.exit_code == 1, checked.stdout
     (line,) = [line for line in checked.stdout.splitlines() if job_id in line]
     assert "job input" in line and "missing" in line
+
+
+def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loading_it(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_url: str,
+    lifecycle_store: LocalObjectStore,
+    lifecycle_settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """The same length, other bytes: no listing can tell, so the worker checks the SHA-256
+    committed with the step as it downloads, and `storage check --read` reads it back."""
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    checkpoint_id = _committed_step(alice, worker, model_id)
+    prefix = keys.checkpoint_prefix(tenant_id=alice.tenant_id, model_id=model_id, step=1)
+    weights = ADAPTER["adapter_model.safetensors"]
+    lifecycle_store.put_bytes(prefix + "adapter_model.safetensors", b"\xff" + weights[1:])
+    token = worker.http.headers["Authorization"].removeprefix("Bearer ")
+
+    async def load() -> None:
+        client = ControlPlaneClient(lifecycle_url, token, retry_for_s=0)
+        try:
+            listing = await client.list_checkpoint_files(model_id, 1)
+            committed = {item["name"]: item["sha256"] for item in listing}
+            assert committed == {n: hashlib.sha256(d).hexdigest() for n, d in ADAPTER.items()}
+            good = await client.download_checkpoint_file(
+                model_id,
+                1,
+                "adapter_config.json",
+                tmp_path / "adapter_config.json",
+                sha256=committed["adapter_config.json"],
+            )
+            assert good.read_bytes() == ADAPTER["adapter_config.json"]
+            with pytest.raises(ObjectDamaged, match="SHA-256 other than the one committed"):
+                await client.download_checkpoint_file(
+                    model_id,
+                    1,
+                    "adapter_model.safetensors",
+                    tmp_path / "adapter_model.safetensors",
+                    sha256=committed["adapter_model.safetensors"],
+                )
+        finally:
+            await client.aclose()
+
+    asyncio.run(load())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json"]  # no damaged file
+
+    assert checkpoint_id not in _storage_check(lifecycle_settings).stdout  # sizes all match
+    checked = _storage_check(lifecycle_settings, "--read")
+    assert checked.exit_code == 1, checked.stdout
+    (line,) = [line for line in checked.stdout.splitlines() if checkpoint_id in line]
+    assert "corrupt" in line

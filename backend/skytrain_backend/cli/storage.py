@@ -11,11 +11,18 @@ app.add_typer(storage_app, name="storage")
 
 
 @storage_app.command("check")
-def storage_check() -> None:
-    """List every row whose object is missing from the store or not the size recorded: live
-    checkpoints (their files' total against the size committed), logged batches and the
-    inputs of unfinished jobs. Reads one listing per model, no object. Exits 1 when it finds
-    any, so a cron job or a health check can alert on it."""
+def storage_check(
+    read: bool = typer.Option(
+        False,
+        "--read",
+        help="Also read every checkpoint file back and check its SHA-256 (slow: every byte).",
+    ),
+) -> None:
+    """List every row whose object is missing from the store or not the size recorded: each
+    file of a live checkpoint (or, for rows committed before files were recorded, their
+    total), logged batches and the inputs of unfinished jobs. Reads one listing per model;
+    with --read, also each checkpoint file (``corrupt``: not the SHA-256 committed). Exits 1
+    when it finds any, so a cron job or a health check can alert on it."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.errors import SkytrainError
     from skytrain_backend.scheduler import integrity
@@ -25,7 +32,7 @@ def storage_check() -> None:
     with _session() as session:
         try:
             store = open_object_store(settings.resolved_object_store_url, settings)
-            problems = list(integrity.check_storage(session, store=store))
+            problems = list(integrity.check_storage(session, store=store, read=read))
         except SkytrainError as exc:
             raise _fail(exc.message) from None
     if not problems:

@@ -397,6 +397,7 @@ def complete_job(
         uri=store.uri(prefix.rstrip("/")),
         metrics=metrics,
         size_bytes=total,
+        files=[item.model_dump() for item in files],
     )
     session.add(checkpoint)
     # The worker loaded and verified the new adapter before completing: it serves it now, so

@@ -97,16 +97,17 @@ def get_checkpoint(
 
 
 def _files(session: Session, store: ObjectStore, *, model: Model, step: int) -> dict[str, int]:
-    """The step's files as the store holds them (``ObjectDamaged`` if they are not what was
-    committed), listed with no transaction open."""
-    committed = integrity.committed_bytes(
+    """The step's files and sizes as the store holds them (``ObjectDamaged`` if they are not
+    what was committed), listed with no transaction open."""
+    expected = integrity.committed(
         checkpoints.get_checkpoint(session, model_id=model.id, step=step)
     )
     tenant_id, model_id = model.tenant_id, model.id
     session.rollback()
-    return integrity.checkpoint_files(
-        store, tenant_id=tenant_id, model_id=model_id, step=step, committed=committed
+    files = integrity.checkpoint_files(
+        store, tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
     )
+    return {name: int(item["size"]) for name, item in files.items()}
 
 
 @router.get("/{step}/files", response_model=CheckpointFilesPublic)

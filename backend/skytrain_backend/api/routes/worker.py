@@ -473,19 +473,20 @@ def _saved_state_prefix(session: SessionDep, *, worker: Worker, job_id: str) -> 
 def checkpoint_files(
     model_id: str, step: int, worker: WorkerDep, session: SessionDep, store: StoreDep
 ) -> dict[str, Any]:
-    """A step's files, to load it: ``ObjectDamaged`` (with the step named) when the store no
-    longer holds what was committed, rather than a model loaded from what is left."""
+    """A step's files, to load it: ``{data: [{name, size, sha256?}]}`` (the SHA-256 as
+    committed, for the worker to check what it downloads), or ``ObjectDamaged`` (with the step
+    named) when the store no longer holds what was committed."""
     model = _placed_model(session, worker=worker, model_id=model_id)
     row = session.scalar(
         select(Checkpoint).where(Checkpoint.model_id == model.id, Checkpoint.step == step)
     )
-    committed = None if row is None else integrity.committed_bytes(row)
+    expected = None if row is None else integrity.committed(row)
     tenant_id = model.tenant_id
     session.rollback()
     files = integrity.checkpoint_files(
-        store, tenant_id=tenant_id, model_id=model_id, step=step, committed=committed
+        store, tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
     )
-    return {"data": [{"name": name, "size": size} for name, size in sorted(files.items())]}
+    return {"data": [files[name] for name in sorted(files)]}
 
 
 @router.get("/models/{model_id}/checkpoints/{step}/files/{name}")
