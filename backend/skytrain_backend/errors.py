@@ -23,6 +23,7 @@ skytrain can still catch it. The API maps them to HTTP in one handler (``status_
     │   └── MachineTooSmall                     (a worker's host or GPU is short of its plan)
     ├── StorageError (OSError)                  502
     │   └── StoreUnavailable                    503 (+ Retry-After)
+    ├── ObjectDamaged (OSError)                 500 (a committed row's objects are gone)
     ├── EngineError (RuntimeError)              502
     │   ├── EngineRefused                       (the engine answered 4xx)
     │   └── EngineTimeout                       (no answer in the time given)
@@ -175,6 +176,15 @@ class StoreUnavailable(StorageError):
     status_code = 503
     type = "storage_unavailable"
     retry_after_s = 5.0
+
+
+class ObjectDamaged(SkytrainError, OSError):
+    """What the store holds for a committed row is missing or not what was committed. Its
+    message names the row (a model and step, never a key or the store's location): the
+    caller is told, and the operator's ``skytrain storage check`` lists every such row."""
+
+    status_code = 500
+    type = "object_damaged"
 
 
 class EngineError(SkytrainError, RuntimeError):

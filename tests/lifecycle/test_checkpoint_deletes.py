@@ -5,6 +5,7 @@ live or deleted, ever points at files that are gone."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 from sqlalchemy import select
@@ -143,7 +144,10 @@ def test_heartbeat_and_next_job_use_the_latest_live_step(
             f"/jobs/{job_id}/files/{file_name}", params={"attempt": 1}, content=data
         )
         assert uploaded.status_code == 204, uploaded.text
-    files = [{"name": n, "size": len(d)} for n, d in ADAPTER.items()]
+    files = [
+        {"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+        for n, d in ADAPTER.items()
+    ]
     completed = worker.http.post(
         f"/jobs/{job_id}/complete", json={"attempt": 1, "step": 3, "metrics": {}, "files": files}
     )

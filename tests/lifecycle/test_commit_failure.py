@@ -3,6 +3,7 @@ cause, and leaves neither staged files nor half a checkpoint behind."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 from sqlalchemy import select
@@ -36,7 +37,10 @@ def test_a_store_failure_during_commit_fails_the_job_with_its_cause_and_no_lefto
         assert staged.status_code == 204
 
     model_prefix = keys.model_prefix(tenant_id=alice.tenant_id, model_id=model_id)
-    files = [{"name": name, "size": len(data)} for name, data in ADAPTER.items()]
+    files = [
+        {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for name, data in ADAPTER.items()
+    ]
     # The model's directory takes no new entry: its checkpoints/ directory cannot be made.
     with undeletable(lifecycle_store.root / model_prefix):
         completed = worker.http.post(

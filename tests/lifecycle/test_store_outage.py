@@ -6,10 +6,16 @@ over HTTP, on SQLite (the database is not what these tests test)."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
+import signal
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 import httpx
 import pytest
@@ -18,10 +24,11 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.app import create_app
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
-from skytrain_backend.db.models import Model
+from skytrain_backend.db.models import Model, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.storage import ObjectStore, open_object_store
 from skytrain_backend.storage import keys as object_keys
+from skytrain_backend.storage.s3 import MULTIPART_THRESHOLD
 from tests.api.support import group
 from tests.fixtures.seaweedfs import SeaweedFS
 from tests.fixtures.services import MakeSettings
@@ -166,7 +173,10 @@ def test_a_checkpoint_uploaded_while_the_store_stops_is_committed_once_it_is_bac
             f"/jobs/{job_id}/files/{second}", params={"attempt": 1}, content=big
         )
         _assert_store_unreachable(refused, plane)
-        files = [{"name": name, "size": len(data)} for name, data in ADAPTER.items()]
+        files = [
+            {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            for name, data in ADAPTER.items()
+        ]
         completion = {"attempt": 1, "step": 1, "metrics": {}, "files": files}
         not_committed = as_worker.post(f"/jobs/{job_id}/complete", json=completion)
         _assert_store_unreachable(not_committed, plane)
@@ -197,3 +207,72 @@ def test_a_checkpoint_uploaded_while_the_store_stops_is_committed_once_it_is_bac
     assert sorted(plane.objects(model_id)) == sorted(
         [f"jobs/{job_id}/input.jsonl"] + [f"checkpoints/1/{name}" for name in ADAPTER]
     )
+
+
+def _incompressible_groups(count: int, text_bytes: int) -> list[dict[str, object]]:
+    """Groups whose prompts are random text: zstd cannot shrink them much, so the stored
+    batch is about as large as the JSON (over the store's multipart threshold)."""
+    groups = []
+    for _ in range(count):
+        made = group(1.0, 0.0)
+        for trajectory in made["trajectories"]:
+            prompt = base64.b64encode(os.urandom(text_bytes * 3 // 4)).decode()
+            trajectory["messages_and_choices"][1]["content"] = prompt
+        groups.append(made)
+    return groups
+
+
+def _stop_once_a_part_is_in(plane: Plane, stopped: list[bool]) -> None:
+    """Stop the store as soon as the control plane's multipart upload of the batch has a
+    part in it: frozen at once (SIGSTOP: the parts still to come can go nowhere), then
+    killed. ``stopped`` says whether that happened."""
+    client = plane.s3.client()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        for upload in client.list_multipart_uploads(Bucket=plane.bucket).get("Uploads", []):
+            parts = client.list_parts(
+                Bucket=plane.bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+            )
+            if parts.get("Parts"):
+                assert plane.s3.process is not None
+                plane.s3.process.send_signal(signal.SIGSTOP)
+                plane.s3.stop()
+                stopped.append(True)
+                return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+def test_a_multipart_batch_cut_by_the_store_stopping_commits_nothing_and_retries_whole(
+    plane: Plane,
+) -> None:
+    model_id = plane.create_model()
+    groups = _incompressible_groups(128, 176 * 1024)  # ~45 MB of JSON: a multipart batch
+    body = json.dumps({"model_id": model_id, "trajectory_groups": groups}).encode()
+    assert len(body) > 2.5 * MULTIPART_THRESHOLD
+    stopped: list[bool] = []
+    watcher = threading.Thread(target=_stop_once_a_part_is_in, args=(plane, stopped))
+    watcher.start()
+    try:
+        refused = plane.http.post(
+            "/v1/training-jobs", content=body, headers={"content-type": "application/json"}
+        )
+    finally:
+        watcher.join()
+    assert stopped == [True]
+    _assert_store_unreachable(refused, plane)
+    plane.s3.start_again()
+    listed = plane.http.get("/v1/training-jobs", params={"model_id": model_id})
+    assert listed.status_code == 200 and listed.json()["data"] == []  # no row
+    assert plane.objects(model_id) == []  # and no object: the parts never became one
+
+    accepted = plane.http.post(
+        "/v1/training-jobs", content=body, headers={"content-type": "application/json"}
+    )
+    assert accepted.status_code == 201, accepted.text
+    job_id = accepted.json()["id"]
+    assert plane.objects(model_id) == [f"jobs/{job_id}/input.jsonl"]
+    prefix = object_keys.model_prefix(tenant_id=plane.tenant_id, model_id=model_id)
+    assert plane.store.list(prefix)[0].size > MULTIPART_THRESHOLD  # in parts this time too
+    # What the cut upload left (its parts) is the sweep's: aborted as a stale upload.
+    assert plane.store.abort_stale_uploads(started_before=utcnow() + timedelta(hours=1)) >= 1

@@ -3,6 +3,7 @@ commits, cancellation, one running job per model."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -28,6 +29,7 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.db.tenants import TenantLimits
+from skytrain_backend.protocol import StagedFile
 from skytrain_backend.scheduler import placement, queue, scale_in
 from skytrain_backend.scheduler.serving import serving_status
 from skytrain_backend.storage import LocalObjectStore
@@ -94,10 +96,19 @@ def _place(session: Session, model: Model, worker: Worker) -> None:
     session.commit()
 
 
-def _stage_files(store: LocalObjectStore, job: TrainingJob, model: Model, attempt: int) -> None:
+def _stage_files(
+    store: LocalObjectStore, job: TrainingJob, model: Model, attempt: int
+) -> list[StagedFile]:
+    """Stage an adapter's files for ``attempt``; what its worker's completion says of them."""
+    staged = []
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         key = queue.staged_file_key(job, tenant_id=model.tenant_id, attempt=attempt, name=name)
-        store.put_bytes(key, f"{name} of attempt {attempt}".encode())
+        data = f"{name} of attempt {attempt}".encode()
+        store.put_bytes(key, data)
+        staged.append(
+            StagedFile(name=name, size=len(data), sha256=hashlib.sha256(data).hexdigest())
+        )
+    return staged
 
 
 def test_concurrent_workers_never_lease_the_same_job(sessions: sessionmaker[Session]) -> None:
@@ -242,12 +253,12 @@ def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
         _place(session, model, old_worker)
         job = _job(session, model)
         queue.lease_job(session, worker=old_worker, lease_s=LEASE_S)
-        _stage_files(store, job, model, attempt=1)
+        stale = _stage_files(store, job, model, attempt=1)
         _expire(session, job.id)
         queue.expire_leases(session)  # the old worker went silent; the job is queued again
         _place(session, model, new_worker)
         assert queue.lease_job(session, worker=new_worker, lease_s=LEASE_S) is not None
-        _stage_files(store, job, model, attempt=2)
+        staged = _stage_files(store, job, model, attempt=2)
         queue.complete_job(
             session,
             store=store,
@@ -256,7 +267,7 @@ def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
             attempt=2,
             step=1,
             metrics={"loss/policy": 0.5},
-            files=["adapter_config.json", "adapter_model.safetensors"],
+            files=staged,
         )
         # The stale first attempt wakes up and tries to commit its result and upload again.
         with pytest.raises(queue.LeaseLost):
@@ -268,7 +279,7 @@ def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
                 attempt=1,
                 step=1,
                 metrics={},
-                files=["adapter_config.json"],
+                files=stale[:1],
             )
         with pytest.raises(queue.LeaseLost):
             queue.renew_lease(session, worker=old_worker, job_id=job.id, attempt=1, lease_s=LEASE_S)
@@ -302,7 +313,7 @@ def test_a_commit_from_a_sleeping_worker_serves_the_new_step_on_the_next_request
         worker.status = "sleeping"  # its heartbeat as the engine went to sleep
         session.commit()
         assert serving_status(session, model=model).state == "training"
-        _stage_files(store, job, model, attempt=1)
+        staged = _stage_files(store, job, model, attempt=1)
         queue.complete_job(
             session,
             store=store,
@@ -311,7 +322,7 @@ def test_a_commit_from_a_sleeping_worker_serves_the_new_step_on_the_next_request
             attempt=1,
             step=1,
             metrics={},
-            files=["adapter_config.json", "adapter_model.safetensors"],
+            files=staged,
         )
         routed = serving_status(session, model=model)
         assert (routed.ready, routed.step, routed.worker_id) == (True, 1, worker.id)

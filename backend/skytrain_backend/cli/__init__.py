@@ -4,6 +4,7 @@
 - ``workers``: ``worker``, ``workers``, ``jobs``, ``logs``;
 - ``models``: ``models list|show|delete`` (every tenant's, for the operator);
 - ``status``: the whole deployment on one screen;
+- ``storage``: ``storage check`` (rows whose objects are missing or damaged);
 - ``demo``.
 
 Every command imports what it needs inside its function, so ``skytrain --help`` and the
@@ -12,10 +13,10 @@ control plane's commands never load torch.
 
 from __future__ import annotations
 
-from skytrain_backend.cli import control, demo, models, status, workers
+from skytrain_backend.cli import control, demo, models, status, storage, workers
 from skytrain_backend.cli._common import app
 
-__all__ = ["app", "control", "demo", "main", "models", "status", "workers"]
+__all__ = ["app", "control", "demo", "main", "models", "status", "storage", "workers"]
 
 
 def main() -> None:

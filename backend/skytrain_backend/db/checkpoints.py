@@ -95,6 +95,7 @@ def mark_deleted(session: Session, *, model_id: str, steps: list[int]) -> list[C
     for checkpoint in found:
         checkpoint.deleted_at = now
         checkpoint.size_bytes = 0
+        checkpoint.files = None
         checkpoint.purge_pending = checkpoint.uri is not None
         checkpoint.uri = None
     session.commit()

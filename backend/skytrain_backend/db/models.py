@@ -165,6 +165,9 @@ class Checkpoint(Base):
     uri: Mapped[str | None] = mapped_column(Text)
     metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # The files as committed: [{"name", "size", "sha256"}] (null for rows older than it, and
+    # for step 0); readers check the store against it.
+    files: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
     created_at: Mapped[datetime] = _created_at()
     deleted_at: Mapped[datetime | None]
     # Deleted, and its files may still be in the store: the scheduler's sweep removes them.

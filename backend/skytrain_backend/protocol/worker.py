@@ -171,10 +171,17 @@ class CheckpointFile(BaseModel):
     size: int = Field(ge=0)
 
 
+class StagedFile(CheckpointFile):
+    """A file the worker staged, as it has it on its disk: the control plane reads the staged
+    object back and commits nothing unless both match."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="lowercase hex SHA-256")
+
+
 class JobCompletion(JobAttempt):
     step: int = Field(ge=1)
     metrics: dict[str, float] = Field(default_factory=dict)
-    files: list[CheckpointFile] = Field(min_length=1, max_length=64)
+    files: list[StagedFile] = Field(min_length=1, max_length=64)
 
 
 class JobCompleted(BaseModel):

@@ -9,7 +9,8 @@
   written before a grace period, is deleted. Such objects are what a crash leaves between
   writing an object and committing its row (a checkpoint copied but never committed, a job's
   input whose row never came, files staged by an attempt that is over and whose state the job
-  does not resume from), or what a failed delete left. The grace period spares objects whose row is about to be committed. Uploaded
+  does not resume from, a Tinker operation's body whose row never came), or what a failed
+  delete left. The grace period spares objects whose row is about to be committed. Uploaded
   files (``tenants/{id}/files/``) have no rows and are kept.
 - Writes that never finished (``abort_stale_uploads``): an S3 multipart upload or a local
   temporary file that a process killed mid-write left, once a day old (no request's upload
@@ -25,7 +26,14 @@ from datetime import datetime, timedelta
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, TrajectoryBatch
+from skytrain_backend.db.models import (
+    Checkpoint,
+    Model,
+    TinkerRequest,
+    TinkerRun,
+    TrainingJob,
+    TrajectoryBatch,
+)
 from skytrain_backend.errors import StorageError
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES
 from skytrain_backend.storage import ObjectStore, keys
@@ -83,6 +91,8 @@ class _ModelRows:
     # id -> (status, attempts, the attempt whose staged files hold its saved state)
     jobs: dict[str, tuple[str, int, int | None]] = field(default_factory=dict)
     batches: set[str] = field(default_factory=set)
+    # The seq_ids of the Tinker operations of the model's run (``tinker/ops/{seq_id}/``).
+    tinker_ops: set[str] = field(default_factory=set)
 
 
 def collect_garbage(session: Session, *, store: ObjectStore, written_before: datetime) -> int:
@@ -133,11 +143,17 @@ def _model_rows(session: Session, *, tenant_id: str, model_id: str) -> _ModelRow
     batches = session.scalars(
         select(TrajectoryBatch.id).where(TrajectoryBatch.model_id == model_id)
     )
+    tinker_ops = session.scalars(
+        select(TinkerRequest.seq_id)
+        .join(TinkerRun, TinkerRun.id == TinkerRequest.run_id)
+        .where(TinkerRun.model_id == model_id)
+    )
     return _ModelRows(
         exists=True,
         checkpoint_steps={str(step) for step in steps},
         jobs={job_id: (status, attempts, saved) for job_id, status, attempts, saved in jobs},
         batches=set(batches),
+        tinker_ops={str(seq_id) for seq_id in tinker_ops},
     )
 
 
@@ -150,6 +166,8 @@ def _referenced(rows: _ModelRows, rest: list[str]) -> bool:
         return rest[1] in rows.checkpoint_steps
     if kind == "logs":
         return rest[1].removesuffix(".jsonl") in rows.batches
+    if kind == "tinker" and len(rest) >= 3 and rest[1] == "ops":
+        return rest[2] in rows.tinker_ops
     if kind == "jobs" and rest[1] in rows.jobs:
         if len(rest) == 3:
             return True  # the job's input

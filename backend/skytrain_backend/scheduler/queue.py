@@ -7,8 +7,10 @@ silent, the job was leased again) cannot touch the job any more: its calls get 4
 
 Exactly-once steps: a job's result is committed by ``complete_job`` in one transaction that
 checks the lease, inserts the checkpoint row (unique per model and step) and finishes the job.
-Its files were uploaded under the attempt's own staging prefix and are copied into place
-before that transaction, so a stale attempt can never overwrite a committed checkpoint.
+Its files were uploaded under the attempt's own staging prefix, are checked against the sizes
+and SHA-256s the worker sent and copied into place before that transaction, with no
+transaction open: the lease is checked before the copies and again in that transaction, so a
+stale attempt copies nothing over a committed checkpoint and commits nothing.
 
 Time slices: a running job that has held its worker longer than ``job_time_slice_s`` while
 another tenant's job waits for that worker is asked to yield (``request_yields``). Its worker
@@ -43,7 +45,12 @@ from skytrain_backend.errors import (
     StoreUnavailable,
 )
 from skytrain_backend.observability import metrics as observed
-from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, CheckpointFile, ModelConfig
+from skytrain_backend.protocol import (
+    TERMINAL_JOB_STATUSES,
+    CheckpointFile,
+    ModelConfig,
+    StagedFile,
+)
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
 
@@ -343,50 +350,60 @@ def complete_job(
     attempt: int,
     step: int,
     metrics: dict[str, float],
-    files: list[str],
+    files: Sequence[StagedFile],
 ) -> Checkpoint:
-    """Commit the attempt's checkpoint and finish the job, once."""
+    """Commit the attempt's checkpoint and finish the job, once.
+
+    Three phases, so that no transaction (nor the job's row lock) is held while the store
+    works: a short transaction checks the lease and the step; then, with no connection held,
+    each staged file is read back and checked against the size and SHA-256 the worker sent
+    (a mismatch commits nothing: InvalidRequest) and copied into place; then a short
+    transaction checks the lease again, inserts the checkpoint row and finishes the job."""
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
     model = session.get_one(Model, job.model_id)
-    expected = registry.next_step(session, model_id=model.id)
-    if step != expected:
-        raise InvalidRequest(f"job {job_id} trains step {expected}, not step {step}")
+    _check_next_step(session, job=job, step=step)
     if not files:
         raise InvalidRequest("a checkpoint needs its files")
-    prefix = keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
-    staged = keys.model_prefix(tenant_id=model.tenant_id, model_id=model.id) + f"jobs/{job.id}/"
-    total = 0
+    tenant_id, model_id = model.tenant_id, model.id
+    prefix = keys.checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step)
+    staged = keys.model_prefix(tenant_id=tenant_id, model_id=model_id) + f"jobs/{job.id}/"
+    attempt_prefix = _staged_prefix(job, tenant_id=tenant_id, attempt=attempt)
+    session.rollback()  # the row lock and the connection go back before the store works
     try:
-        for name in files:
-            source = staged_file_key(job, tenant_id=model.tenant_id, attempt=attempt, name=name)
-            total += store.copy(source, prefix + name)
+        _check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
+        total = sum(store.copy(attempt_prefix + item.name, prefix + item.name) for item in files)
     except StoreUnavailable as exc:
         # The store is away for now: nothing is committed, the job stays leased and its staged
         # files stay where they are, so the worker's retry commits once the store is back
         # (copying again over what was copied; the garbage sweep takes that if none comes).
-        session.rollback()
         raise StoreUnavailable(
             f"the object store could not be reached while committing step {step} of job "
-            f"{job.id}; nothing was committed: retry ({exc.message})"
+            f"{job_id}; nothing was committed: retry ({exc.message})"
         ) from exc
     except StorageError as exc:
+        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
         _fail_commit(session, store=store, job=job, step=step, prefixes=(prefix, staged), exc=exc)
         raise StorageError(
-            f"the object store failed while committing step {step} of job {job.id}; the job "
+            f"the object store failed while committing step {step} of job {job_id}; the job "
             "has failed and its files were removed"
         ) from exc
+    # The lease is checked again: a worker whose lease was lost while the files were copied
+    # commits nothing (LeaseLost), and the step's files are the next attempt's to copy over.
+    job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+    _check_next_step(session, job=job, step=step)
     checkpoint = Checkpoint(
-        model_id=model.id,
+        model_id=model_id,
         step=step,
         uri=store.uri(prefix.rstrip("/")),
         metrics=metrics,
         size_bytes=total,
+        files=[item.model_dump() for item in files],
     )
     session.add(checkpoint)
     # The worker loaded and verified the new adapter before completing: it serves it now, so
     # the request that follows training_ended goes to the new step.
-    served = [item for item in worker.served or [] if item.get("model_id") != model.id]
-    worker.served = [*served, {"model_id": model.id, "step": step}]
+    served = [item for item in worker.served or [] if item.get("model_id") != model_id]
+    worker.served = [*served, {"model_id": model_id, "step": step}]
     _woke(worker)
     now = utcnow()
     observed.JOBS_ENDED.labels(status="succeeded").inc()
@@ -400,6 +417,35 @@ def complete_job(
     session.commit()
     _delete_quietly(store, staged + "attempts/")
     return checkpoint
+
+
+def _check_next_step(session: Session, *, job: TrainingJob, step: int) -> None:
+    expected = registry.next_step(session, model_id=job.model_id)
+    if step != expected:
+        raise InvalidRequest(f"job {job.id} trains step {expected}, not step {step}")
+
+
+def _check_staged(
+    store: ObjectStore, *, prefix: str, files: Sequence[StagedFile], job_id: str, step: int
+) -> None:
+    """Each file is in the store under ``prefix`` with the size and SHA-256 the worker sent:
+    one listing for the sizes (a truncated upload fails here, unread), then each file read
+    back and hashed. InvalidRequest naming every file that differs."""
+    stored = {info.key.removeprefix(prefix): info.size for info in store.list(prefix)}
+    wrong = []
+    for item in files:
+        size = stored.get(item.name)
+        if size is None:
+            wrong.append(f"{item.name} is not staged")
+        elif size != item.size:
+            wrong.append(f"{item.name} is staged with {size} bytes, not {item.size}")
+        elif store.digest(prefix + item.name).sha256 != item.sha256:
+            wrong.append(f"{item.name} is staged with a SHA-256 other than {item.sha256}")
+    if wrong:
+        raise InvalidRequest(
+            f"the checkpoint of step {step} of job {job_id} was not committed: "
+            f"{'; '.join(wrong)}. Upload each file with PUT .../files/{{name}} again"
+        )
 
 
 def _fail_commit(

@@ -299,8 +299,13 @@ def submit(
         operation.error_category = "user"
         operation.finished_at = utcnow()
     elif body is not None:
+        # The body (up to the request limit) goes to the store with no transaction open and
+        # no connection held; the run is checked again after. An object whose row never
+        # comes is the garbage sweep's, and the same seq_id sent again writes the same key.
         key = input_key(run, seq_id)
+        session.rollback()
         store.put_bytes(key, body)
+        check_open(session, run=run)
         operation.input_uri = store.uri(key)
     session.add(operation)
     run.last_request_at = utcnow()

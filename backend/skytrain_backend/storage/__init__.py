@@ -10,11 +10,18 @@ from urllib.parse import unquote, urlparse
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ConfigurationError
-from skytrain_backend.storage.base import ObjectInfo, ObjectStore, ObjectWriter, check_key
+from skytrain_backend.storage.base import (
+    ObjectDigest,
+    ObjectInfo,
+    ObjectStore,
+    ObjectWriter,
+    check_key,
+)
 from skytrain_backend.storage.local import LocalObjectStore
 
 __all__ = [
     "LocalObjectStore",
+    "ObjectDigest",
     "ObjectInfo",
     "ObjectStore",
     "ObjectWriter",

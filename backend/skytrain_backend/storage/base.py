@@ -13,6 +13,7 @@ operator's log only.
 from __future__ import annotations
 
 import abc
+import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -30,6 +31,13 @@ class ObjectInfo:
     size: int
     # When the object was last written (UTC), as the store reports it.
     modified: datetime
+
+
+@dataclass(frozen=True)
+class ObjectDigest:
+    size: int
+    # Lowercase hex, as ``hashlib``'s ``hexdigest`` writes it.
+    sha256: str
 
 
 def check_key(key: str) -> str:
@@ -93,6 +101,17 @@ class ObjectStore(abc.ABC):
 
     @abc.abstractmethod
     def download_file(self, key: str, path: Path) -> None: ...
+
+    def digest(self, key: str) -> ObjectDigest:
+        """The object's size and SHA-256, read back from the store in chunks (memory stays
+        bounded whatever its size): what is really stored, not what a writer meant to store.
+        Raises ObjectMissing if there is none."""
+        sha256 = hashlib.sha256()
+        size = 0
+        for chunk in self.iter_chunks(key):
+            sha256.update(chunk)
+            size += len(chunk)
+        return ObjectDigest(size=size, sha256=sha256.hexdigest())
 
     @abc.abstractmethod
     def copy(self, source_key: str, dest_key: str) -> int:

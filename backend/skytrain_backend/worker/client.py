@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -32,7 +33,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from skytrain_backend.errors import LeaseLost, SkytrainError
+from skytrain_backend.errors import LeaseLost, ObjectDamaged, SkytrainError
 from skytrain_backend.protocol import (
     CheckpointFile,
     Heartbeat,
@@ -49,6 +50,7 @@ from skytrain_backend.protocol import (
     JobPreemption,
     LeasedJob,
     LeaseRenewed,
+    StagedFile,
     WorkerEventType,
     WorkerRegistered,
     WorkerRegistration,
@@ -123,6 +125,7 @@ class ControlPlaneClient:
         response = await self._http.request(method, path, **kwargs)
         if response.status_code == 409:
             raise LeaseLost(_message(response))
+        _raise_if_damaged(response)
         if response.status_code >= 400:
             if response.status_code < 500:
                 raise SkytrainError(f"control plane refused {method} {path}: {_message(response)}")
@@ -210,10 +213,16 @@ class ControlPlaneClient:
         return list(response.json()["data"])
 
     async def download_checkpoint_file(
-        self, model_id: str, step: int, name: str, target: Path
+        self, model_id: str, step: int, name: str, target: Path, *, sha256: str | None = None
     ) -> Path:
+        """One file of a step into ``target``; with ``sha256`` (as the listing gives it), a
+        file whose bytes hash otherwise is not kept: ``ObjectDamaged`` names it."""
         path = f"/models/{model_id}/checkpoints/{step}/files/{name}"
-        return await self._retrying(lambda: self._download(path, target))
+        return await self._retrying(
+            lambda: self._download(
+                path, target, sha256=sha256, what=f"file {name} of step {step} of model {model_id}"
+            )
+        )
 
     async def upload_file(self, job_id: str, path: Path, *, attempt: int) -> None:
         async def send() -> httpx.Response:
@@ -234,7 +243,7 @@ class ControlPlaneClient:
             attempt=attempt,
             step=step,
             metrics=metrics,
-            files=[CheckpointFile(name=f.name, size=f.stat().st_size) for f in files],
+            files=await asyncio.to_thread(lambda: [_staged(f) for f in files]),
         )
         response = await self._send("POST", f"/jobs/{job_id}/complete", json=_body(body))
         return _answer(JobCompleted, response)
@@ -373,10 +382,14 @@ class ControlPlaneClient:
         """A worker route's body into ``target`` (never half a file), retried."""
         return await self._retrying(lambda: self._download(path, target))
 
-    async def _download(self, path: str, target: Path) -> Path:
-        """Stream to a temporary file beside ``target``, then rename: never half a file."""
+    async def _download(
+        self, path: str, target: Path, *, sha256: str | None = None, what: str = ""
+    ) -> Path:
+        """Stream to a temporary file beside ``target``, then rename: never half a file, nor
+        one whose SHA-256 is not ``sha256`` (when given)."""
         target.parent.mkdir(parents=True, exist_ok=True)
         handle, staging = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+        digest = hashlib.sha256()
         try:
             with os.fdopen(handle, "wb") as out:
                 async with self._http.stream("GET", path, follow_redirects=True) as response:
@@ -384,7 +397,14 @@ class ControlPlaneClient:
                         await response.aread()
                         await self._send_error(response, path)
                     async for chunk in response.aiter_bytes():
+                        digest.update(chunk)
                         out.write(chunk)
+            if sha256 is not None and digest.hexdigest() != sha256:
+                raise ObjectDamaged(
+                    f"{what or path} downloaded with a SHA-256 other than the one committed: "
+                    "the object store's copy is damaged since its commit, so it is not loaded "
+                    "(the operator's `skytrain storage check --read` lists such files)"
+                )
             os.replace(staging, target)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
@@ -393,6 +413,7 @@ class ControlPlaneClient:
         return target
 
     async def _send_error(self, response: httpx.Response, path: str) -> None:
+        _raise_if_damaged(response)
         if response.status_code >= 500:
             response.raise_for_status()
         raise SkytrainError(f"control plane refused GET {path}: {_message(response)}")
@@ -412,6 +433,17 @@ async def until_stopped(call: Awaitable[T], stopping: asyncio.Event) -> T | None
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return None if task.cancelled() else task.result()
+
+
+def _staged(path: Path, chunk_bytes: int = 1 << 20) -> StagedFile:
+    """What the control plane checks the staged copy of ``path`` against before it commits."""
+    sha256 = hashlib.sha256()
+    size = 0
+    with path.open("rb") as handle:
+        while chunk := handle.read(chunk_bytes):
+            sha256.update(chunk)
+            size += len(chunk)
+    return StagedFile(name=path.name, size=size, sha256=sha256.hexdigest())
 
 
 async def _file_chunks(path: Path, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:
@@ -438,6 +470,20 @@ def _answer(kind: type[Answer], response: httpx.Response) -> Answer:
             f"the control plane answered {path} in a shape this worker does not know "
             f"({exc}): install the control plane's version of skytrain on the worker"
         ) from None
+
+
+def _raise_if_damaged(response: httpx.Response) -> None:
+    """A step the store lost or damaged is not retried (it stays so): ``ObjectDamaged``
+    with the control plane's words, which name the step."""
+    if response.status_code != ObjectDamaged.status_code:
+        return
+    try:
+        body = response.json()
+    except ValueError:
+        return
+    error = body.get("error") if isinstance(body, dict) else None
+    if isinstance(error, dict) and error.get("type") == ObjectDamaged.type:
+        raise ObjectDamaged(str(error.get("message")))
 
 
 def _message(response: httpx.Response) -> str:

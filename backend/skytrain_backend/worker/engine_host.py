@@ -209,12 +209,17 @@ class EngineHost:
     ) -> Path:
         """A local copy of a checkpoint's files (downloaded once, kept in the work dir)."""
         directory = self._work_dir / "checkpoints" / model_id / str(step)
+        committed: dict[str, str | None] = {}
         if names is None:
             listing = await self._cp.list_checkpoint_files(model_id, step)
-            names = tuple(item["name"] for item in listing)
+            # The SHA-256 each file was committed with: a damaged download is not loaded.
+            committed = {item["name"]: item.get("sha256") for item in listing}
+            names = tuple(committed)
         for name in names:
             if not (directory / name).is_file():
-                await self._cp.download_checkpoint_file(model_id, step, name, directory / name)
+                await self._cp.download_checkpoint_file(
+                    model_id, step, name, directory / name, sha256=committed.get(name)
+                )
         return directory
 
     async def sleep(self) -> None:

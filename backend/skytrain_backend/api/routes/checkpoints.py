@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 from fastapi.responses import RedirectResponse, StreamingResponse
+from sqlalchemy.orm import Session
 
 from skytrain_backend.api.deps import (
     After,
@@ -28,8 +29,9 @@ from skytrain_backend.api.schemas import (
     CheckpointsPublic,
 )
 from skytrain_backend.db import checkpoints, registry
+from skytrain_backend.db.models import Model
 from skytrain_backend.errors import NotFound
-from skytrain_backend.scheduler import garbage
+from skytrain_backend.scheduler import garbage, integrity
 from skytrain_backend.storage import ObjectStore, keys
 
 router = APIRouter(
@@ -94,9 +96,18 @@ def get_checkpoint(
     )
 
 
-def _files(store: ObjectStore, *, tenant_id: str, model_id: str, step: int) -> dict[str, int]:
-    prefix = keys.checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step)
-    return {info.key.removeprefix(prefix): info.size for info in store.list(prefix)}
+def _files(session: Session, store: ObjectStore, *, model: Model, step: int) -> dict[str, int]:
+    """The step's files and sizes as the store holds them (``ObjectDamaged`` if they are not
+    what was committed), listed with no transaction open."""
+    expected = integrity.committed(
+        checkpoints.get_checkpoint(session, model_id=model.id, step=step)
+    )
+    tenant_id, model_id = model.tenant_id, model.id
+    session.rollback()
+    files = integrity.checkpoint_files(
+        store, tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
+    )
+    return {name: int(item["size"]) for name, item in files.items()}
 
 
 @router.get("/{step}/files", response_model=CheckpointFilesPublic)
@@ -105,8 +116,7 @@ def list_checkpoint_files(
 ) -> CheckpointFilesPublic:
     """The checkpoint's files (none for step 0, which is the base model)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    checkpoints.get_checkpoint(session, model_id=model.id, step=step)
-    files = _files(store, tenant_id=tenant.id, model_id=model.id, step=step)
+    files = _files(session, store, model=model, step=step)
     return CheckpointFilesPublic(
         data=[CheckpointFilePublic(name=name, size=size) for name, size in sorted(files.items())]
     )
@@ -133,12 +143,12 @@ def download_checkpoint_file(
     client cannot reach the object store.
     """
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    checkpoints.get_checkpoint(session, model_id=model.id, step=step)
-    files = _files(store, tenant_id=tenant.id, model_id=model.id, step=step)
+    tenant_id, model_id = model.tenant_id, model.id
+    files = _files(session, store, model=model, step=step)
     if name not in files:
         available = ", ".join(sorted(files)) or "none"
-        raise NotFound(f"step {step} of model {model.id} has no file {name!r} (files: {available})")
-    key = keys.checkpoint_key(tenant_id=tenant.id, model_id=model.id, step=step, file=name)
+        raise NotFound(f"step {step} of model {model_id} has no file {name!r} (files: {available})")
+    key = keys.checkpoint_key(tenant_id=tenant_id, model_id=model_id, step=step, file=name)
     url = store.presigned_get_url(key) if redirect else None
     if url is not None:
         return RedirectResponse(url, status_code=307)

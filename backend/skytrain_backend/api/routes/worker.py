@@ -56,7 +56,7 @@ from skytrain_backend.protocol import (
     WorkerRegistered,
     WorkerRegistration,
 )
-from skytrain_backend.scheduler import queue
+from skytrain_backend.scheduler import integrity, queue
 from skytrain_backend.storage import compression, keys
 
 router = APIRouter(
@@ -398,7 +398,7 @@ def complete(
             attempt=body.attempt,
             step=body.step,
             metrics=body.metrics,
-            files=[item.name for item in body.files],
+            files=body.files,
         ),
     )
     metrics.record_job_completion(body.metrics)
@@ -473,9 +473,20 @@ def _saved_state_prefix(session: SessionDep, *, worker: Worker, job_id: str) -> 
 def checkpoint_files(
     model_id: str, step: int, worker: WorkerDep, session: SessionDep, store: StoreDep
 ) -> dict[str, Any]:
+    """A step's files, to load it: ``{data: [{name, size, sha256?}]}`` (the SHA-256 as
+    committed, for the worker to check what it downloads), or ``ObjectDamaged`` (with the step
+    named) when the store no longer holds what was committed."""
     model = _placed_model(session, worker=worker, model_id=model_id)
-    prefix = keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
-    return stored_files.listing(store, prefix)
+    row = session.scalar(
+        select(Checkpoint).where(Checkpoint.model_id == model.id, Checkpoint.step == step)
+    )
+    expected = None if row is None else integrity.committed(row)
+    tenant_id = model.tenant_id
+    session.rollback()
+    files = integrity.checkpoint_files(
+        store, tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
+    )
+    return {"data": [files[name] for name in sorted(files)]}
 
 
 @router.get("/models/{model_id}/checkpoints/{step}/files/{name}")

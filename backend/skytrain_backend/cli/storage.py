@@ -1,0 +1,58 @@
+"""``skytrain storage check``: the rows whose objects the store lost or holds damaged."""
+
+from __future__ import annotations
+
+import typer
+
+from skytrain_backend.cli._common import _fail, _session, _table, app
+
+storage_app = typer.Typer(help="Check the object store against the database.", no_args_is_help=True)
+app.add_typer(storage_app, name="storage")
+
+
+@storage_app.command("check")
+def storage_check(
+    read: bool = typer.Option(
+        False,
+        "--read",
+        help="Also read every checkpoint file back and check its SHA-256 (slow: every byte).",
+    ),
+) -> None:
+    """List every row whose object is missing from the store or not the size recorded: each
+    file of a live checkpoint (or, for rows committed before files were recorded, their
+    total), logged batches and the inputs of unfinished jobs. Reads one listing per model;
+    with --read, also each checkpoint file (``corrupt``: not the SHA-256 committed). Exits 1
+    when it finds any, so a cron job or a health check can alert on it."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.errors import SkytrainError
+    from skytrain_backend.scheduler import integrity
+    from skytrain_backend.storage import open_object_store
+
+    settings = get_settings()
+    with _session() as session:
+        try:
+            store = open_object_store(settings.resolved_object_store_url, settings)
+            problems = list(integrity.check_storage(session, store=store, read=read))
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
+    if not problems:
+        typer.echo(f"Every row's objects are in {store.url}, at the size recorded.")
+        return
+    rows = [
+        [
+            problem.row_id,
+            problem.kind,
+            problem.model_id,
+            problem.state,
+            "-" if problem.expected_size is None else str(problem.expected_size),
+            "-" if problem.found_size is None else str(problem.found_size),
+            problem.key,
+        ]
+        for problem in problems
+    ]
+    _table(
+        f"{len(problems)} rows whose objects are missing or damaged in {store.url}",
+        ["row", "kind", "model", "state", "bytes recorded", "bytes found", "key"],
+        rows,
+    )
+    raise typer.Exit(code=1)

@@ -1,0 +1,213 @@
+"""An object lost or damaged after its row was committed is reported by the next read, never
+served as if whole: the checkpoint's file listing and downloads (a tenant's) and the worker's
+listing (how a worker loads a step) answer 500 ``object_damaged`` naming the step and what to
+do, with no key or path of the store; and ``skytrain storage check`` lists the row."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner, Result
+
+from skytrain_backend.cli import app
+from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.errors import ObjectDamaged
+from skytrain_backend.storage import LocalObjectStore, keys
+from skytrain_backend.worker.client import ControlPlaneClient
+from tests.api.support import group
+from tests.lifecycle.conftest import Who, WorkerClient
+
+ADAPTER = {
+    "adapter_config.json": b'{"r": 8}',
+    "adapter_model.safetensors": bytes(range(256)) * 16,
+}
+
+
+def _committed_step(alice: Who, worker: WorkerClient, model_id: str) -> str:
+    """Train step 1 as a worker does (lease, upload, complete); the checkpoint's id."""
+    job_id = alice.http.post(
+        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+    ).json()["id"]
+    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
+    for name, data in ADAPTER.items():
+        staged = worker.http.put(
+            f"/jobs/{job_id}/files/{name}", params={"attempt": 1}, content=data
+        )
+        assert staged.status_code == 204, staged.text
+    files = [
+        {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for name, data in ADAPTER.items()
+    ]
+    completed = worker.http.post(
+        f"/jobs/{job_id}/complete", json={"attempt": 1, "step": 1, "metrics": {}, "files": files}
+    )
+    assert completed.status_code == 200, completed.text
+    return str(completed.json()["checkpoint_id"])
+
+
+def _storage_check(settings: Settings, *args: str) -> Result:
+    """`skytrain storage check` as the operator's shell runs it (settings from the
+    environment), through Typer's runner."""
+    env = {
+        "SKYTRAIN_HOME": str(settings.home),
+        "SKYTRAIN_DATABASE_URL": settings.resolved_database_url,
+        "SKYTRAIN_OBJECT_STORE_URL": settings.resolved_object_store_url,
+    }
+    get_settings.cache_clear()
+    try:
+        return CliRunner().invoke(app, ["storage", "check", *args], env=env)
+    finally:
+        get_settings.cache_clear()
+
+
+def _damaged(response_text: str, status_code: int, store: LocalObjectStore) -> str:
+    assert status_code == 500, response_text
+    assert str(store.root) not in response_text and "tenants/" not in response_text
+    return response_text
+
+
+def _delete_one(store: LocalObjectStore, prefix: str) -> None:
+    store.delete(prefix + "adapter_model.safetensors")
+
+
+def _delete_all(store: LocalObjectStore, prefix: str) -> None:
+    store.delete_prefix(prefix)
+
+
+def _cut_short(store: LocalObjectStore, prefix: str) -> None:
+    store.put_bytes(
+        prefix + "adapter_model.safetensors", ADAPTER["adapter_model.safetensors"][:100]
+    )
+
+
+LOST_FILE = {
+    "one file deleted": "adapter_model.safetensors is missing",
+    "every file deleted": "adapter_config.json is missing",
+    "a file cut short": "adapter_model.safetensors holds 100 bytes, not 4096",
+}
+LOSSES: dict[str, Callable[[LocalObjectStore, str], None]] = {
+    "one file deleted": _delete_one,
+    "every file deleted": _delete_all,
+    "a file cut short": _cut_short,
+}
+
+
+@pytest.mark.parametrize("loss", list(LOSSES))
+def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
+    loss: str,
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_store: LocalObjectStore,
+    lifecycle_settings: Settings,
+) -> None:
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    checkpoint_id = _committed_step(alice, worker, model_id)
+    listing = f"/v1/models/{model_id}/checkpoints/1/files"
+    assert alice.http.get(listing).status_code == 200
+    assert checkpoint_id not in _storage_check(lifecycle_settings).stdout
+
+    prefix = keys.checkpoint_prefix(tenant_id=alice.tenant_id, model_id=model_id, step=1)
+    LOSSES[loss](lifecycle_store, prefix)
+
+    listed = alice.http.get(listing)
+    error = listed.json()["error"]
+    assert error["type"] == "object_damaged"
+    message = _damaged(listed.text, listed.status_code, lifecycle_store)
+    assert f"step 1 of model {model_id} is damaged in the object store since its commit" in (
+        message
+    )
+    assert LOST_FILE[loss] in message
+    assert "skytrain storage check" in message
+    downloaded = alice.http.get(f"{listing}/adapter_config.json", params={"redirect": "false"})
+    assert downloaded.json()["error"]["type"] == "object_damaged"
+    _damaged(downloaded.text, downloaded.status_code, lifecycle_store)
+    # The worker asked to load the step (it moved, or restarted) is told the same.
+    loading = worker.http.get(f"/models/{model_id}/checkpoints/1/files")
+    assert loading.json()["error"]["type"] == "object_damaged"
+    _damaged(loading.text, loading.status_code, lifecycle_store)
+
+    checked = _storage_check(lifecycle_settings)
+    assert checked.exit_code == 1, checked.stdout
+    lines = [line for line in checked.stdout.splitlines() if checkpoint_id in line]
+    assert len(lines) == (2 if loss == "every file deleted" else 1)
+    state = "wrong size" if loss == "a file cut short" else "missing"
+    assert all("checkpoint" in line and state in line for line in lines)
+
+
+def test_storage_check_lists_a_pending_jobs_lost_input(
+    who: Callable[[], Who],
+    lifecycle_store: LocalObjectStore,
+    lifecycle_settings: Settings,
+) -> None:
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    job_id = alice.http.post(
+        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
+    ).json()["id"]
+    lifecycle_store.delete(
+        keys.job_input_key(tenant_id=alice.tenant_id, model_id=model_id, job_id=job_id)
+    )
+    checked = _storage_check(lifecycle_settings)
+    assert checked.exit_code == 1, checked.stdout
+    (line,) = [line for line in checked.stdout.splitlines() if job_id in line]
+    assert "job input" in line and "missing" in line
+
+
+def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loading_it(
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+    lifecycle_url: str,
+    lifecycle_store: LocalObjectStore,
+    lifecycle_settings: Settings,
+    tmp_path: Path,
+) -> None:
+    """The same length, other bytes: no listing can tell, so the worker checks the SHA-256
+    committed with the step as it downloads, and `storage check --read` reads it back."""
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    worker = worker_client(model_id)
+    checkpoint_id = _committed_step(alice, worker, model_id)
+    prefix = keys.checkpoint_prefix(tenant_id=alice.tenant_id, model_id=model_id, step=1)
+    weights = ADAPTER["adapter_model.safetensors"]
+    lifecycle_store.put_bytes(prefix + "adapter_model.safetensors", b"\xff" + weights[1:])
+    token = worker.http.headers["Authorization"].removeprefix("Bearer ")
+
+    async def load() -> None:
+        client = ControlPlaneClient(lifecycle_url, token, retry_for_s=0)
+        try:
+            listing = await client.list_checkpoint_files(model_id, 1)
+            committed = {item["name"]: item["sha256"] for item in listing}
+            assert committed == {n: hashlib.sha256(d).hexdigest() for n, d in ADAPTER.items()}
+            good = await client.download_checkpoint_file(
+                model_id,
+                1,
+                "adapter_config.json",
+                tmp_path / "adapter_config.json",
+                sha256=committed["adapter_config.json"],
+            )
+            assert good.read_bytes() == ADAPTER["adapter_config.json"]
+            with pytest.raises(ObjectDamaged, match="SHA-256 other than the one committed"):
+                await client.download_checkpoint_file(
+                    model_id,
+                    1,
+                    "adapter_model.safetensors",
+                    tmp_path / "adapter_model.safetensors",
+                    sha256=committed["adapter_model.safetensors"],
+                )
+        finally:
+            await client.aclose()
+
+    asyncio.run(load())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json"]  # no damaged file
+
+    assert checkpoint_id not in _storage_check(lifecycle_settings).stdout  # sizes all match
+    checked = _storage_check(lifecycle_settings, "--read")
+    assert checked.exit_code == 1, checked.stdout
+    (line,) = [line for line in checked.stdout.splitlines() if checkpoint_id in line]
+    assert "corrupt" in line

@@ -1,0 +1,161 @@
+"""A Tinker ``forward_backward`` body (up to the request limit) goes to the object store with
+no database transaction open: nothing of the run's tables is held while the bytes go up, and
+the operation is queued once they are stored. An operation body whose row never came is
+collected by the garbage sweep; one whose row came is kept.
+
+PostgreSQL on a schema of the module's own (``make_settings``), so that the table locks the
+test looks at are this control plane's only."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+from tinker.proto.request_conv import forward_backward_request_to_proto
+
+from skytrain_backend.app import create_app
+from skytrain_backend.db import api_keys
+from skytrain_backend.db.models import TinkerRequest, TinkerRun, utcnow
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.scheduler import garbage
+from skytrain_backend.storage import LocalObjectStore, keys
+from tests.fixtures.services import MakeSettings
+from tests.gateway.conftest import serve_in_thread
+from tinker import types
+
+pytestmark = pytest.mark.postgres
+
+PROTOBUF = "application/x-protobuf"
+
+
+@dataclass
+class Plane:
+    app: FastAPI
+    sdk: httpx.Client
+    sessions: sessionmaker[Session]
+    store: LocalObjectStore
+
+
+@pytest.fixture(scope="module")
+def plane(make_settings: MakeSettings) -> Iterator[Plane]:
+    settings = make_settings(database="postgres")
+    engine = create_db_engine(settings.resolved_database_url)
+    sessions = session_factory(engine)
+    with sessions() as session:
+        _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
+    app = create_app(settings)
+    with (
+        serve_in_thread(app) as url,
+        httpx.Client(base_url=url, headers={"X-API-Key": "tml-" + key}, timeout=60) as sdk,
+    ):
+        yield Plane(app, sdk, sessions, LocalObjectStore(settings.home / "objects"))
+    engine.dispose()
+
+
+def _run(plane: Plane) -> str:
+    """A new training run (no worker needed to queue its operations): its id."""
+    session_id = plane.sdk.post("/api/v1/create_session", json={}).json()["session_id"]
+    created = plane.sdk.post(
+        "/api/v1/create_model",
+        json={
+            "session_id": session_id,
+            "model_seq_id": 0,
+            "base_model": "tests-org/tiny-model",
+            "lora_config": {"rank": 8},
+        },
+    )
+    assert created.status_code == 200, created.text
+    return f"{session_id}:train:0"
+
+
+def _forward_backward(run_id: str, seq_id: int) -> bytes:
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": types.TensorData(data=[2, 3, 4], dtype="int64")},
+    )
+    request = types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
+        model_id=run_id,
+        seq_id=seq_id,
+    )
+    return bytes(forward_backward_request_to_proto(request).SerializeToString())
+
+
+class _WatchedStore(LocalObjectStore):
+    """The control plane's own store (its directory), which runs ``watch`` before each put:
+    an observer of the database while the store works, not a fake."""
+
+    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+        super().__init__(root)
+        self._watch = watch
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._watch()
+        super().put_bytes(key, data)
+
+
+def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane) -> None:
+    run_id = _run(plane)
+    held: list[list[str]] = []
+
+    def watch() -> None:
+        # A table read by an open transaction cannot be locked exclusively by another.
+        held.append([])
+        with plane.sessions() as session:
+            for table in ("tinker_requests", "tinker_runs", "training_jobs"):
+                try:
+                    session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
+                except OperationalError:
+                    held[-1].append(table)
+                session.rollback()
+
+    real = plane.app.state.store
+    plane.app.state.store = _WatchedStore(real.root, watch)
+    try:
+        queued = plane.sdk.post(
+            "/api/v1/forward_backward",
+            content=_forward_backward(run_id, 1),
+            headers={"Content-Type": PROTOBUF},
+        )
+    finally:
+        plane.app.state.store = real
+    assert queued.status_code == 200, queued.text
+    assert held == [[]]  # one put, and no table held meanwhile
+    with plane.sessions() as session:
+        row = session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=1).one()
+        assert row.kind == "forward_backward" and row.input_uri is not None
+
+
+def test_an_operation_body_whose_row_never_came_is_collected(plane: Plane) -> None:
+    run_id = _run(plane)
+    queued = plane.sdk.post(
+        "/api/v1/forward_backward",
+        content=_forward_backward(run_id, 1),
+        headers={"Content-Type": PROTOBUF},
+    )
+    assert queued.status_code == 200, queued.text
+    with plane.sessions() as session:
+        run = session.get_one(TinkerRun, run_id)
+        orphan = keys.tinker_op_key(
+            tenant_id=run.tenant_id, model_id=run.model_id, seq_id=2, name="input.pb"
+        )
+        kept = keys.tinker_op_key(
+            tenant_id=run.tenant_id, model_id=run.model_id, seq_id=1, name="input.pb"
+        )
+    # What a control plane that died between the store's write and the row's commit leaves.
+    plane.store.put_bytes(orphan, b"a body whose row never came")
+    with plane.sessions() as session:
+        garbage.collect_garbage(
+            session, store=plane.store, written_before=utcnow() + timedelta(seconds=1)
+        )
+    assert not plane.store.exists(orphan)
+    assert plane.store.exists(kept)
