@@ -65,6 +65,7 @@ class TrainConfig(_SentConfig):
     mask_prob_ratio: bool | None = None
     kimi_k2_tau: float | None = Field(default=None, ge=0, le=1e3)
     precalculate_logprobs: bool | None = None
+    truncated_importance_sampling: float | None = Field(default=None, gt=0, le=1e3)
     kl_penalty_coef: float | None = Field(default=None, ge=0, le=1e3)
     kl_penalty_source: Literal["current_learner", "sample"] | None = None
     scale_rewards: bool | None = None

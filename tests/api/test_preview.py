@@ -212,7 +212,7 @@ def test_unknown_art_options_are_refused_naming_the_known_ones(art: OpenAI, call
 def test_art_options_skytrain_lacks_are_refused_when_set(art: OpenAI, caller: Caller) -> None:
     """ART sends them null by default (accepted); a value is refused, saying why."""
     body = art_train_request(caller.create_model()["id"], [group(1.0, 0.0)])
-    for key, value in (("truncated_importance_sampling", 2.0), ("kl_penalty_reference_step", 3)):
+    for key, value in (("kl_ref_adapter_path", "/etc"), ("kl_penalty_reference_step", 3)):
         sent = {**body, "experimental_config": {**body["experimental_config"], key: value}}
         response = caller.http.post("/v1/preview/training-jobs", json=sent)
         assert response.status_code == 400

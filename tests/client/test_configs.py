@@ -62,6 +62,7 @@ def test_every_set_field_is_accepted_by_the_server() -> None:
         mask_prob_ratio=True,
         kimi_k2_tau=0.01,
         precalculate_logprobs=True,
+        truncated_importance_sampling=2.0,
         kl_penalty_coef=0.01,
         kl_penalty_source="current_learner",
         scale_rewards=False,

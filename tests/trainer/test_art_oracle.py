@@ -251,6 +251,10 @@ OPTION_SETS = {
         "advantage_balance": -0.5,
         "normalize_advantages": False,
     },
+    "truncated importance sampling": {
+        "precalculate_logprobs": True,
+        "truncated_importance_sampling": 1.2,
+    },
     "ppo masked, capped, kimi": {
         "loss_fn": "ppo",
         "mask_prob_ratio": True,

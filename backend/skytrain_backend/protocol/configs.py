@@ -144,6 +144,9 @@ class RLTrainConfig(BaseModel):
     # ART: old logprobs are the trainer's own, computed before the first step, not the
     # sampler's (missing sampling logprobs are computed that way in any case).
     precalculate_logprobs: bool = False
+    # ART: with precalculate_logprobs, each token's loss times min(pi_old / pi_sampler, this)
+    # (None: off; ART applies it only then, and so does skytrain).
+    truncated_importance_sampling: float | None = Field(default=None, gt=0, le=1e3)
     kl_penalty_coef: float = Field(default=0.0, ge=0, le=1e3)
     kl_penalty_source: KLPenaltySource | None = None
     scale_rewards: bool = True
@@ -174,7 +177,6 @@ class RLTrainConfig(BaseModel):
         "kl_penalty_reference_step": "the KL reference is the base model",
         "kl_penalty_step_lag": "the KL reference is the base model",
         "kl_ref_adapter_path": "the KL reference is the base model",
-        "truncated_importance_sampling": "the sampler's logprobs are the old ones",
     }
 
     @model_validator(mode="before")

@@ -128,6 +128,21 @@ def masked_ratio(ratio: torch.Tensor, *, epsilon: float, epsilon_high: float) ->
     return torch.where(inside, ratio, torch.zeros_like(ratio))
 
 
+def truncated_importance_weights(
+    old_logprobs: torch.Tensor,
+    sampled_logprobs: torch.Tensor,
+    current_logprobs: torch.Tensor,
+    *,
+    cap: float,
+) -> torch.Tensor:
+    """ART's ``truncated_importance_sampling``: with the old policy the trainer's own
+    (``precalculate_logprobs``), each token's loss is also weighed by pi_old / pi_sampler, at
+    most ``cap`` (no gradient). A token the sampler gave no logprob for counts as sampled by
+    the current policy."""
+    sampled = torch.where(sampled_logprobs.isnan(), current_logprobs, sampled_logprobs)
+    return torch.exp(old_logprobs - sampled).clamp(max=cap).detach()
+
+
 def kimi_k2_advantages(
     advantages: torch.Tensor, logprobs: torch.Tensor, old_logprobs: torch.Tensor, *, tau: float
 ) -> torch.Tensor:

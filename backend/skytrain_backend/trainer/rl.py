@@ -25,6 +25,7 @@ from skytrain_backend.trainer.loss import (
     masked_ratio,
     policy_loss_function,
     token_mean,
+    truncated_importance_weights,
 )
 from skytrain_backend.trainer.memory import (
     out_of_memory_as_error,
@@ -285,6 +286,13 @@ class RLTraining(TrainerCore):
             per_token = loss_function(
                 ratio, logprobs, advantages, epsilon=epsilon, epsilon_high=epsilon_high
             )
+            if config.truncated_importance_sampling and config.precalculate_logprobs:
+                per_token = per_token * truncated_importance_weights(
+                    old_logprobs,
+                    _site_sampling_logprobs(packing, row, logprobs.device),
+                    logprobs.detach(),
+                    cap=config.truncated_importance_sampling,
+                )
             totals["loss/policy"] += scale * float((per_token * weights).detach().sum())
             if config.kl_penalty_coef > 0 and not art_kl:
                 with (
