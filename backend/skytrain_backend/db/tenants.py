@@ -13,6 +13,10 @@
 
 A tenant's row keeps only the limits the operator set (``skytrain tenants limits``); every
 other limit follows its setting, so changing a default changes it for every such tenant.
+
+Quotas on what a tenant holds are counted and taken in one transaction that first locks the
+tenant's row (``enforce_quota``): concurrent creates take turns, so none sees a count another
+is about to change (64 concurrent creates under ``max_models`` 2 make exactly 2 models).
 """
 
 from __future__ import annotations
@@ -22,12 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.config import Settings
 from skytrain_backend.db.models import Model, Tenant
-from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.errors import InvalidRequest, NotFound, SkytrainError
 
 # Limits of requests in flight: zero would refuse every request, so they are at least one.
 _REQUEST_LIMITS = frozenset(
@@ -81,6 +85,46 @@ def limits_by_id(session: Session, settings: Settings) -> Callable[[str], Tenant
         return known[tenant_id]
 
     return limits
+
+
+def lock_tenant(session: Session, *, tenant_id: str) -> None:
+    """Hold the tenant's row lock until the transaction ends.
+
+    An UPDATE that changes nothing: on PostgreSQL it takes the row lock (as ``SELECT ... FOR
+    NO KEY UPDATE`` would; rows referring to the tenant can still be inserted meanwhile); on
+    SQLite, where a write locks the whole database, it begins the write transaction. The
+    counts read after it see every transaction that held the lock before.
+    """
+    session.execute(
+        update(Tenant)
+        .where(Tenant.id == tenant_id)
+        .values(limits=Tenant.limits)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def enforce_quota(
+    session: Session,
+    *,
+    tenant_id: str,
+    used: Select[Any],
+    adding: int,
+    allowed: int,
+    refusal: Callable[[int], SkytrainError],
+) -> int:
+    """Lock the tenant (``lock_tenant``), count what it holds (``used``) and raise
+    ``refusal(count)`` (the transaction rolled back, its lock released) if ``adding`` more
+    would pass ``allowed``: the one check of every quota. Returns the count.
+
+    The caller inserts what it adds and commits in the same transaction, which releases the
+    lock: keep the work between the two short (no object-store call).
+    """
+    lock_tenant(session, tenant_id=tenant_id)
+    count = int(session.scalar(used) or 0)
+    if count + adding > allowed:
+        session.rollback()
+        raise refusal(count)
+    return count
 
 
 def get_tenant_by_name(session: Session, *, name: str) -> Tenant:
