@@ -22,13 +22,17 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 from tinker._client import AsyncTinker
+from typer.testing import CliRunner
 
 import tinker
 from skytrain_backend.app import create_app
-from skytrain_backend.config import Settings
+from skytrain_backend.cli import app as cli_app
+from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.db import api_keys, tenants
-from skytrain_backend.db.models import Model
+from skytrain_backend.db.models import Model, TinkerRequest, TinkerSession
 from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.storage import keys, open_object_store
+from tests.api import support
 from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import serve_in_thread
 from tinker import types
@@ -76,13 +80,30 @@ class Who:
             base_url=self.plane.url, api_key="tml-" + self.key, max_retries=max_retries
         )
 
-    def models(self) -> int:
+    def count(self, table: Any) -> int:
+        """The tenant's rows in ``table`` (a model class with a ``tenant_id``)."""
         with self.plane.sessions() as session:
             tenant = tenants.get_tenant_by_name(session, name=self.name)
             return int(
-                session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant.id))
-                or 0
+                session.scalar(select(func.count()).where(table.tenant_id == tenant.id)) or 0
             )
+
+    def models(self) -> int:
+        return self.count(Model)
+
+    def objects(self) -> list[str]:
+        """The keys of the tenant's objects in the store."""
+        with self.plane.sessions() as session:
+            tenant_id = tenants.get_tenant_by_name(session, name=self.name).id
+        store = open_object_store(
+            self.plane.settings.resolved_object_store_url, self.plane.settings
+        )
+        return [info.key for info in store.list(keys.tenant_prefix(tenant_id))]
+
+    def stored_bytes(self) -> int:
+        with self.plane.sessions() as session:
+            tenant = tenants.get_tenant_by_name(session, name=self.name)
+            return tenants.usage_of(session, tenant_id=tenant.id).storage_bytes
 
 
 @pytest.fixture
@@ -194,3 +215,210 @@ def test_concurrent_tinker_sampling_sessions_make_exactly_max_models(
     assert len(created) == 2
     _assert_refused_by_max_models([o for o in outcomes if o not in created])
     assert who.models() == 2
+
+
+# --- what a tenant stores -----------------------------------------------------------------------
+
+
+def test_a_60_mb_user_metadata_is_refused_with_its_limit_and_nothing_stored(
+    tenant: Callable[..., Who],
+) -> None:
+    who = tenant()
+    limit = who.plane.settings.tenant_max_metadata_bytes
+
+    async def attempt() -> None:
+        async with who.tinker(max_retries=0) as client:
+            with pytest.raises(tinker.APIStatusError) as refused:
+                await _session(client, user_metadata={"blob": "x" * 60_000_000})
+            assert refused.value.status_code == 413
+            message = str(refused.value)
+            assert f"max_metadata_bytes ({limit})" in message
+            assert "--max-metadata-bytes" in message
+            # A training run's metadata has the same cap.
+            session_id = await _session(client, user_metadata={"run": "small"})
+            with pytest.raises(tinker.APIStatusError, match="max_metadata_bytes") as too_big:
+                await client.models.create(
+                    request=types.CreateModelRequest(
+                        session_id=session_id,
+                        model_seq_id=0,
+                        base_model=HUB_MODEL,
+                        user_metadata={"blob": "x" * (limit + 1)},
+                        lora_config=types.LoraConfig(rank=8),
+                    )
+                )
+            assert too_big.value.status_code == 413
+
+    asyncio.run(attempt())
+    assert who.count(TinkerSession) == 1  # the small one only
+    assert who.models() == 0
+
+
+def _datum(length: int) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints([1] * length),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=[2] * length, dtype="int64"),
+            "weights": types.TensorData(data=[1.0] * length, dtype="float32"),
+        },
+    )
+
+
+def _forward_backward(run_id: str, seq_id: int, *, length: int = 3) -> types.ForwardBackwardRequest:
+    return types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[_datum(length)], loss_fn="cross_entropy"
+        ),
+        model_id=run_id,
+        seq_id=seq_id,
+    )
+
+
+def test_operations_past_the_runs_queue_cap_are_refused(tenant: Callable[..., Who]) -> None:
+    who = tenant(max_queued_operations=3)
+
+    async def attempt() -> None:
+        async with who.tinker(max_retries=0) as client:
+            run_id = await _run(client)
+            # The creation is the run's first operation; no worker does any of them here.
+            for seq_id in (1, 2):
+                await client.training.forward_backward(request=_forward_backward(run_id, seq_id))
+            with pytest.raises(tinker.RateLimitError) as refused:
+                await client.training.forward_backward(request=_forward_backward(run_id, 3))
+            message = str(refused.value)
+            assert "3 operations queued" in message and "max_queued_operations, 3" in message
+            assert "--max-queued-operations" in message
+            # Any kind of operation: an optimizer step too.
+            with pytest.raises(tinker.RateLimitError, match="max_queued_operations"):
+                await client.training.optim_step(
+                    request=types.OptimStepRequest(
+                        adam_params=types.AdamParams(learning_rate=1e-4),
+                        model_id=run_id,
+                        seq_id=3,
+                    )
+                )
+
+    asyncio.run(attempt())
+    assert who.count(TinkerRequest) == 3
+    # The refused operation's payload is not in the store: two forward_backward inputs are.
+    assert len([key for key in who.objects() if key.endswith("/input.pb")]) == 2
+
+
+async def _run(client: AsyncTinker) -> str:
+    session_id = await _session(client)
+    created = await client.models.create(
+        request=types.CreateModelRequest(
+            session_id=session_id,
+            model_seq_id=0,
+            base_model=HUB_MODEL,
+            lora_config=types.LoraConfig(rank=8),
+        )
+    )
+    assert created.model_id is not None
+    return created.model_id
+
+
+def test_queued_operations_payloads_count_in_the_storage_quota(
+    tenant: Callable[..., Who],
+) -> None:
+    # 1,000 tokens: a forward_backward body of about 16 kB, so one fits and two do not.
+    who = tenant(max_storage_bytes=30_000)
+
+    async def attempt() -> None:
+        async with who.tinker(max_retries=0) as client:
+            run_id = await _run(client)
+            await client.training.forward_backward(
+                request=_forward_backward(run_id, 1, length=1_000)
+            )
+            with pytest.raises(tinker.PermissionDeniedError, match="max_storage_bytes"):
+                await client.training.forward_backward(
+                    request=_forward_backward(run_id, 2, length=1_000)
+                )
+
+    asyncio.run(attempt())
+    assert len([key for key in who.objects() if key.endswith("/input.pb")]) == 1
+    assert 10_000 < who.stored_bytes() <= 30_000
+
+
+def test_storage_quota_refuses_what_does_not_fit_and_deleting_frees_it(
+    tenant: Callable[..., Who],
+) -> None:
+    who = tenant(max_storage_bytes=40_000)
+    with who.rest() as http:
+        model = http.post(
+            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
+        ).json()
+        log = f"/v1/models/{model['id']}/log"
+        small = http.post(log, json={"trajectory_groups": [support.group()]})
+        assert small.status_code == 201, small.text
+        held = who.stored_bytes()
+        assert 0 < held < 5_000
+        big = http.post(log, json={"trajectory_groups": [support.group()] * 40})
+        assert big.status_code == 403, big.text
+        error = big.json()["error"]
+        assert error["type"] == "quota_exceeded"
+        assert f"holds {held} of the 40000" in error["message"]
+        assert "max_storage_bytes" in error["message"]
+        assert "--max-storage-bytes" in error["message"]
+        # Nothing of the refused batch stays: one batch listed, one object, same usage.
+        assert len(http.get(f"/v1/models/{model['id']}/logs").json()["data"]) == 1
+        assert len([key for key in who.objects() if "/logs/" in key]) == 1
+        assert who.stored_bytes() == held
+
+        # A training job's batch and a Tinker session's metadata count in the same quota.
+        job = http.post(
+            "/v1/training-jobs",
+            json={"model_id": model["id"], "trajectory_groups": [support.group()] * 40},
+        )
+        assert job.status_code == 403 and "max_storage_bytes" in job.text
+
+        async def metadata_over_quota() -> None:
+            async with who.tinker(max_retries=0) as client:
+                await _session(client, user_metadata={"k": "x" * 30_000})
+                with pytest.raises(tinker.PermissionDeniedError, match="max_storage_bytes"):
+                    await _session(client, user_metadata={"k": "x" * 30_000})
+
+        asyncio.run(metadata_over_quota())
+        assert who.count(TinkerSession) == 1
+
+        # Deleting the model releases its batch's bytes.
+        with_session = who.stored_bytes()
+        assert http.delete(f"/v1/models/{model['id']}").status_code == 204
+        assert who.stored_bytes() == with_session - held
+
+
+def _skytrain(who: Who, *args: str) -> str:
+    """`skytrain ARGS` as the operator runs it on the control plane's database."""
+    env = {
+        "SKYTRAIN_HOME": str(who.plane.settings.home),
+        "SKYTRAIN_DATABASE_URL": who.plane.settings.resolved_database_url,
+    }
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli_app, list(args), env=env)
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_the_operator_sets_the_storage_quotas_with_the_cli(tenant: Callable[..., Who]) -> None:
+    who = tenant()
+    shown = _skytrain(
+        who,
+        "tenants",
+        "limits",
+        who.name,
+        *("--max-storage-bytes", "9000", "--max-metadata-bytes", "100"),
+        *("--max-queued-operations", "7"),
+    )
+    rows = {line.split()[0]: line.split()[1:] for line in shown.splitlines()}
+    assert rows["max_storage_bytes"] == ["9000", "this", "tenant"]
+    assert rows["max_metadata_bytes"] == ["100", "this", "tenant"]
+    assert rows["max_queued_operations"] == ["7", "this", "tenant"]
+
+    async def refused() -> None:
+        async with who.tinker(max_retries=0) as client:
+            with pytest.raises(tinker.APIStatusError, match=r"max_metadata_bytes \(100\)"):
+                await _session(client, user_metadata={"k": "x" * 100})
+
+    asyncio.run(refused())

@@ -28,8 +28,10 @@ def add_job(
     num_groups: int,
     num_trajectories: int,
     max_attempts: int,
+    input_bytes: int = 0,
 ) -> TrainingJob:
-    """Stage a queued job; the caller commits once its input is in the store."""
+    """Stage a queued job; the caller commits once its input (``input_bytes``) is in the
+    store."""
     job = TrainingJob(
         id=job_id,
         model_id=model_id,
@@ -37,6 +39,7 @@ def add_job(
         status="queued",
         config=config,
         input_uri=input_uri,
+        input_bytes=input_bytes,
         num_groups=num_groups,
         num_trajectories=num_trajectories,
         attempts=0,

@@ -10,6 +10,9 @@
 | ``max_models`` | ``SKYTRAIN_TENANT_MAX_MODELS`` | models owned | 403 on create |
 | ``max_placed_models`` | ``SKYTRAIN_TENANT_MAX_PLACED_MODELS`` | models placed on workers | waits; 429 |
 | ``max_workers`` | ``SKYTRAIN_TENANT_MAX_WORKERS`` | workers holding its models | waits; 429 |
+| ``max_storage_bytes`` | ``SKYTRAIN_TENANT_MAX_STORAGE_BYTES`` | bytes held (``storage_used``) | 403 on store |
+| ``max_metadata_bytes`` | ``SKYTRAIN_TENANT_MAX_METADATA_BYTES`` | one user_metadata, as JSON | 413 |
+| ``max_queued_operations`` | ``SKYTRAIN_TENANT_MAX_QUEUED_OPERATIONS`` | a Tinker run's undone ops | 429 |
 
 A tenant's row keeps only the limits the operator set (``skytrain tenants limits``); every
 other limit follows its setting, so changing a default changes it for every such tenant.
@@ -26,12 +29,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+import msgspec
 from sqlalchemy import Select, func, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db.models import Model, Tenant
-from skytrain_backend.errors import InvalidRequest, NotFound, SkytrainError
+from skytrain_backend.db.models import (
+    Checkpoint,
+    Model,
+    Tenant,
+    TinkerRequest,
+    TinkerSession,
+    TrainingJob,
+    TrajectoryBatch,
+)
+from skytrain_backend.errors import (
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    QuotaExceeded,
+    SkytrainError,
+)
 
 # Limits of requests in flight: zero would refuse every request, so they are at least one.
 _REQUEST_LIMITS = frozenset(
@@ -57,6 +75,9 @@ class TenantLimits:
     max_models: int
     max_placed_models: int
     max_workers: int
+    max_storage_bytes: int
+    max_metadata_bytes: int
+    max_queued_operations: int
 
     @classmethod
     @functools.cache
@@ -125,6 +146,83 @@ def enforce_quota(
         session.rollback()
         raise refusal(count)
     return count
+
+
+def storage_used(*, tenant_id: str) -> Select[Any]:
+    """The bytes the tenant holds: its checkpoints' files (until a deleted one's are purged),
+    trajectory batches (logged, and training jobs' inputs), Tinker sessions' metadata and Tinker
+    operations' payloads. A sum over rows, so deleting a model or a checkpoint releases its
+    bytes with its rows."""
+    of_models = select(Model.id).where(Model.tenant_id == tenant_id).scalar_subquery()
+
+    def total(column: Any, *where: Any) -> Any:
+        return select(func.coalesce(func.sum(column), 0)).where(*where).scalar_subquery()
+
+    return select(
+        total(
+            Checkpoint.size_bytes,
+            Checkpoint.model_id.in_(of_models),
+            Checkpoint.deleted_at.is_(None) | Checkpoint.purge_pending.is_(True),
+        )
+        + total(TrajectoryBatch.size_bytes, TrajectoryBatch.model_id.in_(of_models))
+        + total(TrainingJob.input_bytes, TrainingJob.model_id.in_(of_models))
+        + total(TinkerSession.size_bytes, TinkerSession.tenant_id == tenant_id)
+        + total(TinkerRequest.input_bytes, TinkerRequest.tenant_id == tenant_id)
+    )
+
+
+def reserve_storage(
+    session: Session, *, tenant_id: str, limits: TenantLimits, adding: int, what: str
+) -> None:
+    """Take ``adding`` bytes (``what``: "this batch", ...) of the tenant's ``max_storage_bytes``
+    under its lock (``enforce_quota``); the caller inserts the row that holds them and commits.
+    ``QuotaExceeded`` (403) when they do not fit."""
+
+    def refusal(used: int) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"{what} takes {adding} bytes and your tenant holds {used} of the "
+            f"{limits.max_storage_bytes} its storage quota allows (max_storage_bytes): delete "
+            "checkpoints (DELETE /v1/models/{id}/checkpoints) or models you no longer need, or "
+            "ask the operator to raise it (`skytrain tenants limits TENANT --max-storage-bytes N`)",
+            limit="max_storage_bytes",
+        )
+
+    enforce_quota(
+        session,
+        tenant_id=tenant_id,
+        used=storage_used(tenant_id=tenant_id),
+        adding=adding,
+        allowed=limits.max_storage_bytes,
+        refusal=refusal,
+    )
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """What a tenant holds against its quotas."""
+
+    models: int
+    storage_bytes: int
+
+
+def usage_of(session: Session, *, tenant_id: str) -> TenantUsage:
+    models = session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant_id))
+    stored = session.scalar(storage_used(tenant_id=tenant_id))
+    return TenantUsage(models=int(models or 0), storage_bytes=int(stored or 0))
+
+
+def metadata_bytes(metadata: dict[str, Any] | None, *, limits: TenantLimits, field: str) -> int:
+    """The bytes of ``metadata`` as JSON; ``PayloadTooLarge`` (413) naming the tenant's
+    ``max_metadata_bytes`` when it is larger (checked before anything is stored)."""
+    size = len(msgspec.json.encode(metadata or {}))
+    if size > limits.max_metadata_bytes:
+        raise PayloadTooLarge(
+            f"{field} takes {size} bytes as JSON, more than your tenant's max_metadata_bytes "
+            f"({limits.max_metadata_bytes}): keep metadata small (names, ids, a few settings) and "
+            "the data itself elsewhere, or ask the operator to raise it "
+            "(`skytrain tenants limits TENANT --max-metadata-bytes N`)"
+        )
+    return size
 
 
 def get_tenant_by_name(session: Session, *, name: str) -> Tenant:

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import tenants
 from skytrain_backend.db.models import (
     Checkpoint,
     TinkerCheckpoint,
@@ -21,6 +22,7 @@ from skytrain_backend.db.models import (
     TinkerSession,
     utcnow,
 )
+from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, NotFound
 
 # last_request_at and heartbeats are informative: written at most this often per row.
@@ -34,12 +36,21 @@ def create_session(
     sdk_version: str,
     tags: list[str],
     user_metadata: dict[str, Any],
+    limits: TenantLimits,
 ) -> TinkerSession:
+    """The new session; its ``user_metadata`` is refused past the tenant's
+    ``max_metadata_bytes`` (413) and counted in its stored bytes (403 past
+    ``max_storage_bytes``), before anything is stored."""
+    size = tenants.metadata_bytes(user_metadata, limits=limits, field="user_metadata")
+    tenants.reserve_storage(
+        session, tenant_id=tenant_id, limits=limits, adding=size, what="the session's user_metadata"
+    )
     row = TinkerSession(
         tenant_id=tenant_id,
         sdk_version=sdk_version,
         tags=sorted(set(tags)),
         user_metadata=user_metadata,
+        size_bytes=size,
     )
     session.add(row)
     session.commit()
