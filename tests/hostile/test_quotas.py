@@ -422,3 +422,30 @@ def test_the_operator_sets_the_storage_quotas_with_the_cli(tenant: Callable[...,
                 await _session(client, user_metadata={"k": "x" * 100})
 
     asyncio.run(refused())
+
+
+def test_usage_is_shown_to_the_tenant_and_to_the_operator(tenant: Callable[..., Who]) -> None:
+    who = tenant(max_storage_bytes=50_000)
+    with who.rest() as http:
+        model = http.post(
+            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
+        ).json()
+        logged = http.post(
+            f"/v1/models/{model['id']}/log", json={"trajectory_groups": [support.group()]}
+        )
+        assert logged.status_code == 201
+        usage = http.get("/v1/usage").json()
+    stored = who.stored_bytes()
+    assert stored > 0
+    assert usage["tenant"] == who.name
+    quotas = {q["name"]: (q["used"], q["limit"]) for q in usage["quotas"]}
+    assert quotas["max_models"] == (1, 100)
+    assert quotas["max_storage_bytes"] == (stored, 50_000)
+    assert quotas["max_metadata_bytes"] == (0, 65_536)
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in _skytrain(who, "tenants", "show", who.name).splitlines()
+    }
+    assert rows["max_models"] == ["1", "100", "default"]
+    assert rows["max_storage_bytes"] == [str(stored), "50000", "this", "tenant"]
+    assert rows["max_queued_operations"] == ["-", "256", "default"]

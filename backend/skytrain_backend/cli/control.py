@@ -310,6 +310,33 @@ def tenants_limits(
     )
 
 
+@tenants_app.command("show")
+def tenants_show(
+    tenant: str = typer.Argument(..., help="The tenant's name (see `skytrain tenants list`)."),
+) -> None:
+    """Show a tenant's quotas: what it holds (models, stored bytes) against each limit."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db import tenants
+    from skytrain_backend.errors import SkytrainError
+
+    with _session() as session:
+        try:
+            row = tenants.get_tenant_by_name(session, name=tenant)
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
+        limits = vars(tenants.limits_of(row, get_settings()))
+        usage = tenants.usage_of(session, tenant_id=row.id)
+        own = row.limits or {}
+    used = {"max_models": str(usage.models), "max_storage_bytes": str(usage.storage_bytes)}
+    _columns(
+        [("limit", "used", "value", "set by")]
+        + [
+            (name, used.get(name, "-"), str(value), "this tenant" if name in own else "default")
+            for name, value in limits.items()
+        ]
+    )
+
+
 @db_app.command("upgrade")
 def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) -> None:
     """Upgrade the schema of SKYTRAIN_DATABASE_URL (to the newest revision by default)."""
