@@ -211,6 +211,13 @@ class Settings(BaseSettings):
         description="Bytes (as JSON) of one user_metadata a tenant sends (Tinker sessions, "
         "training runs); a larger one is a 413.",
     )
+    tenant_max_sessions: int = Field(
+        default=256,
+        ge=0,
+        description="Tinker sessions (ServiceClients) a tenant may have open at once; one more "
+        "is a 403. A session ends when its client closes, or SKYTRAIN_TINKER_SESSION_TIMEOUT_S "
+        "after its last heartbeat.",
+    )
     tenant_max_queued_operations: int = Field(
         default=256,
         ge=0,

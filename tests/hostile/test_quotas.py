@@ -217,6 +217,40 @@ def test_concurrent_tinker_sampling_sessions_make_exactly_max_models(
     assert who.models() == 2
 
 
+def test_concurrent_tinker_sessions_make_exactly_max_sessions_and_a_finished_one_frees_its_place(
+    tenant: Callable[..., Who],
+) -> None:
+    who = tenant(max_sessions=2)
+
+    async def race() -> list[Any]:
+        async with who.tinker(max_retries=0) as client:
+            return await asyncio.gather(
+                *(_session(client) for _ in range(CONCURRENT)), return_exceptions=True
+            )
+
+    outcomes = asyncio.run(race())
+    opened = [o for o in outcomes if isinstance(o, str)]
+    assert len(opened) == 2
+    for outcome in outcomes:
+        if outcome not in opened:
+            assert isinstance(outcome, tinker.PermissionDeniedError), outcome
+            assert "2 Tinker sessions open" in str(outcome) and "--max-sessions" in str(outcome)
+    assert who.count(TinkerSession) == 2
+
+    # The SDK finishes its session when the ServiceClient closes: its place is free again.
+    with httpx.Client(
+        base_url=who.plane.url, headers={"X-API-Key": "tml-" + who.key}, timeout=60
+    ) as http:
+        finished = http.post(f"/api/v1/sessions/{opened[0]}/finish", json={"reason": {}})
+        assert finished.status_code == 204, finished.text
+
+    async def another() -> str:
+        async with who.tinker(max_retries=0) as client:
+            return await _session(client)
+
+    assert asyncio.run(another())
+
+
 # --- what a tenant stores -----------------------------------------------------------------------
 
 
@@ -442,6 +476,7 @@ def test_usage_is_shown_to_the_tenant_and_to_the_operator(tenant: Callable[..., 
     assert quotas["max_models"] == (1, 100)
     assert quotas["max_storage_bytes"] == (stored, 50_000)
     assert quotas["max_metadata_bytes"] == (0, 65_536)
+    assert quotas["max_sessions"] == (0, 256)
     rows = {
         line.split()[0]: line.split()[1:]
         for line in _skytrain(who, "tenants", "show", who.name).splitlines()

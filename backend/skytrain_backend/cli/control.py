@@ -253,6 +253,9 @@ def tenants_limits(
     max_metadata_bytes: int | None = typer.Option(
         None, min=0, help="Bytes (as JSON) of one user_metadata (Tinker sessions and runs)."
     ),
+    max_sessions: int | None = typer.Option(
+        None, min=0, help="Tinker sessions (ServiceClients) open at once."
+    ),
     max_queued_operations: int | None = typer.Option(
         None, min=0, help="Operations queued and not done per Tinker training run."
     ),
@@ -283,6 +286,7 @@ def tenants_limits(
         "max_workers": max_workers,
         "max_storage_bytes": max_storage_bytes,
         "max_metadata_bytes": max_metadata_bytes,
+        "max_sessions": max_sessions,
         "max_queued_operations": max_queued_operations,
     }
     values = {name: value for name, value in given.items() if value is not None}
@@ -314,7 +318,8 @@ def tenants_limits(
 def tenants_show(
     tenant: str = typer.Argument(..., help="The tenant's name (see `skytrain tenants list`)."),
 ) -> None:
-    """Show a tenant's quotas: what it holds (models, stored bytes) against each limit."""
+    """Show a tenant's quotas: what it holds (models, Tinker sessions open, stored bytes)
+    against each limit."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.db import tenants
     from skytrain_backend.errors import SkytrainError
@@ -325,9 +330,10 @@ def tenants_show(
         except SkytrainError as exc:
             raise _fail(exc.message) from None
         limits = vars(tenants.limits_of(row, get_settings()))
-        usage = tenants.usage_of(session, tenant_id=row.id)
+        used = {
+            k: str(v) for k, v in tenants.usage_of(session, tenant_id=row.id).by_limit().items()
+        }
         own = row.limits or {}
-    used = {"max_models": str(usage.models), "max_storage_bytes": str(usage.storage_bytes)}
     _columns(
         [("limit", "used", "value", "set by")]
         + [

@@ -11,6 +11,7 @@
 | ``max_placed_models`` | ``SKYTRAIN_TENANT_MAX_PLACED_MODELS`` | models placed on workers | waits; 429 |
 | ``max_workers`` | ``SKYTRAIN_TENANT_MAX_WORKERS`` | workers holding its models | waits; 429 |
 | ``max_storage_bytes`` | ``SKYTRAIN_TENANT_MAX_STORAGE_BYTES`` | bytes held (``storage_used``) | 403 on store |
+| ``max_sessions`` | ``SKYTRAIN_TENANT_MAX_SESSIONS`` | Tinker sessions open | 403 on create |
 | ``max_metadata_bytes`` | ``SKYTRAIN_TENANT_MAX_METADATA_BYTES`` | one user_metadata, as JSON | 413 |
 | ``max_queued_operations`` | ``SKYTRAIN_TENANT_MAX_QUEUED_OPERATIONS`` | a Tinker run's undone ops | 429 |
 
@@ -77,6 +78,7 @@ class TenantLimits:
     max_workers: int
     max_storage_bytes: int
     max_metadata_bytes: int
+    max_sessions: int
     max_queued_operations: int
 
     @classmethod
@@ -202,13 +204,29 @@ class TenantUsage:
     """What a tenant holds against its quotas."""
 
     models: int
+    sessions: int
     storage_bytes: int
+
+    def by_limit(self) -> dict[str, int]:
+        """What is used of each quota, by the quota's name."""
+        return {
+            "max_models": self.models,
+            "max_sessions": self.sessions,
+            "max_storage_bytes": self.storage_bytes,
+        }
 
 
 def usage_of(session: Session, *, tenant_id: str) -> TenantUsage:
     models = session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant_id))
+    sessions = session.scalar(
+        select(func.count(TinkerSession.id)).where(
+            TinkerSession.tenant_id == tenant_id, TinkerSession.finished_at.is_(None)
+        )
+    )
     stored = session.scalar(storage_used(tenant_id=tenant_id))
-    return TenantUsage(models=int(models or 0), storage_bytes=int(stored or 0))
+    return TenantUsage(
+        models=int(models or 0), sessions=int(sessions or 0), storage_bytes=int(stored or 0)
+    )
 
 
 def metadata_bytes(metadata: dict[str, Any] | None, *, limits: TenantLimits, field: str) -> int:

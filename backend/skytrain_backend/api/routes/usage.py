@@ -27,11 +27,10 @@ class UsagePublic(BaseModel):
 
 @router.get("", response_model=UsagePublic)
 def get_usage(session: SessionDep, tenant: TenantDep, settings: SettingsDep) -> UsagePublic:
-    """Models owned and bytes stored against ``max_models`` and ``max_storage_bytes``, with
-    every other limit in force (``skytrain tenants limits`` sets them)."""
+    """Models owned, Tinker sessions open and bytes stored against ``max_models``,
+    ``max_sessions`` and ``max_storage_bytes``, with every other limit in force (``skytrain tenants limits`` sets them)."""
     limits = vars(tenants.limits_of(tenant, settings))
-    usage = tenants.usage_of(session, tenant_id=tenant.id)
-    used = {"max_models": usage.models, "max_storage_bytes": usage.storage_bytes}
+    used = tenants.usage_of(session, tenant_id=tenant.id).by_limit()
     return UsagePublic(
         tenant=tenant.name,
         quotas=[
