@@ -218,6 +218,12 @@ class Settings(BaseSettings):
         "is a 403. A session ends when its client closes, or SKYTRAIN_TINKER_SESSION_TIMEOUT_S "
         "after its last heartbeat.",
     )
+    tenant_max_queued_jobs: int = Field(
+        default=256,
+        ge=0,
+        description="RL and SFT training jobs a tenant may have queued or running at once; one "
+        "more is a 429 until one ends.",
+    )
     tenant_max_queued_operations: int = Field(
         default=256,
         ge=0,

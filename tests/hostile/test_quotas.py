@@ -251,6 +251,36 @@ def test_concurrent_tinker_sessions_make_exactly_max_sessions_and_a_finished_one
     assert asyncio.run(another())
 
 
+def test_concurrent_training_jobs_queue_exactly_max_queued_jobs(tenant: Callable[..., Who]) -> None:
+    who = tenant(max_queued_jobs=2)
+    with who.rest() as http:
+        model = http.post(
+            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
+        ).json()
+        body = {"model_id": model["id"], "trajectory_groups": [support.group()]}
+        with ThreadPoolExecutor(CONCURRENT // 2) as pool:
+            answers = list(
+                pool.map(
+                    lambda _: http.post("/v1/training-jobs", json=body), range(CONCURRENT // 2)
+                )
+            )
+        queued = [a for a in answers if a.status_code == 201]
+        assert len(queued) == 2
+        for answer in answers:
+            if answer not in queued:
+                assert answer.status_code == 429, answer.text
+                assert "Retry-After" in answer.headers
+                assert "max_queued_jobs, 2" in answer.json()["error"]["message"]
+        listed = http.get("/v1/training-jobs", params={"model_id": model["id"]}).json()["data"]
+        assert sorted(job["id"] for job in listed) == sorted(a.json()["id"] for a in queued)
+    shown = _skytrain(who, "tenants", "show", who.name).splitlines()
+    assert [line.split()[1:3] for line in shown if line.startswith("max_queued_jobs")] == [
+        ["2", "2"]
+    ]
+    # The refused jobs' inputs were deleted: two are in the store.
+    assert len([key for key in who.objects() if "/jobs/" in key]) == 2
+
+
 # --- what a tenant stores -----------------------------------------------------------------------
 
 
@@ -477,6 +507,7 @@ def test_usage_is_shown_to_the_tenant_and_to_the_operator(tenant: Callable[..., 
     assert quotas["max_storage_bytes"] == (stored, 50_000)
     assert quotas["max_metadata_bytes"] == (0, 65_536)
     assert quotas["max_sessions"] == (0, 256)
+    assert quotas["max_queued_jobs"] == (0, 256)
     rows = {
         line.split()[0]: line.split()[1:]
         for line in _skytrain(who, "tenants", "show", who.name).splitlines()

@@ -256,6 +256,9 @@ def tenants_limits(
     max_sessions: int | None = typer.Option(
         None, min=0, help="Tinker sessions (ServiceClients) open at once."
     ),
+    max_queued_jobs: int | None = typer.Option(
+        None, min=0, help="RL and SFT training jobs queued or running at once."
+    ),
     max_queued_operations: int | None = typer.Option(
         None, min=0, help="Operations queued and not done per Tinker training run."
     ),
@@ -287,6 +290,7 @@ def tenants_limits(
         "max_storage_bytes": max_storage_bytes,
         "max_metadata_bytes": max_metadata_bytes,
         "max_sessions": max_sessions,
+        "max_queued_jobs": max_queued_jobs,
         "max_queued_operations": max_queued_operations,
     }
     values = {name: value for name, value in given.items() if value is not None}

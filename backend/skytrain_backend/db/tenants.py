@@ -13,6 +13,7 @@
 | ``max_storage_bytes`` | ``SKYTRAIN_TENANT_MAX_STORAGE_BYTES`` | bytes held (``storage_used``) | 403 on store |
 | ``max_sessions`` | ``SKYTRAIN_TENANT_MAX_SESSIONS`` | Tinker sessions open | 403 on create |
 | ``max_metadata_bytes`` | ``SKYTRAIN_TENANT_MAX_METADATA_BYTES`` | one user_metadata, as JSON | 413 |
+| ``max_queued_jobs`` | ``SKYTRAIN_TENANT_MAX_QUEUED_JOBS`` | RL/SFT jobs not ended | 429 |
 | ``max_queued_operations`` | ``SKYTRAIN_TENANT_MAX_QUEUED_OPERATIONS`` | a Tinker run's undone ops | 429 |
 
 A tenant's row keeps only the limits the operator set (``skytrain tenants limits``); every
@@ -79,6 +80,7 @@ class TenantLimits:
     max_storage_bytes: int
     max_metadata_bytes: int
     max_sessions: int
+    max_queued_jobs: int
     max_queued_operations: int
 
     @classmethod
@@ -199,12 +201,27 @@ def reserve_storage(
     )
 
 
+def queued_jobs(*, tenant_id: str) -> Select[Any]:
+    """How many RL and SFT jobs the tenant has queued or running (``max_queued_jobs``)."""
+    return (
+        select(func.count(TrainingJob.id))
+        .join(Model, Model.id == TrainingJob.model_id)
+        .where(
+            Model.tenant_id == tenant_id,
+            # A Tinker training run's job lasts as long as its session: max_models bounds them.
+            TrainingJob.kind != "tinker",
+            TrainingJob.status.in_(("queued", "running")),
+        )
+    )
+
+
 @dataclass(frozen=True)
 class TenantUsage:
     """What a tenant holds against its quotas."""
 
     models: int
     sessions: int
+    queued_jobs: int
     storage_bytes: int
 
     def by_limit(self) -> dict[str, int]:
@@ -212,6 +229,7 @@ class TenantUsage:
         return {
             "max_models": self.models,
             "max_sessions": self.sessions,
+            "max_queued_jobs": self.queued_jobs,
             "max_storage_bytes": self.storage_bytes,
         }
 
@@ -223,9 +241,13 @@ def usage_of(session: Session, *, tenant_id: str) -> TenantUsage:
             TinkerSession.tenant_id == tenant_id, TinkerSession.finished_at.is_(None)
         )
     )
+    jobs = session.scalar(queued_jobs(tenant_id=tenant_id))
     stored = session.scalar(storage_used(tenant_id=tenant_id))
     return TenantUsage(
-        models=int(models or 0), sessions=int(sessions or 0), storage_bytes=int(stored or 0)
+        models=int(models or 0),
+        sessions=int(sessions or 0),
+        queued_jobs=int(jobs or 0),
+        storage_bytes=int(stored or 0),
     )
 
 

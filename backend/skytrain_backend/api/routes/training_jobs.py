@@ -85,6 +85,7 @@ def _store_job(
     max_workers: int | None,
 ) -> TrainingJobPublic:
     def insert(uri: str) -> TrainingJob:
+        jobs.reserve_job(session, tenant_id=model.tenant_id, max_queued_jobs=limits.max_queued_jobs)
         reserve_storage(
             session,
             tenant_id=model.tenant_id,

@@ -27,8 +27,8 @@ class UsagePublic(BaseModel):
 
 @router.get("", response_model=UsagePublic)
 def get_usage(session: SessionDep, tenant: TenantDep, settings: SettingsDep) -> UsagePublic:
-    """Models owned, Tinker sessions open and bytes stored against ``max_models``,
-    ``max_sessions`` and ``max_storage_bytes``, with every other limit in force (``skytrain tenants limits`` sets them)."""
+    """Models owned, Tinker sessions open, training jobs queued and bytes stored against their
+    quotas, with every other limit in force (``skytrain tenants limits`` sets them)."""
     limits = vars(tenants.limits_of(tenant, settings))
     used = tenants.usage_of(session, tenant_id=tenant.id).by_limit()
     return UsagePublic(
