@@ -288,9 +288,7 @@ def submit(
     """
     if seq_id is None or seq_id < 1:
         raise InvalidRequest(f"seq_id must be 1 or more, not {seq_id}: send it with the tinker SDK")
-    existing = session.scalar(
-        select(TinkerRequest).where(TinkerRequest.run_id == run.id, TinkerRequest.seq_id == seq_id)
-    )
+    existing = _find_operation(session, run, seq_id)
     if existing is not None:
         if existing.kind != kind:
             raise InvalidRequest(
@@ -323,10 +321,18 @@ def submit(
         session.rollback()
         return _operation(session, run=run, seq_id=seq_id)
     except (QuotaExceeded, RateLimited):
-        if operation.input_uri is not None:
+        # Refused: its payload goes, unless the same operation sent again (the SDK retries)
+        # was queued meanwhile, with its payload at the same key.
+        if operation.input_uri is not None and _find_operation(session, run, seq_id) is None:
             store.delete(input_key(run, seq_id))
         raise
     return operation
+
+
+def _find_operation(session: Session, run: TinkerRun, seq_id: int) -> TinkerRequest | None:
+    return session.scalar(
+        select(TinkerRequest).where(TinkerRequest.run_id == run.id, TinkerRequest.seq_id == seq_id)
+    )
 
 
 def _reserve(session: Session, *, run: TinkerRun, limits: TenantLimits, size: int) -> None:
