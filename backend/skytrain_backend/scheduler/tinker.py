@@ -278,9 +278,10 @@ def submit(
 
     The run holds at most ``limits.max_queued_operations`` operations not done (one more is a
     429: the SDK sends it again once the worker has done some), and ``body`` counts in the
-    tenant's stored bytes (403 past ``max_storage_bytes``); both counted under the tenant's
-    lock, after the body is in the store (the lock is never held across a store call), which
-    is deleted again when refused.
+    tenant's stored bytes (past ``max_storage_bytes`` the operation is recorded failed, its
+    future saying why, like an invalid one); both counted under the tenant's lock, after the
+    body is in the store (the lock is never held across a store call), which is deleted again
+    when refused.
 
     ``refused``: why the operation's content is not valid. It is recorded as failed (nothing
     of it stored), so its future says why and the operations after it still run: the SDK has
@@ -320,12 +321,24 @@ def submit(
     except IntegrityError:
         session.rollback()
         return _operation(session, run=run, seq_id=seq_id)
-    except (QuotaExceeded, RateLimited):
+    except (QuotaExceeded, RateLimited) as exc:
         # Refused: its payload goes, unless the same operation sent again (the SDK retries)
         # was queued meanwhile, with its payload at the same key.
         if operation.input_uri is not None and _find_operation(session, run, seq_id) is None:
             store.delete(input_key(run, seq_id))
-        raise
+        if isinstance(exc, RateLimited):
+            raise  # a full queue: the SDK sends it again
+        # Over the storage quota: the operation fails, and the run's later ones still run.
+        return submit(
+            session,
+            store=store,
+            run=run,
+            seq_id=seq_id,
+            kind=kind,
+            params=params,
+            limits=limits,
+            refused=exc.message,
+        )
     return operation
 
 
