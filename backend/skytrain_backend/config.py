@@ -198,6 +198,38 @@ class Settings(BaseSettings):
     tenant_max_models: int = Field(
         default=100, ge=0, description="Models a tenant may own; creating one more is a 403."
     )
+    tenant_max_storage_bytes: int = Field(
+        default=100 * 1024**3,
+        ge=0,
+        description="Bytes a tenant may hold: checkpoints, trajectory batches (logged and jobs' "
+        "inputs), Tinker sessions' metadata and queued operations' payloads. A request that "
+        "would store more is a 403; deleting checkpoints or models frees their bytes.",
+    )
+    tenant_max_metadata_bytes: int = Field(
+        default=64 * 1024,
+        ge=0,
+        description="Bytes (as JSON) of one user_metadata a tenant sends (Tinker sessions, "
+        "training runs); a larger one is a 413.",
+    )
+    tenant_max_sessions: int = Field(
+        default=256,
+        ge=0,
+        description="Tinker sessions (ServiceClients) a tenant may have open at once; one more "
+        "is a 403. A session ends when its client closes, or SKYTRAIN_TINKER_SESSION_TIMEOUT_S "
+        "after its last heartbeat.",
+    )
+    tenant_max_queued_jobs: int = Field(
+        default=256,
+        ge=0,
+        description="RL and SFT training jobs a tenant may have queued or running at once; one "
+        "more is a 429 until one ends.",
+    )
+    tenant_max_queued_operations: int = Field(
+        default=256,
+        ge=0,
+        description="Operations (forward_backward, optim_step, saves...) queued and not done "
+        "per Tinker training run; one more is a 429 until the worker has done some.",
+    )
     tenant_max_placed_models: int = Field(
         default=8,
         ge=0,

@@ -549,3 +549,7 @@ def test_another_tenants_model_is_not_reachable_by_url(
     expect(page.get_by_role("alert")).to_contain_text(f"model '{runs.run_id}' not found")
     goto(page, service, "#/")
     expect(page.locator("main")).to_contain_text("No models yet")
+    # Its quotas in use (GET /v1/usage), not the other tenant's.
+    expect(page.locator("#usage")).to_have_text(
+        "intruder: 0 of 100 models · 0 B of 100.00 GiB stored"
+    )

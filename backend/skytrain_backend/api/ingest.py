@@ -346,6 +346,7 @@ class Batch:
         self.writer: ObjectWriter | None = None
         self.num_items = 0
         self.num_trajectories = 0
+        self.num_bytes = 0  # the JSONL's, what its tenant's storage quota counts
 
     def stream_to(self, store: ObjectStore, key: str) -> None:
         """Write every line from now on to a new object at ``key`` in ``store``."""
@@ -364,9 +365,11 @@ class Batch:
             self.num_trajectories += 1
         check_count(self.num_trajectories, limit=self.limit)
         if isinstance(item, BaseModel):
-            self.output.write(item.model_dump_json().encode() + b"\n")
+            line = item.model_dump_json().encode() + b"\n"
         else:
-            self.output.write(_ENCODER.encode(item) + b"\n")
+            line = _ENCODER.encode(item) + b"\n"
+        self.num_bytes += len(line)
+        self.output.write(line)
 
     def close(self) -> None:
         self.spool.close()

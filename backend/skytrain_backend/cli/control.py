@@ -244,6 +244,24 @@ def tenants_limits(
     max_workers: int | None = typer.Option(
         None, min=0, help="Workers the tenant's models may occupy at once."
     ),
+    max_storage_bytes: int | None = typer.Option(
+        None,
+        min=0,
+        help="Bytes the tenant may hold: checkpoints, trajectory batches, Tinker sessions' "
+        "metadata and queued operations' payloads.",
+    ),
+    max_metadata_bytes: int | None = typer.Option(
+        None, min=0, help="Bytes (as JSON) of one user_metadata (Tinker sessions and runs)."
+    ),
+    max_sessions: int | None = typer.Option(
+        None, min=0, help="Tinker sessions (ServiceClients) open at once."
+    ),
+    max_queued_jobs: int | None = typer.Option(
+        None, min=0, help="RL and SFT training jobs queued or running at once."
+    ),
+    max_queued_operations: int | None = typer.Option(
+        None, min=0, help="Operations queued and not done per Tinker training run."
+    ),
     reset: list[str] = typer.Option(
         [], "--reset", help="A limit to return to its default (the setting); repeatable."
     ),
@@ -252,7 +270,9 @@ def tenants_limits(
 
     Limits not given stay as they are; a limit never set for the tenant follows its default
     setting (SKYTRAIN_TENANT_MAX_MODELS, ...). Over a quota, creating a model is a 403;
-    models over the placement quotas wait, and their requests get 429 with Retry-After.
+    models over the placement quotas wait, and their requests get 429 with Retry-After; a
+    request that would store more than max_storage_bytes is a 403, a user_metadata over
+    max_metadata_bytes a 413, an operation past max_queued_operations a 429.
     """
     from skytrain_backend.config import get_settings
     from skytrain_backend.db import tenants
@@ -267,6 +287,11 @@ def tenants_limits(
         "max_models": max_models,
         "max_placed_models": max_placed_models,
         "max_workers": max_workers,
+        "max_storage_bytes": max_storage_bytes,
+        "max_metadata_bytes": max_metadata_bytes,
+        "max_sessions": max_sessions,
+        "max_queued_jobs": max_queued_jobs,
+        "max_queued_operations": max_queued_operations,
     }
     values = {name: value for name, value in given.items() if value is not None}
     with _session() as session:
@@ -288,6 +313,35 @@ def tenants_limits(
         [("limit", "value", "set by")]
         + [
             (name, str(value), "this tenant" if name in own else "default")
+            for name, value in limits.items()
+        ]
+    )
+
+
+@tenants_app.command("show")
+def tenants_show(
+    tenant: str = typer.Argument(..., help="The tenant's name (see `skytrain tenants list`)."),
+) -> None:
+    """Show a tenant's quotas: what it holds (models, Tinker sessions open, stored bytes)
+    against each limit."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db import tenants
+    from skytrain_backend.errors import SkytrainError
+
+    with _session() as session:
+        try:
+            row = tenants.get_tenant_by_name(session, name=tenant)
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
+        limits = vars(tenants.limits_of(row, get_settings()))
+        used = {
+            k: str(v) for k, v in tenants.usage_of(session, tenant_id=row.id).by_limit().items()
+        }
+        own = row.limits or {}
+    _columns(
+        [("limit", "used", "value", "set by")]
+        + [
+            (name, used.get(name, "-"), str(value), "this tenant" if name in own else "default")
             for name, value in limits.items()
         ]
     )

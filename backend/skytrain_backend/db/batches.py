@@ -23,6 +23,7 @@ def add_batch(
     num_groups: int,
     num_trajectories: int,
     metrics: dict[str, Any],
+    size_bytes: int = 0,
 ) -> TrajectoryBatch:
     """Stage the row; the caller commits once the object is in the store."""
     batch = TrajectoryBatch(
@@ -34,6 +35,7 @@ def add_batch(
         num_groups=num_groups,
         num_trajectories=num_trajectories,
         metrics=metrics,
+        size_bytes=size_bytes,
     )
     session.add(batch)
     session.flush()

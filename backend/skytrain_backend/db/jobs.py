@@ -11,10 +11,39 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Model, TrainingJob, TrainingJobEvent, utcnow
 from skytrain_backend.db.pages import Order, fetch_page
-from skytrain_backend.errors import Conflict, InvalidRequest, NotFound
+from skytrain_backend.errors import Conflict, InvalidRequest, NotFound, RateLimited
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, EventType, JobKind, JobStatus
+
+# When a job refused for a full queue is worth sending again.
+QUEUE_FULL_RETRY_S = 5.0
+
+
+def reserve_job(session: Session, *, tenant_id: str, max_queued_jobs: int) -> None:
+    """A place for one more RL or SFT job among the tenant's queued or running ones
+    (``RateLimited`` past ``max_queued_jobs``), under the tenant's lock
+    (``tenants.enforce_quota``): the caller adds the job and commits."""
+
+    def full(active: int) -> RateLimited:
+        return RateLimited(
+            f"your tenant has {active} training jobs queued or running, the most its quota "
+            f"allows (max_queued_jobs, {max_queued_jobs}): submit this one when one of them has "
+            "ended, or ask the operator to raise it "
+            "(`skytrain tenants limits TENANT --max-queued-jobs N`)",
+            retry_after_s=QUEUE_FULL_RETRY_S,
+            limit="max_queued_jobs",
+        )
+
+    tenants.enforce_quota(
+        session,
+        tenant_id=tenant_id,
+        used=tenants.queued_jobs(tenant_id=tenant_id),
+        adding=1,
+        allowed=max_queued_jobs,
+        refusal=full,
+    )
 
 
 def add_job(
@@ -28,8 +57,10 @@ def add_job(
     num_groups: int,
     num_trajectories: int,
     max_attempts: int,
+    input_bytes: int = 0,
 ) -> TrainingJob:
-    """Stage a queued job; the caller commits once its input is in the store."""
+    """Stage a queued job; the caller commits once its input (``input_bytes``) is in the
+    store."""
     job = TrainingJob(
         id=job_id,
         model_id=model_id,
@@ -37,6 +68,7 @@ def add_job(
         status="queued",
         config=config,
         input_uri=input_uri,
+        input_bytes=input_bytes,
         num_groups=num_groups,
         num_trajectories=num_trajectories,
         attempts=0,

@@ -190,6 +190,8 @@ class TrajectoryBatch(Base):
     num_groups: Mapped[int]
     num_trajectories: Mapped[int]
     metrics: Mapped[dict[str, Any]]
+    # The batch's bytes, counted in its tenant's stored bytes (``db.tenants.storage_used``).
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _created_at()
 
 
@@ -205,6 +207,8 @@ class TrainingJob(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     config: Mapped[dict[str, Any]]
     input_uri: Mapped[str] = mapped_column(Text)
+    # The input batch's bytes, counted in its tenant's stored bytes.
+    input_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     num_groups: Mapped[int]
     num_trajectories: Mapped[int]
     attempts: Mapped[int] = mapped_column(default=0)
@@ -318,6 +322,8 @@ class TinkerSession(Base):
     sdk_version: Mapped[str] = mapped_column(String(64))
     tags: Mapped[list[str]] = mapped_column(JSONType, default=list)
     user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # Its user_metadata's bytes (as JSON), counted in its tenant's stored bytes.
+    size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _created_at()
     last_heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
@@ -378,6 +384,8 @@ class TinkerRequest(Base):
     status: Mapped[str] = mapped_column(String(16), default="queued")
     params: Mapped[dict[str, Any]] = mapped_column(default=dict)
     input_uri: Mapped[str | None] = mapped_column(Text)
+    # The input object's bytes (a forward-backward's batch), counted in its tenant's stored bytes.
+    input_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     result_uri: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)

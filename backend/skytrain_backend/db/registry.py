@@ -13,6 +13,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Checkpoint, Model, Tenant, TrainingJob
 from skytrain_backend.db.pages import Order, fetch_page
 from skytrain_backend.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
@@ -65,7 +66,14 @@ def create_model(
     if found is not None:
         return _existing(found, base_model=base_model, return_existing=return_existing), False
     if max_models is not None:
-        check_model_quota(session, tenant_id=tenant.id, max_models=max_models)
+        try:
+            check_model_quota(session, tenant_id=tenant.id, max_models=max_models)
+        except QuotaExceeded:
+            # A concurrent request may have created this very model: that one is not refused.
+            found = _find(session, tenant_id=tenant.id, entity=entity, project=project, name=name)
+            if found is None:
+                raise
+            return _existing(found, base_model=base_model, return_existing=return_existing), False
     model = Model(
         tenant_id=tenant.id,
         entity=entity,
@@ -92,15 +100,28 @@ def create_model(
 
 def check_model_quota(session: Session, *, tenant_id: str, max_models: int) -> None:
     """``QuotaExceeded`` if the tenant owns ``max_models`` models already: the one check every
-    way of creating a model goes through (REST, and Tinker's training runs and samplers)."""
-    owned = session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant_id)) or 0
-    if owned >= max_models:
-        raise QuotaExceeded(
+    way of creating a model goes through (REST, and Tinker's training runs and samplers).
+
+    It locks the tenant's row (``tenants.enforce_quota``) until the caller commits the model it
+    inserts, so concurrent creates count one after the other.
+    """
+
+    def refusal(owned: int) -> QuotaExceeded:
+        return QuotaExceeded(
             f"your tenant owns {owned} models, the most its quota allows ({max_models}): "
             "delete one with DELETE /v1/models/{id}, or ask the operator to raise it "
-            "(`skytrain tenants limits`)",
+            "(`skytrain tenants limits TENANT --max-models N`)",
             limit="max_models",
         )
+
+    tenants.enforce_quota(
+        session,
+        tenant_id=tenant_id,
+        used=select(func.count(Model.id)).where(Model.tenant_id == tenant_id),
+        adding=1,
+        allowed=max_models,
+        refusal=refusal,
+    )
 
 
 def get_model(session: Session, *, tenant_id: str, model_id: str) -> Model:

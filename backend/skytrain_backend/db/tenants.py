@@ -10,9 +10,18 @@
 | ``max_models`` | ``SKYTRAIN_TENANT_MAX_MODELS`` | models owned | 403 on create |
 | ``max_placed_models`` | ``SKYTRAIN_TENANT_MAX_PLACED_MODELS`` | models placed on workers | waits; 429 |
 | ``max_workers`` | ``SKYTRAIN_TENANT_MAX_WORKERS`` | workers holding its models | waits; 429 |
+| ``max_storage_bytes`` | ``SKYTRAIN_TENANT_MAX_STORAGE_BYTES`` | bytes held (``storage_used``) | 403 on store |
+| ``max_sessions`` | ``SKYTRAIN_TENANT_MAX_SESSIONS`` | Tinker sessions open | 403 on create |
+| ``max_metadata_bytes`` | ``SKYTRAIN_TENANT_MAX_METADATA_BYTES`` | one user_metadata, as JSON | 413 |
+| ``max_queued_jobs`` | ``SKYTRAIN_TENANT_MAX_QUEUED_JOBS`` | RL/SFT jobs not ended | 429 |
+| ``max_queued_operations`` | ``SKYTRAIN_TENANT_MAX_QUEUED_OPERATIONS`` | a Tinker run's undone ops | 429 |
 
 A tenant's row keeps only the limits the operator set (``skytrain tenants limits``); every
 other limit follows its setting, so changing a default changes it for every such tenant.
+
+Quotas on what a tenant holds are counted and taken in one transaction that first locks the
+tenant's row (``enforce_quota``): concurrent creates take turns, so none sees a count another
+is about to change (64 concurrent creates under ``max_models`` 2 make exactly 2 models).
 """
 
 from __future__ import annotations
@@ -22,12 +31,27 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from sqlalchemy import func, select
+import msgspec
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db.models import Model, Tenant
-from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.db.models import (
+    Checkpoint,
+    Model,
+    Tenant,
+    TinkerRequest,
+    TinkerSession,
+    TrainingJob,
+    TrajectoryBatch,
+)
+from skytrain_backend.errors import (
+    InvalidRequest,
+    NotFound,
+    PayloadTooLarge,
+    QuotaExceeded,
+    SkytrainError,
+)
 
 # Limits of requests in flight: zero would refuse every request, so they are at least one.
 _REQUEST_LIMITS = frozenset(
@@ -53,6 +77,11 @@ class TenantLimits:
     max_models: int
     max_placed_models: int
     max_workers: int
+    max_storage_bytes: int
+    max_metadata_bytes: int
+    max_sessions: int
+    max_queued_jobs: int
+    max_queued_operations: int
 
     @classmethod
     @functools.cache
@@ -81,6 +110,159 @@ def limits_by_id(session: Session, settings: Settings) -> Callable[[str], Tenant
         return known[tenant_id]
 
     return limits
+
+
+def lock_tenant(session: Session, *, tenant_id: str) -> None:
+    """Hold the tenant's row lock until the transaction ends.
+
+    An UPDATE that changes nothing: on PostgreSQL it takes the row lock (as ``SELECT ... FOR
+    NO KEY UPDATE`` would; rows referring to the tenant can still be inserted meanwhile); on
+    SQLite, where a write locks the whole database, it begins the write transaction. The
+    counts read after it see every transaction that held the lock before.
+    """
+    session.execute(
+        update(Tenant)
+        .where(Tenant.id == tenant_id)
+        .values(limits=Tenant.limits)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def enforce_quota(
+    session: Session,
+    *,
+    tenant_id: str,
+    used: Select[Any],
+    adding: int,
+    allowed: int,
+    refusal: Callable[[int], SkytrainError],
+) -> int:
+    """Lock the tenant (``lock_tenant``), count what it holds (``used``) and raise
+    ``refusal(count)`` (the transaction rolled back, its lock released) if ``adding`` more
+    would pass ``allowed``: the one check of every quota. Returns the count.
+
+    The caller inserts what it adds and commits in the same transaction, which releases the
+    lock: keep the work between the two short (no object-store call).
+    """
+    lock_tenant(session, tenant_id=tenant_id)
+    count = int(session.scalar(used) or 0)
+    if count + adding > allowed:
+        session.rollback()
+        raise refusal(count)
+    return count
+
+
+def storage_used(*, tenant_id: str) -> Select[Any]:
+    """The bytes the tenant holds: its checkpoints' files (until a deleted one's are purged),
+    trajectory batches (logged, and training jobs' inputs), Tinker sessions' metadata and Tinker
+    operations' payloads. A sum over rows, so deleting a model or a checkpoint releases its
+    bytes with its rows."""
+    of_models = select(Model.id).where(Model.tenant_id == tenant_id).scalar_subquery()
+
+    def total(column: Any, *where: Any) -> Any:
+        return select(func.coalesce(func.sum(column), 0)).where(*where).scalar_subquery()
+
+    return select(
+        total(
+            Checkpoint.size_bytes,
+            Checkpoint.model_id.in_(of_models),
+            Checkpoint.deleted_at.is_(None) | Checkpoint.purge_pending.is_(True),
+        )
+        + total(TrajectoryBatch.size_bytes, TrajectoryBatch.model_id.in_(of_models))
+        + total(TrainingJob.input_bytes, TrainingJob.model_id.in_(of_models))
+        + total(TinkerSession.size_bytes, TinkerSession.tenant_id == tenant_id)
+        + total(TinkerRequest.input_bytes, TinkerRequest.tenant_id == tenant_id)
+    )
+
+
+def reserve_storage(
+    session: Session, *, tenant_id: str, limits: TenantLimits, adding: int, what: str
+) -> None:
+    """Take ``adding`` bytes (``what``: "this batch", ...) of the tenant's ``max_storage_bytes``
+    under its lock (``enforce_quota``); the caller inserts the row that holds them and commits.
+    ``QuotaExceeded`` (403) when they do not fit."""
+
+    def refusal(used: int) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"{what} takes {adding} bytes and your tenant holds {used} of the "
+            f"{limits.max_storage_bytes} its storage quota allows (max_storage_bytes): delete "
+            "checkpoints (DELETE /v1/models/{id}/checkpoints) or models you no longer need, or "
+            "ask the operator to raise it (`skytrain tenants limits TENANT --max-storage-bytes N`)",
+            limit="max_storage_bytes",
+        )
+
+    enforce_quota(
+        session,
+        tenant_id=tenant_id,
+        used=storage_used(tenant_id=tenant_id),
+        adding=adding,
+        allowed=limits.max_storage_bytes,
+        refusal=refusal,
+    )
+
+
+def queued_jobs(*, tenant_id: str) -> Select[Any]:
+    """How many RL and SFT jobs the tenant has queued or running (``max_queued_jobs``)."""
+    return (
+        select(func.count(TrainingJob.id))
+        .join(Model, Model.id == TrainingJob.model_id)
+        .where(
+            Model.tenant_id == tenant_id,
+            # A Tinker training run's job lasts as long as its session: max_models bounds them.
+            TrainingJob.kind != "tinker",
+            TrainingJob.status.in_(("queued", "running")),
+        )
+    )
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """What a tenant holds against its quotas."""
+
+    models: int
+    sessions: int
+    queued_jobs: int
+    storage_bytes: int
+
+    def by_limit(self) -> dict[str, int]:
+        """What is used of each quota, by the quota's name."""
+        return {
+            "max_models": self.models,
+            "max_sessions": self.sessions,
+            "max_queued_jobs": self.queued_jobs,
+            "max_storage_bytes": self.storage_bytes,
+        }
+
+
+def usage_of(session: Session, *, tenant_id: str) -> TenantUsage:
+    models = session.scalar(select(func.count(Model.id)).where(Model.tenant_id == tenant_id))
+    sessions = session.scalar(
+        select(func.count(TinkerSession.id)).where(
+            TinkerSession.tenant_id == tenant_id, TinkerSession.finished_at.is_(None)
+        )
+    )
+    jobs = session.scalar(queued_jobs(tenant_id=tenant_id))
+    stored = session.scalar(storage_used(tenant_id=tenant_id))
+    return TenantUsage(
+        models=int(models or 0),
+        sessions=int(sessions or 0),
+        queued_jobs=int(jobs or 0),
+        storage_bytes=int(stored or 0),
+    )
+
+
+def metadata_bytes(metadata: dict[str, Any] | None, *, limits: TenantLimits, field: str) -> int:
+    """The bytes of ``metadata`` as JSON; ``PayloadTooLarge`` (413) naming the tenant's
+    ``max_metadata_bytes`` when it is larger (checked before anything is stored)."""
+    size = len(msgspec.json.encode(metadata or {}))
+    if size > limits.max_metadata_bytes:
+        raise PayloadTooLarge(
+            f"{field} takes {size} bytes as JSON, more than your tenant's max_metadata_bytes "
+            f"({limits.max_metadata_bytes}): keep metadata small (names, ids, a few settings) and "
+            "the data itself elsewhere, or ask the operator to raise it "
+            "(`skytrain tenants limits TENANT --max-metadata-bytes N`)"
+        )
+    return size
 
 
 def get_tenant_by_name(session: Session, *, name: str) -> Tenant:

@@ -12,6 +12,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import tenants
 from skytrain_backend.db.models import (
     Checkpoint,
     TinkerCheckpoint,
@@ -21,7 +22,8 @@ from skytrain_backend.db.models import (
     TinkerSession,
     utcnow,
 )
-from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.db.tenants import TenantLimits
+from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded
 
 # last_request_at and heartbeats are informative: written at most this often per row.
 ACTIVITY_RESOLUTION = timedelta(seconds=10)
@@ -34,12 +36,41 @@ def create_session(
     sdk_version: str,
     tags: list[str],
     user_metadata: dict[str, Any],
+    limits: TenantLimits,
 ) -> TinkerSession:
+    """The new session, refused (403) past the tenant's ``max_sessions`` open ones; its
+    ``user_metadata`` is refused past the tenant's ``max_metadata_bytes`` (413) and counted in
+    its stored bytes (403 past ``max_storage_bytes``), before anything is stored."""
+    size = tenants.metadata_bytes(user_metadata, limits=limits, field="user_metadata")
+
+    def refusal(open_sessions: int) -> QuotaExceeded:
+        return QuotaExceeded(
+            f"your tenant has {open_sessions} Tinker sessions open, the most its quota allows "
+            f"(max_sessions, {limits.max_sessions}): close the ServiceClients you no longer use "
+            "(an abandoned one ends once it stops heartbeating), or ask the operator to raise it "
+            "(`skytrain tenants limits TENANT --max-sessions N`)",
+            limit="max_sessions",
+        )
+
+    tenants.enforce_quota(
+        session,
+        tenant_id=tenant_id,
+        used=select(func.count(TinkerSession.id)).where(
+            TinkerSession.tenant_id == tenant_id, TinkerSession.finished_at.is_(None)
+        ),
+        adding=1,
+        allowed=limits.max_sessions,
+        refusal=refusal,
+    )
+    tenants.reserve_storage(
+        session, tenant_id=tenant_id, limits=limits, adding=size, what="the session's user_metadata"
+    )
     row = TinkerSession(
         tenant_id=tenant_id,
         sdk_version=sdk_version,
         tags=sorted(set(tags)),
         user_metadata=user_metadata,
+        size_bytes=size,
     )
     session.add(row)
     session.commit()

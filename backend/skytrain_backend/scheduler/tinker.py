@@ -30,12 +30,12 @@ from datetime import timedelta
 from typing import Any, Literal
 
 from pydantic import ValidationError
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import jobs as job_rows
-from skytrain_backend.db import registry
+from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import (
     Checkpoint,
     Model,
@@ -48,7 +48,8 @@ from skytrain_backend.db.models import (
     new_id,
     utcnow,
 )
-from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.db.tenants import TenantLimits
+from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded, RateLimited
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig, format_validation_error
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
@@ -62,6 +63,8 @@ LORA_ALPHA = 32
 MAX_SEQ_LENGTH = 32768
 
 FINISHED = frozenset({"succeeded", "failed"})
+# When an operation refused for a full queue is worth sending again.
+QUEUE_FULL_RETRY_S = 5.0
 INPUT_OBJECT = "input.pb"
 OUTPUT_OBJECT = "output.pb"
 
@@ -266,11 +269,19 @@ def submit(
     seq_id: int | None,
     kind: str,
     params: dict[str, Any],
+    limits: TenantLimits,
     body: bytes | None = None,
     refused: str | None = None,
 ) -> TinkerRequest:
     """Queue one operation of the run; the same ``seq_id`` again returns the same future
     (the SDK retries a submission whose answer it did not get).
+
+    The run holds at most ``limits.max_queued_operations`` operations not done (one more is a
+    429: the SDK sends it again once the worker has done some), and ``body`` counts in the
+    tenant's stored bytes (past ``max_storage_bytes`` the operation is recorded failed, its
+    future saying why, like an invalid one); both counted under the tenant's lock, after the
+    body is in the store (the lock is never held across a store call), which is deleted again
+    when refused.
 
     ``refused``: why the operation's content is not valid. It is recorded as failed (nothing
     of it stored), so its future says why and the operations after it still run: the SDK has
@@ -278,9 +289,7 @@ def submit(
     """
     if seq_id is None or seq_id < 1:
         raise InvalidRequest(f"seq_id must be 1 or more, not {seq_id}: send it with the tinker SDK")
-    existing = session.scalar(
-        select(TinkerRequest).where(TinkerRequest.run_id == run.id, TinkerRequest.seq_id == seq_id)
-    )
+    existing = _find_operation(session, run, seq_id)
     if existing is not None:
         if existing.kind != kind:
             raise InvalidRequest(
@@ -307,14 +316,71 @@ def submit(
         store.put_bytes(key, body)
         check_open(session, run=run)
         operation.input_uri = store.uri(key)
-    session.add(operation)
-    run.last_request_at = utcnow()
+        operation.input_bytes = len(body)
     try:
+        if refused is None:
+            _reserve(session, run=run, limits=limits, size=operation.input_bytes or 0)
+        session.add(operation)
+        run.last_request_at = utcnow()
         session.commit()
     except IntegrityError:
         session.rollback()
         return _operation(session, run=run, seq_id=seq_id)
+    except (QuotaExceeded, RateLimited) as exc:
+        # Refused: its payload goes, unless the same operation sent again (the SDK retries)
+        # was queued meanwhile, with its payload at the same key.
+        if operation.input_uri is not None and _find_operation(session, run, seq_id) is None:
+            store.delete(input_key(run, seq_id))
+        if isinstance(exc, RateLimited):
+            raise  # a full queue: the SDK sends it again
+        # Over the storage quota: the operation fails, and the run's later ones still run.
+        return submit(
+            session,
+            store=store,
+            run=run,
+            seq_id=seq_id,
+            kind=kind,
+            params=params,
+            limits=limits,
+            refused=exc.message,
+        )
     return operation
+
+
+def _find_operation(session: Session, run: TinkerRun, seq_id: int) -> TinkerRequest | None:
+    return session.scalar(
+        select(TinkerRequest).where(TinkerRequest.run_id == run.id, TinkerRequest.seq_id == seq_id)
+    )
+
+
+def _reserve(session: Session, *, run: TinkerRun, limits: TenantLimits, size: int) -> None:
+    """A place in the run's queue, and ``size`` bytes of the tenant's storage."""
+    cap = limits.max_queued_operations
+
+    def full(queued: int) -> RateLimited:
+        return RateLimited(
+            f"training run {run.id} has {queued} operations queued, the most your tenant's quota "
+            f"allows (max_queued_operations, {cap}): wait for some to finish (retrieve their "
+            "futures), or ask the operator to raise it "
+            "(`skytrain tenants limits TENANT --max-queued-operations N`)",
+            retry_after_s=QUEUE_FULL_RETRY_S,
+            limit="max_queued_operations",
+        )
+
+    tenants.enforce_quota(
+        session,
+        tenant_id=run.tenant_id,
+        used=select(func.count(TinkerRequest.id)).where(
+            TinkerRequest.run_id == run.id, TinkerRequest.status.not_in(FINISHED)
+        ),
+        adding=1,
+        allowed=cap,
+        refusal=full,
+    )
+    if size:
+        tenants.reserve_storage(
+            session, tenant_id=run.tenant_id, limits=limits, adding=size, what="this operation"
+        )
 
 
 def output_key(run: TinkerRun, seq_id: int) -> str:

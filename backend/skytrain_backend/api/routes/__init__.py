@@ -12,10 +12,11 @@ from skytrain_backend.api.routes import (
     logs,
     models,
     training_jobs,
+    usage,
 )
 
 api_router = APIRouter()
 # The inference routes first: FastAPI tries routes in order, twice per request, and these
 # take most requests (no other route's path can be theirs).
-for module in (inference, models, checkpoints, logs, training_jobs, files):
+for module in (inference, models, checkpoints, logs, training_jobs, files, usage):
     api_router.include_router(module.router)

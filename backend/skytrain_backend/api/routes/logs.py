@@ -32,7 +32,7 @@ from skytrain_backend.api.schemas import (
     TrajectoryBatchPublic,
 )
 from skytrain_backend.config import Settings
-from skytrain_backend.db import batches, checkpoints, registry
+from skytrain_backend.db import batches, checkpoints, registry, tenants
 from skytrain_backend.db.models import Tenant, new_id
 from skytrain_backend.storage import ObjectStore, compression, keys
 
@@ -94,6 +94,13 @@ def _log(
         metrics = summary.result()
 
         def insert(uri: str) -> TrajectoryBatchPublic:
+            tenants.reserve_storage(
+                session,
+                tenant_id=tenant.id,
+                limits=tenants.limits_of(tenant, settings),
+                adding=batch.num_bytes,
+                what="this batch",
+            )
             row = batches.add_batch(
                 session,
                 batch_id=batch_id,
@@ -104,6 +111,7 @@ def _log(
                 num_groups=batch.num_items,
                 num_trajectories=batch.num_trajectories,
                 metrics=metrics,
+                size_bytes=batch.num_bytes,
             )
             # The checkpoint first: a concurrent log of the same step waits for this one, then
             # reads both batches. Then every batch of this step and split, as /metrics shows

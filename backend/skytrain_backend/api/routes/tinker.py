@@ -42,6 +42,7 @@ from skytrain_backend.db.models import (
     TinkerRun,
     Worker,
 )
+from skytrain_backend.db.tenants import limits_of, metadata_bytes
 from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.protocol import ModelConfig, format_validation_error
 from skytrain_backend.scheduler import tinker as runs
@@ -94,7 +95,10 @@ def server_capabilities(tenant: TinkerTenantDep, session: SessionDep) -> schemas
 
 @router.post("/create_session")
 def create_session(
-    body: schemas.CreateSessionRequest, tenant: TinkerTenantDep, session: SessionDep
+    body: schemas.CreateSessionRequest,
+    tenant: TinkerTenantDep,
+    session: SessionDep,
+    settings: SettingsDep,
 ) -> schemas.CreateSessionResponse:
     row = tinker_rows.create_session(
         session,
@@ -102,6 +106,7 @@ def create_session(
         sdk_version=body.sdk_version,
         tags=body.tags,
         user_metadata=body.user_metadata or {},
+        limits=limits_of(tenant, settings),
     )
     return schemas.CreateSessionResponse(session_id=row.id)
 
@@ -160,6 +165,7 @@ def create_model(
         configs=scheduler.configs,
         tinker_training=True,
     )
+    metadata_bytes(body.user_metadata, limits=limits, field="user_metadata")
     # An unseeded adapter gets a seed now: a rebuilt state must start from the same weights.
     seed = lora.seed if lora.seed is not None else uuid.uuid4().int % 2**31
     operation = runs.create_run(
@@ -230,10 +236,12 @@ async def forward_backward(
                 kind=kind,
                 params=params,
                 refused=exc.message,
+                limits=limits_of(tenant, tinker.settings),
             )
         return runs.submit(
             session,
             store=store,
+            limits=limits_of(tenant, tinker.settings),
             run=run,
             seq_id=batch.seq_id,
             kind=kind,
@@ -401,6 +409,7 @@ def load_weights(
             configs=scheduler.configs,
             tinker_training=True,
         )
+        metadata_bytes(body.user_metadata, limits=limits, field="user_metadata")
         operation = runs.create_run(
             session,
             tenant=tenant,

@@ -16,6 +16,7 @@ from skytrain_backend.db.models import (
     TinkerRequest,
     TinkerRun,
 )
+from skytrain_backend.db.tenants import limits_of
 from skytrain_backend.ranges import NO_NUL_PATTERN
 from skytrain_backend.scheduler import tinker as runs
 from skytrain_backend.storage.base import ObjectStore
@@ -55,6 +56,7 @@ def submit(
     operation = runs.submit(
         session,
         store=store,
+        limits=limits_of(session.get_one(Tenant, run.tenant_id), tinker.settings),
         run=run,
         seq_id=seq_id,
         kind=kind,

@@ -46,7 +46,7 @@ from skytrain_backend.api.schemas import (
 from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
-from skytrain_backend.db.tenants import TenantLimits, limits_of
+from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_storage
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.observability import metrics
 from skytrain_backend.protocol import (
@@ -85,6 +85,14 @@ def _store_job(
     max_workers: int | None,
 ) -> TrainingJobPublic:
     def insert(uri: str) -> TrainingJob:
+        jobs.reserve_job(session, tenant_id=model.tenant_id, max_queued_jobs=limits.max_queued_jobs)
+        reserve_storage(
+            session,
+            tenant_id=model.tenant_id,
+            limits=limits,
+            adding=batch.num_bytes,
+            what="this job's trajectories",
+        )
         # A job makes its model active: the scheduler places it on a worker if needed.
         model.last_active_at = utcnow()
         return jobs.add_job(
@@ -97,6 +105,7 @@ def _store_job(
             num_groups=batch.num_items if kind == "rl" else 0,
             num_trajectories=batch.num_trajectories,
             max_attempts=max_attempts,
+            input_bytes=batch.num_bytes,
         )
 
     job = ingest.store_then_commit(

@@ -6,7 +6,7 @@ import { copyable, formatNumber, formatTime, h, loading, replace } from "../dom.
 // Shown in the table; every metric is under "all metrics".
 const HEADLINE = ["val/reward", "train/reward", "loss/policy", "loss"];
 
-function formatBytes(size) {
+export function formatBytes(size) {
   if (size < 1024) return `${size} B`;
   if (size < 1024 ** 2) return `${(size / 1024).toFixed(1)} KiB`;
   if (size < 1024 ** 3) return `${(size / 1024 ** 2).toFixed(1)} MiB`;

@@ -1,10 +1,22 @@
 // The tenant's models: name, base model, latest step, where each is served, whether it is
-// training, last activity; filtered by project.
+// training, last activity; filtered by project. Above them, the tenant's quotas in use
+// (``GET /v1/usage``: models owned, bytes stored).
 
 import { get, getAll, mapLimited } from "../api.js";
 import { badge, formatAgo, formatTime, h, link, loading, replace, shortId } from "../dom.js";
+import { formatBytes } from "./checkpoints.js";
 
 const REFRESH_MS = 10000;
+
+function usageLine(usage) {
+  const quota = Object.fromEntries(usage.quotas.map((q) => [q.name, q]));
+  const models = quota.max_models;
+  const stored = quota.max_storage_bytes;
+  return [
+    `${usage.tenant}: ${models.used} of ${models.limit} models`,
+    `${formatBytes(stored.used)} of ${formatBytes(stored.limit)} stored`,
+  ].join(" · ");
+}
 
 async function openJobs(signal) {
   const [running, queued] = await Promise.all(
@@ -69,6 +81,7 @@ export async function modelsPage(root, context) {
       .map((label) => h("th", { scope: "col" }, label)))),
     tbody,
   );
+  const usage = h("p", { id: "usage", class: "muted small" });
   const empty = h("p", { class: "muted" }, "No models yet. Register one with the SDK: ",
     h("code", null, "await skytrain.TrainableModel(name=..., project=..., base_model=...).register(backend)"), ".");
   replace(
@@ -78,16 +91,19 @@ export async function modelsPage(root, context) {
       h("label", { for: "project-filter" }, "Project "),
       select,
       project ? h("a", { class: "button-link", href: link(["compare"], { project }) }, `Compare the runs of ${project}`) : null),
+    usage,
     table,
   );
 
   async function refresh() {
     const shown = project ? models.filter((model) => model.project === project) : models;
     // The list has no serving state: each model's own record has it.
-    const [detailed, jobs] = await Promise.all([
+    const [detailed, jobs, quotas] = await Promise.all([
       mapLimited(shown, 4, (model) => get(`/v1/models/${encodeURIComponent(model.id)}`, { signal })),
       openJobs(signal),
+      get("/v1/usage", { signal }),
     ]);
+    usage.textContent = usageLine(quotas);
     replace(tbody, detailed.map((model) => row(model, jobs.get(model.id))));
     if (!detailed.length) table.replaceWith(empty);
     else if (empty.isConnected) empty.replaceWith(table);

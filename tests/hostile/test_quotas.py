@@ -1,0 +1,526 @@
+"""Quotas that cannot be raced, and bounds on what a tenant stores (issue 38, items 3 and 4).
+
+Through the clients a tenant uses: REST over httpx, and the official ``tinker`` SDK's own
+request methods (``AsyncTinker``, the client ``ServiceClient`` sends through: each call is one request, so 64 of them really are in flight
+at once, and a refused one raises at once rather than waiting for a worker). The control
+plane runs in this process (uvicorn on loopback, provider ``none``: no worker, so queued
+operations stay queued), on SQLite and on PostgreSQL, since counting under a lock is what is
+tested.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
+from tinker._client import AsyncTinker
+from typer.testing import CliRunner
+
+import tinker
+from skytrain_backend.app import create_app
+from skytrain_backend.cli import app as cli_app
+from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.db import api_keys, tenants
+from skytrain_backend.db.models import Model, TinkerRequest, TinkerSession
+from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.storage import keys, open_object_store
+from tests.api import support
+from tests.fixtures.services import MakeSettings
+from tests.gateway.conftest import serve_in_thread
+from tinker import types
+
+HUB_MODEL = "tests-org/tiny-model"
+CONCURRENT = 64
+
+
+@dataclass(frozen=True)
+class Plane:
+    url: str
+    settings: Settings
+    sessions: sessionmaker[Session]
+
+
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def plane(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    make_settings: MakeSettings,
+) -> Iterator[Plane]:
+    home = tmp_path_factory.mktemp(f"quotas-{request.param}")
+    settings = make_settings(database=request.param, home=home, model_cache_dir=home / "models")
+    engine = create_db_engine(settings.resolved_database_url)
+    with serve_in_thread(create_app(settings)) as url:
+        yield Plane(url=url, settings=settings, sessions=session_factory(engine))
+    engine.dispose()
+
+
+@dataclass(frozen=True)
+class Who:
+    name: str
+    key: str
+    plane: Plane
+
+    def rest(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.plane.url, headers={"Authorization": f"Bearer {self.key}"}, timeout=120
+        )
+
+    def tinker(self, *, max_retries: int = 2) -> AsyncTinker:
+        return AsyncTinker(
+            base_url=self.plane.url, api_key="tml-" + self.key, max_retries=max_retries
+        )
+
+    def count(self, table: Any) -> int:
+        """The tenant's rows in ``table`` (a model class with a ``tenant_id``)."""
+        with self.plane.sessions() as session:
+            tenant = tenants.get_tenant_by_name(session, name=self.name)
+            return int(
+                session.scalar(select(func.count()).where(table.tenant_id == tenant.id)) or 0
+            )
+
+    def models(self) -> int:
+        return self.count(Model)
+
+    def objects(self) -> list[str]:
+        """The keys of the tenant's objects in the store."""
+        with self.plane.sessions() as session:
+            tenant_id = tenants.get_tenant_by_name(session, name=self.name).id
+        store = open_object_store(
+            self.plane.settings.resolved_object_store_url, self.plane.settings
+        )
+        return [info.key for info in store.list(keys.tenant_prefix(tenant_id))]
+
+    def stored_bytes(self) -> int:
+        with self.plane.sessions() as session:
+            tenant = tenants.get_tenant_by_name(session, name=self.name)
+            return tenants.usage_of(session, tenant_id=tenant.id).storage_bytes
+
+
+@pytest.fixture
+def tenant(plane: Plane) -> Callable[..., Who]:
+    """``tenant(**limits)``: a new tenant with those limits (no REST admission in the way of
+    the concurrent requests)."""
+
+    def make(**limits: int) -> Who:
+        name = f"q-{uuid.uuid4().hex[:10]}"
+        with plane.sessions() as session:
+            _, key = api_keys.create_key(session, tenant_name=name)
+            values = {"max_concurrent_rest_requests": 4 * CONCURRENT, **limits}
+            tenants.set_limits(session, tenant_name=name, values=values, reset=[])
+        return Who(name=name, key=key, plane=plane)
+
+    return make
+
+
+async def _session(client: AsyncTinker, **fields: Any) -> str:
+    request = types.CreateSessionRequest(
+        tags=[], user_metadata=fields.pop("user_metadata", None), sdk_version="test", **fields
+    )
+    return (await client.service.create_session(request=request)).session_id
+
+
+def _assert_refused_by_max_models(outcomes: list[Any]) -> None:
+    for outcome in outcomes:
+        assert isinstance(outcome, tinker.PermissionDeniedError), outcome
+        assert "(2)" in str(outcome) and "--max-models" in str(outcome)
+
+
+# --- quotas enforced atomically -----------------------------------------------------------------
+
+
+def test_concurrent_rest_creates_make_exactly_max_models(tenant: Callable[..., Who]) -> None:
+    who = tenant(max_models=2)
+    with who.rest() as http, ThreadPoolExecutor(CONCURRENT) as pool:
+        answers = list(
+            pool.map(
+                lambda i: http.post(
+                    "/v1/models", json={"project": "race", "name": f"m{i}", "base_model": HUB_MODEL}
+                ),
+                range(CONCURRENT),
+            )
+        )
+    created = [a for a in answers if a.status_code == 201]
+    refused = [a for a in answers if a.status_code != 201]
+    assert len(created) == 2
+    for answer in refused:
+        assert answer.status_code == 403, answer.text
+        assert answer.json()["error"]["type"] == "quota_exceeded"
+        assert "(2)" in answer.json()["error"]["message"]
+    assert who.models() == 2
+
+
+def test_concurrent_tinker_create_model_makes_exactly_max_models(
+    tenant: Callable[..., Who],
+) -> None:
+    who = tenant(max_models=2)
+
+    async def race() -> list[Any]:
+        async with who.tinker() as client:
+            session_id = await _session(client)
+
+            def create(i: int) -> Callable[[], Awaitable[Any]]:
+                request = types.CreateModelRequest(
+                    session_id=session_id,
+                    model_seq_id=i,
+                    base_model=HUB_MODEL,
+                    lora_config=types.LoraConfig(rank=8),
+                )
+                return lambda: client.models.create(request=request)
+
+            return await asyncio.gather(
+                *(create(i)() for i in range(CONCURRENT)), return_exceptions=True
+            )
+
+    outcomes = asyncio.run(race())
+    created = [o for o in outcomes if isinstance(o, types.UntypedAPIFuture)]
+    assert len(created) == 2
+    _assert_refused_by_max_models([o for o in outcomes if o not in created])
+    assert who.models() == 2
+
+
+def test_concurrent_tinker_sampling_sessions_make_exactly_max_models(
+    tenant: Callable[..., Who],
+) -> None:
+    who = tenant(max_models=2)
+
+    async def race() -> list[Any]:
+        async with who.tinker() as client:
+            session_id = await _session(client)
+            return await asyncio.gather(
+                *(
+                    client.service.create_sampling_session(
+                        request=types.CreateSamplingSessionRequest(
+                            session_id=session_id,
+                            sampling_session_seq_id=i,
+                            base_model=f"{HUB_MODEL}-{i}",
+                        )
+                    )
+                    for i in range(CONCURRENT)
+                ),
+                return_exceptions=True,
+            )
+
+    outcomes = asyncio.run(race())
+    created = [o for o in outcomes if isinstance(o, types.CreateSamplingSessionResponse)]
+    assert len(created) == 2
+    _assert_refused_by_max_models([o for o in outcomes if o not in created])
+    assert who.models() == 2
+
+
+def test_concurrent_tinker_sessions_make_exactly_max_sessions_and_a_finished_one_frees_its_place(
+    tenant: Callable[..., Who],
+) -> None:
+    who = tenant(max_sessions=2)
+
+    async def race() -> list[Any]:
+        async with who.tinker(max_retries=0) as client:
+            return await asyncio.gather(
+                *(_session(client) for _ in range(CONCURRENT)), return_exceptions=True
+            )
+
+    outcomes = asyncio.run(race())
+    opened = [o for o in outcomes if isinstance(o, str)]
+    assert len(opened) == 2
+    for outcome in outcomes:
+        if outcome not in opened:
+            assert isinstance(outcome, tinker.PermissionDeniedError), outcome
+            assert "2 Tinker sessions open" in str(outcome) and "--max-sessions" in str(outcome)
+    assert who.count(TinkerSession) == 2
+
+    # The SDK finishes its session when the ServiceClient closes: its place is free again.
+    with httpx.Client(
+        base_url=who.plane.url, headers={"X-API-Key": "tml-" + who.key}, timeout=60
+    ) as http:
+        finished = http.post(f"/api/v1/sessions/{opened[0]}/finish", json={"reason": {}})
+        assert finished.status_code == 204, finished.text
+
+    async def another() -> str:
+        async with who.tinker(max_retries=0) as client:
+            return await _session(client)
+
+    assert asyncio.run(another())
+
+
+def test_concurrent_training_jobs_queue_exactly_max_queued_jobs(tenant: Callable[..., Who]) -> None:
+    who = tenant(max_queued_jobs=2)
+    with who.rest() as http:
+        model = http.post(
+            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
+        ).json()
+        body = {"model_id": model["id"], "trajectory_groups": [support.group()]}
+        with ThreadPoolExecutor(CONCURRENT // 2) as pool:
+            answers = list(
+                pool.map(
+                    lambda _: http.post("/v1/training-jobs", json=body), range(CONCURRENT // 2)
+                )
+            )
+        queued = [a for a in answers if a.status_code == 201]
+        assert len(queued) == 2
+        for answer in answers:
+            if answer not in queued:
+                assert answer.status_code == 429, answer.text
+                assert "Retry-After" in answer.headers
+                assert "max_queued_jobs, 2" in answer.json()["error"]["message"]
+        listed = http.get("/v1/training-jobs", params={"model_id": model["id"]}).json()["data"]
+        assert sorted(job["id"] for job in listed) == sorted(a.json()["id"] for a in queued)
+    shown = _skytrain(who, "tenants", "show", who.name).splitlines()
+    assert [line.split()[1:3] for line in shown if line.startswith("max_queued_jobs")] == [
+        ["2", "2"]
+    ]
+    # The refused jobs' inputs were deleted: two are in the store.
+    assert len([key for key in who.objects() if "/jobs/" in key]) == 2
+
+
+# --- what a tenant stores -----------------------------------------------------------------------
+
+
+def test_a_60_mb_user_metadata_is_refused_with_its_limit_and_nothing_stored(
+    tenant: Callable[..., Who],
+) -> None:
+    who = tenant()
+    limit = who.plane.settings.tenant_max_metadata_bytes
+
+    async def attempt() -> None:
+        async with who.tinker(max_retries=0) as client:
+            with pytest.raises(tinker.APIStatusError) as refused:
+                await _session(client, user_metadata={"blob": "x" * 60_000_000})
+            assert refused.value.status_code == 413
+            message = str(refused.value)
+            assert f"max_metadata_bytes ({limit})" in message
+            assert "--max-metadata-bytes" in message
+            # A training run's metadata has the same cap.
+            session_id = await _session(client, user_metadata={"run": "small"})
+            with pytest.raises(tinker.APIStatusError, match="max_metadata_bytes") as too_big:
+                await client.models.create(
+                    request=types.CreateModelRequest(
+                        session_id=session_id,
+                        model_seq_id=0,
+                        base_model=HUB_MODEL,
+                        user_metadata={"blob": "x" * (limit + 1)},
+                        lora_config=types.LoraConfig(rank=8),
+                    )
+                )
+            assert too_big.value.status_code == 413
+
+    asyncio.run(attempt())
+    assert who.count(TinkerSession) == 1  # the small one only
+    assert who.models() == 0
+
+
+def _datum(length: int) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints([1] * length),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=[2] * length, dtype="int64"),
+            "weights": types.TensorData(data=[1.0] * length, dtype="float32"),
+        },
+    )
+
+
+def _forward_backward(run_id: str, seq_id: int, *, length: int = 3) -> types.ForwardBackwardRequest:
+    return types.ForwardBackwardRequest(
+        forward_backward_input=types.ForwardBackwardInput(
+            data=[_datum(length)], loss_fn="cross_entropy"
+        ),
+        model_id=run_id,
+        seq_id=seq_id,
+    )
+
+
+def test_operations_past_the_runs_queue_cap_are_refused(tenant: Callable[..., Who]) -> None:
+    who = tenant(max_queued_operations=3)
+
+    async def attempt() -> None:
+        async with who.tinker(max_retries=0) as client:
+            run_id = await _run(client)
+            # The creation is the run's first operation; no worker does any of them here.
+            for seq_id in (1, 2):
+                await client.training.forward_backward(request=_forward_backward(run_id, seq_id))
+            with pytest.raises(tinker.RateLimitError) as refused:
+                await client.training.forward_backward(request=_forward_backward(run_id, 3))
+            message = str(refused.value)
+            assert "3 operations queued" in message and "max_queued_operations, 3" in message
+            assert "--max-queued-operations" in message
+            # Any kind of operation: an optimizer step too.
+            with pytest.raises(tinker.RateLimitError, match="max_queued_operations"):
+                await client.training.optim_step(
+                    request=types.OptimStepRequest(
+                        adam_params=types.AdamParams(learning_rate=1e-4),
+                        model_id=run_id,
+                        seq_id=3,
+                    )
+                )
+
+    asyncio.run(attempt())
+    assert who.count(TinkerRequest) == 3
+    # The refused operation's payload is not in the store: two forward_backward inputs are.
+    assert len([key for key in who.objects() if key.endswith("/input.pb")]) == 2
+
+
+async def _run(client: AsyncTinker) -> str:
+    session_id = await _session(client)
+    created = await client.models.create(
+        request=types.CreateModelRequest(
+            session_id=session_id,
+            model_seq_id=0,
+            base_model=HUB_MODEL,
+            lora_config=types.LoraConfig(rank=8),
+        )
+    )
+    assert created.model_id is not None
+    return created.model_id
+
+
+def test_an_operation_over_the_storage_quota_fails_and_the_runs_next_ones_still_queue(
+    tenant: Callable[..., Who],
+) -> None:
+    # 1,000 tokens: a forward_backward body of about 16 kB, so one fits and two do not.
+    who = tenant(max_storage_bytes=30_000)
+
+    async def attempt() -> list[types.UntypedAPIFuture]:
+        async with who.tinker(max_retries=0) as client:
+            run_id = await _run(client)
+            return [
+                await client.training.forward_backward(
+                    request=_forward_backward(run_id, seq_id, length=length)
+                )
+                for seq_id, length in ((1, 1_000), (2, 1_000), (3, 3))
+            ]
+
+    first, over, after = asyncio.run(attempt())
+    with who.plane.sessions() as session:
+        rows = {
+            r.id: r for r in session.scalars(select(TinkerRequest).where(TinkerRequest.seq_id > 0))
+        }
+    # Its future fails naming the quota (a 403 would leave a gap the run's next operations
+    # wait behind for ever); the others are queued.
+    assert rows[over.request_id].status == "failed"
+    assert rows[over.request_id].error_category == "user"
+    assert "max_storage_bytes" in (rows[over.request_id].error or "")
+    assert rows[first.request_id].status == rows[after.request_id].status == "queued"
+    assert len([key for key in who.objects() if key.endswith("/input.pb")]) == 2
+    assert 16_000 < who.stored_bytes() <= 30_000
+
+
+def test_storage_quota_refuses_what_does_not_fit_and_deleting_frees_it(
+    tenant: Callable[..., Who],
+) -> None:
+    who = tenant(max_storage_bytes=40_000)
+    with who.rest() as http:
+        model = http.post(
+            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
+        ).json()
+        log = f"/v1/models/{model['id']}/log"
+        small = http.post(log, json={"trajectory_groups": [support.group()]})
+        assert small.status_code == 201, small.text
+        held = who.stored_bytes()
+        assert 0 < held < 5_000
+        big = http.post(log, json={"trajectory_groups": [support.group()] * 40})
+        assert big.status_code == 403, big.text
+        error = big.json()["error"]
+        assert error["type"] == "quota_exceeded"
+        assert f"holds {held} of the 40000" in error["message"]
+        assert "max_storage_bytes" in error["message"]
+        assert "--max-storage-bytes" in error["message"]
+        # Nothing of the refused batch stays: one batch listed, one object, same usage.
+        assert len(http.get(f"/v1/models/{model['id']}/logs").json()["data"]) == 1
+        assert len([key for key in who.objects() if "/logs/" in key]) == 1
+        assert who.stored_bytes() == held
+
+        # A training job's batch and a Tinker session's metadata count in the same quota.
+        job = http.post(
+            "/v1/training-jobs",
+            json={"model_id": model["id"], "trajectory_groups": [support.group()] * 40},
+        )
+        assert job.status_code == 403 and "max_storage_bytes" in job.text
+
+        async def metadata_over_quota() -> None:
+            async with who.tinker(max_retries=0) as client:
+                await _session(client, user_metadata={"k": "x" * 30_000})
+                with pytest.raises(tinker.PermissionDeniedError, match="max_storage_bytes"):
+                    await _session(client, user_metadata={"k": "x" * 30_000})
+
+        asyncio.run(metadata_over_quota())
+        assert who.count(TinkerSession) == 1
+
+        # Deleting the model releases its batch's bytes.
+        with_session = who.stored_bytes()
+        assert http.delete(f"/v1/models/{model['id']}").status_code == 204
+        assert who.stored_bytes() == with_session - held
+
+
+def _skytrain(who: Who, *args: str) -> str:
+    """`skytrain ARGS` as the operator runs it on the control plane's database."""
+    env = {
+        "SKYTRAIN_HOME": str(who.plane.settings.home),
+        "SKYTRAIN_DATABASE_URL": who.plane.settings.resolved_database_url,
+    }
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(cli_app, list(args), env=env)
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 0, result.output
+    return result.stdout
+
+
+def test_the_operator_sets_the_storage_quotas_with_the_cli(tenant: Callable[..., Who]) -> None:
+    who = tenant()
+    shown = _skytrain(
+        who,
+        "tenants",
+        "limits",
+        who.name,
+        *("--max-storage-bytes", "9000", "--max-metadata-bytes", "100"),
+        *("--max-queued-operations", "7"),
+    )
+    rows = {line.split()[0]: line.split()[1:] for line in shown.splitlines()}
+    assert rows["max_storage_bytes"] == ["9000", "this", "tenant"]
+    assert rows["max_metadata_bytes"] == ["100", "this", "tenant"]
+    assert rows["max_queued_operations"] == ["7", "this", "tenant"]
+
+    async def refused() -> None:
+        async with who.tinker(max_retries=0) as client:
+            with pytest.raises(tinker.APIStatusError, match=r"max_metadata_bytes \(100\)"):
+                await _session(client, user_metadata={"k": "x" * 100})
+
+    asyncio.run(refused())
+
+
+def test_usage_is_shown_to_the_tenant_and_to_the_operator(tenant: Callable[..., Who]) -> None:
+    who = tenant(max_storage_bytes=50_000)
+    with who.rest() as http:
+        model = http.post(
+            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
+        ).json()
+        logged = http.post(
+            f"/v1/models/{model['id']}/log", json={"trajectory_groups": [support.group()]}
+        )
+        assert logged.status_code == 201
+        usage = http.get("/v1/usage").json()
+    stored = who.stored_bytes()
+    assert stored > 0
+    assert usage["tenant"] == who.name
+    quotas = {q["name"]: (q["used"], q["limit"]) for q in usage["quotas"]}
+    assert quotas["max_models"] == (1, 100)
+    assert quotas["max_storage_bytes"] == (stored, 50_000)
+    assert quotas["max_metadata_bytes"] == (0, 65_536)
+    assert quotas["max_sessions"] == (0, 256)
+    assert quotas["max_queued_jobs"] == (0, 256)
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in _skytrain(who, "tenants", "show", who.name).splitlines()
+    }
+    assert rows["max_models"] == ["1", "100", "default"]
+    assert rows["max_storage_bytes"] == [str(stored), "50000", "this", "tenant"]
+    assert rows["max_queued_operations"] == ["-", "256", "default"]
