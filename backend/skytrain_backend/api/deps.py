@@ -4,8 +4,9 @@ The app's lifespan puts the settings, the session factory, the object store, the
 the inference gateway and the workers' wheel on ``app.state``; these functions hand them to
 routes (no other module reads ``app.state`` but ``api/rest_admission.py``, which runs before
 routing). ``TenantDep`` is the only way a route learns whose rows it may touch: the tenant of
-the bearer key, whose request ``api/rest_admission.py`` counted against its
-``max_concurrent_rest_requests`` before routing (429 past it).
+the bearer key (``TinkerTenantDep``: the Tinker SDK's key), whose request
+``api/rest_admission.py`` counted against its ``max_concurrent_rest_requests`` before routing
+(429 past it).
 
 No request holds a database connection while it waits: for a thread, a lock, a long-poll,
 its body, the object store or an engine. A session's transaction never outlives the thread
@@ -37,6 +38,7 @@ from skytrain_backend.api import rest_admission
 from skytrain_backend.api.auth import NO_KEY, Authenticator
 from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.longpoll import Waiting
+from skytrain_backend.api.rest_admission import TINKER_KEY_PREFIX
 from skytrain_backend.api.tenant_load import TenantLoads
 from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings
@@ -220,7 +222,11 @@ async def get_tenant(
     if credentials is None:
         raise AuthenticationFailed(NO_KEY)
     tenant, release = await rest_admission.admit(
-        credentials.credentials, authenticator=authenticator, loads=loads, settings=settings
+        credentials.credentials,
+        authenticator=authenticator,
+        loads=loads,
+        settings=settings,
+        client=rest_admission.client_address(request.scope),
     )
     try:
         yield tenant
@@ -230,22 +236,38 @@ async def get_tenant(
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
 
-# The Tinker SDK's keys are "tml-" + a skytrain key, sent as X-API-Key.
-TINKER_KEY_PREFIX = "tml-"
-
 
 async def get_tinker_tenant(
+    request: Request,
     credentials: CredentialsDep,
     authenticator: AuthenticatorDep,
+    loads: RestLoadsDep,
+    settings: SettingsDep,
     x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
-) -> Tenant:
+) -> AsyncIterator[Tenant]:
+    """The tenant of the Tinker SDK's key ("tml-" + a skytrain key, sent as X-API-Key; or a
+    bearer key), admitted as ``get_tenant`` admits a REST request."""
+    tenant = rest_admission.admitted(request.scope)
+    if tenant is not None:
+        yield tenant
+        return
     key = x_api_key or (credentials.credentials if credentials else None)
     if not key:
         raise AuthenticationFailed(
             "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
             "(`skytrain keys create --tenant NAME --tinker` prints it)"
         )
-    return await authenticator.tenant(key.removeprefix(TINKER_KEY_PREFIX))
+    tenant, release = await rest_admission.admit(
+        key.removeprefix(TINKER_KEY_PREFIX),
+        authenticator=authenticator,
+        loads=loads,
+        settings=settings,
+        client=rest_admission.client_address(request.scope),
+    )
+    try:
+        yield tenant
+    finally:
+        release()
 
 
 TinkerTenantDep = Annotated[Tenant, Depends(get_tinker_tenant)]

@@ -77,18 +77,33 @@ class Load:
         return tenant_loads.Counts(self.requests, self.sequences, self.tokens, self.rest_requests)
 
 
-# What one REST request holds.
+# What one REST request without a body holds.
 REST_REQUEST = Load(rest_requests=1)
+
+
+def rest_cost(body_bytes: int, *, bytes_per_request: int, limit: int) -> Load:
+    """What a REST request with a body of ``body_bytes`` holds: one request, plus one per
+    started ``bytes_per_request`` of its body, at most ``limit`` (so that it fits alone)."""
+    extra = -(-body_bytes // bytes_per_request)
+    return Load(rest_requests=max(1, min(1 + extra, limit)))
 
 
 def check_admission(held: Load, *, cost: Load, limits: TenantLimits) -> None:
     """Raise ``RateLimited`` if adding ``cost`` to ``held`` passes one of ``limits`` (only the
     limits of what ``cost`` counts: a tenant's inference load never refuses its REST requests,
     nor the other way round)."""
-    if cost.rest_requests and held.rest_requests >= limits.max_concurrent_rest_requests:
+    limit = limits.max_concurrent_rest_requests
+    if cost.rest_requests and held.rest_requests + cost.rest_requests > limit:
+        counts = (
+            f"your REST requests in flight count {held.rest_requests} and this one "
+            f"{cost.rest_requests} (one, plus one per started "
+            "SKYTRAIN_REST_ADMISSION_BYTES_PER_REQUEST of its body, 1 MiB by default), over the "
+            f"{limit} allowed at once"
+            if cost.rest_requests > 1
+            else f"{limit} REST requests of yours are in flight, the most allowed at once"
+        )
         raise RateLimited(
-            f"{limits.max_concurrent_rest_requests} REST requests of yours are in flight, the "
-            "most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REST_REQUESTS, or your "
+            f"{counts} (SKYTRAIN_TENANT_MAX_CONCURRENT_REST_REQUESTS, or your "
             "tenant's max_concurrent_rest_requests; a long-poll counts while it waits): wait "
             "for some to finish, or lower your client's concurrency",
             limit="max_concurrent_rest_requests",
