@@ -23,6 +23,7 @@ from skytrain_backend.api import tenant_load
 from skytrain_backend.api.auth import AUTH_THREADS, Authenticator
 from skytrain_backend.api.bulk import add_json_body_docs
 from skytrain_backend.api.errors import AnswerMiddlewareErrors, install_error_handlers
+from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.api.gateway import RESOLVE_CONCURRENCY, Gateway
 from skytrain_backend.api.limits import RequestLimits
 from skytrain_backend.api.longpoll import CHECK_THREADS, Waiting
@@ -83,6 +84,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 sessions=app.state.sessionmaker,
                 shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
             )
+            # The routes' threads, taken in turns by tenant (api/fairness.py).
+            app.state.route_turns = FairLimiter(total=settings.threads, per_key=settings.threads)
             # Worker tokens' requests, counted in this process only.
             app.state.worker_loads = TenantLoads(sessions=app.state.sessionmaker, shared=False)
             # Wakes long-polls (job leases, event followers) when what they wait for commits.

@@ -24,6 +24,7 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.db import tenants
 from skytrain_backend.db import workers as worker_rows
 from tests.fixtures.services import ApiKey, ControlPlane
@@ -199,3 +200,33 @@ def test_bad_worker_tokens_from_one_address_get_429_while_a_worker_elsewhere_is_
     with _from("127.0.0.2", control_plane.url, headers) as http:
         answer = http.get("/v1/worker/check", params={"base_model": "tiny/llama"})
     assert answer.status_code == 204, answer.text
+
+
+def test_a_freed_route_thread_goes_to_the_waiting_tenant_that_holds_the_fewest() -> None:
+    # The routes' turns: tenant A holds every place and queued three more calls before B came;
+    # the next place to free is B's, then A's in their order.
+    async def scenario() -> list[str]:
+        turns = FairLimiter(total=2, per_key=2)
+        order: list[str] = []
+        release: dict[str, asyncio.Event] = {}
+
+        async def call(key: str, name: str) -> None:
+            async with turns.turn(key):
+                order.append(name)
+                release[name] = asyncio.Event()
+                await release[name].wait()
+
+        running = [asyncio.create_task(call("a", f"a{index}")) for index in range(5)]
+        await asyncio.sleep(0.01)
+        running.append(asyncio.create_task(call("b", "b0")))
+        await asyncio.sleep(0.01)
+        assert order == ["a0", "a1"]
+        release["a0"].set()
+        await asyncio.sleep(0.01)
+        for name in ["a1", "b0", "a2", "a3", "a4"]:
+            release[name].set()
+            await asyncio.sleep(0.01)
+        await asyncio.gather(*running)
+        return order
+
+    assert asyncio.run(scenario()) == ["a0", "a1", "b0", "a2", "a3", "a4"]

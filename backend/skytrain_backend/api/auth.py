@@ -50,6 +50,8 @@ AUTH_THREADS = 4
 AUTH_THREADS_PER_ADDRESS = 2
 # Refused hashes, and client addresses' failure budgets, kept at most (each).
 MAX_REMEMBERED = 10_000
+# The name of the failures' limit, in a 429 and the metrics.
+FAILURES_LIMIT = "auth_failures_per_minute"
 
 NO_KEY = (
     "no API key: send the header 'Authorization: Bearer sk-st-...' "
@@ -97,7 +99,7 @@ class FailureBudget:
                 f"{self.per_minute} a minute: SKYTRAIN_AUTH_FAILURES_PER_MINUTE): check the key "
                 "or token you send, and retry after the time in Retry-After",
                 retry_after_s=(1 - left) / self._refill_per_s,
-                limit="auth_failures_per_minute",
+                limit=FAILURES_LIMIT,
             )
         self._set(address, left - 1, now)
 

@@ -34,7 +34,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend.api import rest_admission
+from skytrain_backend.api import fairness, rest_admission
 from skytrain_backend.api.auth import NO_KEY, Authenticator
 from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.longpoll import Waiting
@@ -113,19 +113,27 @@ _closing_endpoints: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
 def _closing_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
-    """A plain endpoint that closes the sessions it was given before it returns, in the
-    thread it runs in; a coroutine endpoint as it is."""
+    """A plain endpoint as a coroutine that runs it in a thread, in the turn of the tenant
+    admission admitted (``api/fairness.py``), closing the sessions it was given before it
+    returns, in that thread; a coroutine endpoint as it is."""
     if inspect.iscoroutinefunction(endpoint) or endpoint in _closing_endpoints:
         return endpoint
 
-    @functools.wraps(endpoint)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def closing(*args: Any, **kwargs: Any) -> Any:
         try:
             return endpoint(*args, **kwargs)
         finally:
             for value in kwargs.values():
                 if isinstance(value, Session):
                     value.close()
+
+    @functools.wraps(endpoint)
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        turns = fairness.route_turns.get()
+        if turns is None:
+            return await run_in_threadpool(closing, *args, **kwargs)
+        async with turns.turn(fairness.turn_key.get()):
+            return await run_in_threadpool(closing, *args, **kwargs)
 
     _closing_endpoints.add(run)
     return run
@@ -135,7 +143,9 @@ class SessionRoute(APIRoute):
     """The route class of every router. FastAPI runs a plain ``def`` endpoint in a worker
     thread and closes a dependency's session after the response, in another hop; here the
     endpoint closes it in its own thread as it returns (what it did not commit is rolled back,
-    as closing did), so the connection is free before the answer is serialized and sent."""
+    as closing did), so the connection is free before the answer is serialized and sent; and
+    it takes that thread in its tenant's turn (``api/fairness.py``), not first come, first
+    served."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, _closing_sessions(endpoint), **kwargs)

@@ -23,7 +23,10 @@ for a fraction of the CPU that routing and solving the route's dependencies cost
 burst's requests are mostly refusals, and they share the event loop with every other tenant's
 requests. The request counts until the app has answered it (a long-poll counts while it
 waits). Keys and tokens are checked by ``api/auth.py`` (cached; failures rate-limited per
-client address, off the routes' threads).
+client address, off the routes' threads); an address past its failures gets its 429 after
+the same wait, so a client that ignores Retry-After costs a request per wait and loop. The
+admitted request's plain ``def`` route takes its thread in its tenant's turn
+(``api/fairness.py``).
 
 ``TenantDep`` and ``TinkerTenantDep`` take the tenant from here (``admitted``); they
 authenticate and admit a request themselves where this middleware did not (a request without
@@ -36,9 +39,11 @@ import dataclasses
 import hashlib
 from collections.abc import Callable
 
+import anyio
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skytrain_backend.api.auth import Authenticator
+from skytrain_backend.api import fairness
+from skytrain_backend.api.auth import FAILURES_LIMIT, Authenticator
 from skytrain_backend.api.errors import skytrain_error_response
 from skytrain_backend.api.limits import CHECKPOINT_UPLOAD, INFERENCE_PATH, WORKER_PREFIX
 from skytrain_backend.api.tenant_load import REST_REQUEST, TenantLoads, rest_cost
@@ -108,12 +113,17 @@ class RestAdmission:
             return
         path: str = scope["path"]
         release: Callable[[], None] | None
+        fairness.route_turns.set(scope["app"].state.route_turns)
         try:
             if path.startswith(WORKER_PREFIX):
                 release = await self._admit_worker(scope)
             else:
                 release = await self._admit_tenant(scope)
         except SkytrainError as exc:
+            if isinstance(exc, RateLimited) and exc.limit == FAILURES_LIMIT:
+                # An address past its failures waits, as a tenant past its cap does: a client
+                # that ignores Retry-After sends a request per wait and loop, not per answer.
+                await anyio.sleep(self.settings.rest_admission_wait_s)
             response = skytrain_error_response(exc)
             if isinstance(exc, AuthenticationFailed):
                 response.headers["WWW-Authenticate"] = "Bearer"
@@ -146,6 +156,7 @@ class RestAdmission:
             client=client_address(scope),
         )
         scope[_ADMITTED] = tenant
+        fairness.turn_key.set(tenant.id)
         return release
 
     async def _admit_worker(self, scope: Scope) -> Callable[[], None]:
@@ -165,9 +176,11 @@ class RestAdmission:
             )
         )
         loads: TenantLoads = scope["app"].state.worker_loads
+        holder = "worker:" + hashlib.sha256(token.encode()).hexdigest()
+        fairness.turn_key.set(holder)
         try:
             return await loads.admit(
-                hashlib.sha256(token.encode()).hexdigest(),
+                holder,
                 limits=self.worker_limits,
                 cost=cost,
                 wait_s=self.settings.rest_admission_wait_s,
