@@ -40,7 +40,7 @@ class FairLimiter:
             raise ValueError(f"per_key={per_key} must be between 1 and total={total}")
         self.total = total
         self._per_key = per_key
-        self._threads = anyio.CapacityLimiter(total)
+        self._threads: anyio.CapacityLimiter | None = None  # made on the event loop
         self._in_use = 0
         self._held: dict[Hashable, int] = {}
         # key -> its calls waiting, in order; keys in the order they began to wait
@@ -48,6 +48,8 @@ class FairLimiter:
 
     async def run_sync(self, key: Hashable, function: Callable[[], T]) -> T:
         """``function()`` in a thread, in ``key``'s turn."""
+        if self._threads is None:
+            self._threads = anyio.CapacityLimiter(self.total)
         async with self.turn(key):
             return await anyio.to_thread.run_sync(function, limiter=self._threads)
 
