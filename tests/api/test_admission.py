@@ -230,3 +230,19 @@ def test_a_freed_route_thread_goes_to_the_waiting_tenant_that_holds_the_fewest()
         return order
 
     assert asyncio.run(scenario()) == ["a0", "a1", "b0", "a2", "a3", "a4"]
+
+
+def test_random_keys_on_the_inference_routes_get_429_from_one_address(
+    control_plane: ControlPlane,
+) -> None:
+    async def scenario() -> Counter[int]:
+        return await _burst(
+            control_plane.url,
+            "/v1/chat/completions",
+            lambda: {"Authorization": f"Bearer sk-st-{secrets.token_urlsafe(24)}"},
+            source="127.0.0.5",
+            method="POST",
+        )
+
+    burst = asyncio.run(scenario())
+    assert burst[429] > 0 and set(burst) <= {401, 429}, burst

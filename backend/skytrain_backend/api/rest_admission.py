@@ -10,7 +10,8 @@ One ASGI middleware, before FastAPI routes anything, for every route family:
 - ``/v1/worker/...`` (a worker token, required: 401 without one, before the body is read):
   counted per token against ``SKYTRAIN_WORKER_MAX_CONCURRENT_REQUESTS`` in this process.
 
-Inference (``/v1/chat/completions``, ``/v1/completions``) is admitted by the gateway itself.
+Inference (``/v1/chat/completions``, ``/v1/completions``) is admitted by the gateway itself;
+its key is checked here too, so that failures there are limited as everywhere.
 
 A request counts as one, plus one per started ``SKYTRAIN_REST_ADMISSION_BYTES_PER_REQUEST``
 (1 MiB) of the body it declares (``Content-Length``; a body sent in chunks counts as the
@@ -140,13 +141,18 @@ class RestAdmission:
         if path.startswith(TINKER_PREFIX):
             key = _header(scope, b"x-api-key") or _bearer_key(scope)
             key = key.removeprefix(TINKER_KEY_PREFIX) if key else None
-        elif path.startswith("/v1/") and INFERENCE_PATH.match(path) is None:
+        elif path.startswith("/v1/"):
             key = _bearer_key(scope)
         else:
             return None
         if not key:
             return None  # the route's dependency refuses it, in its protocol's words
         state = scope["app"].state
+        if INFERENCE_PATH.match(path) is not None:
+            # The gateway admits inference itself; a key that fails is refused here, counted
+            # against its address's failures, as on every other route.
+            await state.authenticator.tenant(key, client=client_address(scope))
+            return None
         tenant, release = await admit(
             key,
             authenticator=state.authenticator,
