@@ -23,6 +23,7 @@ from skytrain_backend.api import tenant_load
 from skytrain_backend.api.auth import AUTH_THREADS, Authenticator
 from skytrain_backend.api.bulk import add_json_body_docs
 from skytrain_backend.api.errors import AnswerMiddlewareErrors, install_error_handlers
+from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.api.gateway import RESOLVE_CONCURRENCY, Gateway
 from skytrain_backend.api.limits import RequestLimits
 from skytrain_backend.api.longpoll import CHECK_THREADS, Waiting
@@ -32,7 +33,7 @@ from skytrain_backend.api.tenant_load import TenantLoads
 from skytrain_backend.api.tinker import LOOKUP_CONCURRENCY, TinkerService
 from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.dashboard import install_dashboard
-from skytrain_backend.db import migrations, workers
+from skytrain_backend.db import migrations
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.observability import listener, metrics
@@ -74,12 +75,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             app.state.settings = settings
             app.state.sessionmaker = session_factory(engine)
             app.state.authenticator = Authenticator(
-                sessions=app.state.sessionmaker, ttl_s=settings.gateway_route_cache_ttl_s
+                sessions=app.state.sessionmaker,
+                ttl_s=settings.gateway_route_cache_ttl_s,
+                failure_ttl_s=settings.auth_failure_cache_ttl_s,
+                failures_per_minute=settings.auth_failures_per_minute,
             )
             app.state.rest_loads = TenantLoads(
                 sessions=app.state.sessionmaker,
                 shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
             )
+            # The routes' threads, taken in turns by tenant (api/fairness.py).
+            app.state.route_turns = FairLimiter(total=settings.threads, per_key=settings.threads)
+            # Worker tokens' requests, counted in this process only.
+            app.state.worker_loads = TenantLoads(sessions=app.state.sessionmaker, shared=False)
             # Wakes long-polls (job leases, event followers) when what they wait for commits.
             app.state.notifier = Notifier(settings.resolved_database_url)
             app.state.notifier.install(app.state.sessionmaker)
@@ -113,6 +121,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     yield
                 finally:
                     await app.state.rest_loads.aclose()
+                    await app.state.worker_loads.aclose()
                     await app.state.tinker.aclose()
                     # The gateway's kept-alive connections first: a worker stopped while one
                     # is open waits out its front door's graceful-shutdown timeout for it.
@@ -132,12 +141,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     install_error_handlers(app)
 
-    def check_worker_token(token: str, path: str) -> None:
-        with app.state.sessionmaker() as session:
-            workers.check_worker_token(session, token=token, path=path)
-
-    app.add_middleware(RequestLimits, settings=settings, check_worker_token=check_worker_token)
-    # A tenant over its REST requests is refused before anything else runs...
+    app.add_middleware(RequestLimits, settings=settings)
+    # A tenant (or worker token) over its requests is refused before anything else runs...
     app.add_middleware(RestAdmission, settings=settings)
     # What those two raise (the database down) is answered as a route's errors are...
     app.add_middleware(AnswerMiddlewareErrors)

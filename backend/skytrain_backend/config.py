@@ -170,6 +170,26 @@ class Settings(BaseSettings):
         "waits (holding nothing; in order of arrival) for one of the tenant's requests to "
         "finish before it gets 429.",
     )
+    rest_admission_bytes_per_request: int = Field(
+        default=1024 * 1024,
+        gt=0,
+        description="A REST, Tinker or worker request counts 1 plus 1 per started this many "
+        "bytes of its declared body (chunked: SKYTRAIN_MAX_REQUEST_BYTES), at most the limit.",
+    )
+    worker_max_concurrent_requests: int = Field(
+        default=64, gt=0, description="Requests in flight per worker token, per process."
+    )
+    auth_failures_per_minute: int = Field(
+        default=60,
+        gt=0,
+        description="Failed authentications per client address a minute; past them, 429.",
+    )
+    auth_failure_cache_ttl_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=600,
+        description="How long a key or worker token that failed is refused without a lookup.",
+    )
     tenant_max_sequences_in_flight: int = Field(
         default=256,
         gt=0,

@@ -1,40 +1,64 @@
-"""API keys resolved to their tenant: cached for a moment, looked up in threads of their own.
+"""API keys and worker tokens checked: cached for a moment, looked up in threads of their own,
+failures rate-limited per client address.
 
-Every REST and Tinker request authenticates its key, and under a burst that lookup was a
-query per request on the threads every route shares. The answer changes only when a key or a
-tenant row does, so it is kept per key hash for ``SKYTRAIN_GATEWAY_ROUTE_CACHE_TTL_S`` (1 s)
-in a ``RouteCache``, which any commit in this process that changes a key or a tenant empties
-at once: a key revoked here is refused at once, one revoked through another process (another
-replica, ``skytrain keys revoke``) within the TTL, as the gateway's routes are. A refusal is
-not kept.
+Every REST, Tinker and worker request authenticates its key or token (``api/rest_admission.py``)
+and under a burst that lookup was a query per request. The answer changes only when a key, a
+tenant or a worker row does, so a success is kept per hash for
+``SKYTRAIN_GATEWAY_ROUTE_CACHE_TTL_S`` (1 s) in a ``RouteCache``, which any commit in this
+process that changes a key, a tenant or a worker empties at once: a key revoked here is
+refused at once, one revoked through another process (another replica, ``skytrain keys
+revoke``) within the TTL, as the gateway's routes are.
 
-Lookups run on threads of their own (``AUTH_THREADS``), each in a short session closed in
-that thread, so authenticating neither waits behind the routes' work nor holds a database
-connection once it has answered. Requests with the same key that miss the cache together
-wait for one lookup: a burst costs one query per TTL, not one per request.
+Failures cost their sender, not the other tenants:
+
+- a key or token that failed is kept as refused for ``SKYTRAIN_AUTH_FAILURE_CACHE_TTL_S``
+  (``MAX_REMEMBERED`` hashes at most, the oldest forgotten first; emptied with the successes'
+  cache): sending it again costs no query;
+- each client address may fail ``SKYTRAIN_AUTH_FAILURES_PER_MINUTE`` authentications a minute
+  (a token bucket: all at once, then one every 60/N s); past that, whatever it sends that is not
+  a key known good gets 429 with ``Retry-After`` and no lookup;
+- lookups run on threads of their own (``AUTH_THREADS``), never the routes' pool, each in a
+  short session closed in that thread, shared by client address in turns (``FairLimiter``): an
+  address sending thousands of random keys holds at most ``AUTH_THREADS_PER_ADDRESS`` of them,
+  and another address's lookup waits for at most one turn of it.
+
+Requests with the same key that miss the cache together wait for one lookup: a burst costs one
+query per TTL, not one per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-import anyio
 from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.api.route_cache import RouteCache
-from skytrain_backend.db import api_keys
+from skytrain_backend.db import api_keys, workers
 from skytrain_backend.db.models import Tenant
-from skytrain_backend.errors import AuthenticationFailed
+from skytrain_backend.errors import AuthenticationFailed, RateLimited
 
-# Threads (and so database connections) key lookups use at most, per process.
+# Threads (and so database connections) key and token lookups use at most, per process, and
+# how many of them one client address may hold at once.
 AUTH_THREADS = 4
+AUTH_THREADS_PER_ADDRESS = 2
+# Refused hashes, and client addresses' failure budgets, kept at most (each).
+MAX_REMEMBERED = 10_000
+# The name of the failures' limit, in a 429 and the metrics.
+FAILURES_LIMIT = "auth_failures_per_minute"
 
 NO_KEY = (
     "no API key: send the header 'Authorization: Bearer sk-st-...' "
     "(create a key with `skytrain keys create --tenant NAME`)"
 )
+
+T = TypeVar("T")
 
 
 def authenticate(session: Session, credentials: HTTPAuthorizationCredentials | None) -> Tenant:
@@ -45,44 +69,172 @@ def authenticate(session: Session, credentials: HTTPAuthorizationCredentials | N
     return api_keys.authenticate(session, key=credentials.credentials)
 
 
+class FailureBudget:
+    """Failed authentications per client address: ``per_minute`` a minute, as a token bucket
+    (the most recently failing ``MAX_REMEMBERED`` addresses are tracked)."""
+
+    def __init__(self, *, per_minute: int) -> None:
+        self.per_minute = per_minute
+        self._refill_per_s = per_minute / 60
+        # address -> (failures left, when counted)
+        self._left: OrderedDict[str, tuple[float, float]] = OrderedDict()
+
+    def _now_left(self, address: str, now: float) -> float:
+        held = self._left.get(address)
+        if held is None:
+            return float(self.per_minute)
+        left, at = held
+        return min(float(self.per_minute), left + (now - at) * self._refill_per_s)
+
+    def take(self, address: str | None) -> None:
+        """Count a failure of ``address`` (a lookup about to run counts as one until it
+        succeeds: ``give_back``); ``RateLimited`` if it has none left."""
+        if address is None:
+            return
+        now = time.monotonic()
+        left = self._now_left(address, now)
+        if left < 1:
+            raise RateLimited(
+                f"too many failed authentications from your address (at most "
+                f"{self.per_minute} a minute: SKYTRAIN_AUTH_FAILURES_PER_MINUTE): check the key "
+                "or token you send, and retry after the time in Retry-After",
+                retry_after_s=(1 - left) / self._refill_per_s,
+                limit=FAILURES_LIMIT,
+            )
+        self._set(address, left - 1, now)
+
+    def give_back(self, address: str | None) -> None:
+        """The lookup ``take`` counted succeeded."""
+        if address is not None:
+            now = time.monotonic()
+            self._set(address, self._now_left(address, now) + 1, now)
+
+    def _set(self, address: str, left: float, now: float) -> None:
+        self._left[address] = (min(float(self.per_minute), left), now)
+        self._left.move_to_end(address)
+        while len(self._left) > MAX_REMEMBERED:
+            self._left.popitem(last=False)
+
+
+class _Refused:
+    """Hashes that failed a moment ago: kept ``ttl_s``, forgotten when ``cache`` (the
+    successes') is emptied by a change, ``MAX_REMEMBERED`` at most."""
+
+    def __init__(self, *, ttl_s: float, cache: RouteCache[Any]) -> None:
+        self._ttl_s = ttl_s
+        self._cache = cache
+        # hash -> (expires, the successes' cache generation when it failed, the refusal)
+        self._held: OrderedDict[object, tuple[float, int, str]] = OrderedDict()
+
+    def get(self, digest: object) -> str | None:
+        held = self._held.get(digest)
+        if held is None:
+            return None
+        expires, generation, message = held
+        if time.monotonic() >= expires or generation != self._cache.generation:
+            del self._held[digest]
+            return None
+        return message
+
+    def put(self, digest: object, message: str, *, generation: int) -> None:
+        if self._ttl_s <= 0:
+            return
+        self._held[digest] = (time.monotonic() + self._ttl_s, generation, message)
+        self._held.move_to_end(digest)
+        while len(self._held) > MAX_REMEMBERED:
+            self._held.popitem(last=False)
+
+
 class Authenticator:
     """The tenant of an API key, as ``db.api_keys.authenticate`` finds it (a detached row whose
-    columns are loaded: routes read them, none writes them)."""
+    columns are loaded: routes read them, none writes them); whether a worker token may call a
+    worker route, as ``db.workers.check_worker_token`` says."""
 
-    def __init__(self, *, sessions: sessionmaker[Session], ttl_s: float) -> None:
+    def __init__(
+        self,
+        *,
+        sessions: sessionmaker[Session],
+        ttl_s: float,
+        failure_ttl_s: float,
+        failures_per_minute: int,
+    ) -> None:
         self._sessions = sessions
         self._tenants: RouteCache[Tenant] = RouteCache(ttl_s=ttl_s)
-        self._looking_up: dict[bytes, asyncio.Event] = {}
-        self._threads: anyio.CapacityLimiter | None = None
+        self._tokens: RouteCache[bool] = RouteCache(ttl_s=ttl_s)
+        self._refused_keys = _Refused(ttl_s=failure_ttl_s, cache=self._tenants)
+        self._refused_tokens = _Refused(ttl_s=failure_ttl_s, cache=self._tokens)
+        self.failures = FailureBudget(per_minute=failures_per_minute)
+        self._looking_up: dict[object, asyncio.Event] = {}
+        self._threads: FairLimiter | None = None
 
-    async def tenant(self, key: str) -> Tenant:
-        """The key's tenant; ``AuthenticationFailed`` if the key is unknown or revoked."""
+    async def tenant(self, key: str, *, client: str | None = None) -> Tenant:
+        """The key's tenant; ``AuthenticationFailed`` if the key is unknown or revoked,
+        ``RateLimited`` if ``client`` (the sender's address) has failed too often."""
         digest = hashlib.sha256(key.encode()).digest()
-        while (cached := self._tenants.get(digest)) is None:
-            pending = self._looking_up.get(digest)
-            if pending is None:
-                break
-            # Found and cached when it is set, unless it failed: then we look it up ourselves.
-            await pending.wait()
-        if cached is not None:
-            return cached
-        done = asyncio.Event()
-        self._looking_up[digest] = done
-        try:
-            return await self._look_up(key, digest)
-        finally:
-            del self._looking_up[digest]
-            done.set()
-
-    async def _look_up(self, key: str, digest: bytes) -> Tenant:
-        if self._threads is None:
-            self._threads = anyio.CapacityLimiter(AUTH_THREADS)
-        generation = self._tenants.generation
 
         def look_up() -> Tenant:
             with self._sessions() as session:
                 return api_keys.authenticate(session, key=key)
 
-        tenant = await anyio.to_thread.run_sync(look_up, limiter=self._threads)
-        self._tenants.put(digest, tenant, generation=generation)
-        return tenant
+        return await self._checked(
+            digest, look_up, cache=self._tenants, refused=self._refused_keys, client=client
+        )
+
+    async def check_worker_token(self, token: str, path: str, *, client: str | None = None) -> None:
+        """Return if ``token`` may call the worker route at ``path``; ``AuthenticationFailed``
+        saying why not, or ``RateLimited`` as ``tenant``."""
+        join_path = path.endswith(workers.JOIN_TOKEN_PATHS)
+        digest = (hashlib.sha256(token.encode()).digest(), join_path)
+
+        def look_up() -> bool:
+            with self._sessions() as session:
+                workers.check_worker_token(session, token=token, path=path)
+            return True
+
+        await self._checked(
+            digest, look_up, cache=self._tokens, refused=self._refused_tokens, client=client
+        )
+
+    async def _checked(
+        self,
+        digest: object,
+        look_up: Callable[[], T],
+        *,
+        cache: RouteCache[T],
+        refused: _Refused,
+        client: str | None,
+    ) -> T:
+        while (cached := cache.get(digest)) is None:
+            pending = self._looking_up.get(digest)
+            if pending is None:
+                break
+            # Found and cached when it is set, unless it failed: then we look again ourselves.
+            await pending.wait()
+        if cached is not None:
+            return cached
+        # Counted as a failure until it succeeds: a burst of unknown keys sent at once is
+        # refused past the budget, not looked up all together.
+        self.failures.take(client)
+        message = refused.get(digest)
+        if message is not None:
+            raise AuthenticationFailed(message)
+        done = asyncio.Event()
+        self._looking_up[digest] = done
+        try:
+            generation = cache.generation
+            if self._threads is None:
+                self._threads = FairLimiter(total=AUTH_THREADS, per_key=AUTH_THREADS_PER_ADDRESS)
+            try:
+                found = await self._threads.run_sync(client, look_up)
+            except AuthenticationFailed as exc:
+                refused.put(digest, exc.message, generation=generation)
+                raise
+            except BaseException:
+                self.failures.give_back(client)  # not a failure of the key's
+                raise
+            self.failures.give_back(client)
+            cache.put(digest, found, generation=generation)
+            return found
+        finally:
+            del self._looking_up[digest]
+            done.set()

@@ -4,8 +4,9 @@ The app's lifespan puts the settings, the session factory, the object store, the
 the inference gateway and the workers' wheel on ``app.state``; these functions hand them to
 routes (no other module reads ``app.state`` but ``api/rest_admission.py``, which runs before
 routing). ``TenantDep`` is the only way a route learns whose rows it may touch: the tenant of
-the bearer key, whose request ``api/rest_admission.py`` counted against its
-``max_concurrent_rest_requests`` before routing (429 past it).
+the bearer key (``TinkerTenantDep``: the Tinker SDK's key), whose request
+``api/rest_admission.py`` counted against its ``max_concurrent_rest_requests`` before routing
+(429 past it).
 
 No request holds a database connection while it waits: for a thread, a lock, a long-poll,
 its body, the object store or an engine. A session's transaction never outlives the thread
@@ -33,10 +34,11 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend.api import rest_admission
+from skytrain_backend.api import fairness, rest_admission
 from skytrain_backend.api.auth import NO_KEY, Authenticator
 from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.longpoll import Waiting
+from skytrain_backend.api.rest_admission import TINKER_KEY_PREFIX
 from skytrain_backend.api.tenant_load import TenantLoads
 from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings
@@ -111,19 +113,27 @@ _closing_endpoints: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 
 def _closing_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
-    """A plain endpoint that closes the sessions it was given before it returns, in the
-    thread it runs in; a coroutine endpoint as it is."""
+    """A plain endpoint as a coroutine that runs it in a thread, in the turn of the tenant
+    admission admitted (``api/fairness.py``), closing the sessions it was given before it
+    returns, in that thread; a coroutine endpoint as it is."""
     if inspect.iscoroutinefunction(endpoint) or endpoint in _closing_endpoints:
         return endpoint
 
-    @functools.wraps(endpoint)
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def closing(*args: Any, **kwargs: Any) -> Any:
         try:
             return endpoint(*args, **kwargs)
         finally:
             for value in kwargs.values():
                 if isinstance(value, Session):
                     value.close()
+
+    @functools.wraps(endpoint)
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        turns = fairness.route_turns.get()
+        if turns is None:
+            return await run_in_threadpool(closing, *args, **kwargs)
+        async with turns.turn(fairness.turn_key.get()):
+            return await run_in_threadpool(closing, *args, **kwargs)
 
     _closing_endpoints.add(run)
     return run
@@ -133,7 +143,9 @@ class SessionRoute(APIRoute):
     """The route class of every router. FastAPI runs a plain ``def`` endpoint in a worker
     thread and closes a dependency's session after the response, in another hop; here the
     endpoint closes it in its own thread as it returns (what it did not commit is rolled back,
-    as closing did), so the connection is free before the answer is serialized and sent."""
+    as closing did), so the connection is free before the answer is serialized and sent; and
+    it takes that thread in its tenant's turn (``api/fairness.py``), not first come, first
+    served."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, _closing_sessions(endpoint), **kwargs)
@@ -220,7 +232,11 @@ async def get_tenant(
     if credentials is None:
         raise AuthenticationFailed(NO_KEY)
     tenant, release = await rest_admission.admit(
-        credentials.credentials, authenticator=authenticator, loads=loads, settings=settings
+        credentials.credentials,
+        authenticator=authenticator,
+        loads=loads,
+        settings=settings,
+        client=rest_admission.client_address(request.scope),
     )
     try:
         yield tenant
@@ -230,22 +246,38 @@ async def get_tenant(
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
 
-# The Tinker SDK's keys are "tml-" + a skytrain key, sent as X-API-Key.
-TINKER_KEY_PREFIX = "tml-"
-
 
 async def get_tinker_tenant(
+    request: Request,
     credentials: CredentialsDep,
     authenticator: AuthenticatorDep,
+    loads: RestLoadsDep,
+    settings: SettingsDep,
     x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
-) -> Tenant:
+) -> AsyncIterator[Tenant]:
+    """The tenant of the Tinker SDK's key ("tml-" + a skytrain key, sent as X-API-Key; or a
+    bearer key), admitted as ``get_tenant`` admits a REST request."""
+    tenant = rest_admission.admitted(request.scope)
+    if tenant is not None:
+        yield tenant
+        return
     key = x_api_key or (credentials.credentials if credentials else None)
     if not key:
         raise AuthenticationFailed(
             "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
             "(`skytrain keys create --tenant NAME --tinker` prints it)"
         )
-    return await authenticator.tenant(key.removeprefix(TINKER_KEY_PREFIX))
+    tenant, release = await rest_admission.admit(
+        key.removeprefix(TINKER_KEY_PREFIX),
+        authenticator=authenticator,
+        loads=loads,
+        settings=settings,
+        client=rest_admission.client_address(request.scope),
+    )
+    try:
+        yield tenant
+    finally:
+        release()
 
 
 TinkerTenantDep = Annotated[Tenant, Depends(get_tinker_tenant)]

@@ -8,18 +8,17 @@
 - **Time.** A client that has not sent its whole body within
   ``SKYTRAIN_REQUEST_BODY_TIMEOUT_S`` of the request's start is cut off with 408, however
   slowly it trickles.
-- **Worker token.** Routes under ``/v1/worker/`` check the bearer token before the body is
-  read: a request without a valid worker token gets 401 having cost nothing.
 
 Checkpoint uploads from workers (gigabytes, ``PUT /v1/worker/jobs/{id}/files/{name}``) have no
-size or time limit once their token is checked: the route streams them to the object store.
+size or time limit: the route streams them to the object store. Their worker token, as every
+worker route's, has been checked before they get here (``api/rest_admission.py``): a request
+without a valid worker token gets 401 having cost nothing.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 
 import anyio
 from starlette.responses import Response
@@ -27,14 +26,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skytrain_backend.api.errors import error_response
 from skytrain_backend.config import Settings
-from skytrain_backend.errors import AuthenticationFailed
 
 WORKER_PREFIX = "/v1/worker/"
-_CHECKPOINT_UPLOAD = re.compile(r"^/v1/worker/jobs/[^/]+/files/[^/]+$")
+CHECKPOINT_UPLOAD = re.compile(r"^/v1/worker/jobs/[^/]+/files/[^/]+$")
 INFERENCE_PATH = re.compile(r"^/v1(/preview)?/(chat/)?completions$")
-
-# check_worker_token(token, path) raises AuthenticationFailed unless the token may call path.
-CheckWorkerToken = Callable[[str, str], None]
 
 
 class _Refused(Exception):
@@ -42,28 +37,20 @@ class _Refused(Exception):
 
 
 class RequestLimits:
-    """The size, time and worker-token limits above, as ASGI middleware."""
+    """The size and time limits above, as ASGI middleware."""
 
-    def __init__(
-        self, app: ASGIApp, *, settings: Settings, check_worker_token: CheckWorkerToken
-    ) -> None:
+    def __init__(self, app: ASGIApp, *, settings: Settings) -> None:
         self.app = app
         self.settings = settings
-        self.check_worker_token = check_worker_token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         path: str = scope["path"]
-        if path.startswith(WORKER_PREFIX):
-            refusal = await self._worker_refusal(scope)
-            if refusal is not None:
-                await refusal(scope, receive, send)
-                return
-            if scope["method"] == "PUT" and _CHECKPOINT_UPLOAD.match(path):
-                await self.app(scope, receive, send)
-                return
+        if scope["method"] == "PUT" and CHECKPOINT_UPLOAD.match(path):
+            await self.app(scope, receive, send)
+            return
         if INFERENCE_PATH.match(path):
             limit, setting = self.settings.max_inference_request_bytes, "INFERENCE_REQUEST_BYTES"
         else:
@@ -77,18 +64,6 @@ class RequestLimits:
         await _Limited(self.app, limit, setting, self.settings.request_body_timeout_s)(
             scope, receive, send
         )
-
-    async def _worker_refusal(self, scope: Scope) -> Response | None:
-        scheme, _, token = (
-            dict(scope["headers"]).get(b"authorization", b"").decode("latin-1").partition(" ")
-        )
-        if scheme.lower() != "bearer" or not token:
-            return _unauthorized("no worker token: send 'Authorization: Bearer swt-...'")
-        try:
-            await anyio.to_thread.run_sync(self.check_worker_token, token, scope["path"])
-        except AuthenticationFailed as exc:
-            return _unauthorized(exc.message)
-        return None
 
 
 class _Limited:
@@ -166,7 +141,3 @@ def _timed_out(received: int, timeout_s: float) -> Response:
         f"TIMEOUT_S; {received} bytes came): send it faster, or in smaller requests",
         Connection="close",
     )
-
-
-def _unauthorized(message: str) -> Response:
-    return error_response(401, "authentication_error", message, **{"WWW-Authenticate": "Bearer"})

@@ -18,7 +18,8 @@ the gateway does not); the function it returns counts it out.
 
 A tenant cannot tie up what others use: a process sends one admission per tenant at a time to
 the database (the others of that tenant wait in memory, holding nothing), and every admission,
-release and renewal runs on threads of its own (``DB_THREADS``), not the pool the routes share.
+release and renewal runs on threads of its own (``DB_THREADS``), not the pool the routes share,
+taken in turns by tenant (``FairLimiter``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import uuid
 from collections.abc import Callable
@@ -36,6 +38,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.api.errors import database_outage
+from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.db import tenant_loads
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import RateLimited, Unavailable
@@ -77,18 +80,33 @@ class Load:
         return tenant_loads.Counts(self.requests, self.sequences, self.tokens, self.rest_requests)
 
 
-# What one REST request holds.
+# What one REST request without a body holds.
 REST_REQUEST = Load(rest_requests=1)
+
+
+def rest_cost(body_bytes: int, *, bytes_per_request: int, limit: int) -> Load:
+    """What a REST request with a body of ``body_bytes`` holds: one request, plus one per
+    started ``bytes_per_request`` of its body, at most ``limit`` (so that it fits alone)."""
+    extra = -(-body_bytes // bytes_per_request)
+    return Load(rest_requests=max(1, min(1 + extra, limit)))
 
 
 def check_admission(held: Load, *, cost: Load, limits: TenantLimits) -> None:
     """Raise ``RateLimited`` if adding ``cost`` to ``held`` passes one of ``limits`` (only the
     limits of what ``cost`` counts: a tenant's inference load never refuses its REST requests,
     nor the other way round)."""
-    if cost.rest_requests and held.rest_requests >= limits.max_concurrent_rest_requests:
+    limit = limits.max_concurrent_rest_requests
+    if cost.rest_requests and held.rest_requests + cost.rest_requests > limit:
+        counts = (
+            f"your REST requests in flight count {held.rest_requests} and this one "
+            f"{cost.rest_requests} (one, plus one per started "
+            "SKYTRAIN_REST_ADMISSION_BYTES_PER_REQUEST of its body, 1 MiB by default), over the "
+            f"{limit} allowed at once"
+            if cost.rest_requests > 1
+            else f"{limit} REST requests of yours are in flight, the most allowed at once"
+        )
         raise RateLimited(
-            f"{limits.max_concurrent_rest_requests} REST requests of yours are in flight, the "
-            "most allowed at once (SKYTRAIN_TENANT_MAX_CONCURRENT_REST_REQUESTS, or your "
+            f"{counts} (SKYTRAIN_TENANT_MAX_CONCURRENT_REST_REQUESTS, or your "
             "tenant's max_concurrent_rest_requests; a long-poll counts while it waits): wait "
             "for some to finish, or lower your client's concurrency",
             limit="max_concurrent_rest_requests",
@@ -137,12 +155,14 @@ class TenantLoads:
         self._releasing: dict[str, set[asyncio.Task[None]]] = {}
         # Requests waiting for room, per tenant, in order of arrival (``admit``'s wait_s).
         self._waiters: dict[str, collections.deque[asyncio.Event]] = {}
-        self._threads: anyio.CapacityLimiter | None = None
+        # Taken in turns by tenant: one tenant's admissions and releases never queue in front
+        # of another's.
+        self._threads = FairLimiter(total=DB_THREADS, per_key=DB_THREADS)
 
-    async def _in_thread(self, function: Callable[..., None], *args: object) -> None:
-        if self._threads is None:
-            self._threads = anyio.CapacityLimiter(DB_THREADS)
-        await anyio.to_thread.run_sync(function, *args, limiter=self._threads)
+    async def _in_thread(
+        self, tenant_id: str | None, function: Callable[..., None], *args: object
+    ) -> None:
+        await self._threads.run_sync(tenant_id, functools.partial(function, *args))
 
     async def aclose(self) -> None:
         if self._renewer is not None:
@@ -153,7 +173,7 @@ class TenantLoads:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._shared and self._renewer is not None:
             with contextlib.suppress(SQLAlchemyError):
-                await self._in_thread(self._forget)
+                await self._in_thread(None, self._forget)
 
     def held(self, tenant_id: str) -> Load:
         """What the tenant holds through this process."""
@@ -173,14 +193,14 @@ class TenantLoads:
             try:
                 async with lock:
                     try:
-                        await self._in_thread(self._acquire, tenant_id, limits, cost)
+                        await self._in_thread(tenant_id, self._acquire, tenant_id, limits, cost)
                     except RateLimited:
                         # The database may not have the releases of answers already sent.
                         releasing = self._releasing.get(tenant_id)
                         if not releasing:
                             raise
                         await asyncio.gather(*releasing, return_exceptions=True)
-                        await self._in_thread(self._acquire, tenant_id, limits, cost)
+                        await self._in_thread(tenant_id, self._acquire, tenant_id, limits, cost)
             except BaseException:
                 self._add(tenant_id, Load() - cost)
                 raise
@@ -293,7 +313,7 @@ class TenantLoads:
         # Shielded: a release must be written even while the app shuts down.
         with anyio.CancelScope(shield=True):
             try:
-                await self._in_thread(write)
+                await self._in_thread(tenant_id, write)
             except SQLAlchemyError as exc:
                 # Written with the next renewal; the slot stays held until then.
                 logger.warning("releasing a request of tenant %s failed: %s", tenant_id, exc)
@@ -307,7 +327,7 @@ class TenantLoads:
         while True:
             await anyio.sleep(RENEW_S)
             try:
-                await self._in_thread(self._renew)
+                await self._in_thread(None, self._renew)
             except SQLAlchemyError as exc:
                 logger.warning("renewing the tenants' loads of this process failed: %s", exc)
 

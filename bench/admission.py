@@ -1,0 +1,223 @@
+"""Tenant B's latency while others burst, through every door admission guards.
+
+Starts `skytrain serve` (provider none) on a fresh PostgreSQL schema (or SQLite), then, for
+--seconds each, measures tenant B listing its models one request at a time (`GET /v1/models`,
+then a pause of 20 ms):
+
+1. alone;
+2. while one tenant's --loops loops send `GET /api/v1/training_runs` back to back with the
+   tinker SDK's header (`X-API-Key: tml-...`; 429s not backed off);
+3. while eight tenants burst at once, --loops / 8 loops each, the same Tinker requests;
+4. while --loops loops send random API keys from another client address (127.0.0.3).
+
+Printed: B's p50 and max in each phase, how many of its requests were answered (one at a time:
+a stall shows as few requests and a large max), and what the bursts got (statuses, answers/s).
+The bursts run in a process of their own, so B's requests do not queue behind their answers in
+its event loop; the server, the database and both clients share the machine's cores. Run it with
+another checkout's venv (`/path/to/other/.venv/bin/python bench/admission.py`) to measure that
+checkout's server with the same clients.
+
+Usage:
+    .venv/bin/python bench/admission.py [--loops 1024] [--seconds 10] [--database postgres]
+        [--postgres-url postgresql+psycopg://postgres@127.0.0.1:5432/test]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import secrets
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from multiprocessing.queues import Queue
+from pathlib import Path
+
+import aiohttp
+import machine
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.fixtures.burst import Outcomes  # noqa: E402
+from tests.fixtures.service import Service, start_service, stop_service  # noqa: E402
+
+Headers = Callable[[], dict[str, str]]
+
+
+async def _send(http: aiohttp.ClientSession, path: str, headers: Headers, into: Outcomes) -> None:
+    started = time.monotonic()
+    try:
+        async with http.get(path, headers=headers()) as response:
+            await response.read()
+            into.statuses[response.status] += 1
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        into.failures[type(exc).__name__] += 1
+        return
+    into.latencies_s.append(time.monotonic() - started)
+
+
+async def _bursts(url: str, bursts: list[tuple[int, Headers, str]], seconds: float) -> Outcomes:
+    """The bursts' loops until ``seconds`` have passed: each burst is (loops, headers,
+    source address)."""
+    outcomes = Outcomes()
+    stop = time.monotonic() + seconds
+    timeout = aiohttp.ClientTimeout(total=60)
+
+    async def loop(http: aiohttp.ClientSession, headers: Headers) -> None:
+        while time.monotonic() < stop:
+            await _send(http, "/api/v1/training_runs", headers, outcomes)
+
+    sessions = [
+        aiohttp.ClientSession(
+            url, timeout=timeout, connector=aiohttp.TCPConnector(limit=0, local_addr=(source, 0))
+        )
+        for _, _, source in bursts
+    ]
+    try:
+        await asyncio.gather(
+            *(
+                loop(http, headers)
+                for http, (loops, headers, _) in zip(sessions, bursts, strict=True)
+                for _ in range(loops)
+            )
+        )
+    finally:
+        for http in sessions:
+            await http.close()
+    return outcomes
+
+
+def _burst_process(
+    url: str, bursts: list[tuple[int, Headers, str]], seconds: float, results: Queue[Outcomes]
+) -> None:
+    results.put(asyncio.run(_bursts(url, bursts, seconds)))
+
+
+async def _probe(url: str, b_key: str, seconds: float) -> Outcomes:
+    """B's requests, one at a time, from 0.5 s in (the bursts under way) to ``seconds``."""
+    b = Outcomes()
+    stop = time.monotonic() + seconds
+    await asyncio.sleep(0.5)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(url, timeout=timeout) as http:
+        while time.monotonic() < stop:
+            await _send(http, "/v1/models", lambda: {"Authorization": f"Bearer {b_key}"}, b)
+            await asyncio.sleep(0.02)
+    return b
+
+
+def _phase(
+    url: str, b_key: str, bursts: list[tuple[int, Headers, str]], seconds: float
+) -> tuple[Outcomes, Outcomes]:
+    """B's outcomes, and the bursts' together. The bursts run in a process of their own, so
+    that B's requests do not wait behind their answers in this one's event loop."""
+    if not bursts:
+        return asyncio.run(_probe(url, b_key, seconds)), Outcomes()
+    context = multiprocessing.get_context("fork")
+    results: Queue[Outcomes] = context.Queue()
+    process = context.Process(target=_burst_process, args=(url, bursts, seconds, results))
+    process.start()
+    b = asyncio.run(_probe(url, b_key, seconds))
+    burst = results.get(timeout=120)
+    process.join()
+    return b, burst
+
+
+def _line(label: str, b: Outcomes, burst: Outcomes, seconds: float) -> None:
+    answers = (
+        f"burst {burst.answered / seconds:5.0f} answers/s, statuses {dict(burst.statuses)}"
+        f"{', failures ' + str(dict(burst.failures)) if burst.failures else ''}"
+        if burst.answered or burst.failures
+        else ""
+    )
+    print(
+        f"  {label:<34} B p50 {b.percentile_ms(0.5):7.1f} ms  max {1000 * max(b.latencies_s):7.1f}"
+        f" ms  ({b.answered} requests, statuses {dict(b.statuses)})  {answers}"
+    )
+
+
+def _tinker(key: str) -> Headers:
+    headers = {"X-API-Key": f"tml-{key}"}
+    return lambda: headers
+
+
+def _run(label: str, env: dict[str, str], *, loops: int, seconds: float) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        service: Service = start_service({"SKYTRAIN_PROVIDER": "none", **env}, Path(scratch) / "h")
+        try:
+            b_key = service.key("b")
+            keys = [service.key(f"burst{index}") for index in range(8)]
+            print(f"\n{label}")
+            phases: list[tuple[str, list[tuple[int, Headers, str]]]] = [
+                ("alone", []),
+                ("one tenant's Tinker burst", [(loops, _tinker(keys[0]), "127.0.0.1")]),
+                (
+                    "eight tenants' Tinker bursts",
+                    [(loops // 8, _tinker(key), "127.0.0.1") for key in keys],
+                ),
+                (
+                    "random keys from 127.0.0.3",
+                    [
+                        (
+                            loops,
+                            lambda: {"X-API-Key": f"tml-sk-st-{secrets.token_urlsafe(24)}"},
+                            "127.0.0.3",
+                        )
+                    ],
+                ),
+            ]
+            for name, bursts in phases:
+                b, burst = _phase(service.url, b_key, bursts, seconds)
+                _line(name, b, burst, seconds)
+        finally:
+            stop_service(service)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--loops", type=int, default=1024)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--database", choices=["postgres", "sqlite"], default="postgres")
+    parser.add_argument(
+        "--postgres-url",
+        default=os.environ.get(
+            "SKYTRAIN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        ),
+    )
+    args = parser.parse_args()
+    print(
+        f"hardware: {machine.cpu_name()}, {os.cpu_count()} cores, no GPU (shared by the "
+        "control plane, the database and the clients)"
+    )
+    print(f"{args.loops} loops, {args.seconds:g} s a phase; 1-min load average before: ", end="")
+    print(f"{os.getloadavg()[0]:.1f}")
+    if args.database == "sqlite":
+        _run("SQLite", {}, loops=args.loops, seconds=args.seconds)
+        return
+    schema = f"bench_admission_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(args.postgres_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        url = make_url(args.postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
+        env = {
+            "SKYTRAIN_DATABASE_URL": url.render_as_string(hide_password=False),
+            "SKYTRAIN_AUTO_MIGRATE": "true",
+        }
+        _run("PostgreSQL", env, loops=args.loops, seconds=args.seconds)
+    finally:
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+    print(f"\n1-min load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()
