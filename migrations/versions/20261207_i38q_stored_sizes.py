@@ -7,7 +7,7 @@ job's input batch), ``tinker_sessions.size_bytes`` (its ``user_metadata``) and
 revision count 0: their size is not known without reading every object.
 
 Revision ID: i38q
-Revises: i26a
+Revises: i38a
 Create Date: 2026-12-07
 """
 
@@ -19,7 +19,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "i38q"
-down_revision: str | Sequence[str] | None = "i26a"
+down_revision: str | Sequence[str] | None = "i38a"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
