@@ -68,7 +68,11 @@ class HealthPublic(BaseModel):
 
 
 class ModelCreate(BaseModel):
-    entity: SafeName | None = Field(default=None, description="Default: your tenant's name.")
+    entity: SafeName | None = Field(
+        default=None,
+        description="Default: your tenant's name. An entity belongs to the tenant that used it "
+        "first (a tenant's own name is always its own): another tenant's is refused (409).",
+    )
     project: SafeName
     name: SafeName
     base_model: str = Field(
