@@ -326,7 +326,11 @@ class _InferenceCreate(BaseModel):
     )
     stream: StrictBool | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
-    max_tokens: MaxTokens | None = None
+    max_tokens: MaxTokens | None = Field(
+        default=None,
+        description="Default: SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS (2048); at most what the "
+        "model's context leaves after the prompt (the engine refuses more).",
+    )
     temperature: Annotated[float, Strict(), Field(ge=0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None
