@@ -127,9 +127,8 @@ def take_slot(
 
 def wait_status(session: Session, *, model: Model, worker_ids: Collection[str]) -> SlotWait:
     """What a model waiting for a slot on the full ``worker_ids`` is told."""
-    held = slots_held(session, worker_ids=worker_ids)
     base = model.base_model
-    if _over_share(held, tenant_id=model.tenant_id):
+    if victim(session, tenant_id=model.tenant_id, worker_ids=worker_ids) is not None:
         return SlotWait(
             message=f"every slot on the workers for {base} is taken, and another tenant's "
             "models hold more than their fair share of them: this model takes the place of "
@@ -137,10 +136,12 @@ def wait_status(session: Session, *, model: Model, worker_ids: Collection[str]) 
             "served a few seconds later",
             retry_after_s=TAKE_RETRY_AFTER_S,
         )
+    held = slots_held(session, worker_ids=worker_ids)
     mine, total = held.get(model.tenant_id, 0), sum(held.values())
     return SlotWait(
         message=f"every slot on the workers for {base} is taken, and no tenant holds more "
-        f"than its fair share of them (yours holds {mine} of {total}): this model is placed once a model on them goes idle (unused for "
-        "SKYTRAIN_MODEL_IDLE_TIMEOUT_S) or is deleted; no worker is being started for it",
+        f"than its fair share of them (yours holds {mine} of {total}): this model is placed "
+        "once a model on them goes idle (unused for SKYTRAIN_MODEL_IDLE_TIMEOUT_S) or is "
+        "deleted; no worker is being started for it",
         retry_after_s=SHARE_HELD_RETRY_AFTER_S,
     )

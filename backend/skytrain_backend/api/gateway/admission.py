@@ -6,9 +6,9 @@ end; across every control plane on a PostgreSQL database, ``api/tenant_load.py``
 three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
 times the number of prompts) and tokens (the body's bytes, an upper bound of the prompt's
 tokens, plus ``n`` x ``max_tokens``, which the gateway defaults to
-``SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS`` when the request sets none). The request that would pass one gets 429 with
-``Retry-After``; one that could never fit (more sequences or tokens than the limit itself)
-gets 400.
+``SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS`` when the request sets none). The request that would
+pass one gets 429 with ``Retry-After``; one that could never fit (more sequences or tokens
+than the limit itself) gets 400.
 """
 
 from __future__ import annotations
