@@ -102,7 +102,9 @@ def take_slot(
     loser = victim(session, tenant_id=model.tenant_id, worker_ids=[w.id for w in workers])
     worker = next((w for w in workers if loser is not None and w.id == loser.worker_id), None)
     if loser is None or worker is None:
-        session.rollback()
+        # Nothing locked or written. No rollback either: it would expire the pass's other
+        # models, and one reloaded as placed meanwhile (by a concurrent pass) would then be
+        # taken for a model whose worker is gone and unplaced (``placement._unplace``).
         return False
     lock_worker, lock_model = locks
     if not (lock_worker(session, worker) and lock_model(session, loser)):
