@@ -209,11 +209,13 @@ class Settings(BaseSettings):
         "waiting at once in one control-plane process; past them a follow is answered at once, "
         "without waiting.",
     )
-    gateway_counted_max_tokens: int = Field(
+    gateway_default_max_tokens: int = Field(
         default=2048,
         gt=0,
-        description="What a request without max_tokens counts per sequence towards its "
-        "tenant's tokens in flight.",
+        description="The max_tokens the gateway gives a completion request that sets none "
+        "(nor max_completion_tokens), so none generates until the context is full; it counts "
+        "per sequence towards its tenant's tokens in flight. A prompt that leaves less room is "
+        "refused by the engine, naming the room left.",
     )
     tenant_max_models: int = Field(
         default=100, ge=0, description="Models a tenant may own; creating one more is a 403."

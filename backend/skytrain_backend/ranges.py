@@ -12,7 +12,14 @@ limits come from where the value ends up:
 - metric values and rewards are JSON numbers summed as floats: finite floats, and integers
   of at most 64 bits, even where a float is taken (a reward): an integer is stored exactly
   or refused, never rounded to a float (2^70 would be 1.1805916207174113e21);
-- text never holds NUL: PostgreSQL cannot store it in a text column or in JSONB.
+- text never holds NUL: PostgreSQL cannot store it in a text column or in JSONB;
+- the names of new models (entity, project, name) are ASCII letters, digits, ``_``, ``-`` and
+  ``.``, starting with a letter, digit or ``_``: no ``.`` or ``..``, no control, invisible or
+  right-to-left characters that make one name look like another;
+- integers and booleans are strict where a typo would become a value: ``true`` is not 1,
+  ``"3"`` is not 3 and ``1.0`` is not 1 (``StrictInt``; pydantic's ``StrictBool``);
+- sampling options are in OpenAI's documented ranges (``temperature`` 0 to 2, ``top_p`` above
+  0 to 1, penalties -2 to 2).
 
 No torch and no database here: the API, the engines and the trainer all import it.
 """
@@ -20,9 +27,10 @@ No torch and no database here: the API, the engines and the trainer all import i
 from __future__ import annotations
 
 import math
+import re
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints
+from pydantic import AfterValidator, BeforeValidator, Field, Strict, StringConstraints
 
 from skytrain_backend.errors import InvalidRequest
 
@@ -41,6 +49,8 @@ ID_PATTERN = r"^[0-9A-Za-z_-]+$"
 ID_MAX_LENGTH = 64
 # Entity, project and model names end up in "<entity>/<project>/<name>:step<N>" references.
 NAME_PATTERN = r"^[^/:\s\x00-\x1f\x7f]+$"
+# What a new model's entity, project and name may be (NAME_PATTERN still finds older ones).
+SAFE_NAME_PATTERN = r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$"
 NAME_MAX_LENGTH = 128
 SPLIT_PATTERN = r"^[A-Za-z0-9._-]+$"
 # Event ids as cursors: at most 18 digits, well inside the bigint column.
@@ -48,8 +58,35 @@ EVENT_ID_PATTERN = r"^[0-9]{1,18}$"
 # The longest a long-poll (a worker's lease, a client following a job's events) is held.
 MAX_WAIT_S = 30.0
 
-Step = Annotated[int, Field(ge=0, le=MAX_STEP, description="A checkpoint step (0 to 2^31-1).")]
-Seed = Annotated[int, Field(ge=MIN_SEED, le=MAX_SEED, description="A 64-bit signed seed.")]
+# OpenAI's ranges for the sampling options (vLLM's where OpenAI has none).
+MAX_TEMPERATURE = 2.0
+MIN_PENALTY, MAX_PENALTY = -2.0, 2.0
+
+StrictInt = Annotated[int, Strict()]
+Step = Annotated[
+    int, Strict(), Field(ge=0, le=MAX_STEP, description="A checkpoint step (0 to 2^31-1).")
+]
+Seed = Annotated[
+    int, Strict(), Field(ge=MIN_SEED, le=MAX_SEED, description="A 64-bit signed seed.")
+]
+
+
+def _safe_name(value: str) -> str:
+    if not re.fullmatch(SAFE_NAME_PATTERN, value):
+        raise ValueError(
+            "a name is ASCII letters, digits, '_', '-' and '.', starting with a letter, a digit "
+            f"or '_' (at most {NAME_MAX_LENGTH} characters): {value[:40]!r} is not"
+        )
+    return value
+
+
+SafeName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=NAME_MAX_LENGTH, strip_whitespace=True),
+    AfterValidator(_safe_name),
+    Field(json_schema_extra={"pattern": SAFE_NAME_PATTERN}),
+]
+"""A new model's entity, project or name."""
 
 
 def _int64_if_integer(value: Any) -> Any:

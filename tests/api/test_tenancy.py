@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import threading
+import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -14,7 +18,7 @@ from skytrain_backend.db import jobs
 from skytrain_backend.storage import ObjectStore
 from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint, group, sft_trajectory
-from tests.fixtures.services import ON_EVERY_BACKEND
+from tests.fixtures.services import ON_EVERY_BACKEND, ApiKey, ControlPlane
 
 pytestmark = ON_EVERY_BACKEND
 
@@ -123,8 +127,48 @@ def test_lists_and_cursors_never_show_the_other_tenants_rows(
     assert checkpoints.status_code == 400
 
 
-def test_tenants_can_use_the_same_model_names(caller: Caller, other: Caller) -> None:
-    mine = caller.create_model(entity="shared")
-    theirs = other.create_model(entity="shared")
-    assert mine["inference_name"] == theirs["inference_name"] == "shared/tests/agent"
-    assert mine["id"] != theirs["id"]
+def test_tenants_can_use_the_same_model_names_under_their_own_entities(
+    caller: Caller, other: Caller
+) -> None:
+    mine = caller.create_model()
+    theirs = other.create_model()
+    assert mine["inference_name"] == f"{caller.key.tenant_name}/tests/agent"
+    assert theirs["inference_name"] == f"{other.key.tenant_name}/tests/agent"
+
+
+def test_an_entity_belongs_to_the_tenant_that_used_it_first(
+    caller: Caller, other: Caller, stored: Callable[[Caller], Any]
+) -> None:
+    """Two tenants could both register `ta/p/m0`: one's models passed for the other's."""
+    entity = f"team-{uuid.uuid4().hex[:8]}"
+    caller.create_model(entity=entity)
+    before = stored(other)
+    for taken in (entity, caller.key.tenant_name):  # first used, or the tenant's own name
+        response = other.http.post(
+            "/v1/models",
+            json={"entity": taken, "project": "tests", "name": "agent", "base_model": "m"},
+        )
+        assert response.status_code == 409, response.text
+        message = response.json()["error"]["message"]
+        assert f"entity {taken!r} belongs to another tenant" in message
+        assert other.key.tenant_name in message  # where to create it instead
+    assert stored(other) == before
+    caller.create_model(entity=entity, name="second")  # still the first tenant's
+
+
+def test_tenants_racing_for_a_new_entity_leave_it_to_one(
+    control_plane: ControlPlane, api_key: Callable[..., ApiKey]
+) -> None:
+    entity = f"race-{uuid.uuid4().hex[:8]}"
+    keys = [api_key() for _ in range(8)]
+    barrier = threading.Barrier(len(keys))
+
+    def create(key: ApiKey) -> int:
+        with httpx.Client(base_url=control_plane.url, headers=key.headers, timeout=60) as http:
+            body = {"entity": entity, "project": "p", "name": "m0", "base_model": "m"}
+            barrier.wait()
+            return http.post("/v1/models", json=body).status_code
+
+    with ThreadPoolExecutor(len(keys)) as pool:
+        statuses = sorted(pool.map(create, keys))
+    assert statuses == [201] + [409] * (len(keys) - 1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, inspect
+from sqlalchemy import Engine, inspect, text
 
 from skytrain_backend.db import migrations
 from skytrain_backend.db.models import Base
@@ -50,3 +50,41 @@ def test_migrations_are_found_in_the_checkout() -> None:
     location = migrations.script_location()
     assert (location / "env.py").is_file()
     assert any((location / "versions").glob("*.py"))
+
+
+def test_existing_entity_names_go_to_their_tenant_or_their_first_user(
+    empty_engine: Engine,
+) -> None:
+    """Revision i38e gives each entity already used to one tenant: the one named so if it
+    has a model there, otherwise the one whose model there is oldest."""
+    migrations.upgrade(empty_engine, "i26a")
+    rows = [
+        # (tenant, entity, created): tb used "ta" first, but ta is named so; tb used "x" first.
+        ("tb", "ta", "2026-01-01"),
+        ("ta", "ta", "2026-02-01"),
+        ("ta", "x", "2026-03-01"),
+        ("tb", "x", "2026-01-15"),
+    ]
+    with empty_engine.begin() as connection:
+        for name in ("ta", "tb"):
+            connection.execute(
+                text(
+                    "INSERT INTO tenants (id, name, created_at, limits) VALUES (:n, :n, :t, '{}')"
+                ),
+                {"n": name, "t": "2026-01-01"},
+            )
+        for index, (tenant, entity, created) in enumerate(rows):
+            connection.execute(
+                text(
+                    "INSERT INTO models (id, tenant_id, entity, project, name, base_model, "
+                    "config, run_id, created_at) VALUES (:id, :tenant, :entity, 'p', 'm', 'b', "
+                    "'{}', :id, :created)"
+                ),
+                {"id": f"m{index}", "tenant": tenant, "entity": entity, "created": created},
+            )
+
+    migrations.upgrade(empty_engine)
+
+    with empty_engine.connect() as connection:
+        owners = dict(connection.execute(text("SELECT name, tenant_id FROM entities")).all())
+    assert owners == {"ta": "ta", "x": "tb"}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import threading
+import uuid
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -469,3 +470,35 @@ def test_unplaced_model_is_marked_within_the_idle_timeout_and_the_scheduler_woke
         # A mark older than a quarter of the idle timeout is refreshed (the scheduler would
         # soon see the model as idle); a fresh one within 30 s is left alone.
         assert (row.last_active_at > five_seconds_ago) is refreshed
+
+
+def test_a_slot_held_beyond_a_fair_share_goes_to_the_waiting_tenant(
+    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session]
+) -> None:
+    """A tenant whose models fill a worker no longer keeps every slot by using them: the
+    control plane's scheduler gives another tenant's new model the slot of its least recently
+    used one, whose requests then get 503 saying why and when to retry (not that a worker
+    starts: this control plane starts none)."""
+    alice, bob = tenant(), tenant()
+    base = f"tests/fair-{uuid.uuid4().hex[:8]}"
+    worker = add_worker(gateway_db, base_model=base)
+    with gateway_db() as session:
+        session.get_one(Worker, worker).capacity = {"max_models": 2}
+        session.commit()
+    alices = [alice.create_model(base_model=base, worker_id=worker) for _ in range(2)]
+    bobs = bob.create_model(base_model=base)["id"]
+
+    def placed(model_id: str) -> str | None:
+        with gateway_db() as session:
+            return session.get_one(Model, model_id).worker_id
+
+    wait_until(lambda: placed(bobs) == worker, what="bob's model placed by fair share")
+    assert (placed(alices[0]["id"]), placed(alices[1]["id"])) == (None, worker)
+
+    response = alice.chat(alices[0]["inference_name"])
+    status, _, message = _error(response)
+    assert status == 503
+    assert "no tenant holds more than its fair share" in message and "1 of 2" in message
+    assert "starts" not in message
+    assert int(response.headers["retry-after"]) == 30
+    assert placed(bobs) == worker  # nothing moves back

@@ -284,3 +284,76 @@ def test_sft_epochs_and_learning_rate_lists_are_bounded(
             ),
             *fragments,
         )
+
+
+@pytest.mark.parametrize("bad", [".", "..", "\u202egnp.exe", "a\u200bb", "-rf", "caf\u00e9"])
+def test_names_outside_the_safe_characters_are_refused_naming_the_field(
+    caller: Caller, stored: Callable[[Caller], Any], bad: str
+) -> None:
+    """`.`, `..` and U+202E (right-to-left override) were accepted as entity, project or
+    model names, so one model's name could be made to look like another's."""
+    for field in ("entity", "project", "name"):
+        body = {"project": "tests", "name": "agent", "base_model": "tiny/llama", field: bad}
+        _refused(
+            caller,
+            stored,
+            lambda body=body: caller.http.post("/v1/models", json=body),  # type: ignore[misc]
+            field,
+            "ASCII letters, digits",
+        )
+
+
+_OPTIONS = [
+    ("max_tokens", True, "max_tokens: Input should be a valid integer"),
+    ("max_tokens", 4.0, "max_tokens: Input should be a valid integer"),
+    ("n", True, "n: Input should be a valid integer"),
+    ("seed", "7", "seed: Input should be a valid integer"),
+    ("temperature", 1e308, "temperature: Input should be less than or equal to 2"),
+    ("temperature", True, "temperature: Input should be a valid number"),
+    ("top_p", 1.5, "top_p: Input should be less than or equal to 1"),
+    ("presence_penalty", 3, "presence_penalty: Input should be less than or equal to 2"),
+    ("frequency_penalty", -2.5, "frequency_penalty: Input should be greater than or equal"),
+    ("ignore_eos", 1, "ignore_eos: Input should be a valid boolean"),
+]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize(("option", "value", "fragment"), _OPTIONS)
+def test_inference_options_are_strict_and_in_openais_ranges(
+    caller: Caller,
+    stored: Callable[[Caller], Any],
+    model_id: str,
+    route: str,
+    option: str,
+    value: Any,
+    fragment: str,
+) -> None:
+    """`"max_tokens": true` read as 1 and a temperature of 1e308 went to the engine."""
+    body: dict[str, Any] = {"model": model_id, option: value}
+    if route == "/v1/chat/completions":
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hi"
+    _refused(caller, stored, lambda: caller.http.post(route, json=body), fragment)
+
+
+def test_chat_logprobs_must_be_a_boolean(
+    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+) -> None:
+    body = {"model": model_id, "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post("/v1/chat/completions", json=body),
+        "logprobs: Input should be a valid boolean",
+    )
+
+
+def test_return_existing_must_be_a_boolean(caller: Caller, stored: Callable[[Caller], Any]) -> None:
+    body = {"project": "tests", "name": "agent", "base_model": "tiny/llama", "return_existing": 1}
+    _refused(
+        caller,
+        stored,
+        lambda: caller.http.post("/v1/models", json=body),
+        "return_existing: Input should be a valid boolean",
+    )

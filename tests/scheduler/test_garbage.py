@@ -42,7 +42,7 @@ def test_objects_no_row_refers_to_are_collected_after_the_grace_period(
         model, _ = registry.create_model(
             session,
             tenant=tenant,
-            entity="e",
+            entity=tenant.name,
             project="p",
             name=new_id(),
             base_model="base",

@@ -314,3 +314,86 @@ def test_a_tenant_at_its_own_worker_quota_does_not_stop_other_workers(
     _model(plane, "new", base_model=BASE_B, tenant="other")
     plane.tick()
     assert (plane.status(busy), plane.status(idle)) == ("ready", "stopped")
+
+
+def _pinned_worker(plane: Plane, *, models: int) -> tuple[str, list[str]]:
+    """A full worker of BASE_A: ``models`` models of tenant "pinner", each touched just now
+    (the one made first touched least recently), as a tenant keeps them all active by sending
+    each a 1-token request every 20 s."""
+    worker_id = _worker(plane, BASE_A)
+    with plane.sessions() as session:
+        worker = session.get_one(Worker, worker_id)
+        worker.capacity = {"max_models": models}
+        session.commit()
+    pinned = [
+        _model(plane, f"pinned-{index}", base_model=BASE_A, tenant="pinner", worker_id=worker_id)
+        for index in range(models)
+    ]
+    with plane.sessions() as session:
+        for age, model_id in enumerate(reversed(pinned)):
+            session.get_one(Model, model_id).last_active_at = utcnow() - timedelta(seconds=age)
+        session.commit()
+    return worker_id, pinned
+
+
+def _worker_of(plane: Plane, model_id: str) -> str | None:
+    with plane.sessions() as session:
+        return session.get_one(Model, model_id).worker_id
+
+
+def test_a_tenant_pinning_every_slot_gives_its_least_recently_used_one_up(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """The gap: a tenant touching its 8 models every 20 s kept them all placed, and another
+    tenant's model got 503 on every try, told that a new worker was needed (none was coming:
+    max_workers=1). Now the waiting model takes the slot of the pinning tenant's least
+    recently used model at the next pass, and the models stay where they are after."""
+    plane = make_plane(1)
+    worker_id, pinned = _pinned_worker(plane, models=8)
+    bobs = _model(plane, "bobs", base_model=BASE_A, tenant="bob")
+
+    state, message = _serving(plane, bobs)
+    assert state == "waiting"
+    assert "fair share" in message and "next pass" in message
+    assert "max_workers" not in message and "starts" not in message
+    with plane.sessions() as session:
+        status = serving_status(session, model=session.get_one(Model, bobs))
+    assert status.retry_after_s <= 5
+
+    plane.tick()
+    assert _worker_of(plane, bobs) == worker_id
+    assert _worker_of(plane, pinned[0]) is None
+    assert all(_worker_of(plane, model_id) == worker_id for model_id in pinned[1:])
+    assert (plane.fake.downs, plane.launched()) == ([], [])
+
+    # The pinner's model waits, told why: its tenant holds its fair share already.
+    state, message = _serving(plane, pinned[0])
+    assert state == "waiting"
+    assert "fair share" in message and "yours holds 7 of 8" in message
+    assert "max_workers" not in message
+    for _ in range(2):
+        plane.tick()
+    assert _worker_of(plane, bobs) == worker_id
+    assert _worker_of(plane, pinned[0]) is None
+
+
+def test_slots_are_shared_out_evenly_and_a_training_model_keeps_its_slot(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """Four waiting models of one tenant take slots until both tenants hold as many; a
+    model whose job runs is never the one taken off."""
+    plane = make_plane(1)
+    worker_id, pinned = _pinned_worker(plane, models=6)
+    with plane.sessions() as session:
+        add_rl_job(session, pinned[0], job_id="job-1")
+        session.commit()
+        worker = session.get_one(Worker, worker_id)
+        assert queue.lease_job(session, worker=worker, lease_s=60) is not None
+    bobs = [_model(plane, f"bobs-{index}", base_model=BASE_A, tenant="bob") for index in range(4)]
+
+    for _ in range(5):
+        plane.tick()
+    placed = {model_id for model_id in pinned + bobs if _worker_of(plane, model_id) == worker_id}
+    assert len(placed & set(bobs)) == 3 and len(placed & set(pinned)) == 3
+    assert pinned[0] in placed  # training: it stays, the next least recently used go
+    assert set(pinned[1:4]).isdisjoint(placed)

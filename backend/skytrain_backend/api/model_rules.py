@@ -6,7 +6,7 @@ and ART's client) and the Tinker protocol's training runs (``create_model``,
   (``base_models.check_base_model``: no host path such as ``/etc`` reaches a worker);
 - its LoRA rank is one a worker for that base model loads (``placement.check_lora_rank``);
 - its base model fits one of the GPUs the provider's workers may get, by its config.json (read
-  from the Hub when this control plane has none; ``placement.check_fits_a_gpu``: the memory
+  from the Hub when this control plane has none; ``check_fits_a_gpu``: the memory
   plan's reasons otherwise);
 - for a Tinker training run, one device trains it: Tinker runs use a one-process trainer, so a
   base model the memory plan shards over several GPUs is refused up front
@@ -54,7 +54,7 @@ def check_new_model(
         lora_rank=lora_rank,
         default_limit=settings.engine_max_lora_rank,
     )
-    placement.check_fits_a_gpu(
+    check_fits_a_gpu(
         session, base_model=base_model, settings=settings, provider=provider, configs=configs
     )
     if tinker_training:
@@ -62,6 +62,33 @@ def check_new_model(
             session, base_model=base_model, settings=settings, provider=provider, configs=configs
         )
     return tenants.limits_of(tenant, settings)
+
+
+def check_fits_a_gpu(
+    session: Session,
+    *,
+    base_model: str,
+    settings: Settings,
+    provider: Provider | None,
+    configs: ModelConfigs,
+) -> None:
+    """Refuse (FitsNoGpu, 400, with each GPU's reason) a base model that fits none of the
+    GPUs the provider's workers may get, by its config.json (read from the Hub when this
+    control plane has none: ``model_configs``).
+
+    A config the Hub does not give passes: the model is created, and its status says why
+    no worker is launched for it (``placement.NOT_LAUNCHED``), until the config can be read. An
+    unknown GPU passes (the worker plans for itself), and so does a base model a registered
+    worker already serves.
+    """
+    accelerators = provider.accelerator_choices() if provider is not None else None
+    if not accelerators or placement.served_by_a_registered_worker(session, base_model=base_model):
+        return
+    try:
+        config = configs.get(base_model)
+    except ModelConfigUnavailable:
+        return
+    choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
 
 
 def check_one_device_trains(

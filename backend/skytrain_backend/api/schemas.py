@@ -12,7 +12,15 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, computed_field
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StringConstraints,
+    computed_field,
+)
 
 from skytrain_backend.protocol import (
     JobKind,
@@ -27,21 +35,17 @@ from skytrain_backend.ranges import (
     ID_MAX_LENGTH,
     ID_PATTERN,
     INT32_MAX,
-    NAME_MAX_LENGTH,
-    NAME_PATTERN,
+    MAX_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_PENALTY,
     NO_NUL_PATTERN,
     SPLIT_PATTERN,
+    SafeName,
     Seed,
     Step,
+    StrictInt,
 )
 
-# Entity, project and model names end up in "<entity>/<project>/<name>:step<N>" references.
-Name = Annotated[
-    str,
-    StringConstraints(
-        min_length=1, max_length=NAME_MAX_LENGTH, pattern=NAME_PATTERN, strip_whitespace=True
-    ),
-]
 Split = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=SPLIT_PATTERN)]
 Id = Annotated[str, StringConstraints(min_length=1, max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
 # Most steps one delete names.
@@ -64,9 +68,13 @@ class HealthPublic(BaseModel):
 
 
 class ModelCreate(BaseModel):
-    entity: Name | None = Field(default=None, description="Default: your tenant's name.")
-    project: Name
-    name: Name
+    entity: SafeName | None = Field(
+        default=None,
+        description="Default: your tenant's name. An entity belongs to the tenant that used it "
+        "first (a tenant's own name is always its own): another tenant's is refused (409).",
+    )
+    project: SafeName
+    name: SafeName
     base_model: str = Field(
         min_length=1,
         max_length=512,
@@ -75,7 +83,7 @@ class ModelCreate(BaseModel):
         "model directory inside one the operator allows (SKYTRAIN_BASE_MODEL_DIRS).",
     )
     config: ModelConfig | None = None
-    return_existing: bool = Field(
+    return_existing: StrictBool = Field(
         default=False, description="Return the model if it exists instead of answering 409."
     )
 
@@ -297,12 +305,15 @@ class FilePublic(BaseModel):
 
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+TokenId = Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]
+MaxTokens = Annotated[StrictInt, Field(ge=1, le=INT32_MAX)]
+Penalty = Annotated[float, Strict(), Field(ge=MIN_PENALTY, le=MAX_PENALTY)]
 
 
 class _InferenceCreate(BaseModel):
     """The OpenAI options the gateway checks before a request reaches a worker; every other
-    field is passed on as sent (the engine refuses what it does not support)."""
+    field is passed on as sent (the engine refuses what it does not support). Integers and
+    booleans are strict (``true`` is not 1), floats in OpenAI's ranges."""
 
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
@@ -313,23 +324,37 @@ class _InferenceCreate(BaseModel):
         description="'<entity>/<project>/<name>' (latest step) or '...:step<N>', also as "
         "'wandb-artifact:///...', or a model id (with an optional ':step<N>').",
     )
-    stream: bool | None = None
-    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1, le=INT32_MAX)
+    stream: StrictBool | None = None
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] | None = None
+    max_tokens: MaxTokens | None = Field(
+        default=None,
+        description="Default: SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS (2048); at most what the "
+        "model's context leaves after the prompt (the engine refuses more).",
+    )
+    temperature: Annotated[float, Strict(), Field(ge=0, le=MAX_TEMPERATURE)] | None = None
+    top_p: Annotated[float, Strict(), Field(gt=0, le=1)] | None = None
+    top_k: Annotated[StrictInt, Field(ge=-1, le=INT32_MAX)] | None = None
+    min_p: Annotated[float, Strict(), Field(ge=0, le=1)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Strict(), Field(gt=0, le=MAX_PENALTY)] | None = None
     seed: Seed | None = None
     stop_token_ids: list[TokenId] | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    include_stop_str_in_output: StrictBool | None = None
 
 
 class ChatCompletionCreate(_InferenceCreate):
     messages: list[dict[str, Any]]
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    max_completion_tokens: MaxTokens | None = None
+    logprobs: StrictBool | None = None
+    top_logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 class CompletionCreate(_InferenceCreate):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # ``true`` asks for the sampled tokens' logprobs as 0 does (``admission``), as before.
+    logprobs: Annotated[StrictInt, Field(ge=0, le=MAX_TOP_LOGPROBS)] | StrictBool | None = None
+    echo: StrictBool | None = None

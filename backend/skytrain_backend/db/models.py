@@ -147,6 +147,18 @@ class Model(Base):
     last_active_at: Mapped[datetime | None]
 
 
+class Entity(Base):
+    """An entity name (the first part of ``<entity>/<project>/<name>``) and the tenant that
+    used it first: only that tenant's models are created under it (``db.registry``). The
+    primary key makes two tenants' first uses of one name a race only one can win."""
+
+    __tablename__ = "entities"
+
+    name: Mapped[str] = mapped_column(primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = _created_at()
+
+
 class Checkpoint(Base):
     """One step of a model. Step 0 is the base model and has no files (``uri`` is null).
 

@@ -1,7 +1,9 @@
 """Models: create (with their step-0 checkpoint), find, list and delete, always per tenant.
 
 Every lookup filters on the caller's tenant, so another tenant's model id is simply not
-found: the API answers 404 and never says the id exists.
+found: the API answers 404 and never says the id exists. An entity name belongs to the tenant
+that used it first (``claim_entity``), so no tenant's ``<entity>/...`` models pass for
+another's.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tenants
-from skytrain_backend.db.models import Checkpoint, Model, Tenant, TrainingJob
+from skytrain_backend.db.models import Checkpoint, Entity, Model, Tenant, TrainingJob
 from skytrain_backend.db.pages import Order, fetch_page
 from skytrain_backend.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
 
@@ -65,6 +67,7 @@ def create_model(
     found = _find(session, tenant_id=tenant.id, entity=entity, project=project, name=name)
     if found is not None:
         return _existing(found, base_model=base_model, return_existing=return_existing), False
+    claim_entity(session, tenant=tenant, entity=entity)
     if max_models is not None:
         try:
             check_model_quota(session, tenant_id=tenant.id, max_models=max_models)
@@ -96,6 +99,32 @@ def create_model(
             raise
         return _existing(found, base_model=base_model, return_existing=return_existing), False
     return model, True
+
+
+def claim_entity(session: Session, *, tenant: Tenant, entity: str) -> None:
+    """Make ``entity`` the tenant's if no one has used it (committed at once, so it is taken
+    when a create goes no further); ``Conflict`` when it belongs to another tenant: the one
+    that used it first, or the one named so (a tenant's own name is always its entity). The
+    name is the primary key: of two tenants using a new name at once, one gets the 409."""
+    owner = _entity_owner(session, entity=entity)
+    if owner is None:
+        session.add(Entity(name=entity, tenant_id=tenant.id))
+        try:
+            session.commit()
+            return
+        except IntegrityError:
+            session.rollback()
+            owner = _entity_owner(session, entity=entity)
+    if owner != tenant.id:
+        raise Conflict(
+            f"entity {entity!r} belongs to another tenant: create the model under your own "
+            f"entity ({tenant.name!r}, the default) or a name no other tenant has used"
+        )
+
+
+def _entity_owner(session: Session, *, entity: str) -> str | None:
+    named = session.scalar(select(Tenant.id).where(Tenant.name == entity))
+    return named or session.scalar(select(Entity.tenant_id).where(Entity.name == entity))
 
 
 def check_model_quota(session: Session, *, tenant_id: str, max_models: int) -> None:

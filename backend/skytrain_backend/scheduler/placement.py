@@ -11,9 +11,9 @@ are started and stopped.
   waits. Its next request makes it active again, and it is placed again like any model.
 - Otherwise placement is sticky: a model stays on its worker until that worker is gone; then
   it is placed again (its adapters are fetched from the object store by the new worker). A
-  pass places or
-  unplaces a model only if its row still holds the worker the pass read (the row locked on
-  PostgreSQL): a placement committed meanwhile by another control plane is not written over.
+  pass places or unplaces a model only if its row still holds the worker the pass read (the
+  row locked on PostgreSQL): a placement committed meanwhile by another control plane is not
+  written over.
   Nor is a model placed on a worker that went away after the pass read it (its row is locked
   and its status checked first): the model waits for the next pass.
 - A model with no live worker for its base model makes the provider start one, up to
@@ -35,7 +35,9 @@ are started and stopped.
 - A model goes only to a worker whose engine loads adapters of its LoRA rank; a model (or a
   job) no worker for its base model could serve is refused up front (``check_lora_rank``).
   So is a model whose base model fits none of the GPUs the provider's workers may get, by
-  the memory plan (``check_fits_a_gpu``), unless a worker for it is already registered.
+  the memory plan (``api.model_rules.check_fits_a_gpu``), unless a worker for it is registered.
+- Slots by fair share: a model no worker has room for, and none is launched for, takes a
+  slot from a tenant holding more than its fair share (``fair_share``).
 - Quotas: a tenant has at most ``max_placed_models`` models placed at once, on at most
   ``max_workers`` workers (``db.tenants``); its next model waits until one goes idle, so one
   tenant's models cannot fill every worker while another tenant's model waits forever.
@@ -51,16 +53,12 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from skytrain_backend.config import Settings
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.errors import InvalidRequest, ModelConfigUnavailable
-from skytrain_backend.planning import choose_worker_gpu
+from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import ModelConfig
-from skytrain_backend.provision.base import Provider
-from skytrain_backend.scheduler import queue
-from skytrain_backend.scheduler.model_configs import ModelConfigs
+from skytrain_backend.scheduler import fair_share, queue
 
 logger = logging.getLogger(__name__)
 
@@ -274,20 +272,31 @@ def place_models(
             continue
         _hold_idle_clock(session, model, idle_timeout_s=idle_timeout_s)
         base = model.base_model
-        if (
-            launch is None
-            or at_worker_quota
-            or base in launched
-            or base in held_back
-            or launch_hold(session, base_model=base) is not None
-        ):
+        if base in launched:
             continue
-        if live_worker_count(session) >= max_workers:
+        if (
+            launch is not None
+            and not at_worker_quota
+            and base not in held_back
+            and launch_hold(session, base_model=base) is None
+        ):
+            if live_worker_count(session) < max_workers:
+                launched.add(base)
+                launch(base)
+                continue
             logger.info("model %s waits: max_workers=%d reached", model.id, max_workers)
             held_back.append(base)
-            continue
-        launched.add(base)
-        launch(base)
+        # No worker is coming for it: a slot another tenant holds beyond its fair share.
+        among = set(held) if at_worker_quota else None
+        fitting = fitting_workers(
+            session, base_model=base, lora_rank=_lora_rank(model), among=among
+        )
+        fair_share.take_slot(
+            session,
+            model=model,
+            workers=[worker for worker, _ in fitting],
+            locks=(_claim_worker, _placement_unchanged),
+        )
     return held_back
 
 
@@ -358,11 +367,11 @@ def _unplace(session: Session, model: Model) -> bool:
     return True
 
 
-def worker_with_room(
+def fitting_workers(
     session: Session, *, base_model: str, lora_rank: int, among: set[str] | None = None
-) -> Worker | None:
-    """The live worker of ``base_model`` (one of ``among``, when given) holding the fewest
-    models, if it has room for one more and loads adapters of ``lora_rank``."""
+) -> list[tuple[Worker, int]]:
+    """The live workers of ``base_model`` (of ``among``, when given) that load adapters of
+    ``lora_rank``, room or not, with how many models each holds, the fewest first."""
     placed = select(func.count(Model.id)).where(Model.worker_id == Worker.id).scalar_subquery()
     statement = (
         select(Worker, placed)
@@ -371,11 +380,20 @@ def worker_with_room(
     )
     if among is not None:
         statement = statement.where(Worker.id.in_(among))
-    candidates = session.execute(statement).all()
-    for worker, count in candidates:
-        limit = _rank_limit(worker)
-        if limit is not None and lora_rank > limit:
-            continue
+    return [
+        (worker, count)
+        for worker, count in session.execute(statement).all()
+        if (limit := _rank_limit(worker)) is None or lora_rank <= limit
+    ]
+
+
+def worker_with_room(
+    session: Session, *, base_model: str, lora_rank: int, among: set[str] | None = None
+) -> Worker | None:
+    """The live worker of ``base_model`` (one of ``among``, when given) holding the fewest
+    models, if it has room for one more and loads adapters of ``lora_rank``."""
+    fitting = fitting_workers(session, base_model=base_model, lora_rank=lora_rank, among=among)
+    for worker, count in fitting:
         if count < int((worker.capacity or {}).get("max_models", 1)):
             return worker
     return None
@@ -411,33 +429,6 @@ def check_lora_rank(
         f"{largest}, or have the operator raise SKYTRAIN_ENGINE_MAX_LORA_RANK and start "
         "workers with it"
     )
-
-
-def check_fits_a_gpu(
-    session: Session,
-    *,
-    base_model: str,
-    settings: Settings,
-    provider: Provider | None,
-    configs: ModelConfigs,
-) -> None:
-    """Refuse (FitsNoGpu, 400, with each GPU's reason) a base model that fits none of the
-    GPUs the provider's workers may get, by its config.json (read from the Hub when this
-    control plane has none: ``model_configs``).
-
-    A config the Hub does not give passes: the model is created, and its status says why
-    no worker is launched for it (``NOT_LAUNCHED``), until the config can be read. An
-    unknown GPU passes (the worker plans for itself), and so does a base model a registered
-    worker already serves.
-    """
-    accelerators = provider.accelerator_choices() if provider is not None else None
-    if not accelerators or served_by_a_registered_worker(session, base_model=base_model):
-        return
-    try:
-        config = configs.get(base_model)
-    except ModelConfigUnavailable:
-        return
-    choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
 
 
 def served_by_a_registered_worker(session: Session, *, base_model: str) -> bool:

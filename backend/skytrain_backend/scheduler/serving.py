@@ -17,7 +17,7 @@ from skytrain_backend.db import registry
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.protocol import ModelConfig, lora_name
-from skytrain_backend.scheduler import placement, scale_in
+from skytrain_backend.scheduler import fair_share, placement, scale_in
 
 ServingState = Literal[
     "waiting", "provisioning", "starting", "unreachable", "training", "loading", "ready", "failed"
@@ -141,11 +141,8 @@ def _unreachable(worker: Worker, *, model: Model) -> ServingStatus:
 
 def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> ServingStatus:
     """No live worker holds the model: say whether one is coming, or why not."""
-    room = placement.worker_with_room(
-        session,
-        base_model=model.base_model,
-        lora_rank=ModelConfig.model_validate(model.config or {}).lora_rank,
-    )
+    rank = ModelConfig.model_validate(model.config or {}).lora_rank
+    room = placement.worker_with_room(session, base_model=model.base_model, lora_rank=rank)
     if room is not None and room.status in (*ROUTABLE_WORKER_STATUSES, "sleeping"):
         # Placed at the scheduler's next pass (woken by the request): a model unused for a
         # while left its worker, and its next request brings it back.
@@ -197,11 +194,21 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
             f"`skytrain logs {newest.id}`",
             retry_after_s=_retry_after_s(hold),
         )
-    if (
-        room is None
-        and max_workers is not None
-        and placement.live_worker_count(session) >= max_workers
-    ):
+    at_max_workers = max_workers is not None and placement.live_worker_count(session) >= max_workers
+    if room is None and (max_workers is None or at_max_workers):
+        # No worker is launched for it: it waits for a slot on the full ones, if any.
+        fitting = placement.fitting_workers(session, base_model=model.base_model, lora_rank=rank)
+        if fitting:
+            wait = fair_share.wait_status(
+                session, model=model, worker_ids=[worker.id for worker, _ in fitting]
+            )
+            return ServingStatus(
+                state="waiting",
+                ready=False,
+                message=wait.message,
+                retry_after_s=wait.retry_after_s,
+            )
+    if room is None and max_workers is not None and at_max_workers:
         return _at_max_workers(session, model=model, max_workers=max_workers)
     if newest is not None and newest.status in LIVE_WORKER_STATUSES:
         return ServingStatus(

@@ -5,9 +5,10 @@ ranges of ``api/schemas.py``. Each tenant's requests in flight (streams count un
 end; across every control plane on a PostgreSQL database, ``api/tenant_load.py``) are counted
 three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
 times the number of prompts) and tokens (the body's bytes, an upper bound of the prompt's
-tokens, plus ``n`` x ``max_tokens``). The request that would pass one gets 429 with
-``Retry-After``; one that could never fit (more sequences or tokens than the limit itself)
-gets 400.
+tokens, plus ``n`` x ``max_tokens``, which the gateway defaults to
+``SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS`` when the request sets none). The request that would
+pass one gets 429 with ``Retry-After``; one that could never fit (more sequences or tokens
+than the limit itself) gets 400.
 """
 
 from __future__ import annotations
@@ -84,7 +85,15 @@ def parse_body(raw: bytes, endpoint: Endpoint) -> dict[str, Any]:
     return body
 
 
-def cost(body: dict[str, Any], *, size: int, counted_max_tokens: int) -> Load:
+def with_default_max_tokens(body: dict[str, Any], *, default_max_tokens: int) -> None:
+    """Give a request that sets no ``max_tokens`` (nor ``max_completion_tokens``) the
+    default: an engine would otherwise generate until the context is full (for ``n=128``,
+    minutes of a worker's time), and the request is counted for that much already."""
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = default_max_tokens
+
+
+def cost(body: dict[str, Any], *, size: int, default_max_tokens: int) -> Load:
     """What the request holds while in flight. Values the engine will refuse (a negative
     ``n``, a string ``max_tokens``) count as their defaults: the engine's 400 follows."""
     n = _positive_int(body.get("n")) or 1
@@ -95,7 +104,7 @@ def cost(body: dict[str, Any], *, size: int, counted_max_tokens: int) -> Load:
     max_tokens = (
         _positive_int(body.get("max_completion_tokens"))
         or _positive_int(body.get("max_tokens"))
-        or counted_max_tokens
+        or default_max_tokens
     )
     sequences = n * prompts
     return Load(requests=1, sequences=sequences, tokens=size + sequences * max_tokens)

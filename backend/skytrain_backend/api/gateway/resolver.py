@@ -177,7 +177,7 @@ class Resolver:
         if resolved is None:
             return None, key
         cost = admission.cost(
-            body, size=len(raw), counted_max_tokens=self.settings.gateway_counted_max_tokens
+            body, size=len(raw), default_max_tokens=self.settings.gateway_default_max_tokens
         )
         admission.check_fits(resolved.limits, cost)
         routed = Routed(
@@ -200,7 +200,7 @@ class Resolver:
             tenant_id, limits = tenant.id, tenants.limits_of(tenant, self.settings)
             body = admission.parse_body(raw, endpoint)
             cost = admission.cost(
-                body, size=len(raw), counted_max_tokens=self.settings.gateway_counted_max_tokens
+                body, size=len(raw), default_max_tokens=self.settings.gateway_default_max_tokens
             )
             admission.check_fits(limits, cost)
             route = resolve_route(

@@ -1,7 +1,8 @@
 """The ``Gateway``: one per app, the forwarding of a request from caller to engine.
 
 The body goes to the engine of the request's route (``resolver.py``) as the caller sent it,
-with these changes: ``model`` becomes the engine's name for the checkpoint, and since every
+with these changes: ``model`` becomes the engine's name for the checkpoint, ``max_tokens``
+is set when the caller set none (``admission.with_default_max_tokens``), and since every
 model here is trainable, the engine is always asked for the sampled tokens' logprobs and their
 token ids, and for the prompt's token ids (vLLM's ``return_token_ids``), so the trainer trains
 on exactly the tokens the engine saw and never re-tokenizes. ``X-Skytrain-Model-Id``,
@@ -88,6 +89,9 @@ class Gateway:
         body, route = routed.body, routed.route
         upstream_body = {**body, "model": route.engine_model}
         endpoint.ask_for_logprobs(upstream_body)
+        admission.with_default_max_tokens(
+            upstream_body, default_max_tokens=self.settings.gateway_default_max_tokens
+        )
         headers = {
             "X-Skytrain-Model-Id": route.model_id,
             "X-Skytrain-Step": str(route.step),
@@ -125,7 +129,7 @@ class Gateway:
         cost = admission.cost(
             body,
             size=len(json.dumps(body)),
-            counted_max_tokens=self.settings.gateway_counted_max_tokens,
+            default_max_tokens=self.settings.gateway_default_max_tokens,
         )
         admission.check_fits(limits, cost)
         return await self.loads.admit(tenant_id, limits=limits, cost=cost)
@@ -140,6 +144,9 @@ class Gateway:
         route = await self.resolver.route_of_tenant(tenant_id=tenant_id, model=model)
         upstream_body = {**body, "model": route.engine_model}
         COMPLETIONS.ask_for_logprobs(upstream_body)
+        admission.with_default_max_tokens(
+            upstream_body, default_max_tokens=self.settings.gateway_default_max_tokens
+        )
         upstream = await self.engines.send(
             route=route, path=COMPLETIONS.path, body=upstream_body, tenant_id=tenant_id
         )

@@ -1,0 +1,149 @@
+"""Slots by fair share: which model leaves a full worker so that another tenant's model that
+waits for a slot gets one.
+
+The slots are the places (``max_models``) on the live workers a waiting model could go to:
+those of its base model that load its LoRA rank. When every one of them is taken and no
+worker is being launched for it, a tenant holding more of them than the waiting model's
+tenant does plus one (more than its share, with the slot moved) gives one up: its least
+recently used model, however recently that was touched, unless a training job runs on it.
+Repeated pass after pass this shares the slots out max-min fairly among the tenants whose
+models want them (a tenant wanting fewer than an equal share keeps all it wants) and never
+moves a slot back and forth: after a move the tenant that gave one up holds at least as many
+as the one that took it.
+
+The model taken off its worker is still active: it waits for a slot like any other, and says
+so (``wait_status``). No torch and no provider here; ``placement`` makes the move.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import ColumnElement, exists, func, select
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+
+logger = logging.getLogger(__name__)
+
+# How soon a model that takes a slot by fair share is served: the next scheduler pass (which
+# its request wakes) moves it, and its worker loads the adapter in a few seconds.
+TAKE_RETRY_AFTER_S = 5.0
+# A model whose tenant holds its fair share waits for a model on the workers to go idle.
+SHARE_HELD_RETRY_AFTER_S = 30.0
+
+
+@dataclass(frozen=True)
+class SlotWait:
+    """Why a model waits for a slot on full workers, and when to ask again."""
+
+    message: str
+    retry_after_s: float
+
+
+def _no_running_job() -> ColumnElement[bool]:
+    """No training job of the model (``Model`` in the query) runs: none needs its worker."""
+    return ~exists().where(TrainingJob.model_id == Model.id, TrainingJob.status == "running")
+
+
+def slots_held(session: Session, *, worker_ids: Collection[str]) -> dict[str, int]:
+    """How many models each tenant has placed on ``worker_ids``."""
+    if not worker_ids:
+        return {}
+    rows = session.execute(
+        select(Model.tenant_id, func.count(Model.id))
+        .where(Model.worker_id.in_(worker_ids))
+        .group_by(Model.tenant_id)
+    )
+    return {str(tenant_id): int(count) for tenant_id, count in rows}
+
+
+def _over_share(held: dict[str, int], *, tenant_id: str) -> list[str]:
+    """The other tenants holding more than ``tenant_id``'s share, most slots first."""
+    mine = held.get(tenant_id, 0)
+    over = [other for other, count in held.items() if other != tenant_id and count > mine + 1]
+    return sorted(over, key=lambda other: -held[other])
+
+
+def victim(session: Session, *, tenant_id: str, worker_ids: Collection[str]) -> Model | None:
+    """The model to take off one of ``worker_ids`` (all full) so that a model of
+    ``tenant_id`` gets its slot: the least recently used of the tenant holding most above
+    its share, with no job running; None when every tenant holds at most its share."""
+    held = slots_held(session, worker_ids=worker_ids)
+    for other in _over_share(held, tenant_id=tenant_id):
+        found = session.scalar(
+            select(Model)
+            .where(
+                Model.tenant_id == other,
+                Model.worker_id.in_(worker_ids),
+                _no_running_job(),
+            )
+            .order_by(Model.last_active_at.asc().nulls_first(), Model.created_at)
+            .limit(1)
+        )
+        if found is not None:
+            return found
+    return None
+
+
+def take_slot(
+    session: Session,
+    *,
+    model: Model,
+    workers: Sequence[Worker],
+    locks: tuple[Callable[[Session, Worker], bool], Callable[[Session, Model], bool]],
+) -> bool:
+    """Place ``model`` (unplaced, active) on the worker of the model ``victim`` names among
+    ``workers``, which loses its place; whether it was. ``locks`` lock the worker's row, then
+    a model's, each True if the row did not change since the pass read it (``placement``'s
+    order and checks): nothing is written when one did."""
+    loser = victim(session, tenant_id=model.tenant_id, worker_ids=[w.id for w in workers])
+    worker = next((w for w in workers if loser is not None and w.id == loser.worker_id), None)
+    if loser is None or worker is None:
+        # Nothing locked or written. No rollback either: it would expire the pass's other
+        # models, and one reloaded as placed meanwhile (by a concurrent pass) would then be
+        # taken for a model whose worker is gone and unplaced (``placement._unplace``).
+        return False
+    lock_worker, lock_model = locks
+    if not (lock_worker(session, worker) and lock_model(session, loser)):
+        session.rollback()
+        return False
+    if not lock_model(session, model):
+        session.rollback()
+        return False
+    loser.worker_id = None
+    model.worker_id = worker.id
+    model.last_active_at = utcnow()  # its idle time counts from its placement
+    session.commit()
+    logger.info(
+        "model %s took the slot of model %s (tenant %s) on worker %s: fair share",
+        model.id,
+        loser.id,
+        loser.tenant_id,
+        worker.id,
+    )
+    return True
+
+
+def wait_status(session: Session, *, model: Model, worker_ids: Collection[str]) -> SlotWait:
+    """What a model waiting for a slot on the full ``worker_ids`` is told."""
+    base = model.base_model
+    if victim(session, tenant_id=model.tenant_id, worker_ids=worker_ids) is not None:
+        return SlotWait(
+            message=f"every slot on the workers for {base} is taken, and another tenant's "
+            "models hold more than their fair share of them: this model takes the place of "
+            "that tenant's least recently used model at the scheduler's next pass, and is "
+            "served a few seconds later",
+            retry_after_s=TAKE_RETRY_AFTER_S,
+        )
+    held = slots_held(session, worker_ids=worker_ids)
+    mine, total = held.get(model.tenant_id, 0), sum(held.values())
+    return SlotWait(
+        message=f"every slot on the workers for {base} is taken, and no tenant holds more "
+        f"than its fair share of them (yours holds {mine} of {total}): this model is placed "
+        "once a model on them goes idle (unused for SKYTRAIN_MODEL_IDLE_TIMEOUT_S) or is "
+        "deleted; no worker is being started for it",
+        retry_after_s=SHARE_HELD_RETRY_AFTER_S,
+    )
