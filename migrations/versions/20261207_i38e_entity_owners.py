@@ -6,7 +6,7 @@ tenant whose model under it is oldest. Another tenant's existing models under su
 (and keep working); it only cannot create more there. Downgrading drops the table.
 
 Revision ID: i38e
-Revises: i38a
+Revises: i38q
 Create Date: 2026-12-07
 """
 
@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "i38e"
-down_revision: str | Sequence[str] | None = "i38a"
+down_revision: str | Sequence[str] | None = "i38q"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
