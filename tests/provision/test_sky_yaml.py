@@ -200,7 +200,9 @@ def test_generated_worker_task_survives_the_sdk_round_trip(tmp_path: Path) -> No
     }
     assert sorted(map(repr, parsed.resources)) == sorted(map(repr, task.resources))
     assert all(r.use_spot and r.ports == ["8100"] for r in parsed.resources)
-    assert [(r.accelerators, r.memory) for r in parsed.resources] == [({"L4": 1}, "30+")]
+    ((accelerators, memory),) = [(r.accelerators, r.memory) for r in parsed.resources]
+    # The host holds the parked Tinker trainers too (issue 34: a 7B needs 38-58 GiB, not 30).
+    assert accelerators == {"L4": 1} and memory.endswith("+") and int(memory[:-1]) >= 38
     assert (
         parsed.envs["SKYTRAIN_ENGINE_MAX_MODEL_LEN"] == task.envs["SKYTRAIN_ENGINE_MAX_MODEL_LEN"]
     )
