@@ -208,3 +208,22 @@ def test_a_connection_carries_at_most_max_requests_per_connection(small: Service
         assert b"connection: close" not in heads[1].lower()
         assert b"connection: close" in heads[2].lower(), heads[2]
         assert connection.recv(1) == b""
+
+
+@pytest.mark.slow
+def test_websocket_upgrades_do_not_escape_the_count(small: Service) -> None:
+    upgrade = (
+        b"GET /health HTTP/1.1\r\nHost: skytrain\r\nUpgrade: websocket\r\nConnection: Upgrade"
+        b"\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13\r\n\r\n"
+    )
+    for _ in range(6):  # more than the address's cap of 4, one after another
+        with _connect(small, "127.0.0.9") as connection:
+            head, _ = _answer_then_close(connection, request=upgrade)
+        assert not head.startswith(b"HTTP/1.1 101 "), head
+    held = [_connect(small, "127.0.0.9") for _ in range(4)]
+    try:
+        heads = [exchange(connection, HEALTH)[0] for connection in held]
+        assert all(head.startswith(b"HTTP/1.1 200 ") for head in heads), heads
+    finally:
+        for connection in held:
+            connection.close()

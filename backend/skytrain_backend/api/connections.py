@@ -147,6 +147,11 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if self._address is not None:
             super().data_received(data)
 
+    def _should_upgrade_to_ws(self) -> bool:
+        # The API has no websockets, and an upgrade would hand the connection to another
+        # protocol, out of the count for good: the request is served as plain HTTP.
+        return False
+
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._arm(self.counts.limits.header_timeout_s, self._headers_late)
