@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from skytrain_backend.api.connections import ConnectionLimits
+from skytrain_backend.config import Settings
 from tests.fixtures.raw_http import exchange
 from tests.fixtures.service import Service, start_service, stop_service
 from tests.fixtures.slow_clients import (
@@ -74,6 +76,18 @@ def test_thousands_of_slow_connections_are_closed_while_another_client_is_served
     assert not other.failures, other.failures
     assert set(other.statuses) == {200}, other.statuses
     assert sum(other.statuses.values()) >= 10, other.statuses
+
+
+def test_the_connection_caps_follow_the_open_file_limit() -> None:
+    with open_files_limit(1_024):
+        default = ConnectionLimits.from_settings(Settings())
+        over = ConnectionLimits.from_settings(Settings(max_connections=100_000))
+        set_ = ConnectionLimits.from_settings(
+            Settings(max_connections=100, max_connections_per_client=500)
+        )
+    assert (default.max_connections, default.max_per_client) == (768, 384)
+    assert (over.max_connections, over.max_per_client) == (768, 384)  # held to the files
+    assert (set_.max_connections, set_.max_per_client) == (100, 100)
 
 
 SMALL = {

@@ -54,11 +54,10 @@ class ConnectionLimits:
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
         soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        bound = int(soft * _CONNECTION_SHARE_OF_FILES) if soft != resource.RLIM_INFINITY else 0
-        total = settings.max_connections or bound
-        if bound:
-            total = min(total, bound)
-        total = max(total, 1)
+        if soft == resource.RLIM_INFINITY:  # not on Linux; elsewhere, assume the usual 1,024
+            soft = 1024
+        bound = max(int(soft * _CONNECTION_SHARE_OF_FILES), 1)
+        total = min(settings.max_connections or bound, bound)
         per_client = min(settings.max_connections_per_client or max(total // 2, 1), total)
         return cls(
             max_connections=total,
