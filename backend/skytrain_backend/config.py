@@ -69,7 +69,7 @@ class Settings(BaseSettings):
         default=30.0,
         gt=0,
         description="Seconds a request's headers may take from the connection's accept (or "
-        "the request's first byte, on a kept-alive one), trickling or not; then 408 and close.",
+        "the first byte after an answer, on a kept-alive one), trickling or not: then 408.",
     )
     max_connections: int = Field(
         default=0,

@@ -97,6 +97,7 @@ SMALL = {
     "SKYTRAIN_MAX_CONNECTIONS": "6",
     "SKYTRAIN_MAX_CONNECTIONS_PER_CLIENT": "4",
     "SKYTRAIN_MAX_REQUESTS_PER_CONNECTION": "3",
+    "SKYTRAIN_KEEP_ALIVE_S": "2",
 }
 # Far past the 2 s limits above: a limit that a trickle extended would still be open then.
 TRICKLE_FOR_S = 12.0
@@ -241,3 +242,34 @@ def test_websocket_upgrades_do_not_escape_the_count(small: Service) -> None:
     finally:
         for connection in held:
             connection.close()
+
+
+@pytest.mark.slow
+def test_bytes_between_requests_do_not_hold_a_connection_open(small: Service) -> None:
+    # Blank lines after an answer start no request, but each one cancelled the idle timeout.
+    with _connect(small, "127.0.0.10") as connection:
+        assert exchange(connection, HEALTH)[0].startswith(b"HTTP/1.1 200 ")
+        connection.settimeout(0.25)
+        answer = b""
+        deadline = time.monotonic() + TRICKLE_FOR_S
+        while time.monotonic() < deadline and not answer:
+            try:
+                answer = connection.recv(65536) or b"closed"
+            except TimeoutError:
+                connection.sendall(b"\r\n")
+            except OSError:
+                answer = b"closed"
+    assert answer, "still open"
+
+    # The unread rest of a body, sent after the answer, leaves the connection idle: it closes
+    # at the keep-alive timeout, as any idle connection does.
+    with _connect(small, "127.0.0.10") as connection:
+        connection.sendall(b"GET /health HTTP/1.1\r\nHost: skytrain\r\nContent-Length: 4\r\n\r\nx")
+        connection.settimeout(TRICKLE_FOR_S)
+        assert connection.recv(65536).startswith(b"HTTP/1.1 200 ")
+        connection.sendall(b"xyz")
+        try:
+            closed = connection.recv(1) == b""
+        except TimeoutError:
+            closed = False
+    assert closed, "still open"

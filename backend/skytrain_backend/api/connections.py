@@ -8,11 +8,12 @@ key read: the server's own door, which holds even without a reverse proxy in fro
   takes every slot.
 - **Headers in time.** A request's line and headers must all arrive within
   ``SKYTRAIN_HEADER_TIMEOUT_S`` of the connection's accept (its first request) or of the
-  request's first byte (the next ones on a kept-alive connection), however slowly they
-  trickle; then 408 and the connection closes.
+  first byte after the previous answer (the next ones on a kept-alive connection: blank
+  lines count), however slowly they trickle; then 408 and the connection closes.
 - **Bodies.** A body the app reads is timed where it reads it (``api/limits.py``,
   ``SKYTRAIN_REQUEST_BODY_TIMEOUT_S``); the rest of a body the app answered without reading
-  gets that long to arrive after the answer, then the connection closes.
+  gets that long to arrive after the answer, then the connection closes (or, once it is in,
+  idles as any other).
 - **Keep-alive.** An idle connection closes after ``SKYTRAIN_KEEP_ALIVE_S``; one connection
   carries at most ``SKYTRAIN_MAX_REQUESTS_PER_CONNECTION`` requests, the last answered with
   ``Connection: close``.
@@ -143,8 +144,13 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self._address is not None:
-            super().data_received(data)
+        if self._address is None:
+            return
+        if self.cycle is None or self.cycle.response_complete:
+            # Between requests (uvicorn has just cancelled its idle timeout): whatever these
+            # bytes are, the next request's headers are timed from them.
+            self._arm(self.counts.limits.header_timeout_s, self._headers_late)
+        super().data_received(data)
 
     def _should_upgrade_to_ws(self) -> bool:
         # The API has no websockets, and an upgrade would hand the connection to another
@@ -153,6 +159,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._unset_keepalive_if_required()  # re-armed below when a body ends past its answer
         self._arm(self.counts.limits.header_timeout_s, self._headers_late)
 
     def on_headers_complete(self) -> None:
@@ -164,7 +171,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
 
     def on_message_complete(self) -> None:
         if self.cycle is not None and self.cycle.response_complete:
-            self._disarm()  # the unread rest of a body arrived in time
+            # The unread rest of a body arrived in time: the connection is idle again.
+            self._disarm()
+            if self.timeout_keep_alive_task is None:
+                self.timeout_keep_alive_task = self.loop.call_later(
+                    self.timeout_keep_alive, self.timeout_keep_alive_handler
+                )
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
