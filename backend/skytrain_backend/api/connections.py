@@ -28,6 +28,7 @@ import asyncio
 import json
 import resource
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,8 +37,8 @@ from uvicorn.protocols.utils import get_remote_addr
 
 from skytrain_backend.config import Settings
 
-# Descriptors the process keeps for everything but client connections (database pool, object
-# store, worker logs, the listener itself): a quarter of the limit.
+# Client connections may hold three quarters of the open-file limit; the last quarter stays
+# for the rest of the process (database pool, object store, worker logs, the listener).
 _CONNECTION_SHARE_OF_FILES = 0.75
 _CLOSE = (b"connection", b"close")
 
@@ -186,7 +187,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             # Answered before its body was read: the rest gets the body timeout, no more.
             self._arm(self.counts.limits.body_timeout_s, self.transport.close)
 
-    def _arm(self, delay_s: float, callback: Any) -> None:
+    def _arm(self, delay_s: float, callback: Callable[[], object]) -> None:
         if self._deadline is None:
             self._deadline = self.loop.call_later(delay_s, self._expire, callback)
 
@@ -195,7 +196,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
-    def _expire(self, callback: Any) -> None:
+    def _expire(self, callback: Callable[[], object]) -> None:
         self._deadline = None
         if not self.transport.is_closing():
             callback()
