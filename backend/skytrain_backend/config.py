@@ -65,6 +65,27 @@ class Settings(BaseSettings):
         "most), so it is always the client that closes: a server closing at the moment a "
         "client reuses the connection resets that request.",
     )
+    header_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Seconds a request's headers may take from the connection's accept (or "
+        "the first byte after an answer, on a kept-alive one), trickling or not: then 408.",
+    )
+    max_connections: int = Field(
+        default=0,
+        ge=0,
+        description="Connections `skytrain serve` holds open; more get 503 and are closed. 0: "
+        "three quarters of the open-file limit (768 of 1,024), which no value passes.",
+    )
+    max_connections_per_client: int = Field(
+        default=0,
+        ge=0,
+        description="Connections one client address may hold open; more get 429 and are "
+        "closed. 0: half of SKYTRAIN_MAX_CONNECTIONS (behind a proxy: set it to the total).",
+    )
+    max_requests_per_connection: int = Field(
+        default=1000, ge=1, description="Requests one connection carries before it closes."
+    )
     metrics_port: int = Field(
         default=0,
         ge=0,

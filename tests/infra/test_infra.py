@@ -68,6 +68,7 @@ def test_compose_defines_the_production_services(compose: dict[str, Any]) -> Non
         "create-bucket",
         "migrate",
         "skytrain",
+        "proxy",
         "prometheus",
         "grafana",
     }

@@ -39,6 +39,7 @@ def serve(
     import uvicorn
     from sqlalchemy.engine import make_url
 
+    from skytrain_backend.api.connections import ConnectionLimits, guarded_protocol
     from skytrain_backend.app import create_app
     from skytrain_backend.config import get_settings
     from skytrain_backend.observability.listener import start_metrics_listener
@@ -61,6 +62,11 @@ def serve(
         else "off (set SKYTRAIN_METRICS_PORT)"
     )
     typer.echo(f"  metrics:      {metrics}")
+    limits = ConnectionLimits.from_settings(settings)
+    typer.echo(
+        f"  connections:  at most {limits.max_connections}, {limits.max_per_client} per client "
+        f"address; headers within {limits.header_timeout_s:g} s"
+    )
     _log_to_stderr()  # the scheduler's decisions (leadership, launches, placements) show
     application = create_app(settings)
 
@@ -87,6 +93,8 @@ def serve(
             application,
             host=settings.host,
             port=settings.port,
+            # Connections counted and timed before a request is parsed (api/connections.py).
+            http=guarded_protocol(limits),
             timeout_keep_alive=settings.keep_alive_s,
             log_config=None,
             access_log=False,
