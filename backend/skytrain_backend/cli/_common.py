@@ -23,6 +23,8 @@ app = typer.Typer(
     help="skytrain: a self-hosted backend that trains LLM agents with reinforcement learning.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    # `-h` as `--help`, on every command: Click's contexts inherit the names from the root.
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -46,11 +48,30 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=1)
 
 
-def _engine() -> Engine:
+@contextlib.contextmanager
+def _database() -> Iterator[Engine]:
+    """The settings' database; one that cannot be reached is a short error naming its URL
+    (password hidden) and what to check, not the driver's traceback."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
     from skytrain_backend.config import get_settings
     from skytrain_backend.db.session import create_db_engine
 
-    return create_db_engine(get_settings().resolved_database_url)
+    url = get_settings().resolved_database_url
+    engine = create_db_engine(url)
+    try:
+        yield engine
+    except (OperationalError, InterfaceError) as exc:
+        shown = make_url(url).render_as_string(hide_password=True)
+        reason = str(exc.orig or exc).strip().splitlines()[0][:200]
+        raise _fail(
+            f"cannot reach the database {shown}: {reason}\n"
+            "  check that it runs and this host can reach it, and SKYTRAIN_DATABASE_URL "
+            "(its host, port, user and password)"
+        ) from None
+    finally:
+        engine.dispose()
 
 
 @contextlib.contextmanager
@@ -61,15 +82,13 @@ def _session() -> Iterator[Session]:
     from skytrain_backend.db.session import session_factory
     from skytrain_backend.errors import SkytrainError
 
-    engine = _engine()
-    try:
-        migrations.prepare_schema(engine, auto_migrate=get_settings().should_auto_migrate)
-        with session_factory(engine)() as session:
-            yield session
-    except SkytrainError as exc:
-        raise _fail(exc.message) from None
-    finally:
-        engine.dispose()
+    with _database() as engine:
+        try:
+            migrations.prepare_schema(engine, auto_migrate=get_settings().should_auto_migrate)
+            with session_factory(engine)() as session:
+                yield session
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
 
 
 def _when(moment: datetime | None, default: str = "") -> str:

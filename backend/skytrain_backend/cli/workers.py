@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import enum
+
 import typer
 
 from skytrain_backend.cli._common import (
@@ -14,6 +16,17 @@ from skytrain_backend.cli._common import (
     _when,
     app,
 )
+
+
+class JobStatusChoice(enum.StrEnum):
+    """A training job's status (protocol.worker.JobStatus), as `jobs list --status` takes it."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
 
 workers_app = typer.Typer(
     help="See the workers and manage their join tokens.", no_args_is_help=True
@@ -351,8 +364,8 @@ def workers_token_revoke(
 
 @jobs_app.command("list")
 def jobs_list(
-    status: str | None = typer.Option(None, help="Only jobs in this status (queued, running...)."),
-    limit: int = typer.Option(20, help="Most recent jobs to show."),
+    status: JobStatusChoice | None = typer.Option(None, help="Only jobs in this status."),
+    limit: int = typer.Option(20, min=1, help="Most recent jobs to show."),
 ) -> None:
     """List the most recent training jobs of every tenant."""
     from sqlalchemy import select
@@ -367,7 +380,7 @@ def jobs_list(
             .limit(limit)
         )
         if status is not None:
-            statement = statement.where(TrainingJob.status == status)
+            statement = statement.where(TrainingJob.status == status.value)
         rows = [
             [
                 job.id,
