@@ -135,6 +135,20 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     Console(width=None if sys.stdout.isatty() else 240).print(table)
 
 
+def _interruptible() -> None:
+    """Ctrl-C (SIGINT) stops this command, even when it was started with SIGINT ignored.
+
+    A shell without job control starts a background command (``cmd &``, a CI script's
+    steps) with SIGINT ignored, and every process below it inherits that: Python then installs
+    no KeyboardInterrupt handler and asyncio no cancelling one, so a demo sent SIGINT trained
+    on to its last step (issue 36's lost Ctrl-C). The long-running commands take SIGINT back.
+    """
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _log_to_stderr() -> None:
     """skytrain's own log lines (INFO and up) on stderr, as SKYTRAIN_LOG_FORMAT says (text
     or one JSON object a line), with the request's context."""

@@ -11,6 +11,7 @@ from skytrain_backend.cli._common import (
     _columns,
     _database,
     _fail,
+    _interruptible,
     _log_to_stderr,
     _session,
     _when,
@@ -43,6 +44,7 @@ def serve(
     from skytrain_backend.config import get_settings
     from skytrain_backend.observability.listener import start_metrics_listener
 
+    _interruptible()
     overrides = {key: value for key, value in (("host", host), ("port", port)) if value}
     settings = get_settings().model_copy(update=overrides)
     with _session():  # refuse to start on an outdated schema, with the fix in the message

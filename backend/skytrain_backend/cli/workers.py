@@ -10,6 +10,7 @@ from skytrain_backend.cli._common import (
     _ago,
     _columns,
     _fail,
+    _interruptible,
     _log_to_stderr,
     _session,
     _table,
@@ -74,6 +75,7 @@ def worker(
     from skytrain_backend.errors import SkytrainError
     from skytrain_backend.worker.main import WorkerConfig, run_worker
 
+    _interruptible()
     _log_to_stderr()
     settings = get_settings()
     try:
