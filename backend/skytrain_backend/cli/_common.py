@@ -151,8 +151,9 @@ def _interruptible() -> None:
 
 def _log_to_stderr() -> None:
     """skytrain's own log lines (INFO and up) on stderr, as SKYTRAIN_LOG_FORMAT says (text
-    or one JSON object a line), with the request's context."""
+    or one JSON object a line), with the request's context; in JSON mode every other line
+    the process prints too (the server's and a worker's commands, whose output is a log)."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.observability.logs import configure_logging
 
-    configure_logging(get_settings().log_format)
+    configure_logging(get_settings().log_format, whole_process=True)

@@ -45,6 +45,8 @@ def serve(
     from skytrain_backend.observability.listener import start_metrics_listener
 
     _interruptible()
+    # First: in JSON mode every line from here on is one JSON object, this banner included.
+    _log_to_stderr()
     overrides = {key: value for key, value in (("host", host), ("port", port)) if value}
     settings = get_settings().model_copy(update=overrides)
     with _session():  # refuse to start on an outdated schema, with the fix in the message
@@ -63,7 +65,6 @@ def serve(
         else "off (set SKYTRAIN_METRICS_PORT)"
     )
     typer.echo(f"  metrics:      {metrics}")
-    _log_to_stderr()  # the scheduler's decisions (leadership, launches, placements) show
     application = create_app(settings)
 
     class Server(uvicorn.Server):

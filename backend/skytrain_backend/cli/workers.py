@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import logging
 
 import typer
 
@@ -78,6 +79,7 @@ def worker(
     _interruptible()
     _log_to_stderr()
     settings = get_settings()
+    log = logging.getLogger("skytrain_backend.worker")
     try:
         config = WorkerConfig.from_settings(
             settings,
@@ -92,7 +94,14 @@ def worker(
         )
         asyncio.run(run_worker(config, settings))
     except SkytrainError as exc:
+        if settings.log_format == "json":  # the log's last line, as an error
+            log.error("the worker stopped: %s", exc.message)
+            raise typer.Exit(code=1) from None
         raise _fail(exc.message) from None
+    except Exception as exc:
+        # A log line with the traceback (an `exception` field in JSON), not a boxed one.
+        log.exception("the worker stopped: %s", exc)
+        raise typer.Exit(code=1) from None
 
 
 @workers_app.command("list")
