@@ -102,7 +102,9 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
             assert "data: [DONE]" in streamed.read().decode()
         client = support.openai_client(service.url, key)
         groups = support.sample_groups(client, model["inference_name"], groups=2, n=2, max_tokens=6)
+        http.headers["X-Request-Id"] = "operator-job-1"  # the call that creates the job
         job, events = support.train(http, model["id"], groups, learning_rate=1e-3)
+        del http.headers["X-Request-Id"]
         assert events[-1]["type"] == "training_ended", events[-1]
         # A heartbeat after the job reports the worker's stats.
         support.wait_until_served(http, model["id"], step=1)
@@ -150,11 +152,17 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         str(line.get("request_id")).startswith("operator-trace-1-")
         for line in _json_lines(_all_worker_output(service))
     )
-    # The worker's lines while it ran the job carry the job and the worker.
-    assert any(
-        line.get("job_id") == job["id"] and line.get("worker_id")
-        for line in _json_lines(service.worker_logs())
-    )
+    # The worker's lines while it ran the job carry the job, the worker and the request id of
+    # the call that created the job, as that call's access line on the control plane does.
+    job_lines = [line for line in _json_lines(service.worker_logs()) if line["job_id"] == job["id"]]
+    assert job_lines and all(line["worker_id"] for line in job_lines)
+    assert {line["request_id"] for line in job_lines} == {"operator-job-1"}
+    (created,) = [
+        line
+        for line in _json_lines(service.log())
+        if line["request_id"] == "operator-job-1" and "POST /v1/training-jobs" in line["message"]
+    ]
+    assert created["job_id"] == job["id"]
     for line in _json_lines(service.log()):
         assert set(line) >= {"time", "level", "logger", "message", "request_id", "tenant_id"}
     # Every line of every log is one JSON object: the server's, the worker's (each after it

@@ -28,6 +28,7 @@ def add_job(
     num_groups: int,
     num_trajectories: int,
     max_attempts: int,
+    request_id: str | None = None,
 ) -> TrainingJob:
     """Stage a queued job; the caller commits once its input is in the store."""
     job = TrainingJob(
@@ -41,6 +42,7 @@ def add_job(
         num_trajectories=num_trajectories,
         attempts=0,
         max_attempts=max_attempts,
+        request_id=request_id,
         cancel_requested=False,
     )
     session.add(job)

@@ -225,5 +225,5 @@ class WorkerAgent:
                     await asyncio.wait_for(self._stopping.wait(), LEASE_RETRY_S)
                 continue
             if job is not None:
-                with logs.bind(job_id=job.id, model_id=job.model_id):
+                with logs.bind(job_id=job.id, model_id=job.model_id, request_id=job.request_id):
                     await self._jobs.run(job)
