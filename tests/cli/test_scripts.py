@@ -39,5 +39,5 @@ def test_only_the_test_script_asks_for_the_test_stack() -> None:
     """The demo runs setup.sh bare; the test suite (and CI through it) with --test."""
     demo = (ROOT / "scripts" / "demo.sh").read_text()
     tests = (ROOT / "scripts" / "test.sh").read_text()
-    assert "./scripts/setup.sh\n" in demo and "--test" not in demo
+    assert "./scripts/setup.sh\n" in demo and "setup.sh --test" not in demo
     assert "./scripts/setup.sh --test\n" in tests
