@@ -149,6 +149,41 @@ def _interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+JSON_OPTION = typer.Option(
+    False, "--json", help="Print JSON (an array of rows, or one object) for scripts."
+)
+
+
+def _human_size(size: int) -> str:
+    """A byte count as people read it: 225027 -> 220 KiB."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 10 else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _print_json(value: object) -> None:
+    import json
+
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def _rows(columns: list[str], rows: list[list[str]]) -> list[dict[str, str]]:
+    """Table rows as objects, keyed by the columns' names (spaces as underscores)."""
+    keys = [column.replace(" ", "_") for column in columns]
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def _output(title: str, columns: list[str], rows: list[list[str]], *, as_json: bool) -> None:
+    """A list command's rows: a table, or a JSON array of objects with ``--json``."""
+    if as_json:
+        _print_json(_rows(columns, rows))
+    else:
+        _table(title, columns, rows)
+
+
 def _log_to_stderr() -> None:
     """skytrain's own log lines (INFO and up) on stderr, as SKYTRAIN_LOG_FORMAT says (text
     or one JSON object a line), with the request's context; in JSON mode every other line
