@@ -118,3 +118,31 @@ def test_list_and_show_commands_print_json(
 )
 def test_sizes_read_in_human_units(size: int, shown: str) -> None:
     assert _human_size(size) == shown
+
+
+@pytest.mark.parametrize(
+    ("message", "cell"),
+    [
+        (
+            "exited with code 1; the last lines of /home/w.log:\n"
+            "╭──── Traceback ────╮\n│ main.py:3 in run │\n╰───────────────────╯\n"
+            "OSError: [Errno 28] No space left on device\n",
+            "OSError: [Errno 28] No space left on device",
+        ),
+        (
+            "exited with code 1; the last lines of /home/w.log:\n"
+            '{"level": "error", "message": "the worker stopped: boom", '
+            '"exception": "Traceback (most recent call last):\\nOSError: boom"}',
+            "OSError: boom",
+        ),
+        ("draining: scale-in", "draining: scale-in"),
+        (None, ""),
+    ],
+)
+def test_status_shows_the_line_of_a_workers_message_that_names_the_error(
+    message: str | None, cell: str
+) -> None:
+    """Issue 36: `skytrain status`'s "last errors" cell showed the log's path and then `│`."""
+    from skytrain_backend.cli.status import _error_cell
+
+    assert _error_cell(message) == cell
