@@ -72,7 +72,7 @@ else
 fi
 
 if [ ! -x "$BIN/pytest" ]; then
-    ./scripts/setup.sh
+    ./scripts/setup.sh --test
 fi
 
 # Not in the export, which would hide realpath's failure from set -e.

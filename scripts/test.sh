@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-./scripts/setup.sh
+./scripts/setup.sh --test
 ./scripts/ensure-postgres.sh
 
 export SKYTRAIN_TEST_POSTGRES_URL=${SKYTRAIN_TEST_POSTGRES_URL:-postgresql+psycopg://postgres@127.0.0.1:5432/test}

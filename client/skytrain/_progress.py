@@ -1,6 +1,9 @@
 """Progress bars and status lines, and the tally of rollouts behind the gather bar.
 
 Bars are tqdm's (``tqdm.auto``: a text bar on stderr in a terminal, a widget in a notebook).
+With stderr redirected to a file or a pipe, a bar that redraws itself with ``\r`` would fill the
+log with overwritten lines: there each bar prints a plain line when it starts, at most every
+``PLAIN_INTERVAL_S`` while it runs, and when it ends.
 The rollout tally lives in a context variable so that a ``TrajectoryGroup`` awaited anywhere
 inside ``gather_trajectory_groups`` (even deep in the user's own coroutine) reports to the one
 bar and obeys the one ``max_exceptions`` budget of that gather.
@@ -8,14 +11,47 @@ bar and obeys the one ``max_exceptions`` budget of that gather.
 
 from __future__ import annotations
 
+import re
+import sys
 from collections.abc import Mapping
 from contextvars import ContextVar
+from typing import Any
 
 from tqdm.auto import tqdm
 
+PLAIN_INTERVAL_S = 10.0
+# tqdm.auto's bar is a notebook widget in a notebook (whose stderr is no terminal either).
+_NOTEBOOK = any(cls.__module__ == "tqdm.notebook" for cls in tqdm.__mro__)
+# What tqdm writes to redraw a bar in place: carriage returns and cursor moves.
+_REDRAW = re.compile(r"\r|\x1b\[[0-9;]*[A-Za-z]")
+
+
+class _PlainLines:
+    """A file for tqdm that turns each redraw into one plain line."""
+
+    def __init__(self, target: Any) -> None:
+        self._target = target
+
+    def write(self, text: str) -> None:
+        line = _REDRAW.sub("", text).strip()
+        if line:
+            self._target.write(line + "\n")
+
+    def flush(self) -> None:
+        self._target.flush()
+
+
+def _bar(**options: Any) -> tqdm:
+    """A live bar in a terminal or a notebook; plain periodic lines into a file or a pipe."""
+    stderr = sys.stderr
+    if not _NOTEBOOK and not (hasattr(stderr, "isatty") and stderr.isatty()):
+        options.pop("dynamic_ncols", None)
+        return tqdm(**options, file=_PlainLines(stderr), mininterval=PLAIN_INTERVAL_S, ascii=True)
+    return tqdm(**options)
+
 
 def _progress_bar(*, desc: str, total: int | None, unit: str) -> tqdm:
-    return tqdm(desc=desc, total=total, unit=unit, dynamic_ncols=True)
+    return _bar(desc=desc, total=total, unit=unit, dynamic_ncols=True)
 
 
 def _format_metrics(metrics: Mapping[str, float]) -> dict[str, str]:
@@ -29,7 +65,7 @@ class _StatusLine:
         self._prefix = prefix
         self._message: str | None = None
         self._bar = (
-            tqdm(desc=prefix, total=None, bar_format="{desc} [{elapsed}]", dynamic_ncols=True)
+            _bar(desc=prefix, total=None, bar_format="{desc} [{elapsed}]", dynamic_ncols=True)
             if enabled
             else None
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,7 +12,11 @@ from pathlib import Path
 from tests.fixtures.models import model_cache_dir
 
 
-def start_demo(home: Path, *args: str, stdout: int | None = None) -> subprocess.Popen[str]:
+def start_demo(
+    home: Path, *args: str, stdout: int | None = None, sigint_ignored: bool = False
+) -> subprocess.Popen[str]:
+    """The demo as a process; ``sigint_ignored``: started as a shell without job control
+    starts a background command (``cmd &``), with SIGINT ignored, which its children inherit."""
     env = {**os.environ, "SKYTRAIN_MODEL_CACHE_DIR": str(model_cache_dir())}
     return subprocess.Popen(
         [sys.executable, "-m", "skytrain_backend", "demo", "--home", str(home), *args],
@@ -19,18 +24,26 @@ def start_demo(home: Path, *args: str, stdout: int | None = None) -> subprocess.
         stdout=stdout if stdout is not None else subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+        if sigint_ignored
+        else None,
     )
+
+
+def wait_for_output(process: subprocess.Popen[str], log_path: Path, text: str) -> str:
+    """Wait until the demo has printed ``text``; the log so far."""
+    deadline = time.monotonic() + 600
+    while text not in (log := log_path.read_text()):
+        assert process.poll() is None, log[-4000:]
+        assert time.monotonic() < deadline, log[-4000:]
+        time.sleep(0.1)
+    return log
 
 
 def wait_until_training(process: subprocess.Popen[str], log_path: Path) -> str:
     """Wait until the demo's worker serves its model and the first training job is under way
     (the SDK's progress bar shows); the log so far."""
-    deadline = time.monotonic() + 600
-    while "train:" not in (log := log_path.read_text()):
-        assert process.poll() is None, log[-4000:]
-        assert time.monotonic() < deadline, log[-4000:]
-        time.sleep(0.2)
-    return log
+    return wait_for_output(process, log_path, "train:")
 
 
 def processes_of(home: Path) -> list[int]:

@@ -1,13 +1,16 @@
 """What an operator sees of a real deployment (`skytrain serve` + a local worker with the tiny
-model, JSON logs, the metrics listener) after one chat request and one training job: the
-skytrain_* series, the request's id in the gateway's and the worker's log lines, the model
-in `skytrain models list`, and no key, token or secret in any log."""
+model, JSON logs, the metrics listener) after one chat request, one streamed and one training
+job: the skytrain_* series, the request's id in the gateway's and the worker's log lines, every
+line of every log one JSON object, the model in `skytrain models list`, and no key, token or
+secret in any log; and a worker that fails to start logs JSON, its error with its traceback."""
 
 from __future__ import annotations
 
 import json
 import re
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,9 +88,23 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         )
         assert chat.status_code == 200, chat.text
         assert chat.headers["x-request-id"] == "operator-trace-1"
+        with http.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={
+                "model": model["inference_name"],
+                "messages": [{"role": "user", "content": "Say hi"}],
+                "max_tokens": 4,
+                "stream": True,
+            },
+        ) as streamed:
+            assert streamed.status_code == 200
+            assert "data: [DONE]" in streamed.read().decode()
         client = support.openai_client(service.url, key)
         groups = support.sample_groups(client, model["inference_name"], groups=2, n=2, max_tokens=6)
+        http.headers["X-Request-Id"] = "operator-job-1"  # the call that creates the job
         job, events = support.train(http, model["id"], groups, learning_rate=1e-3)
+        del http.headers["X-Request-Id"]
         assert events[-1]["type"] == "training_ended", events[-1]
         # A heartbeat after the job reports the worker's stats.
         support.wait_until_served(http, model["id"], step=1)
@@ -135,13 +152,31 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         str(line.get("request_id")).startswith("operator-trace-1-")
         for line in _json_lines(_all_worker_output(service))
     )
-    # The worker's lines while it ran the job carry the job and the worker.
-    assert any(
-        line.get("job_id") == job["id"] and line.get("worker_id")
-        for line in _json_lines(service.worker_logs())
-    )
+    # The worker's lines while it ran the job carry the job, the worker and the request id of
+    # the call that created the job, as that call's access line on the control plane does.
+    job_lines = [line for line in _json_lines(service.worker_logs()) if line["job_id"] == job["id"]]
+    assert job_lines and all(line["worker_id"] for line in job_lines)
+    assert {line["request_id"] for line in job_lines} == {"operator-job-1"}
+    (created,) = [
+        line
+        for line in _json_lines(service.log())
+        if line["request_id"] == "operator-job-1" and "POST /v1/training-jobs" in line["message"]
+    ]
+    assert created["job_id"] == job["id"]
     for line in _json_lines(service.log()):
         assert set(line) >= {"time", "level", "logger", "message", "request_id", "tenant_id"}
+    # Every line of every log is one JSON object: the server's, the worker's (each after it
+    # registered with its id) and its engine's, progress and library warnings included.
+    for path in [service.log_path, *sorted(service.home.rglob("*.log"))]:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        assert lines, path
+        for line in lines:
+            assert isinstance(json.loads(line), dict), f"{path.name}: {line}"
+    worker_lines = _json_lines(service.worker_logs())
+    registered = next(
+        i for i, line in enumerate(worker_lines) if line["message"].startswith("registered as")
+    )
+    assert all(line["worker_id"] for line in worker_lines[registered:])
 
     # No key, token or secret in any log line: the caller's key, any key or worker token
     # (by their shapes), the worker's engine secret.
@@ -156,6 +191,29 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         for secret in engine_secrets:
             assert secret not in everything
     engine.dispose()
+
+
+def test_a_worker_that_fails_to_start_logs_json_and_its_error(
+    service: Service, tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """Issue 36: in JSON mode a worker that failed to start printed a boxed traceback (41 of 43
+    lines) and no error line. Here its home is a file, so its work directory cannot be made."""
+    token = service.cli("workers", "token", "create", "--name", "broken").strip().splitlines()[-1]
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    env = {**service.env, "SKYTRAIN_HOME": str(home), "SKYTRAIN_LOG_FORMAT": "json"}
+    env.pop("SKYTRAIN_DATABASE_URL", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "skytrain_backend", "worker", "--control-plane", service.url,
+         "--token", token, "--base-model", str(tiny_model_path), "--port", "0"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1
+    lines = [json.loads(line) for line in (result.stdout + result.stderr).splitlines() if line]
+    errors = [line for line in lines if line["level"] == "error"]
+    assert len(errors) == 1, lines
+    assert errors[0]["message"].startswith("the worker stopped: ")
+    assert "Traceback" in errors[0]["exception"] and "Error" in errors[0]["exception"]
 
 
 def _all_worker_output(service: Service) -> str:

@@ -132,12 +132,14 @@ def test_training_script_trains_evaluates_and_logs(
 
 
 @pytest.mark.slow
-def test_the_readme_quickstart_runs_and_is_what_the_readme_shows(
+def test_the_readme_quickstart_runs_twice_on_one_model_and_is_what_the_readme_shows(
     examples_service: Service,
     tiny_model_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    """The issue's newcomer: a second run of the quickstart met a ConflictError on the model
+    the first made. Now the second run trains the same model on from its last step."""
     from examples import quickstart
 
     source = Path(quickstart.__file__).read_text()
@@ -146,6 +148,24 @@ def test_the_readme_quickstart_runs_and_is_what_the_readme_shows(
 
     monkeypatch.setenv("SKYTRAIN_BASE_URL", examples_service.url)
     monkeypatch.setenv("SKYTRAIN_API_KEY", examples_service.key("quickstart"))
-    asyncio.run(quickstart.main(base_model=str(tiny_model_path), steps=1))
-    printed = capsys.readouterr().out
-    assert printed.startswith("step 1: mean reward ")
+    argv = ["--base-model", str(tiny_model_path), "--steps", "1"]
+    asyncio.run(quickstart.main(quickstart.parse_args(argv)))
+    assert capsys.readouterr().out.startswith("step 1: mean reward ")
+    asyncio.run(quickstart.main(quickstart.parse_args(argv)))
+    assert capsys.readouterr().out.startswith("step 2: mean reward ")
+    with examples_service.http("quickstart") as http:
+        listed = http.get("/v1/models", params={"project": "quickstart"}).json()["data"]
+    assert [model["name"] for model in listed] == [f"brief-{tiny_model_path.name.lower()}"]
+
+
+def test_every_example_takes_the_shared_flags() -> None:
+    """The quickstart and the training scripts answer to the same options."""
+    from examples import quickstart
+    from examples.common.training import training_parser
+
+    shared = ["--base-model", "m", "--name", "n", "--steps", "3", "--base-url", "u"]
+    shared += ["--api-key", "k"]
+    parsed = vars(quickstart.parse_args(shared))
+    scripts = training_parser("x", None, project="p", base_model="b").parse_args(shared)
+    for option in ("base_model", "name", "steps", "base_url", "api_key"):
+        assert parsed[option] == getattr(scripts, option)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -67,3 +69,46 @@ def test_the_engine_gets_the_request_id_unique_and_still_sane() -> None:
     first, second = (logs.engine_request_id("x" * 64) for _ in range(2))
     assert first != second and first.startswith("x" * 55)
     assert logs.accept_request_id(first) == first  # the engine keeps it
+
+
+WHOLE_PROCESS = """
+import logging, sys, warnings
+from skytrain_backend.observability import logs
+
+library = logging.getLogger("somelib")  # a library with a handler of its own (transformers)
+library.addHandler(logging.StreamHandler(sys.stderr))
+library.propagate = False
+logs.configure_logging("json", whole_process=True)
+logs.set_process_context(worker_id="w-1")
+print("a plain print")
+sys.stderr.write("bar 10%\\rbar 100%\\n\\n")
+warnings.warn("an old call")
+library.warning("from the library")
+try:
+    raise OSError("disk gone")
+except OSError:
+    logging.getLogger("skytrain_backend.x").exception("it failed")
+import os
+print(os.environ["TQDM_DISABLE"], os.environ["HF_HUB_DISABLE_PROGRESS_BARS"])
+"""
+
+
+def test_json_mode_makes_every_line_the_process_prints_json() -> None:
+    """Issue 36: a worker's and its engine's logs mixed progress bars, library warnings and
+    boxed tracebacks into the JSON lines. A process in JSON mode (its own, as a worker is)."""
+    result = subprocess.run(
+        [sys.executable, "-c", WHOLE_PROCESS], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [json.loads(line) for line in (result.stdout + result.stderr).splitlines()]
+    assert all(line["worker_id"] == "w-1" for line in lines)
+    found = {(line["logger"], line["level"], line["message"]) for line in lines}
+    assert ("stdout", "info", "a plain print") in found
+    assert {("stderr", "info", "bar 10%"), ("stderr", "info", "bar 100%")} <= found
+    assert ("somelib", "warning", "from the library") in found
+    assert ("stdout", "info", "1 1") in found  # its children draw no progress bars
+    (warned,) = [line for line in lines if line["logger"] == "py.warnings"]
+    assert warned["level"] == "warning" and "an old call" in warned["message"]
+    (failed,) = [line for line in lines if line["level"] == "error"]
+    assert failed["message"] == "it failed"
+    assert "Traceback" in failed["exception"] and "OSError: disk gone" in failed["exception"]

@@ -23,6 +23,8 @@ app = typer.Typer(
     help="skytrain: a self-hosted backend that trains LLM agents with reinforcement learning.",
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
+    # `-h` as `--help`, on every command: Click's contexts inherit the names from the root.
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 
 
@@ -46,11 +48,30 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(code=1)
 
 
-def _engine() -> Engine:
+@contextlib.contextmanager
+def _database() -> Iterator[Engine]:
+    """The settings' database; one that cannot be reached is a short error naming its URL
+    (password hidden) and what to check, not the driver's traceback."""
+    from sqlalchemy.engine import make_url
+    from sqlalchemy.exc import InterfaceError, OperationalError
+
     from skytrain_backend.config import get_settings
     from skytrain_backend.db.session import create_db_engine
 
-    return create_db_engine(get_settings().resolved_database_url)
+    url = get_settings().resolved_database_url
+    engine = create_db_engine(url)
+    try:
+        yield engine
+    except (OperationalError, InterfaceError) as exc:
+        shown = make_url(url).render_as_string(hide_password=True)
+        reason = str(exc.orig or exc).strip().splitlines()[0][:200]
+        raise _fail(
+            f"cannot reach the database {shown}: {reason}\n"
+            "  check that it runs and this host can reach it, and SKYTRAIN_DATABASE_URL "
+            "(its host, port, user and password)"
+        ) from None
+    finally:
+        engine.dispose()
 
 
 @contextlib.contextmanager
@@ -61,15 +82,13 @@ def _session() -> Iterator[Session]:
     from skytrain_backend.db.session import session_factory
     from skytrain_backend.errors import SkytrainError
 
-    engine = _engine()
-    try:
-        migrations.prepare_schema(engine, auto_migrate=get_settings().should_auto_migrate)
-        with session_factory(engine)() as session:
-            yield session
-    except SkytrainError as exc:
-        raise _fail(exc.message) from None
-    finally:
-        engine.dispose()
+    with _database() as engine:
+        try:
+            migrations.prepare_schema(engine, auto_migrate=get_settings().should_auto_migrate)
+            with session_factory(engine)() as session:
+                yield session
+        except SkytrainError as exc:
+            raise _fail(exc.message) from None
 
 
 def _when(moment: datetime | None, default: str = "") -> str:
@@ -116,10 +135,60 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     Console(width=None if sys.stdout.isatty() else 240).print(table)
 
 
+def _interruptible() -> None:
+    """Ctrl-C (SIGINT) stops this command, even when it was started with SIGINT ignored.
+
+    A shell without job control starts a background command (``cmd &``, a CI script's
+    steps) with SIGINT ignored, and every process below it inherits that: Python then installs
+    no KeyboardInterrupt handler and asyncio no cancelling one, so a demo sent SIGINT trained
+    on to its last step (issue 36's lost Ctrl-C). The long-running commands take SIGINT back.
+    """
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+JSON_OPTION = typer.Option(
+    False, "--json", help="Print JSON (an array of rows, or one object) for scripts."
+)
+
+
+def _human_size(size: int) -> str:
+    """A byte count as people read it: 225027 -> 220 KiB."""
+    value = float(size)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" or value >= 10 else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _print_json(value: object) -> None:
+    import json
+
+    typer.echo(json.dumps(value, indent=2, default=str))
+
+
+def _rows(columns: list[str], rows: list[list[str]]) -> list[dict[str, str]]:
+    """Table rows as objects, keyed by the columns' names (spaces as underscores)."""
+    keys = [column.replace(" ", "_") for column in columns]
+    return [dict(zip(keys, row, strict=True)) for row in rows]
+
+
+def _output(title: str, columns: list[str], rows: list[list[str]], *, as_json: bool) -> None:
+    """A list command's rows: a table, or a JSON array of objects with ``--json``."""
+    if as_json:
+        _print_json(_rows(columns, rows))
+    else:
+        _table(title, columns, rows)
+
+
 def _log_to_stderr() -> None:
     """skytrain's own log lines (INFO and up) on stderr, as SKYTRAIN_LOG_FORMAT says (text
-    or one JSON object a line), with the request's context."""
+    or one JSON object a line), with the request's context; in JSON mode every other line
+    the process prints too (the server's and a worker's commands, whose output is a log)."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.observability.logs import configure_logging
 
-    configure_logging(get_settings().log_format)
+    configure_logging(get_settings().log_format, whole_process=True)

@@ -9,8 +9,9 @@ import typer
 from skytrain_backend import __version__
 from skytrain_backend.cli._common import (
     _columns,
-    _engine,
+    _database,
     _fail,
+    _interruptible,
     _log_to_stderr,
     _session,
     _when,
@@ -44,6 +45,9 @@ def serve(
     from skytrain_backend.config import get_settings
     from skytrain_backend.observability.listener import start_metrics_listener
 
+    _interruptible()
+    # First: in JSON mode every line from here on is one JSON object, this banner included.
+    _log_to_stderr()
     overrides = {key: value for key, value in (("host", host), ("port", port)) if value}
     settings = get_settings().model_copy(update=overrides)
     with _session():  # refuse to start on an outdated schema, with the fix in the message
@@ -67,7 +71,6 @@ def serve(
         f"  connections:  at most {limits.max_connections}, {limits.max_per_client} per client "
         f"address; headers within {limits.header_timeout_s:g} s"
     )
-    _log_to_stderr()  # the scheduler's decisions (leadership, launches, placements) show
     application = create_app(settings)
 
     class Server(uvicorn.Server):
@@ -360,45 +363,40 @@ def db_upgrade(revision: str = typer.Argument("head", help="Target revision.")) 
     """Upgrade the schema of SKYTRAIN_DATABASE_URL (to the newest revision by default)."""
     from skytrain_backend.db import migrations
 
-    engine = _engine()
-    try:
+    with _database() as engine:
         migrations.upgrade(engine, revision)
         typer.echo(
             f"database at revision {', '.join(sorted(migrations.current_revisions(engine)))}"
         )
-    finally:
-        engine.dispose()
 
 
-@db_app.command("downgrade")
+# "-1" is the revision, not an option.
+@db_app.command("downgrade", context_settings={"ignore_unknown_options": True})
 def db_downgrade(
     revision: str = typer.Argument(..., help="Target revision: an id, -1 for one step, or base."),
 ) -> None:
     """Downgrade the schema (base drops every skytrain table and its data)."""
     from skytrain_backend.db import migrations
 
-    engine = _engine()
-    try:
+    with _database() as engine:
         migrations.downgrade(engine, revision)
         current = migrations.current_revisions(engine)
         typer.echo(f"database at revision {', '.join(sorted(current)) or 'base (empty)'}")
-    finally:
-        engine.dispose()
 
 
 @db_app.command("current")
 def db_current() -> None:
-    """Show the schema's revision and whether `skytrain db upgrade` is needed."""
+    """Show the schema's revision and whether `skytrain db upgrade` is needed: exits 1 when
+    it is (outdated), as a check in a script or a deploy."""
     from skytrain_backend.db import migrations
 
-    engine = _engine()
-    try:
+    with _database() as engine:
         current, heads = migrations.current_revisions(engine), migrations.head_revisions()
-    finally:
-        engine.dispose()
     shown = ", ".join(sorted(current)) or "base (empty)"
     state = "up to date" if current == heads else "outdated: run `skytrain db upgrade`"
     typer.echo(f"{shown} ({state}; newest is {', '.join(sorted(heads))})")
+    if current != heads:
+        raise typer.Exit(code=1)
 
 
 app.add_typer(engine_app, name="engine")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from skytrain_backend.cli._common import _fail, app
+from skytrain_backend.cli._common import _fail, _interruptible, app
 
 
 @app.command()
@@ -46,6 +46,7 @@ def demo(
     from skytrain_backend.demo import DemoOptions, LoopOptions, run_demo
     from skytrain_backend.errors import SkytrainError
 
+    _interruptible()
     if not learning_rate > 0:
         raise typer.BadParameter(f"{learning_rate} is not positive", param_hint="--learning-rate")
     options = DemoOptions(

@@ -7,7 +7,17 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from skytrain_backend.cli._common import _ago, _fail, _session, _table, app
+from skytrain_backend.cli._common import (
+    JSON_OPTION,
+    _ago,
+    _fail,
+    _human_size,
+    _output,
+    _print_json,
+    _rows,
+    _session,
+    app,
+)
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -45,6 +55,7 @@ def _find(session: Session, ref: str) -> Model:
 def models_list(
     tenant: str | None = typer.Option(None, help="Only this tenant's models (its name)."),
     limit: int = typer.Option(100, min=1, max=100_000, help="Most recent models to show."),
+    json_: bool = JSON_OPTION,
 ) -> None:
     """List models, newest first: id, tenant, name, base model, latest step, the worker it is
     placed on, last activity."""
@@ -76,11 +87,12 @@ def models_list(
             ]
             for model, owner in found
         ]
-    _table("models", ["id", "tenant", "name", "base model", "step", "worker", "active"], rows)
+    columns = ["id", "tenant", "name", "base model", "step", "worker", "active"]
+    _output("models", columns, rows, as_json=json_)
 
 
 @models_app.command("show")
-def models_show(model: str = MODEL_ARGUMENT) -> None:
+def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
     """Show a model: owner, base model, config, where it is served, its checkpoints and its
     latest training jobs."""
     import json
@@ -92,45 +104,57 @@ def models_show(model: str = MODEL_ARGUMENT) -> None:
     with _session() as session:
         row = _find(session, model)
         owner = session.get_one(Tenant, row.tenant_id).name
-        typer.echo(f"model        {row.id}")
-        typer.echo(f"name         {row.entity}/{row.project}/{row.name}")
-        typer.echo(f"tenant       {owner}")
-        typer.echo(f"base model   {row.base_model}")
-        typer.echo(f"worker       {row.worker_id or '- (not placed)'}")
-        typer.echo(f"created      {_ago(row.created_at)}")
-        typer.echo(f"last active  {_ago(row.last_active_at)}")
-        typer.echo(f"config       {json.dumps(row.config or {}, sort_keys=True)}")
-        checkpoints = session.scalars(
-            select(Checkpoint)
-            .where(Checkpoint.model_id == row.id, Checkpoint.deleted_at.is_(None))
-            .order_by(Checkpoint.step.desc())
-            .limit(20)
-        )
-        _table(
-            "checkpoints",
-            ["step", "size", "created"],
-            [[str(c.step), f"{c.size_bytes} B", _ago(c.created_at)] for c in checkpoints],
-        )
-        jobs = session.scalars(
-            select(TrainingJob)
-            .where(TrainingJob.model_id == row.id)
-            .order_by(TrainingJob.created_at.desc())
-            .limit(10)
-        )
-        _table(
-            "training jobs",
-            ["id", "status", "step", "created", "error"],
+        fields = {
+            "model": row.id,
+            "name": f"{row.entity}/{row.project}/{row.name}",
+            "tenant": owner,
+            "base model": row.base_model,
+            "worker": row.worker_id or "- (not placed)",
+            "created": _ago(row.created_at),
+            "last active": _ago(row.last_active_at),
+        }
+        checkpoints = [
+            [str(c.step), _human_size(c.size_bytes), _ago(c.created_at)]
+            for c in session.scalars(
+                select(Checkpoint)
+                .where(Checkpoint.model_id == row.id, Checkpoint.deleted_at.is_(None))
+                .order_by(Checkpoint.step.desc())
+                .limit(20)
+            )
+        ]
+        jobs = [
             [
-                [
-                    job.id,
-                    job.status,
-                    "-" if job.result_step is None else str(job.result_step),
-                    _ago(job.created_at),
-                    (job.error or "")[:80],
-                ]
-                for job in jobs
-            ],
+                job.id,
+                job.status,
+                "-" if job.result_step is None else str(job.result_step),
+                _ago(job.created_at),
+                (job.error or "")[:80],
+            ]
+            for job in session.scalars(
+                select(TrainingJob)
+                .where(TrainingJob.model_id == row.id)
+                .order_by(TrainingJob.created_at.desc())
+                .limit(10)
+            )
+        ]
+        config = row.config or {}
+    checkpoint_columns = ["step", "size", "created"]
+    job_columns = ["id", "status", "step", "created", "error"]
+    if json_:
+        _print_json(
+            {
+                **{key.replace(" ", "_"): value for key, value in fields.items()},
+                "config": config,
+                "checkpoints": _rows(checkpoint_columns, checkpoints),
+                "training_jobs": _rows(job_columns, jobs),
+            }
         )
+        return
+    for key, value in fields.items():
+        typer.echo(f"{key:<12} {value}")
+    typer.echo(f"{'config':<12} {json.dumps(config, sort_keys=True)}")
+    _output("checkpoints", checkpoint_columns, checkpoints, as_json=False)
+    _output("training jobs", job_columns, jobs, as_json=False)
 
 
 @models_app.command("delete")

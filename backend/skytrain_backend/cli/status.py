@@ -14,6 +14,30 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
 LAST_ERRORS = 5
+# What a boxed (rich) traceback draws around its lines.
+_BOX = " \t│┃╭╮╰╯─━┌┐└┘|"
+
+
+def _error_cell(message: str | None, limit: int = 160) -> str:
+    """The line of a status message that says what went wrong: its last line with words (a
+    worker's message ends in its log's tail, whose last line is the error, in a box or a JSON
+    line), after the message's first line when that is all there is."""
+    import json
+
+    lines = (message or "").splitlines()
+    for line in reversed(lines[1:]):
+        text = line.strip(_BOX)
+        if text.startswith("{"):
+            try:
+                entry = json.loads(text)
+            except ValueError:
+                entry = None
+            if isinstance(entry, dict):
+                exception = str(entry.get("exception") or "").strip().splitlines()
+                text = exception[-1] if exception else str(entry.get("message", ""))
+        if any(character.isalnum() for character in text):
+            return text[:limit]
+    return (lines[0] if lines else "")[:limit]
 
 
 @app.command()
@@ -83,7 +107,7 @@ def status() -> None:
         ]
         errors += [
             [_ago(row.stopped_at or row.last_heartbeat_at), f"worker {row.id} {row.status}",
-             (row.status_message or "")[:160]]
+             _error_cell(row.status_message)]
             for row in session.scalars(
                 select(Worker)
                 .where(Worker.status.in_(("failed", "lost")))

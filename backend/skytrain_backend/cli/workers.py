@@ -2,18 +2,36 @@
 
 from __future__ import annotations
 
+import enum
+import logging
+
 import typer
 
 from skytrain_backend.cli._common import (
+    JSON_OPTION,
     _ago,
     _columns,
     _fail,
+    _interruptible,
     _log_to_stderr,
+    _output,
+    _print_json,
     _session,
     _table,
     _when,
     app,
 )
+
+
+class JobStatusChoice(enum.StrEnum):
+    """A training job's status (protocol.worker.JobStatus), as `jobs list --status` takes it."""
+
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
 
 workers_app = typer.Typer(
     help="See the workers and manage their join tokens.", no_args_is_help=True
@@ -61,8 +79,10 @@ def worker(
     from skytrain_backend.errors import SkytrainError
     from skytrain_backend.worker.main import WorkerConfig, run_worker
 
+    _interruptible()
     _log_to_stderr()
     settings = get_settings()
+    log = logging.getLogger("skytrain_backend.worker")
     try:
         config = WorkerConfig.from_settings(
             settings,
@@ -77,7 +97,14 @@ def worker(
         )
         asyncio.run(run_worker(config, settings))
     except SkytrainError as exc:
+        if settings.log_format == "json":  # the log's last line, as an error
+            log.error("the worker stopped: %s", exc.message)
+            raise typer.Exit(code=1) from None
         raise _fail(exc.message) from None
+    except Exception as exc:
+        # A log line with the traceback (an `exception` field in JSON), not a boxed one.
+        log.exception("the worker stopped: %s", exc)
+        raise typer.Exit(code=1) from None
 
 
 @workers_app.command("list")
@@ -85,6 +112,7 @@ def workers_list(
     all_: bool = typer.Option(
         False, "--all", help="Include every stopped, lost and failed worker."
     ),
+    json_: bool = JSON_OPTION,
 ) -> None:
     """List workers: status, base model, models placed, the address the control plane
     reaches them at, last heartbeat, and the reason for the status. A base model whose last
@@ -120,11 +148,10 @@ def workers_list(
                     reason,
                 ]
             )
-    _table(
-        "workers",
-        ["id", "provider", "status", "base model", "models", "address", "heartbeat", "reason"],
-        rows,
-    )
+    columns = ["id", "provider", "status", "base model", "models", "address", "heartbeat"]
+    _output("workers", [*columns, "reason"], rows, as_json=json_)
+    if json_:
+        return
     # In full below the table, whose columns fold a long log.
     for text in held:
         typer.echo(f"\n{text}")
@@ -379,8 +406,9 @@ def workers_token_revoke(
 
 @jobs_app.command("list")
 def jobs_list(
-    status: str | None = typer.Option(None, help="Only jobs in this status (queued, running...)."),
-    limit: int = typer.Option(20, help="Most recent jobs to show."),
+    status: JobStatusChoice | None = typer.Option(None, help="Only jobs in this status."),
+    limit: int = typer.Option(20, min=1, help="Most recent jobs to show."),
+    json_: bool = JSON_OPTION,
 ) -> None:
     """List the most recent training jobs of every tenant."""
     from sqlalchemy import select
@@ -395,7 +423,7 @@ def jobs_list(
             .limit(limit)
         )
         if status is not None:
-            statement = statement.where(TrainingJob.status == status)
+            statement = statement.where(TrainingJob.status == status.value)
         rows = [
             [
                 job.id,
@@ -410,11 +438,85 @@ def jobs_list(
             ]
             for job, model in session.execute(statement)
         ]
-    _table(
+    _output(
         "training jobs",
         ["id", "model", "kind", "status", "attempts", "step", "worker", "created", "error"],
         rows,
+        as_json=json_,
     )
+
+
+@jobs_app.command("show")
+def jobs_show(
+    job_id: str = typer.Argument(..., help="The job's id (see `skytrain jobs list`)."),
+    follow: bool = typer.Option(
+        False, "--follow", "-f", help="Print its events as they come, until the job ends."
+    ),
+    json_: bool = JSON_OPTION,
+) -> None:
+    """Show a training job (model, status, attempts, worker, error) and its events."""
+    import json
+    import time
+
+    from sqlalchemy import select
+
+    from skytrain_backend.db.models import Model, TrainingJob, TrainingJobEvent
+    from skytrain_backend.protocol.worker import TERMINAL_JOB_STATUSES
+
+    def event_line(event: TrainingJobEvent) -> str:
+        data = json.dumps(event.data, sort_keys=True, default=str)
+        return f"{event.created_at:%Y-%m-%d %H:%M:%S}  {event.type:<18} {data[:200]}"
+
+    with _session() as session:
+        job = session.get(TrainingJob, job_id)
+        if job is None:
+            raise _fail(f"no training job {job_id!r}: see `skytrain jobs list`")
+        model = session.get_one(Model, job.model_id)
+        fields = {
+            "job": job.id,
+            "model": f"{model.entity}/{model.project}/{model.name} ({model.id})",
+            "kind": job.kind,
+            "status": job.status,
+            "attempts": f"{job.attempts} of {job.max_attempts}",
+            "step": "-" if job.result_step is None else str(job.result_step),
+            "worker": job.worker_id or "-",
+            "created": _ago(job.created_at),
+            "request id": job.request_id or "-",
+            "error": job.error or "",
+        }
+        query = select(TrainingJobEvent).where(TrainingJobEvent.job_id == job.id)
+        events = list(session.scalars(query.order_by(TrainingJobEvent.id)))
+        if json_:
+            _print_json(
+                {
+                    **{key.replace(" ", "_"): value for key, value in fields.items()},
+                    "events": [
+                        {"id": e.id, "type": e.type, "data": e.data, "created_at": e.created_at}
+                        for e in events
+                    ],
+                }
+            )
+            return
+        for key, value in fields.items():
+            typer.echo(f"{key:<11} {value}")
+        typer.echo("events")
+        for event in events:
+            typer.echo(event_line(event))
+        last = events[-1].id if events else 0
+        status = job.status
+        while follow and status not in TERMINAL_JOB_STATUSES:
+            session.commit()  # a fresh read each time
+            time.sleep(1.0)
+            for event in session.scalars(
+                query.where(TrainingJobEvent.id > last).order_by(TrainingJobEvent.id)
+            ):
+                typer.echo(event_line(event))
+                last = event.id
+            status = session.scalars(
+                select(TrainingJob.status).where(TrainingJob.id == job_id)
+            ).one()
+        if follow:
+            typer.echo(f"the job ended: {status}")
 
 
 @app.command()

@@ -58,6 +58,7 @@ def add_job(
     num_trajectories: int,
     max_attempts: int,
     input_bytes: int = 0,
+    request_id: str | None = None,
 ) -> TrainingJob:
     """Stage a queued job; the caller commits once its input (``input_bytes``) is in the
     store."""
@@ -73,6 +74,7 @@ def add_job(
         num_trajectories=num_trajectories,
         attempts=0,
         max_attempts=max_attempts,
+        request_id=request_id,
         cancel_requested=False,
     )
     session.add(job)

@@ -223,6 +223,8 @@ class TrainingJob(Base):
     input_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     num_groups: Mapped[int]
     num_trajectories: Mapped[int]
+    # The request id of the call that created it: the worker's lines for the job carry it.
+    request_id: Mapped[str | None] = mapped_column(String(64))
     attempts: Mapped[int] = mapped_column(default=0)
     max_attempts: Mapped[int]
     # The step the current attempt trains from (the model's latest when it was leased).

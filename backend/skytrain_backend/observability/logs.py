@@ -5,6 +5,13 @@
 contextvars: ``bind(...)`` sets it for the block, and every line logged inside carries it; a
 JSON line always has every field (null when unknown), so a query never misses a key.
 
+In JSON mode every line the process writes is one JSON object: what other code prints to
+stdout or stderr (a library's own handler, a progress bar, a stray ``print``) is wrapped into
+one (``logger`` ``stdout``/``stderr``; a ``\r``-updated bar gives a line per update), Python's
+warnings go through logging, library loggers with handlers of their own (transformers) are
+routed to the root's, and processes started from then on draw no progress bars
+(``TQDM_DISABLE``, ``HF_HUB_DISABLE_PROGRESS_BARS``).
+
 One request id follows an inference request: the control plane takes the caller's
 ``X-Request-Id`` when it is sane (``accept_request_id``) or makes one, answers it in
 ``X-Request-Id``, and sends it on to the worker's front door and from there to the engine
@@ -15,15 +22,18 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import io
 import json
 import logging
+import os
 import re
 import secrets
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime
-from typing import Literal
+from typing import Literal, TextIO
 
 REQUEST_ID_HEADER = "X-Request-Id"
 # Printable, no spaces or quotes: safe in a header, a log line and a query string.
@@ -35,6 +45,12 @@ CONTEXT_FIELDS = ("request_id", "tenant_id", "model_id", "job_id", "worker_id")
 _context: dict[str, contextvars.ContextVar[str | None]] = {
     name: contextvars.ContextVar(f"skytrain_{name}", default=None) for name in CONTEXT_FIELDS
 }
+# Fields of the whole process (a worker's id once it registered): every line of every task,
+# those started before it was known included, unless the task's context says otherwise.
+_process_context: dict[str, str | None] = dict.fromkeys(CONTEXT_FIELDS)
+# Progress bars drawn with \r have no place in a log of JSON lines: processes started in JSON
+# mode (a worker's engine and trainer) draw none.
+_NO_PROGRESS_BARS = {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 
 def accept_request_id(value: str | None) -> str:
@@ -52,11 +68,11 @@ def engine_request_id(request_id: str) -> str:
 
 
 def current(name: str) -> str | None:
-    return _context[name].get()
+    return _context[name].get() or _process_context[name]
 
 
 def current_request_id() -> str | None:
-    return _context["request_id"].get()
+    return current("request_id")
 
 
 @contextlib.contextmanager
@@ -76,11 +92,19 @@ def set_context(**values: str | None) -> None:
         _context[name].set(value)
 
 
+def set_process_context(**values: str | None) -> None:
+    """Set context fields for every line this process logs from now on, in every task."""
+    for name, value in values.items():
+        if name not in _process_context:
+            raise KeyError(name)
+        _process_context[name] = value
+
+
 class _ContextFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         for name in CONTEXT_FIELDS:
-            if not hasattr(record, name):
-                setattr(record, name, _context[name].get())
+            if getattr(record, name, None) is None:
+                setattr(record, name, current(name))
         return True
 
 
@@ -109,9 +133,100 @@ class _TextFormatter(logging.Formatter):
         return f"{line} [request {request_id}]" if request_id else line
 
 
-def configure_logging(fmt: LogFormat = "text", *, level: int | str = logging.INFO) -> None:
-    """skytrain's log lines (``level`` and up) on stderr, as text or JSON, with the context."""
-    handler = logging.StreamHandler(sys.stderr)
+class JsonLinesStream(io.TextIOBase):
+    """A text stream that writes each line given to it to ``target`` as a JSON line (logger
+    ``name``, with the context); a line that already is a JSON object passes as it is. A
+    ``\r`` ends a line too (a progress bar's update); blank lines are dropped."""
+
+    def __init__(self, target: TextIO, *, name: str, level: str = "info") -> None:
+        super().__init__()
+        self._target = target
+        self._name = name
+        self._level = level
+        self._pending = ""
+        self._lock = threading.Lock()
+
+    def writable(self) -> bool:
+        return True
+
+    def isatty(self) -> bool:
+        return False  # libraries draw no bars or colours for a log
+
+    def fileno(self) -> int:
+        return self._target.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._target, "encoding", None) or "utf-8"
+
+    def write(self, text: str) -> int:
+        with self._lock:
+            lines = (self._pending + text).replace("\r\n", "\n").replace("\r", "\n").split("\n")
+            self._pending = lines.pop()
+            for line in lines:
+                self._emit(line)
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                self._emit(self._pending)
+                self._pending = ""
+        self._target.flush()
+
+    def _emit(self, line: str) -> None:
+        line = line.rstrip()
+        if not line.strip():
+            return
+        if line.startswith("{") and line.endswith("}"):
+            with contextlib.suppress(ValueError):
+                if isinstance(json.loads(line), dict):
+                    self._target.write(line + "\n")
+                    return
+        entry: dict[str, object] = {
+            "time": datetime.now(UTC).isoformat(timespec="milliseconds"),
+            "level": self._level,
+            "logger": self._name,
+            "message": line,
+        }
+        for name in CONTEXT_FIELDS:
+            entry[name] = current(name)
+        self._target.write(json.dumps(entry, ensure_ascii=False) + "\n")
+        self._target.flush()
+
+
+def _route_library_handlers(streams: tuple[object, ...]) -> None:
+    """Loggers that print with a handler of their own (transformers adds one to stderr when
+    imported) log through the root's instead, in its format."""
+    for logger in list(logging.Logger.manager.loggerDict.values()):
+        if not isinstance(logger, logging.Logger):
+            continue
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.StreamHandler) and handler.stream in streams:
+                logger.removeHandler(handler)
+                logger.propagate = True
+
+
+def configure_logging(
+    fmt: LogFormat = "text", *, level: int | str = logging.INFO, whole_process: bool = False
+) -> None:
+    """skytrain's log lines (``level`` and up) on stderr, as text or JSON, with the context.
+
+    ``whole_process`` (a server's, a worker's or an engine's entry point): in JSON mode, also
+    everything else the process prints, as JSON lines (module docstring).
+    """
+    stream = sys.stderr
+    if fmt == "json" and whole_process:
+        originals = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)
+        stream = sys.__stderr__ or sys.stderr
+        if not isinstance(sys.stderr, JsonLinesStream):
+            sys.stderr = JsonLinesStream(stream, name="stderr")
+        if not isinstance(sys.stdout, JsonLinesStream):
+            sys.stdout = JsonLinesStream(sys.__stdout__ or sys.stdout, name="stdout")
+        _route_library_handlers(originals)
+        logging.captureWarnings(True)
+        os.environ.update(_NO_PROGRESS_BARS)
+    handler = logging.StreamHandler(stream)
     handler.addFilter(_ContextFilter())
     if fmt == "json":
         handler.setFormatter(JsonFormatter())

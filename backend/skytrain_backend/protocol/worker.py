@@ -133,6 +133,8 @@ class LeasedJob(BaseModel):
     # The optimizer steps done in the state the job saved when it last yielded its worker:
     # the worker resumes from that state (GET /jobs/{id}/saved-state); 0: from the start.
     steps_done: int = Field(default=0, ge=0)
+    # The request id of the call that created the job: the worker's lines for it carry it.
+    request_id: str | None = None
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
 

@@ -581,4 +581,5 @@ def job_for_worker(session: Session, job: TrainingJob) -> dict[str, Any]:
         "step": registry.next_step(session, model_id=job.model_id),
         "attempt": job.attempts,
         "steps_done": job.saved_steps or 0,
+        "request_id": job.request_id,
     }

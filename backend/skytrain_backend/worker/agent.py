@@ -123,7 +123,8 @@ class WorkerAgent:
             )
         )
         self.worker_id = registered.worker_id
-        logs.set_context(worker_id=self.worker_id)  # on every line from here on
+        # On every line from here on, the front door's (other tasks) included.
+        logs.set_process_context(worker_id=self.worker_id)
         self._heartbeat_interval_s = registered.heartbeat_interval_s
         self._jobs.lease_s = registered.lease_s
         if registered.reachable:
@@ -224,5 +225,5 @@ class WorkerAgent:
                     await asyncio.wait_for(self._stopping.wait(), LEASE_RETRY_S)
                 continue
             if job is not None:
-                with logs.bind(job_id=job.id, model_id=job.model_id):
+                with logs.bind(job_id=job.id, model_id=job.model_id, request_id=job.request_id):
                     await self._jobs.run(job)

@@ -48,7 +48,7 @@ from skytrain_backend.db import jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
 from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_storage
 from skytrain_backend.errors import InvalidRequest
-from skytrain_backend.observability import metrics
+from skytrain_backend.observability import logs, metrics
 from skytrain_backend.protocol import (
     TERMINAL_JOB_STATUSES,
     JobKind,
@@ -106,6 +106,7 @@ def _store_job(
             num_trajectories=batch.num_trajectories,
             max_attempts=max_attempts,
             input_bytes=batch.num_bytes,
+            request_id=logs.current_request_id(),
         )
 
     job = ingest.store_then_commit(
@@ -279,11 +280,13 @@ async def _queue(
 ) -> TrainingJobPublic:
     body = await ingest.read_body(request)
     try:
-        return await in_thread(
+        queued = await in_thread(
             session, _queue_job, job, body, session, tenant, store, settings, scheduler
         )
     finally:
         body.close()
+    logs.set_context(job_id=queued.id)  # the call's access line names the job it made
+    return queued
 
 
 def _queue_job(

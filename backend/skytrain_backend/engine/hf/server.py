@@ -224,7 +224,7 @@ def serve(
     from skytrain_backend.hub import resolve_model
 
     torch.set_num_threads(threads or default_threads())
-    configure_logging(get_settings().log_format, level=log_level.upper())
+    configure_logging(get_settings().log_format, level=log_level.upper(), whole_process=True)
     engine = HFEngine(
         resolve_model(model),
         served_model_name=served_model_name or model,

@@ -1,0 +1,125 @@
+"""The command line as an operator first meets it (issue 36): ``-h`` everywhere, choices
+validated, an unreachable database in a few lines rather than a traceback, and ``db current``
+failing on an outdated schema so a script can check it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from skytrain_backend.cli import app
+from skytrain_backend.config import get_settings
+from tests.fixtures.services import MakeSettings
+
+SKYTRAIN = str(Path(sys.executable).parent / "skytrain")
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., tuple[int, str]]]:
+    """Runs a command in this process (Typer's runner) on the environment's settings."""
+    runner = CliRunner()
+
+    def run(*args: str) -> tuple[int, str]:
+        get_settings.cache_clear()
+        result = runner.invoke(app, list(args))
+        return result.exit_code, result.output
+
+    yield run
+    get_settings.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "command", [[], ["jobs"], ["jobs", "list"], ["db", "current"], ["workers", "plan"]]
+)
+def test_dash_h_is_help_on_every_level(
+    cli: Callable[..., tuple[int, str]], command: list[str]
+) -> None:
+    code, output = cli(*command, "-h")
+    assert code == 0, output
+    assert "Usage:" in output and "--help" in output
+
+
+def test_jobs_list_refuses_an_unknown_status_naming_the_choices(
+    cli: Callable[..., tuple[int, str]],
+) -> None:
+    code, output = cli("jobs", "list", "--status", "bogus")
+    assert code == 2, output
+    assert "bogus" in output
+    for status in ("queued", "running", "succeeded", "failed", "cancelled"):
+        assert status in output
+
+
+def test_jobs_list_filters_by_a_known_status(
+    cli: Callable[..., tuple[int, str]],
+    make_settings: MakeSettings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", make_settings().resolved_database_url)
+    code, output = cli("jobs", "list", "--status", "queued")
+    assert code == 0, output
+    assert "training jobs" in output
+
+
+def test_db_current_exits_non_zero_while_the_schema_is_outdated(
+    cli: Callable[..., tuple[int, str]],
+    make_settings: MakeSettings,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(
+        "SKYTRAIN_DATABASE_URL", make_settings(database="postgres").resolved_database_url
+    )
+    assert cli("db", "current")[0] == 0
+    assert cli("db", "downgrade", "-1")[0] == 0
+    code, output = cli("db", "current")
+    assert code == 1 and "outdated: run `skytrain db upgrade`" in output
+    assert cli("db", "upgrade")[0] == 0
+    code, output = cli("db", "current")
+    assert code == 0 and "up to date" in output
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["status"], ["models", "list"], ["workers", "list"], ["db", "current"]],
+    ids=" ".join,
+)
+def test_an_unreachable_database_is_a_few_lines_naming_it(
+    command: list[str], tmp_path: Path
+) -> None:
+    """The installed command in a process of its own: what an operator's terminal shows."""
+    port = _closed_port()
+    env = {
+        **os.environ,
+        "SKYTRAIN_HOME": str(tmp_path),
+        "SKYTRAIN_DATABASE_URL": f"postgresql+psycopg://ops:s3cret@127.0.0.1:{port}/skytrain",
+    }
+    result = subprocess.run(
+        [SKYTRAIN, *command], env=env, capture_output=True, text=True, timeout=120
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert len(output.strip().splitlines()) <= 5, output
+    assert f"ops:***@127.0.0.1:{port}/skytrain" in output
+    assert "s3cret" not in output and "Traceback" not in output
+    assert "SKYTRAIN_DATABASE_URL" in output
+
+
+def test_the_status_choices_are_the_protocols() -> None:
+    from typing import get_args
+
+    from skytrain_backend.cli.workers import JobStatusChoice
+    from skytrain_backend.protocol.worker import JobStatus
+
+    assert [choice.value for choice in JobStatusChoice] == list(get_args(JobStatus))

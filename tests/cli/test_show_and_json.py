@@ -1,0 +1,148 @@
+"""`skytrain jobs show ID [--follow]`, `--json` on the list and show commands, and sizes in
+human units (issue 36: no command followed a job, none but `workers plan` printed JSON, and
+checkpoint sizes printed as `225027 B`)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy.orm import Session, sessionmaker
+from typer.testing import CliRunner
+
+from skytrain_backend.cli import app
+from skytrain_backend.cli._common import _human_size
+from skytrain_backend.config import get_settings
+from skytrain_backend.db import jobs
+from skytrain_backend.db.models import TrainingJob
+from tests.fixtures.rows import add_rl_job
+from tests.fixtures.services import ApiKey, ControlPlane
+
+
+@pytest.fixture
+def cli(control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    settings = control_plane.settings
+    monkeypatch.setenv("SKYTRAIN_HOME", str(settings.home))
+    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", settings.resolved_database_url)
+    monkeypatch.setenv("SKYTRAIN_OBJECT_STORE_URL", settings.resolved_object_store_url)
+    get_settings.cache_clear()
+    runner = CliRunner()
+
+    def run(*args: str, code: int = 0) -> str:
+        result = runner.invoke(app, list(args))
+        assert result.exit_code == code, result.output
+        return result.output
+
+    yield run
+    get_settings.cache_clear()
+
+
+@pytest.fixture
+def queued_job(
+    control_plane: ControlPlane,
+    api_key: Callable[..., ApiKey],
+    db_sessions: sessionmaker[Session],
+) -> tuple[dict[str, Any], str]:
+    """A model made through the API and a queued job of it (as the API adds one)."""
+    key = api_key()
+    response = httpx.post(
+        f"{control_plane.url}/v1/models",
+        headers=key.headers,
+        json={"project": "cli", "name": "shown", "base_model": "tiny/llama"},
+    )
+    assert response.status_code == 201, response.text
+    model = response.json()
+    with db_sessions() as session:
+        job = add_rl_job(session, model["id"])
+        jobs.add_event(session, job_id=job.id, type="training_started", data={"steps": 1})
+        session.commit()
+        return model, job.id
+
+
+def test_jobs_show_prints_the_job_and_its_events_and_json(
+    cli: Callable[..., str], queued_job: tuple[dict[str, Any], str]
+) -> None:
+    model, job_id = queued_job
+    shown = cli("jobs", "show", job_id)
+    assert f"job         {job_id}" in shown and "status      queued" in shown
+    assert model["id"] in shown and "training_started" in shown
+    as_json = json.loads(cli("jobs", "show", job_id, "--json"))
+    assert as_json["job"] == job_id and as_json["status"] == "queued"
+    assert [event["type"] for event in as_json["events"]] == ["training_started"]
+    assert "no training job 'nope'" in cli("jobs", "show", "nope", code=1)
+
+
+def test_jobs_show_follow_prints_new_events_until_the_job_ends(
+    cli: Callable[..., str],
+    queued_job: tuple[dict[str, Any], str],
+    db_sessions: sessionmaker[Session],
+) -> None:
+    _, job_id = queued_job
+
+    def cancel() -> None:
+        with db_sessions() as session:
+            jobs.cancel_job(session, job=session.get_one(TrainingJob, job_id))
+
+    later = threading.Timer(1.5, cancel)
+    later.start()
+    try:
+        followed = cli("jobs", "show", job_id, "--follow")
+    finally:
+        later.join()
+    assert followed.index("training_started") < followed.index("training_failed")
+    assert followed.rstrip().endswith("the job ended: cancelled")
+
+
+def test_list_and_show_commands_print_json(
+    cli: Callable[..., str], queued_job: tuple[dict[str, Any], str]
+) -> None:
+    model, job_id = queued_job
+    listed = json.loads(cli("jobs", "list", "--json", "--limit", "100"))
+    (row,) = [row for row in listed if row["id"] == job_id]
+    assert row["status"] == "queued" and row["model"].endswith("/cli/shown")
+    models = json.loads(cli("models", "list", "--json"))
+    assert model["id"] in {row["id"] for row in models}
+    shown = json.loads(cli("models", "show", model["id"], "--json"))
+    assert shown["model"] == model["id"] and shown["base_model"] == "tiny/llama"
+    assert [job["id"] for job in shown["training_jobs"]] == [job_id]
+    assert isinstance(json.loads(cli("workers", "list", "--all", "--json")), list)
+
+
+@pytest.mark.parametrize(
+    ("size", "shown"),
+    [(0, "0 B"), (1023, "1023 B"), (1536, "1.5 KiB"), (225027, "220 KiB"), (3 * 2**30, "3.0 GiB")],
+)
+def test_sizes_read_in_human_units(size: int, shown: str) -> None:
+    assert _human_size(size) == shown
+
+
+@pytest.mark.parametrize(
+    ("message", "cell"),
+    [
+        (
+            "exited with code 1; the last lines of /home/w.log:\n"
+            "╭──── Traceback ────╮\n│ main.py:3 in run │\n╰───────────────────╯\n"
+            "OSError: [Errno 28] No space left on device\n",
+            "OSError: [Errno 28] No space left on device",
+        ),
+        (
+            "exited with code 1; the last lines of /home/w.log:\n"
+            '{"level": "error", "message": "the worker stopped: boom", '
+            '"exception": "Traceback (most recent call last):\\nOSError: boom"}',
+            "OSError: boom",
+        ),
+        ("draining: scale-in", "draining: scale-in"),
+        (None, ""),
+    ],
+)
+def test_status_shows_the_line_of_a_workers_message_that_names_the_error(
+    message: str | None, cell: str
+) -> None:
+    """Issue 36: `skytrain status`'s "last errors" cell showed the log's path and then `│`."""
+    from skytrain_backend.cli.status import _error_cell
+
+    assert _error_cell(message) == cell
