@@ -5,7 +5,7 @@ call do (issue 36: a job could not be followed by id from the call to the traine
 Jobs created before have none (null). Downgrading drops the column.
 
 Revision ID: i36a
-Revises: i26a
+Revises: i38e
 Create Date: 2026-12-07
 """
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "i36a"
-down_revision: str | Sequence[str] | None = "i26a"
+down_revision: str | Sequence[str] | None = "i38e"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
