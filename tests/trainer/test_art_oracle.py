@@ -497,6 +497,8 @@ def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
     step = trainer._optimizer_step
 
     def compare(**settings: Any) -> float:
+        if settings["learning_rate"] == 1e-9:  # ART's warm-up (its own test is below)
+            return step(**settings)
         # Before this step's update: ART's gradient of its row at the same parameters.
         arts.append(_arts_gradient(trainer, art_oracle, packed, len(arts))[1])
         ours.append([p.grad.detach().clone() for p in trainer.policy.trainable_parameters()])
