@@ -71,6 +71,7 @@ class TrainConfig(_SentConfig):
     scale_rewards: bool | None = None
     allow_training_without_logprobs: bool | None = None
     unsampled_old_logprobs: Literal["job_start", "current"] | None = None
+    warmup_step: bool | None = None
     aggregation: Literal["token_mean", "art"] | None = None
     logprob_calculation_chunk_size: int | None = Field(default=None, ge=1, le=MAX_SEQUENCE_LENGTH)
     packed_sequence_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)

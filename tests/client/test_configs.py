@@ -68,6 +68,7 @@ def test_every_set_field_is_accepted_by_the_server() -> None:
         scale_rewards=False,
         allow_training_without_logprobs=True,
         unsampled_old_logprobs="job_start",
+        warmup_step=True,
         aggregation="token_mean",
         logprob_calculation_chunk_size=256,
         packed_sequence_length=2048,

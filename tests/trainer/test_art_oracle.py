@@ -171,11 +171,14 @@ def moved_trainer(tiny_model_path: Path) -> Trainer:
     return trainer
 
 
-def _row_logprobs(trainer: Trainer, packed: ArtPacked, row: int) -> tuple[torch.Tensor, int]:
+def _row_logprobs(
+    trainer: Trainer, packed: ArtPacked, row: int, cut: int | None = None
+) -> tuple[torch.Tensor, int]:
     """The policy's logprob of each position's next token in ART's row ``(1, S)`` (0 at the
-    last real position and in the padding), and the row's real length. ART's attention:
-    a token sees its own segment and its parent's (``group_ids``, ``parent_ids``)."""
-    tensors = {key: value[row] for key, value in packed.tensors.items()}
+    last real position and in the padding), and the row's real length; its first ``cut``
+    positions only when given. ART's attention: a token sees its own segment and its
+    parent's (``group_ids``, ``parent_ids``)."""
+    tensors = {key: value[row][:cut] for key, value in packed.tensors.items()}
     length = int((tensors["group_ids"] != -1).sum())
     tokens = tensors["tokens"][:length].tolist()
     hidden = trainer.policy.hidden_states(
@@ -197,16 +200,16 @@ def _row_logprobs(trainer: Trainer, packed: ArtPacked, row: int) -> tuple[torch.
 
 
 def _arts_gradient(
-    trainer: Trainer, oracle: ArtOracle, packed: ArtPacked, row: int = 0
+    trainer: Trainer, oracle: ArtOracle, packed: ArtPacked, row: int = 0, cut: int | None = None
 ) -> tuple[float, list[torch.Tensor]]:
-    """ART's loss of ``row`` and its gradient of the adapter's parameters, at the trainer's
-    parameters now."""
-    new_logprobs, _ = _row_logprobs(trainer, packed, row)
+    """ART's loss of ``row`` (its first ``cut`` positions) and its gradient of the adapter's
+    parameters, at the trainer's parameters now."""
+    new_logprobs, _ = _row_logprobs(trainer, packed, row, cut)
     reference = None
-    if packed.dev_config.get("kl_penalty_coef", 0.0) > 0:
+    if packed.dev_config.get("kl_penalty_coef", 0.0) > 0 and cut is None:
         with torch.no_grad(), trainer.policy.adapter_disabled():
             reference, _ = _row_logprobs(trainer, packed, row)
-    loss, grad = oracle.loss(row, new_logprobs, reference)
+    loss, grad = oracle.loss(row, new_logprobs, reference, cut)
     parameters = trainer.policy.trainable_parameters()
     gradients = torch.autograd.grad((new_logprobs * grad).sum(), parameters)
     return loss, list(gradients)
@@ -494,6 +497,8 @@ def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
     step = trainer._optimizer_step
 
     def compare(**settings: Any) -> float:
+        if settings["learning_rate"] == 1e-9:  # ART's warm-up (its own test is below)
+            return step(**settings)
         # Before this step's update: ART's gradient of its row at the same parameters.
         arts.append(_arts_gradient(trainer, art_oracle, packed, len(arts))[1])
         ours.append([p.grad.detach().clone() for p in trainer.policy.trainable_parameters()])
@@ -505,3 +510,37 @@ def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
     for index, (art, our) in enumerate(zip(arts, ours, strict=True)):
         assert _cosine(our, art) >= 0.9999, f"step {index + 1}"
         assert _norm(our) == pytest.approx(_norm(art), rel=1e-5), f"step {index + 1}"
+
+
+@pytest.mark.slow
+def test_a_fresh_trainer_takes_arts_warm_up_step_first(
+    art_oracle: ArtOracle, tiny_model_path: Path, moved_trainer: Trainer
+) -> None:
+    """A model's first ART job starts as ART's fresh trainer does: one optimizer step at
+    learning rate 1e-9 on the first row cut to 1,024 positions (ART's loss on that cut at
+    the same parameters: same direction and norm), then the job's steps, so AdamW has
+    stepped once more than the job has rows."""
+    batch = _agent_batch(groups=3, per_group=3, seed=6)
+    packed = art_oracle.pack(batch, tokenizer=tiny_model_path, max_seq_length=MAX_SEQ_LENGTH)
+    assert int((packed.tensors["group_ids"][0] != -1).sum()) > 1024  # the warm-up cuts it
+    config = RLTrainConfig.from_experimental(packed.experimental_config)
+    trainer = copy.deepcopy(moved_trainer)
+    assert not trainer.optimizer.state
+    plan = trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in batch], config)
+    calls: list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]] = []
+    step = trainer._optimizer_step
+
+    def record(**settings: Any) -> float:
+        ours = [p.grad.detach().clone() for p in trainer.policy.trainable_parameters()]
+        arts = _arts_gradient(trainer, art_oracle, packed, 0, cut=1024)[1] if not calls else []
+        calls.append((settings, ours, arts))
+        return step(**settings)
+
+    trainer._optimizer_step = record  # type: ignore[method-assign]
+    list(trainer.run(plan))
+    assert [settings["learning_rate"] for settings, _, _ in calls] == [1e-9] + [5e-6] * packed.rows
+    _, ours, arts = calls[0]
+    assert _cosine(ours, arts) >= 0.9999
+    assert _norm(ours) == pytest.approx(_norm(arts), rel=1e-5)
+    (first, *_) = trainer.policy.trainable_parameters()
+    assert int(trainer.optimizer.state[first]["step"]) == packed.rows + 1

@@ -86,6 +86,7 @@ ART_PRESET: dict[str, Any] = {
     "weight_decay": 0.1,
     "max_grad_norm": 0.1,
     "unsampled_old_logprobs": "current",
+    "warmup_step": True,
 }
 
 
@@ -155,6 +156,10 @@ class RLTrainConfig(BaseModel):
     # policy is the policy at the job's start ("job_start"), or each step's own, so their
     # ratio is exactly 1 on every step ("current", ART's rule).
     unsampled_old_logprobs: Literal["job_start", "current"] = "job_start"
+    # ART's warm-up: a trainer with a fresh optimizer (a model's first job) first steps once
+    # at learning rate 1e-9 on the first row cut to 1,024 positions, which seeds AdamW's
+    # moments (with num_gradient_steps="per_row" only, as ART's rows say what it reads).
+    warmup_step: bool = False
     aggregation: Aggregation = "token_mean"
     logprob_calculation_chunk_size: int = Field(default=1024, ge=1, le=MAX_SEQUENCE_LENGTH)
     packed_sequence_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)

@@ -17,6 +17,9 @@ sequences once each, so a sequence costs a row only the segments the row does no
 - ``num_trajectories_learning_rate_multiplier_power``: ART scales a row's learning rate by
   (its tree's segment ids - its parent ids) ** power, the sequences that continue a shared
   segment: 0 in a row that shares nothing (``ArtLayout.trajectories``).
+- ART's warm-up: a fresh trainer first steps once at learning rate 1e-9 on its first row cut
+  to ``ART_WARMUP_TOKENS`` positions of its layout, the row's segments one after another
+  (``ArtLayout.warmup``: how many tokens of each sequence that keeps).
 
 Pure Python: no torch.
 """
@@ -31,6 +34,8 @@ from skytrain_backend.trainer.tokenize import TokenizedSequence
 
 # ART shares a run of tokens in a row only when it is at least this long.
 ART_MIN_SHARED_PREFIX = 64
+# ART's warm-up step reads this many positions of its first row.
+ART_WARMUP_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -47,11 +52,13 @@ class _Segment:
 class ArtLayout:
     """``rows``: indices into the sequences, one list per ART row (step) in ART's order;
     ``trajectories``: each row's count for the learning-rate multiplier; ``dropped``: the
-    indices of the sequences longer than the row."""
+    indices of the sequences longer than the row; ``warmup``: the first row cut for ART's
+    warm-up step, (sequence index, tokens kept) of each sequence it keeps, and its count."""
 
     rows: list[list[int]]
     trajectories: list[int]
     dropped: list[int]
+    warmup: tuple[list[tuple[int, int]], int] = ([], 0)
 
 
 def prefix_tree(
@@ -117,6 +124,26 @@ def prefix_tree(
 
     walk(range(len(token_lists)), 0, None)
     return segments
+
+
+def cut(
+    members: Sequence[int], tree: Sequence[_Segment], length: int
+) -> tuple[list[tuple[int, int]], int]:
+    """The row laid out as ART lays it (``tree``'s segments one after another) cut to its
+    first ``length`` positions: (sequence index, tokens kept) of each sequence with a token
+    left, and the cut row's count for the learning-rate multiplier."""
+    kept: dict[int, int] = {}
+    segments: list[_Segment] = []
+    position = 0
+    for segment in tree:
+        if position >= length:
+            break
+        tokens = min(segment.length, length - position)
+        segments.append(segment)
+        for member in segment.members:
+            kept[members[member]] = kept.get(members[member], 0) + tokens
+        position += segment.length
+    return list(kept.items()), trajectory_count(segments)
 
 
 def _common_prefix_length(token_lists: Sequence[Sequence[int]]) -> int:
@@ -217,10 +244,13 @@ def art_layout(sequences: Sequence[TokenizedSequence], *, row_length: int) -> Ar
     random.Random(len(rows)).shuffle(rows)
 
     members = [[kept[p] for p in row.members] for row in rows]
-    trajectories = [
-        trajectory_count(
-            prefix_tree([sequences[i].token_ids for i in row], [shareable[i] for i in row])
-        )
+    trees = [
+        prefix_tree([sequences[i].token_ids for i in row], [shareable[i] for i in row])
         for row in members
     ]
-    return ArtLayout(rows=members, trajectories=trajectories, dropped=dropped)
+    return ArtLayout(
+        rows=members,
+        trajectories=[trajectory_count(tree) for tree in trees],
+        dropped=dropped,
+        warmup=cut(members[0], trees[0], ART_WARMUP_TOKENS),
+    )

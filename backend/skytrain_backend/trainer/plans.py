@@ -79,6 +79,18 @@ class _Agreement:
         )
 
 
+# ART's warm-up step's learning rate (``art/preprocessing/inputs.py``).
+ART_WARMUP_LEARNING_RATE = 1e-9
+
+
+@dataclass
+class WarmupRow:
+    """ART's warm-up step (``art_layout``): its rows, and its count for the rate multiplier."""
+
+    packing: Packing
+    rate_count: int
+
+
 @dataclass
 class RLPlan:
     """An RL job ready to run: the rows of each optimizer step and what is known of them."""
@@ -99,6 +111,8 @@ class RLPlan:
     # ART's steps: per step, ART's count for the learning-rate multiplier (``art_layout``);
     # None: each step's number of trajectories.
     rate_counts: list[int] | None = None
+    # ``warmup_step``: what a trainer with a fresh optimizer steps on first.
+    warmup: WarmupRow | None = None
 
     @property
     def num_gradient_steps(self) -> int:
@@ -264,6 +278,8 @@ class ArtSteps:
     parts: list[list[TokenizedSequence]]
     trajectories: list[int]
     summary: Metrics
+    # ART's warm-up cut of the first row: (index into the sequences, tokens kept), its count.
+    warmup: tuple[list[tuple[int, int]], int]
 
 
 def _steps_per_row(sequences: Sequence[TokenizedSequence], row_length: int) -> ArtSteps:
@@ -279,6 +295,7 @@ def _steps_per_row(sequences: Sequence[TokenizedSequence], row_length: int) -> A
             "sequences/dropped": float(len(layout.dropped)),
             "tokens/dropped": float(sum(sequences[i].num_trained for i in layout.dropped)),
         },
+        warmup=layout.warmup,
     )
 
 

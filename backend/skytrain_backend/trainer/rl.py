@@ -35,8 +35,10 @@ from skytrain_backend.trainer.packing import (
     merged_stats,
 )
 from skytrain_backend.trainer.plans import (
+    ART_WARMUP_LEARNING_RATE,
     Metrics,
     RLPlan,
+    WarmupRow,
     _Agreement,
     _apply_art_weights,
     _row_old_logprobs,
@@ -108,7 +110,7 @@ class RLTraining(TrainerCore):
                 [s for g in sorted(part) for s in by_group[g]]
                 for part in _steps_over_groups(sorted(by_group), num_steps, seed=seed)
             ]
-            rate_counts, dropped = None, {}
+            rate_counts, dropped, warmup_cut = None, {}, None
         else:  # "per_row"
             requested = config.packed_sequence_length or art_row_length(
                 batch.sequences, max_seq_length=self.model_config.max_seq_length
@@ -116,6 +118,7 @@ class RLTraining(TrainerCore):
             row_length = self.row_length(requested)
             art_steps = _steps_per_row(batch.sequences, row_length)
             parts, rate_counts, dropped = art_steps.parts, art_steps.trajectories, art_steps.summary
+            warmup_cut = art_steps.warmup if config.warmup_step else None
         packings = [self._pack(part, row_length) for part in parts]
         kept = [index for index, packing in enumerate(packings) if packing.rows]
         steps = [packings[index] for index in kept]
@@ -128,6 +131,12 @@ class RLTraining(TrainerCore):
             )
         if art:
             _apply_art_weights(steps, batch.sequences)
+        # Cut after the weights are set: the copies keep them.
+        warmup = None
+        if warmup_cut is not None and steps:
+            kept, count = warmup_cut
+            cut_sequences = [batch.sequences[index].truncated(tokens) for index, tokens in kept]
+            warmup = WarmupRow(self._pack(cut_sequences, row_length), count)
         summary = (
             batch.summary
             | dropped
@@ -157,6 +166,7 @@ class RLTraining(TrainerCore):
             summary=summary,
             base_step=self.step,
             rate_counts=rate_counts,
+            warmup=warmup,
         )
         if first_step_reads:
             plan.old_logprobs.insert(0, [None] * len(steps[0].rows))
@@ -228,6 +238,34 @@ class RLTraining(TrainerCore):
         measured, plan.warning = agreement.result(self.policy.model.dtype)
         plan.summary |= measured
         plan._agreement = None
+
+    def art_warmup(self, plan: RLPlan) -> None:
+        """ART's warm-up step (``warmup_step``), taken once by a trainer whose optimizer has
+        no state yet, before the plan's first step: the first row cut to ART's warm-up
+        length, at learning rate 1e-9 times its rate multiplier, without a KL penalty, the
+        sampler's logprobs as the old ones. The update is negligible; AdamW's moments and
+        step count are what it sets, as ART's fresh trainer has them."""
+        if plan.warmup is None or plan.steps_done or self.optimizer.state:
+            return
+        config = plan.config.model_copy(
+            update={
+                "learning_rate": ART_WARMUP_LEARNING_RATE,
+                "kl_penalty_coef": 0.0,
+                "precalculate_logprobs": False,
+                "truncated_importance_sampling": None,
+            }
+        )
+        rows = plan.warmup.packing.rows
+        warmup = RLPlan(
+            config=config,
+            steps=[plan.warmup.packing],
+            old_logprobs=[[None] * len(rows)],
+            summary={},
+            base_step=self.step,
+            rate_counts=[plan.warmup.rate_count],
+        )
+        warmup._agreement = _Agreement()
+        self._rl_step(warmup, 0)
 
     def _rl_step(self, plan: RLPlan, index: int) -> Metrics:
         config, packing = plan.config, plan.steps[index]

@@ -93,6 +93,9 @@ class Trainer(RLTraining, SFTTraining):
         else:
             # A resumed plan: the generators as its last step done left them.
             position.random_state.restore(self.policy.device)
+        if isinstance(plan, RLPlan):
+            with out_of_memory_as_error("ART's warm-up step", self.policy.device):
+                self.art_warmup(plan)
         for number, step in enumerate(self._steps(plan), start=position.steps_done + 1):
             with out_of_memory_as_error(f"training step {number}", self.policy.device):
                 metrics = step()
