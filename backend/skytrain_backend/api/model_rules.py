@@ -19,6 +19,8 @@ Each is checked before anything is stored, so a refused request leaves nothing b
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy.orm import Session
 
 from skytrain_backend.base_models import check_base_model
@@ -81,14 +83,10 @@ def check_fits_a_gpu(
     unknown GPU passes (the worker plans for itself), and so does a base model a registered
     worker already serves.
     """
-    accelerators = provider.accelerator_choices() if provider is not None else None
-    if not accelerators or placement.served_by_a_registered_worker(session, base_model=base_model):
-        return
-    try:
-        config = configs.get(base_model)
-    except ModelConfigUnavailable:
-        return
-    choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
+    planned = _plan_inputs(session, base_model=base_model, provider=provider, configs=configs)
+    if planned is not None:
+        accelerators, config = planned
+        choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
 
 
 def check_one_device_trains(
@@ -103,13 +101,10 @@ def check_one_device_trains(
     trainer: Tinker's trainer is one process on one device. Passes when the plan is unknown
     here (no GPUs configured, no config.json) or a registered worker serves the base model
     (it planned for its own GPUs): the worker refuses then, if it must."""
-    accelerators = provider.accelerator_choices() if provider is not None else None
-    if not accelerators or placement.served_by_a_registered_worker(session, base_model=base_model):
+    planned = _plan_inputs(session, base_model=base_model, provider=provider, configs=configs)
+    if planned is None:
         return
-    try:
-        config = configs.get(base_model)
-    except ModelConfigUnavailable:
-        return
+    accelerators, config = planned
     choice = choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
     plan = choice.plan if choice is not None else None
     if plan is not None and plan.trainer_shards > 1:
@@ -119,3 +114,23 @@ def check_one_device_trains(
             "jobs (REST, SDK or ART's client), or choose a base model one GPU trains "
             "(sampling it through Tinker works)"
         )
+
+
+def _plan_inputs(
+    session: Session, *, base_model: str, provider: Provider | None, configs: ModelConfigs
+) -> tuple[list[str], dict[str, Any] | None] | None:
+    """The GPUs the provider's workers may get and the base model's config.json; None when
+    the plan is not checked here: no GPUs configured, a registered worker serves the base
+    model (it planned for its own GPUs), or the config cannot be read now.
+
+    Reading the config may wait on the object store or the Hub (up to
+    ``SKYTRAIN_HUB_TIMEOUT_S``): the session's transaction ends first (its rows stay
+    readable), so no database connection is held meanwhile."""
+    accelerators = provider.accelerator_choices() if provider is not None else None
+    if not accelerators or placement.served_by_a_registered_worker(session, base_model=base_model):
+        return None
+    session.commit()
+    try:
+        return accelerators, configs.get(base_model)
+    except ModelConfigUnavailable:
+        return None

@@ -14,7 +14,7 @@ do, and never the Hub's address.
 from __future__ import annotations
 
 import json
-import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,29 +54,47 @@ def fetch_hub_config(
     base_model: str, *, endpoint: str | None, token: str | None, timeout_s: float
 ) -> dict[str, Any]:
     """``base_model``'s config.json downloaded alone from the Hub at ``endpoint`` (None: the
-    public Hub), with ``token`` (None: none, even if this machine has one saved); the file
-    goes to a temporary directory, never into a cache the workers or other tenants read.
+    public Hub), with ``token`` (None: none, even if this machine has one saved); read into
+    memory, never into a cache the workers or other tenants read, and never more than
+    ``MAX_CONFIG_BYTES`` of it nor for longer than about ``timeout_s``: any tenant may name a
+    repository, and its "config.json" may be gigabytes sent slowly.
 
     Raises ModelConfigUnavailable when the Hub refuses it (gated or private: 401/403), has
     no such repository or file (404), cannot be reached in ``timeout_s``, or sends
-    something that is not a JSON object.
+    something that is not a JSON object of at most ``MAX_CONFIG_BYTES``.
     """
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
 
-    with tempfile.TemporaryDirectory(prefix="skytrain-config-") as directory:
-        try:
-            path = hf_hub_download(
-                base_model,
-                CONFIG_FILE,
-                cache_dir=directory,
-                endpoint=endpoint,
-                token=token or False,
-                etag_timeout=timeout_s,
-            )
-        except Exception as exc:
-            raise ModelConfigUnavailable(_why_unavailable(base_model, exc)) from None
-        config = read_config(Path(path))
-    if config is None:
+    url = hf_hub_url(base_model, CONFIG_FILE, endpoint=endpoint)
+    deadline = time.monotonic() + timeout_s
+    data = bytearray()
+    cut_short = False
+    try:
+        with get_session().stream(
+            "GET",
+            url,
+            headers=build_hf_headers(token=token or False),
+            timeout=timeout_s,
+            follow_redirects=True,
+        ) as response:
+            if response.status_code >= 400:
+                response.read()
+                hf_raise_for_status(response)
+            for chunk in response.iter_bytes():
+                data += chunk
+                if len(data) > MAX_CONFIG_BYTES or time.monotonic() > deadline:
+                    cut_short = True
+                    break
+    except Exception as exc:
+        raise ModelConfigUnavailable(_why_unavailable(base_model, exc)) from None
+    if cut_short and len(data) <= MAX_CONFIG_BYTES:  # cut by the deadline
+        raise ModelConfigUnavailable(_why_unavailable(base_model, TimeoutError()))
+    try:
+        config = json.loads(data) if len(data) <= MAX_CONFIG_BYTES else None
+    except ValueError:
+        config = None
+    if not isinstance(config, dict):
         raise ModelConfigUnavailable(
             f"the Hugging Face Hub's {CONFIG_FILE} for base model {base_model} is not a JSON "
             "object of at most 1 MiB: check the model id"
