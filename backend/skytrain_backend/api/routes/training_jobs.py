@@ -53,12 +53,11 @@ from skytrain_backend.protocol import (
     TERMINAL_JOB_STATUSES,
     JobKind,
     JobStatus,
-    ModelConfig,
     RLTrainConfig,
     SFTTrainConfig,
     check_trainable_turns,
 )
-from skytrain_backend.scheduler import placement
+from skytrain_backend.scheduler import ranks
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import job_waiting
 from skytrain_backend.storage import ObjectStore, keys
@@ -130,11 +129,12 @@ def _input_key(model: Model, job_id: str) -> str:
 
 def _check_servable(session: Session, *, model: Model, settings: Settings) -> None:
     """A job whose adapter no worker would load is refused now, not after training."""
-    placement.check_lora_rank(
+    ranks.check_lora_rank(
         session,
         base_model=model.base_model,
-        lora_rank=ModelConfig.model_validate(model.config or {}).lora_rank,
+        lora_rank=ranks.model_lora_rank(model),
         default_limit=settings.engine_max_lora_rank,
+        launches=settings.provider != "none",
     )
 
 
