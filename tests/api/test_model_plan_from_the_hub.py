@@ -256,3 +256,17 @@ def test_a_model_of_a_higher_rank_gets_a_worker_launched_at_its_rank(
     first, second = _wait_for(lambda: len(plane.fake.launches) > 1 and plane.fake.launches)
     assert first.task.envs["SKYTRAIN_ENGINE_MAX_LORA_RANK"] == "8"
     assert second.task.envs["SKYTRAIN_ENGINE_MAX_LORA_RANK"] == "32"
+
+
+def test_a_model_above_the_rank_its_workers_load_says_so_while_it_waits(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(accelerators="L4:1", hub=loopback_hub.url, max_workers=1)
+    assert _create(plane, "rank8", QWEN_7B, lora_rank=8).status_code == 201
+    _wait_for(lambda: list(plane.fake.launches))
+    wide = _create(plane, "rank32", QWEN_7B, lora_rank=32)
+    assert wide.status_code == 201, wide.text
+    serving = _serving(plane, wide.json()["id"])
+    assert serving["state"] == "waiting"
+    assert "load LoRA ranks up to 8 and this model's lora_rank is 32" in serving["message"]
+    assert len(plane.fake.launches) == 1  # max_workers: no second worker

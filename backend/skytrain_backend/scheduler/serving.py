@@ -155,6 +155,10 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
             retry_after_s=2.0,
         )
     newest = placement.newest_worker(session, base_model=model.base_model)
+    if (newest is None or newest.status != "failed") and (
+        rank_wait := _rank_wait(session, model=model)
+    ) is not None:
+        return rank_wait
     if newest is not None and newest.status in ("provisioning", "starting"):
         detail = f": {newest.status_message}" if newest.status_message else ""
         return ServingStatus(
@@ -210,8 +214,6 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
             )
     if room is None and max_workers is not None and at_max_workers:
         return _at_max_workers(session, model=model, max_workers=max_workers)
-    if (rank_wait := _rank_wait(session, model=model)) is not None:
-        return rank_wait
     if newest is not None and newest.status in LIVE_WORKER_STATUSES:
         return ServingStatus(
             state="waiting",
