@@ -40,6 +40,29 @@ _TERMINAL_JOB_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 _FOLLOW_WAIT_S = 30.0
 
 
+def _cut_words(started: dict[str, Any]) -> str | None:
+    """What a ``training_started`` event says its rows cut of longer sequences, in words
+    (None: nothing)."""
+    row = int(started.get("packing/row_length") or 0)
+    cut, cut_tokens = int(started.get("sequences/truncated") or 0), started.get("tokens/truncated")
+    dropped, dropped_tokens = (
+        int(started.get("sequences/dropped") or 0),
+        started.get("tokens/dropped"),
+    )
+    said = []
+    if cut or cut_tokens:
+        said.append(
+            f"{cut} sequences were cut to its rows of {row} tokens, "
+            f"{int(cut_tokens or 0)} trained tokens left out"
+        )
+    if dropped:
+        said.append(
+            f"{dropped} sequences longer than its rows of {row} tokens were left out "
+            f"({int(dropped_tokens or 0)} trained tokens)"
+        )
+    return "; ".join(said) or None
+
+
 def _numeric(data: dict[str, Any]) -> dict[str, float]:
     return {
         key: float(value)
@@ -235,7 +258,11 @@ class TrainableModel(Model):
         job fails. ``timeout`` (seconds, ``None`` for no limit) bounds the whole wait; the job
         keeps running on the server if the wait ends. A ``RuntimeWarning`` says when the job
         found its trainer's logprobs of the sampled tokens far from the engine's (the job's
-        ``logprob_agreement/*`` metrics say by how much). A job that yields its worker to
+        ``logprob_agreement/*`` metrics say by how much), and when trajectories are longer
+        than the job's row (the model's ``max_seq_length`` or the job's
+        ``packed_sequence_length``): at submission, how many and the longest, for those
+        sampled through skytrain; once training starts, how many the trainer cut and the
+        trained tokens it left out. A job that yields its worker to
         another tenant's job between two steps resumes where it stopped: the bar says so
         meanwhile, and the result is the one it would have had without the pause.
         """
@@ -245,6 +272,16 @@ class TrainableModel(Model):
         if config is not None:
             body["config"] = config._to_request()
         job = await backend._post("/v1/training-jobs", json=body)
+        if too_long := job.get("too_long"):
+            warnings.warn(
+                f"training job {job['id']}: {too_long['sequences']} of its trajectories are "
+                f"longer than its rows of {too_long['row_tokens']} tokens (the longest: "
+                f"{too_long['longest_tokens']}); the trainer cuts them to the row (under ART's "
+                "rules, leaves them out): raise the model's max_seq_length or the job's "
+                "packed_sequence_length, or send shorter trajectories",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         result = await self._follow_job(
             str(job["id"]), poll_interval=poll_interval, limit_s=timeout, progress=progress
         )
@@ -330,6 +367,10 @@ class TrainableModel(Model):
                                 f"training job {job_id}: {data['warning']}",
                                 RuntimeWarning,
                                 stacklevel=2,
+                            )
+                        if cut := _cut_words(data):
+                            warnings.warn(
+                                f"training job {job_id}: {cut}", RuntimeWarning, stacklevel=2
                             )
                     elif kind == "gradient_step":
                         metrics = _numeric(data)

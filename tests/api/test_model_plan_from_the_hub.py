@@ -30,6 +30,7 @@ from tests.fixtures.hub import LoopbackHub
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import FakeSky
 
+QWEN_7B = "Qwen/Qwen2.5-7B-Instruct"
 QWEN_32B = "Qwen/Qwen2.5-32B-Instruct"
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -106,10 +107,13 @@ def start_control_plane(
         stop()
 
 
-def _create(plane: Plane, name: str, base_model: str) -> httpx.Response:
-    return plane.http.post(
-        "/v1/models", json={"project": "hub", "name": name, "base_model": base_model}
-    )
+def _create(
+    plane: Plane, name: str, base_model: str, *, lora_rank: int | None = None
+) -> httpx.Response:
+    body: dict[str, Any] = {"project": "hub", "name": name, "base_model": base_model}
+    if lora_rank is not None:
+        body["config"] = {"lora_rank": lora_rank}
+    return plane.http.post("/v1/models", json=body)
 
 
 def _wait_for(what: Callable[[], Any], *, timeout_s: float = 60.0) -> Any:
@@ -209,3 +213,60 @@ def test_a_gated_base_model_is_planned_with_the_operators_token(
     (launch,) = _wait_for(lambda: list(plane.fake.launches))
     assert [r.accelerators for r in launch.task.resources] == [{"A100-80GB": 1}]
     assert "SKYTRAIN_ENGINE_MAX_MODEL_LEN" in launch.task.envs  # planned, not left to it
+
+
+def test_a_model_created_at_rank_8_is_planned_and_launched_at_rank_8(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    """At the workers' largest rank (64) a 7B's training rows on an L4 were 1,792 tokens."""
+    plane = start_control_plane(accelerators="L4:1", hub=loopback_hub.url)
+    response = _create(plane, "small-rank", QWEN_7B, lora_rank=8)
+    assert response.status_code == 201, response.text
+    (launch,) = _wait_for(lambda: list(plane.fake.launches))
+    assert [r.accelerators for r in launch.task.resources] == [{"L4": 1}]
+    assert launch.task.envs["SKYTRAIN_ENGINE_MAX_LORA_RANK"] == "8"  # vLLM's slots at rank 8
+    assert int(launch.task.envs["SKYTRAIN_TRAINER_MAX_ROW_TOKENS"]) >= 4096
+
+
+def test_a_base_model_is_refused_at_a_rank_it_does_not_fit_and_created_at_one_it_does(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(
+        accelerators="L4:1", hub=loopback_hub.url, hf_token="hf_llama_token"
+    )
+    refused = _create(plane, "wide", LLAMA_8B, lora_rank=64)
+    assert refused.status_code == 400, refused.text
+    assert "L4:1: " in refused.json()["error"]["message"]
+    created = _create(plane, "narrow", LLAMA_8B, lora_rank=8)
+    assert created.status_code == 201, created.text
+    (launch,) = _wait_for(lambda: list(plane.fake.launches))
+    assert [r.accelerators for r in launch.task.resources] == [{"L4": 1}]
+    assert launch.task.envs["SKYTRAIN_ENGINE_MAX_LORA_RANK"] == "8"
+
+
+def test_a_model_of_a_higher_rank_gets_a_worker_launched_at_its_rank(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(accelerators="L4:1, A100-80GB:1", hub=loopback_hub.url)
+    assert _create(plane, "rank8", QWEN_7B, lora_rank=8).status_code == 201
+    _wait_for(lambda: list(plane.fake.launches))
+    # The first worker loads rank 8 at most: the rank-32 model is not placed on it.
+    wide = _create(plane, "rank32", QWEN_7B, lora_rank=32)
+    assert wide.status_code == 201, wide.text
+    first, second = _wait_for(lambda: len(plane.fake.launches) > 1 and plane.fake.launches)
+    assert first.task.envs["SKYTRAIN_ENGINE_MAX_LORA_RANK"] == "8"
+    assert second.task.envs["SKYTRAIN_ENGINE_MAX_LORA_RANK"] == "32"
+
+
+def test_a_model_above_the_rank_its_workers_load_says_so_while_it_waits(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    plane = start_control_plane(accelerators="L4:1", hub=loopback_hub.url, max_workers=1)
+    assert _create(plane, "rank8", QWEN_7B, lora_rank=8).status_code == 201
+    _wait_for(lambda: list(plane.fake.launches))
+    wide = _create(plane, "rank32", QWEN_7B, lora_rank=32)
+    assert wide.status_code == 201, wide.text
+    serving = _serving(plane, wide.json()["id"])
+    assert serving["state"] == "waiting"
+    assert "load LoRA ranks up to 8 and this model's lora_rank is 32" in serving["message"]
+    assert len(plane.fake.launches) == 1  # max_workers: no second worker

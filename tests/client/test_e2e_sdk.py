@@ -422,6 +422,37 @@ async def test_a_job_the_trainer_fails_raises_the_servers_message(
         await model.train(groups, config=TRAIN.model_copy(update={"packed_sequence_length": 8}))
 
 
+@pytest.mark.slow
+async def test_train_warns_of_trajectories_its_rows_cut_at_submission_and_at_start(
+    backend: skytrain.Backend, tiny_model_path: Path
+) -> None:
+    """Before, only the job's ``tokens/truncated`` metric said that rollouts were cut."""
+    model = await registered(backend, "short-rows", tiny_model_path)
+    groups = await sample_groups(model, groups=1)
+    choices = [t.messages_and_choices[-1] for g in groups for t in g.trajectories]
+    assert all(isinstance(c, Choice) and c.model_extra for c in choices)
+    prompts = [len(c.model_extra["prompt_token_ids"]) for c in choices]  # type: ignore[union-attr, index]
+    lengths = [p + len(sampled_token_ids(c)) for p, c in zip(prompts, choices, strict=True)]  # type: ignore[arg-type]
+    row = max(prompts) + 1  # each keeps its first sampled token
+    longer = [n for n in lengths if n > row]
+    assert longer, lengths
+
+    with pytest.warns(RuntimeWarning) as caught:
+        config = TRAIN.model_copy(update={"packed_sequence_length": row})
+        result = await model.train(
+            groups, config=config, poll_interval=0.5, timeout=WAIT_S, progress=False
+        )
+
+    said = [str(warning.message) for warning in caught]
+    submitted = (
+        f"{len(longer)} of its trajectories are longer than its rows of {row} tokens "
+        f"(the longest: {max(longer)})"
+    )
+    assert any(submitted in words for words in said), said
+    assert any(f"sequences were cut to its rows of {row} tokens" in words for words in said), said
+    assert result.step == 1
+
+
 async def test_train_sft_fine_tunes_on_the_assistant_turns(
     backend: skytrain.Backend, tiny_model_path: Path
 ) -> None:

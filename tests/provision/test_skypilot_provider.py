@@ -401,8 +401,10 @@ def test_a_worker_gets_the_cheapest_gpu_the_plan_fits_with_its_host_memory_and_d
     provider.launch(_launch())
     fake.settle()
     task = fake.launches[0].task
+    # A launch that names no rank is planned at the largest a worker loads.
+    settings = Settings(model_cache_dir=PLANNED_MODELS)
     choice = choose_worker_gpu(
-        BASE_MODEL, ["L4:1"], settings=Settings(model_cache_dir=PLANNED_MODELS)
+        BASE_MODEL, ["L4:1"], settings=settings, lora_rank=settings.engine_max_lora_rank
     )
     assert choice is not None and choice.plan is not None
     plan = choice.plan

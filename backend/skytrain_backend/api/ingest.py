@@ -44,6 +44,7 @@ from typing_extensions import Buffer
 from skytrain_backend.api import trajectory_structs as structs
 from skytrain_backend.errors import InvalidRequest, PayloadTooLarge
 from skytrain_backend.protocol import (
+    Choice,
     Message,
     Trajectory,
     TrajectoryGroup,
@@ -402,6 +403,61 @@ def parse_trajectory_lines(lines: Iterable[bytes], batch: Batch) -> None:
 
 
 # --- summaries ----------------------------------------------------------------------------------
+
+
+class LongSequences:
+    """Sequences longer than a job's row (``row_tokens``), counted at submission where their
+    length is known: a conversation's last sampled turn carries ``prompt_token_ids`` and its
+    sampled ids (a skytrain endpoint gives both), and the sequence the trainer makes of it is
+    that prompt and those ids. The trainer cuts such a sequence to the row (or, under ART's
+    rules, leaves it out), so the job says so when it is created; sequences of unknown length
+    are not counted."""
+
+    def __init__(self, *, row_tokens: int) -> None:
+        self.row_tokens = row_tokens
+        self.count = 0
+        self.longest = 0
+
+    def add(self, group: Group) -> None:
+        for trajectory in group.trajectories:
+            for history in trajectory.histories():
+                length = _known_length(history.messages_and_choices)
+                if length is not None and length > self.row_tokens:
+                    self.count += 1
+                    self.longest = max(self.longest, length)
+
+    def report(self) -> dict[str, int] | None:
+        """``{sequences, longest_tokens, row_tokens}``; None when none is longer."""
+        if not self.count:
+            return None
+        return {
+            "sequences": self.count,
+            "longest_tokens": self.longest,
+            "row_tokens": self.row_tokens,
+        }
+
+
+def _known_length(turns: Sequence[Any]) -> int | None:
+    """The tokens of the sequence up to the last sampled turn: its prompt's ids and its
+    sampled ids, when the turn has both (None otherwise)."""
+    for turn in reversed(turns):
+        if isinstance(turn, structs.Turn):
+            if not turn.is_choice:
+                continue
+            prompt = turn.prompt_token_ids if isinstance(turn.prompt_token_ids, list) else None
+            sampled: int | None = None
+            if isinstance(turn.token_ids, list) and turn.token_ids:
+                sampled = len(turn.token_ids)
+            elif isinstance(turn.logprobs, structs.ChoiceLogprobs) and turn.logprobs.content:
+                sampled = len(turn.logprobs.content)
+        elif isinstance(turn, Choice):
+            prompt = turn.prompt_token_ids
+            ids = turn.sampled_token_ids()
+            sampled = None if ids is None else len(ids)
+        else:
+            continue
+        return None if prompt is None or sampled is None else len(prompt) + sampled
+    return None
 
 
 class Summary:

@@ -4,10 +4,10 @@ and ART's client) and the Tinker protocol's training runs (``create_model``,
 
 - its base model is a Hugging Face id or a directory the operator allows
   (``base_models.check_base_model``: no host path such as ``/etc`` reaches a worker);
-- its LoRA rank is one a worker for that base model loads (``placement.check_lora_rank``);
-- its base model fits one of the GPUs the provider's workers may get, by its config.json (read
-  from the Hub when this control plane has none; ``check_fits_a_gpu``: the memory
-  plan's reasons otherwise);
+- its LoRA rank is one a worker for that base model loads (``ranks.check_lora_rank``);
+- its base model fits one of the GPUs the provider's workers may get at the model's own LoRA
+  rank, by its config.json (read from the Hub when this control plane has none;
+  ``check_fits_a_gpu``: the memory plan's reasons otherwise);
 - for a Tinker training run, one device trains it: Tinker runs use a one-process trainer, so a
   base model the memory plan shards over several GPUs is refused up front
   (``check_one_device_trains``; the worker refuses such a run too);
@@ -31,7 +31,7 @@ from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, ModelConfigUnavailable
 from skytrain_backend.planning import choose_worker_gpu
 from skytrain_backend.provision.base import Provider
-from skytrain_backend.scheduler import placement
+from skytrain_backend.scheduler import placement, ranks
 from skytrain_backend.scheduler.model_configs import ModelConfigs
 
 
@@ -50,18 +50,29 @@ def check_new_model(
     use (``tinker_training``: for a Tinker training run); the tenant's limits, whose
     ``max_models`` the creation then enforces."""
     check_base_model(base_model, allowed_dirs=settings.resolved_base_model_dirs)
-    placement.check_lora_rank(
+    ranks.check_lora_rank(
         session,
         base_model=base_model,
         lora_rank=lora_rank,
         default_limit=settings.engine_max_lora_rank,
+        launches=provider is not None,
     )
     check_fits_a_gpu(
-        session, base_model=base_model, settings=settings, provider=provider, configs=configs
+        session,
+        base_model=base_model,
+        lora_rank=lora_rank,
+        settings=settings,
+        provider=provider,
+        configs=configs,
     )
     if tinker_training:
         check_one_device_trains(
-            session, base_model=base_model, settings=settings, provider=provider, configs=configs
+            session,
+            base_model=base_model,
+            lora_rank=lora_rank,
+            settings=settings,
+            provider=provider,
+            configs=configs,
         )
     return tenants.limits_of(tenant, settings)
 
@@ -70,13 +81,14 @@ def check_fits_a_gpu(
     session: Session,
     *,
     base_model: str,
+    lora_rank: int,
     settings: Settings,
     provider: Provider | None,
     configs: ModelConfigs,
 ) -> None:
     """Refuse (FitsNoGpu, 400, with each GPU's reason) a base model that fits none of the
-    GPUs the provider's workers may get, by its config.json (read from the Hub when this
-    control plane has none: ``model_configs``).
+    GPUs the provider's workers may get at ``lora_rank`` (the new model's), by its
+    config.json (read from the Hub when this control plane has none: ``model_configs``).
 
     A config the Hub does not give passes: the model is created, and its status says why
     no worker is launched for it (``placement.NOT_LAUNCHED``), until the config can be read. An
@@ -86,13 +98,16 @@ def check_fits_a_gpu(
     planned = _plan_inputs(session, base_model=base_model, provider=provider, configs=configs)
     if planned is not None:
         accelerators, config = planned
-        choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
+        choose_worker_gpu(
+            base_model, accelerators, settings=settings, lora_rank=lora_rank, config=config
+        )
 
 
 def check_one_device_trains(
     session: Session,
     *,
     base_model: str,
+    lora_rank: int,
     settings: Settings,
     provider: Provider | None,
     configs: ModelConfigs,
@@ -105,7 +120,9 @@ def check_one_device_trains(
     if planned is None:
         return
     accelerators, config = planned
-    choice = choose_worker_gpu(base_model, accelerators, settings=settings, config=config)
+    choice = choose_worker_gpu(
+        base_model, accelerators, settings=settings, lora_rank=lora_rank, config=config
+    )
     plan = choice.plan if choice is not None else None
     if plan is not None and plan.trainer_shards > 1:
         raise InvalidRequest(

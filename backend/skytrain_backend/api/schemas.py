@@ -270,6 +270,26 @@ class TrainingJobPublic(_Public):
         description="Why a queued job has not started yet, in words (given by "
         "GET /v1/training-jobs/{id}; null once it runs, and in lists).",
     )
+    too_long: LongSequencesPublic | None = Field(
+        default=None,
+        description="In the creation's answer: the sequences whose token count is known "
+        "(sampled through skytrain: prompt_token_ids and token ids) that are longer than the "
+        "job's row, which the trainer cuts to it (under ART's rules, leaves out); the job's "
+        "training_started event says how many tokens were cut.",
+    )
+
+
+class LongSequencesPublic(BaseModel):
+    """Sequences of a job longer than its row, as counted at submission."""
+
+    sequences: int = Field(
+        description="How many sequences (a trajectory, or one of its "
+        "additional histories) are longer than the row."
+    )
+    longest_tokens: int = Field(description="The longest one's tokens.")
+    row_tokens: int = Field(
+        description="The job's row: packed_sequence_length, else the model's max_seq_length."
+    )
 
 
 class TrainingJobsPublic(BaseModel):

@@ -44,8 +44,11 @@ def create_worker(
     max_models: int,
     status: str = "provisioning",
     engine_secret: str | None = None,
+    max_lora_rank: int | None = None,
 ) -> tuple[Worker, str]:
-    """A new worker row and the token it will authenticate with (shown to nobody else)."""
+    """A new worker row and the token it will authenticate with (shown to nobody else);
+    ``max_lora_rank``: the largest LoRA rank it is launched to load (None: any), until it
+    registers its own."""
     token = credentials.new_secret(WORKER_TOKEN_PREFIX)
     worker = Worker(
         provider=provider,
@@ -53,7 +56,8 @@ def create_worker(
         status=status,
         token_hash=hash_secret(token),
         engine_secret=engine_secret or secrets.token_urlsafe(24),
-        capacity={"max_models": max_models},
+        capacity={"max_models": max_models}
+        | ({} if max_lora_rank is None else {"max_lora_rank": max_lora_rank}),
         hardware={},
         served=[],
         status_message="launching" if status == "provisioning" else None,

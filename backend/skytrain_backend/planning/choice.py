@@ -75,12 +75,15 @@ def choose_worker_gpu(
     accelerators: Sequence[str],
     *,
     settings: Settings,
+    lora_rank: int,
     config: dict[str, Any] | None = None,
 ) -> GpuChoice | None:
-    """``choose_gpu`` for a worker of ``base_model`` with the engine settings (LoRA slots,
-    context, row length), from its ``config`` (default: this machine's copy), or None when
-    there is none (or it cannot be counted): the worker, which downloads the model, plans
-    for itself."""
+    """``choose_gpu`` for a worker of ``base_model`` serving and training adapters of up to
+    ``lora_rank`` (the rank in use: a model's own at its creation, the largest of the models
+    a worker is launched for; never above ``SKYTRAIN_ENGINE_MAX_LORA_RANK``), with the engine
+    settings (LoRA slots, context, row length, parked Tinker runs), from its ``config``
+    (default: this machine's copy), or None when there is none (or it cannot be counted):
+    the worker, which downloads the model, plans for itself."""
     if config is None:
         config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
     if config is None:
@@ -93,8 +96,9 @@ def choose_worker_gpu(
         shape,
         accelerators,
         model=base_model,
-        lora_rank=settings.engine_max_lora_rank,
+        lora_rank=min(lora_rank, settings.engine_max_lora_rank),
         max_loras=settings.engine_max_loras,
         context=settings.engine_max_model_len,
         row_tokens=settings.trainer_max_row_tokens,
+        tinker_runs=settings.worker_tinker_max_runs,
     )

@@ -33,6 +33,10 @@ class WorkerLaunch:
     # The base model's config.json as the control plane read it (the Hub's, kept in the
     # object store): what a provider that chooses GPUs plans with. None: not known here.
     base_model_config: dict[str, Any] | None = None
+    # The largest LoRA rank among the models the worker is launched for: what it is planned
+    # at and its engine loads (``envs`` give it as SKYTRAIN_ENGINE_MAX_LORA_RANK). None: the
+    # largest a worker may load (a local worker, which plans for itself).
+    lora_rank: int | None = None
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
     out of ``sky status`` and its dashboard.
 
     Resources come from the memory plan (``planning``) when the base model's config is known
-    (the launch's, which the control plane read from the Hub, or this machine's): the
+    (the launch's, which the control plane read from the Hub, or this machine's), at the
+    launch's LoRA rank (the largest among the models it is launched for): the
     cheapest configured accelerator it fits, exactly, with the host memory
     (``memory: N+``) and disk it needs, and the plan's numbers for the worker as envs
     (``SKYTRAIN_ENGINE_MAX_MODEL_LEN``...); a base model that fits none raises FitsNoGpu.
@@ -148,7 +149,11 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
     nodes = settings.skypilot_num_nodes
     choice = (
         choose_worker_gpu(
-            launch.base_model, choices, settings=settings, config=launch.base_model_config
+            launch.base_model,
+            choices,
+            settings=settings,
+            lora_rank=launch.lora_rank or settings.engine_max_lora_rank,
+            config=launch.base_model_config,
         )
         if choices and nodes == 1
         else None

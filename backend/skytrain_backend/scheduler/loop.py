@@ -38,7 +38,7 @@ from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.errors import FitsNoGpu, ModelConfigUnavailable
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
-from skytrain_backend.scheduler import garbage, placement, queue, scale_in, tinker
+from skytrain_backend.scheduler import garbage, placement, queue, ranks, scale_in, tinker
 from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
 from skytrain_backend.scheduler.model_configs import ModelConfigs
 from skytrain_backend.scheduler.placement import LaunchBackoff
@@ -249,12 +249,14 @@ class Scheduler:
     def _launch(self, session: Session, base_model: str) -> None:
         assert self.provider is not None
         secret = secrets.token_urlsafe(24)
+        lora_rank = self._launch_lora_rank(session, base_model)
         worker, token = worker_rows.create_worker(
             session,
             provider=self.provider.name,
             base_model=base_model,
             max_models=self.settings.worker_max_models,
             engine_secret=secret,
+            max_lora_rank=lora_rank,
         )
         session.commit()
         config = None
@@ -268,8 +270,9 @@ class Scheduler:
                 control_plane_url=self.settings.resolved_public_url,
                 join_token=token,
                 engine_secret=secret,
-                envs=self._worker_envs(),
+                envs=self._worker_envs(lora_rank),
                 base_model_config=config,
+                lora_rank=lora_rank,
             )
             worker.cluster_name = self.provider.launch(launch)
         except (FitsNoGpu, ModelConfigUnavailable) as exc:
@@ -290,14 +293,31 @@ class Scheduler:
         session.commit()
         logger.info("launching worker %s for %s (%s)", worker.id, base_model, worker.cluster_name)
 
-    def _worker_envs(self) -> dict[str, str]:
-        """Settings a worker started by this control plane inherits."""
+    def _launch_lora_rank(self, session: Session, base_model: str) -> int | None:
+        """The LoRA rank a worker for ``base_model`` is planned and started at, where the
+        control plane plans (the provider chooses GPUs): the largest of the models it is
+        launched for. None elsewhere (a local worker): it loads up to
+        SKYTRAIN_ENGINE_MAX_LORA_RANK, as it plans for itself."""
+        assert self.provider is not None
+        if not self.provider.accelerator_choices():
+            return None
+        waiting = placement.active_models_without_worker(
+            session, idle_timeout_s=self.settings.resolved_model_idle_timeout_s
+        )
+        return ranks.launch_lora_rank(
+            (model for model in waiting if model.base_model == base_model),
+            largest=self.settings.engine_max_lora_rank,
+        )
+
+    def _worker_envs(self, lora_rank: int | None = None) -> dict[str, str]:
+        """Settings a worker started by this control plane inherits; ``lora_rank``: the
+        largest rank it loads (default: SKYTRAIN_ENGINE_MAX_LORA_RANK)."""
         s = self.settings
         envs: dict[str, Any] = {
             "SKYTRAIN_ENGINE": s.engine,
             "SKYTRAIN_ENGINE_STARTUP_TIMEOUT_S": s.engine_startup_timeout_s,
             "SKYTRAIN_ENGINE_MAX_LORAS": s.engine_max_loras,
-            "SKYTRAIN_ENGINE_MAX_LORA_RANK": s.engine_max_lora_rank,
+            "SKYTRAIN_ENGINE_MAX_LORA_RANK": lora_rank or s.engine_max_lora_rank,
             "SKYTRAIN_ENGINE_GPU_MEMORY_UTILIZATION": s.engine_gpu_memory_utilization,
             "SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE": s.engine_tensor_parallel_size,
             "SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE": s.engine_pipeline_parallel_size,

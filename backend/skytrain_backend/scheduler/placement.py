@@ -33,9 +33,10 @@ are started and stopped.
   job, or is still provisioning or starting is never stopped for it; nor is any worker
   stopped for a model that waits on its tenant's own ``max_workers`` quota.
 - A model goes only to a worker whose engine loads adapters of its LoRA rank; a model (or a
-  job) no worker for its base model could serve is refused up front (``check_lora_rank``).
-  So is a model whose base model fits none of the GPUs the provider's workers may get, by
-  the memory plan (``api.model_rules.check_fits_a_gpu``), unless a worker for it is registered.
+  job) no worker for its base model could serve is refused up front
+  (``ranks.check_lora_rank``). So is a model whose base model fits none of the GPUs the
+  provider's workers may get, by the memory plan at the model's own rank
+  (``api.model_rules.check_fits_a_gpu``), unless a worker for it is registered.
 - Slots by fair share: a model no worker has room for, and none is launched for, takes a
   slot from a tenant holding more than its fair share (``fair_share``).
 - Quotas: a tenant has at most ``max_placed_models`` models placed at once, on at most
@@ -56,9 +57,7 @@ from sqlalchemy.orm import Session
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.errors import InvalidRequest
-from skytrain_backend.protocol import ModelConfig
-from skytrain_backend.scheduler import fair_share, queue
+from skytrain_backend.scheduler import fair_share, queue, ranks
 
 logger = logging.getLogger(__name__)
 
@@ -204,7 +203,10 @@ def quota_wait(session: Session, *, model: Model, limits: TenantLimits) -> str |
         )
     if len(held) >= limits.max_workers and (
         worker_with_room(
-            session, base_model=model.base_model, lora_rank=_lora_rank(model), among=set(held)
+            session,
+            base_model=model.base_model,
+            lora_rank=ranks.model_lora_rank(model),
+            among=set(held),
         )
         is None
     ):
@@ -244,7 +246,7 @@ def place_models(
         worker = worker_with_room(
             session,
             base_model=model.base_model,
-            lora_rank=_lora_rank(model),
+            lora_rank=ranks.model_lora_rank(model),
             among=set(held) if at_worker_quota else None,
         )
         if worker is not None:
@@ -289,7 +291,7 @@ def place_models(
         # No worker is coming for it: a slot another tenant holds beyond its fair share.
         among = set(held) if at_worker_quota else None
         fitting = fitting_workers(
-            session, base_model=base, lora_rank=_lora_rank(model), among=among
+            session, base_model=base, lora_rank=ranks.model_lora_rank(model), among=among
         )
         fair_share.take_slot(
             session,
@@ -316,16 +318,6 @@ def _hold_idle_clock(session: Session, model: Model, *, idle_timeout_s: float) -
         .values(last_active_at=now)
     )
     session.commit()
-
-
-def _lora_rank(model: Model) -> int:
-    return ModelConfig.model_validate(model.config or {}).lora_rank
-
-
-def _rank_limit(worker: Worker) -> int | None:
-    """The largest LoRA rank the worker's engine loads, as it registered it (None: any)."""
-    limit = (worker.capacity or {}).get("max_lora_rank")
-    return None if limit is None else int(limit)
 
 
 def _claim_worker(session: Session, worker: Worker) -> bool:
@@ -383,7 +375,7 @@ def fitting_workers(
     return [
         (worker, count)
         for worker, count in session.execute(statement).all()
-        if (limit := _rank_limit(worker)) is None or lora_rank <= limit
+        if (limit := ranks.worker_rank_limit(worker)) is None or lora_rank <= limit
     ]
 
 
@@ -397,38 +389,6 @@ def worker_with_room(
         if count < int((worker.capacity or {}).get("max_models", 1)):
             return worker
     return None
-
-
-def check_lora_rank(
-    session: Session, *, base_model: str, lora_rank: int, default_limit: int
-) -> None:
-    """Refuse a LoRA rank that no worker for ``base_model`` would load (InvalidRequest).
-
-    The limit is the largest that a live registered worker for the base model reported, or,
-    with none registered yet, ``default_limit`` (``SKYTRAIN_ENGINE_MAX_LORA_RANK``: what the
-    workers this control plane starts are given).
-    """
-    workers = session.scalars(
-        select(Worker).where(
-            Worker.base_model == base_model, Worker.status.in_(worker_rows.REGISTERED_STATUSES)
-        )
-    ).all()
-    limits = [_rank_limit(worker) for worker in workers]
-    if any(limit is None for limit in limits):
-        return
-    largest = max([limit for limit in limits if limit is not None] or [default_limit])
-    if lora_rank <= largest:
-        return
-    whose = (
-        f"the largest the workers serving {base_model} load"
-        if limits
-        else "the largest a worker loads (SKYTRAIN_ENGINE_MAX_LORA_RANK)"
-    )
-    raise InvalidRequest(
-        f"lora_rank {lora_rank} is above {largest}, {whose}: choose a lora_rank of at most "
-        f"{largest}, or have the operator raise SKYTRAIN_ENGINE_MAX_LORA_RANK and start "
-        "workers with it"
-    )
 
 
 def served_by_a_registered_worker(session: Session, *, base_model: str) -> bool:

@@ -17,7 +17,7 @@ from skytrain_backend.db import registry
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.protocol import ModelConfig, lora_name
-from skytrain_backend.scheduler import fair_share, placement, scale_in
+from skytrain_backend.scheduler import fair_share, placement, ranks, scale_in
 
 ServingState = Literal[
     "waiting", "provisioning", "starting", "unreachable", "training", "loading", "ready", "failed"
@@ -155,6 +155,10 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
             retry_after_s=2.0,
         )
     newest = placement.newest_worker(session, base_model=model.base_model)
+    if (newest is None or newest.status != "failed") and (
+        rank_wait := _rank_wait(session, model=model)
+    ) is not None:
+        return rank_wait
     if newest is not None and newest.status in ("provisioning", "starting"):
         detail = f": {newest.status_message}" if newest.status_message else ""
         return ServingStatus(
@@ -223,6 +227,31 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
         state="waiting",
         ready=False,
         message=f"waiting for a worker for {model.base_model} to be placed on",
+        retry_after_s=5.0,
+    )
+
+
+def _rank_wait(session: Session, *, model: Model) -> ServingStatus | None:
+    """The live workers of the model's base model load adapters of a smaller LoRA rank than
+    its own (they were launched at the rank of the models they were for): it waits for a
+    worker launched at its rank."""
+    rank = ranks.model_lora_rank(model)
+    limits = [
+        ranks.worker_rank_limit(worker)
+        for worker in session.scalars(
+            select(Worker).where(
+                Worker.base_model == model.base_model, Worker.status.in_(LIVE_WORKER_STATUSES)
+            )
+        )
+    ]
+    if not limits or any(limit is None or limit >= rank for limit in limits):
+        return None
+    return ServingStatus(
+        state="waiting",
+        ready=False,
+        message=f"the workers for {model.base_model} load LoRA ranks up to "
+        f"{max(limit for limit in limits if limit is not None)} and this model's lora_rank is "
+        f"{rank}: a worker for rank {rank} is launched for it (once max_workers allows)",
         retry_after_s=5.0,
     )
 

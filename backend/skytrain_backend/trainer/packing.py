@@ -74,11 +74,12 @@ def _truncate(
     sequences: Sequence[TokenizedSequence], row_length: int
 ) -> tuple[list[TokenizedSequence], dict[str, float]]:
     kept = []
-    truncated_tokens = dropped = 0
+    truncated_tokens = truncated = dropped = 0
     for sequence in sequences:
         if len(sequence.token_ids) > row_length:
             shorter = sequence.truncated(row_length)
             truncated_tokens += sequence.num_trained - shorter.num_trained
+            truncated += 1
             sequence = shorter
         if _learnable(sequence):
             kept.append(sequence)
@@ -86,6 +87,7 @@ def _truncate(
             dropped += 1
     return kept, {
         "tokens/truncated": float(truncated_tokens),
+        "sequences/truncated": float(truncated),
         "sequences/dropped_by_truncation": float(dropped),
     }
 

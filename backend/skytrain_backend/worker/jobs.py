@@ -448,6 +448,7 @@ class JobRunner:
                 "attempt": running.attempt,
                 "step": step,
                 **_agreement(plan.summary),
+                **_cut(plan.summary),
                 **({"warning": plan.warning} if plan.warning else {}),
             },
         )
@@ -569,6 +570,20 @@ def _agreement(summary: dict[str, float]) -> dict[str, float]:
         for key, value in summary.items()
         if key.startswith("logprob_agreement/") or key == "tokens/without_sampling_logprob"
     }
+
+
+def _cut(summary: dict[str, float]) -> dict[str, float]:
+    """What the job's rows (``packing/row_length`` tokens) cut of longer sequences: the
+    sequences cut and their trained tokens left out (``tokens/truncated``), or, under ART's
+    rules, the sequences left out whole (``sequences/dropped``, ``tokens/dropped``)."""
+    keys = (
+        "packing/row_length",
+        "sequences/truncated",
+        "tokens/truncated",
+        "sequences/dropped",
+        "tokens/dropped",
+    )
+    return {key: summary[key] for key in keys if key in summary}
 
 
 def _floats(values: dict[str, Any]) -> dict[str, float]:

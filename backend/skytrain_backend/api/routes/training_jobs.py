@@ -36,6 +36,7 @@ from skytrain_backend.api.deps import (
 from skytrain_backend.api.longpoll import WAIT_REFUSED_HEADER, long_poll
 from skytrain_backend.api.routes.files import read_uploaded_file
 from skytrain_backend.api.schemas import (
+    LongSequencesPublic,
     SFTTrainingJobCreate,
     TrainingJobCreate,
     TrainingJobEventPublic,
@@ -58,7 +59,7 @@ from skytrain_backend.protocol import (
     SFTTrainConfig,
     check_trainable_turns,
 )
-from skytrain_backend.scheduler import placement
+from skytrain_backend.scheduler import ranks
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import job_waiting
 from skytrain_backend.storage import ObjectStore, keys
@@ -131,11 +132,12 @@ def _input_key(model: Model, job_id: str) -> str:
 
 def _check_servable(session: Session, *, model: Model, settings: Settings) -> None:
     """A job whose adapter no worker would load is refused now, not after training."""
-    placement.check_lora_rank(
+    ranks.check_lora_rank(
         session,
         base_model=model.base_model,
-        lora_rank=ModelConfig.model_validate(model.config or {}).lora_rank,
+        lora_rank=ranks.model_lora_rank(model),
         default_limit=settings.engine_max_lora_rank,
+        launches=settings.provider != "none",
     )
 
 
@@ -155,9 +157,15 @@ class _JobBody(Generic[RequestT, ConfigT]):
         """The job's options; raises for a body that asks for something impossible."""
         raise NotImplementedError
 
-    def add_items(self, items: Items, batch: ingest.Batch, config: ConfigT) -> None:
-        """The body's list, each item validated, into the batch."""
+    def add_items(
+        self, items: Items, batch: ingest.Batch, config: ConfigT, *, model: Model
+    ) -> None:
+        """The body's list, each item validated, into the batch (of a job of ``model``)."""
         raise NotImplementedError
+
+    def too_long(self) -> LongSequencesPublic | None:
+        """The sequences longer than the job's row, known once the items are added."""
+        return None
 
     def finish(
         self, request: RequestT, batch: ingest.Batch, *, store: ObjectStore, tenant: Tenant
@@ -174,6 +182,7 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
 
     def __init__(self) -> None:
         self._trainable_turns = 0
+        self._long: ingest.LongSequences | None = None
 
     def config(self, request: TrainingJobCreate, items: Items) -> RLTrainConfig:
         if request.config is not None and request.experimental_config is not None:
@@ -182,15 +191,26 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
             )
         return request.config or RLTrainConfig.from_experimental(request.experimental_config)
 
-    def add_items(self, items: Items, batch: ingest.Batch, config: RLTrainConfig) -> None:
+    def add_items(
+        self, items: Items, batch: ingest.Batch, config: RLTrainConfig, *, model: Model
+    ) -> None:
         allow = config.allow_training_without_logprobs
+        self._long = ingest.LongSequences(
+            row_tokens=config.packed_sequence_length
+            or ModelConfig.model_validate(model.config or {}).max_seq_length
+        )
         for index, group in enumerate(
             ingest.each_item(items or [], ingest.parse_group, field="trajectory_groups")
         ):
             self._trainable_turns += ingest.trainable_turns(
                 group, index, allow_training_without_logprobs=allow
             )
+            self._long.add(group)
             batch.add(group)
+
+    def too_long(self) -> LongSequencesPublic | None:
+        report = self._long.report() if self._long is not None else None
+        return None if report is None else LongSequencesPublic(**report)
 
     def finish(
         self, request: TrainingJobCreate, batch: ingest.Batch, *, store: ObjectStore, tenant: Tenant
@@ -213,7 +233,9 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
             )
         return request.config or SFTTrainConfig()
 
-    def add_items(self, items: Items, batch: ingest.Batch, config: SFTTrainConfig) -> None:
+    def add_items(
+        self, items: Items, batch: ingest.Batch, config: SFTTrainConfig, *, model: Model
+    ) -> None:
         if items is not None:
             for trajectory in ingest.each_item(
                 items, ingest.parse_trajectory, field="trajectories"
@@ -309,10 +331,10 @@ def _queue_job(
             config = job.config(request, items)
             job_id = new_id()
             batch.stream_to(store, _input_key(model, job_id))
-            job.add_items(items, batch, config)
+            job.add_items(items, batch, config, model=model)
             del items  # the raw items point into the buffer, which closes with this block
         job.finish(request, batch, store=store, tenant=tenant)
-        return _store_job(
+        public = _store_job(
             session=session,
             store=store,
             model=model,
@@ -325,6 +347,8 @@ def _queue_job(
             limits=limits_of(tenant, settings),
             max_workers=settings.launched_workers_limit,
         )
+        public.too_long = job.too_long()
+        return public
     finally:
         batch.close()
 

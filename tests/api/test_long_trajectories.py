@@ -1,0 +1,65 @@
+"""A trajectory longer than its job's row is reported when the job is created: the trainer
+cuts it to the row (under ART's rules, leaves it out), and before, only the job's
+``tokens/truncated`` metric said so. The real control plane over HTTP; the trajectories
+carry the sampler's ``prompt_token_ids`` and sampled ids as a skytrain endpoint returns them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests.api.conftest import Caller
+from tests.api.support import choice, group, trajectory
+
+
+def _sampled(prompt_tokens: int | None, *, sampled: int = 2) -> dict[str, Any]:
+    """A trajectory whose answer has ``sampled`` token ids after a prompt of
+    ``prompt_tokens`` ids (None: the prompt's ids are not known)."""
+    answer = choice(token_ids=tuple(range(19, 19 + sampled)))
+    if prompt_tokens is not None:
+        answer["prompt_token_ids"] = list(range(1, prompt_tokens + 1))
+    result = trajectory()
+    result["messages_and_choices"][-1] = answer
+    return result
+
+
+def _groups(*trajectories: dict[str, Any]) -> list[dict[str, Any]]:
+    one = group()
+    one["trajectories"] = list(trajectories)
+    return [one]
+
+
+def test_a_job_names_the_trajectories_longer_than_its_row_at_creation(caller: Caller) -> None:
+    model_id = caller.create_model(config={"max_seq_length": 64})["id"]
+    response = caller.http.post(
+        "/v1/training-jobs",
+        json={
+            "model_id": model_id,
+            "trajectory_groups": _groups(
+                _sampled(100),  # 102 tokens
+                _sampled(70, sampled=3),  # 73 tokens
+                _sampled(10),  # fits
+                _sampled(None),  # its length is not known here: not counted
+            ),
+        },
+    )
+    assert response.status_code == 201, response.text
+    assert response.json()["too_long"] == {
+        "sequences": 2,
+        "longest_tokens": 102,
+        "row_tokens": 64,
+    }
+
+
+def test_a_job_whose_rows_hold_its_trajectories_reports_none(caller: Caller) -> None:
+    model_id = caller.create_model(config={"max_seq_length": 64})["id"]
+    response = caller.http.post(
+        "/v1/training-jobs",
+        json={
+            "model_id": model_id,
+            "trajectory_groups": _groups(_sampled(100), _sampled(10)),
+            "config": {"packed_sequence_length": 128},  # the job's own row
+        },
+    )
+    assert response.status_code == 201, response.text
+    assert response.json()["too_long"] is None
