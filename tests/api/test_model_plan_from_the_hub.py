@@ -32,6 +32,7 @@ from tests.provision.fake_sky import FakeSky
 
 QWEN_32B = "Qwen/Qwen2.5-32B-Instruct"
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
+QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
 
 
 @dataclass
@@ -209,3 +210,25 @@ def test_a_gated_base_model_is_planned_with_the_operators_token(
     (launch,) = _wait_for(lambda: list(plane.fake.launches))
     assert [r.accelerators for r in launch.task.resources] == [{"A100-80GB": 1}]
     assert "SKYTRAIN_ENGINE_MAX_MODEL_LEN" in launch.task.envs  # planned, not left to it
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/preview/models"])
+def test_a_mixture_of_experts_is_refused_before_any_launch_with_the_reason(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub, path: str
+) -> None:
+    """Qwen3-30B-A3B's weights fit a node of eight H100s: it is refused for being a mixture of
+    experts (its LoRA has never been shown to load into vLLM), not for its size."""
+    plane = start_control_plane(accelerators="L4:1, H100:8", hub=loopback_hub.url)
+    response = plane.http.post(
+        path, json={"project": "hub", "name": "moe", "base_model": QWEN3_MOE}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(
+        f"base model {QWEN3_MOE} is a mixture of experts (128 experts a layer)"
+    )
+    assert "Choose a dense base model" in error["message"]
+    assert loopback_hub.url.split("//")[1] not in error["message"]
+    assert plane.http.get("/v1/models", params={"project": "hub"}).json()["data"] == []
+    assert plane.fake.launches == []
