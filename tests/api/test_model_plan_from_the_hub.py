@@ -232,3 +232,23 @@ def test_a_mixture_of_experts_is_refused_before_any_launch_with_the_reason(
     assert loopback_hub.url.split("//")[1] not in error["message"]
     assert plane.http.get("/v1/models", params={"project": "hub"}).json()["data"] == []
     assert plane.fake.launches == []
+
+
+def test_a_mixture_of_experts_created_while_the_hub_is_down_is_never_launched(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    """Created before its config.json could be read, it is refused by the plan as soon as the
+    Hub answers: the model's status gives the reason, and nothing is launched."""
+    loopback_hub.online = False
+    plane = start_control_plane(accelerators="H100:8", hub=loopback_hub.url, hub_timeout_s=1)
+    response = plane.http.post(
+        "/v1/models", json={"project": "hub", "name": "moe", "base_model": QWEN3_MOE}
+    )
+    assert response.status_code == 201, response.text  # it cannot be read yet
+    loopback_hub.online = True
+    refused = _failed(plane, response.json()["id"], "is a mixture of experts")
+    assert (
+        f"base model {QWEN3_MOE} is a mixture of experts (128 experts a layer)"
+        in (refused["message"])
+    )
+    assert plane.fake.launches == []
