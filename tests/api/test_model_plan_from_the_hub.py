@@ -33,6 +33,7 @@ from tests.provision.fake_sky import FakeSky
 QWEN_7B = "Qwen/Qwen2.5-7B-Instruct"
 QWEN_32B = "Qwen/Qwen2.5-32B-Instruct"
 LLAMA_8B = "meta-llama/Llama-3.1-8B-Instruct"
+QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
 
 
 @dataclass
@@ -270,3 +271,45 @@ def test_a_model_above_the_rank_its_workers_load_says_so_while_it_waits(
     assert serving["state"] == "waiting"
     assert "load LoRA ranks up to 8 and this model's lora_rank is 32" in serving["message"]
     assert len(plane.fake.launches) == 1  # max_workers: no second worker
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/preview/models"])
+def test_a_mixture_of_experts_is_refused_before_any_launch_with_the_reason(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub, path: str
+) -> None:
+    """Qwen3-30B-A3B's weights fit a node of eight H100s: it is refused for being a mixture of
+    experts (its LoRA has never been shown to load into vLLM), not for its size."""
+    plane = start_control_plane(accelerators="L4:1, H100:8", hub=loopback_hub.url)
+    response = plane.http.post(
+        path, json={"project": "hub", "name": "moe", "base_model": QWEN3_MOE}
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(
+        f"base model {QWEN3_MOE} is a mixture of experts (128 experts a layer)"
+    )
+    assert "Choose a dense base model" in error["message"]
+    assert loopback_hub.url.split("//")[1] not in error["message"]
+    assert plane.http.get("/v1/models", params={"project": "hub"}).json()["data"] == []
+    assert plane.fake.launches == []
+
+
+def test_a_mixture_of_experts_created_while_the_hub_is_down_is_never_launched(
+    start_control_plane: Callable[..., Plane], loopback_hub: LoopbackHub
+) -> None:
+    """Created before its config.json could be read, it is refused by the plan as soon as the
+    Hub answers: the model's status gives the reason, and nothing is launched."""
+    loopback_hub.online = False
+    plane = start_control_plane(accelerators="H100:8", hub=loopback_hub.url, hub_timeout_s=1)
+    response = plane.http.post(
+        "/v1/models", json={"project": "hub", "name": "moe", "base_model": QWEN3_MOE}
+    )
+    assert response.status_code == 201, response.text  # it cannot be read yet
+    loopback_hub.online = True
+    refused = _failed(plane, response.json()["id"], "is a mixture of experts")
+    assert (
+        f"base model {QWEN3_MOE} is a mixture of experts (128 experts a layer)"
+        in (refused["message"])
+    )
+    assert plane.fake.launches == []

@@ -1,4 +1,5 @@
-"""`skytrain[worker,gpu]` installs into the vLLM image: pip's resolver says so.
+"""`skytrain[worker,gpu]` installs into the vLLM image: pip's resolver says so; and where
+Unsloth can be installed (not there; in an environment of its own).
 
 The worker runs in vllm/vllm-openai:v0.34.0 (Python 3.12, glibc 2.35) and installs skytrain's
 wheel there with the image's packages as constraints (sky/worker.yaml, infra/Dockerfile.worker).
@@ -46,6 +47,8 @@ PLATFORMS = [f"manylinux_2_{minor}_x86_64" for minor in range(35, 4, -1)] + [
     "manylinux1_x86_64",
 ]
 RESOLVE_TIMEOUT_S = 900
+# The newest Unsloth, as scripts/unsloth-constraints.txt pins it.
+NEWEST_UNSLOTH = "2026.10.9"
 
 
 def _extra_requirements(*extras: str) -> list[str]:
@@ -68,11 +71,10 @@ def _extra_requirements(*extras: str) -> list[str]:
     return found
 
 
-def _resolve(tmp_path: Path, *args: str) -> dict[str, Any]:
+def _pip_dry_run(*args: str) -> subprocess.CompletedProcess[str]:
     """pip's resolution for the image's interpreter and platform (nothing is installed)."""
-    report = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
     platforms = [word for platform in PLATFORMS for word in ("--platform", platform)]
-    result = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -85,20 +87,26 @@ def _resolve(tmp_path: Path, *args: str) -> dict[str, Any]:
             "--python-version",
             "3.12",
             *platforms,
-            "--report",
-            str(report),
             *args,
         ],
         capture_output=True,
         text=True,
         timeout=RESOLVE_TIMEOUT_S,
     )
+
+
+def _resolve(tmp_path: Path, *args: str) -> dict[str, Any]:
+    """pip's report of what it would install (its error, when it finds nothing)."""
+    report = tmp_path / f"report-{len(list(tmp_path.iterdir()))}.json"
+    result = _pip_dry_run("--report", str(report), *args)
     said = "\n".join(line for line in result.stderr.splitlines() if "WARNING" not in line)
     assert result.returncode == 0, said[-4000:]
     return dict(json.loads(report.read_text()))
 
 
-def test_the_worker_and_gpu_extras_resolve_with_vllm_0_34s_requirements(tmp_path: Path) -> None:
+def _vllm_constraints(tmp_path: Path, **image_pins: str) -> dict[str, str]:
+    """Writes constraints.txt: vLLM 0.34.0's published ranges and every `==` of its, with
+    ``image_pins`` beside them (the image's own versions); returns the `==` pins."""
     (vllm,) = _resolve(tmp_path, "--no-deps", VLLM)["install"]
     vllm_requires = vllm["metadata"]["requires_dist"]
     image = {
@@ -106,7 +114,7 @@ def test_the_worker_and_gpu_extras_resolve_with_vllm_0_34s_requirements(tmp_path
         for text in vllm_requires
         if re.fullmatch(r"[A-Za-z0-9_.-]+==[0-9][^,;]*", text)
     }
-    image.update(vllm="0.34.0", transformers=IMAGE_TRANSFORMERS)
+    image.update(vllm="0.34.0", **image_pins)
     constraints = [f"{name}=={version}" for name, version in sorted(image.items())]
     for text in vllm_requires:
         requirement = Requirement(text)
@@ -114,6 +122,11 @@ def test_the_worker_and_gpu_extras_resolve_with_vllm_0_34s_requirements(tmp_path
         if marker is None or marker.evaluate({**IMAGE_ENVIRONMENT, "extra": ""}):
             constraints.append(f"{requirement.name}{requirement.specifier}")
     (tmp_path / "constraints.txt").write_text("\n".join(constraints) + "\n")
+    return image
+
+
+def test_the_worker_and_gpu_extras_resolve_with_vllm_0_34s_requirements(tmp_path: Path) -> None:
+    image = _vllm_constraints(tmp_path, transformers=IMAGE_TRANSFORMERS)
     (tmp_path / "requirements.txt").write_text(
         "\n".join(_extra_requirements("worker", "gpu")) + "\n"
     )
@@ -134,3 +147,45 @@ def test_the_worker_and_gpu_extras_resolve_with_vllm_0_34s_requirements(tmp_path
     assert versions["torch"] == Version(image["torch"])
     assert versions["peft"] in SpecifierSet(">=0.13")
     assert "unsloth" not in versions
+
+
+def test_the_newest_unsloth_does_not_resolve_beside_vllm_0_34(tmp_path: Path) -> None:
+    """Unsloth 2026.10.9 (the newest) with the worker's extra, within vLLM 0.34.0's ranges
+    (its transformers range, not the image's one version): pip finds no set. It caps
+    transformers at 5.17.0, and transformers 5.16-5.17 cap huggingface-hub below the 2.0
+    vLLM needs. (Left free, pip's answer beside vLLM is 2025.9.5, the last release whose
+    metadata left transformers unbounded, made for transformers 4.x: docs/operators.md.)"""
+    _vllm_constraints(tmp_path)
+    (tmp_path / "requirements.txt").write_text(
+        "\n".join([*_extra_requirements("worker"), f"unsloth=={NEWEST_UNSLOTH}"]) + "\n"
+    )
+    result = _pip_dry_run(
+        "--constraint",
+        str(tmp_path / "constraints.txt"),
+        "--requirement",
+        str(tmp_path / "requirements.txt"),
+    )
+    said = " ".join(line for line in result.stderr.splitlines() if "WARNING" not in line)
+    assert result.returncode != 0, "Unsloth resolved beside vLLM 0.34: install it on workers"
+    assert "ResolutionImpossible" in said or "conflicting dependencies" in said, said[-4000:]
+
+
+def test_unsloth_resolves_in_a_trainer_environment_of_its_own(tmp_path: Path) -> None:
+    """The worker's extra with Unsloth, alone on the image's Python, resolves to the pins of
+    scripts/unsloth-constraints.txt: transformers 5.17.0 and a huggingface-hub below 2.0,
+    which is why it cannot be vLLM 0.34's environment."""
+    pins = ROOT / "scripts" / "unsloth-constraints.txt"
+    (tmp_path / "requirements.txt").write_text(
+        "\n".join([*_extra_requirements("worker"), "unsloth"]) + "\n"
+    )
+    resolved = _resolve(
+        tmp_path, "--constraint", str(pins), "--requirement", str(tmp_path / "requirements.txt")
+    )
+    versions = {
+        item["metadata"]["name"].lower().replace("_", "-"): Version(item["metadata"]["version"])
+        for item in resolved["install"]
+    }
+    assert versions["unsloth"] == Version(NEWEST_UNSLOTH)
+    assert versions["transformers"] == Version("5.17.0")
+    assert versions["huggingface-hub"] < Version("2.0")
+    assert versions["torch"] in SpecifierSet(">=2.4,<2.15")

@@ -18,6 +18,7 @@ from skytrain_backend.planning import (
     parse_gpu,
     plan_worker,
 )
+from skytrain_backend.planning.experts import expert_count
 from skytrain_backend.planning.plan import CONCURRENT_SEQUENCES
 
 MODELS = Path(__file__).parent / "models"
@@ -299,3 +300,36 @@ def test_the_rest_of_the_gpu_outside_vllms_share_is_shown() -> None:
     assert plan.gpu_memory_utilization == 0.92
     row = {row.item: row for row in plan.rows if row.phase == "serve"}["outside vLLM"]
     assert row.value == f"{22_478 * 1024**2 * 0.08 / GIB:.2f} GiB"
+
+
+QWEN3_MOE = "Qwen/Qwen3-30B-A3B"
+
+
+@pytest.mark.parametrize(
+    ("config", "experts"),
+    [
+        (_config(QWEN3_MOE), 128),
+        ({"model_type": "mixtral", "num_local_experts": 8}, 8),
+        ({"model_type": "deepseek_v3", "n_routed_experts": 256}, 256),
+        ({"model_type": "dbrx", "ffn_config": {"moe_num_experts": 16}}, 16),
+        ({"model_type": "llama4", "text_config": {"num_local_experts": 16}}, 16),
+        ({"model_type": "jamba", "num_experts": 1}, 0),
+        (_config(QWEN_7B), 0),
+    ],
+)
+def test_a_mixture_of_experts_is_told_by_its_config(config: dict[str, Any], experts: int) -> None:
+    assert expert_count(config) == experts
+
+
+def test_a_mixture_of_experts_is_refused_on_every_gpu_with_the_reason() -> None:
+    """Qwen3-30B-A3B's weights fit a node of eight H100s; it is refused for being a mixture
+    of experts (no LoRA of one has been shown to load into vLLM), not for its size."""
+    assert _shape(QWEN3_MOE).parameters() == pytest.approx(30.5e9, rel=0.01)
+    for gpu in ("L4:1", "H100:1", "H100:8"):
+        plan = _plan(QWEN3_MOE, gpu, lora_rank=8)
+        assert plan.fits is False
+        assert plan.reason.startswith(f"base model {QWEN3_MOE} is a mixture of experts (128 ")
+        assert "vLLM has not been shown to load the LoRA adapters" in plan.reason
+        assert plan.host_memory_gb is None and plan.max_model_len is None
+    with pytest.raises(FitsNoGpu, match="H100:8: base model Qwen/Qwen3-30B-A3B is a mixture"):
+        choose_gpu(_shape(QWEN3_MOE), ["L4:1", "H100:8"], model=QWEN3_MOE)

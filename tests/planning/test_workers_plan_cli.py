@@ -167,3 +167,14 @@ def test_a_rank_above_what_workers_load_is_refused() -> None:
     # Click's error box wraps the message: read it as one line.
     message = " ".join(result.output.replace("│", " ").split())
     assert "128 is above SKYTRAIN_ENGINE_MAX_LORA_RANK (64), the largest rank a worker" in message
+
+
+def test_a_mixture_of_experts_is_refused_on_every_gpu_with_the_reason() -> None:
+    one, node = _plan("Qwen/Qwen3-30B-A3B", "--gpu", "H100:1", "--gpu", "H100:8")
+    for plan in (one, node):
+        assert plan["fits"] is False
+        assert "Qwen/Qwen3-30B-A3B is a mixture of experts (128 experts a layer)" in plan["reason"]
+        assert "Choose a dense base model" in plan["reason"]
+    table = CliRunner().invoke(app, ["workers", "plan", "Qwen/Qwen3-30B-A3B", "--gpu", "H100:8"])
+    assert table.exit_code == 0, table.output
+    assert "Qwen/Qwen3-30B-A3B on H100:8: does not fit" in table.output

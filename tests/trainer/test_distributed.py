@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -169,3 +170,62 @@ def test_an_sft_job_with_dropout_on_two_processes_updates_as_one(
     two = _sft_on_two_processes_stopped_and_resumed(spec, tmp_path)
     _assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
     _assert_same_metrics(one_metrics, two)
+
+
+@pytest.mark.slow
+def test_an_sft_job_on_two_nodes_updates_as_one(tiny_model_path: Path, tmp_path: Path) -> None:
+    """Two "nodes" on this host: two torchrun launches of one process each, with the node
+    ranks and head address SkyPilot's environment gives (``Rendezvous.from_skypilot``), meet
+    on gloo and make the update one process makes. Both read the spec and data from this
+    host's disk: on real nodes the head would have to send them (docs/operators.md)."""
+    trajectories = _answers(4)
+    config = SFTTrainConfig(learning_rate=5e-2, batch_size=2, num_epochs=1, seed=5)
+    lora = ModelConfig(max_seq_length=64)
+    one = Trainer.load(str(tiny_model_path), model_config=lora, device="cpu")
+    one_metrics = list(one.run(one.prepare_sft(trajectories, config)))
+    one.save(tmp_path / "one")
+    (tmp_path / "data.json").write_text(
+        json.dumps([trajectory.model_dump(mode="json") for trajectory in trajectories])
+    )
+    spec = JobSpec(
+        kind="sft",
+        base_model=str(tiny_model_path),
+        lora=lora,
+        config=config.model_dump(mode="json"),
+        data_path=tmp_path / "data.json",
+        output_dir=tmp_path / "two",
+        metrics_path=tmp_path / "events.jsonl",
+        device="cpu",
+    )
+    (tmp_path / "job.json").write_text(spec.model_dump_json())
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    skypilot = {
+        "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n",
+        "SKYTRAIN_TRAINER_MASTER_PORT": str(port),
+    }
+    nodes = [
+        Rendezvous.from_skypilot({**skypilot, "SKYPILOT_NODE_RANK": rank}, gpus_per_node=1)
+        for rank in ("0", "1")
+    ]
+    assert [(node.nodes, node.node_rank, node.world_size) for node in nodes] == [
+        (2, 0, 2),
+        (2, 1, 2),
+    ]
+    runs = [
+        subprocess.Popen(
+            torchrun_command(tmp_path / "job.json", node),
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in nodes
+    ]
+    outputs = [run.communicate(timeout=600)[0] for run in runs]
+    assert [run.returncode for run in runs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    events = [json.loads(line) for line in spec.metrics_path.read_text().splitlines()]
+    assert [e["event"] for e in events] == ["prepared", "step", "step", "saved"]
+    _assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
+    _assert_same_metrics(one_metrics, [e["metrics"] for e in events if e["event"] == "step"])

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from skytrain_backend.cli import app
 from skytrain_backend.config import Settings, get_settings
-from skytrain_backend.errors import MachineTooSmall
+from skytrain_backend.errors import ConfigurationError, MachineTooSmall
 from skytrain_backend.planning import find_model_config, parse_gpu
 from skytrain_backend.worker.sizing import Machine, check_machine, size_worker
 
@@ -60,6 +60,49 @@ def test_a_worker_on_a_host_smaller_than_its_model_stops_before_loading_anything
     assert "control plane" not in result.output
     worker_dirs = settings_home / "worker"
     assert not worker_dirs.exists() or not list(worker_dirs.rglob("engine.log"))
+
+
+def test_a_worker_for_a_mixture_of_experts_stops_before_loading_anything(
+    settings_home: Path, tmp_path: Path
+) -> None:
+    """Qwen3-30B-A3B's config.json alone: `skytrain worker` (no GPU here) stops at start with
+    the reason, before the machine check, the control plane or an engine; on a GPU the
+    worker's plan says the same, even for a worker told every setting."""
+    model = tmp_path / "qwen3-moe"
+    model.mkdir()
+    shutil.copy(MODELS / "Qwen--Qwen3-30B-A3B" / "config.json", model / "config.json")
+    result = CliRunner().invoke(
+        app,
+        [
+            "worker",
+            "--control-plane",
+            "http://127.0.0.1:9",
+            "--token",
+            "t",
+            "--base-model",
+            str(model),
+        ],
+    )
+    assert result.exit_code == 1, result.output
+    message = " ".join(result.output.split())
+    assert f"error: this worker cannot serve and train {model}: base model {model} is a " in message
+    assert "mixture of experts (128 experts a layer)" in message
+    assert "the host has" not in message and "control plane" not in message
+    config = find_model_config(str(model), cache_dir=MODELS)
+    told = Settings(
+        home=tmp_path,
+        engine_max_model_len=8192,
+        engine_gpu_memory_utilization=0.9,
+        engine_tensor_parallel_size=8,
+        trainer_gradient_checkpointing=True,
+        trainer_max_row_tokens=4096,
+        trainer_device_map="fsdp",
+        trainer_shards=8,
+    )
+    with pytest.raises(ConfigurationError, match="is a mixture of experts"):
+        size_worker(
+            told, base_model=str(model), config=config, gpu=parse_gpu("H100").gpu, gpu_count=8
+        )
 
 
 def _sizing_7b_on_l4(tmp_path: Path, **settings: Any) -> Any:

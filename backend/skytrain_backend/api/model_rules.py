@@ -5,6 +5,8 @@ and ART's client) and the Tinker protocol's training runs (``create_model``,
 - its base model is a Hugging Face id or a directory the operator allows
   (``base_models.check_base_model``: no host path such as ``/etc`` reaches a worker);
 - its LoRA rank is one a worker for that base model loads (``ranks.check_lora_rank``);
+- it is not a mixture of experts (``check_dense``: ``planning.experts`` says why), by its
+  config.json from this machine's copies, or from the Hub when the provider has GPUs to plan;
 - its base model fits one of the GPUs the provider's workers may get at the model's own LoRA
   rank, by its config.json (read from the Hub when this control plane has none;
   ``check_fits_a_gpu``: the memory plan's reasons otherwise);
@@ -29,7 +31,7 @@ from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, ModelConfigUnavailable
-from skytrain_backend.planning import choose_worker_gpu
+from skytrain_backend.planning import choose_worker_gpu, experts, find_model_config
 from skytrain_backend.provision.base import Provider
 from skytrain_backend.scheduler import placement, ranks
 from skytrain_backend.scheduler.model_configs import ModelConfigs
@@ -57,6 +59,7 @@ def check_new_model(
         default_limit=settings.engine_max_lora_rank,
         launches=provider is not None,
     )
+    # The plan first: it ends the session's transaction before it may wait on the Hub.
     check_fits_a_gpu(
         session,
         base_model=base_model,
@@ -65,6 +68,7 @@ def check_new_model(
         provider=provider,
         configs=configs,
     )
+    check_dense(base_model=base_model, settings=settings, provider=provider, configs=configs)
     if tinker_training:
         check_one_device_trains(
             session,
@@ -101,6 +105,27 @@ def check_fits_a_gpu(
         choose_worker_gpu(
             base_model, accelerators, settings=settings, lora_rank=lora_rank, config=config
         )
+
+
+def check_dense(
+    *, base_model: str, settings: Settings, provider: Provider | None, configs: ModelConfigs
+) -> None:
+    """Refuse a mixture-of-experts base model (``planning.experts``). Its config.json comes
+    from the Hub (``configs``, as the plan's) only when the provider has GPUs to plan for,
+    so a local control plane never waits on the Hub; a config that cannot be had passes
+    here, and the plan (``WorkerPlan``) or the worker refuses the model once it is read."""
+    accelerators = provider.accelerator_choices() if provider is not None else None
+    try:
+        config = (
+            configs.get(base_model)
+            if accelerators
+            else find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+        )
+    except ModelConfigUnavailable:
+        return
+    reason = experts.check_config(base_model, config)
+    if reason is not None:
+        raise InvalidRequest(reason)
 
 
 def check_one_device_trains(

@@ -12,7 +12,8 @@ no torch, no transformers (the control plane imports it).
 - ``plan``: ``plan_worker``, the plan for one model on ``GPU:N``;
 - ``host``: the host memory and disk a worker needs beside its GPUs;
 - ``choice``: ``choose_gpu``, the cheapest of the configured GPUs that fits;
-- ``configs``: a model's ``config.json`` from this machine's copies.
+- ``configs``: a model's ``config.json`` from this machine's copies;
+- ``experts``: mixtures of experts, refused everywhere with the reason.
 """
 
 from skytrain_backend.planning.choice import FitsNoGpu, GpuChoice, choose_gpu, choose_worker_gpu

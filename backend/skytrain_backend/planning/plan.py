@@ -28,7 +28,8 @@ what the phases leave free:
 
 Host memory and disk are ``host``'s: vLLM's pinned weights during training, the Tinker runs'
 trainers parked between operations, the processes' own; the checkpoint and the image. Every figure is a row of
-``rows`` an operator can check by hand. Pure arithmetic: no torch, no files.
+``rows`` an operator can check by hand. Pure arithmetic: no torch, no files. A mixture of
+experts is refused with ``experts.refusal``'s reason, on every GPU.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from skytrain_backend.errors import ConfigurationError
+from skytrain_backend.planning import experts
 from skytrain_backend.planning.gpus import GIB, GpuType
 from skytrain_backend.planning.host import host_needs
 from skytrain_backend.planning.shapes import SERVE_DTYPE_BYTES, ModelShape, activation_bytes
@@ -288,6 +290,8 @@ class _Planner:
             f"{shape.head_dim}, vocabulary {shape.vocab_size}"
             + (", tied embeddings" if shape.tied_embeddings else ""),
         )
+        if shape.num_experts:
+            return self.refuse(None, experts.refusal(self.model, shape.num_experts))
         if self.context is not None and self.context > self.model_context:
             return self.refuse(
                 None,

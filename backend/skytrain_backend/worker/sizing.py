@@ -6,7 +6,8 @@ CUDA (by hand, or for a base model whose config the control plane did not have) 
 plan itself, for the GPUs it finds, and fills in whatever it was not told; a setting that
 is given always wins. A plan that says the model does not fit stops the worker before vLLM
 starts, with the plan's reason; a config it cannot read or count leaves vLLM and the trainer
-to their own defaults.
+to their own defaults. A mixture of experts stops the worker, GPU or not, before anything
+loads (``planning.experts``).
 
 Before it loads anything, the worker checks the machine it got against what it needs
 (``check_machine``): its host memory (psutil) against the plan's, or, without a GPU, against
@@ -30,6 +31,7 @@ from skytrain_backend.planning import (
     ModelShape,
     UnplannableModel,
     WorkerPlan,
+    experts,
     find_model_config,
     gpu_from_device,
     plan_worker,
@@ -111,8 +113,10 @@ def size_worker(
     """The settings, with the plan for ``gpu_count`` x ``gpu`` filling in the unset ones.
 
     ``gpu`` None (no CUDA) or a ``config`` None (not found): the settings alone.
-    ConfigurationError when the plan says the model does not fit.
+    ConfigurationError when the plan says the model does not fit, or ``config`` is a
+    mixture of experts (``planning.experts``), whatever the worker was told.
     """
+    _refuse_experts(base_model, config)
     told = _told(settings)
     if gpu is None:
         return _sizing(told)
@@ -170,6 +174,7 @@ def size_this_worker(settings: Settings, *, base_model: str) -> Sizing:
 def _without_gpu(settings: Settings, *, base_model: str) -> Sizing:
     sizing = _sizing(_told(settings))
     config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+    _refuse_experts(base_model, config)
     try:
         shape = ModelShape.from_config(config) if config is not None else None
     except UnplannableModel:
@@ -182,6 +187,12 @@ def _without_gpu(settings: Settings, *, base_model: str) -> Sizing:
         tinker_runs=settings.worker_tinker_max_runs,
     )
     return dataclasses.replace(sizing, host_memory_bytes=needed)
+
+
+def _refuse_experts(base_model: str, config: dict[str, Any] | None) -> None:
+    reason = experts.check_config(base_model, config)
+    if reason is not None:
+        raise ConfigurationError(f"this worker cannot serve and train {base_model}: {reason}")
 
 
 @dataclass(frozen=True)
