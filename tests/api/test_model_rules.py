@@ -31,7 +31,7 @@ class _Configs:
         raise ModelConfigUnavailable("the Hub is down")
 
 
-@pytest.mark.parametrize("check", ["check_fits_a_gpu", "check_one_device_trains"])
+@pytest.mark.parametrize("check", ["check_fits_a_gpu", "check_one_device_trains", "check_dense"])
 def test_the_base_models_config_is_read_with_no_transaction_open(
     check: str, settings: Settings, db_sessions: sessionmaker[Session]
 ) -> None:
@@ -40,6 +40,7 @@ def test_the_base_models_config_is_read_with_no_transaction_open(
         getattr(model_rules, check)(
             session,
             base_model="Qwen/Qwen2.5-7B-Instruct",
+            **({} if check == "check_dense" else {"lora_rank": 8}),
             settings=settings,
             provider=_Provider(),
             configs=configs,

@@ -59,7 +59,9 @@ def check_new_model(
         default_limit=settings.engine_max_lora_rank,
         launches=provider is not None,
     )
-    # The plan first: it ends the session's transaction before it may wait on the Hub.
+    check_dense(
+        session, base_model=base_model, settings=settings, provider=provider, configs=configs
+    )
     check_fits_a_gpu(
         session,
         base_model=base_model,
@@ -68,7 +70,6 @@ def check_new_model(
         provider=provider,
         configs=configs,
     )
-    check_dense(base_model=base_model, settings=settings, provider=provider, configs=configs)
     if tinker_training:
         check_one_device_trains(
             session,
@@ -108,13 +109,20 @@ def check_fits_a_gpu(
 
 
 def check_dense(
-    *, base_model: str, settings: Settings, provider: Provider | None, configs: ModelConfigs
+    session: Session,
+    *,
+    base_model: str,
+    settings: Settings,
+    provider: Provider | None,
+    configs: ModelConfigs,
 ) -> None:
     """Refuse a mixture-of-experts base model (``planning.experts``). Its config.json comes
     from the Hub (``configs``, as the plan's) only when the provider has GPUs to plan for,
     so a local control plane never waits on the Hub; a config that cannot be had passes
     here, and the plan (``WorkerPlan``) or the worker refuses the model once it is read."""
     accelerators = provider.accelerator_choices() if provider is not None else None
+    if accelerators:
+        session.commit()  # no connection held while the Hub answers (``_plan_inputs``)
     try:
         config = (
             configs.get(base_model)
