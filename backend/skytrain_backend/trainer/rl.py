@@ -134,8 +134,8 @@ class RLTraining(TrainerCore):
         # Cut after the weights are set: the copies keep them.
         warmup = None
         if warmup_cut is not None and steps:
-            kept, count = warmup_cut
-            cut_sequences = [batch.sequences[index].truncated(tokens) for index, tokens in kept]
+            cut, count = warmup_cut
+            cut_sequences = [batch.sequences[index].truncated(tokens) for index, tokens in cut]
             warmup = WarmupRow(self._pack(cut_sequences, row_length), count)
         summary = (
             batch.summary
