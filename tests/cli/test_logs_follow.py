@@ -12,9 +12,12 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
 from sqlalchemy.orm import Session, sessionmaker
+from typer.testing import CliRunner
 
-from skytrain_backend.config import Settings
+from skytrain_backend.cli import app
+from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.provision.local import worker_log_path
 
@@ -89,3 +92,24 @@ def test_logs_follow_prints_new_lines_as_written_until_ctrl_c(
     errors = follower.stderr.read() if follower.stderr else ""
     assert code == 0, errors
     assert "Traceback" not in errors and "Aborted" not in errors
+
+
+def test_logs_follow_of_a_manual_worker_without_a_log_here_says_so(
+    settings: Settings, db_sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker started by hand writes its log on its own host: nothing to wait for here."""
+    with db_sessions() as session:
+        worker, _ = worker_rows.create_worker(
+            session, provider="manual", base_model="tiny/llama", max_models=1, status="ready"
+        )
+        session.commit()
+        worker_id = worker.id
+    monkeypatch.setenv("SKYTRAIN_HOME", str(settings.home))
+    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", settings.resolved_database_url)
+    get_settings.cache_clear()
+    try:
+        result = CliRunner().invoke(app, ["logs", worker_id, "-f"])
+    finally:
+        get_settings.cache_clear()
+    assert result.exit_code == 1, result.output
+    assert f"no log for worker {worker_id} on its own host" in result.output
