@@ -159,3 +159,48 @@ def test_a_tinker_run_keeps_its_place_while_its_session_lives_and_leaves_after(
         assert placed_here() == {run_model}
         service.close("success").result(timeout=60)
         wait_until(lambda: not placed_here(), what="the ended run's model released", timeout_s=30)
+
+
+@pytest.mark.slow
+def test_a_model_taken_off_its_worker_for_idleness_says_it_is_idle(plane: Plane) -> None:
+    """GET /v1/models/{id} of a model released for idleness says it is idle and loads on its
+    next request, not that it is loading; its next use places it again."""
+    base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
+    with plane.sessions() as session:
+        _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
+        worker, token = worker_rows.create_worker(
+            session, provider="manual", base_model=base_model, max_models=SLOTS, status="ready"
+        )
+        session.commit()
+        worker_id = worker.id
+    user = httpx.Client(base_url=plane.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    agent = httpx.Client(
+        base_url=f"{plane.url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
+    )
+    body = {"project": "idle", "name": "quiet", "base_model": base_model, "return_existing": True}
+
+    def placed_here() -> set[str]:
+        answer = agent.post("/heartbeat", json={"status": "ready"})
+        assert answer.status_code == 200, answer.text
+        return {item["model_id"] for item in answer.json()["models"]}
+
+    with user, agent:
+        created = user.post("/v1/models", json=body)
+        assert created.status_code == 201, created.text
+        model_id = created.json()["id"]
+        wait_until(lambda: placed_here() == {model_id}, what="the model placed", timeout_s=30)
+        wait_until(lambda: not placed_here(), what="the idle model released", timeout_s=30)
+
+        shown = user.get(f"/v1/models/{model_id}")
+        assert shown.status_code == 200, shown.text
+        serving = shown.json()["serving"]
+        assert serving["state"] == "idle" and not serving["ready"], serving
+        assert "idle: loads on its next request" in serving["message"]
+        assert "loading" not in serving["message"] and "few seconds" not in serving["message"]
+
+        # Its next use makes it active: no longer idle, it is placed again.
+        again = user.post("/v1/models", json=body)
+        assert again.status_code == 200, again.text
+        assert again.json()["serving"]["state"] != "idle"
+        wait_until(lambda: placed_here() == {model_id}, what="placed again", timeout_s=30)
+        assert user.get(f"/v1/models/{model_id}").json()["serving"]["worker_id"] == worker_id

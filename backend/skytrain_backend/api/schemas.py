@@ -130,6 +130,7 @@ class ServingPublic(BaseModel):
     """Whether the model's endpoint answers now, and in words what is happening if not."""
 
     state: Literal[
+        "idle",
         "waiting",
         "provisioning",
         "starting",

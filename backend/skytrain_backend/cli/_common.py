@@ -4,11 +4,15 @@ session, and how lists are printed. Commands import what they need inside their 
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import os
 import sys
+import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
 
 import typer
 
@@ -147,6 +151,47 @@ def _interruptible() -> None:
 
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _follow(path: Path, *, lines: int, poll_s: float = 0.5) -> None:
+    """Print the last ``lines`` of the log at ``path``, then what is appended as it comes,
+    like ``tail -F``, until Ctrl-C (which ends it with exit code 0). A file not there yet is
+    waited for; one truncated or replaced (a worker started again) is read from its start."""
+    _interruptible()
+    handle: TextIO | None = None
+    first = True
+    try:
+        while True:
+            if handle is None:
+                try:
+                    handle = open(path, errors="replace")  # noqa: SIM115 (held across polls)
+                except FileNotFoundError:
+                    time.sleep(poll_s)
+                    continue
+                if first:  # the tail of what is there; a later file is new: all of it
+                    sys.stdout.write("".join(collections.deque(handle, maxlen=lines)))
+                first = False
+            chunk = handle.read()
+            if chunk:
+                sys.stdout.write(chunk)
+                sys.stdout.flush()
+                continue
+            sys.stdout.flush()
+            try:
+                now = os.stat(path)
+            except FileNotFoundError:
+                now = None
+            opened = os.fstat(handle.fileno())
+            if now is None or now.st_ino != opened.st_ino or now.st_size < handle.tell():
+                handle.close()
+                handle = None
+                continue
+            time.sleep(poll_s)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if handle is not None:
+            handle.close()
 
 
 JSON_OPTION = typer.Option(

@@ -12,6 +12,7 @@ from skytrain_backend.cli._common import (
     _ago,
     _columns,
     _fail,
+    _follow,
     _interruptible,
     _log_to_stderr,
     _output,
@@ -523,6 +524,12 @@ def jobs_show(
 def logs(
     worker_id: str = typer.Argument(..., help="The worker's id (see `skytrain workers list`)."),
     lines: int = typer.Option(100, "--lines", "-n", help="How many of the last lines to show."),
+    follow: bool = typer.Option(
+        False,
+        "--follow",
+        "-f",
+        help="Then print new lines as the worker writes them, until Ctrl-C (like `tail -f`).",
+    ),
 ) -> None:
     """Show a worker's log: everything a local worker printed; a SkyPilot worker's launch."""
     from skytrain_backend.config import get_settings
@@ -535,11 +542,14 @@ def logs(
             raise _fail(f"no worker {worker_id!r}: see `skytrain workers list --all`")
         provider, cluster = row.provider, row.cluster_name
     path = worker_log_path(get_settings().home / "workers", worker_id)
+    if provider == "skypilot" and cluster:
+        typer.echo(f"(the worker's own output: `sky logs {cluster}`)", err=True)
+    if follow and (provider != "manual" or path.exists()):
+        _follow(path, lines=lines)  # a local worker's file may not be written yet: waited for
+        return
     text = log_tail(path, lines)
     if text:
         typer.echo(text)
-    if provider == "skypilot" and cluster:
-        typer.echo(f"(the worker's own output: `sky logs {cluster}`)", err=True)
-    elif not text:
+    elif provider != "skypilot" or not cluster:
         where = "on its own host" if provider == "manual" else f"at {path}"
         raise _fail(f"no log for worker {worker_id} {where}")

@@ -8,6 +8,7 @@ the same message and a ``Retry-After``).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 from sqlalchemy import select
@@ -20,7 +21,15 @@ from skytrain_backend.protocol import ModelConfig, lora_name
 from skytrain_backend.scheduler import fair_share, placement, ranks, scale_in
 
 ServingState = Literal[
-    "waiting", "provisioning", "starting", "unreachable", "training", "loading", "ready", "failed"
+    "idle",
+    "waiting",
+    "provisioning",
+    "starting",
+    "unreachable",
+    "training",
+    "loading",
+    "ready",
+    "failed",
 ]
 
 LIVE_WORKER_STATUSES = ("provisioning", "starting", "unreachable", "ready", "training", "sleeping")
@@ -69,14 +78,26 @@ def serving_status(
     step: int | None = None,
     limits: TenantLimits | None = None,
     max_workers: int | None = None,
+    idle_timeout_s: float | None = None,
 ) -> ServingStatus:
     """The model's serving state for ``step`` (default: its latest); with the tenant's
-    ``limits``, an unplaced model says when its quota is what keeps it waiting, and with
-    the control plane's ``max_workers`` (``Settings.launched_workers_limit``), when that
-    limit does."""
+    ``limits``, an unplaced model says when its quota is what keeps it waiting, with the
+    control plane's ``max_workers`` (``Settings.launched_workers_limit``), when that limit
+    does, and with the scheduler's ``idle_timeout_s``
+    (``Settings.resolved_model_idle_timeout_s``), that it was taken off its worker for being
+    unused (``idle``) rather than that it is loading."""
     target = registry.latest_step(session, model_id=model.id) if step is None else step
     worker = session.get(Worker, model.worker_id) if model.worker_id else None
     if worker is None or worker.status not in LIVE_WORKER_STATUSES:
+        if idle_timeout_s is not None and _idle(session, model=model, timeout_s=idle_timeout_s):
+            return ServingStatus(
+                state="idle",
+                ready=False,
+                # Not "loading": nothing happens until a request (or a registration) comes.
+                message=f"idle: loads on its next request ({model.entity}/{model.project}/"
+                f"{model.name} was unused for over {idle_timeout_s:.0f} s and left its worker)",
+                retry_after_s=2.0,
+            )
         reason = placement.quota_wait(session, model=model, limits=limits) if limits else None
         if reason is not None:
             return ServingStatus(
@@ -123,6 +144,25 @@ def serving_status(
         message += f"; training job {running} is running"
     return ServingStatus(
         state="ready", ready=True, worker_id=worker.id, step=target, message=message
+    )
+
+
+def _idle(session: Session, *, model: Model, timeout_s: float) -> bool:
+    """Unused for ``timeout_s`` with no queued or running job: the scheduler takes such a
+    model off its worker (``placement.release_idle_models``) and places it again only when it
+    is used."""
+    since = utcnow() - timedelta(seconds=timeout_s)
+    if model.last_active_at is not None and model.last_active_at > since:
+        return False
+    return not session.scalar(
+        select(
+            select(TrainingJob.id)
+            .where(
+                TrainingJob.model_id == model.id,
+                TrainingJob.status.in_(("queued", "running")),
+            )
+            .exists()
+        )
     )
 
 

@@ -140,6 +140,7 @@ def get_model(
             model=model,
             limits=tenants.limits_of(tenant, settings),
             max_workers=settings.launched_workers_limit,
+            idle_timeout_s=settings.resolved_model_idle_timeout_s,
         ),
     )
 
