@@ -14,8 +14,8 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import credentials
 from skytrain_backend.db.credentials import hash_secret
-from skytrain_backend.db.models import ApiKey, Tenant
-from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
+from skytrain_backend.db.models import ApiKey, Entity, Tenant
+from skytrain_backend.errors import AuthenticationFailed, Conflict, InvalidRequest
 
 KEY_PREFIX = "sk-st-"
 DISPLAY_PREFIX_LENGTH = len(KEY_PREFIX) + credentials.DISPLAY_CHARS
@@ -30,6 +30,17 @@ def get_or_create_tenant(session: Session, *, name: str) -> Tenant:
         )
     tenant = session.scalar(select(Tenant).where(Tenant.name == name))
     if tenant is None:
+        claimed = session.scalar(
+            select(Tenant.name)
+            .join(Entity, Entity.tenant_id == Tenant.id)
+            .where(Entity.name == name)
+        )
+        if claimed is not None:
+            # A tenant's name is its entity: the new tenant would take the models' names over.
+            raise Conflict(
+                f"tenant name {name!r} is taken: tenant {claimed!r} uses it as the entity of "
+                "its models (a tenant's name is its default entity): choose another name"
+            )
         tenant = Tenant(name=name)
         session.add(tenant)
         session.flush()
