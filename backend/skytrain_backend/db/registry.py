@@ -145,7 +145,9 @@ def _check_entity_quota(session: Session, *, tenant: Tenant, entity: str, max_mo
     lock (``check_model_quota``)."""
     claimed = int(
         session.scalar(
-            select(func.count()).select_from(Entity).where(Entity.tenant_id == tenant.id)
+            select(func.count())
+            .select_from(Entity)
+            .where(Entity.tenant_id == tenant.id, Entity.name != tenant.name)
         )
         or 0
     )
