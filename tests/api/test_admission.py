@@ -24,6 +24,7 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.api import rest_admission
 from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.db import tenants
 from skytrain_backend.db import workers as worker_rows
@@ -246,3 +247,38 @@ def test_random_keys_on_the_inference_routes_get_429_from_one_address(
 
     burst = asyncio.run(scenario())
     assert burst[429] > 0 and set(burst) <= {401, 429}, burst
+
+
+def test_many_tenants_behind_one_address_are_not_refused_for_lookups_in_flight(
+    control_plane: ControlPlane, api_key: Callable[..., ApiKey]
+) -> None:
+    # A NAT or a proxy: more tenants than the address's failure budget (60 a minute), each
+    # sending its first request at once, none of their keys cached. None fails, so none is
+    # refused for failures.
+    keys = [api_key() for _ in range(2 * control_plane.settings.auth_failures_per_minute)]
+
+    async def scenario() -> Counter[int]:
+        connector = aiohttp.TCPConnector(limit=0, local_addr=("127.0.0.6", 0))
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(
+            control_plane.url, connector=connector, timeout=timeout
+        ) as http:
+
+            async def send(key: ApiKey) -> int:
+                async with http.get("/v1/models", headers=key.headers) as response:
+                    await response.read()
+                    return response.status
+
+            return Counter(await asyncio.gather(*(send(key) for key in keys)))
+
+    assert asyncio.run(scenario()) == Counter({200: len(keys)})
+
+
+def test_ipv6_clients_share_their_failures_by_64_bit_prefix() -> None:
+    def group(address: str) -> str | None:
+        return rest_admission.client_address({"client": (address, 4321)})
+
+    assert group("2001:db8:1:2::1") == group("2001:db8:1:2:ffff:ffff:ffff:ffff")
+    assert group("2001:db8:1:2::1") != group("2001:db8:1:3::1")
+    assert group("::ffff:192.0.2.7") == group("192.0.2.7") == "192.0.2.7"
+    assert group("192.0.2.7") != group("192.0.2.8")

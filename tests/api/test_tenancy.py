@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.db import jobs
+from skytrain_backend.db import jobs, tenants
 from skytrain_backend.storage import ObjectStore
 from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint, group, sft_trajectory
@@ -154,6 +154,47 @@ def test_an_entity_belongs_to_the_tenant_that_used_it_first(
         assert other.key.tenant_name in message  # where to create it instead
     assert stored(other) == before
     caller.create_model(entity=entity, name="second")  # still the first tenant's
+
+
+def test_a_create_refused_by_the_quota_claims_no_entity(
+    caller: Caller, other: Caller, db_sessions: sessionmaker[Session]
+) -> None:
+    """A tenant at its quota (or creating and deleting in a loop) took any number of names."""
+    with db_sessions() as session:
+        tenants.set_limits(
+            session, tenant_name=caller.key.tenant_name, values={"max_models": 1}, reset=[]
+        )
+    caller.create_model()
+    entity = f"team-{uuid.uuid4().hex[:8]}"
+    refused = caller.http.post(
+        "/v1/models",
+        json={"entity": entity, "project": "tests", "name": "agent", "base_model": "m"},
+    )
+    assert refused.status_code == 403, refused.text
+    assert "the most its quota allows (1)" in refused.json()["error"]["message"]
+    other.create_model(entity=entity)  # the name is still free
+
+
+def test_creating_and_deleting_claims_no_more_entity_names_than_max_models(
+    caller: Caller, other: Caller, db_sessions: sessionmaker[Session]
+) -> None:
+    with db_sessions() as session:
+        tenants.set_limits(
+            session, tenant_name=caller.key.tenant_name, values={"max_models": 2}, reset=[]
+        )
+    names = [f"loop-{uuid.uuid4().hex[:8]}" for _ in range(3)]
+    for entity in names[:2]:
+        model = caller.create_model(entity=entity)
+        assert caller.http.delete(f"/v1/models/{model['id']}").status_code in (200, 204)
+    refused = caller.http.post(
+        "/v1/models",
+        json={"entity": names[2], "project": "tests", "name": "agent", "base_model": "m"},
+    )
+    assert refused.status_code == 403, refused.text
+    assert "claimed 2 entity names" in refused.json()["error"]["message"]
+    caller.create_model(entity=names[0])  # a name it holds, and its own, still serve
+    caller.create_model(name="own")
+    other.create_model(entity=names[2])
 
 
 def test_tenants_racing_for_a_new_entity_leave_it_to_one(

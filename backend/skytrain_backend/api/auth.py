@@ -14,9 +14,13 @@ Failures cost their sender, not the other tenants:
 - a key or token that failed is kept as refused for ``SKYTRAIN_AUTH_FAILURE_CACHE_TTL_S``
   (``MAX_REMEMBERED`` hashes at most, the oldest forgotten first; emptied with the successes'
   cache): sending it again costs no query;
-- each client address may fail ``SKYTRAIN_AUTH_FAILURES_PER_MINUTE`` authentications a minute
-  (a token bucket: all at once, then one every 60/N s); past that, whatever it sends that is not
-  a key known good gets 429 with ``Retry-After`` and no lookup;
+- each client address (an IPv6 one by its /64: ``rest_admission.client_address``) may fail
+  ``SKYTRAIN_AUTH_FAILURES_PER_MINUTE`` authentications a minute (a token bucket: all at once,
+  then one every 60/N s); past that, whatever it sends that is not a key known good gets 429
+  with ``Retry-After`` and no lookup. Only a lookup that fails (or a key refused a moment ago)
+  takes a token, so many tenants behind one NAT or proxy whose keys are good are never refused
+  for it; an address's lookups in flight are bounded by the tokens it has left (a burst of
+  random keys runs as many lookups as it may fail, the rest get 429);
 - lookups run on threads of their own (``AUTH_THREADS``), never the routes' pool, each in a
   short session closed in that thread, shared by client address in turns (``FairLimiter``): an
   address sending thousands of random keys holds at most ``AUTH_THREADS_PER_ADDRESS`` of them,
@@ -32,7 +36,8 @@ import asyncio
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
 from fastapi.security import HTTPAuthorizationCredentials
@@ -71,13 +76,22 @@ def authenticate(session: Session, credentials: HTTPAuthorizationCredentials | N
 
 class FailureBudget:
     """Failed authentications per client address: ``per_minute`` a minute, as a token bucket
-    (the most recently failing ``MAX_REMEMBERED`` addresses are tracked)."""
+    (the most recently failing ``MAX_REMEMBERED`` addresses are tracked).
+
+    Only a lookup that fails takes a token. So that a burst of unknown keys cannot start more
+    lookups than its address may fail, an address's lookups in flight are bounded by the
+    tokens it has left (``attempt``): past them a lookup waits for one of its address's to end
+    (a success gives its place on, a failure spends it), and gets 429 once none is left.
+    """
 
     def __init__(self, *, per_minute: int) -> None:
         self.per_minute = per_minute
         self._refill_per_s = per_minute / 60
         # address -> (failures left, when counted)
         self._left: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        # address -> its lookups in flight; the event set when one of them ends
+        self._in_flight: dict[str, int] = {}
+        self._ended: dict[str, asyncio.Event] = {}
 
     def _now_left(self, address: str, now: float) -> float:
         held = self._left.get(address)
@@ -86,13 +100,7 @@ class FailureBudget:
         left, at = held
         return min(float(self.per_minute), left + (now - at) * self._refill_per_s)
 
-    def take(self, address: str | None) -> None:
-        """Count a failure of ``address`` (a lookup about to run counts as one until it
-        succeeds: ``give_back``); ``RateLimited`` if it has none left."""
-        if address is None:
-            return
-        now = time.monotonic()
-        left = self._now_left(address, now)
+    def _check(self, address: str, left: float) -> None:
         if left < 1:
             raise RateLimited(
                 f"too many failed authentications from your address (at most "
@@ -101,13 +109,52 @@ class FailureBudget:
                 retry_after_s=(1 - left) / self._refill_per_s,
                 limit=FAILURES_LIMIT,
             )
+
+    def take(self, address: str | None) -> None:
+        """Count a failure of ``address`` that needed no lookup (a key refused a moment
+        ago); ``RateLimited`` if it has none left."""
+        if address is None:
+            return
+        now = time.monotonic()
+        left = self._now_left(address, now)
+        self._check(address, left)
         self._set(address, left - 1, now)
 
-    def give_back(self, address: str | None) -> None:
-        """The lookup ``take`` counted succeeded."""
-        if address is not None:
-            now = time.monotonic()
-            self._set(address, self._now_left(address, now) + 1, now)
+    @asynccontextmanager
+    async def attempt(self, address: str | None) -> AsyncIterator[Callable[[], None]]:
+        """Hold a place for one lookup of ``address``'s while the block runs; the block calls
+        what it is given if the lookup failed. ``RateLimited`` if the address has no failures
+        left."""
+        if address is None:
+            yield lambda: None
+            return
+        while True:
+            left = self._now_left(address, time.monotonic())
+            self._check(address, left)
+            in_flight = self._in_flight.get(address, 0)
+            if in_flight + 1 <= left:
+                break
+            # Were all in flight to fail, this one could not: wait for one to end.
+            await self._ended.setdefault(address, asyncio.Event()).wait()
+        self._in_flight[address] = in_flight + 1
+        failed = False
+
+        def fail() -> None:
+            nonlocal failed
+            failed = True
+
+        try:
+            yield fail
+        finally:
+            still = self._in_flight.pop(address) - 1
+            if still:
+                self._in_flight[address] = still
+            if failed:
+                now = time.monotonic()
+                self._set(address, self._now_left(address, now) - 1, now)
+            ended = self._ended.pop(address, None)
+            if ended is not None:
+                ended.set()
 
     def _set(self, address: str, left: float, now: float) -> None:
         self._left[address] = (min(float(self.per_minute), left), now)
@@ -212,27 +259,25 @@ class Authenticator:
             await pending.wait()
         if cached is not None:
             return cached
-        # Counted as a failure until it succeeds: a burst of unknown keys sent at once is
-        # refused past the budget, not looked up all together.
-        self.failures.take(client)
         message = refused.get(digest)
         if message is not None:
+            self.failures.take(client)  # a failure still, though it costs no lookup
             raise AuthenticationFailed(message)
         done = asyncio.Event()
         self._looking_up[digest] = done
         try:
-            generation = cache.generation
-            if self._threads is None:
-                self._threads = FairLimiter(total=AUTH_THREADS, per_key=AUTH_THREADS_PER_ADDRESS)
-            try:
-                found = await self._threads.run_sync(client, look_up)
-            except AuthenticationFailed as exc:
-                refused.put(digest, exc.message, generation=generation)
-                raise
-            except BaseException:
-                self.failures.give_back(client)  # not a failure of the key's
-                raise
-            self.failures.give_back(client)
+            async with self.failures.attempt(client) as failed:
+                generation = cache.generation
+                if self._threads is None:
+                    self._threads = FairLimiter(
+                        total=AUTH_THREADS, per_key=AUTH_THREADS_PER_ADDRESS
+                    )
+                try:
+                    found = await self._threads.run_sync(client, look_up)
+                except AuthenticationFailed as exc:
+                    failed()
+                    refused.put(digest, exc.message, generation=generation)
+                    raise
             cache.put(digest, found, generation=generation)
             return found
         finally:

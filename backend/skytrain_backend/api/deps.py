@@ -25,6 +25,7 @@ import functools
 import inspect
 import weakref
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 import anyio
@@ -216,6 +217,30 @@ AuthenticatorDep = Annotated[Authenticator, Depends(get_authenticator)]
 RestLoadsDep = Annotated[TenantLoads, Depends(get_rest_loads)]
 
 
+@asynccontextmanager
+async def _admitted_here(
+    request: Request,
+    key: str,
+    *,
+    authenticator: Authenticator,
+    loads: TenantLoads,
+    settings: Settings,
+) -> AsyncIterator[Tenant]:
+    """The key's tenant, its request counted in (``rest_admission.admit``) while the block
+    runs: for a request ``RestAdmission`` did not admit."""
+    tenant, release = await rest_admission.admit(
+        key,
+        authenticator=authenticator,
+        loads=loads,
+        settings=settings,
+        client=rest_admission.client_address(request.scope),
+    )
+    try:
+        yield tenant
+    finally:
+        release()
+
+
 async def get_tenant(
     request: Request,
     credentials: CredentialsDep,
@@ -231,17 +256,14 @@ async def get_tenant(
         return
     if credentials is None:
         raise AuthenticationFailed(NO_KEY)
-    tenant, release = await rest_admission.admit(
+    async with _admitted_here(
+        request,
         credentials.credentials,
         authenticator=authenticator,
         loads=loads,
         settings=settings,
-        client=rest_admission.client_address(request.scope),
-    )
-    try:
+    ) as tenant:
         yield tenant
-    finally:
-        release()
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
@@ -267,17 +289,14 @@ async def get_tinker_tenant(
             "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
             "(`skytrain keys create --tenant NAME --tinker` prints it)"
         )
-    tenant, release = await rest_admission.admit(
+    async with _admitted_here(
+        request,
         key.removeprefix(TINKER_KEY_PREFIX),
         authenticator=authenticator,
         loads=loads,
         settings=settings,
-        client=rest_admission.client_address(request.scope),
-    )
-    try:
+    ) as tenant:
         yield tenant
-    finally:
-        release()
 
 
 TinkerTenantDep = Annotated[Tenant, Depends(get_tinker_tenant)]

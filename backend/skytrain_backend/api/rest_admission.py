@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import ipaddress
 from collections.abc import Callable
 
 import anyio
@@ -67,8 +68,21 @@ def admitted(scope: Scope) -> Tenant | None:
 
 
 def client_address(scope: Scope) -> str | None:
+    """The sender's address as failures are counted: an IPv4 address (an IPv4-mapped IPv6
+    one as IPv4), or an IPv6 address's /64, the least a host or a site is given: one sender
+    with a whole /64 would otherwise fail from 2^64 addresses."""
     client = scope.get("client")
-    return str(client[0]) if client else None
+    if not client:
+        return None
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return str(client[0])  # not an IP address (a Unix socket's peer): as it is
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
 
 
 async def admit(

@@ -136,7 +136,11 @@ def metrics_listener() -> None:
 
 @keys_app.command("create")
 def keys_create(
-    tenant: str = typer.Option(..., help="Tenant the key acts for; created if new."),
+    tenant: str = typer.Option(
+        ...,
+        help="Tenant the key acts for; created if new (not under a name another tenant's "
+        "models use as their entity: a tenant's name is its default entity).",
+    ),
     name: str | None = typer.Option(None, help="A label to recognise the key by."),
     tinker: bool = typer.Option(
         False,

@@ -10,12 +10,13 @@ from __future__ import annotations
 import re
 
 from sqlalchemy import select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import credentials
 from skytrain_backend.db.credentials import hash_secret
-from skytrain_backend.db.models import ApiKey, Tenant
-from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
+from skytrain_backend.db.models import ApiKey, Entity, Tenant
+from skytrain_backend.errors import AuthenticationFailed, Conflict, InvalidRequest
 
 KEY_PREFIX = "sk-st-"
 DISPLAY_PREFIX_LENGTH = len(KEY_PREFIX) + credentials.DISPLAY_CHARS
@@ -30,8 +31,23 @@ def get_or_create_tenant(session: Session, *, name: str) -> Tenant:
         )
     tenant = session.scalar(select(Tenant).where(Tenant.name == name))
     if tenant is None:
+        claimed = session.scalar(
+            select(Tenant.name)
+            .join(Entity, Entity.tenant_id == Tenant.id)
+            .where(Entity.name == name)
+        )
+        if claimed is not None:
+            # A tenant's name is its entity: the new tenant would take the models' names over.
+            raise Conflict(
+                f"tenant name {name!r} is taken: tenant {claimed!r} uses it as the entity of "
+                "its models (a tenant's name is its default entity): choose another name"
+            )
         tenant = Tenant(name=name)
         session.add(tenant)
+        session.flush()
+        # Its name claimed as its entity in the same transaction: a tenant claiming the name
+        # for a model meanwhile makes one of the two fail on the entity's primary key.
+        session.add(Entity(name=name, tenant_id=tenant.id))
         session.flush()
     return tenant
 
@@ -40,16 +56,23 @@ def create_key(
     session: Session, *, tenant_name: str, name: str | None = None
 ) -> tuple[ApiKey, str]:
     """Create a key for the tenant (creating the tenant if new); returns the row and the key."""
-    tenant = get_or_create_tenant(session, name=tenant_name)
-    key = credentials.new_secret(KEY_PREFIX)
-    row = ApiKey(
-        tenant_id=tenant.id,
-        name=name,
-        prefix=key[:DISPLAY_PREFIX_LENGTH],
-        key_hash=hash_secret(key),
-    )
-    session.add(row)
-    session.commit()
+    try:
+        tenant = get_or_create_tenant(session, name=tenant_name)
+        key = credentials.new_secret(KEY_PREFIX)
+        row = ApiKey(
+            tenant_id=tenant.id,
+            name=name,
+            prefix=key[:DISPLAY_PREFIX_LENGTH],
+            key_hash=hash_secret(key),
+        )
+        session.add(row)
+        session.commit()
+    except IntegrityError:
+        session.rollback()
+        raise Conflict(
+            f"tenant name {tenant_name!r} was taken meanwhile (by a new tenant, or by another "
+            "tenant's models as their entity): run the command again, or choose another name"
+        ) from None
     return row, key
 
 

@@ -2,7 +2,7 @@
 
 Every lookup filters on the caller's tenant, so another tenant's model id is simply not
 found: the API answers 404 and never says the id exists. An entity name belongs to the tenant
-that used it first (``claim_entity``), so no tenant's ``<entity>/...`` models pass for
+that used it first (claimed with its first model), so no tenant's ``<entity>/...`` models pass for
 another's.
 """
 
@@ -62,12 +62,15 @@ def create_model(
 ) -> tuple[Model, bool]:
     """The model and whether it was created; its step-0 checkpoint is created with it.
 
-    A tenant that owns ``max_models`` models already gets ``QuotaExceeded``.
+    A tenant that owns ``max_models`` models already gets ``QuotaExceeded``. A new entity
+    name becomes the tenant's in the model's own transaction, after the quota check: a create
+    that is refused claims nothing.
     """
     found = _find(session, tenant_id=tenant.id, entity=entity, project=project, name=name)
     if found is not None:
         return _existing(found, base_model=base_model, return_existing=return_existing), False
-    claim_entity(session, tenant=tenant, entity=entity)
+    owner = entity_owner(session, entity=entity)
+    _check_owner(owner, tenant=tenant, entity=entity)
     if max_models is not None:
         try:
             check_model_quota(session, tenant_id=tenant.id, max_models=max_models)
@@ -77,6 +80,13 @@ def create_model(
             if found is None:
                 raise
             return _existing(found, base_model=base_model, return_existing=return_existing), False
+        # Under the tenant's lock: another tenant may have claimed the name since.
+        owner = entity_owner(session, entity=entity)
+        _check_owner(owner, tenant=tenant, entity=entity)
+        if owner is None:
+            _check_entity_quota(session, tenant=tenant, entity=entity, max_models=max_models)
+    if owner is None:
+        session.add(Entity(name=entity, tenant_id=tenant.id))
     model = Model(
         tenant_id=tenant.id,
         entity=entity,
@@ -92,37 +102,69 @@ def create_model(
         session.add(Checkpoint(model_id=model.id, step=0, uri=None, metrics={}))
         session.commit()
     except IntegrityError:
-        # Another request created the same model between our lookup and our insert.
+        # Another request created the same model, or claimed the same new entity, between
+        # our lookups and our insert (the entity's name is its primary key).
         session.rollback()
         found = _find(session, tenant_id=tenant.id, entity=entity, project=project, name=name)
-        if found is None:
+        if found is not None:
+            return _existing(found, base_model=base_model, return_existing=return_existing), False
+        owner = entity_owner(session, entity=entity)
+        if owner is None:
             raise
-        return _existing(found, base_model=base_model, return_existing=return_existing), False
+        _check_owner(owner, tenant=tenant, entity=entity)
+        # Our own concurrent create claimed it: create again, the entity ours now.
+        return create_model(
+            session,
+            tenant=tenant,
+            entity=entity,
+            project=project,
+            name=name,
+            base_model=base_model,
+            config=config,
+            return_existing=return_existing,
+            max_models=max_models,
+        )
     return model, True
 
 
-def claim_entity(session: Session, *, tenant: Tenant, entity: str) -> None:
-    """Make ``entity`` the tenant's if no one has used it (committed at once, so it is taken
-    when a create goes no further); ``Conflict`` when it belongs to another tenant: the one
-    that used it first, or the one named so (a tenant's own name is always its entity). The
-    name is the primary key: of two tenants using a new name at once, one gets the 409."""
-    owner = _entity_owner(session, entity=entity)
-    if owner is None:
-        session.add(Entity(name=entity, tenant_id=tenant.id))
-        try:
-            session.commit()
-            return
-        except IntegrityError:
-            session.rollback()
-            owner = _entity_owner(session, entity=entity)
-    if owner != tenant.id:
+def _check_owner(owner: str | None, *, tenant: Tenant, entity: str) -> None:
+    """``Conflict`` if ``entity`` belongs to another tenant: the one that used it first, or
+    the one named so (a tenant's own name is always its entity, and ``skytrain tenants
+    create`` refuses a name another tenant has used as an entity)."""
+    if owner is not None and owner != tenant.id:
         raise Conflict(
             f"entity {entity!r} belongs to another tenant: create the model under your own "
             f"entity ({tenant.name!r}, the default) or a name no other tenant has used"
         )
 
 
-def _entity_owner(session: Session, *, entity: str) -> str | None:
+def _check_entity_quota(session: Session, *, tenant: Tenant, entity: str, max_models: int) -> None:
+    """``QuotaExceeded`` if the tenant has claimed ``max_models`` entity names already (its
+    own name aside): a name stays claimed when its models are deleted, so creating and
+    deleting in a loop would otherwise claim names without end. Called under the tenant's
+    lock (``check_model_quota``)."""
+    claimed = int(
+        session.scalar(
+            select(func.count())
+            .select_from(Entity)
+            .where(Entity.tenant_id == tenant.id, Entity.name != tenant.name)
+        )
+        or 0
+    )
+    if claimed >= max_models:
+        session.rollback()
+        raise QuotaExceeded(
+            f"your tenant has claimed {claimed} entity names, the most its quota allows "
+            f"(max_models: {max_models}); a name stays yours when its models are deleted: "
+            f"create {entity!r}'s model under one of your entities (your own, {tenant.name!r}, "
+            "or one you used before), or ask the operator to raise the quota "
+            "(`skytrain tenants limits TENANT --max-models N`)",
+            limit="max_models",
+        )
+
+
+def entity_owner(session: Session, *, entity: str) -> str | None:
+    """The id of the tenant ``entity`` belongs to (named so, or the first to use it)."""
     named = session.scalar(select(Tenant.id).where(Tenant.name == entity))
     return named or session.scalar(select(Entity.tenant_id).where(Entity.name == entity))
 
