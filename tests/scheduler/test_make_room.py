@@ -515,3 +515,27 @@ def test_an_idle_tinker_run_gives_its_slot_up_and_resumes_later(
         assert leased is not None
         assert (leased.run_id, leased.attempt) == (idle.id, 2)
         assert (leased.plan.replay, leased.plan.next_seq) == ([], 1)
+
+
+# A pass that waited for the row instead would wait on this test's own session for ever.
+@pytest.mark.timeout(120)
+def test_a_tinker_run_whose_worker_holds_its_job_keeps_its_slot(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """The worker locks a run's job row for each call it makes for the run (the next
+    operation, a result, a renewal): while it holds it, the run is not taken off (its job row
+    is skipped, not waited for), and the next pass takes the slot once it is let go."""
+    plane = make_plane(1)
+    if plane.settings.resolved_database_url.startswith("sqlite"):
+        pytest.skip("SQLite has no row locks: its writers take turns")
+    worker_id = _worker(plane, BASE_A)
+    runs = _tinker_runs(plane, worker_id=worker_id, count=2)
+    bobs = _model(plane, "bobs", base_model=BASE_A, tenant="bob")
+    with plane.sessions() as held:
+        for run in runs:  # as queue.leased_job locks them
+            held.scalar(select(TrainingJob).where(TrainingJob.id == run.job_id).with_for_update())
+        plane.tick()
+        assert _worker_of(plane, bobs) is None
+        assert all(_worker_of(plane, run.model_id) == worker_id for run in runs)
+    plane.tick()
+    assert _worker_of(plane, bobs) == worker_id
