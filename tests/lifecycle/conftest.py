@@ -27,15 +27,16 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
-from skytrain_backend.db.models import Model
+from skytrain_backend.db.models import Checkpoint, Model
 from skytrain_backend.db.session import create_db_engine, session_factory
-from skytrain_backend.storage import LocalObjectStore
+from skytrain_backend.storage import LocalObjectStore, keys
 from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import serve_in_thread
 
@@ -182,3 +183,26 @@ def undeletable(directory: Path) -> Iterator[None]:
             subprocess.run(["chattr", "-i", str(directory)], check=True)
         else:
             directory.chmod(0o755)
+
+
+def step_files(store: LocalObjectStore, *, tenant_id: str, model_id: str, step: int) -> list[str]:
+    """The keys of every file of the step in the store, in whichever of its directories
+    (``checkpoints/{step}/``, or a committing attempt's ``checkpoints/{step}-{writer}/``)."""
+    root = keys.model_prefix(tenant_id=tenant_id, model_id=model_id) + "checkpoints/"
+    return [
+        info.key
+        for info in store.list(root)
+        if keys.checkpoint_step(info.key.removeprefix(root).partition("/")[0]) == step
+    ]
+
+
+def committed_prefix(
+    sessions: sessionmaker[Session], *, tenant_id: str, model_id: str, step: int
+) -> str:
+    """Where the committed step's files lie, as its row records."""
+    with sessions() as session:
+        uri = session.scalars(
+            select(Checkpoint.uri).where(Checkpoint.model_id == model_id, Checkpoint.step == step)
+        ).one()
+    assert uri is not None
+    return keys.committed_prefix(tenant_id=tenant_id, model_id=model_id, uri=uri)

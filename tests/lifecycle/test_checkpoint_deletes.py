@@ -15,7 +15,7 @@ from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import LocalObjectStore, keys
 from tests.api.support import add_checkpoint, group
 from tests.gateway.conftest import wait_until
-from tests.lifecycle.conftest import Who, WorkerClient, undeletable
+from tests.lifecycle.conftest import Who, WorkerClient, step_files, undeletable
 
 ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x00" * 512}
 
@@ -37,8 +37,7 @@ def _trained(
 
 
 def _files(store: LocalObjectStore, who: Who, model_id: str, step: int) -> list[str]:
-    prefix = keys.checkpoint_prefix(tenant_id=who.tenant_id, model_id=model_id, step=step)
-    return [info.key for info in store.list(prefix)]
+    return step_files(store, tenant_id=who.tenant_id, model_id=model_id, step=step)
 
 
 def _deleted_rows(

@@ -8,8 +8,10 @@ checked and copied."""
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
+from skytrain_backend.db.models import TrainingJob, utcnow
+from skytrain_backend.scheduler import garbage, queue
 from skytrain_backend.storage import LocalObjectStore
 from tests.api.support import group
 from tests.lifecycle.conftest import Who, WorkerClient
@@ -177,3 +181,111 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
         committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert committed.status_code == 200, committed.text
     assert locked == [False] * len(ADAPTER)
+
+
+class _HeldStore(LocalObjectStore):
+    """The control plane's own store, which holds the first copy of the weights in flight
+    (the source read, the destination not yet written) until the test lets it go, as a
+    slow store's copy would be: an observer that stretches the copy in time, not a fake."""
+
+    def __init__(self, root: Path, copying: threading.Event, go: threading.Event) -> None:
+        super().__init__(root)
+        self._copying, self._go = copying, go
+        self._held = False
+
+    def copy(self, source_key: str, dest_key: str) -> int:
+        if self._held or not source_key.endswith("/adapter_model.safetensors"):
+            return super().copy(source_key, dest_key)
+        self._held = True
+        data = self.get_bytes(source_key)
+        self._copying.set()
+        assert self._go.wait(60)
+        self.put_bytes(dest_key, data)
+        return len(data)
+
+
+def test_a_stale_attempt_copying_after_the_commit_leaves_the_committed_files(
+    lifecycle_app: FastAPI,
+    lifecycle_db: sessionmaker[Session],
+    lifecycle_store: LocalObjectStore,
+    who: Callable[[], Who],
+    worker_client: Callable[..., WorkerClient],
+) -> None:
+    """Attempt 1 passes the lease check and starts copying; its lease runs out, attempt 2
+    commits the step; attempt 1's copy then goes on. It must not land on attempt 2's files
+    (the same sizes: only the bytes differ)."""
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    first = worker_client(model_id)
+    job_id = _leased_job(alice, first, model_id)
+    stale = {**ADAPTER, "adapter_model.safetensors": b"\x00" * len(WEIGHTS)}
+    _stage(first, job_id, stale)
+    stale_completion = _completion()
+    stale_completion["files"] = [
+        {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for name, data in stale.items()
+    ]
+    copying, go = threading.Event(), threading.Event()
+    answers: list[int] = []
+    real = lifecycle_app.state.store
+    lifecycle_app.state.store = _HeldStore(real.root, copying, go)
+    try:
+        late = threading.Thread(
+            target=lambda: answers.append(
+                first.http.post(f"/jobs/{job_id}/complete", json=stale_completion).status_code
+            )
+        )
+        late.start()
+        assert copying.wait(60)
+        # Attempt 1 is copying; its worker went silent and the lease ran out.
+        with lifecycle_db() as session:
+            job = session.get_one(TrainingJob, job_id)
+            job.lease_expires_at = utcnow() - timedelta(seconds=1)
+            session.commit()
+            queue.expire_leases(session)
+        second = worker_client(model_id)
+        leased = second.http.post("/jobs/lease", json={}).json()["job"]
+        assert (leased["id"], leased["attempt"]) == (job_id, 2)
+        for name, data in ADAPTER.items():
+            staged = second.http.put(
+                f"/jobs/{job_id}/files/{name}", params={"attempt": 2}, content=data
+            )
+            assert staged.status_code == 204, staged.text
+        committed = second.http.post(
+            f"/jobs/{job_id}/complete", json={**_completion(), "attempt": 2}
+        )
+        assert committed.status_code == 200, committed.text
+        go.set()  # attempt 1's copy goes on, after the commit
+        late.join(60)
+    finally:
+        go.set()
+        lifecycle_app.state.store = real
+    assert answers == [409]  # its lease is lost: it commits nothing
+    assert _steps(alice, model_id) == [0, 1]
+    downloaded = alice.http.get(
+        f"/v1/models/{model_id}/checkpoints/1/files/adapter_model.safetensors",
+        follow_redirects=True,
+    )
+    assert downloaded.content == WEIGHTS
+    listed = second.http.get(f"/models/{model_id}/checkpoints/1/files")
+    assert listed.status_code == 200, listed.text
+    assert [item["name"] for item in listed.json()["data"]] == sorted(ADAPTER)
+    loaded = second.http.get(f"/models/{model_id}/checkpoints/1/files/adapter_model.safetensors")
+    assert loaded.content == WEIGHTS
+    # What attempt 1 copied lies beside the committed files: the sweep takes it, not them.
+    with lifecycle_db() as session:
+        garbage.collect_garbage(
+            session, store=lifecycle_store, written_before=utcnow() + timedelta(minutes=1)
+        )
+    left = [
+        info.key
+        for info in lifecycle_store.list()
+        if f"/models/{model_id}/checkpoints/" in info.key
+    ]
+    assert len(left) == len(ADAPTER)
+    assert len({key.rpartition("/")[0] for key in left}) == 1
+    downloaded = alice.http.get(
+        f"/v1/models/{model_id}/checkpoints/1/files/adapter_model.safetensors",
+        follow_redirects=True,
+    )
+    assert downloaded.content == WEIGHTS

@@ -178,8 +178,14 @@ def test_a_checkpoint_whose_commit_lost_the_database_is_committed_once_on_retry(
         )
         assert ended == 1
     prefix = keys.model_prefix(tenant_id=plane.tenant_id, model_id=model_id)
+    step = keys.checkpoint_prefix(
+        tenant_id=plane.tenant_id,
+        model_id=model_id,
+        step=1,
+        writer=keys.attempt_writer(job_id=job_id, attempt=1),
+    ).removeprefix(prefix)
     assert sorted(info.key.removeprefix(prefix) for info in plane.store.list(prefix)) == sorted(
-        [f"jobs/{job_id}/input.jsonl"] + [f"checkpoints/1/{name}" for name in ADAPTER]
+        [f"jobs/{job_id}/input.jsonl"] + [f"{step}{name}" for name in ADAPTER]
     )
 
 

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from sqlalchemy.orm import Session, sessionmaker
 from typer.testing import CliRunner, Result
 
 from skytrain_backend.cli import app
@@ -19,7 +20,7 @@ from skytrain_backend.errors import ObjectDamaged
 from skytrain_backend.storage import LocalObjectStore, keys
 from skytrain_backend.worker.client import ControlPlaneClient
 from tests.api.support import group
-from tests.lifecycle.conftest import Who, WorkerClient
+from tests.lifecycle.conftest import Who, WorkerClient, committed_prefix
 
 ADAPTER = {
     "adapter_config.json": b'{"r": 8}',
@@ -103,6 +104,7 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
     worker_client: Callable[..., WorkerClient],
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
+    lifecycle_db: sessionmaker[Session],
 ) -> None:
     alice = who()
     model_id = str(alice.create_model()["id"])
@@ -112,7 +114,7 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
     assert alice.http.get(listing).status_code == 200
     assert checkpoint_id not in _storage_check(lifecycle_settings).stdout
 
-    prefix = keys.checkpoint_prefix(tenant_id=alice.tenant_id, model_id=model_id, step=1)
+    prefix = committed_prefix(lifecycle_db, tenant_id=alice.tenant_id, model_id=model_id, step=1)
     LOSSES[loss](lifecycle_store, prefix)
 
     listed = alice.http.get(listing)
@@ -166,6 +168,7 @@ def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loadi
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
     tmp_path: Path,
+    lifecycle_db: sessionmaker[Session],
 ) -> None:
     """The same length, other bytes: no listing can tell, so the worker checks the SHA-256
     committed with the step as it downloads, and `storage check --read` reads it back."""
@@ -173,7 +176,7 @@ def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loadi
     model_id = str(alice.create_model()["id"])
     worker = worker_client(model_id)
     checkpoint_id = _committed_step(alice, worker, model_id)
-    prefix = keys.checkpoint_prefix(tenant_id=alice.tenant_id, model_id=model_id, step=1)
+    prefix = committed_prefix(lifecycle_db, tenant_id=alice.tenant_id, model_id=model_id, step=1)
     weights = ADAPTER["adapter_model.safetensors"]
     lifecycle_store.put_bytes(prefix + "adapter_model.safetensors", b"\xff" + weights[1:])
     token = worker.http.headers["Authorization"].removeprefix("Bearer ")

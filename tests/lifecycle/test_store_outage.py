@@ -204,8 +204,10 @@ def test_a_checkpoint_uploaded_while_the_store_stops_is_committed_once_it_is_bac
         )
         assert downloaded.status_code == 200 and downloaded.content == data
     # Nothing of the attempt's staging is left once the step is committed.
+    # The step's files lie in the committing attempt's own directory of it.
+    step = f"checkpoints/1-{object_keys.attempt_writer(job_id=job_id, attempt=1)}/"
     assert sorted(plane.objects(model_id)) == sorted(
-        [f"jobs/{job_id}/input.jsonl"] + [f"checkpoints/1/{name}" for name in ADAPTER]
+        [f"jobs/{job_id}/input.jsonl"] + [f"{step}{name}" for name in ADAPTER]
     )
 
 

@@ -8,8 +8,10 @@ test looks at are this control plane's only."""
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +26,8 @@ from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from skytrain_backend.app import create_app
 from skytrain_backend.db import api_keys
-from skytrain_backend.db.models import TinkerRequest, TinkerRun, utcnow
+from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.models import Checkpoint, Model, TinkerRequest, TinkerRun, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import LocalObjectStore, keys
@@ -159,3 +162,123 @@ def test_an_operation_body_whose_row_never_came_is_collected(plane: Plane) -> No
         )
     assert not plane.store.exists(orphan)
     assert plane.store.exists(kept)
+
+
+SAVED = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": bytes(range(256)) * 64}
+
+
+def _staged(files: dict[str, bytes]) -> list[dict[str, object]]:
+    return [
+        {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for name, data in files.items()
+    ]
+
+
+@contextmanager
+def _save_leased(plane: Plane, run_id: str) -> Iterator[tuple[httpx.Client, str]]:
+    """A ``save_weights`` queued as operation 1 of the run, and the run leased by a worker
+    holding its model: the worker's client (``/v1/worker``) and the run's job id."""
+    queued = plane.sdk.post(
+        "/api/v1/save_weights", json={"model_id": run_id, "path": "s1", "seq_id": 1}
+    )
+    assert queued.status_code == 200, queued.text
+    with plane.sessions() as session:
+        model = session.get_one(Model, session.get_one(TinkerRun, run_id).model_id)
+        worker, token = worker_rows.create_worker(
+            session, provider="manual", base_model=model.base_model, max_models=8, status="ready"
+        )
+        model.worker_id = worker.id
+        session.commit()
+    with httpx.Client(
+        base_url=str(plane.sdk.base_url.join("/v1/worker")),
+        headers={"Authorization": f"Bearer {token}"},
+        timeout=60,
+    ) as http:
+        leased = http.post("/tinker/lease")
+        assert leased.status_code == 200, leased.text
+        assert leased.json()["run"]["attempt"] == 1
+        yield http, str(leased.json()["run"]["job_id"])
+
+
+def _stage(http: httpx.Client, job_id: str, files: dict[str, bytes]) -> None:
+    for name, data in files.items():
+        put = http.put(f"/jobs/{job_id}/files/{name}", params={"attempt": 1}, content=data)
+        assert put.status_code == 204, put.text
+
+
+def _save(http: httpx.Client, job_id: str, files: dict[str, bytes]) -> httpx.Response:
+    body = {"attempt": 1, "files": _staged(files), "step": 1, "grads_pending": False}
+    return http.post(f"/tinker/runs/{job_id}/operations/1/save", json={**body, "optim_steps": 0})
+
+
+class _CopyWatchedStore(LocalObjectStore):
+    """The control plane's own store, which runs ``watch`` before each copy (an observer)."""
+
+    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+        super().__init__(root)
+        self._watch = watch
+
+    def copy(self, source_key: str, dest_key: str) -> int:
+        self._watch()
+        return super().copy(source_key, dest_key)
+
+
+def test_a_tinker_save_copies_its_files_with_no_transaction_open(plane: Plane) -> None:
+    run_id = _run(plane)
+    held: list[list[str]] = []
+
+    def watch() -> None:
+        held.append([])
+        with plane.sessions() as session:
+            for table in ("tinker_requests", "tinker_runs", "training_jobs", "checkpoints"):
+                try:
+                    session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
+                except OperationalError:
+                    held[-1].append(table)
+                session.rollback()
+
+    with _save_leased(plane, run_id) as (http, job_id):
+        _stage(http, job_id, SAVED)
+        real = plane.app.state.store
+        plane.app.state.store = _CopyWatchedStore(real.root, watch)
+        try:
+            saved = _save(http, job_id, SAVED)
+        finally:
+            plane.app.state.store = real
+    assert saved.status_code == 204, saved.text
+    assert held == [[], []]  # one copy per file, and no table held meanwhile
+    with plane.sessions() as session:
+        operation = session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=1).one()
+        assert operation.status == "succeeded"
+        model_id = session.get_one(TinkerRun, run_id).model_id
+        row = session.query(Checkpoint).filter_by(model_id=model_id, step=1).one()
+        assert [item["name"] for item in row.files or []] == list(SAVED)
+        tenant_id = session.get_one(Model, model_id).tenant_id
+    assert row.uri is not None
+    prefix = keys.committed_prefix(tenant_id=tenant_id, model_id=model_id, uri=row.uri)
+    assert (
+        plane.store.get_bytes(prefix + "adapter_model.safetensors")
+        == SAVED["adapter_model.safetensors"]
+    )
+
+
+def test_a_tinker_save_whose_staged_file_differs_commits_nothing(plane: Plane) -> None:
+    run_id = _run(plane)
+    weights = SAVED["adapter_model.safetensors"]
+    with _save_leased(plane, run_id) as (http, job_id):
+        _stage(http, job_id, {**SAVED, "adapter_model.safetensors": weights[:-100]})
+        refused = _save(http, job_id, SAVED)
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]["message"]
+        assert "adapter_model.safetensors is staged with 16284 bytes, not 16384" in error
+        assert "adapter_config.json" not in error
+        assert str(plane.store.root) not in refused.text
+        with plane.sessions() as session:
+            model_id = session.get_one(TinkerRun, run_id).model_id
+            assert session.query(Checkpoint).filter_by(model_id=model_id, step=1).count() == 0
+            operation = session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=1).one()
+            assert operation.status not in ("succeeded", "failed")
+        # Still the worker's to save: the file uploaded again, the same save commits.
+        _stage(http, job_id, SAVED)
+        saved = _save(http, job_id, SAVED)
+        assert saved.status_code == 204, saved.text

@@ -52,8 +52,12 @@ def test_objects_no_row_refers_to_are_collected_after_the_grace_period(
         model_id = model.id
         prefix = object_keys.model_prefix(tenant_id=tenant_id, model_id=model_id)
         # Step 1 committed; step 2 deleted and purged (its row has no uri); step 3 copied by
-        # a commit that never happened.
-        session.add(Checkpoint(model_id=model_id, step=1, uri="committed", metrics={}))
+        # a commit that never happened; step 5 committed by attempt 2 of a job, whose attempt
+        # 1 copied beside it after losing its lease.
+        committed = object_store.uri(f"{prefix}checkpoints/1")
+        session.add(Checkpoint(model_id=model_id, step=1, uri=committed, metrics={}))
+        by_attempt = object_store.uri(f"{prefix}checkpoints/5-j.2")
+        session.add(Checkpoint(model_id=model_id, step=5, uri=by_attempt, metrics={}))
         session.add(
             Checkpoint(model_id=model_id, step=2, uri=None, metrics={}, deleted_at=utcnow())
         )
@@ -76,6 +80,8 @@ def test_objects_no_row_refers_to_are_collected_after_the_grace_period(
     put(f"{prefix}checkpoints/1/adapter_model.safetensors", referenced=True)
     put(f"{prefix}checkpoints/2/adapter_model.safetensors", referenced=False)
     put(f"{prefix}checkpoints/3/adapter_model.safetensors", referenced=False)
+    put(f"{prefix}checkpoints/5-j.2/adapter_model.safetensors", referenced=True)
+    put(f"{prefix}checkpoints/5-j.1/adapter_model.safetensors", referenced=False)
     put(f"{prefix}jobs/{job_id}/input.jsonl", referenced=True)
     put(f"{prefix}jobs/{job_id}/attempts/2/adapter_config.json", referenced=True)  # running
     put(f"{prefix}jobs/{job_id}/attempts/1/adapter_config.json", referenced=False)  # over

@@ -287,10 +287,16 @@ def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
             session.scalars(select(Checkpoint.step).where(Checkpoint.model_id == model.id))
         )
         assert sorted(steps) == [0, 1]
-        committed = object_keys.checkpoint_key(
-            tenant_id=model.tenant_id, model_id=model.id, step=1, file="adapter_model.safetensors"
+        row = session.scalars(
+            select(Checkpoint).where(Checkpoint.model_id == model.id, Checkpoint.step == 1)
+        ).one()
+        assert row.uri is not None
+        committed = object_keys.committed_prefix(
+            tenant_id=model.tenant_id, model_id=model.id, uri=row.uri
         )
-        assert store.get_bytes(committed) == b"adapter_model.safetensors of attempt 2"
+        assert store.get_bytes(f"{committed}adapter_model.safetensors") == (
+            b"adapter_model.safetensors of attempt 2"
+        )
         # Staged files are cleaned up once committed.
         assert not [o for o in store.list() if "/attempts/" in o.key]
         session.refresh(job)

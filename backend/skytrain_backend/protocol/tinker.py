@@ -20,6 +20,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from skytrain_backend.protocol.configs import ModelConfig
+from skytrain_backend.protocol.worker import StagedFile
 
 # The longest a worker's wait for the next operation is held.
 MAX_NEXT_WAIT_S = 20.0
@@ -215,7 +216,9 @@ class SaveCommit(BaseModel):
     weights did not change since that save), and the state it holds."""
 
     attempt: int = Field(ge=1)
-    files: list[str] = Field(default_factory=list)
+    # Each file's size and SHA-256 as the worker has it: nothing is committed unless the
+    # staged objects match.
+    files: list[StagedFile] = Field(default_factory=list, max_length=64)
     step: int = Field(ge=1)
     reuse_step: int | None = Field(default=None, ge=1)
     grads_pending: bool

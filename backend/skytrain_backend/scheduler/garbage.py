@@ -62,11 +62,11 @@ def purge_deleted_checkpoints(
         statement = statement.where(Checkpoint.model_id == model_id)
     purged = 0
     for checkpoint, tenant_id in session.execute(statement).all():
-        prefix = keys.checkpoint_prefix(
-            tenant_id=tenant_id, model_id=checkpoint.model_id, step=checkpoint.step
-        )
         try:
-            store.delete_prefix(prefix)
+            for prefix in _step_prefixes(
+                store, tenant_id=tenant_id, model_id=checkpoint.model_id, step=checkpoint.step
+            ):
+                store.delete_prefix(prefix)
         except StorageError as exc:
             logger.warning(
                 "could not delete the files of step %d of model %s (retried at the next sweep): %s",
@@ -82,12 +82,27 @@ def purge_deleted_checkpoints(
     return purged
 
 
+def _step_prefixes(store: ObjectStore, *, tenant_id: str, model_id: str, step: int) -> list[str]:
+    """Every directory of the step: ``checkpoints/{step}/`` and each ``{step}-{writer}/``
+    (a deleted row no longer records which one it committed)."""
+    root = keys.model_prefix(tenant_id=tenant_id, model_id=model_id) + "checkpoints/"
+    directories = {
+        info.key.removeprefix(root).partition("/")[0] for info in store.list(f"{root}{step}")
+    }
+    return [
+        f"{root}{directory}/"
+        for directory in sorted(directories)
+        if keys.checkpoint_step(directory) == step
+    ]
+
+
 @dataclass
 class _ModelRows:
     """What the rows of one model refer to in the store."""
 
     exists: bool
-    checkpoint_steps: set[str] = field(default_factory=set)
+    # The directories under checkpoints/ that live rows record (``3``, ``3-{writer}``).
+    checkpoint_dirs: set[str] = field(default_factory=set)
     # id -> (status, attempts, the attempt whose staged files hold its saved state)
     jobs: dict[str, tuple[str, int, int | None]] = field(default_factory=dict)
     batches: set[str] = field(default_factory=set)
@@ -132,8 +147,8 @@ def _model_rows(session: Session, *, tenant_id: str, model_id: str) -> _ModelRow
     )
     if found is None:
         return _ModelRows(exists=False)
-    steps = session.scalars(
-        select(Checkpoint.step).where(Checkpoint.model_id == model_id, Checkpoint.uri.is_not(None))
+    uris = session.scalars(
+        select(Checkpoint.uri).where(Checkpoint.model_id == model_id, Checkpoint.uri.is_not(None))
     )
     jobs = session.execute(
         select(
@@ -150,7 +165,7 @@ def _model_rows(session: Session, *, tenant_id: str, model_id: str) -> _ModelRow
     )
     return _ModelRows(
         exists=True,
-        checkpoint_steps={str(step) for step in steps},
+        checkpoint_dirs={keys.checkpoint_directory(uri) for uri in uris if uri},
         jobs={job_id: (status, attempts, saved) for job_id, status, attempts, saved in jobs},
         batches=set(batches),
         tinker_ops={str(seq_id) for seq_id in tinker_ops},
@@ -163,7 +178,7 @@ def _referenced(rows: _ModelRows, rest: list[str]) -> bool:
         return False
     kind = rest[0]
     if kind == "checkpoints":
-        return rest[1] in rows.checkpoint_steps
+        return rest[1] in rows.checkpoint_dirs
     if kind == "logs":
         return rest[1].removesuffix(".jsonl") in rows.batches
     if kind == "tinker" and len(rest) >= 3 and rest[1] == "ops":

@@ -47,6 +47,7 @@ class Committed:
 
     size_bytes: int
     files: tuple[dict[str, Any], ...] | None
+    uri: str  # where its files lie (keys.committed_prefix)
 
 
 def committed(checkpoint: Checkpoint) -> Committed | None:
@@ -55,7 +56,15 @@ def committed(checkpoint: Checkpoint) -> Committed | None:
     if checkpoint.step == 0 or checkpoint.uri is None:
         return None
     files = None if checkpoint.files is None else tuple(checkpoint.files)
-    return Committed(size_bytes=checkpoint.size_bytes, files=files)
+    return Committed(size_bytes=checkpoint.size_bytes, files=files, uri=checkpoint.uri)
+
+
+def files_prefix(*, tenant_id: str, model_id: str, step: int, expected: Committed | None) -> str:
+    """Where the checkpoint's files lie: the directory its row records (a committing
+    attempt's own), or the step's for a checkpoint with no files."""
+    if expected is None:
+        return keys.checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step)
+    return keys.committed_prefix(tenant_id=tenant_id, model_id=model_id, uri=expected.uri)
 
 
 def checkpoint_files(
@@ -64,7 +73,7 @@ def checkpoint_files(
     """The checkpoint's files as the store holds them, ``{name: {"name", "size"}}`` (with the
     committed ``sha256`` where recorded): ``ObjectDamaged`` when a file is gone or not the
     size committed (or, for rows that record no files, when the total differs)."""
-    prefix = keys.checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step)
+    prefix = files_prefix(tenant_id=tenant_id, model_id=model_id, step=step, expected=expected)
     stored = {info.key.removeprefix(prefix): info.size for info in store.list(prefix)}
     files: dict[str, dict[str, Any]] = {
         name: {"name": name, "size": size} for name, size in stored.items()
@@ -129,7 +138,9 @@ def check_storage(session: Session, *, store: ObjectStore, read: bool = False) -
             for info in store.list(keys.model_prefix(tenant_id=tenant_id, model_id=model_id))
         }
         for row_id, step, expected in checkpoints:
-            prefix = keys.checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step)
+            prefix = files_prefix(
+                tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
+            )
             found = Problem("checkpoint", row_id, model_id, prefix, "")
             yield from _checkpoint(store, stored, found, expected, read=read)
         for batch_id in batches:

@@ -8,9 +8,11 @@ silent, the job was leased again) cannot touch the job any more: its calls get 4
 Exactly-once steps: a job's result is committed by ``complete_job`` in one transaction that
 checks the lease, inserts the checkpoint row (unique per model and step) and finishes the job.
 Its files were uploaded under the attempt's own staging prefix, are checked against the sizes
-and SHA-256s the worker sent and copied into place before that transaction, with no
-transaction open: the lease is checked before the copies and again in that transaction, so a
-stale attempt copies nothing over a committed checkpoint and commits nothing.
+and SHA-256s the worker sent and copied into the attempt's own directory of the step before
+that transaction, with no transaction open; the row records that directory. The lease is
+checked before the copies and again in that transaction: a stale attempt commits nothing, and
+what it copies (even after another attempt committed the step) lands beside the committed
+files, never over them.
 
 Time slices: a running job that has held its worker longer than ``job_time_slice_s`` while
 another tenant's job waits for that worker is asked to yield (``request_yields``). Its worker
@@ -358,19 +360,28 @@ def complete_job(
     works: a short transaction checks the lease and the step; then, with no connection held,
     each staged file is read back and checked against the size and SHA-256 the worker sent
     (a mismatch commits nothing: InvalidRequest) and copied into place; then a short
-    transaction checks the lease again, inserts the checkpoint row and finishes the job."""
+    transaction checks the lease again, inserts the checkpoint row and finishes the job.
+
+    The files are copied into the attempt's own directory of the step (``keys.
+    checkpoint_prefix`` with the attempt as writer), recorded in the row's ``uri``: an
+    attempt that lost its lease while copying, and is still copying when another attempt
+    commits the step, writes beside the committed files, never over them (the garbage sweep
+    takes what it wrote)."""
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
     model = session.get_one(Model, job.model_id)
     _check_next_step(session, job=job, step=step)
     if not files:
         raise InvalidRequest("a checkpoint needs its files")
     tenant_id, model_id = model.tenant_id, model.id
-    prefix = keys.checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step)
+    writer = keys.attempt_writer(job_id=job.id, attempt=attempt)
+    prefix = keys.checkpoint_prefix(
+        tenant_id=tenant_id, model_id=model_id, step=step, writer=writer
+    )
     staged = keys.model_prefix(tenant_id=tenant_id, model_id=model_id) + f"jobs/{job.id}/"
     attempt_prefix = _staged_prefix(job, tenant_id=tenant_id, attempt=attempt)
     session.rollback()  # the row lock and the connection go back before the store works
     try:
-        _check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
+        check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
         total = sum(store.copy(attempt_prefix + item.name, prefix + item.name) for item in files)
     except StoreUnavailable as exc:
         # The store is away for now: nothing is committed, the job stays leased and its staged
@@ -388,7 +399,7 @@ def complete_job(
             "has failed and its files were removed"
         ) from exc
     # The lease is checked again: a worker whose lease was lost while the files were copied
-    # commits nothing (LeaseLost), and the step's files are the next attempt's to copy over.
+    # commits nothing (LeaseLost); what it copied lies in its own directory, for the sweep.
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
     _check_next_step(session, job=job, step=step)
     checkpoint = Checkpoint(
@@ -425,7 +436,7 @@ def _check_next_step(session: Session, *, job: TrainingJob, step: int) -> None:
         raise InvalidRequest(f"job {job.id} trains step {expected}, not step {step}")
 
 
-def _check_staged(
+def check_staged(
     store: ObjectStore, *, prefix: str, files: Sequence[StagedFile], job_id: str, step: int
 ) -> None:
     """Each file is in the store under ``prefix`` with the size and SHA-256 the worker sent:

@@ -5,6 +5,7 @@ failures and saves. The runs themselves, their queue and their names: ``schedule
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import TypeAdapter
@@ -19,12 +20,11 @@ from skytrain_backend.db.models import (
     TinkerRequest,
     TinkerRun,
     TinkerSampler,
-    TrainingJob,
     Worker,
     utcnow,
 )
 from skytrain_backend.errors import InvalidRequest, NotFound
-from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.protocol import ModelConfig, StagedFile
 from skytrain_backend.protocol import tinker as wire
 from skytrain_backend.protocol.tinker import CREATIONS, SAVES, STATE_CHANGES
 from skytrain_backend.scheduler import queue
@@ -281,7 +281,7 @@ def commit_save(
     job_id: str,
     attempt: int,
     seq_id: int,
-    files: list[str],
+    files: Sequence[StagedFile],
     step: int,
     reuse_step: int | None,
     grads_pending: bool,
@@ -289,64 +289,64 @@ def commit_save(
     served: bool,
 ) -> str:
     """Commit a save: the staged files as the model's next step (or ``reuse_step``, when the
-    weights did not change since that save), its name, and the future's answer (its id)."""
+    weights did not change since that save), its name, and the future's answer (its id).
+
+    As ``queue.complete_job``, in three phases so that no transaction (nor the run's row
+    lock) is held while the store works: a short transaction checks the lease, the name and
+    the step and is rolled back; with no transaction open each staged file is checked against
+    the size and SHA-256 the worker sent (a mismatch commits nothing: InvalidRequest) and
+    copied into the attempt's own directory of the step; then a short transaction checks
+    all of it again and commits. What a save that lost the race copied is the garbage
+    sweep's."""
+    checked = _check_save(
+        session,
+        worker=worker,
+        job_id=job_id,
+        attempt=attempt,
+        seq_id=seq_id,
+        step=step,
+        reuse_step=reuse_step,
+        files=files,
+    )
+    if isinstance(checked, str):
+        return checked
+    tenant_id, model_id = checked
+    staged = keys.model_prefix(tenant_id=tenant_id, model_id=model_id) + f"jobs/{job_id}/"
+    prefix = keys.checkpoint_prefix(
+        tenant_id=tenant_id,
+        model_id=model_id,
+        step=step,
+        writer=keys.attempt_writer(job_id=job_id, attempt=attempt),
+    )
+    total = 0
+    session.rollback()  # the row lock and the connection go back before the store works
+    if reuse_step is None:
+        attempt_prefix = f"{staged}attempts/{attempt}/"
+        queue.check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
+        total = sum(store.copy(attempt_prefix + item.name, prefix + item.name) for item in files)
+    checked = _check_save(
+        session,
+        worker=worker,
+        job_id=job_id,
+        attempt=attempt,
+        seq_id=seq_id,
+        step=step,
+        reuse_step=reuse_step,
+        files=files,
+    )
+    if isinstance(checked, str):
+        return checked
     run, operation = worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
-    if operation.status in FINISHED:
-        session.rollback()
-        return operation.id
-    job = session.get_one(TrainingJob, job_id)
-    model = session.get_one(Model, run.model_id)
+    model = session.get_one(Model, model_id)
     params = dict(operation.params)
     name = params.get("name")
     kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
-    existing = None
-    if name is not None:
-        existing = session.scalar(
-            select(TinkerCheckpoint).where(
-                TinkerCheckpoint.run_id == run.id,
-                TinkerCheckpoint.kind == kind,
-                TinkerCheckpoint.name == name,
-            )
-        )
-        if existing is not None and not params.get("overwrite"):
-            operation.status = "failed"
-            operation.error = (
-                f"run {run.id} already has a checkpoint named {name!r}: choose another name, "
-                "or pass overwrite=True"
-            )
-            operation.error_category = "user"
-            operation.finished_at = utcnow()
-            session.commit()
-            return operation.id
+    existing = _named(session, run=run, kind=kind, name=name)
     if reuse_step is not None:
         step = reuse_step
-        if (
-            session.scalar(
-                select(Checkpoint.id).where(
-                    Checkpoint.model_id == model.id, Checkpoint.step == step
-                )
-            )
-            is None
-        ):
-            raise InvalidRequest(f"model {model.id} has no step {step} to reuse")
     else:
-        if not files:
-            raise InvalidRequest("a save needs its checkpoint files")
-        expected = registry.next_step(session, model_id=model.id)
-        if step != expected:
-            raise InvalidRequest(f"run {run.id} saves step {expected} next, not step {step}")
-        total = 0
-        for file_name in files:
-            source = queue.staged_file_key(
-                job, tenant_id=model.tenant_id, attempt=attempt, name=file_name
-            )
-            target = keys.checkpoint_key(
-                tenant_id=model.tenant_id, model_id=model.id, step=step, file=file_name
-            )
-            total += store.copy(source, target)
-        prefix = keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
         session.add(
             Checkpoint(
                 model_id=model.id,
@@ -354,6 +354,7 @@ def commit_save(
                 uri=store.uri(prefix.rstrip("/")),
                 metrics={"tinker/optim_steps": float(optim_steps)},
                 size_bytes=total,
+                files=[item.model_dump() for item in files],
             )
         )
     if served:
@@ -388,8 +389,70 @@ def commit_save(
     _finish(operation, result=result)
     session.commit()
     if reuse_step is None:
-        store.delete_prefix(
-            keys.model_prefix(tenant_id=model.tenant_id, model_id=model.id)
-            + f"jobs/{job.id}/attempts/"
-        )
+        store.delete_prefix(staged + "attempts/")
     return operation.id
+
+
+def _named(
+    session: Session, *, run: TinkerRun, kind: CheckpointKind, name: str | None
+) -> TinkerCheckpoint | None:
+    if name is None:
+        return None
+    return session.scalar(
+        select(TinkerCheckpoint).where(
+            TinkerCheckpoint.run_id == run.id,
+            TinkerCheckpoint.kind == kind,
+            TinkerCheckpoint.name == name,
+        )
+    )
+
+
+def _check_save(
+    session: Session,
+    *,
+    worker: Worker,
+    job_id: str,
+    attempt: int,
+    seq_id: int,
+    step: int,
+    reuse_step: int | None,
+    files: Sequence[StagedFile],
+) -> str | tuple[str, str]:
+    """The checks of a save, run before its files are copied and again as it commits: the
+    operation's id when it is over (done already, or failed here on its name: committed),
+    else the model's tenant and id. LeaseLost, NotFound or InvalidRequest as the worker
+    has it wrong."""
+    run, operation = worker_operation(
+        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
+    )
+    if operation.status in FINISHED:
+        session.rollback()
+        return operation.id
+    model = session.get_one(Model, run.model_id)
+    params = operation.params
+    kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
+    existing = _named(session, run=run, kind=kind, name=params.get("name"))
+    if existing is not None and not params.get("overwrite"):
+        operation.status = "failed"
+        operation.error = (
+            f"run {run.id} already has a checkpoint named {params.get('name')!r}: choose "
+            "another name, or pass overwrite=True"
+        )
+        operation.error_category = "user"
+        operation.finished_at = utcnow()
+        session.commit()
+        return operation.id
+    if reuse_step is not None:
+        reused = select(Checkpoint.id).where(
+            Checkpoint.model_id == model.id,
+            Checkpoint.step == reuse_step,
+        )
+        if session.scalar(reused) is None:
+            raise InvalidRequest(f"model {model.id} has no step {reuse_step} to reuse")
+    else:
+        if not files:
+            raise InvalidRequest("a save needs its checkpoint files")
+        expected = registry.next_step(session, model_id=model.id)
+        if step != expected:
+            raise InvalidRequest(f"run {run.id} saves step {expected} next, not step {step}")
+    return model.tenant_id, model.id

@@ -21,12 +21,42 @@ def model_prefix(*, tenant_id: str, model_id: str) -> str:
     return f"{tenant_prefix(tenant_id)}models/{model_id}/"
 
 
-def checkpoint_prefix(*, tenant_id: str, model_id: str, step: int) -> str:
-    return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}checkpoints/{step}/"
+def checkpoint_prefix(
+    *, tenant_id: str, model_id: str, step: int, writer: str | None = None
+) -> str:
+    """Where a step's files lie: ``checkpoints/{step}-{writer}/`` for a checkpoint committed
+    by ``writer`` (a job's attempt: nobody else ever writes there, so an attempt that lost
+    its lease mid-copy cannot write over the step another attempt committed), and
+    ``checkpoints/{step}/`` for checkpoints committed before writers had their own."""
+    directory = str(step) if writer is None else f"{step}-{writer}"
+    return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}checkpoints/{directory}/"
 
 
 def checkpoint_key(*, tenant_id: str, model_id: str, step: int, file: str) -> str:
     return checkpoint_prefix(tenant_id=tenant_id, model_id=model_id, step=step) + file
+
+
+def attempt_writer(*, job_id: str, attempt: int) -> str:
+    """The ``writer`` of ``checkpoint_prefix`` for an attempt of a job."""
+    return f"{job_id}.{attempt}"
+
+
+def committed_prefix(*, tenant_id: str, model_id: str, uri: str) -> str:
+    """The prefix of a committed checkpoint's files, from the ``uri`` its row records (the
+    store's URL may have changed since: only the directory, its last segment, is used)."""
+    directory = checkpoint_directory(uri)
+    return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}checkpoints/{directory}/"
+
+
+def checkpoint_directory(uri: str) -> str:
+    """The directory under ``checkpoints/`` a committed checkpoint's ``uri`` names."""
+    return uri.rstrip("/").rpartition("/")[2]
+
+
+def checkpoint_step(directory: str) -> int | None:
+    """The step a directory under ``checkpoints/`` holds (``3`` or ``3-{writer}``), or None."""
+    step = directory.partition("-")[0]
+    return int(step) if step.isdigit() else None
 
 
 def job_input_key(*, tenant_id: str, model_id: str, job_id: str) -> str:

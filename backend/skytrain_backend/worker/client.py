@@ -243,7 +243,7 @@ class ControlPlaneClient:
             attempt=attempt,
             step=step,
             metrics=metrics,
-            files=await asyncio.to_thread(lambda: [_staged(f) for f in files]),
+            files=await asyncio.to_thread(lambda: [staged_file(f) for f in files]),
         )
         response = await self._send("POST", f"/jobs/{job_id}/complete", json=_body(body))
         return _answer(JobCompleted, response)
@@ -435,7 +435,7 @@ async def until_stopped(call: Awaitable[T], stopping: asyncio.Event) -> T | None
     return None if task.cancelled() else task.result()
 
 
-def _staged(path: Path, chunk_bytes: int = 1 << 20) -> StagedFile:
+def staged_file(path: Path, chunk_bytes: int = 1 << 20) -> StagedFile:
     """What the control plane checks the staged copy of ``path`` against before it commits."""
     sha256 = hashlib.sha256()
     size = 0

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from skytrain_backend import tinker_wire
 from skytrain_backend.errors import LeaseLost, SkytrainError, TrainingError
-from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.protocol import ModelConfig, StagedFile
 from skytrain_backend.protocol.tinker import (
     BatchOperation,
     CreationOperation,
@@ -52,7 +52,12 @@ from skytrain_backend.protocol.tinker import (
     SaveOperation,
     TinkerOperation,
 )
-from skytrain_backend.worker.client import LEASE_RETRY_S, ControlPlaneClient, until_stopped
+from skytrain_backend.worker.client import (
+    LEASE_RETRY_S,
+    ControlPlaneClient,
+    staged_file,
+    until_stopped,
+)
 
 if TYPE_CHECKING:
     from skytrain_backend.trainer import Trainer
@@ -442,7 +447,7 @@ class TinkerExecutor:
         trainer = run.trainer
         assert trainer is not None
         grads_pending = primitives.has_gradients(trainer)
-        files: list[str] = []
+        files: list[StagedFile] = []
         served = False
         reuse_step = None
         if run.saved_step is not None:
@@ -456,7 +461,7 @@ class TinkerExecutor:
             written = sorted(p for p in directory.iterdir() if p.is_file())
             for file in written:
                 await self._cp.upload_file(run.job_id, file, attempt=run.attempt)
-            files = [file.name for file in written]
+            files = await asyncio.to_thread(lambda: [staged_file(file) for file in written])
             if operation.kind == "save_weights_for_sampler":
                 served = await self._adapters.serve_checkpoint(run.model_id, step, directory)
         commit = SaveCommit(

@@ -32,7 +32,7 @@ from skytrain_backend.db import checkpoints, registry
 from skytrain_backend.db.models import Model
 from skytrain_backend.errors import NotFound
 from skytrain_backend.scheduler import garbage, integrity
-from skytrain_backend.storage import ObjectStore, keys
+from skytrain_backend.storage import ObjectStore
 
 router = APIRouter(
     prefix="/models/{model_id}/checkpoints", tags=["checkpoints"], route_class=SessionRoute
@@ -96,9 +96,12 @@ def get_checkpoint(
     )
 
 
-def _files(session: Session, store: ObjectStore, *, model: Model, step: int) -> dict[str, int]:
-    """The step's files and sizes as the store holds them (``ObjectDamaged`` if they are not
-    what was committed), listed with no transaction open."""
+def _files(
+    session: Session, store: ObjectStore, *, model: Model, step: int
+) -> tuple[str, dict[str, int]]:
+    """Where the step's files lie, and their sizes as the store holds them
+    (``ObjectDamaged`` if they are not what was committed), listed with no transaction
+    open."""
     expected = integrity.committed(
         checkpoints.get_checkpoint(session, model_id=model.id, step=step)
     )
@@ -107,7 +110,10 @@ def _files(session: Session, store: ObjectStore, *, model: Model, step: int) -> 
     files = integrity.checkpoint_files(
         store, tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
     )
-    return {name: int(item["size"]) for name, item in files.items()}
+    prefix = integrity.files_prefix(
+        tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
+    )
+    return prefix, {name: int(item["size"]) for name, item in files.items()}
 
 
 @router.get("/{step}/files", response_model=CheckpointFilesPublic)
@@ -116,7 +122,7 @@ def list_checkpoint_files(
 ) -> CheckpointFilesPublic:
     """The checkpoint's files (none for step 0, which is the base model)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    files = _files(session, store, model=model, step=step)
+    _, files = _files(session, store, model=model, step=step)
     return CheckpointFilesPublic(
         data=[CheckpointFilePublic(name=name, size=size) for name, size in sorted(files.items())]
     )
@@ -143,12 +149,12 @@ def download_checkpoint_file(
     client cannot reach the object store.
     """
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    tenant_id, model_id = model.tenant_id, model.id
-    files = _files(session, store, model=model, step=step)
+    model_id = model.id
+    prefix, files = _files(session, store, model=model, step=step)
     if name not in files:
         available = ", ".join(sorted(files)) or "none"
         raise NotFound(f"step {step} of model {model_id} has no file {name!r} (files: {available})")
-    key = keys.checkpoint_key(tenant_id=tenant_id, model_id=model_id, step=step, file=name)
+    key = prefix + name
     url = store.presigned_get_url(key) if redirect else None
     if url is not None:
         return RedirectResponse(url, status_code=307)

@@ -42,10 +42,9 @@ from skytrain_backend.protocol.tinker import (
     TinkerOperationAnswer,
     TinkerRun,
 )
-from skytrain_backend.scheduler import queue
+from skytrain_backend.scheduler import integrity, queue
 from skytrain_backend.scheduler import tinker as runs
 from skytrain_backend.scheduler import tinker_worker as worker_runs
-from skytrain_backend.storage import keys
 
 router = APIRouter(
     prefix="/worker/tinker", tags=["workers"], include_in_schema=False, route_class=SessionRoute
@@ -255,9 +254,13 @@ def _readable(
     session: SessionDep, *, worker: WorkerDep, job_id: str, attempt: int, model_id: str, step: int
 ) -> tuple[Model, str]:
     run = worker_runs.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
-    worker_runs.readable_checkpoint(session, run=run, model_id=model_id, step=step)
+    checkpoint = worker_runs.readable_checkpoint(session, run=run, model_id=model_id, step=step)
     model = session.get_one(Model, model_id)
-    return model, keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
+    expected = integrity.committed(checkpoint)
+    prefix = integrity.files_prefix(
+        tenant_id=model.tenant_id, model_id=model.id, step=step, expected=expected
+    )
+    return model, prefix
 
 
 @router.get("/runs/{job_id}/checkpoints/{model_id}/{step}/files")

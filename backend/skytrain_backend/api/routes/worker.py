@@ -476,12 +476,7 @@ def checkpoint_files(
     """A step's files, to load it: ``{data: [{name, size, sha256?}]}`` (the SHA-256 as
     committed, for the worker to check what it downloads), or ``ObjectDamaged`` (with the step
     named) when the store no longer holds what was committed."""
-    model = _placed_model(session, worker=worker, model_id=model_id)
-    row = session.scalar(
-        select(Checkpoint).where(Checkpoint.model_id == model.id, Checkpoint.step == step)
-    )
-    expected = None if row is None else integrity.committed(row)
-    tenant_id = model.tenant_id
+    tenant_id, expected = _committed(session, worker=worker, model_id=model_id, step=step)
     session.rollback()
     files = integrity.checkpoint_files(
         store, tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
@@ -489,12 +484,25 @@ def checkpoint_files(
     return {"data": [files[name] for name in sorted(files)]}
 
 
+def _committed(
+    session: SessionDep, *, worker: Worker, model_id: str, step: int
+) -> tuple[str, integrity.Committed | None]:
+    """The placed model's tenant, and what its step was committed with (None: no files)."""
+    model = _placed_model(session, worker=worker, model_id=model_id)
+    row = session.scalar(
+        select(Checkpoint).where(Checkpoint.model_id == model.id, Checkpoint.step == step)
+    )
+    return model.tenant_id, None if row is None else integrity.committed(row)
+
+
 @router.get("/models/{model_id}/checkpoints/{step}/files/{name}")
 def checkpoint_file(
     model_id: str, step: int, name: str, worker: WorkerDep, session: SessionDep, store: StoreDep
 ) -> StreamingResponse:
-    model = _placed_model(session, worker=worker, model_id=model_id)
-    prefix = keys.checkpoint_prefix(tenant_id=model.tenant_id, model_id=model.id, step=step)
+    tenant_id, expected = _committed(session, worker=worker, model_id=model_id, step=step)
+    prefix = integrity.files_prefix(
+        tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
+    )
     return stored_files.download(store, prefix, name)
 
 
