@@ -23,9 +23,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import load
 import machine
-from sqlalchemy import create_engine, insert, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,12 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1_000, 100_000])
     parser.add_argument("--repeats", type=int, default=200)
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get(
-            "SKYTRAIN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-        ),
-    )
+    load.add_postgres_url(parser)
     args = parser.parse_args()
     print(f"hardware: {machine.cpu_name()}, {os.cpu_count()} cores, no GPU (shared)")
     print(f"1-min load average before: {os.getloadavg()[0]:.1f}")
@@ -145,22 +140,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as home:
         _run("SQLite", f"sqlite:///{home}/bench.db", rows=rows, repeats=args.repeats)
 
-    schema = f"bench_quota_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(args.postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        url = make_url(args.postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
-        _run(
-            "PostgreSQL",
-            url.render_as_string(hide_password=False),
-            rows=rows,
-            repeats=args.repeats,
-        )
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with load.fresh_schema(args.postgres_url, "bench_quota") as url:
+        _run("PostgreSQL", url, rows=rows, repeats=args.repeats)
     print(f"\n1-min load average after: {os.getloadavg()[0]:.1f}")
 
 

@@ -21,13 +21,10 @@ import asyncio
 import os
 import sys
 import tempfile
-import uuid
 from pathlib import Path
 
 import httpx
-import machine
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
+import load
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -100,37 +97,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--loops", type=int, default=256)
     parser.add_argument("--seconds", type=float, default=10.0)
-    parser.add_argument(
-        "--postgres-url",
-        default=os.environ.get(
-            "SKYTRAIN_TEST_POSTGRES_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-        ),
-    )
+    load.add_postgres_url(parser)
     args = parser.parse_args()
-    print(
-        f"hardware: {machine.cpu_name()}, {os.cpu_count()} cores, no GPU (shared by the "
-        "control plane, the database and the clients)"
-    )
+    load.print_hardware()
     print(f"burst: {args.loops} loops for {args.seconds:g} s; 1-min load average before: ", end="")
     print(f"{os.getloadavg()[0]:.1f}")
 
     _run("SQLite", {}, loops=args.loops, seconds=args.seconds)
 
-    schema = f"bench_burst_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(args.postgres_url, isolation_level="AUTOCOMMIT")
-    with admin.connect() as connection:
-        connection.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        url = make_url(args.postgres_url).update_query_dict({"options": f"-csearch_path={schema}"})
-        env = {
-            "SKYTRAIN_DATABASE_URL": url.render_as_string(hide_password=False),
-            "SKYTRAIN_AUTO_MIGRATE": "true",
-        }
-        _run("PostgreSQL", env, loops=args.loops, seconds=args.seconds)
-    finally:
-        with admin.connect() as connection:
-            connection.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
-        admin.dispose()
+    with load.fresh_schema(args.postgres_url, "bench_burst") as url:
+        _run("PostgreSQL", load.service_env(url), loops=args.loops, seconds=args.seconds)
     print(f"\n1-min load average after: {os.getloadavg()[0]:.1f}")
 
 

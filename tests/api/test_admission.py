@@ -70,6 +70,22 @@ async def _burst(
         return Counter(await asyncio.gather(*(send() for _ in range(BURST))))
 
 
+def _random_keys_burst(
+    url: str, path: str, *, prefix: str, source: str, method: str = "GET"
+) -> Counter[int]:
+    """``BURST`` requests at once from ``source``, each with a new random bearer key starting
+    with ``prefix``; the statuses they got."""
+    return asyncio.run(
+        _burst(
+            url,
+            path,
+            lambda: {"Authorization": f"Bearer {prefix}{secrets.token_urlsafe(24)}"},
+            source=source,
+            method=method,
+        )
+    )
+
+
 @pytest.mark.slow
 def test_a_tinker_burst_from_one_tenant_gets_429s_while_another_tenant_is_served(
     control_plane: ControlPlane,
@@ -160,15 +176,7 @@ def test_random_keys_from_one_address_get_429_while_a_tenant_elsewhere_is_served
 ) -> None:
     tenant = api_key()  # a key no request has used: its first lookup is not cached
 
-    async def scenario() -> Counter[int]:
-        return await _burst(
-            control_plane.url,
-            "/v1/models",
-            lambda: {"Authorization": f"Bearer sk-st-{secrets.token_urlsafe(24)}"},
-            source="127.0.0.3",
-        )
-
-    burst = asyncio.run(scenario())
+    burst = _random_keys_burst(control_plane.url, "/v1/models", prefix="sk-st-", source="127.0.0.3")
     assert burst[429] > 0 and set(burst) <= {401, 429}, burst
     with _from("127.0.0.2", control_plane.url, tenant.headers) as http:
         assert http.get("/v1/models").status_code == 200
@@ -186,16 +194,9 @@ def test_bad_worker_tokens_from_one_address_get_429_while_a_worker_elsewhere_is_
         )
         session.commit()
 
-    async def scenario() -> Counter[int]:
-        return await _burst(
-            control_plane.url,
-            "/v1/worker/heartbeat",
-            lambda: {"Authorization": f"Bearer swt-{secrets.token_urlsafe(24)}"},
-            source="127.0.0.4",
-            method="POST",
-        )
-
-    burst = asyncio.run(scenario())
+    burst = _random_keys_burst(
+        control_plane.url, "/v1/worker/heartbeat", prefix="swt-", source="127.0.0.4", method="POST"
+    )
     assert burst[429] > 0 and set(burst) <= {401, 429}, burst
     headers = {"Authorization": f"Bearer {token}"}
     with _from("127.0.0.2", control_plane.url, headers) as http:
@@ -236,16 +237,13 @@ def test_a_freed_route_thread_goes_to_the_waiting_tenant_that_holds_the_fewest()
 def test_random_keys_on_the_inference_routes_get_429_from_one_address(
     control_plane: ControlPlane,
 ) -> None:
-    async def scenario() -> Counter[int]:
-        return await _burst(
-            control_plane.url,
-            "/v1/chat/completions",
-            lambda: {"Authorization": f"Bearer sk-st-{secrets.token_urlsafe(24)}"},
-            source="127.0.0.5",
-            method="POST",
-        )
-
-    burst = asyncio.run(scenario())
+    burst = _random_keys_burst(
+        control_plane.url,
+        "/v1/chat/completions",
+        prefix="sk-st-",
+        source="127.0.0.5",
+        method="POST",
+    )
     assert burst[429] > 0 and set(burst) <= {401, 429}, burst
 
 

@@ -6,39 +6,18 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
-from typer.testing import CliRunner
 
-from skytrain_backend.cli import app
 from skytrain_backend.cli._common import _human_size
-from skytrain_backend.config import get_settings
 from skytrain_backend.db import jobs
 from skytrain_backend.db.models import TrainingJob
 from tests.fixtures.rows import add_rl_job
 from tests.fixtures.services import ApiKey, ControlPlane
-
-
-@pytest.fixture
-def cli(control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    settings = control_plane.settings
-    monkeypatch.setenv("SKYTRAIN_HOME", str(settings.home))
-    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", settings.resolved_database_url)
-    monkeypatch.setenv("SKYTRAIN_OBJECT_STORE_URL", settings.resolved_object_store_url)
-    get_settings.cache_clear()
-    runner = CliRunner()
-
-    def run(*args: str, code: int = 0) -> str:
-        result = runner.invoke(app, list(args))
-        assert result.exit_code == code, result.output
-        return result.output
-
-    yield run
-    get_settings.cache_clear()
 
 
 @pytest.fixture
@@ -64,20 +43,20 @@ def queued_job(
 
 
 def test_jobs_show_prints_the_job_and_its_events_and_json(
-    cli: Callable[..., str], queued_job: tuple[dict[str, Any], str]
+    control_plane_cli: Callable[..., str], queued_job: tuple[dict[str, Any], str]
 ) -> None:
     model, job_id = queued_job
-    shown = cli("jobs", "show", job_id)
+    shown = control_plane_cli("jobs", "show", job_id)
     assert f"job         {job_id}" in shown and "status      queued" in shown
     assert model["id"] in shown and "training_started" in shown
-    as_json = json.loads(cli("jobs", "show", job_id, "--json"))
+    as_json = json.loads(control_plane_cli("jobs", "show", job_id, "--json"))
     assert as_json["job"] == job_id and as_json["status"] == "queued"
     assert [event["type"] for event in as_json["events"]] == ["training_started"]
-    assert "no training job 'nope'" in cli("jobs", "show", "nope", code=1)
+    assert "no training job 'nope'" in control_plane_cli("jobs", "show", "nope", code=1)
 
 
 def test_jobs_show_follow_prints_new_events_until_the_job_ends(
-    cli: Callable[..., str],
+    control_plane_cli: Callable[..., str],
     queued_job: tuple[dict[str, Any], str],
     db_sessions: sessionmaker[Session],
 ) -> None:
@@ -90,7 +69,7 @@ def test_jobs_show_follow_prints_new_events_until_the_job_ends(
     later = threading.Timer(1.5, cancel)
     later.start()
     try:
-        followed = cli("jobs", "show", job_id, "--follow")
+        followed = control_plane_cli("jobs", "show", job_id, "--follow")
     finally:
         later.join()
     assert followed.index("training_started") < followed.index("training_failed")
@@ -98,18 +77,18 @@ def test_jobs_show_follow_prints_new_events_until_the_job_ends(
 
 
 def test_list_and_show_commands_print_json(
-    cli: Callable[..., str], queued_job: tuple[dict[str, Any], str]
+    control_plane_cli: Callable[..., str], queued_job: tuple[dict[str, Any], str]
 ) -> None:
     model, job_id = queued_job
-    listed = json.loads(cli("jobs", "list", "--json", "--limit", "100"))
+    listed = json.loads(control_plane_cli("jobs", "list", "--json", "--limit", "100"))
     (row,) = [row for row in listed if row["id"] == job_id]
     assert row["status"] == "queued" and row["model"].endswith("/cli/shown")
-    models = json.loads(cli("models", "list", "--json"))
+    models = json.loads(control_plane_cli("models", "list", "--json"))
     assert model["id"] in {row["id"] for row in models}
-    shown = json.loads(cli("models", "show", model["id"], "--json"))
+    shown = json.loads(control_plane_cli("models", "show", model["id"], "--json"))
     assert shown["model"] == model["id"] and shown["base_model"] == "tiny/llama"
     assert [job["id"] for job in shown["training_jobs"]] == [job_id]
-    assert isinstance(json.loads(cli("workers", "list", "--all", "--json")), list)
+    assert isinstance(json.loads(control_plane_cli("workers", "list", "--all", "--json")), list)
 
 
 @pytest.mark.parametrize(

@@ -122,6 +122,13 @@ def tenant(plane: Plane) -> Callable[..., Who]:
     return make
 
 
+def _model(http: httpx.Client) -> Any:
+    """A model made over REST by ``http``'s tenant: the answer's body."""
+    return http.post(
+        "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
+    ).json()
+
+
 async def _session(client: AsyncTinker, **fields: Any) -> str:
     request = types.CreateSessionRequest(
         tags=[], user_metadata=fields.pop("user_metadata", None), sdk_version="test", **fields
@@ -129,10 +136,33 @@ async def _session(client: AsyncTinker, **fields: Any) -> str:
     return (await client.service.create_session(request=request)).session_id
 
 
-def _assert_refused_by_max_models(outcomes: list[Any]) -> None:
+def _race_in_one_session(
+    who: Who, request: Callable[[AsyncTinker, str, int], Awaitable[Any]]
+) -> list[Any]:
+    """``CONCURRENT`` calls of ``request(client, session_id, i)`` at once in one Tinker
+    session: what each returned or raised."""
+
+    async def race() -> list[Any]:
+        async with who.tinker() as client:
+            session_id = await _session(client)
+            return await asyncio.gather(
+                *(request(client, session_id, i) for i in range(CONCURRENT)),
+                return_exceptions=True,
+            )
+
+    return asyncio.run(race())
+
+
+def _assert_two_made_and_the_rest_refused_by_max_models(
+    who: Who, outcomes: list[Any], made: type
+) -> None:
+    created = [o for o in outcomes if isinstance(o, made)]
+    assert len(created) == 2
     for outcome in outcomes:
-        assert isinstance(outcome, tinker.PermissionDeniedError), outcome
-        assert "(2)" in str(outcome) and "--max-models" in str(outcome)
+        if outcome not in created:
+            assert isinstance(outcome, tinker.PermissionDeniedError), outcome
+            assert "(2)" in str(outcome) and "--max-models" in str(outcome)
+    assert who.models() == 2
 
 
 # --- quotas enforced atomically -----------------------------------------------------------------
@@ -164,28 +194,18 @@ def test_concurrent_tinker_create_model_makes_exactly_max_models(
 ) -> None:
     who = tenant(max_models=2)
 
-    async def race() -> list[Any]:
-        async with who.tinker() as client:
-            session_id = await _session(client)
-
-            def create(i: int) -> Callable[[], Awaitable[Any]]:
-                request = types.CreateModelRequest(
-                    session_id=session_id,
-                    model_seq_id=i,
-                    base_model=HUB_MODEL,
-                    lora_config=types.LoraConfig(rank=8),
-                )
-                return lambda: client.models.create(request=request)
-
-            return await asyncio.gather(
-                *(create(i)() for i in range(CONCURRENT)), return_exceptions=True
+    def create(client: AsyncTinker, session_id: str, i: int) -> Awaitable[Any]:
+        return client.models.create(
+            request=types.CreateModelRequest(
+                session_id=session_id,
+                model_seq_id=i,
+                base_model=HUB_MODEL,
+                lora_config=types.LoraConfig(rank=8),
             )
+        )
 
-    outcomes = asyncio.run(race())
-    created = [o for o in outcomes if isinstance(o, types.UntypedAPIFuture)]
-    assert len(created) == 2
-    _assert_refused_by_max_models([o for o in outcomes if o not in created])
-    assert who.models() == 2
+    outcomes = _race_in_one_session(who, create)
+    _assert_two_made_and_the_rest_refused_by_max_models(who, outcomes, types.UntypedAPIFuture)
 
 
 def test_concurrent_tinker_sampling_sessions_make_exactly_max_models(
@@ -193,28 +213,17 @@ def test_concurrent_tinker_sampling_sessions_make_exactly_max_models(
 ) -> None:
     who = tenant(max_models=2)
 
-    async def race() -> list[Any]:
-        async with who.tinker() as client:
-            session_id = await _session(client)
-            return await asyncio.gather(
-                *(
-                    client.service.create_sampling_session(
-                        request=types.CreateSamplingSessionRequest(
-                            session_id=session_id,
-                            sampling_session_seq_id=i,
-                            base_model=f"{HUB_MODEL}-{i}",
-                        )
-                    )
-                    for i in range(CONCURRENT)
-                ),
-                return_exceptions=True,
+    def open_sampling(client: AsyncTinker, session_id: str, i: int) -> Awaitable[Any]:
+        return client.service.create_sampling_session(
+            request=types.CreateSamplingSessionRequest(
+                session_id=session_id, sampling_session_seq_id=i, base_model=f"{HUB_MODEL}-{i}"
             )
+        )
 
-    outcomes = asyncio.run(race())
-    created = [o for o in outcomes if isinstance(o, types.CreateSamplingSessionResponse)]
-    assert len(created) == 2
-    _assert_refused_by_max_models([o for o in outcomes if o not in created])
-    assert who.models() == 2
+    outcomes = _race_in_one_session(who, open_sampling)
+    _assert_two_made_and_the_rest_refused_by_max_models(
+        who, outcomes, types.CreateSamplingSessionResponse
+    )
 
 
 def test_concurrent_tinker_sessions_make_exactly_max_sessions_and_a_finished_one_frees_its_place(
@@ -254,9 +263,7 @@ def test_concurrent_tinker_sessions_make_exactly_max_sessions_and_a_finished_one
 def test_concurrent_training_jobs_queue_exactly_max_queued_jobs(tenant: Callable[..., Who]) -> None:
     who = tenant(max_queued_jobs=2)
     with who.rest() as http:
-        model = http.post(
-            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
-        ).json()
+        model = _model(http)
         body = {"model_id": model["id"], "trajectory_groups": [support.group()]}
         with ThreadPoolExecutor(CONCURRENT // 2) as pool:
             answers = list(
@@ -417,9 +424,7 @@ def test_storage_quota_refuses_what_does_not_fit_and_deleting_frees_it(
 ) -> None:
     who = tenant(max_storage_bytes=40_000)
     with who.rest() as http:
-        model = http.post(
-            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
-        ).json()
+        model = _model(http)
         log = f"/v1/models/{model['id']}/log"
         small = http.post(log, json={"trajectory_groups": [support.group()]})
         assert small.status_code == 201, small.text
@@ -500,9 +505,7 @@ def test_the_operator_sets_the_storage_quotas_with_the_cli(tenant: Callable[...,
 def test_usage_is_shown_to_the_tenant_and_to_the_operator(tenant: Callable[..., Who]) -> None:
     who = tenant(max_storage_bytes=50_000)
     with who.rest() as http:
-        model = http.post(
-            "/v1/models", json={"project": "p", "name": "m", "base_model": HUB_MODEL}
-        ).json()
+        model = _model(http)
         logged = http.post(
             f"/v1/models/{model['id']}/log", json={"trajectory_groups": [support.group()]}
         )

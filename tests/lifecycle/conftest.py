@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import uuid
@@ -132,6 +133,25 @@ def who(lifecycle_url: str, lifecycle_db: sessionmaker[Session]) -> Iterator[Cal
 class WorkerClient:
     worker_id: str
     http: httpx.Client
+
+    def stage(self, job_id: str, files: dict[str, bytes]) -> None:
+        """Upload ``files`` (name: bytes) for attempt 1 of the leased job, as a worker does."""
+        for name, data in files.items():
+            staged = self.http.put(
+                f"/jobs/{job_id}/files/{name}", params={"attempt": 1}, content=data
+            )
+            assert staged.status_code == 204, staged.text
+
+    def complete(self, job_id: str, files: dict[str, bytes], *, step: int) -> httpx.Response:
+        """Complete attempt 1 with ``step``, listing ``files`` with their sizes and SHA-256s."""
+        listed = [
+            {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            for name, data in files.items()
+        ]
+        return self.http.post(
+            f"/jobs/{job_id}/complete",
+            json={"attempt": 1, "step": step, "metrics": {}, "files": listed},
+        )
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ live or deleted, ever points at files that are gone."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 from sqlalchemy import select
@@ -138,18 +137,8 @@ def test_heartbeat_and_next_job_use_the_latest_live_step(
     assert assigned["step"] == 3  # ...into a new step number: 2 named other weights
 
     job_id = assigned["id"]
-    for file_name, data in ADAPTER.items():
-        uploaded = worker.http.put(
-            f"/jobs/{job_id}/files/{file_name}", params={"attempt": 1}, content=data
-        )
-        assert uploaded.status_code == 204, uploaded.text
-    files = [
-        {"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
-        for n, d in ADAPTER.items()
-    ]
-    completed = worker.http.post(
-        f"/jobs/{job_id}/complete", json={"attempt": 1, "step": 3, "metrics": {}, "files": files}
-    )
+    worker.stage(job_id, ADAPTER)
+    completed = worker.complete(job_id, ADAPTER, step=3)
     assert completed.status_code == 200, completed.text
     assert alice.http.get(f"/v1/models/{model_id}").json()["latest_step"] == 3
     assert _files(lifecycle_store, alice, model_id, 3)

@@ -3,7 +3,6 @@ cause, and leaves neither staged files nor half a checkpoint behind."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 
 from sqlalchemy import select
@@ -30,23 +29,12 @@ def test_a_store_failure_during_commit_fails_the_job_with_its_cause_and_no_lefto
         "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
     ).json()["id"]
     assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
-    for name, data in ADAPTER.items():
-        staged = worker.http.put(
-            f"/jobs/{job_id}/files/{name}", params={"attempt": 1}, content=data
-        )
-        assert staged.status_code == 204
+    worker.stage(job_id, ADAPTER)
 
     model_prefix = keys.model_prefix(tenant_id=alice.tenant_id, model_id=model_id)
-    files = [
-        {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        for name, data in ADAPTER.items()
-    ]
     # The model's directory takes no new entry: its checkpoints/ directory cannot be made.
     with undeletable(lifecycle_store.root / model_prefix):
-        completed = worker.http.post(
-            f"/jobs/{job_id}/complete",
-            json={"attempt": 1, "step": 1, "metrics": {}, "files": files},
-        )
+        completed = worker.complete(job_id, ADAPTER, step=1)
     assert completed.status_code == 502
     # The worker is told the store failed, with a reference to the control plane's log: never
     # the store's own words (its paths and keys).

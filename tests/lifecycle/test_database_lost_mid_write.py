@@ -21,7 +21,6 @@ import pytest
 from fastapi import FastAPI
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from skytrain_backend.app import create_app
 from skytrain_backend.db import api_keys
@@ -40,8 +39,8 @@ from skytrain_backend.storage import LocalObjectStore, keys
 from tests.api.support import group
 from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.services import MakeSettings
+from tests.fixtures.tinker_http import create_run, forward_backward_body
 from tests.gateway.conftest import serve_in_thread
-from tinker import types
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -189,41 +188,18 @@ def test_a_checkpoint_whose_commit_lost_the_database_is_committed_once_on_retry(
     )
 
 
-def _forward_backward(run_id: str, seq_id: int) -> bytes:
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints([1, 2, 3]),
-        loss_fn_inputs={"target_tokens": types.TensorData(data=[2, 3, 4], dtype="int64")},
-    )
-    request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id=run_id,
-        seq_id=seq_id,
-    )
-    return bytes(forward_backward_request_to_proto(request).SerializeToString())
-
-
 def test_a_tinker_body_whose_row_lost_the_database_is_reused_or_collected(
     plane: Plane,
 ) -> None:
     sdk = httpx.Client(base_url=plane.url, headers={"X-API-Key": "tml-" + plane.key}, timeout=60)
     with sdk:
-        session_id = sdk.post("/api/v1/create_session", json={}).json()["session_id"]
-        created = sdk.post(
-            "/api/v1/create_model",
-            json={
-                "session_id": session_id,
-                "model_seq_id": 0,
-                "base_model": "tests-org/tiny-model",
-                "lora_config": {"rank": 8},
-            },
-        )
-        assert created.status_code == 200, created.text
+        session_id, _ = create_run(sdk)
         run_id = f"{session_id}:train:0"
 
         def send(seq_id: int) -> httpx.Response:
             return sdk.post(
                 "/api/v1/forward_backward",
-                content=_forward_backward(run_id, seq_id),
+                content=forward_backward_body(run_id, seq_id),
                 headers={"Content-Type": "application/x-protobuf"},
             )
 

@@ -34,18 +34,8 @@ def _committed_step(alice: Who, worker: WorkerClient, model_id: str) -> str:
         "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
     ).json()["id"]
     assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
-    for name, data in ADAPTER.items():
-        staged = worker.http.put(
-            f"/jobs/{job_id}/files/{name}", params={"attempt": 1}, content=data
-        )
-        assert staged.status_code == 204, staged.text
-    files = [
-        {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        for name, data in ADAPTER.items()
-    ]
-    completed = worker.http.post(
-        f"/jobs/{job_id}/complete", json={"attempt": 1, "step": 1, "metrics": {}, "files": files}
-    )
+    worker.stage(job_id, ADAPTER)
+    completed = worker.complete(job_id, ADAPTER, step=1)
     assert completed.status_code == 200, completed.text
     return str(completed.json()["checkpoint_id"])
 

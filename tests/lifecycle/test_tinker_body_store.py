@@ -22,7 +22,6 @@ from fastapi import FastAPI
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
-from tinker.proto.request_conv import forward_backward_request_to_proto
 
 from skytrain_backend.app import create_app
 from skytrain_backend.db import api_keys
@@ -32,8 +31,8 @@ from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import LocalObjectStore, keys
 from tests.fixtures.services import MakeSettings
+from tests.fixtures.tinker_http import create_run, forward_backward_body
 from tests.gateway.conftest import serve_in_thread
-from tinker import types
 
 pytestmark = pytest.mark.postgres
 
@@ -66,31 +65,8 @@ def plane(make_settings: MakeSettings) -> Iterator[Plane]:
 
 def _run(plane: Plane) -> str:
     """A new training run (no worker needed to queue its operations): its id."""
-    session_id = plane.sdk.post("/api/v1/create_session", json={}).json()["session_id"]
-    created = plane.sdk.post(
-        "/api/v1/create_model",
-        json={
-            "session_id": session_id,
-            "model_seq_id": 0,
-            "base_model": "tests-org/tiny-model",
-            "lora_config": {"rank": 8},
-        },
-    )
-    assert created.status_code == 200, created.text
+    session_id, _ = create_run(plane.sdk)
     return f"{session_id}:train:0"
-
-
-def _forward_backward(run_id: str, seq_id: int) -> bytes:
-    datum = types.Datum(
-        model_input=types.ModelInput.from_ints([1, 2, 3]),
-        loss_fn_inputs={"target_tokens": types.TensorData(data=[2, 3, 4], dtype="int64")},
-    )
-    request = types.ForwardBackwardRequest(
-        forward_backward_input=types.ForwardBackwardInput(data=[datum], loss_fn="cross_entropy"),
-        model_id=run_id,
-        seq_id=seq_id,
-    )
-    return bytes(forward_backward_request_to_proto(request).SerializeToString())
 
 
 class _WatchedStore(LocalObjectStore):
@@ -126,7 +102,7 @@ def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane
     try:
         queued = plane.sdk.post(
             "/api/v1/forward_backward",
-            content=_forward_backward(run_id, 1),
+            content=forward_backward_body(run_id, 1),
             headers={"Content-Type": PROTOBUF},
         )
     finally:
@@ -142,7 +118,7 @@ def test_an_operation_body_whose_row_never_came_is_collected(plane: Plane) -> No
     run_id = _run(plane)
     queued = plane.sdk.post(
         "/api/v1/forward_backward",
-        content=_forward_backward(run_id, 1),
+        content=forward_backward_body(run_id, 1),
         headers={"Content-Type": PROTOBUF},
     )
     assert queued.status_code == 200, queued.text

@@ -4,7 +4,7 @@ Typer's runner (the commands read the settings from the environment, as a user's
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -15,24 +15,6 @@ from skytrain_backend.cli import app
 from skytrain_backend.config import get_settings
 from skytrain_backend.scheduler.leader import open_leadership
 from tests.fixtures.services import ApiKey, ControlPlane, MakeSettings
-
-
-@pytest.fixture
-def cli(control_plane: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    settings = control_plane.settings
-    monkeypatch.setenv("SKYTRAIN_HOME", str(settings.home))
-    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", settings.resolved_database_url)
-    monkeypatch.setenv("SKYTRAIN_OBJECT_STORE_URL", settings.resolved_object_store_url)
-    get_settings.cache_clear()
-    runner = CliRunner()
-
-    def run(*args: str, code: int = 0) -> str:
-        result = runner.invoke(app, list(args))
-        assert result.exit_code == code, result.output
-        return result.output
-
-    yield run
-    get_settings.cache_clear()
 
 
 def _model(control_plane: ControlPlane, key: ApiKey, name: str) -> dict[str, Any]:
@@ -46,34 +28,38 @@ def _model(control_plane: ControlPlane, key: ApiKey, name: str) -> dict[str, Any
 
 
 def test_models_list_shows_every_tenants_models_and_filters_by_tenant(
-    cli: Callable[..., str], control_plane: ControlPlane, api_key: Callable[..., ApiKey]
+    control_plane_cli: Callable[..., str],
+    control_plane: ControlPlane,
+    api_key: Callable[..., ApiKey],
 ) -> None:
     alice, bob = api_key(), api_key()
     mine, theirs = _model(control_plane, alice, "a"), _model(control_plane, bob, "b")
-    listed = cli("models", "list")
+    listed = control_plane_cli("models", "list")
     assert mine["id"] in listed and theirs["id"] in listed
     assert alice.tenant_name in listed and bob.tenant_name in listed
-    only = cli("models", "list", "--tenant", alice.tenant_name)
+    only = control_plane_cli("models", "list", "--tenant", alice.tenant_name)
     assert mine["id"] in only and theirs["id"] not in only
 
 
 def test_models_show_and_delete_by_name(
-    cli: Callable[..., str], control_plane: ControlPlane, api_key: Callable[..., ApiKey]
+    control_plane_cli: Callable[..., str],
+    control_plane: ControlPlane,
+    api_key: Callable[..., ApiKey],
 ) -> None:
     key = api_key()
     model = _model(control_plane, key, f"m{uuid.uuid4().hex[:6]}")
-    shown = cli("models", "show", model["inference_name"])
+    shown = control_plane_cli("models", "show", model["inference_name"])
     assert model["id"] in shown and key.tenant_name in shown and "tiny/llama" in shown
-    assert "Deleted model" in cli("models", "delete", model["id"], "--yes")
+    assert "Deleted model" in control_plane_cli("models", "delete", model["id"], "--yes")
     gone = httpx.get(f"{control_plane.url}/v1/models/{model['id']}", headers=key.headers)
     assert gone.status_code == 404
-    assert "no model" in cli("models", "show", model["id"], code=1)
+    assert "no model" in control_plane_cli("models", "show", model["id"], code=1)
 
 
 def test_status_shows_the_control_plane_workers_queue_and_errors(
-    cli: Callable[..., str],
+    control_plane_cli: Callable[..., str],
 ) -> None:
-    shown = cli("status")
+    shown = control_plane_cli("status")
     for part in ("control plane", "workers", "queue:", "running jobs", "last errors"):
         assert part in shown
 

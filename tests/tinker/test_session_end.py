@@ -18,6 +18,7 @@ from skytrain_backend.app import create_app
 from skytrain_backend.db import api_keys
 from skytrain_backend.db.session import create_db_engine, session_factory
 from tests.fixtures.services import MakeSettings
+from tests.fixtures.tinker_http import create_run
 from tests.gateway.conftest import serve_in_thread, wait_until
 
 SESSION_TIMEOUT_S = 2.0
@@ -41,17 +42,7 @@ def test_a_client_that_stops_heartbeating_ends_its_runs(plane: tuple[str, str]) 
     sdk = httpx.Client(base_url=url, headers={"X-API-Key": "tml-" + key}, timeout=60)
     rest = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     with sdk, rest:
-        session_id = sdk.post("/api/v1/create_session", json={}).json()["session_id"]
-        created = sdk.post(
-            "/api/v1/create_model",
-            json={
-                "session_id": session_id,
-                "model_seq_id": 0,
-                "base_model": "tests-org/tiny-model",
-                "lora_config": {"rank": 8},
-            },
-        )
-        assert created.status_code == 200, created.text
+        session_id, created = create_run(sdk)
         future = created.json()["request_id"]
 
         def job_status() -> str:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from skytrain_backend.protocol import ModelConfig, RLTrainConfig, SFTTrainConfig
+from skytrain_backend.protocol import ModelConfig, RLTrainConfig, SFTTrainConfig, Trajectory
 from skytrain_backend.trainer import Trainer
 from skytrain_backend.trainer.job import JobSpec
 from skytrain_backend.trainer.trainer import OPTIMIZER_STATE
@@ -43,6 +43,36 @@ def _assert_same_to_noise(
     difference = _norm([got[key] - value for key, value in expected.items()])
     assert scale > 0, "nothing moved: the comparison would prove nothing"
     assert difference <= NOISE * scale, (difference, scale)
+
+
+def _sft_in_one_process(
+    model: Path,
+    trajectories: list[Trajectory],
+    config: SFTTrainConfig,
+    lora: ModelConfig,
+    tmp: Path,
+    *,
+    output_dir: Path,
+) -> tuple[list[dict[str, float]], JobSpec]:
+    """The SFT job trained by one process and saved to ``tmp / "one"``: its steps' metrics, and
+    the same job's spec for the ranks (its data written to ``tmp / "data.json"``)."""
+    one = Trainer.load(str(model), model_config=lora, device="cpu")
+    one_metrics = list(one.run(one.prepare_sft(trajectories, config)))
+    one.save(tmp / "one")
+    (tmp / "data.json").write_text(
+        json.dumps([trajectory.model_dump(mode="json") for trajectory in trajectories])
+    )
+    spec = JobSpec(
+        kind="sft",
+        base_model=str(model),
+        lora=lora,
+        config=config.model_dump(mode="json"),
+        data_path=tmp / "data.json",
+        output_dir=output_dir,
+        metrics_path=tmp / "events.jsonl",
+        device="cpu",
+    )
+    return one_metrics, spec
 
 
 def _sft_on_two_processes_stopped_and_resumed(spec: JobSpec, tmp: Path) -> list[dict[str, float]]:
@@ -151,21 +181,8 @@ def test_an_sft_job_with_dropout_on_two_processes_updates_as_one(
     config = SFTTrainConfig(learning_rate=5e-2, batch_size=3, num_epochs=1, seed=7)
     # Rows of 64 tokens hold one answer each: 3 rows, then 2, split over the ranks.
     lora = ModelConfig(lora_dropout=0.3, max_seq_length=64)
-    one = Trainer.load(str(tiny_model_path), model_config=lora, device="cpu")
-    one_metrics = list(one.run(one.prepare_sft(trajectories, config)))
-    one.save(tmp_path / "one")
-    (tmp_path / "data.json").write_text(
-        json.dumps([trajectory.model_dump(mode="json") for trajectory in trajectories])
-    )
-    spec = JobSpec(
-        kind="sft",
-        base_model=str(tiny_model_path),
-        lora=lora,
-        config=config.model_dump(mode="json"),
-        data_path=tmp_path / "data.json",
-        output_dir=tmp_path / "unused",
-        metrics_path=tmp_path / "events.jsonl",
-        device="cpu",
+    one_metrics, spec = _sft_in_one_process(
+        tiny_model_path, trajectories, config, lora, tmp_path, output_dir=tmp_path / "unused"
     )
     two = _sft_on_two_processes_stopped_and_resumed(spec, tmp_path)
     _assert_same_checkpoint(tmp_path / "one", tmp_path / "two")
@@ -181,21 +198,8 @@ def test_an_sft_job_on_two_nodes_updates_as_one(tiny_model_path: Path, tmp_path:
     trajectories = _answers(4)
     config = SFTTrainConfig(learning_rate=5e-2, batch_size=2, num_epochs=1, seed=5)
     lora = ModelConfig(max_seq_length=64)
-    one = Trainer.load(str(tiny_model_path), model_config=lora, device="cpu")
-    one_metrics = list(one.run(one.prepare_sft(trajectories, config)))
-    one.save(tmp_path / "one")
-    (tmp_path / "data.json").write_text(
-        json.dumps([trajectory.model_dump(mode="json") for trajectory in trajectories])
-    )
-    spec = JobSpec(
-        kind="sft",
-        base_model=str(tiny_model_path),
-        lora=lora,
-        config=config.model_dump(mode="json"),
-        data_path=tmp_path / "data.json",
-        output_dir=tmp_path / "two",
-        metrics_path=tmp_path / "events.jsonl",
-        device="cpu",
+    one_metrics, spec = _sft_in_one_process(
+        tiny_model_path, trajectories, config, lora, tmp_path, output_dir=tmp_path / "two"
     )
     (tmp_path / "job.json").write_text(spec.model_dump_json())
     with socket.socket() as free:

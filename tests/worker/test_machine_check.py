@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from skytrain_backend.cli import app
 from skytrain_backend.config import Settings, get_settings
@@ -33,27 +33,34 @@ def settings_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[P
     get_settings.cache_clear()
 
 
-def test_a_worker_on_a_host_smaller_than_its_model_stops_before_loading_anything(
-    settings_home: Path, tmp_path: Path
-) -> None:
-    """Qwen2.5-72B's config.json alone (no weights): the weights a CPU worker would hold are
-    far more than this host's memory, so `skytrain worker` stops at start, saying both
-    figures, before it contacts the control plane or starts an engine."""
-    model = tmp_path / "qwen-72b"
+def _worker_on_a_config_alone(model: Path, name: str) -> tuple[Path, Result]:
+    """`skytrain worker` on ``model``, a new directory holding only ``MODELS / name``'s
+    config.json: the directory, and the command's result. The control plane's address is
+    never reached: the checks come first."""
     model.mkdir()
-    shutil.copy(MODELS / "Qwen--Qwen2.5-72B-Instruct" / "config.json", model / "config.json")
+    shutil.copy(MODELS / name / "config.json", model / "config.json")
     result = CliRunner().invoke(
         app,
         [
             "worker",
             "--control-plane",
-            "http://127.0.0.1:9",  # never reached: the check comes first
+            "http://127.0.0.1:9",
             "--token",
             "join-token",
             "--base-model",
             str(model),
         ],
     )
+    return model, result
+
+
+def test_a_worker_on_a_host_smaller_than_its_model_stops_before_loading_anything(
+    settings_home: Path, tmp_path: Path
+) -> None:
+    """Qwen2.5-72B's config.json alone (no weights): the weights a CPU worker would hold are
+    far more than this host's memory, so `skytrain worker` stops at start, saying both
+    figures, before it contacts the control plane or starts an engine."""
+    model, result = _worker_on_a_config_alone(tmp_path / "qwen-72b", "Qwen--Qwen2.5-72B-Instruct")
     assert result.exit_code == 1, result.output
     assert f"error: this worker cannot serve and train {model}: the host has " in result.output
     assert "GiB of memory and the copies of its weights needs " in result.output
@@ -68,21 +75,7 @@ def test_a_worker_for_a_mixture_of_experts_stops_before_loading_anything(
     """Qwen3-30B-A3B's config.json alone: `skytrain worker` (no GPU here) stops at start with
     the reason, before the machine check, the control plane or an engine; on a GPU the
     worker's plan says the same, even for a worker told every setting."""
-    model = tmp_path / "qwen3-moe"
-    model.mkdir()
-    shutil.copy(MODELS / "Qwen--Qwen3-30B-A3B" / "config.json", model / "config.json")
-    result = CliRunner().invoke(
-        app,
-        [
-            "worker",
-            "--control-plane",
-            "http://127.0.0.1:9",
-            "--token",
-            "t",
-            "--base-model",
-            str(model),
-        ],
-    )
+    model, result = _worker_on_a_config_alone(tmp_path / "qwen3-moe", "Qwen--Qwen3-30B-A3B")
     assert result.exit_code == 1, result.output
     message = " ".join(result.output.split())
     assert f"error: this worker cannot serve and train {model}: base model {model} is a " in message
