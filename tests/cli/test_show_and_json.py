@@ -128,7 +128,9 @@ def test_status_shows_the_line_of_a_workers_message_that_names_the_error(
 
 
 def test_keys_create_refuses_a_new_tenant_named_as_another_tenants_entity(
-    cli: Any, control_plane: ControlPlane, api_key: Callable[..., ApiKey]
+    control_plane_cli: Callable[..., str],
+    control_plane: ControlPlane,
+    api_key: Callable[..., ApiKey],
 ) -> None:
     # A tenant's name is its entity: a tenant created under a name another tenant's models
     # use took those names over.
@@ -137,7 +139,7 @@ def test_keys_create_refuses_a_new_tenant_named_as_another_tenants_entity(
     with httpx.Client(base_url=control_plane.url, headers=owner.headers, timeout=60) as http:
         body = {"entity": entity, "project": "p", "name": "m0", "base_model": "m"}
         assert http.post("/v1/models", json=body).status_code == 201
-    output = cli("keys", "create", "--tenant", entity, code=1)
+    output = control_plane_cli("keys", "create", "--tenant", entity, code=1)
     assert f"tenant name {entity!r} is taken" in output
     assert owner.tenant_name in output
-    assert entity not in cli("tenants", "list")
+    assert entity not in control_plane_cli("tenants", "list")
