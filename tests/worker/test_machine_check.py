@@ -23,6 +23,7 @@ from skytrain_backend.worker.sizing import (
     host_memory_bytes,
     memory_limit_bytes,
     size_worker,
+    task_nodes,
     this_machine,
 )
 
@@ -222,3 +223,19 @@ def test_this_hosts_memory_is_at_most_the_nodes() -> None:
     limit = memory_limit_bytes()
     assert 0 < machine.host_memory_bytes <= total
     assert machine.host_memory_bytes == (min(total, limit) if limit is not None else total)
+
+
+def test_a_worker_of_two_nodes_plans_for_both_and_takes_a_model_one_node_cannot(
+    tmp_path: Path,
+) -> None:
+    """Qwen2.5-72B on nodes of 4 x A100-40GB: the worker of one node is refused; the head of a
+    two-node task (SKYPILOT_NODE_IPS names two) plans for both and shards over all 8 GPUs."""
+    config = find_model_config("Qwen/Qwen2.5-72B-Instruct", cache_dir=MODELS)
+    settings = Settings(home=tmp_path, engine_max_lora_rank=8)
+    a100 = parse_gpu("A100").gpu
+    with pytest.raises(ConfigurationError, match="does not fit 4 x A100"):
+        size_worker(settings, base_model="m", config=config, gpu=a100, gpu_count=4)
+    nodes = task_nodes({"SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n"})
+    assert nodes == 2 and task_nodes({}) == 1
+    sizing = size_worker(settings, base_model="m", config=config, gpu=a100, gpu_count=4, nodes=2)
+    assert sizing.trainer_shards == 8 and sizing.plan is not None and sizing.plan.nodes == 2

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -111,8 +113,10 @@ def size_worker(
     config: dict[str, Any] | None,
     gpu: GpuType | None,
     gpu_count: int = 1,
+    nodes: int = 1,
 ) -> Sizing:
-    """The settings, with the plan for ``gpu_count`` x ``gpu`` filling in the unset ones.
+    """The settings, with the plan for ``gpu_count`` x ``gpu`` (on each of ``nodes`` nodes)
+    filling in the unset ones.
 
     ``gpu`` None (no CUDA) or a ``config`` None (not found): the settings alone.
     ConfigurationError when the plan says the model does not fit, or ``config`` is a
@@ -142,6 +146,7 @@ def size_worker(
         context=settings.engine_max_model_len,
         row_tokens=settings.trainer_max_row_tokens,
         tinker_runs=settings.worker_tinker_max_runs,
+        nodes=nodes,
     )
     if None not in told.values():
         # Told everything: the plan only sizes the machine check (when it has figures).
@@ -155,9 +160,16 @@ def size_worker(
     )
 
 
+def task_nodes(env: Mapping[str, str]) -> int:
+    """The nodes of the SkyPilot task this worker runs in (``SKYPILOT_NODE_IPS``; one
+    without it): a worker of several nodes plans for all of them."""
+    return max(1, len([ip for ip in env.get("SKYPILOT_NODE_IPS", "").splitlines() if ip.strip()]))
+
+
 def size_this_worker(settings: Settings, *, base_model: str) -> Sizing:
-    """``size_worker`` for the GPUs this machine has; without CUDA, the settings and the host
-    memory the weights need (when this machine has the base model's config.json)."""
+    """``size_worker`` for the GPUs this machine has (on each of the task's nodes); without
+    CUDA, the settings and the host memory the weights need (when this machine has the base
+    model's config.json)."""
     found = cuda_gpus()
     if found is None:
         return _without_gpu(settings, base_model=base_model)
@@ -170,6 +182,7 @@ def size_this_worker(settings: Settings, *, base_model: str) -> Sizing:
         config=hub.model_config(base_model),
         gpu=gpu,
         gpu_count=count,
+        nodes=task_nodes(os.environ),
     )
 
 
