@@ -576,9 +576,12 @@ class Settings(BaseSettings):
     )
     worker_tinker_max_runs: int = Field(
         default=2,
-        ge=1,
+        ge=0,
+        le=64,
         description="Worker: most Tinker training runs it holds in memory at once (each keeps "
-        "a trainer); more wait in the queue.",
+        "a trainer, parked whole in host memory between operations); more wait in the queue. "
+        "The memory plan counts each in the host memory a worker asks for (about 17 GB for a "
+        "7B). 0: no Tinker training runs (creating one is refused), nothing parked.",
     )
 
     @field_validator("home", "model_cache_dir", "worker_wheel", mode="after")
