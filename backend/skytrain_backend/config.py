@@ -505,6 +505,14 @@ class Settings(BaseSettings):
         description="vLLM: the Python interpreter that runs it, for a vLLM installed in an "
         "environment of its own (scripts/test-vllm.sh's CPU build). Default: this one.",
     )
+    unsloth_python: str | None = Field(
+        default=None,
+        description="Worker: the Python interpreter of the Unsloth trainer's own environment "
+        "(scripts/unsloth-constraints.txt; sky/worker.yaml builds ~/skytrain-unsloth on a "
+        "one-GPU node). Used on CUDA when the trainer runs on one GPU; otherwise, or when it "
+        "is missing, the trainer is torch + peft in the worker's own process. Default: "
+        "~/skytrain-unsloth/bin/python where it exists.",
+    )
     control_plane_url: str | None = Field(
         default=None, description="Worker: URL of the control plane it joins."
     )

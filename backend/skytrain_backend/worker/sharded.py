@@ -111,10 +111,13 @@ class Rendezvous:
         ]
 
 
-def torchrun_command(spec_path: Path, rendezvous: Rendezvous) -> list[str]:
-    """The command that runs the job in ``spec_path`` as ``rendezvous``'s processes."""
+def torchrun_command(
+    spec_path: Path, rendezvous: Rendezvous, *, python: str | None = None
+) -> list[str]:
+    """The command that runs the job in ``spec_path`` as ``rendezvous``'s processes, under
+    ``python`` (default: this interpreter)."""
     return [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "torch.distributed.run",
         *rendezvous.torchrun_args(),
@@ -169,8 +172,11 @@ class ShardedTrainer:
         device: str | None = None,
         options: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        python: str | None = None,
     ) -> None:
         self.base_model, self.model_config = base_model, model_config
+        # The interpreter the ranks run under (the Unsloth trainer's environment, or this one).
+        self.python = python
         self.adapter_dir, self.rendezvous = adapter_dir, rendezvous
         self.work_dir, self.device, self.env = work_dir, device, dict(env or {})
         options = dict(options or {})
@@ -248,7 +254,9 @@ class ShardedTrainer:
         """Start the ranks on ``plan`` and yield each step's metrics; asking for the next one
         lets the ranks take the next step."""
         spec = plan.spec
-        command = torchrun_command(spec.data_path.parent / "job.json", self.rendezvous)
+        command = torchrun_command(
+            spec.data_path.parent / "job.json", self.rendezvous, python=self.python
+        )
         with (spec.data_path.parent / "output.log").open("wb") as log:
             self._process = subprocess.Popen(
                 command,
@@ -414,8 +422,9 @@ def sharded_trainer(
 ) -> Trainer:
     """The worker's trainer for ``model_id`` when its plan shards it (``AgentOptions``):
     ``trainer_shards`` processes over this node and the followers of the task's other nodes
-    (``env``: SkyPilot's, default this process's). It answers the calls the job loop makes
-    of a ``Trainer``; the loop types it as one."""
+    (``env``: SkyPilot's, default this process's), or one process under the Unsloth
+    trainer's interpreter (``trainer_python``). It answers the calls the job loop makes of a
+    ``Trainer``; the loop types it as one."""
     trainer = ShardedTrainer(
         options.base_model,
         model_config=model_config,
@@ -427,5 +436,6 @@ def sharded_trainer(
         # Each rank takes its own GPU (LOCAL_RANK); only a CPU device is passed on.
         device="cpu" if options.device == "cpu" else None,
         options=options.trainer_options,
+        python=getattr(options, "trainer_python", None),
     )
     return cast("Trainer", trainer)
