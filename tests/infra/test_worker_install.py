@@ -199,7 +199,7 @@ def test_the_worker_task_builds_the_unsloth_environment_of_the_pins() -> None:
     from skytrain_backend.worker.trainer_python import DEFAULT_UNSLOTH_PYTHON
 
     task = yaml.safe_load((ROOT / "sky" / "worker.yaml").read_text())
-    assert str(task["envs"]["SKYTRAIN_UNSLOTH_VERSION"]) == NEWEST_UNSLOTH
+    assert str(task["envs"]["WORKER_UNSLOTH_VERSION"]) == NEWEST_UNSLOTH
     pins = (ROOT / "scripts" / "unsloth-constraints.txt").read_text()
     assert f"unsloth=={NEWEST_UNSLOTH}" in pins
     venv = DEFAULT_UNSLOTH_PYTHON.parents[1].name
