@@ -241,4 +241,5 @@ def _log_to_stderr() -> None:
     from skytrain_backend.config import get_settings
     from skytrain_backend.observability.logs import configure_logging
 
-    configure_logging(get_settings().log_format, whole_process=True)
+    settings = get_settings()
+    configure_logging(settings.log_format, whole_process=True, worker_id=settings.worker_id)
