@@ -36,13 +36,15 @@ from typing import Any
 from sqlalchemy import Select, exists, func, select
 from sqlalchemy.orm import Session, aliased
 
+from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs as job_rows
-from skytrain_backend.db import registry
-from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db import registry, tenants
+from skytrain_backend.db.models import Checkpoint, Model, Tenant, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import (
     InvalidRequest,
     LeaseLost,
     NotFound,
+    QuotaExceeded,
     StorageError,
     StoreUnavailable,
 )
@@ -353,6 +355,7 @@ def complete_job(
     step: int,
     metrics: dict[str, float],
     files: Sequence[StagedFile],
+    settings: Settings,
 ) -> Checkpoint:
     """Commit the attempt's checkpoint and finish the job, once.
 
@@ -393,11 +396,44 @@ def complete_job(
         ) from exc
     except StorageError as exc:
         job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
-        _fail_commit(session, store=store, job=job, step=step, prefixes=(prefix, staged), exc=exc)
+        logger.error("committing step %d of job %s failed: %s", step, job.id, exc.message)
+        _fail_commit(
+            session,
+            store=store,
+            job=job,
+            step=step,
+            prefixes=(prefix, staged),
+            error=f"the object store failed while saving the checkpoint of step {step}, so "
+            "nothing was committed: submit the job again (the operator's log has the store's "
+            "error)",
+        )
         raise StorageError(
             f"the object store failed while committing step {step} of job {job_id}; the job "
             "has failed and its files were removed"
         ) from exc
+    # The checkpoint's bytes are taken from the tenant's storage quota in the commit's
+    # transaction (the tenant's row lock first, then the job's, as every writer takes them):
+    # a checkpoint that does not fit fails the job, its files removed, rather than pass it.
+    limits = tenants.limits_of(session.get_one(Tenant, tenant_id), settings)
+    try:
+        tenants.reserve_storage(
+            session,
+            tenant_id=tenant_id,
+            limits=limits,
+            adding=total,
+            what=f"the checkpoint of step {step} of job {job_id}",
+        )
+    except QuotaExceeded as exc:
+        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+        _fail_commit(
+            session,
+            store=store,
+            job=job,
+            step=step,
+            prefixes=(prefix, staged),
+            error=f"nothing was committed: {exc.message}; then submit the job again",
+        )
+        raise
     # The lease is checked again: a worker whose lease was lost while the files were copied
     # commits nothing (LeaseLost); what it copied lies in its own directory, for the sweep.
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
@@ -466,23 +502,16 @@ def _fail_commit(
     job: TrainingJob,
     step: int,
     prefixes: tuple[str, str],
-    exc: StorageError,
+    error: str,
 ) -> None:
-    """End a job whose checkpoint the store could not take. ``prefixes``: the checkpoint's
-    (files copied so far) and the job's (files staged by its attempts); both are deleted,
-    and the sweep collects what the store refuses now."""
-    logger.error("committing step %d of job %s failed: %s", step, job.id, exc.message)
+    """End a job whose checkpoint could not be committed (the store failed, or it did not fit
+    the tenant's storage quota), saying why (``error``). ``prefixes``: the checkpoint's (files
+    copied so far) and the job's (files staged by its attempts); both are deleted, and the
+    sweep collects what the store refuses now."""
     checkpoint_prefix, job_prefix = prefixes
     _delete_quietly(store, checkpoint_prefix)
     _delete_quietly(store, job_prefix + "attempts/")
-    _finish(
-        session,
-        job,
-        status="failed",
-        error=f"the object store failed while saving the checkpoint of step {step}, so "
-        "nothing was committed: submit the job again (the operator's log has the store's "
-        "error)",
-    )
+    _finish(session, job, status="failed", error=error)
     session.commit()
 
 

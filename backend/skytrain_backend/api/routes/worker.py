@@ -386,7 +386,12 @@ async def upload_file(
 
 @router.post("/jobs/{job_id}/complete", response_model=JobCompleted)
 def complete(
-    job_id: str, body: JobCompletion, worker: WorkerDep, session: SessionDep, store: StoreDep
+    job_id: str,
+    body: JobCompletion,
+    worker: WorkerDep,
+    session: SessionDep,
+    store: StoreDep,
+    settings: SettingsDep,
 ) -> JobCompleted:
     checkpoint = metrics.timed_phase(
         "commit",
@@ -399,6 +404,7 @@ def complete(
             step=body.step,
             metrics=body.metrics,
             files=body.files,
+            settings=settings,
         ),
     )
     metrics.record_job_completion(body.metrics)
