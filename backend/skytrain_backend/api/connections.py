@@ -18,6 +18,9 @@ key read: the server's own door, which holds even without a reverse proxy in fro
   carries at most ``SKYTRAIN_MAX_REQUESTS_PER_CONNECTION`` requests, the last answered with
   ``Connection: close``.
 
+Each connection closed by one of these is counted in ``skytrain_connections_refused_total`` by
+reason (``total_cap``, ``per_client_cap``, ``header_timeout``, ``body_timeout``).
+
 ``guarded_protocol(limits)`` is uvicorn's HTTP protocol (httptools) with these limits, for
 ``uvicorn.Config(http=...)``.
 """
@@ -36,6 +39,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_remote_addr
 
 from skytrain_backend.config import Settings
+from skytrain_backend.observability.metrics import CONNECTIONS_REFUSED
 
 # Client connections may hold three quarters of the open-file limit; the last quarter stays
 # for the rest of the process (database pool, object store, worker logs, the listener).
@@ -130,6 +134,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if refusal is not None:
             status, message = refusal
             kind = "rate_limit_error" if status == 429 else "service_unavailable"
+            CONNECTIONS_REFUSED.labels(
+                reason="per_client_cap" if status == 429 else "total_cap"
+            ).inc()
             transport.write(raw_error(status, kind, message))
             transport.close()
             return
@@ -185,7 +192,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         answered = self.cycle.response_complete and self.cycle.more_body
         if answered and not self.transport.is_closing():
             # Answered before its body was read: the rest gets the body timeout, no more.
-            self._arm(self.counts.limits.body_timeout_s, self.transport.close)
+            self._arm(self.counts.limits.body_timeout_s, self._body_late)
 
     def _arm(self, delay_s: float, callback: Callable[[], object]) -> None:
         if self._deadline is None:
@@ -201,7 +208,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             callback()
 
+    def _body_late(self) -> None:
+        CONNECTIONS_REFUSED.labels(reason="body_timeout").inc()
+        self.transport.close()
+
     def _headers_late(self) -> None:
+        CONNECTIONS_REFUSED.labels(reason="header_timeout").inc()
         if self.cycle is None or self.cycle.response_complete:  # not in the middle of an answer
             timeout_s = self.counts.limits.header_timeout_s
             self.transport.write(
