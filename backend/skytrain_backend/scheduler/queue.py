@@ -27,11 +27,13 @@ job; SQLite serializes writers, and a process lock keeps its read-then-write ato
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import Select, exists, func, select
 from sqlalchemy.orm import Session, aliased
@@ -41,10 +43,12 @@ from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import Checkpoint, Model, Tenant, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import (
+    Conflict,
     InvalidRequest,
     LeaseLost,
     NotFound,
     QuotaExceeded,
+    SkytrainError,
     StorageError,
     StoreUnavailable,
 )
@@ -56,7 +60,7 @@ from skytrain_backend.protocol import (
     StagedFile,
 )
 from skytrain_backend.storage import keys
-from skytrain_backend.storage.base import ObjectStore
+from skytrain_backend.storage.base import CHUNK_BYTES, ObjectDigest, ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +265,43 @@ def staged_file_key(job: TrainingJob, *, tenant_id: str, attempt: int, name: str
     return _staged_prefix(job, tenant_id=tenant_id, attempt=attempt) + name
 
 
+def staged_digest_key(staged_key: str) -> str:
+    """Where the size and SHA-256 of the staged file at ``staged_key`` are recorded, as its
+    upload streamed through the control plane (``attempts/{n}.digests/{name}`` beside
+    ``attempts/{n}/{name}``: out of the attempt's listing, gone with ``attempts/``)."""
+    head, _, name = staged_key.rpartition("/")
+    return f"{head}.digests/{name}"
+
+
+def stage_file(store: ObjectStore, *, key: str, stream: BinaryIO) -> ObjectDigest:
+    """Store a staged file from ``stream`` (a local spool, read twice) and record its size and
+    SHA-256 beside it, so that the commit compares them with the worker's without reading
+    the object back. The record is removed first: a file whose upload fails midway has none,
+    and the commit reads that one back instead."""
+    digest_key = staged_digest_key(key)
+    store.delete(digest_key)
+    sha256 = hashlib.sha256()
+    size = 0
+    while chunk := stream.read(CHUNK_BYTES):
+        sha256.update(chunk)
+        size += len(chunk)
+    stream.seek(0)
+    store.put_stream(key, stream)
+    digest = ObjectDigest(size=size, sha256=sha256.hexdigest())
+    store.put_bytes(digest_key, json.dumps({"size": size, "sha256": digest.sha256}).encode())
+    return digest
+
+
+def _recorded_digest(store: ObjectStore, key: str) -> ObjectDigest | None:
+    """The size and SHA-256 recorded when the file at ``key`` was staged; None when there is
+    no usable record (an upload cut short, or a store hiccup): the caller reads it back."""
+    try:
+        recorded = json.loads(store.get_bytes(staged_digest_key(key)))
+        return ObjectDigest(size=int(recorded["size"]), sha256=str(recorded["sha256"]))
+    except (SkytrainError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _staged_prefix(job: TrainingJob, *, tenant_id: str, attempt: int) -> str:
     prefix = keys.model_prefix(tenant_id=tenant_id, model_id=job.model_id)
     return f"{prefix}jobs/{job.id}/attempts/{attempt}/"
@@ -361,8 +402,9 @@ def complete_job(
 
     Three phases, so that no transaction (nor the job's row lock) is held while the store
     works: a short transaction checks the lease and the step; then, with no connection held,
-    each staged file is read back and checked against the size and SHA-256 the worker sent
-    (a mismatch commits nothing: InvalidRequest) and copied into place; then a short
+    each staged file is checked against the size and SHA-256 the worker sent (``check_staged``:
+    a listing and the digests recorded at staging; a mismatch commits nothing: InvalidRequest)
+    and copied into place (``copy_staged``: one gone meanwhile is a Conflict); then a short
     transaction checks the lease again, inserts the checkpoint row and finishes the job.
 
     The files are copied into the attempt's own directory of the step (``keys.
@@ -385,7 +427,9 @@ def complete_job(
     session.rollback()  # the row lock and the connection go back before the store works
     try:
         check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
-        total = sum(store.copy(attempt_prefix + item.name, prefix + item.name) for item in files)
+        total = copy_staged(
+            store, source=attempt_prefix, dest=prefix, files=files, job_id=job_id, step=step
+        )
     except StoreUnavailable as exc:
         # The store is away for now: nothing is committed, the job stays leased and its staged
         # files stay where they are, so the worker's retry commits once the store is back
@@ -476,23 +520,55 @@ def check_staged(
     store: ObjectStore, *, prefix: str, files: Sequence[StagedFile], job_id: str, step: int
 ) -> None:
     """Each file is in the store under ``prefix`` with the size and SHA-256 the worker sent:
-    one listing for the sizes (a truncated upload fails here, unread), then each file read
-    back and hashed. InvalidRequest naming every file that differs."""
+    one listing for the sizes (a truncated upload fails here, unread), then each file's
+    SHA-256 as recorded while its upload streamed through (``stage_file``); only a file with
+    no record of its size is read back and hashed. InvalidRequest naming every file that
+    differs."""
     stored = {info.key.removeprefix(prefix): info.size for info in store.list(prefix)}
     wrong = []
     for item in files:
         size = stored.get(item.name)
         if size is None:
             wrong.append(f"{item.name} is not staged")
-        elif size != item.size:
+            continue
+        if size != item.size:
             wrong.append(f"{item.name} is staged with {size} bytes, not {item.size}")
-        elif store.digest(prefix + item.name).sha256 != item.sha256:
+            continue
+        recorded = _recorded_digest(store, prefix + item.name)
+        if recorded is None or recorded.size != size:
+            recorded = store.digest(prefix + item.name)
+        if recorded.sha256 != item.sha256:
             wrong.append(f"{item.name} is staged with a SHA-256 other than {item.sha256}")
     if wrong:
         raise InvalidRequest(
             f"the checkpoint of step {step} of job {job_id} was not committed: "
             f"{'; '.join(wrong)}. Upload each file with PUT .../files/{{name}} again"
         )
+
+
+def copy_staged(
+    store: ObjectStore,
+    *,
+    source: str,
+    dest: str,
+    files: Sequence[StagedFile],
+    job_id: str,
+    step: int,
+) -> int:
+    """Copy the checked staged files from ``source`` to ``dest``; their total bytes. A staged
+    file gone meanwhile (deleted while the commit copied: a worker's retry, or by hand) is a
+    Conflict, nothing committed: upload it again."""
+    total = 0
+    for item in files:
+        try:
+            total += store.copy(source + item.name, dest + item.name)
+        except NotFound:
+            raise Conflict(
+                f"the checkpoint of step {step} of job {job_id} was not committed: "
+                f"{item.name} was removed from the staged files while they were copied. "
+                "Upload each file with PUT .../files/{name} again and complete again"
+            ) from None
+    return total
 
 
 def _fail_commit(

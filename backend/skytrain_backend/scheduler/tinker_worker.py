@@ -326,7 +326,9 @@ def commit_save(
     if reuse_step is None:
         attempt_prefix = f"{staged}attempts/{attempt}/"
         queue.check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
-        total = sum(store.copy(attempt_prefix + item.name, prefix + item.name) for item in files)
+        total = queue.copy_staged(
+            store, source=attempt_prefix, dest=prefix, files=files, job_id=job_id, step=step
+        )
     checked = _check_save(
         session,
         worker=worker,
