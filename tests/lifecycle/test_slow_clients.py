@@ -1,4 +1,4 @@
-"""No connection, keyless and slow, holds ``skytrain serve``'s door open (api/connections.py).
+"""No connection, keyless and slow, holds ``skytrain serve``'s door open (connections.py).
 
 Against the real server on PostgreSQL with 4,096 open files: 8,000 connections from one
 address trickle their headers and are all closed by the server (at once past the caps, at the
@@ -20,8 +20,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from skytrain_backend.api.connections import ConnectionLimits
 from skytrain_backend.config import Settings
+from skytrain_backend.connections import ConnectionLimits
 from tests.fixtures.raw_http import exchange
 from tests.fixtures.service import Service, start_service, stop_service
 from tests.fixtures.service import _free_port as free_port

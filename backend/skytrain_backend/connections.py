@@ -1,5 +1,7 @@
 """Limits every connection to ``skytrain serve`` meets before a request is parsed, let alone a
-key read: the server's own door, which holds even without a reverse proxy in front.
+key read: the server's own door, which holds even without a reverse proxy in front. A worker's
+front door takes the same (``ConnectionLimits.for_front_door``): this module sits beside the
+layers, so that both the control plane and the worker may import it.
 
 - **Count.** At most ``SKYTRAIN_MAX_CONNECTIONS`` open at once (by default, and never more
   than, three quarters of the process's open-file limit) and ``SKYTRAIN_MAX_CONNECTIONS_PER_
@@ -28,6 +30,7 @@ reason (``total_cap``, ``per_client_cap``, ``header_timeout``, ``body_timeout``)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import resource
 from collections import Counter
@@ -47,6 +50,14 @@ _CONNECTION_SHARE_OF_FILES = 0.75
 _CLOSE = (b"connection", b"close")
 
 
+def _files_share() -> int:
+    """The connections the process's open-file limit leaves room for."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:  # not on Linux; elsewhere, assume the usual 1,024
+        soft = 1024
+    return max(int(soft * _CONNECTION_SHARE_OF_FILES), 1)
+
+
 @dataclass(frozen=True)
 class ConnectionLimits:
     """The limits in force, with the derived caps resolved."""
@@ -59,10 +70,7 @@ class ConnectionLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:  # not on Linux; elsewhere, assume the usual 1,024
-            soft = 1024
-        bound = max(int(soft * _CONNECTION_SHARE_OF_FILES), 1)
+        bound = _files_share()
         total = min(settings.max_connections or bound, bound)
         per_client = min(settings.max_connections_per_client or max(total // 2, 1), total)
         return cls(
@@ -72,6 +80,18 @@ class ConnectionLimits:
             body_timeout_s=settings.request_body_timeout_s,
             max_requests=settings.max_requests_per_connection,
         )
+
+    @classmethod
+    def for_front_door(cls, settings: Settings) -> ConnectionLimits:
+        """A worker's front door (``worker/main.py``): the same timeouts, at most half the
+        control plane's share of open files (each request it serves also holds a connection
+        to the engine), and no cap per address below the total: its one client, the control
+        plane's gateway, may hold them all (the secret turns everyone else away)."""
+        limits = cls.from_settings(settings)
+        total = max(_files_share() // 2, 1)
+        if settings.max_connections:
+            total = min(settings.max_connections, total)
+        return dataclasses.replace(limits, max_connections=total, max_per_client=total)
 
 
 class ConnectionCounts:
