@@ -4,7 +4,8 @@ storage quota is checked by reading one row rather than summing every row the te
 
 Backfilled from the rows (the sum ``db.tenants.counted_storage`` makes: live checkpoints'
 files, logged batches, jobs' inputs, Tinker sessions' metadata and operations' payloads).
-Downgrading drops the column.
+``tinker_requests.output_bytes``: a Tinker operation's output object, counted from now on (0
+for older rows: their size is not known without listing the store). Downgrading drops both.
 
 Revision ID: i38s
 Revises: i36a
@@ -35,21 +36,28 @@ UPDATE tenants SET storage_bytes =
        JOIN models m ON m.id = j.model_id WHERE m.tenant_id = tenants.id)
   + (SELECT coalesce(sum(s.size_bytes), 0) FROM tinker_sessions s
        WHERE s.tenant_id = tenants.id)
-  + (SELECT coalesce(sum(r.input_bytes), 0) FROM tinker_requests r
+  + (SELECT coalesce(sum(r.input_bytes + r.output_bytes), 0) FROM tinker_requests r
        WHERE r.tenant_id = tenants.id)
 """
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("tenants") as batch:
-        batch.add_column(
-            sa.Column("storage_bytes", sa.BigInteger(), nullable=False, server_default=sa.text("0"))
+    # Plain ADD COLUMN, never SQLite's batch copy of the table: dropping the old ``tenants``
+    # would cascade (PRAGMA foreign_keys is on) to every row that refers to a tenant. The
+    # server default stays on SQLite (removing it needs that copy); the models never rely on it.
+    sqlite = op.get_bind().dialect.name == "sqlite"
+    for table, column in (("tinker_requests", "output_bytes"), ("tenants", "storage_bytes")):
+        op.add_column(
+            table,
+            sa.Column(column, sa.BigInteger(), nullable=False, server_default=sa.text("0")),
         )
     op.execute(BACKFILL)
-    with op.batch_alter_table("tenants") as batch:
-        batch.alter_column("storage_bytes", server_default=None)
+    if not sqlite:
+        for table, column in (("tinker_requests", "output_bytes"), ("tenants", "storage_bytes")):
+            op.alter_column(table, column, server_default=None)
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("tenants") as batch:
-        batch.drop_column("storage_bytes")
+    # SQLite 3.35+ drops a column in place (no copy of the table, so nothing cascades).
+    op.drop_column("tenants", "storage_bytes")
+    op.drop_column("tinker_requests", "output_bytes")

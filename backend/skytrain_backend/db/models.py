@@ -407,6 +407,9 @@ class TinkerRequest(Base):
     input_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     result_uri: Mapped[str | None] = mapped_column(Text)
+    # The output object's bytes (a forward-backward's result), counted in its tenant's stored
+    # bytes once the worker reports it (0 for rows older than migration i38s).
+    output_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     error: Mapped[str | None] = mapped_column(Text)
     error_category: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[datetime] = _created_at()

@@ -159,7 +159,7 @@ def enforce_quota(
 def counted_storage(*, tenant_id: str) -> Select[Any]:
     """The bytes the tenant holds, summed over its rows: its checkpoints' files (until a deleted
     one's are purged), trajectory batches (logged, and training jobs' inputs), Tinker sessions'
-    metadata and Tinker operations' payloads. What ``Tenant.storage_bytes`` keeps as a running
+    metadata and Tinker operations' payloads and outputs. What ``Tenant.storage_bytes`` keeps as a running
     total; a sum over every such row (linear in them), so only ``recount_storage`` reads it."""
     of_models = select(Model.id).where(Model.tenant_id == tenant_id).scalar_subquery()
 
@@ -175,7 +175,10 @@ def counted_storage(*, tenant_id: str) -> Select[Any]:
         + total(TrajectoryBatch.size_bytes, TrajectoryBatch.model_id.in_(of_models))
         + total(TrainingJob.input_bytes, TrainingJob.model_id.in_(of_models))
         + total(TinkerSession.size_bytes, TinkerSession.tenant_id == tenant_id)
-        + total(TinkerRequest.input_bytes, TinkerRequest.tenant_id == tenant_id)
+        + total(
+            TinkerRequest.input_bytes + TinkerRequest.output_bytes,
+            TinkerRequest.tenant_id == tenant_id,
+        )
     )
 
 
@@ -193,7 +196,7 @@ def model_storage(session: Session, *, model_id: str) -> int:
         + total(TrajectoryBatch.size_bytes, TrajectoryBatch.model_id == model_id)
         + total(TrainingJob.input_bytes, TrainingJob.model_id == model_id)
         + total(
-            TinkerRequest.input_bytes,
+            TinkerRequest.input_bytes + TinkerRequest.output_bytes,
             TinkerRequest.run_id.in_(of_runs)
             | TinkerRequest.sampler_id.in_(of_samplers.scalar_subquery()),
         )
@@ -208,6 +211,15 @@ def _add_storage(session: Session, *, tenant_id: str, delta: int) -> None:
         .values(storage_bytes=Tenant.storage_bytes + delta)
         .execution_options(synchronize_session=False)
     )
+
+
+def add_storage(session: Session, *, tenant_id: str, added: int) -> None:
+    """Add ``added`` bytes to the tenant's running total, unchecked, in the transaction that
+    records the row holding them: for bytes already stored that cannot be refused (a Tinker
+    operation's output, written by the worker that ran it); the tenant's next writes are
+    checked against them."""
+    if added:
+        _add_storage(session, tenant_id=tenant_id, delta=added)
 
 
 def release_storage(session: Session, *, tenant_id: str, freed: int) -> None:
@@ -263,7 +275,9 @@ def recount_storage(session: Session, *, fix: bool) -> list[StorageRecount]:
     differing = []
     for tenant_id, name in session.execute(select(Tenant.id, Tenant.name).order_by(Tenant.name)):
         lock_tenant(session, tenant_id=tenant_id)
-        recorded = int(session.scalar(select(Tenant.storage_bytes).where(Tenant.id == tenant_id)))
+        recorded = int(
+            session.scalar(select(Tenant.storage_bytes).where(Tenant.id == tenant_id)) or 0
+        )
         counted = int(session.scalar(counted_storage(tenant_id=tenant_id)) or 0)
         if recorded != counted:
             differing.append(StorageRecount(tenant=name, recorded=recorded, counted=counted))

@@ -230,9 +230,14 @@ def complete(
         return operation.id
     if has_output:
         key = output_key(run, seq_id)
-        if not store.exists(key):
+        sizes = [info.size for info in store.list(key) if info.key == key]
+        if not sizes:
             raise InvalidRequest(f"operation {seq_id}'s output was not uploaded")
         operation.result_uri = store.uri(key)
+        # Stored already, by the worker that ran it: counted, not refused (the tenant's next
+        # writes are checked against it).
+        operation.output_bytes = sizes[0]
+        tenants.add_storage(session, tenant_id=run.tenant_id, added=sizes[0])
     _finish(operation, result=_public_result(run, operation, result))
     session.commit()
     return operation.id
