@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from skytrain_backend.cli._common import MARKUP, _fail, _session, _table, app
+from skytrain_backend.cli._common import MARKUP, _fail, _object_store, _session, _table, app
 
 storage_app = typer.Typer(
     rich_markup_mode=MARKUP,
@@ -40,12 +40,11 @@ def storage_check(
     from skytrain_backend.db import tenants
     from skytrain_backend.errors import SkytrainError
     from skytrain_backend.scheduler import integrity
-    from skytrain_backend.storage import open_object_store
 
     settings = get_settings()
+    store = _object_store(settings)
     with _session() as session:
         try:
-            store = open_object_store(settings.resolved_object_store_url, settings)
             problems = list(integrity.check_storage(session, store=store, read=read))
             recounts = tenants.recount_storage(session, fix=fix_usage)
         except SkytrainError as exc:
