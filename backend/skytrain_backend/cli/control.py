@@ -47,9 +47,9 @@ def serve(
     import uvicorn
     from sqlalchemy.engine import make_url
 
-    from skytrain_backend.api.connections import ConnectionLimits, guarded_protocol
     from skytrain_backend.app import create_app
     from skytrain_backend.config import get_settings
+    from skytrain_backend.connections import ConnectionLimits, guarded_protocol
     from skytrain_backend.observability.listener import start_metrics_listener
 
     _interruptible()
@@ -104,7 +104,7 @@ def serve(
             application,
             host=settings.host,
             port=settings.port,
-            # Connections counted and timed before a request is parsed (api/connections.py).
+            # Connections counted and timed before a request is parsed (connections.py).
             http=guarded_protocol(limits),
             timeout_keep_alive=settings.keep_alive_s,
             log_config=None,
