@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +39,33 @@ def _tracebacks_kept() -> Iterator[None]:
             del sys.tracebacklimit
     else:
         sys.tracebacklimit = limit
+
+
+@pytest.fixture(autouse=True)
+def _logging_kept() -> Iterator[None]:
+    """A command run in this process (Typer's runner: `skytrain worker`, `serve`) sets the
+    root logger up on the runner's stream, which closes when the command returns: every line
+    logged afterwards, by a later test or a thread, then printed "--- Logging error ---" into
+    whatever that test captured (a `--json` output that no longer parsed). Each test ends with
+    logging, the standard streams and the process's log context as they began."""
+    from skytrain_backend.observability import logs
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    named = {
+        name: (list(logging.getLogger(name).handlers), logging.getLogger(name).propagate)
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
+    }
+    streams = sys.stdout, sys.stderr
+    context = dict(logs._process_context)
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    for name, (kept, propagate) in named.items():
+        logging.getLogger(name).handlers[:] = kept
+        logging.getLogger(name).propagate = propagate
+    sys.stdout, sys.stderr = streams
+    logs._process_context.update(context)
 
 
 def _cuda_available() -> bool:
