@@ -28,11 +28,11 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import ColumnElement, exists, func, or_, select
+from sqlalchemy import ColumnElement, exists, func, select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db.models import Model, TinkerRequest, TinkerRun, TrainingJob, Worker, utcnow
-from skytrain_backend.scheduler.tinker import JOB_KIND
+from skytrain_backend.db.models import Model, TinkerRun, TrainingJob, Worker, utcnow
+from skytrain_backend.scheduler import tinker
 
 logger = logging.getLogger(__name__)
 
@@ -51,19 +51,8 @@ class SlotWait:
     retry_after_s: float
 
 
-IN_FLIGHT = ("queued", "running")
 # The oldest time, for a model never used.
 _NEVER = datetime.min.replace(tzinfo=UTC)
-
-
-def _operation_in_flight() -> ColumnElement[bool]:
-    """The Tinker run of the job (``TrainingJob`` in the query) has an operation queued or
-    running: its worker needs the run's state."""
-    return exists().where(
-        TinkerRun.job_id == TrainingJob.id,
-        TinkerRequest.run_id == TinkerRun.id,
-        TinkerRequest.status.in_(IN_FLIGHT),
-    )
 
 
 def _no_job_needs_the_worker() -> ColumnElement[bool]:
@@ -72,7 +61,7 @@ def _no_job_needs_the_worker() -> ColumnElement[bool]:
     return ~exists().where(
         TrainingJob.model_id == Model.id,
         TrainingJob.status == "running",
-        or_(TrainingJob.kind != JOB_KIND, _operation_in_flight()),
+        tinker.job_needs_its_worker(),
     )
 
 
@@ -122,54 +111,6 @@ def _last_use(model: Model, last_request_at: datetime | None) -> datetime:
     return max(when for when in (model.last_active_at, last_request_at, _NEVER) if when)
 
 
-def _hand_back_idle_run(session: Session, *, model: Model) -> bool:
-    """Take the running job of ``model`` (placed, its row locked) back from its worker, if
-    it is a Tinker run's with no operation in flight: queued again, the attempt counted as a
-    preemption, not a failure. Whether the model may now leave its worker: True when no job
-    runs on it or its run was taken back; False when one needs the worker (an operation came
-    since the pass looked, or the worker holds the job's row this moment: it is working on
-    the run) and nothing was written."""
-    jobs = list(
-        session.scalars(
-            select(TrainingJob)
-            .where(TrainingJob.model_id == model.id, TrainingJob.status == "running")
-            .with_for_update(skip_locked=True)
-        )
-    )
-    running = session.scalar(
-        select(func.count(TrainingJob.id)).where(
-            TrainingJob.model_id == model.id, TrainingJob.status == "running"
-        )
-    )
-    if running != len(jobs):
-        return False  # one is locked: its worker is working on it
-    for job in jobs:
-        in_flight = session.scalar(
-            select(
-                exists().where(
-                    TinkerRun.job_id == job.id,
-                    TinkerRequest.run_id == TinkerRun.id,
-                    TinkerRequest.status.in_(IN_FLIGHT),
-                )
-            )
-        )
-        if job.kind != JOB_KIND or in_flight:
-            return False
-    for job in jobs:
-        job.status = "queued"
-        job.worker_id = None
-        job.lease_expires_at = None
-        job.yield_requested = False
-        job.preemptions += 1
-        logger.info(
-            "Tinker run of model %s has no operation in flight: its job %s is taken back "
-            "from its worker (fair share)",
-            model.id,
-            job.id,
-        )
-    return True
-
-
 def take_slot(
     session: Session,
     *,
@@ -195,7 +136,7 @@ def take_slot(
     if not lock_model(session, model):
         session.rollback()
         return False
-    if not _hand_back_idle_run(session, model=loser):
+    if not tinker.hand_back_idle_run(session, model_id=loser.id, why="fair share"):
         session.rollback()
         return False
     loser.worker_id = None
