@@ -4,8 +4,9 @@ are started and stopped.
 - A model is *active* while it was registered, used for inference or trained within
   ``model_idle_timeout_s`` (a Tinker run: sent a request), or has a job queued or running
   that needs a worker (a Tinker run's job runs while its session lives, but needs its worker
-  only while an operation of it is queued or running). Active models are placed. The idle clock stands still while an active
-  model waits for a place or for its worker to start serving (to within half the timeout).
+  only while an operation of it is queued or running). Active models are placed. The idle
+  clock stands still while an active model waits for a place or for its worker to start
+  serving (to within half the timeout).
 - A placed model that is no longer active is taken off its worker (``release_idle_models``):
   the worker's next heartbeat answer leaves it out, so the agent unloads its adapters, and its
   place (the worker's ``max_models``, the tenant's ``max_placed_models``) goes to a model that
