@@ -14,6 +14,7 @@ from skytrain_backend.cli._common import (
     _fail,
     _interruptible,
     _log_to_stderr,
+    _object_store,
     _session,
     _when,
     app,
@@ -57,6 +58,7 @@ def serve(
     settings = get_settings().model_copy(update=overrides)
     with _session():  # refuse to start on an outdated schema, with the fix in the message
         pass
+    _object_store(settings)  # nor on a store it cannot use
     database = make_url(settings.resolved_database_url).render_as_string(hide_password=True)
     store = settings.resolved_object_store_url
     if settings.s3_endpoint_url and store.startswith("s3://"):
