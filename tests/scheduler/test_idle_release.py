@@ -23,9 +23,11 @@ from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.models import TrainingJob
 from skytrain_backend.db.session import create_db_engine, session_factory
 from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import serve_in_thread, wait_until
+from tinker import types
 
 # Long enough that the models a test keeps using (a request each round) never go idle.
 IDLE_S = 5.0
@@ -127,11 +129,12 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane) -> Non
 
 
 @pytest.mark.slow
-def test_a_tinker_run_keeps_its_place_while_its_session_lives_and_leaves_after(
+def test_a_tinker_run_keeps_its_place_while_an_operation_waits_and_leaves_after(
     plane: Plane,
 ) -> None:
-    """An open Tinker run holds its model's place however long it is idle (its trainer is on
-    the worker); once its session ends, its model leaves like any idle one."""
+    """A Tinker run with an operation waiting for its worker (here its creation, which no
+    agent runs) holds its model's place however long that takes; once its session ends, its
+    model leaves like any idle one."""
     base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
     with plane.sessions() as session:
         _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
@@ -159,6 +162,83 @@ def test_a_tinker_run_keeps_its_place_while_its_session_lives_and_leaves_after(
         assert placed_here() == {run_model}
         service.close("success").result(timeout=60)
         wait_until(lambda: not placed_here(), what="the ended run's model released", timeout_s=30)
+
+
+@pytest.mark.slow
+def test_an_idle_tinker_run_gives_its_place_back_and_its_next_operation_resumes_it(
+    plane: Plane,
+) -> None:
+    """The gap: placement counted any open job as activity, and a Tinker run's job runs for as
+    long as its session heartbeats, so a run with nothing to do held its slot for ever. Now a
+    run with no operation queued or running for the idle timeout gives its place back: its
+    job is queued again (a preemption, not a failed attempt) and its worker loses the lease;
+    its next operation places it again, and the worker that leases it rebuilds it from its
+    creation."""
+    base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
+    with plane.sessions() as session:
+        _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
+        _, token = worker_rows.create_worker(
+            session, provider="manual", base_model=base_model, max_models=SLOTS, status="ready"
+        )
+        session.commit()
+    service = tinker.ServiceClient(base_url=plane.url, api_key="tml-" + key)
+    agent = httpx.Client(
+        base_url=f"{plane.url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
+    )
+
+    def placed_here() -> set[str]:
+        answer = agent.post("/heartbeat", json={"status": "ready"})
+        assert answer.status_code == 200, answer.text
+        return {item["model_id"] for item in answer.json()["models"]}
+
+    def lease() -> dict[str, Any]:
+        leased = agent.post("/tinker/lease")
+        assert leased.status_code == 200, leased.text
+        return dict(leased.json()["run"])
+
+    def next_operation(run: dict[str, Any], seq_id: int) -> httpx.Response:
+        return agent.post(
+            f"/tinker/runs/{run['job_id']}/next",
+            json={"attempt": run["attempt"], "seq_id": seq_id, "wait_s": 0},
+        )
+
+    with agent:
+        created = service.create_lora_training_client(base_model=base_model, rank=8)
+        wait_until(lambda: len(placed_here()) == 1, what="the run's model placed", timeout_s=30)
+        (run_model,) = placed_here()
+        # The agent builds the run (operation 0, its creation) as a worker does; then the run
+        # has nothing to do.
+        first = lease()
+        assert next_operation(first, 0).status_code == 200
+        done = agent.post(
+            f"/tinker/runs/{first['job_id']}/operations/0/complete",
+            json={"attempt": first["attempt"], "result": {}, "has_output": False},
+        )
+        assert done.status_code == 204, done.text
+        training = created.result(timeout=60)
+
+        wait_until(lambda: not placed_here(), what="the idle run's model released", timeout_s=30)
+        assert next_operation(first, 1).status_code == 409  # its worker lets the trainer go
+        with plane.sessions() as session:
+            job = session.get_one(TrainingJob, first["job_id"])
+            assert (job.status, job.worker_id, job.attempts, job.preemptions) == (
+                "queued",
+                None,
+                1,
+                1,
+            )
+
+        # Its next operation places it again; the worker rebuilds it from its creation.
+        training.optim_step(types.AdamParams(learning_rate=1e-4))
+        wait_until(lambda: placed_here() == {run_model}, what="the run placed again", timeout_s=30)
+        second = lease()
+        assert (second["job_id"], second["attempt"]) == (first["job_id"], 2)
+        assert second["plan"]["restore"]["seed"] is not None
+        assert (second["plan"]["replay"], second["plan"]["next_seq"]) == ([], 1)
+        answer = next_operation(second, 1)
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["operation"]["kind"] == "optim_step"
+        service.close("success").result(timeout=60)
 
 
 @pytest.mark.slow

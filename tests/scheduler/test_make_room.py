@@ -19,15 +19,26 @@ from datetime import timedelta
 
 import pytest
 import sky
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys, registry, tenants
 from skytrain_backend.db import workers as worker_rows
-from skytrain_backend.db.models import Model, Tenant, Worker, utcnow
+from skytrain_backend.db.models import (
+    Model,
+    Tenant,
+    TinkerRequest,
+    TinkerRun,
+    TinkerSession,
+    TrainingJob,
+    Worker,
+    utcnow,
+)
 from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.errors import LeaseLost
 from skytrain_backend.provision.skypilot import SkyPilotProvider
-from skytrain_backend.scheduler import queue
+from skytrain_backend.scheduler import queue, tinker, tinker_worker
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import serving_status
 from tests.fixtures.rows import add_rl_job
@@ -397,3 +408,134 @@ def test_slots_are_shared_out_evenly_and_a_training_model_keeps_its_slot(
     assert len(placed & set(bobs)) == 3 and len(placed & set(pinned)) == 3
     assert pinned[0] in placed  # training: it stays, the next least recently used go
     assert set(pinned[1:4]).isdisjoint(placed)
+
+
+@dataclass(frozen=True)
+class Run:
+    id: str
+    tenant_id: str
+    model_id: str
+    job_id: str
+
+
+def _tinker_runs(plane: Plane, *, worker_id: str, count: int) -> list[Run]:
+    """``count`` Tinker training runs of tenant "pinner" on the worker (as many slots), each
+    created (operation 0 done) and leased by the worker, its session heartbeating: their jobs
+    run for as long as the session lives."""
+    with plane.sessions() as session:
+        session.get_one(Worker, worker_id).capacity = {"max_models": count}
+        owner = api_keys.get_or_create_tenant(session, name="pinner")
+        row = TinkerSession(tenant_id=owner.id, sdk_version="test")
+        session.add(row)
+        session.commit()
+        for seq in range(count):
+            tinker.create_run(
+                session,
+                tenant=owner,
+                tinker_session=row,
+                model_seq_id=seq,
+                base_model=BASE_A,
+                model_config=tinker.lora_model_config(rank=8, train_attn=True, train_mlp=True),
+                lora_config={"rank": 8},
+                user_metadata={},
+                creation={"kind": "create_model", "seed": seq},
+                max_attempts=3,
+                max_models=100,
+            )
+        runs = [
+            Run(run.id, run.tenant_id, run.model_id, run.job_id)
+            for run in session.scalars(
+                select(TinkerRun).where(TinkerRun.session_id == row.id).order_by(TinkerRun.id)
+            )
+        ]
+        for run in runs:
+            session.get_one(Model, run.model_id).worker_id = worker_id
+        session.execute(
+            update(TinkerRequest)
+            .where(TinkerRequest.run_id.in_([run.id for run in runs]))
+            .values(status="succeeded", finished_at=utcnow())
+        )
+        session.commit()
+        for _ in runs:
+            worker = session.get_one(Worker, worker_id)
+            assert tinker_worker.lease_run(session, worker=worker, lease_s=600) is not None
+        return runs
+
+
+def test_an_idle_tinker_run_gives_its_slot_up_and_resumes_later(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """The gap: a Tinker run's job runs for as long as its session heartbeats, and a model
+    with a running job never lost its slot, so a tenant holding idle training runs kept their
+    slots for ever. Now a run with no operation queued or running gives its slot up like an
+    idle model (its job taken back from its worker, not counted as a failure, its state
+    rebuilt by the next lease); a run with an operation in flight keeps it, even if it is
+    the least recently used."""
+    plane = make_plane(1)
+    worker_id = _worker(plane, BASE_A)
+    busy, idle = _tinker_runs(plane, worker_id=worker_id, count=2)
+    with plane.sessions() as session:
+        # The busy run is the least recently used, but its optimizer step waits for the worker.
+        session.get_one(TinkerRun, busy.id).last_request_at = utcnow() - LONG_AGO
+        session.add(
+            TinkerRequest(tenant_id=busy.tenant_id, run_id=busy.id, seq_id=1, kind="optim_step")
+        )
+        session.commit()
+    bobs = _model(plane, "bobs", base_model=BASE_A, tenant="bob")
+    state, message = _serving(plane, bobs)
+    assert state == "waiting" and "fair share" in message and "next pass" in message
+
+    plane.tick()
+    assert _worker_of(plane, bobs) == worker_id
+    assert (_worker_of(plane, busy.model_id), _worker_of(plane, idle.model_id)) == (worker_id, None)
+    with plane.sessions() as session:
+        worker = session.get_one(Worker, worker_id)
+        job = session.get_one(TrainingJob, idle.job_id)
+        assert (job.status, job.worker_id, job.attempts, job.preemptions) == ("queued", None, 1, 1)
+        with pytest.raises(LeaseLost):  # the worker lets the run's trainer go
+            tinker_worker.leased_run(session, worker=worker, job_id=idle.job_id, attempt=1)
+        session.rollback()
+        assert session.get_one(TrainingJob, busy.job_id).status == "running"
+    state, message = _serving(plane, idle.model_id)
+    assert state == "waiting" and "yours holds 1 of 2" in message
+    plane.tick()
+    assert _worker_of(plane, idle.model_id) is None  # one slot each: no slot moves back
+
+    # Bob's model goes idle: the run takes the slot again, and the worker that leases it
+    # rebuilds its state from its creation (nothing to replay), its next operation 1.
+    with plane.sessions() as session:
+        session.get_one(Model, bobs).last_active_at = utcnow() - LONG_AGO
+        session.commit()
+    plane.tick()
+    assert _worker_of(plane, idle.model_id) == worker_id
+    with plane.sessions() as session:
+        leased = tinker_worker.lease_run(
+            session, worker=session.get_one(Worker, worker_id), lease_s=600
+        )
+        assert leased is not None
+        assert (leased.run_id, leased.attempt) == (idle.id, 2)
+        assert (leased.plan.replay, leased.plan.next_seq) == ([], 1)
+
+
+# A pass that waited for the row instead would wait on this test's own session for ever.
+@pytest.mark.timeout(120)
+def test_a_tinker_run_whose_worker_holds_its_job_keeps_its_slot(
+    make_plane: Callable[[int], Plane],
+) -> None:
+    """The worker locks a run's job row for each call it makes for the run (the next
+    operation, a result, a renewal): while it holds it, the run is not taken off (its job row
+    is skipped, not waited for), and the next pass takes the slot once it is let go."""
+    plane = make_plane(1)
+    if plane.settings.resolved_database_url.startswith("sqlite"):
+        pytest.skip("SQLite has no row locks: its writers take turns")
+    worker_id = _worker(plane, BASE_A)
+    runs = _tinker_runs(plane, worker_id=worker_id, count=2)
+    bobs = _model(plane, "bobs", base_model=BASE_A, tenant="bob")
+    with plane.sessions() as held:
+        for run in runs:  # as queue.leased_job locks them
+            held.scalar(select(TrainingJob).where(TrainingJob.id == run.job_id).with_for_update())
+        plane.tick()
+        assert _worker_of(plane, bobs) is None
+        assert all(_worker_of(plane, run.model_id) == worker_id for run in runs)
+    plane.tick()
+    assert _worker_of(plane, bobs) == worker_id

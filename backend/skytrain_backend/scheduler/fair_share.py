@@ -6,6 +6,12 @@ those of its base model that load its LoRA rank. When every one of them is taken
 worker is being launched for it, a tenant holding more of them than the waiting model's
 tenant does plus one (more than its share, with the slot moved) gives one up: its least
 recently used model, however recently that was touched, unless a training job runs on it.
+A Tinker training run's job runs for as long as its session heartbeats, but between two
+operations nothing of it needs the worker: a run with no operation queued or running gives its
+slot up like an idle model (its last use is its newest operation's arrival). Its job goes back
+to the queue, not counted as a failed attempt; the worker loses the lease and lets the trainer
+go; and the worker that leases the run next rebuilds its state from the newest restore point
+and replays the steps after it (``scheduler.tinker``), so nothing trained is lost.
 Repeated pass after pass this shares the slots out max-min fairly among the tenants whose
 models want them (a tenant wanting fewer than an equal share keeps all it wants) and never
 moves a slot back and forth: after a move the tenant that gave one up holds at least as many
@@ -20,11 +26,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 
 from sqlalchemy import ColumnElement, exists, func, select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import Model, TinkerRun, TrainingJob, Worker, utcnow
+from skytrain_backend.scheduler import tinker
 
 logger = logging.getLogger(__name__)
 
@@ -43,9 +51,18 @@ class SlotWait:
     retry_after_s: float
 
 
-def _no_running_job() -> ColumnElement[bool]:
-    """No training job of the model (``Model`` in the query) runs: none needs its worker."""
-    return ~exists().where(TrainingJob.model_id == Model.id, TrainingJob.status == "running")
+# The oldest time, for a model never used.
+_NEVER = datetime.min.replace(tzinfo=UTC)
+
+
+def _no_job_needs_the_worker() -> ColumnElement[bool]:
+    """No training job of the model (``Model`` in the query) runs, but a Tinker run's job
+    with no operation in flight."""
+    return ~exists().where(
+        TrainingJob.model_id == Model.id,
+        TrainingJob.status == "running",
+        tinker.job_needs_its_worker(),
+    )
 
 
 def slots_held(session: Session, *, worker_ids: Collection[str]) -> dict[str, int]:
@@ -70,22 +87,28 @@ def _over_share(held: dict[str, int], *, tenant_id: str) -> list[str]:
 def victim(session: Session, *, tenant_id: str, worker_ids: Collection[str]) -> Model | None:
     """The model to take off one of ``worker_ids`` (all full) so that a model of
     ``tenant_id`` gets its slot: the least recently used of the tenant holding most above
-    its share, with no job running; None when every tenant holds at most its share."""
+    its share, with no job running (but a Tinker run's with no operation in flight); None when
+    every tenant holds at most its share."""
     held = slots_held(session, worker_ids=worker_ids)
     for other in _over_share(held, tenant_id=tenant_id):
-        found = session.scalar(
-            select(Model)
+        rows = session.execute(
+            select(Model, TinkerRun.last_request_at)
+            .outerjoin(TinkerRun, TinkerRun.model_id == Model.id)
             .where(
                 Model.tenant_id == other,
                 Model.worker_id.in_(worker_ids),
-                _no_running_job(),
+                _no_job_needs_the_worker(),
             )
-            .order_by(Model.last_active_at.asc().nulls_first(), Model.created_at)
-            .limit(1)
-        )
-        if found is not None:
-            return found
+        ).all()
+        if rows:
+            # At most the slots of the workers: few rows. A run's operations do not touch
+            # its model's ``last_active_at``; its newest one's arrival is its last use.
+            return min(rows, key=lambda row: (_last_use(*row), row[0].created_at))[0]
     return None
+
+
+def _last_use(model: Model, last_request_at: datetime | None) -> datetime:
+    return max(when for when in (model.last_active_at, last_request_at, _NEVER) if when)
 
 
 def take_slot(
@@ -111,6 +134,9 @@ def take_slot(
         session.rollback()
         return False
     if not lock_model(session, model):
+        session.rollback()
+        return False
+    if not tinker.hand_back_idle_run(session, model_id=loser.id, why="fair share"):
         session.rollback()
         return False
     loser.worker_id = None

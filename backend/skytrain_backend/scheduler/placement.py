@@ -2,13 +2,17 @@
 are started and stopped.
 
 - A model is *active* while it was registered, used for inference or trained within
-  ``model_idle_timeout_s``, or has a job queued or running (a Tinker run's job runs while its
-  session lives). Active models are placed. The idle clock stands still while an active
-  model waits for a place or for its worker to start serving (to within half the timeout).
+  ``model_idle_timeout_s`` (a Tinker run: sent a request), or has a job queued or running
+  that needs a worker (a Tinker run's job runs while its session lives, but needs its worker
+  only while an operation of it is queued or running). Active models are placed. The idle
+  clock stands still while an active model waits for a place or for its worker to start
+  serving (to within half the timeout).
 - A placed model that is no longer active is taken off its worker (``release_idle_models``):
   the worker's next heartbeat answer leaves it out, so the agent unloads its adapters, and its
   place (the worker's ``max_models``, the tenant's ``max_placed_models``) goes to a model that
-  waits. Its next request makes it active again, and it is placed again like any model.
+  waits. Its next request makes it active again, and it is placed again like any model. An
+  idle Tinker run's job is taken back from its worker (``tinker.hand_back_idle_run``): its
+  next operation places it again, and the worker that leases it rebuilds its state.
 - Otherwise placement is sticky: a model stays on its worker until that worker is gone; then
   it is placed again (its adapters are fetched from the object store by the new worker). A
   pass places or unplaces a model only if its row still holds the worker the pass read (the
@@ -57,7 +61,7 @@ from sqlalchemy.orm import Session
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.scheduler import fair_share, queue, ranks
+from skytrain_backend.scheduler import fair_share, queue, ranks, tinker
 
 logger = logging.getLogger(__name__)
 
@@ -101,35 +105,41 @@ class LaunchBackoff:
         return float(min(self.base_s * 2 ** (failures - 1), self.max_s))
 
 
-def has_open_job() -> object:
-    """A job of the model (``Model`` in the query) is queued or running."""
+def has_open_job() -> ColumnElement[bool]:
+    """A job of the model (``Model`` in the query) is queued or running, and needs a worker
+    (a Tinker run's only while an operation of it is queued or running)."""
     return exists().where(
-        TrainingJob.model_id == Model.id, TrainingJob.status.in_(("queued", "running"))
+        TrainingJob.model_id == Model.id,
+        TrainingJob.status.in_(("queued", "running")),
+        tinker.job_needs_its_worker(),
     )
 
 
 def release_idle_models(session: Session, *, idle_timeout_s: float) -> int:
-    """Take every placed model unused for ``idle_timeout_s`` (and with no open job) off its
-    worker; how many. A model used meanwhile (its row is locked and read again) keeps its
-    place."""
+    """Take every placed model unused for ``idle_timeout_s`` (and with no open job that
+    needs its worker) off its worker; how many. A model used meanwhile (its row is locked and
+    read again) keeps its place; an idle Tinker run's job is taken back from its worker."""
     _hold_idle_clocks_of_starting_workers(session, idle_timeout_s=idle_timeout_s)
     since = utcnow() - timedelta(seconds=idle_timeout_s)
-    idle = or_(Model.last_active_at.is_(None), Model.last_active_at <= since)
+    idle = and_(
+        or_(Model.last_active_at.is_(None), Model.last_active_at <= since),
+        ~tinker.run_used_since(since),
+        ~has_open_job(),
+    )
     serving = select(Worker.id).where(Worker.status.not_in(STARTING_STATUSES))
     released = 0
     for model_id, worker_id in session.execute(
-        select(Model.id, Model.worker_id).where(
-            Model.worker_id.in_(serving),
-            idle,
-            ~has_open_job(),  # type: ignore[operator]
-        )
+        select(Model.id, Model.worker_id).where(Model.worker_id.in_(serving), idle)
     ).all():
         row = session.execute(
             select(Model.worker_id)
-            .where(Model.id == model_id, idle, ~has_open_job())  # type: ignore[operator]
+            .where(Model.id == model_id, idle)
             .with_for_update(key_share=True)
         ).first()
         if row is None or row.worker_id != worker_id:
+            session.rollback()
+            continue
+        if not tinker.hand_back_idle_run(session, model_id=model_id, why="idle timeout"):
             session.rollback()
             continue
         session.execute(update(Model).where(Model.id == model_id).values(worker_id=None))
@@ -173,7 +183,7 @@ def active_models_without_worker(session: Session, *, idle_timeout_s: float) -> 
             select(Model)
             .where(
                 or_(Model.worker_id.is_(None), Model.worker_id.not_in(live)),
-                or_(Model.last_active_at > since, has_open_job()),  # type: ignore[arg-type]
+                or_(Model.last_active_at > since, has_open_job()),
             )
             .order_by(Model.last_active_at)
         )

@@ -85,7 +85,7 @@ def _active_model_on_worker(since: datetime) -> ColumnElement[bool]:
     """The worker holds a model used after ``since`` or with a job queued or running."""
     return exists().where(
         Model.worker_id == Worker.id,
-        or_(Model.last_active_at > since, placement.has_open_job()),  # type: ignore[arg-type]
+        or_(Model.last_active_at > since, placement.has_open_job()),
     )
 
 

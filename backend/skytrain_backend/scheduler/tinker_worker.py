@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from pydantic import TypeAdapter
-from sqlalchemy import select
+from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.config import Settings
@@ -22,6 +22,7 @@ from skytrain_backend.db.models import (
     TinkerRequest,
     TinkerRun,
     TinkerSampler,
+    TrainingJob,
     Worker,
     utcnow,
 )
@@ -164,7 +165,28 @@ def next_operation(
         session.rollback()
         return None
     if operation.status == "queued":
-        operation.status = "running"
+        # One statement that checks the lease again: SQLite has no row locks, and the run
+        # may be taken back from this worker since the check above (``hand_back_idle_run``
+        # takes it only with no operation running, in one statement too).
+        marked = session.execute(
+            update(TinkerRequest)
+            .where(
+                TinkerRequest.id == operation.id,
+                TinkerRequest.status == "queued",
+                exists().where(
+                    TrainingJob.id == job_id,
+                    TrainingJob.status == "running",
+                    TrainingJob.worker_id == worker.id,
+                    TrainingJob.attempts == attempt,
+                ),
+            )
+            .values(status="running")
+            .execution_options(synchronize_session=False)
+        )
+        if marked.rowcount != 1:  # type: ignore[attr-defined]
+            session.rollback()
+            leased_run(session, worker=worker, job_id=job_id, attempt=attempt)  # LeaseLost
+        session.refresh(operation)
     session.commit()
     return operation
 

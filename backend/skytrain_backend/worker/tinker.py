@@ -137,7 +137,8 @@ class TinkerExecutor:
         self._max_runs = max_runs
         self.lease_s = lease_s
         self._wait_s = wait_s
-        self._runs: dict[str, _Run] = {}
+        # By job and attempt: a run taken back and leased again may meet its old attempt here.
+        self._runs: dict[tuple[str, int], _Run] = {}
         # Set when a run ends: the executor, full, may lease another.
         self._room = asyncio.Event()
 
@@ -185,7 +186,7 @@ class TinkerExecutor:
     # --- one run --------------------------------------------------------------------------------
 
     async def _serve(self, run: _Run) -> None:
-        self._runs[run.job_id] = run
+        self._runs[run.job_id, run.attempt] = run
         renew = asyncio.create_task(self._renew_loop(run), name=f"renew-{run.job_id}")
         logger.info(
             "Tinker run %s (attempt %d): from operation %d", run.run_id, run.attempt, run.next_seq
@@ -226,7 +227,7 @@ class TinkerExecutor:
             with contextlib.suppress(asyncio.CancelledError):
                 await renew
             run.trainer = None
-            self._runs.pop(run.job_id, None)
+            self._runs.pop((run.job_id, run.attempt), None)
             self._room.set()
 
     async def _fail_run(
