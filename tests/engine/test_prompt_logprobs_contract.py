@@ -10,8 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from skytrain_backend.api.tinker import parse_completion, parse_prompt_logprobs, sampling_body
-from skytrain_backend.api.tinker_schemas import SamplingParams
+from skytrain_backend.api.tinker.service import (
+    parse_completion,
+    parse_prompt_logprobs,
+    sampling_body,
+)
+from skytrain_backend.protocol.tinker_api import SamplingParams
 from tests.engine.conftest import RunningEngine
 from tests.engine.test_engine_contract import LOGPROB_NOISE, engine  # noqa: F401 (fixture)
 

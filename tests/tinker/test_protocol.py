@@ -9,8 +9,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from skytrain_backend.db.models import TinkerRequest
 from skytrain_backend.errors import SkytrainError
-from skytrain_backend.protocol import tinker as wire
-from skytrain_backend.scheduler import tinker_worker as runs
+from skytrain_backend.protocol import tinker_ops as wire
+from skytrain_backend.scheduler.tinker import worker_ops as runs
 from skytrain_backend.worker import client as worker_client
 
 ADAM = {

@@ -55,7 +55,7 @@ from skytrain_backend.protocol import (
     WorkerRegistered,
     WorkerRegistration,
 )
-from skytrain_backend.protocol.tinker import (
+from skytrain_backend.protocol.tinker_ops import (
     CheckpointFileInfo,
     CheckpointFileList,
     NextOperationRequest,
@@ -291,7 +291,7 @@ class ControlPlaneClient:
             )
         return directory
 
-    # --- the Tinker executor's calls (``/v1/worker/tinker/...``, ``protocol/tinker.py``) ---
+    # --- the Tinker executor's calls (``/v1/worker/tinker/...``, ``protocol/tinker_ops.py``) ---
 
     async def tinker_lease(self, *, wait_s: float = 0.0) -> TinkerRun | None:
         """A Tinker run placed on this worker, with its rebuild plan; None after ``wait_s``."""

@@ -1,5 +1,5 @@
 """The Tinker protocol's sampling routes: sampling sessions, samplers and ``asample`` (the
-sample itself is a task of this process: ``api.tinker``)."""
+sample itself is a task of this process: ``api.tinker.service``)."""
 
 from __future__ import annotations
 
@@ -11,21 +11,18 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend.api import tinker_schemas as schemas
 from skytrain_backend.api.deps import (
     SchedulerDep,
     SessionDep,
     SessionRoute,
     SettingsDep,
-    TinkerDep,
     TinkerTenantDep,
 )
 from skytrain_backend.api.model_rules import check_new_model
-from skytrain_backend.api.routes.tinker_common import PathId, future
-from skytrain_backend.api.tinker import sampling_body
+from skytrain_backend.api.tinker.deps import PathId, TinkerDep, future
+from skytrain_backend.api.tinker.service import sampling_body
 from skytrain_backend.config import Settings
-from skytrain_backend.db import registry, tenants
-from skytrain_backend.db import tinker as tinker_rows
+from skytrain_backend.db import registry, tenants, tinker_rows
 from skytrain_backend.db.models import (
     Model,
     Tenant,
@@ -34,11 +31,12 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.errors import InvalidRequest, PayloadTooLarge
 from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.protocol import tinker_api as schemas
 from skytrain_backend.provision.base import Provider
-from skytrain_backend.scheduler import tinker as runs
 from skytrain_backend.scheduler.model_configs import ModelConfigs
+from skytrain_backend.scheduler.tinker import runs
 
-# Included by the main Tinker router (api/routes/tinker.py), under its /api/v1 prefix.
+# Included by the main Tinker router (api/tinker/training.py), under its /api/v1 prefix.
 router = APIRouter(tags=["tinker"], route_class=SessionRoute)
 
 

@@ -32,12 +32,10 @@ from typing import Any, TypeVar
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend import tinker_wire
 from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.api.gateway import Gateway
-from skytrain_backend.api.tinker_schemas import SamplingParams
 from skytrain_backend.config import Settings
-from skytrain_backend.db import tinker as tinker_rows
+from skytrain_backend.db import tinker_rows
 from skytrain_backend.db.models import TinkerRequest, utcnow
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import (
@@ -48,9 +46,9 @@ from skytrain_backend.errors import (
     SkytrainError,
     Unavailable,
 )
-from skytrain_backend.protocol import TOKEN_ID_PREFIX
-from skytrain_backend.scheduler import tinker as runs
-from skytrain_backend.scheduler import tinker_futures as futures
+from skytrain_backend.protocol import TOKEN_ID_PREFIX, tinker_protobuf
+from skytrain_backend.protocol.tinker_api import SamplingParams
+from skytrain_backend.scheduler.tinker import futures, runs
 from skytrain_backend.storage.base import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -321,7 +319,7 @@ def _top(row: dict[str, float], k: int) -> list[tuple[int, float]]:
 
 def parse_completion(
     answer: Any, *, num_samples: int, k: int = 0
-) -> list[tinker_wire.SampledSequence]:
+) -> list[tinker_protobuf.SampledSequence]:
     """The sampled token ids and logprobs of each choice of an engine's completion, with
     each position's ``k`` most likely tokens when asked for."""
     try:
@@ -339,7 +337,7 @@ def parse_completion(
                 topk = [_top(row, k) for row in logprobs["top_logprobs"]]
                 if len(topk) != len(tokens):
                     raise ValueError("top logprobs and tokens differ in length")
-            sequences.append(tinker_wire.SampledSequence(tokens, values, stop, topk))  # type: ignore[arg-type]
+            sequences.append(tinker_protobuf.SampledSequence(tokens, values, stop, topk))  # type: ignore[arg-type]
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise EngineError(
             f"the engine's completion has no token ids with logprobs ({exc})"
@@ -351,7 +349,7 @@ def parse_completion(
 
 def parse_prompt_logprobs(
     answer: Any, body: dict[str, Any], *, last_n: int | None
-) -> tinker_wire.PromptScores | None:
+) -> tinker_protobuf.PromptScores | None:
     """The prompt tokens' logprobs (and top ones) from an engine's completion, in vLLM's
     ``prompt_logprobs`` format; only the last ``last_n`` positions kept when given."""
     k = body.get("prompt_logprobs")
@@ -363,7 +361,7 @@ def parse_prompt_logprobs(
         if len(rows) != len(prompt):
             raise ValueError(f"{len(rows)} prompt logprobs for {len(prompt)} prompt tokens")
         logprobs: list[float | None] = [None]
-        topk: list[tinker_wire.TopLogprobs] = [None]
+        topk: list[tinker_protobuf.TopLogprobs] = [None]
         for token, row in zip(prompt[1:], rows[1:], strict=True):
             logprobs.append(float(row[str(token)]["logprob"]))
             entries = {TOKEN_ID_PREFIX + key: entry["logprob"] for key, entry in row.items()}
@@ -374,4 +372,4 @@ def parse_prompt_logprobs(
         hidden = len(prompt) - last_n
         for position in range(hidden):
             logprobs[position] = topk[position] = None
-    return tinker_wire.PromptScores(logprobs, topk if k else None)
+    return tinker_protobuf.PromptScores(logprobs, topk if k else None)

@@ -1,26 +1,33 @@
-"""What the Tinker protocol's route modules share (``api/routes/tinker*.py``): path ids, the
-futures they answer, and the run a request names."""
+"""What the Tinker route modules share (``api/tinker/*.py``): the service (``TinkerDep``),
+path ids, the futures they answer, and the run a request names."""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import Path
+from fastapi import Depends, Path, Request
 from sqlalchemy.orm import Session
 
-from skytrain_backend.api import tinker_schemas as schemas
-from skytrain_backend.api.tinker import TinkerService
-from skytrain_backend.db import tinker as tinker_rows
+from skytrain_backend.api.tinker.service import TinkerService
+from skytrain_backend.db import tinker_rows
 from skytrain_backend.db.models import (
     Tenant,
     TinkerRequest,
     TinkerRun,
 )
 from skytrain_backend.db.tenants import limits_of
+from skytrain_backend.protocol import tinker_api as schemas
 from skytrain_backend.ranges import NO_NUL_PATTERN
-from skytrain_backend.scheduler import tinker as runs
+from skytrain_backend.scheduler.tinker import runs
 from skytrain_backend.storage.base import ObjectStore
 
+
+async def get_tinker(request: Request) -> TinkerService:
+    tinker: TinkerService = request.app.state.tinker
+    return tinker
+
+
+TinkerDep = Annotated[TinkerService, Depends(get_tinker)]
 # An id in the path: refused (400) before it reaches SQL if it holds NUL or is too long.
 PathId = Annotated[str, Path(min_length=1, max_length=256, pattern=NO_NUL_PATTERN)]
 

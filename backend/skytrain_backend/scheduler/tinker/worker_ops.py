@@ -1,6 +1,6 @@
-"""What a worker's Tinker executor runs (``api/routes/tinker_worker.py`` serves it): leasing a
+"""What a worker's Tinker executor runs (``api/tinker/worker_routes.py`` serves it): leasing a
 run with the plan to rebuild its state, its operations in ``seq_id`` order, their results,
-failures and saves. The runs themselves, their queue and their names: ``scheduler.tinker``.
+failures and saves. The runs themselves, their queue and their names: ``scheduler.tinker.runs``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.protocol import ModelConfig, StagedFile
-from skytrain_backend.protocol import tinker as wire
-from skytrain_backend.protocol.tinker import CREATIONS, SAVES, STATE_CHANGES
+from skytrain_backend.protocol import tinker_ops as wire
+from skytrain_backend.protocol.tinker_ops import CREATIONS, SAVES, STATE_CHANGES
 from skytrain_backend.scheduler import queue
-from skytrain_backend.scheduler.tinker import (
+from skytrain_backend.scheduler.tinker.runs import (
     FINISHED,
     JOB_KIND,
     CheckpointKind,

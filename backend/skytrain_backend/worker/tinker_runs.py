@@ -35,10 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from skytrain_backend import tinker_wire
 from skytrain_backend.errors import LeaseLost, SkytrainError, TrainingError
-from skytrain_backend.protocol import ModelConfig, StagedFile
-from skytrain_backend.protocol.tinker import (
+from skytrain_backend.protocol import ModelConfig, StagedFile, tinker_protobuf
+from skytrain_backend.protocol.tinker_ops import (
     BatchOperation,
     CreationOperation,
     LoadOperation,
@@ -375,7 +374,7 @@ class TinkerExecutor:
                 seq_id,
                 attempt=run.attempt,
                 content=output,
-                media_type=tinker_wire.PROTOBUF_MEDIA_TYPE,
+                media_type=tinker_protobuf.PROTOBUF_MEDIA_TYPE,
             )
         await self._complete(run, seq_id, result, has_output=output is not None)
 
@@ -412,7 +411,9 @@ class TinkerExecutor:
         if not isinstance(operation, BatchOperation):
             raise TrainingError(f"a {operation.kind} does not change a run's state")
         body = await self._input(run, operation.seq_id)
-        batch = tinker_wire.parse_forward_backward(body, max_tokens=run.model_config.max_seq_length)
+        batch = tinker_protobuf.parse_forward_backward(
+            body, max_tokens=run.model_config.max_seq_length
+        )
         examples = [
             primitives.Example(
                 tokens=datum.tokens,
@@ -429,7 +430,7 @@ class TinkerExecutor:
                 config=batch.loss_config,
                 backward=operation.kind == "forward_backward",
             )
-        return OperationResult(), tinker_wire.encode_forward_backward_output(logprobs, metrics)
+        return OperationResult(), tinker_protobuf.encode_forward_backward_output(logprobs, metrics)
 
     async def _input(self, run: _Run, seq_id: int) -> bytes:
         target = self._work_dir / "tinker" / run.job_id / f"{seq_id}.pb"

@@ -3,7 +3,7 @@
 A run is leased as a ``tinker`` training job (renewed and released through the job routes);
 every call names the attempt it holds, so a worker that lost the run gets 409 and stops. A
 save's checkpoint files are staged with the job routes' file upload, then committed here.
-See ``scheduler.tinker_worker`` for the queue and the rebuild plan.
+See ``scheduler.tinker.worker_ops`` for the queue and the rebuild plan.
 """
 
 from __future__ import annotations
@@ -21,16 +21,16 @@ from skytrain_backend.api.deps import (
     SessionRoute,
     SettingsDep,
     StoreDep,
-    TinkerDep,
     WaitS,
     in_thread,
 )
 from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.api.routes.worker import WorkerDep
+from skytrain_backend.api.tinker.deps import TinkerDep
 from skytrain_backend.db import notify
 from skytrain_backend.db.models import Model, Worker
 from skytrain_backend.errors import InvalidRequest
-from skytrain_backend.protocol.tinker import (
+from skytrain_backend.protocol.tinker_ops import (
     CheckpointFileInfo,
     CheckpointFileList,
     NextOperationRequest,
@@ -43,8 +43,7 @@ from skytrain_backend.protocol.tinker import (
     TinkerRun,
 )
 from skytrain_backend.scheduler import integrity, queue
-from skytrain_backend.scheduler import tinker as runs
-from skytrain_backend.scheduler import tinker_worker as worker_runs
+from skytrain_backend.scheduler.tinker import runs, worker_ops
 
 router = APIRouter(
     prefix="/worker/tinker", tags=["workers"], include_in_schema=False, route_class=SessionRoute
@@ -71,7 +70,7 @@ async def lease(
             current = session.get_one(Worker, worker_id)
             if current.status == "draining":
                 return None
-            return worker_runs.lease_run(session, worker=current, lease_s=settings.job_lease_s)
+            return worker_ops.lease_run(session, worker=current, lease_s=settings.job_lease_s)
         finally:
             session.rollback()
 
@@ -111,14 +110,14 @@ async def next_operation(
 
     def look() -> tuple[bool, TinkerOperation | None]:
         with tinker.sessions() as session:
-            operation = worker_runs.next_operation(
+            operation = worker_ops.next_operation(
                 session,
                 worker=session.get_one(Worker, worker_id),
                 job_id=job_id,
                 attempt=body.attempt,
                 seq_id=body.seq_id,
             )
-            found = None if operation is None else worker_runs.operation_for_worker(operation)
+            found = None if operation is None else worker_ops.operation_for_worker(operation)
         return found is not None, found
 
     found = await tinker.watch(f"job:{job_id}", look, turn=worker_id, timeout_s=body.wait_s)
@@ -131,10 +130,10 @@ async def next_operation(
 def operation(
     job_id: str, seq_id: int, attempt: Attempt, worker: WorkerDep, session: SessionDep
 ) -> TinkerOperationAnswer:
-    _, found = worker_runs.worker_operation(
+    _, found = worker_ops.worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
-    return TinkerOperationAnswer(operation=worker_runs.operation_for_worker(found))
+    return TinkerOperationAnswer(operation=worker_ops.operation_for_worker(found))
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}/input")
@@ -146,7 +145,7 @@ def operation_input(
     session: SessionDep,
     store: StoreDep,
 ) -> StreamingResponse:
-    run, found = worker_runs.worker_operation(
+    run, found = worker_ops.worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
     if found.input_uri is None:
@@ -168,7 +167,7 @@ async def operation_output(
 ) -> None:
     run, _ = await in_thread(
         session,
-        worker_runs.worker_operation,
+        worker_ops.worker_operation,
         session,
         worker=worker,
         job_id=job_id,
@@ -189,7 +188,7 @@ def complete(
     store: StoreDep,
     tinker: TinkerDep,
 ) -> None:
-    request_id = worker_runs.complete(
+    request_id = worker_ops.complete(
         session,
         store=store,
         worker=worker,
@@ -211,7 +210,7 @@ def fail(
     session: SessionDep,
     tinker: TinkerDep,
 ) -> None:
-    request_id = worker_runs.fail(
+    request_id = worker_ops.fail(
         session,
         worker=worker,
         job_id=job_id,
@@ -233,7 +232,7 @@ def save(
     store: StoreDep,
     tinker: TinkerDep,
 ) -> None:
-    request_id = worker_runs.commit_save(
+    request_id = worker_ops.commit_save(
         session,
         store=store,
         worker=worker,
@@ -253,8 +252,8 @@ def save(
 def _readable(
     session: SessionDep, *, worker: WorkerDep, job_id: str, attempt: int, model_id: str, step: int
 ) -> tuple[Model, str]:
-    run = worker_runs.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
-    checkpoint = worker_runs.readable_checkpoint(session, run=run, model_id=model_id, step=step)
+    run = worker_ops.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
+    checkpoint = worker_ops.readable_checkpoint(session, run=run, model_id=model_id, step=step)
     model = session.get_one(Model, model_id)
     expected = integrity.committed(checkpoint)
     prefix = integrity.files_prefix(

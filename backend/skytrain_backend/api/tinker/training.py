@@ -3,7 +3,7 @@
 Authentication: the SDK sends ``X-API-Key: tml-<skytrain key>``; the key's tenant owns what is
 created, and another tenant's run, future or sampler is not found. Training operations are
 queued in the run's order and return futures (``retrieve_future``); see
-``scheduler.tinker_worker`` for how workers run them, ``api.tinker`` for sampling, and
+``scheduler.tinker.worker_ops`` for how workers run them, ``api.tinker.service`` for sampling, and
 ``docs/tinker.md`` for what is served and what is not.
 """
 
@@ -19,21 +19,18 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend import tinker_wire
-from skytrain_backend.api import tinker_schemas as schemas
 from skytrain_backend.api.deps import (
     SchedulerDep,
     SessionDep,
     SessionRoute,
     SettingsDep,
     StoreDep,
-    TinkerDep,
     TinkerTenantDep,
 )
 from skytrain_backend.api.model_rules import check_new_model
-from skytrain_backend.api.routes import tinker_futures, tinker_runs, tinker_sampling
-from skytrain_backend.api.routes.tinker_common import PathId, future, queued, submit, tenant_run
-from skytrain_backend.db import tinker as tinker_rows
+from skytrain_backend.api.tinker import futures, rest_client, sampling
+from skytrain_backend.api.tinker.deps import PathId, TinkerDep, future, queued, submit, tenant_run
+from skytrain_backend.db import tinker_rows
 from skytrain_backend.db.models import (
     Model,
     Tenant,
@@ -44,9 +41,10 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.db.tenants import limits_of, metadata_bytes
 from skytrain_backend.errors import InvalidRequest, NotFound
-from skytrain_backend.protocol import ModelConfig, format_validation_error
-from skytrain_backend.scheduler import tinker as runs
+from skytrain_backend.protocol import ModelConfig, format_validation_error, tinker_protobuf
+from skytrain_backend.protocol import tinker_api as schemas
 from skytrain_backend.scheduler.serving import LIVE_WORKER_STATUSES
+from skytrain_backend.scheduler.tinker import runs
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=SessionRoute)
 
@@ -209,9 +207,9 @@ async def forward_backward(
 ) -> schemas.UntypedAPIFuture:
     """A protobuf ``ForwardBackwardRequest`` (``forward`` is the same with ``forward_only``),
     validated in full before it is queued (invalid content: a failed future, see ``submit``)."""
-    if tinker_wire.PROTOBUF_MEDIA_TYPE not in request.headers.get("content-type", ""):
+    if tinker_protobuf.PROTOBUF_MEDIA_TYPE not in request.headers.get("content-type", ""):
         raise InvalidRequest(
-            f"forward_backward takes a protobuf body ({tinker_wire.PROTOBUF_MEDIA_TYPE}), as the "
+            f"forward_backward takes a protobuf body ({tinker_protobuf.PROTOBUF_MEDIA_TYPE}), as the "
             "tinker SDK sends it"
         )
     if request.headers.get("content-encoding", "identity") != "identity":
@@ -219,13 +217,13 @@ async def forward_backward(
     body = await request.body()
 
     def queue_it() -> TinkerRequest:
-        message = tinker_wire.decode_forward_backward(body)
+        message = tinker_protobuf.decode_forward_backward(body)
         run = tenant_run(session, tenant, message.model_id)
         model = session.get_one(Model, run.model_id)
         kind = "forward" if message.forward_only else "forward_backward"
         max_tokens = ModelConfig.model_validate(model.config).max_seq_length
         try:
-            batch = tinker_wire.validate_forward_backward(message, max_tokens=max_tokens)
+            batch = tinker_protobuf.validate_forward_backward(message, max_tokens=max_tokens)
         except InvalidRequest as exc:
             params = {"loss_fn": message.loss_fn}
             return runs.submit(
@@ -454,6 +452,6 @@ def load_weights(
 
 
 # The sampling, futures and REST-client routes, in modules of their own.
-router.include_router(tinker_sampling.router)
-router.include_router(tinker_futures.router)
-router.include_router(tinker_runs.router)
+router.include_router(sampling.router)
+router.include_router(futures.router)
+router.include_router(rest_client.router)
