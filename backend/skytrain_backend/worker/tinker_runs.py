@@ -40,6 +40,7 @@ from skytrain_backend.protocol import ModelConfig, StagedFile, tinker_protobuf
 from skytrain_backend.protocol.tinker_ops import (
     BatchOperation,
     CreationOperation,
+    LeasedOperation,
     LoadOperation,
     OperationCompletion,
     OperationFailure,
@@ -259,7 +260,7 @@ class TinkerExecutor:
                 run.ended = "cancelled"
                 return
 
-    async def _next(self, run: _Run) -> TinkerOperation | None:
+    async def _next(self, run: _Run) -> LeasedOperation | None:
         return await self._cp.tinker_next(
             run.job_id, attempt=run.attempt, seq_id=run.next_seq, wait_s=NEXT_WAIT_S
         )
@@ -277,9 +278,9 @@ class TinkerExecutor:
         await self._build(run, restore)
         for seq_id in run.plan.replay:
             run.check()
-            operation = await self._cp.tinker_operation(run.job_id, seq_id, attempt=run.attempt)
+            leased = await self._cp.tinker_operation(run.job_id, seq_id, attempt=run.attempt)
             with contextlib.suppress(TrainingError):
-                await self._change_state(run, operation)
+                await self._change_state(run, leased.operation, seq_id=seq_id)
         logger.info(
             "Tinker run %s rebuilt: %d operations replayed", run.run_id, len(run.plan.replay)
         )
@@ -342,10 +343,10 @@ class TinkerExecutor:
 
     # --- operations -----------------------------------------------------------------------------
 
-    async def _execute(self, run: _Run, operation: TinkerOperation) -> None:
-        if operation.finished:
+    async def _execute(self, run: _Run, leased: LeasedOperation) -> None:
+        if leased.finished:
             return
-        seq_id = operation.seq_id
+        seq_id, operation = leased.seq_id, leased.operation
         if isinstance(operation, CreationOperation):
             try:
                 await self._build(run, operation.params.restore())
@@ -359,10 +360,10 @@ class TinkerExecutor:
             await self._complete(run, seq_id, OperationResult())
             return
         if isinstance(operation, SaveOperation):
-            await self._save(run, operation)
+            await self._save(run, operation, seq_id=seq_id)
             return
         try:
-            result, output = await self._change_state(run, operation)
+            result, output = await self._change_state(run, operation, seq_id=seq_id)
         except TrainingError as exc:
             await self._cp.tinker_fail(
                 run.job_id, seq_id, OperationFailure(attempt=run.attempt, error=exc.message)
@@ -385,7 +386,7 @@ class TinkerExecutor:
         await self._cp.tinker_complete(run.job_id, seq_id, completion)
 
     async def _change_state(
-        self, run: _Run, operation: TinkerOperation
+        self, run: _Run, operation: TinkerOperation, *, seq_id: int
     ) -> tuple[OperationResult, bytes | None]:
         """Run a forward, forward-backward, optimizer step or load: its result and output."""
         from skytrain_backend.trainer import primitives
@@ -410,7 +411,7 @@ class TinkerExecutor:
             return OperationResult(metrics=metrics), None
         if not isinstance(operation, BatchOperation):
             raise TrainingError(f"a {operation.kind} does not change a run's state")
-        body = await self._input(run, operation.seq_id)
+        body = await self._input(run, seq_id)
         batch = tinker_protobuf.parse_forward_backward(
             body, max_tokens=run.model_config.max_seq_length
         )
@@ -440,7 +441,7 @@ class TinkerExecutor:
         finally:
             target.unlink(missing_ok=True)
 
-    async def _save(self, run: _Run, operation: SaveOperation) -> None:
+    async def _save(self, run: _Run, operation: SaveOperation, *, seq_id: int) -> None:
         """Write the checkpoint (unless the weights did not change since the last one), load
         a sampler save into the engine, then commit it."""
         from skytrain_backend.trainer import primitives
@@ -475,7 +476,7 @@ class TinkerExecutor:
             served=served,
         )
         try:
-            await self._cp.tinker_save(run.job_id, operation.seq_id, commit)
+            await self._cp.tinker_save(run.job_id, seq_id, commit)
         except BaseException:
             if served:  # never committed: served to no one, and its name is free again
                 await self._adapters.unload((run.model_id, step))

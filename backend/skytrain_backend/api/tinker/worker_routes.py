@@ -33,14 +33,13 @@ from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol.tinker_ops import (
     CheckpointFileInfo,
     CheckpointFileList,
+    LeasedOperation,
+    LeasedRun,
     NextOperationRequest,
     OperationCompletion,
     OperationFailure,
     SaveCommit,
     TinkerLease,
-    TinkerOperation,
-    TinkerOperationAnswer,
-    TinkerRun,
 )
 from skytrain_backend.scheduler import integrity, queue
 from skytrain_backend.scheduler.tinker import runs, worker_ops
@@ -65,7 +64,7 @@ async def lease(
     ``tinker`` training job: its queuing wakes the wait like any job's)."""
     worker_id = worker.id
 
-    def claim() -> TinkerRun | None:
+    def claim() -> LeasedRun | None:
         try:
             current = session.get_one(Worker, worker_id)
             if current.status == "draining":
@@ -74,7 +73,7 @@ async def lease(
         finally:
             session.rollback()
 
-    def release(run: TinkerRun) -> None:
+    def release(run: LeasedRun) -> None:
         queue.unlease(session, worker_id=worker_id, job_id=run.job_id, attempt=run.attempt)
 
     run = await long_poll(
@@ -93,7 +92,7 @@ async def lease(
 
 @router.post(
     "/runs/{job_id}/next",
-    response_model=TinkerOperationAnswer,
+    response_model=LeasedOperation,
     responses={204: {"description": "Not arrived yet"}},
 )
 async def next_operation(
@@ -102,13 +101,13 @@ async def next_operation(
     worker: WorkerDep,
     session: SessionDep,
     tinker: TinkerDep,
-) -> TinkerOperationAnswer | Response:
+) -> LeasedOperation | Response:
     """Operation ``seq_id`` of the run, waiting up to ``wait_s`` for it to arrive (holding no
     database connection meanwhile)."""
     worker_id = worker.id
     session.rollback()
 
-    def look() -> tuple[bool, TinkerOperation | None]:
+    def look() -> tuple[bool, LeasedOperation | None]:
         with tinker.sessions() as session:
             operation = worker_ops.next_operation(
                 session,
@@ -123,17 +122,17 @@ async def next_operation(
     found = await tinker.watch(f"job:{job_id}", look, turn=worker_id, timeout_s=body.wait_s)
     if found is None:
         return Response(status_code=204)
-    return TinkerOperationAnswer(operation=found)
+    return found
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}")
 def operation(
     job_id: str, seq_id: int, attempt: Attempt, worker: WorkerDep, session: SessionDep
-) -> TinkerOperationAnswer:
+) -> LeasedOperation:
     _, found = worker_ops.worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
-    return TinkerOperationAnswer(operation=worker_ops.operation_for_worker(found))
+    return worker_ops.operation_for_worker(found)
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}/input")

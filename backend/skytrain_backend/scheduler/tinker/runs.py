@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -51,6 +51,7 @@ from skytrain_backend.db.models import (
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded, RateLimited
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig, format_validation_error
+from skytrain_backend.protocol.tinker_ops import CreationOperation, TinkerOperation
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
 
@@ -174,7 +175,7 @@ def create_run(
     model_config: ModelConfig,
     lora_config: dict[str, Any],
     user_metadata: dict[str, Any],
-    creation: dict[str, Any],
+    creation: CreationOperation,
     max_attempts: int,
     max_models: int,
 ) -> TinkerRequest:
@@ -223,7 +224,7 @@ def create_run(
     session.add(run)
     session.flush()  # rows without relationships: the unit of work does not order them
     operation = TinkerRequest(
-        tenant_id=tenant.id, run_id=run_id, seq_id=0, kind=creation["kind"], params=creation
+        tenant_id=tenant.id, run_id=run_id, seq_id=0, kind=creation.kind, params=_params(creation)
     )
     session.add(operation)
     try:
@@ -267,13 +268,12 @@ def submit(
     store: ObjectStore,
     run: TinkerRun,
     seq_id: int | None,
-    kind: str,
-    params: dict[str, Any],
+    operation: TinkerOperation,
     limits: TenantLimits,
     body: bytes | None = None,
     refused: str | None = None,
 ) -> TinkerRequest:
-    """Queue one operation of the run; the same ``seq_id`` again returns the same future
+    """Queue ``operation`` as operation ``seq_id`` of the run; the same ``seq_id`` again returns the same future
     (the SDK retries a submission whose answer it did not get).
 
     The run holds at most ``limits.max_queued_operations`` operations not done (one more is a
@@ -289,6 +289,7 @@ def submit(
     """
     if seq_id is None or seq_id < 1:
         raise InvalidRequest(f"seq_id must be 1 or more, not {seq_id}: send it with the tinker SDK")
+    kind, params = operation.kind, _params(operation)
     existing = _find_operation(session, run, seq_id)
     if existing is not None:
         if existing.kind != kind:
@@ -298,15 +299,15 @@ def submit(
             )
         return existing
     check_open(session, run=run)
-    operation = TinkerRequest(
+    row = TinkerRequest(
         tenant_id=run.tenant_id, run_id=run.id, seq_id=seq_id, kind=kind, params=params
     )
     if refused is not None:
-        operation.params = {**params, "refused": True}
-        operation.status = "failed"
-        operation.error = refused
-        operation.error_category = "user"
-        operation.finished_at = utcnow()
+        row.params = {**params, REFUSED: True}
+        row.status = "failed"
+        row.error = refused
+        row.error_category = "user"
+        row.finished_at = utcnow()
     elif body is not None:
         # The body (up to the request limit) goes to the store with no transaction open and
         # no connection held; the run is checked again after. An object whose row never
@@ -315,12 +316,12 @@ def submit(
         session.rollback()
         store.put_bytes(key, body)
         check_open(session, run=run)
-        operation.input_uri = store.uri(key)
-        operation.input_bytes = len(body)
+        row.input_uri = store.uri(key)
+        row.input_bytes = len(body)
     try:
         if refused is None:
-            _reserve(session, run=run, limits=limits, size=operation.input_bytes or 0)
-        session.add(operation)
+            _reserve(session, run=run, limits=limits, size=row.input_bytes or 0)
+        session.add(row)
         run.last_request_at = utcnow()
         session.commit()
     except IntegrityError:
@@ -329,7 +330,7 @@ def submit(
     except (QuotaExceeded, RateLimited) as exc:
         # Refused: its payload goes, unless the same operation sent again (the SDK retries)
         # was queued meanwhile, with its payload at the same key.
-        if operation.input_uri is not None and _find_operation(session, run, seq_id) is None:
+        if row.input_uri is not None and _find_operation(session, run, seq_id) is None:
             store.delete(input_key(run, seq_id))
         if isinstance(exc, RateLimited):
             raise  # a full queue: the SDK sends it again
@@ -339,12 +340,34 @@ def submit(
             store=store,
             run=run,
             seq_id=seq_id,
-            kind=kind,
-            params=params,
+            operation=operation,
             limits=limits,
             refused=exc.message,
         )
-    return operation
+    return row
+
+
+# The mark of an operation refused on arrival: it never reached a worker.
+REFUSED = "refused"
+_OPERATION: TypeAdapter[TinkerOperation] = TypeAdapter(TinkerOperation)
+
+
+def _params(operation: TinkerOperation) -> dict[str, object]:
+    """What a row stores of ``operation`` (its ``kind`` is a column of its own)."""
+    if operation.params is None:
+        return {}
+    return operation.params.model_dump(mode="json", exclude_none=True)
+
+
+def was_refused(row: TinkerRequest) -> bool:
+    return bool(row.params.get(REFUSED))
+
+
+def stored_operation(row: TinkerRequest) -> TinkerOperation:
+    """The operation a row holds, typed by its kind, as the SDK's request made it (a refused
+    step or load has nothing a worker could read: its params are None)."""
+    nothing = was_refused(row) and row.kind in ("optim_step", "load_weights")
+    return _OPERATION.validate_python({"kind": row.kind, "params": None if nothing else row.params})
 
 
 def _find_operation(session: Session, run: TinkerRun, seq_id: int) -> TinkerRequest | None:
