@@ -404,7 +404,7 @@ class TinkerExecutor:
         if isinstance(operation, OptimOperation):
             if operation.params is None:
                 raise TrainingError("the optimizer step was refused: nothing to apply")
-            adam = primitives.AdamParams(**operation.params.adam.model_dump())
+            adam = operation.params.adam
             async with self._turn(run, operation.kind):
                 metrics = await asyncio.to_thread(primitives.adam_step, trainer, adam)
             run.saved_step = None

@@ -64,7 +64,7 @@ from skytrain_backend.errors import (
 )
 from skytrain_backend.protocol import TOKEN_ID_PREFIX, ModelConfig, tinker_protobuf
 from skytrain_backend.protocol import tinker_api as schemas
-from skytrain_backend.protocol.tinker_api import SamplingParams
+from skytrain_backend.protocol.tinker_api import TinkerSamplingParams
 from skytrain_backend.protocol.tinker_ops import (
     CreationOperation,
     CreationParams,
@@ -568,7 +568,7 @@ def sampling_body(
     *,
     prompt: list[int],
     num_samples: int,
-    params: SamplingParams,
+    params: TinkerSamplingParams,
     topk_sample_logprobs: int = 0,
     prompt_logprobs: int | None = None,
 ) -> dict[str, Any]:
