@@ -198,7 +198,7 @@ class TinkerService:
             model_seq_id=model_seq_id,
             base_model=base_model,
             model_config=model_config,
-            lora_config=lora.model_dump(),
+            lora=lora,
             user_metadata=user_metadata or {},
             creation=creation,
             max_attempts=self.settings.job_max_attempts,

@@ -51,6 +51,7 @@ from skytrain_backend.db.models import (
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded, RateLimited
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig, format_validation_error
+from skytrain_backend.protocol.tinker_api import LoraConfig
 from skytrain_backend.protocol.tinker_ops import CreationOperation, TinkerOperation
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
@@ -173,7 +174,7 @@ def create_run(
     model_seq_id: int,
     base_model: str,
     model_config: ModelConfig,
-    lora_config: dict[str, Any],
+    lora: LoraConfig,
     user_metadata: dict[str, Any],
     creation: CreationOperation,
     max_attempts: int,
@@ -218,7 +219,7 @@ def create_run(
         session_id=tinker_session.id,
         model_id=model.id,
         job_id=job.id,
-        lora_config=lora_config,
+        lora_config=lora.model_dump(mode="json"),
         user_metadata=user_metadata,
     )
     session.add(run)
