@@ -4,14 +4,17 @@ failing on an outdated schema so a script can check it."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from skytrain_backend.cli import app
@@ -123,3 +126,34 @@ def test_the_status_choices_are_the_protocols() -> None:
     from skytrain_backend.protocol.worker import JobStatus
 
     assert [choice.value for choice in JobStatusChoice] == list(get_args(JobStatus))
+
+
+def _commands(group: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
+    """Every command below ``group`` (Typer's own Click groups), with its path."""
+    for name, command in group.commands.items():
+        yield [*path, name], command
+        if hasattr(command, "commands"):
+            yield from _commands(command, [*path, name])
+
+
+def test_help_text_reflows_its_paragraphs_to_the_terminal() -> None:
+    """Issue 36: help kept every line break of the docstring, so at 80 columns it broke lines
+    mid-sentence. On a wide terminal each paragraph of every command's help is one line."""
+    root = typer.main.get_command(app)
+    runner = CliRunner()
+    checked = 0
+    for path, command in _commands(root, []):
+        paragraphs = inspect.cleandoc(command.help or "").split("\n\n")
+        result = runner.invoke(app, [*path, "-h"], env={"COLUMNS": "400"})
+        assert result.exit_code == 0, (path, result.output)
+        lines = [" ".join(line.split()) for line in result.output.splitlines()]
+        for paragraph in paragraphs:
+            if "\n" not in paragraph or paragraph.lstrip().startswith(("-", "*", "1.")):
+                continue  # one source line already, or a list
+            first, second = (" ".join(line.replace("`", "").split()) for line in
+                             paragraph.splitlines()[:2])  # fmt: skip
+            # Reflowed: the paragraph's first source line goes on with the next one's words.
+            joined = f"{first} {second.split()[0]}"
+            assert any(joined in line for line in lines), (path, joined, result.output)
+            checked += 1
+    assert checked >= 10

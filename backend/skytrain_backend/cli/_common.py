@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Literal, TextIO
 
 import typer
 
@@ -22,7 +22,12 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
+# Help as Markdown: a docstring's paragraphs reflow to the terminal's width. Typer's "rich" mode
+# keeps every line break of the source, so help text broke lines mid-sentence.
+MARKUP: Literal["markdown"] = "markdown"
+
 app = typer.Typer(
+    rich_markup_mode=MARKUP,
     name="skytrain",
     help="skytrain: a self-hosted backend that trains LLM agents with reinforcement learning.",
     no_args_is_help=True,

@@ -8,6 +8,7 @@ import typer
 
 from skytrain_backend import __version__
 from skytrain_backend.cli._common import (
+    MARKUP,
     _columns,
     _database,
     _fail,
@@ -22,9 +23,13 @@ from skytrain_backend.engine.cli import engine_app
 if TYPE_CHECKING:
     from types import FrameType
 
-keys_app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+keys_app = typer.Typer(
+    rich_markup_mode=MARKUP, help="Create, list and revoke API keys.", no_args_is_help=True
+)
 db_app = typer.Typer(
-    help="Upgrade, downgrade or inspect the database schema.", no_args_is_help=True
+    rich_markup_mode=MARKUP,
+    help="Upgrade, downgrade or inspect the database schema.",
+    no_args_is_help=True,
 )
 app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
@@ -203,6 +208,7 @@ def keys_revoke(
 
 
 tenants_app = typer.Typer(
+    rich_markup_mode=MARKUP,
     help="See tenants and set their limits and quotas (defaults: SKYTRAIN_TENANT_*).",
     no_args_is_help=True,
 )

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from skytrain_backend.cli._common import _fail, _session, _table, app
+from skytrain_backend.cli._common import MARKUP, _fail, _session, _table, app
 
-storage_app = typer.Typer(help="Check the object store against the database.", no_args_is_help=True)
+storage_app = typer.Typer(
+    rich_markup_mode=MARKUP,
+    help="Check the object store against the database.",
+    no_args_is_help=True,
+)
 app.add_typer(storage_app, name="storage")
 
 
