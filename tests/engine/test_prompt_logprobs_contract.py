@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from skytrain_backend.api.tinker.service import (
+from skytrain_backend.api.tinker.completions import (
     parse_completion,
     parse_prompt_logprobs,
     sampling_body,

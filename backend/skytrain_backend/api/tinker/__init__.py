@@ -12,7 +12,9 @@ One package, one job per module:
 - ``worker_routes.py``: what a worker's Tinker executor calls, in ``protocol/tinker_ops.py``'s
   types;
 - ``deps.py``: what the route modules share (the service, path ids, futures);
-- ``service.py``: ``TinkerService``, one per app: sampling tasks and the futures' waits.
+- ``service.py``: ``TinkerService``, one per app: operations submitted, runs created and
+  loaded, sampling tasks and the futures' waits;
+- ``completions.py``: a sample as the engines take it (``/v1/completions``) and its answer.
 
 The wire types are ``protocol/tinker_api.py`` (the SDK's JSON), ``protocol/tinker_protobuf.py``
 (its protobuf messages) and ``protocol/tinker_ops.py`` (the worker's); the runs, their queue
