@@ -157,3 +157,35 @@ def test_help_text_reflows_its_paragraphs_to_the_terminal() -> None:
             assert any(joined in line for line in lines), (path, joined, result.output)
             checked += 1
     assert checked >= 10
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["storage", "check"]])
+def test_an_unreachable_object_store_is_a_few_lines_naming_it(
+    command: list[str], tmp_path: Path
+) -> None:
+    """Issue 36: `skytrain serve` started on a store it could not reach and logged a
+    scheduler traceback every pass; `storage check` said every object was there."""
+    port = _closed_port()
+    env = {
+        **os.environ,
+        "SKYTRAIN_HOME": str(tmp_path),
+        "SKYTRAIN_OBJECT_STORE_URL": "s3://checkpoints/prod",
+        "SKYTRAIN_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "operator",
+        "AWS_SECRET_ACCESS_KEY": "s3cret-store-key",
+    }
+    upgrade = subprocess.run([SKYTRAIN, "db", "upgrade"], env=env, capture_output=True, timeout=300)
+    assert upgrade.returncode == 0, upgrade.stderr  # the database is fine: only the store is not
+    result = subprocess.run(
+        [SKYTRAIN, *command], env=env, capture_output=True, text=True, timeout=300
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    errors = [line for line in output.splitlines() if "cannot use the object store" in line]
+    assert errors and f"s3://checkpoints/prod (endpoint http://127.0.0.1:{port})" in errors[0]
+    assert "SKYTRAIN_S3_ENDPOINT_URL" in output
+    assert "s3cret-store-key" not in output and "Traceback" not in output
+    assert "listening on" not in output  # never started
+    # Besides the log lines before it (the schema check's, boto's): the error, two lines.
+    said = [line for line in output.strip().splitlines() if not line[:4].isdigit()]
+    assert len(said) <= 2, output

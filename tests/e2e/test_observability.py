@@ -196,11 +196,17 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         assert lines, path
         for line in lines:
             assert isinstance(json.loads(line), dict), f"{path.name}: {line}"
-    worker_lines = _json_lines(service.worker_logs())
-    registered = next(
-        i for i, line in enumerate(worker_lines) if line["message"].startswith("registered as")
-    )
-    assert all(line["worker_id"] for line in worker_lines[registered:])
+    # Every line of the launched worker and of its engine names the worker, from the first
+    # (issue 36: the lines before it registered, and the engine's, had none).
+    (worker_log,) = sorted((service.home / "workers").glob("*.log"))
+    (worker_id,) = {line["worker_id"] for line in _json_lines(worker_log.read_text())}
+    assert worker_id == worker_log.stem and worker_id in service.cli("workers", "list")
+    engine_lines = [
+        line
+        for path in sorted(service.home.rglob("engine*.log"))
+        for line in _json_lines(path.read_text())
+    ]
+    assert engine_lines and {line["worker_id"] for line in engine_lines} == {worker_id}
 
     # No key, token or secret in any log line: the caller's key, any key or worker token
     # (by their shapes), the worker's engine secret.
