@@ -15,21 +15,6 @@ MAX_PLACES_PER_MODULE_NAME = 3
 
 # Being renamed on branch apijob (issue 37 item 2); the lead removes these after its merge.
 RENAMING_ELSEWHERE = frozenset({"EngineClient", "EngineProcess", "Batch"})
-# The msgspec mirror of protocol/trajectories.py's shapes (the ingest fast path), kept in step
-# by tests until it is derived from them (issue 37 item 5).
-MSGSPEC_MIRROR = frozenset(
-    {
-        "ChoiceLogprobs",
-        "FunctionCall",
-        "History",
-        "Message",
-        "TokenLogprob",
-        "ToolCall",
-        "TopLogprob",
-        "Trajectory",
-        "TrajectoryGroup",
-    }
-)
 
 
 def _modules() -> list[Path]:
@@ -49,7 +34,7 @@ def test_no_two_classes_in_the_backend_share_a_name() -> None:
     shared = {
         name: where
         for name, where in places.items()
-        if len(where) > 1 and name not in RENAMING_ELSEWHERE | MSGSPEC_MIRROR
+        if len(where) > 1 and name not in RENAMING_ELSEWHERE
     }
     assert not shared, f"class names defined more than once: {shared}"
 
@@ -65,7 +50,7 @@ def test_no_module_name_is_used_in_more_than_three_places() -> None:
     assert not crowded, f"module names used in more than three places: {crowded}"
 
 
-def test_the_allow_lists_name_only_classes_still_defined_twice() -> None:
+def test_the_allow_list_names_only_classes_still_defined_twice() -> None:
     """An allow-list entry whose rename has landed must go, so the list cannot hide a new
     duplicate under an old name."""
     counts: defaultdict[str, int] = defaultdict(int)
@@ -73,5 +58,5 @@ def test_the_allow_lists_name_only_classes_still_defined_twice() -> None:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ClassDef):
                 counts[node.name] += 1
-    stale = sorted(name for name in RENAMING_ELSEWHERE | MSGSPEC_MIRROR if counts[name] < 2)
-    assert not stale, f"remove from the allow-lists, no longer defined twice: {stale}"
+    stale = sorted(name for name in RENAMING_ELSEWHERE if counts[name] < 2)
+    assert not stale, f"remove from the allow-list, no longer defined twice: {stale}"
