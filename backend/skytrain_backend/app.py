@@ -28,9 +28,10 @@ from skytrain_backend.api.gateway import RESOLVE_CONCURRENCY, Gateway
 from skytrain_backend.api.limits import RequestLimits
 from skytrain_backend.api.longpoll import CHECK_THREADS, Waiting
 from skytrain_backend.api.rest_admission import RestAdmission
-from skytrain_backend.api.routes import api_router, health, tinker, tinker_worker, worker
+from skytrain_backend.api.routes import api_router, health, worker
 from skytrain_backend.api.tenant_load import TenantLoads
-from skytrain_backend.api.tinker import LOOKUP_CONCURRENCY, TinkerService
+from skytrain_backend.api.tinker import training, worker_routes
+from skytrain_backend.api.tinker.service import LOOKUP_CONCURRENCY, TinkerService
 from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.dashboard import install_dashboard
 from skytrain_backend.db import migrations
@@ -153,9 +154,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api_router, prefix="/v1/preview", include_in_schema=False)
     app.include_router(worker.router, prefix="/v1")
     install_dashboard(app)
-    app.include_router(tinker_worker.router, prefix="/v1")
+    app.include_router(worker_routes.router, prefix="/v1")
     # The Tinker protocol, at the paths the official tinker SDK calls.
-    app.include_router(tinker.router)
+    app.include_router(training.router)
     _add_json_body_docs(app)
     return app
 

@@ -10,8 +10,12 @@ from typing import Any
 import httpx
 import pytest
 
-from skytrain_backend.api.tinker import parse_completion, parse_prompt_logprobs, sampling_body
-from skytrain_backend.api.tinker_schemas import SamplingParams
+from skytrain_backend.api.tinker.completions import (
+    parse_completion,
+    parse_prompt_logprobs,
+    sampling_body,
+)
+from skytrain_backend.protocol.tinker_api import TinkerSamplingParams
 from tests.engine.conftest import RunningEngine
 from tests.engine.test_engine_contract import LOGPROB_NOISE, engine  # noqa: F401 (fixture)
 
@@ -34,7 +38,7 @@ def test_prompt_logprobs_agree_with_the_sampled_tokens_logprobs(
     engine: RunningEngine,  # noqa: F811
 ) -> None:
     noise = LOGPROB_NOISE[engine.kind]
-    greedy = SamplingParams(max_tokens=1, temperature=0.0, stop=[])
+    greedy = TinkerSamplingParams(max_tokens=1, temperature=0.0, stop=[])
     sampled_body = sampling_body(
         prompt=PROMPT, num_samples=1, params=greedy, topk_sample_logprobs=2
     )

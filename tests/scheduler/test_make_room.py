@@ -37,10 +37,14 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.errors import LeaseLost
+from skytrain_backend.protocol.tinker_api import LoraConfig
+from skytrain_backend.protocol.tinker_ops import CreationOperation, CreationParams
 from skytrain_backend.provision.skypilot import SkyPilotProvider
-from skytrain_backend.scheduler import queue, tinker, tinker_worker
+from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import serving_status
+from skytrain_backend.scheduler.tinker import runs as tinker_runs
+from skytrain_backend.scheduler.tinker import worker_ops as tinker_worker
 from tests.fixtures.rows import add_rl_job
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
@@ -429,16 +433,16 @@ def _tinker_runs(plane: Plane, *, worker_id: str, count: int) -> list[Run]:
         session.add(row)
         session.commit()
         for seq in range(count):
-            tinker.create_run(
+            tinker_runs.create_run(
                 session,
                 tenant=owner,
                 tinker_session=row,
                 model_seq_id=seq,
                 base_model=BASE_A,
-                model_config=tinker.lora_model_config(rank=8, train_attn=True, train_mlp=True),
-                lora_config={"rank": 8},
+                model_config=tinker_runs.lora_model_config(rank=8, train_attn=True, train_mlp=True),
+                lora=LoraConfig(rank=8),
                 user_metadata={},
-                creation={"kind": "create_model", "seed": seq},
+                creation=CreationOperation(kind="create_model", params=CreationParams(seed=seq)),
                 max_attempts=3,
                 max_models=100,
             )

@@ -1,5 +1,6 @@
-"""The Tinker worker protocol is typed: each operation's parameters by its kind, the lease's
-rebuild plan, and what the worker sends back, refusing shapes it does not know."""
+"""The Tinker worker protocol is typed: each operation's parameters by its kind (the same
+operation the routes queue and the worker leases), the lease's rebuild plan, and what the
+worker sends back, refusing shapes it does not know."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from skytrain_backend.db.models import TinkerRequest
 from skytrain_backend.errors import SkytrainError
-from skytrain_backend.protocol import tinker as wire
-from skytrain_backend.scheduler import tinker_worker as runs
+from skytrain_backend.protocol import tinker_ops as wire
+from skytrain_backend.scheduler.tinker import worker_ops as runs
 from skytrain_backend.worker import client as worker_client
 
 ADAM = {
@@ -29,36 +30,40 @@ def _row(kind: str, params: dict[str, object], *, status: str = "running") -> Ti
     )
 
 
+def _leased(row: TinkerRequest) -> wire.TinkerOperation:
+    leased = runs.operation_for_worker(row)
+    assert leased.seq_id == 3 and leased.request_id == "req-1"
+    return leased.operation
+
+
 def test_each_operation_kind_has_its_parameters_typed() -> None:
-    optim = runs.operation_for_worker(_row("optim_step", {"adam": ADAM}))
+    optim = _leased(_row("optim_step", {"adam": ADAM}))
     assert isinstance(optim, wire.OptimOperation) and optim.params is not None
     assert optim.params.adam.learning_rate == 1e-3
-    load = runs.operation_for_worker(
+    load = _leased(
         _row("load_weights", {"path": "tinker://x", "source": {"model_id": "m", "step": 2}})
     )
     assert isinstance(load, wire.LoadOperation) and load.params is not None
     assert load.params.source == wire.CheckpointSource(model_id="m", step=2)
-    creation = runs.operation_for_worker(_row("create_model", {"kind": "create_model", "seed": 7}))
+    creation = _leased(_row("create_model", {"kind": "create_model", "seed": 7}))
     assert isinstance(creation, wire.CreationOperation)
     assert creation.params.restore() == wire.RestorePoint(seed=7)
-    batch = runs.operation_for_worker(_row("forward_backward", {"loss_fn": "ppo"}))
+    batch = _leased(_row("forward_backward", {"loss_fn": "ppo"}))
     assert isinstance(batch, wire.BatchOperation) and batch.params.loss_fn == "ppo"
 
 
 def test_a_refused_operation_reaches_the_worker_finished_and_without_parameters() -> None:
     refused = runs.operation_for_worker(_row("optim_step", {"refused": True}, status="failed"))
-    assert isinstance(refused, wire.OptimOperation)
-    assert refused.finished and refused.params is None
+    assert isinstance(refused.operation, wire.OptimOperation)
+    assert refused.finished and refused.operation.params is None
 
 
 def test_shapes_the_protocol_does_not_know_are_refused() -> None:
     operation = TypeAdapter(wire.TinkerOperation)
     with pytest.raises(ValidationError, match="kind"):
-        operation.validate_python({"seq_id": 1, "request_id": "r", "kind": "rm -rf", "params": {}})
+        operation.validate_python({"kind": "rm -rf", "params": {}})
     with pytest.raises(ValidationError, match="adam"):
-        operation.validate_python(
-            {"seq_id": 1, "request_id": "r", "kind": "optim_step", "params": {"lr": 1}}
-        )
+        operation.validate_python({"kind": "optim_step", "params": {"lr": 1}})
     with pytest.raises(ValidationError, match=r"result\.metric"):
         wire.OperationCompletion.model_validate({"attempt": 1, "result": {"metric": {}}})
     with pytest.raises(ValidationError, match="next_seq"):
@@ -67,7 +72,7 @@ def test_shapes_the_protocol_does_not_know_are_refused() -> None:
 
 def test_an_answer_in_a_shape_the_worker_does_not_know_names_the_version_problem() -> None:
     request = httpx.Request("POST", "http://control-plane/v1/worker/tinker/runs/j/next")
-    answer = {"operation": {"seq_id": 1, "request_id": "r", "kind": "train_harder"}}
+    answer = {"seq_id": 1, "request_id": "r", "operation": {"kind": "train_harder"}}
     response = httpx.Response(200, json=answer, request=request)
     with pytest.raises(SkytrainError, match="install the control plane's version"):
-        worker_client._answer(wire.TinkerOperationAnswer, response)
+        worker_client._answer(wire.LeasedOperation, response)

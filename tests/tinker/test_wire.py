@@ -12,8 +12,8 @@ from tinker.proto.response_conv import (
     deserialize_sample_response,
 )
 
-from skytrain_backend import tinker_wire
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.protocol import tinker_protobuf
 from tinker import types
 
 
@@ -67,7 +67,7 @@ def test_the_sdks_forward_backward_request_decodes_with_all_its_inputs() -> None
             "weights": _tensor([0.0, 1.0, 0.5], "float32"),
         },
     )
-    batch = tinker_wire.parse_forward_backward(_body([datum], forward_only=True), max_tokens=16)
+    batch = tinker_protobuf.parse_forward_backward(_body([datum], forward_only=True), max_tokens=16)
     assert (batch.model_id, batch.seq_id, batch.loss_fn) == ("run:train:0", 4, "cross_entropy")
     assert batch.forward_only and batch.num_tokens == 3
     assert batch.data[0].tokens == [5, 6, 7]
@@ -76,11 +76,11 @@ def test_the_sdks_forward_backward_request_decodes_with_all_its_inputs() -> None
 
 
 def test_loss_config_is_read_and_completed_with_defaults() -> None:
-    batch = tinker_wire.parse_forward_backward(
+    batch = tinker_protobuf.parse_forward_backward(
         _body([_rl_datum()], "ppo", {"clip_low_threshold": 0.5}), max_tokens=16
     )
     assert batch.loss_config == {"clip_low_threshold": 0.5, "clip_high_threshold": 1.2}
-    dro = tinker_wire.parse_forward_backward(
+    dro = tinker_protobuf.parse_forward_backward(
         _body([_rl_datum()], "dro", {"beta": 0.1}), max_tokens=16
     )
     assert dro.loss_config == {"beta": pytest.approx(0.1)}
@@ -152,12 +152,12 @@ def test_requests_skytrain_cannot_run_are_refused_naming_the_problem(
     body: object, message: str
 ) -> None:
     with pytest.raises(InvalidRequest) as caught:
-        tinker_wire.parse_forward_backward(body(), max_tokens=16)  # type: ignore[operator]
+        tinker_protobuf.parse_forward_backward(body(), max_tokens=16)  # type: ignore[operator]
     assert message in caught.value.message
 
 
 def test_forward_backward_outputs_decode_with_the_sdks_reader() -> None:
-    body = tinker_wire.encode_forward_backward_output(
+    body = tinker_protobuf.encode_forward_backward_output(
         [[-0.5, -1.5, -2.5], [-1.0]], {"loss:sum": 5.5}
     )
     output = deserialize_forward_backward_output(body)
@@ -170,10 +170,10 @@ def test_forward_backward_outputs_decode_with_the_sdks_reader() -> None:
 
 
 def test_sample_responses_decode_with_the_sdks_reader() -> None:
-    body = tinker_wire.encode_sample_response(
+    body = tinker_protobuf.encode_sample_response(
         [
-            tinker_wire.SampledSequence([5, 6, 7], [-0.25, -0.5, -0.75], "length"),
-            tinker_wire.SampledSequence([9, 2], [-1.0, -2.0], "stop"),
+            tinker_protobuf.SampledSequence([5, 6, 7], [-0.25, -0.5, -0.75], "length"),
+            tinker_protobuf.SampledSequence([9, 2], [-1.0, -2.0], "stop"),
         ]
     )
     response = deserialize_sample_response(body)

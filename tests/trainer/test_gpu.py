@@ -13,6 +13,7 @@ import torch
 
 from skytrain_backend.errors import OutOfMemory
 from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGroup
+from skytrain_backend.protocol.tinker_api import AdamParams
 from skytrain_backend.trainer import Trainer
 from tests.fixtures.sampling import sample_choices
 
@@ -219,7 +220,7 @@ def test_offload_frees_the_gpu_and_reload_resumes_with_the_same_state(
         )
 
     forward_backward()
-    primitives.adam_step(trainer, primitives.AdamParams(learning_rate=1e-2))
+    primitives.adam_step(trainer, AdamParams(learning_rate=1e-2))
     forward_backward()  # gradients pending, as between forward_backward and optim_step
     params = trainer.policy.trainable_parameters()
     grads = [p.grad.detach().clone() for p in params if p.grad is not None]
@@ -241,4 +242,4 @@ def test_offload_frees_the_gpu_and_reload_resumes_with_the_same_state(
         v for state in trainer.optimizer.state.values() for v in state.values() if v.dim() > 0
     ]
     assert all(torch.equal(a, b) for a, b in zip(moments, after_moments, strict=True))
-    primitives.adam_step(trainer, primitives.AdamParams(learning_rate=1e-2))  # steps on
+    primitives.adam_step(trainer, AdamParams(learning_rate=1e-2))  # steps on

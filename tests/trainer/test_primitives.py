@@ -10,6 +10,7 @@ import torch
 
 from skytrain_backend.errors import TrainingError
 from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.protocol.tinker_api import AdamParams
 from skytrain_backend.trainer import Trainer
 from skytrain_backend.trainer import primitives as p
 
@@ -91,7 +92,7 @@ def _gradients(trainer: Trainer) -> list[torch.Tensor]:
 def test_gradients_accumulate_over_forward_backward_calls(trainer: Trainer) -> None:
     # A trained adapter first: a fresh one has zero B matrices, hence zero A gradients.
     p.forward_backward(trainer.policy, [FIRST], loss_fn="cross_entropy", config={}, backward=True)
-    p.adam_step(trainer, p.AdamParams(learning_rate=1e-2))
+    p.adam_step(trainer, AdamParams(learning_rate=1e-2))
 
     _, together = p.forward_backward(
         trainer.policy, [FIRST, SECOND], loss_fn="cross_entropy", config={}, backward=True
@@ -173,7 +174,7 @@ def test_the_adam_step_is_adamw_with_the_given_hyperparameters(trainer: Trainer)
     p.forward_backward(trainer.policy, [FIRST], loss_fn="cross_entropy", config={}, backward=True)
     for copy, param in zip(copies, parameters, strict=True):
         copy.grad = None if param.grad is None else param.grad.clone()
-    params = p.AdamParams(learning_rate=0.05, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
+    params = AdamParams(learning_rate=0.05, beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
     metrics = p.adam_step(trainer, params)
     reference.step()
     for copy, param in zip(copies, parameters, strict=True):
@@ -190,7 +191,7 @@ def test_a_non_finite_gradient_is_dropped_and_the_weights_kept(trainer: Trainer)
     assert first.grad is not None
     first.grad[0] = float("nan")
     with pytest.raises(TrainingError, match="gradient norm is nan"):
-        p.adam_step(trainer, p.AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
+        p.adam_step(trainer, AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
     assert not p.has_gradients(trainer) and trainer.step == 0
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, parameters, strict=True))
 
@@ -212,7 +213,7 @@ def test_saved_weights_load_back_exactly_with_or_without_the_optimizer(
         p.forward_backward(
             trainer.policy, [FIRST], loss_fn="cross_entropy", config={}, backward=True
         )
-        p.adam_step(trainer, p.AdamParams(learning_rate=1e-2))
+        p.adam_step(trainer, AdamParams(learning_rate=1e-2))
     trainer.save(tmp_path)
     expected, _ = p.forward_backward(
         trainer.policy, [SECOND], loss_fn="cross_entropy", config={}, backward=False
@@ -229,7 +230,7 @@ def test_saved_weights_load_back_exactly_with_or_without_the_optimizer(
         p.forward_backward(
             loaded.policy, [FIRST], loss_fn="cross_entropy", config={}, backward=True
         )
-        p.adam_step(loaded, p.AdamParams(learning_rate=1e-2))
+        p.adam_step(loaded, AdamParams(learning_rate=1e-2))
     after = [
         p.forward_backward(t.policy, [SECOND], loss_fn="cross_entropy", config={}, backward=False)[
             0

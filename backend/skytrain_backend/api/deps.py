@@ -41,7 +41,6 @@ from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.longpoll import Waiting
 from skytrain_backend.api.rest_admission import TINKER_KEY_PREFIX
 from skytrain_backend.api.tenant_load import TenantLoads
-from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.db.notify import Notifier
@@ -182,11 +181,6 @@ async def get_worker_package(request: Request) -> WorkerPackage:
     return worker_package
 
 
-async def get_tinker(request: Request) -> TinkerService:
-    tinker: TinkerService = request.app.state.tinker
-    return tinker
-
-
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 StoreDep = Annotated[ObjectStore, Depends(get_store)]
@@ -195,7 +189,6 @@ NotifierDep = Annotated[Notifier, Depends(get_notifier)]
 WaitingDep = Annotated[Waiting, Depends(get_waiting)]
 GatewayDep = Annotated[Gateway, Depends(get_gateway)]
 PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
-TinkerDep = Annotated[TinkerService, Depends(get_tinker)]
 
 
 # The bearer key as sent; routes that authenticate in their own session (the inference

@@ -3,11 +3,13 @@
 - ``trajectories``: trajectory groups as ART's client sends them, and their checks;
 - ``configs``: model and training-job configuration, model names;
 - ``worker``: the job protocol between workers and the control plane;
-- ``tinker``: the Tinker worker protocol (leases, rebuild plans, operations, results).
+- ``tinker_api``: the Tinker SDK's JSON requests and responses (``/api/v1``);
+- ``tinker_protobuf``: the Tinker SDK's protobuf messages (``forward_backward`` and results);
+- ``tinker_ops``: the Tinker worker protocol (leases, rebuild plans, operations, results).
 
 The names of the first three are re-exported here (``from skytrain_backend.protocol import
-X``); the Tinker protocol's are imported from ``protocol.tinker``, whose names (``TinkerRun``,
-``SAVES``) would be ambiguous beside the rest. The package imports neither torch nor the
+X``); the Tinker protocol's are imported from their modules, whose names (``SAVES``,
+``ModelInput``) would be ambiguous beside the rest. The package imports neither torch nor the
 database: the API validates with it, the trainer parses its input with it.
 """
 

@@ -24,7 +24,7 @@ EventType = Literal[
     "training_ended",
     "training_failed",
 ]
-# "tinker": a Tinker training run's lease on its model (see scheduler.tinker).
+# "tinker": a Tinker training run's lease on its model (see scheduler.tinker.runs).
 JobKind = Literal["rl", "sft", "tinker"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 TERMINAL_JOB_STATUSES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})

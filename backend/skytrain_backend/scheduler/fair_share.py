@@ -11,7 +11,7 @@ operations nothing of it needs the worker: a run with no operation queued or run
 slot up like an idle model (its last use is its newest operation's arrival). Its job goes back
 to the queue, not counted as a failed attempt; the worker loses the lease and lets the trainer
 go; and the worker that leases the run next rebuilds its state from the newest restore point
-and replays the steps after it (``scheduler.tinker``), so nothing trained is lost.
+and replays the steps after it (``scheduler.tinker.runs``), so nothing trained is lost.
 Repeated pass after pass this shares the slots out max-min fairly among the tenants whose
 models want them (a tenant wanting fewer than an equal share keeps all it wants) and never
 moves a slot back and forth: after a move the tenant that gave one up holds at least as many
@@ -31,8 +31,8 @@ from datetime import UTC, datetime
 from sqlalchemy import ColumnElement, exists, func, select
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import tinker_rows
 from skytrain_backend.db.models import Model, TinkerRun, TrainingJob, Worker, utcnow
-from skytrain_backend.scheduler import tinker
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def _no_job_needs_the_worker() -> ColumnElement[bool]:
     return ~exists().where(
         TrainingJob.model_id == Model.id,
         TrainingJob.status == "running",
-        tinker.job_needs_its_worker(),
+        tinker_rows.job_needs_its_worker(),
     )
 
 
@@ -136,7 +136,7 @@ def take_slot(
     if not lock_model(session, model):
         session.rollback()
         return False
-    if not tinker.hand_back_idle_run(session, model_id=loser.id, why="fair share"):
+    if not tinker_rows.hand_back_idle_run(session, model_id=loser.id, why="fair share"):
         session.rollback()
         return False
     loser.worker_id = None

@@ -38,10 +38,11 @@ from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.errors import FitsNoGpu, ModelConfigUnavailable
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
-from skytrain_backend.scheduler import garbage, placement, queue, ranks, scale_in, tinker
+from skytrain_backend.scheduler import garbage, placement, queue, ranks, scale_in
 from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
 from skytrain_backend.scheduler.model_configs import ModelConfigs
 from skytrain_backend.scheduler.placement import LaunchBackoff
+from skytrain_backend.scheduler.tinker import runs as tinker_runs
 from skytrain_backend.storage import ObjectStore
 
 logger = logging.getLogger(__name__)
@@ -193,7 +194,7 @@ class Scheduler:
         s = self.settings
         with self._sessions() as session:
             queue.expire_leases(session)
-            tinker.expire_sessions(session, timeout_s=s.tinker_session_timeout_s)
+            tinker_runs.expire_sessions(session, timeout_s=s.tinker_session_timeout_s)
             for worker in worker_rows.silent_workers(
                 session, timeout_s=s.worker_heartbeat_timeout_s
             ):

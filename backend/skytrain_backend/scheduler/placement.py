@@ -11,7 +11,7 @@ are started and stopped.
   the worker's next heartbeat answer leaves it out, so the agent unloads its adapters, and its
   place (the worker's ``max_models``, the tenant's ``max_placed_models``) goes to a model that
   waits. Its next request makes it active again, and it is placed again like any model. An
-  idle Tinker run's job is taken back from its worker (``tinker.hand_back_idle_run``): its
+  idle Tinker run's job is taken back from its worker (``tinker_rows.hand_back_idle_run``): its
   next operation places it again, and the worker that leases it rebuilds its state.
 - Otherwise placement is sticky: a model stays on its worker until that worker is gone; then
   it is placed again (its adapters are fetched from the object store by the new worker). A
@@ -58,10 +58,11 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
+from skytrain_backend.db import tinker_rows
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.scheduler import fair_share, queue, ranks, tinker
+from skytrain_backend.scheduler import fair_share, queue, ranks
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ def has_open_job() -> ColumnElement[bool]:
     return exists().where(
         TrainingJob.model_id == Model.id,
         TrainingJob.status.in_(("queued", "running")),
-        tinker.job_needs_its_worker(),
+        tinker_rows.job_needs_its_worker(),
     )
 
 
@@ -123,7 +124,7 @@ def release_idle_models(session: Session, *, idle_timeout_s: float) -> int:
     since = utcnow() - timedelta(seconds=idle_timeout_s)
     idle = and_(
         or_(Model.last_active_at.is_(None), Model.last_active_at <= since),
-        ~tinker.run_used_since(since),
+        ~tinker_rows.run_used_since(since),
         ~has_open_job(),
     )
     serving = select(Worker.id).where(Worker.status.not_in(STARTING_STATUSES))
@@ -139,7 +140,7 @@ def release_idle_models(session: Session, *, idle_timeout_s: float) -> int:
         if row is None or row.worker_id != worker_id:
             session.rollback()
             continue
-        if not tinker.hand_back_idle_run(session, model_id=model_id, why="idle timeout"):
+        if not tinker_rows.hand_back_idle_run(session, model_id=model_id, why="idle timeout"):
             session.rollback()
             continue
         session.execute(update(Model).where(Model.id == model_id).values(worker_id=None))

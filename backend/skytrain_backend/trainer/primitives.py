@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from skytrain_backend.errors import TrainingError
+from skytrain_backend.protocol.tinker_api import AdamParams
 from skytrain_backend.trainer.model import Policy
 from skytrain_backend.trainer.packing import PackedRow
 from skytrain_backend.trainer.trainer import OPTIMIZER_STATE, TRAINER_STATE, Trainer
@@ -195,18 +196,6 @@ def has_gradients(trainer: Trainer) -> bool:
 
 
 # --- the optimizer ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class AdamParams:
-    """One step's AdamW hyperparameters (Tinker's ``AdamParams``; no clipping at 0)."""
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 def adam_step(trainer: Trainer, params: AdamParams) -> dict[str, float]:

@@ -8,7 +8,7 @@ Two loops run side by side:
 - the job loop leases a training job and runs it (``worker/jobs.py``).
 
 The trainer's turns on the device are one at a time (``EngineHost.trainer_turn``): a job
-holds it from its lease to its end, a Tinker run (``worker.tinker``) for each operation that
+holds it from its lease to its end, a Tinker run (``worker.tinker_runs``) for each operation that
 computes, with the engine asleep meanwhile when it shares the device; between operations a
 Tinker run's trainer waits in host memory (``Trainer.offload``), so two runs and the engine
 never hold the GPU at once.
@@ -39,7 +39,7 @@ from skytrain_backend.worker.engine_host import EngineHost, EngineProcess
 from skytrain_backend.worker.jobs import JobRunner
 from skytrain_backend.worker.options import AgentOptions
 from skytrain_backend.worker.stats import StatsReader
-from skytrain_backend.worker.tinker import TinkerExecutor
+from skytrain_backend.worker.tinker_runs import TinkerExecutor
 
 if TYPE_CHECKING:
     from skytrain_backend.engine.client import EngineClient

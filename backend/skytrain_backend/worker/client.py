@@ -55,17 +55,16 @@ from skytrain_backend.protocol import (
     WorkerRegistered,
     WorkerRegistration,
 )
-from skytrain_backend.protocol.tinker import (
+from skytrain_backend.protocol.tinker_ops import (
     CheckpointFileInfo,
     CheckpointFileList,
+    LeasedOperation,
+    LeasedRun,
     NextOperationRequest,
     OperationCompletion,
     OperationFailure,
     SaveCommit,
     TinkerLease,
-    TinkerOperation,
-    TinkerOperationAnswer,
-    TinkerRun,
 )
 
 T = TypeVar("T")
@@ -291,9 +290,9 @@ class ControlPlaneClient:
             )
         return directory
 
-    # --- the Tinker executor's calls (``/v1/worker/tinker/...``, ``protocol/tinker.py``) ---
+    # --- the Tinker executor's calls (``/v1/worker/tinker/...``, ``protocol/tinker_ops.py``) ---
 
-    async def tinker_lease(self, *, wait_s: float = 0.0) -> TinkerRun | None:
+    async def tinker_lease(self, *, wait_s: float = 0.0) -> LeasedRun | None:
         """A Tinker run placed on this worker, with its rebuild plan; None after ``wait_s``."""
         response = await self._send(
             "POST",
@@ -306,7 +305,7 @@ class ControlPlaneClient:
 
     async def tinker_next(
         self, job_id: str, *, attempt: int, seq_id: int, wait_s: float
-    ) -> TinkerOperation | None:
+    ) -> LeasedOperation | None:
         """Operation ``seq_id`` of the run once it has arrived; None after ``wait_s``."""
         body = _body(NextOperationRequest(attempt=attempt, seq_id=seq_id, wait_s=wait_s))
         response = await self._send(
@@ -317,14 +316,14 @@ class ControlPlaneClient:
         )
         if response.status_code == 204:
             return None
-        return _answer(TinkerOperationAnswer, response).operation
+        return _answer(LeasedOperation, response)
 
-    async def tinker_operation(self, job_id: str, seq_id: int, *, attempt: int) -> TinkerOperation:
+    async def tinker_operation(self, job_id: str, seq_id: int, *, attempt: int) -> LeasedOperation:
         path = f"/tinker/runs/{job_id}/operations/{seq_id}"
         response = await self._retrying(
             lambda: self._send("GET", path, params={"attempt": attempt})
         )
-        return _answer(TinkerOperationAnswer, response).operation
+        return _answer(LeasedOperation, response)
 
     async def tinker_input(self, job_id: str, seq_id: int, *, attempt: int, target: Path) -> Path:
         """An operation's input object (a forward-backward's protobuf batch) into ``target``."""

@@ -43,5 +43,5 @@ class AgentOptions:
     # queued meanwhile is answered at once).
     job_wait_s: float = 30.0
     max_cached_trainers: int = 2
-    # Tinker training runs held at once (worker.tinker), beside the job loop.
+    # Tinker training runs held at once (worker.tinker_runs), beside the job loop.
     tinker_max_runs: int = 2

@@ -3,7 +3,7 @@
 A run is leased as a ``tinker`` training job (renewed and released through the job routes);
 every call names the attempt it holds, so a worker that lost the run gets 409 and stops. A
 save's checkpoint files are staged with the job routes' file upload, then committed here.
-See ``scheduler.tinker_worker`` for the queue and the rebuild plan.
+See ``scheduler.tinker.worker_ops`` for the queue and the rebuild plan.
 """
 
 from __future__ import annotations
@@ -21,30 +21,28 @@ from skytrain_backend.api.deps import (
     SessionRoute,
     SettingsDep,
     StoreDep,
-    TinkerDep,
     WaitS,
     in_thread,
 )
 from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.api.routes.worker import WorkerDep
+from skytrain_backend.api.tinker.deps import TinkerDep
 from skytrain_backend.db import notify
 from skytrain_backend.db.models import Model, Worker
 from skytrain_backend.errors import InvalidRequest
-from skytrain_backend.protocol.tinker import (
+from skytrain_backend.protocol.tinker_ops import (
     CheckpointFileInfo,
     CheckpointFileList,
+    LeasedOperation,
+    LeasedRun,
     NextOperationRequest,
     OperationCompletion,
     OperationFailure,
     SaveCommit,
     TinkerLease,
-    TinkerOperation,
-    TinkerOperationAnswer,
-    TinkerRun,
 )
 from skytrain_backend.scheduler import integrity, queue
-from skytrain_backend.scheduler import tinker as runs
-from skytrain_backend.scheduler import tinker_worker as worker_runs
+from skytrain_backend.scheduler.tinker import runs, worker_ops
 
 router = APIRouter(
     prefix="/worker/tinker", tags=["workers"], include_in_schema=False, route_class=SessionRoute
@@ -66,16 +64,16 @@ async def lease(
     ``tinker`` training job: its queuing wakes the wait like any job's)."""
     worker_id = worker.id
 
-    def claim() -> TinkerRun | None:
+    def claim() -> LeasedRun | None:
         try:
             current = session.get_one(Worker, worker_id)
             if current.status == "draining":
                 return None
-            return worker_runs.lease_run(session, worker=current, lease_s=settings.job_lease_s)
+            return worker_ops.lease_run(session, worker=current, lease_s=settings.job_lease_s)
         finally:
             session.rollback()
 
-    def release(run: TinkerRun) -> None:
+    def release(run: LeasedRun) -> None:
         queue.unlease(session, worker_id=worker_id, job_id=run.job_id, attempt=run.attempt)
 
     run = await long_poll(
@@ -94,7 +92,7 @@ async def lease(
 
 @router.post(
     "/runs/{job_id}/next",
-    response_model=TinkerOperationAnswer,
+    response_model=LeasedOperation,
     responses={204: {"description": "Not arrived yet"}},
 )
 async def next_operation(
@@ -103,38 +101,38 @@ async def next_operation(
     worker: WorkerDep,
     session: SessionDep,
     tinker: TinkerDep,
-) -> TinkerOperationAnswer | Response:
+) -> LeasedOperation | Response:
     """Operation ``seq_id`` of the run, waiting up to ``wait_s`` for it to arrive (holding no
     database connection meanwhile)."""
     worker_id = worker.id
     session.rollback()
 
-    def look() -> tuple[bool, TinkerOperation | None]:
+    def look() -> tuple[bool, LeasedOperation | None]:
         with tinker.sessions() as session:
-            operation = worker_runs.next_operation(
+            operation = worker_ops.next_operation(
                 session,
                 worker=session.get_one(Worker, worker_id),
                 job_id=job_id,
                 attempt=body.attempt,
                 seq_id=body.seq_id,
             )
-            found = None if operation is None else worker_runs.operation_for_worker(operation)
+            found = None if operation is None else worker_ops.operation_for_worker(operation)
         return found is not None, found
 
     found = await tinker.watch(f"job:{job_id}", look, turn=worker_id, timeout_s=body.wait_s)
     if found is None:
         return Response(status_code=204)
-    return TinkerOperationAnswer(operation=found)
+    return found
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}")
 def operation(
     job_id: str, seq_id: int, attempt: Attempt, worker: WorkerDep, session: SessionDep
-) -> TinkerOperationAnswer:
-    _, found = worker_runs.worker_operation(
+) -> LeasedOperation:
+    _, found = worker_ops.worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
-    return TinkerOperationAnswer(operation=worker_runs.operation_for_worker(found))
+    return worker_ops.operation_for_worker(found)
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}/input")
@@ -146,7 +144,7 @@ def operation_input(
     session: SessionDep,
     store: StoreDep,
 ) -> StreamingResponse:
-    run, found = worker_runs.worker_operation(
+    run, found = worker_ops.worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
     if found.input_uri is None:
@@ -168,7 +166,7 @@ async def operation_output(
 ) -> None:
     run, _ = await in_thread(
         session,
-        worker_runs.worker_operation,
+        worker_ops.worker_operation,
         session,
         worker=worker,
         job_id=job_id,
@@ -189,7 +187,7 @@ def complete(
     store: StoreDep,
     tinker: TinkerDep,
 ) -> None:
-    request_id = worker_runs.complete(
+    request_id = worker_ops.complete(
         session,
         store=store,
         worker=worker,
@@ -211,7 +209,7 @@ def fail(
     session: SessionDep,
     tinker: TinkerDep,
 ) -> None:
-    request_id = worker_runs.fail(
+    request_id = worker_ops.fail(
         session,
         worker=worker,
         job_id=job_id,
@@ -234,7 +232,7 @@ def save(
     tinker: TinkerDep,
     settings: SettingsDep,
 ) -> None:
-    request_id = worker_runs.commit_save(
+    request_id = worker_ops.commit_save(
         session,
         store=store,
         worker=worker,
@@ -255,8 +253,8 @@ def save(
 def _readable(
     session: SessionDep, *, worker: WorkerDep, job_id: str, attempt: int, model_id: str, step: int
 ) -> tuple[Model, str]:
-    run = worker_runs.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
-    checkpoint = worker_runs.readable_checkpoint(session, run=run, model_id=model_id, step=step)
+    run = worker_ops.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
+    checkpoint = worker_ops.readable_checkpoint(session, run=run, model_id=model_id, step=step)
     model = session.get_one(Model, model_id)
     expected = integrity.committed(checkpoint)
     prefix = integrity.files_prefix(

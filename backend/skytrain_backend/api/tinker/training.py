@@ -3,55 +3,52 @@
 Authentication: the SDK sends ``X-API-Key: tml-<skytrain key>``; the key's tenant owns what is
 created, and another tenant's run, future or sampler is not found. Training operations are
 queued in the run's order and return futures (``retrieve_future``); see
-``scheduler.tinker_worker`` for how workers run them, ``api.tinker`` for sampling, and
+``scheduler.tinker.worker_ops`` for how workers run them, ``api.tinker.service`` for sampling, and
 ``docs/tinker.md`` for what is served and what is not.
 """
 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from sqlalchemy import select
-from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend import tinker_wire
-from skytrain_backend.api import tinker_schemas as schemas
 from skytrain_backend.api.deps import (
     SchedulerDep,
     SessionDep,
     SessionRoute,
     SettingsDep,
     StoreDep,
-    TinkerDep,
     TinkerTenantDep,
 )
-from skytrain_backend.api.model_rules import check_new_model
-from skytrain_backend.api.routes import tinker_futures, tinker_runs, tinker_sampling
-from skytrain_backend.api.routes.tinker_common import PathId, future, queued, submit, tenant_run
-from skytrain_backend.db import tinker as tinker_rows
-from skytrain_backend.db.models import (
-    Model,
-    Tenant,
-    TinkerCheckpoint,
-    TinkerRequest,
-    TinkerRun,
-    Worker,
+from skytrain_backend.api.tinker import futures, rest_client, sampling
+from skytrain_backend.api.tinker.deps import PathId, TinkerDep, tenant_run
+from skytrain_backend.api.tinker.service import ADAM_ONLY
+from skytrain_backend.db import tinker_rows
+from skytrain_backend.db.models import Model, Worker
+from skytrain_backend.db.tenants import limits_of
+from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.protocol import ModelConfig, format_validation_error, tinker_protobuf
+from skytrain_backend.protocol import tinker_api as schemas
+from skytrain_backend.protocol.tinker_ops import (
+    BatchOperation,
+    BatchParams,
+    CreationOperation,
+    CreationParams,
+    OptimOperation,
+    OptimParams,
+    SaveOperation,
+    SaveParams,
 )
-from skytrain_backend.db.tenants import limits_of, metadata_bytes
-from skytrain_backend.errors import InvalidRequest, NotFound
-from skytrain_backend.protocol import ModelConfig, format_validation_error
-from skytrain_backend.scheduler import tinker as runs
 from skytrain_backend.scheduler.serving import LIVE_WORKER_STATUSES
+from skytrain_backend.scheduler.tinker import runs
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], route_class=SessionRoute)
-
-_ADAM_ONLY = "skytrain's Tinker runs use Adam (AdamW) only: leave optimizer out or use AdamParams"
-
 
 # --- service ------------------------------------------------------------------------------------
 
@@ -143,45 +140,29 @@ def create_model(
     body: schemas.CreateModelRequest,
     tenant: TinkerTenantDep,
     session: SessionDep,
-    settings: SettingsDep,
+    tinker: TinkerDep,
     scheduler: SchedulerDep,
 ) -> schemas.UntypedAPIFuture:
-    tinker_session = tinker_rows.open_session(
-        session, tenant_id=tenant.id, session_id=body.session_id
-    )
     if body.optimizer_config.type != "adamw":
-        raise InvalidRequest(_ADAM_ONLY)
+        raise InvalidRequest(ADAM_ONLY)
     lora = body.lora_config or schemas.LoraConfig(rank=32)
     config = runs.lora_model_config(
         rank=lora.rank, train_attn=lora.train_attn, train_mlp=lora.train_mlp
     )
-    limits = check_new_model(
-        session,
-        tenant=tenant,
-        settings=settings,
-        base_model=body.base_model,
-        lora_rank=config.lora_rank,
-        provider=scheduler.provider,
-        configs=scheduler.configs,
-        tinker_training=True,
-    )
-    metadata_bytes(body.user_metadata, limits=limits, field="user_metadata")
     # An unseeded adapter gets a seed now: a rebuilt state must start from the same weights.
     seed = lora.seed if lora.seed is not None else uuid.uuid4().int % 2**31
-    operation = runs.create_run(
+    return tinker.create_run(
         session,
         tenant=tenant,
-        tinker_session=tinker_session,
+        scheduler=scheduler,
+        session_id=body.session_id,
         model_seq_id=body.model_seq_id,
         base_model=body.base_model,
         model_config=config,
-        lora_config=lora.model_dump(),
-        user_metadata=body.user_metadata or {},
-        creation={"kind": "create_model", "seed": seed},
-        max_attempts=settings.job_max_attempts,
-        max_models=limits.max_models,
+        lora=lora,
+        user_metadata=body.user_metadata,
+        creation=CreationOperation(kind="create_model", params=CreationParams(seed=seed)),
     )
-    return future(operation)
 
 
 @router.post("/get_info")
@@ -209,51 +190,44 @@ async def forward_backward(
 ) -> schemas.UntypedAPIFuture:
     """A protobuf ``ForwardBackwardRequest`` (``forward`` is the same with ``forward_only``),
     validated in full before it is queued (invalid content: a failed future, see ``submit``)."""
-    if tinker_wire.PROTOBUF_MEDIA_TYPE not in request.headers.get("content-type", ""):
+    if tinker_protobuf.PROTOBUF_MEDIA_TYPE not in request.headers.get("content-type", ""):
         raise InvalidRequest(
-            f"forward_backward takes a protobuf body ({tinker_wire.PROTOBUF_MEDIA_TYPE}), as the "
-            "tinker SDK sends it"
+            f"forward_backward takes a protobuf body ({tinker_protobuf.PROTOBUF_MEDIA_TYPE}), "
+            "as the tinker SDK sends it"
         )
     if request.headers.get("content-encoding", "identity") != "identity":
         raise InvalidRequest("compressed forward_backward bodies are not accepted: send it plain")
     body = await request.body()
 
-    def queue_it() -> TinkerRequest:
-        message = tinker_wire.decode_forward_backward(body)
+    def queue_it() -> schemas.UntypedAPIFuture:
+        message = tinker_protobuf.decode_forward_backward(body)
         run = tenant_run(session, tenant, message.model_id)
         model = session.get_one(Model, run.model_id)
-        kind = "forward" if message.forward_only else "forward_backward"
+        kind: Literal["forward", "forward_backward"] = (
+            "forward" if message.forward_only else "forward_backward"
+        )
         max_tokens = ModelConfig.model_validate(model.config).max_seq_length
         try:
-            batch = tinker_wire.validate_forward_backward(message, max_tokens=max_tokens)
+            batch = tinker_protobuf.validate_forward_backward(message, max_tokens=max_tokens)
         except InvalidRequest as exc:
-            params = {"loss_fn": message.loss_fn}
-            return runs.submit(
+            refused = BatchOperation(kind=kind, params=BatchParams(loss_fn=message.loss_fn))
+            return tinker.submit(
                 session,
-                store=store,
+                store,
                 run=run,
                 seq_id=message.seq_id,
-                kind=kind,
-                params=params,
+                operation=refused,
                 refused=exc.message,
-                limits=limits_of(tenant, tinker.settings),
             )
-        return runs.submit(
-            session,
-            store=store,
-            limits=limits_of(tenant, tinker.settings),
-            run=run,
-            seq_id=batch.seq_id,
-            kind=kind,
-            params={
-                "loss_fn": batch.loss_fn,
-                "num_datums": len(batch.data),
-                "num_tokens": batch.num_tokens,
-            },
-            body=body,
+        params = BatchParams(
+            loss_fn=batch.loss_fn, num_datums=len(batch.data), num_tokens=batch.num_tokens
+        )
+        operation = BatchOperation(kind=kind, params=params)
+        return tinker.submit(
+            session, store, run=run, seq_id=batch.seq_id, operation=operation, body=body
         )
 
-    return queued(tinker, session, await run_in_threadpool(queue_it))
+    return await run_in_threadpool(queue_it)
 
 
 @router.post("/optim_step")
@@ -265,49 +239,18 @@ def optim_step(
     tinker: TinkerDep,
 ) -> schemas.UntypedAPIFuture:
     run = tenant_run(session, tenant, body.model_id)
-    refused = None
-    params: dict[str, Any] = {}
+    operation, refused = OptimOperation(kind="optim_step"), None
     if body.optimizer_params is not None:
-        refused = _ADAM_ONLY
+        refused = ADAM_ONLY
     else:
         try:
             adam = schemas.AdamParams.model_validate(body.adam_params or {})
-            params = {"adam": adam.model_dump()}
+            operation = OptimOperation(kind="optim_step", params=OptimParams(adam=adam))
         except ValidationError as exc:
             refused = format_validation_error(exc, root="adam_params")
-    return submit(
-        tinker,
-        session,
-        store,
-        run=run,
-        seq_id=body.seq_id,
-        kind="optim_step",
-        params=params,
-        refused=refused,
+    return tinker.submit(
+        session, store, run=run, seq_id=body.seq_id, operation=operation, refused=refused
     )
-
-
-def _name_refusal(
-    session: Session, run: TinkerRun, kind: str, name: str, *, overwrite: bool
-) -> str | None:
-    """Why ``name`` cannot name a new save of ``run`` (None: it can)."""
-    try:
-        runs.check_name(name)
-    except InvalidRequest as exc:
-        return exc.message
-    taken = session.scalar(
-        select(TinkerCheckpoint.id).where(
-            TinkerCheckpoint.run_id == run.id,
-            TinkerCheckpoint.kind == kind,
-            TinkerCheckpoint.name == name,
-        )
-    )
-    if taken is not None and not overwrite:
-        return (
-            f"run {run.id} already has a checkpoint named {name!r}: choose another name, or pass "
-            "overwrite=True"
-        )
-    return None
 
 
 @router.post("/save_weights")
@@ -320,15 +263,17 @@ def save_weights(
 ) -> schemas.UntypedAPIFuture:
     run = tenant_run(session, tenant, body.model_id)
     name = body.path or f"state-{body.seq_id}"
-    return submit(
-        tinker,
+    params = SaveParams(name=name, overwrite=body.overwrite, user_metadata=body.user_metadata)
+    refused = tinker.name_refusal(
+        session, run=run, kind="training", name=name, overwrite=body.overwrite
+    )
+    return tinker.submit(
         session,
         store,
         run=run,
         seq_id=body.seq_id,
-        kind="save_weights",
-        params={"name": name, "overwrite": body.overwrite, "user_metadata": body.user_metadata},
-        refused=_name_refusal(session, run, "training", name, overwrite=body.overwrite),
+        operation=SaveOperation(kind="save_weights", params=params),
+        refused=refused,
     )
 
 
@@ -345,32 +290,18 @@ def save_weights_for_sampler(
     if body.kind != "snapshot":
         refused = f"sampling client kind {body.kind!r} is not served: skytrain's are snapshots"
     elif body.path is not None:
-        refused = _name_refusal(session, run, "sampler", body.path, overwrite=False)
-    return submit(
-        tinker,
+        refused = tinker.name_refusal(
+            session, run=run, kind="sampler", name=body.path, overwrite=False
+        )
+    params = SaveParams(name=body.path, user_metadata=body.user_metadata)
+    return tinker.submit(
         session,
         store,
         run=run,
         seq_id=body.seq_id,
-        kind="save_weights_for_sampler",
-        params={"name": body.path, "user_metadata": body.user_metadata},
+        operation=SaveOperation(kind="save_weights_for_sampler", params=params),
         refused=refused,
     )
-
-
-def _load_source(
-    session: Session, tenant: Tenant, body: schemas.LoadWeightsRequest
-) -> tuple[Model, TinkerRun, dict[str, Any]]:
-    """The checkpoint a load names: its model, run, and the operation's parameters."""
-    if body.weights_access_token is not None:
-        raise InvalidRequest("weights_access_token is not served: load checkpoints of your tenant")
-    source_run, checkpoint = runs.resolve_path(session, tenant_id=tenant.id, path=body.path)
-    params = {
-        "path": body.path,
-        "source": {"model_id": checkpoint.model_id, "step": checkpoint.step},
-        "optimizer": body.optimizer,
-    }
-    return session.get_one(Model, source_run.model_id), source_run, params
 
 
 @router.post("/load_weights")
@@ -379,81 +310,32 @@ def load_weights(
     tenant: TinkerTenantDep,
     session: SessionDep,
     store: StoreDep,
-    settings: SettingsDep,
     tinker: TinkerDep,
     scheduler: SchedulerDep,
 ) -> schemas.UntypedAPIFuture:
     """Load a checkpoint into a live run (``model_id`` + ``seq_id``), or create a run from one
     (``session_id`` + ``model_seq_id``: ``create_training_client_from_state``)."""
     if body.session_id is not None and body.model_seq_id is not None:
-        source_model, source_run, params = _load_source(session, tenant, body)
-        if body.optimizer_config is not None and (
-            body.optimizer or body.optimizer_config.type != "adamw"
-        ):
-            raise InvalidRequest(_ADAM_ONLY)
-        if body.base_model is not None and body.base_model != source_model.base_model:
-            raise InvalidRequest(
-                f"{body.path} was trained on {source_model.base_model!r}, not {body.base_model!r}"
-            )
-        tinker_session = tinker_rows.open_session(
-            session, tenant_id=tenant.id, session_id=body.session_id
-        )
-        config = ModelConfig.model_validate(source_model.config)
-        limits = check_new_model(
+        return tinker.create_from_state(
             session,
             tenant=tenant,
-            settings=settings,
-            base_model=source_model.base_model,
-            lora_rank=config.lora_rank,
-            provider=scheduler.provider,
-            configs=scheduler.configs,
-            tinker_training=True,
-        )
-        metadata_bytes(body.user_metadata, limits=limits, field="user_metadata")
-        operation = runs.create_run(
-            session,
-            tenant=tenant,
-            tinker_session=tinker_session,
+            scheduler=scheduler,
+            body=body,
+            session_id=body.session_id,
             model_seq_id=body.model_seq_id,
-            base_model=source_model.base_model,
-            model_config=config,
-            lora_config=source_run.lora_config,
-            user_metadata=body.user_metadata or {},
-            creation={"kind": "load_create", **params},
-            max_attempts=settings.job_max_attempts,
-            max_models=limits.max_models,
         )
-        return future(operation)
     if body.model_id is None:
         raise InvalidRequest(
             "load_weights needs model_id and seq_id, or session_id and model_seq_id"
         )
     run = tenant_run(session, tenant, body.model_id)
-    refused = None
-    params = {}
-    try:
-        source_model, _, params = _load_source(session, tenant, body)
-        target = session.get_one(Model, run.model_id)
-        if target.base_model != source_model.base_model or target.config != source_model.config:
-            refused = (
-                f"{body.path} has another base model or LoRA shape than run {run.id}: create a "
-                "training client from it instead (create_training_client_from_state)"
-            )
-    except (InvalidRequest, NotFound) as exc:
-        refused = exc.message
-    return submit(
-        tinker,
-        session,
-        store,
-        run=run,
-        seq_id=body.seq_id,
-        kind="load_weights",
-        params=params,
-        refused=refused,
+    operation, refused = tinker.load_operation(session, tenant=tenant, run=run, body=body)
+    return tinker.submit(
+        session, store, run=run, seq_id=body.seq_id, operation=operation, refused=refused
     )
 
 
 # The sampling, futures and REST-client routes, in modules of their own.
-router.include_router(tinker_sampling.router)
-router.include_router(tinker_futures.router)
-router.include_router(tinker_runs.router)
+router.include_router(sampling.router)
+router.include_router(futures.router)
+router.include_router(rest_client.router)

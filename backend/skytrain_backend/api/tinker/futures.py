@@ -9,32 +9,31 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
-from skytrain_backend import tinker_wire
-from skytrain_backend.api import tinker_schemas as schemas
 from skytrain_backend.api.deps import (
     SessionDep,
     SessionRoute,
     SettingsDep,
     StoreDep,
-    TinkerDep,
     TinkerTenantDep,
     WaitingDep,
 )
-from skytrain_backend.api.tinker import RETRIEVE_WAIT_S
+from skytrain_backend.api.tinker.deps import TinkerDep
+from skytrain_backend.api.tinker.service import RETRIEVE_WAIT_S
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import (
     TinkerRequest,
     TinkerRun,
 )
 from skytrain_backend.errors import RateLimited
-from skytrain_backend.scheduler import tinker as runs
-from skytrain_backend.scheduler import tinker_futures as futures
+from skytrain_backend.protocol import tinker_api as schemas
+from skytrain_backend.protocol import tinker_protobuf
+from skytrain_backend.scheduler.tinker import futures, runs
 
-# Included by the main Tinker router (api/routes/tinker.py), under its /api/v1 prefix.
+# Included by the main Tinker router (api/tinker/training.py), under its /api/v1 prefix.
 router = APIRouter(tags=["tinker"], route_class=SessionRoute)
 
 
-def _pairs_rows(rows: list[Any] | None) -> list[tinker_wire.TopLogprobs] | None:
+def _pairs_rows(rows: list[Any] | None) -> list[tinker_protobuf.TopLogprobs] | None:
     """Top-k rows read back from JSON (pairs stored as lists)."""
     if rows is None:
         return None
@@ -48,23 +47,23 @@ def _result(store: Any, session: Session, row: TinkerRequest) -> Response:
         run = session.get_one(TinkerRun, row.run_id)
         assert row.seq_id is not None
         content = store.get_bytes(runs.output_key(run, row.seq_id))
-        return Response(content, media_type=tinker_wire.PROTOBUF_MEDIA_TYPE)
+        return Response(content, media_type=tinker_protobuf.PROTOBUF_MEDIA_TYPE)
     if row.kind == "sample":
         result = row.result or {}
         sequences = [
-            tinker_wire.SampledSequence(
+            tinker_protobuf.SampledSequence(
                 s["tokens"], s["logprobs"], s["stop_reason"], _pairs_rows(s.get("topk"))
             )
             for s in result["sequences"]
         ]
         scored = result.get("prompt")
         prompt = (
-            tinker_wire.PromptScores(scored["logprobs"], _pairs_rows(scored["topk"]))
+            tinker_protobuf.PromptScores(scored["logprobs"], _pairs_rows(scored["topk"]))
             if scored is not None
             else None
         )
-        content = tinker_wire.encode_sample_response(sequences, prompt)
-        return Response(content, media_type=tinker_wire.PROTOBUF_MEDIA_TYPE)
+        content = tinker_protobuf.encode_sample_response(sequences, prompt)
+        return Response(content, media_type=tinker_protobuf.PROTOBUF_MEDIA_TYPE)
     return JSONResponse(row.result or {})
 
 

@@ -6,24 +6,32 @@ found (404), and nothing says it exists.
 
 from __future__ import annotations
 
-from datetime import timedelta
+import logging
+from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import ColumnElement, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import (
     Checkpoint,
+    Model,
     TinkerCheckpoint,
     TinkerRequest,
     TinkerRun,
     TinkerSampler,
     TinkerSession,
+    TrainingJob,
     utcnow,
 )
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded
+
+logger = logging.getLogger(__name__)
+
+# The kind of a Tinker run's job (``training_jobs.kind``).
+JOB_KIND = "tinker"
 
 # last_request_at and heartbeats are informative: written at most this often per row.
 ACTIVITY_RESOLUTION = timedelta(seconds=10)
@@ -184,3 +192,77 @@ def named_checkpoints(
     if run_id is not None:
         statement = statement.where(TinkerCheckpoint.run_id == run_id)
     return [(named, checkpoint) for named, checkpoint in session.execute(statement)]
+
+
+# --- a run's activity: what placement and fair share ask of it -------------------------------
+
+IN_FLIGHT = ("queued", "running")
+
+
+def operation_in_flight() -> ColumnElement[bool]:
+    """The Tinker run of the job (``TrainingJob`` in the query) has an operation queued or
+    running: its worker needs the run's state."""
+    return exists().where(
+        TinkerRun.job_id == TrainingJob.id,
+        TinkerRequest.run_id == TinkerRun.id,
+        TinkerRequest.status.in_(IN_FLIGHT),
+    )
+
+
+def job_needs_its_worker() -> ColumnElement[bool]:
+    """The job (``TrainingJob`` in the query) needs a worker while it is open: any job but a
+    Tinker run's, which needs one only while an operation of it is queued or running."""
+    return or_(TrainingJob.kind != JOB_KIND, operation_in_flight())
+
+
+def run_used_since(since: datetime) -> ColumnElement[bool]:
+    """The model (``Model`` in the query) is a Tinker run that got a request after ``since``
+    (its operations do not touch the model's ``last_active_at``)."""
+    return exists().where(TinkerRun.model_id == Model.id, TinkerRun.last_request_at > since)
+
+
+def hand_back_idle_run(session: Session, *, model_id: str, why: str) -> bool:
+    """Take the running job of the model (placed, its row locked) back from its worker, if
+    it is a Tinker run's with no operation in flight: queued again, the attempt counted as a
+    preemption, not a failure; the worker gets ``LeaseLost`` at its next call. Whether the
+    model may now leave its worker: True when no job runs on it or its run was taken back;
+    False when one needs the worker (an operation came since the caller looked, or the worker
+    holds the job's row this moment: it is working on the run); the caller then rolls back."""
+    running = select(TrainingJob).where(
+        TrainingJob.model_id == model_id, TrainingJob.status == "running"
+    )
+    jobs = list(session.scalars(running.with_for_update(skip_locked=True)))
+    if len(jobs) != session.scalar(select(func.count()).select_from(running.subquery())):
+        return False  # one is locked: its worker is working on it
+    if any(job.kind != JOB_KIND for job in jobs):
+        return False
+    for job in jobs:
+        # One statement, so that SQLite (no row locks) cannot interleave a worker marking an
+        # operation running between a read here and this write.
+        taken = session.execute(
+            update(TrainingJob)
+            .where(
+                TrainingJob.id == job.id,
+                TrainingJob.status == "running",
+                TrainingJob.attempts == job.attempts,
+                ~operation_in_flight(),
+            )
+            .values(
+                status="queued",
+                worker_id=None,
+                lease_expires_at=None,
+                yield_requested=False,
+                preemptions=TrainingJob.preemptions + 1,
+            )
+            .execution_options(synchronize_session=False)
+        )
+        if taken.rowcount != 1:  # type: ignore[attr-defined]
+            return False
+        logger.info(
+            "Tinker run of model %s has no operation in flight: its job %s is taken back "
+            "from its worker (%s)",
+            model_id,
+            job.id,
+            why,
+        )
+    return True

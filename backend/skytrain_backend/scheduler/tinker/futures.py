@@ -24,7 +24,7 @@ from skytrain_backend.db.models import (
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES
 from skytrain_backend.scheduler.serving import ServingStatus, serving_status
-from skytrain_backend.scheduler.tinker import JOB_KIND, ended_reason, run_job
+from skytrain_backend.scheduler.tinker.runs import JOB_KIND, ended_reason, run_job
 
 # --- futures ------------------------------------------------------------------------------------
 

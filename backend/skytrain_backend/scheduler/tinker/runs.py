@@ -31,11 +31,11 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, Literal
 
-from pydantic import ValidationError
-from sqlalchemy import ColumnElement, exists, func, or_, select, update
+from pydantic import TypeAdapter, ValidationError
+from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -54,14 +54,16 @@ from skytrain_backend.db.models import (
     utcnow,
 )
 from skytrain_backend.db.tenants import TenantLimits
+from skytrain_backend.db.tinker_rows import JOB_KIND
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded, RateLimited
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig, format_validation_error
+from skytrain_backend.protocol.tinker_api import LoraConfig
+from skytrain_backend.protocol.tinker_ops import CreationOperation, TinkerOperation
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
 
 logger = logging.getLogger(__name__)
 
-JOB_KIND = "tinker"
 PROJECT = "tinker"
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
@@ -179,9 +181,9 @@ def create_run(
     model_seq_id: int,
     base_model: str,
     model_config: ModelConfig,
-    lora_config: dict[str, Any],
+    lora: LoraConfig,
     user_metadata: dict[str, Any],
-    creation: dict[str, Any],
+    creation: CreationOperation,
     max_attempts: int,
     max_models: int,
 ) -> TinkerRequest:
@@ -224,13 +226,13 @@ def create_run(
         session_id=tinker_session.id,
         model_id=model.id,
         job_id=job.id,
-        lora_config=lora_config,
+        lora_config=lora.model_dump(mode="json"),
         user_metadata=user_metadata,
     )
     session.add(run)
     session.flush()  # rows without relationships: the unit of work does not order them
     operation = TinkerRequest(
-        tenant_id=tenant.id, run_id=run_id, seq_id=0, kind=creation["kind"], params=creation
+        tenant_id=tenant.id, run_id=run_id, seq_id=0, kind=creation.kind, params=_params(creation)
     )
     session.add(operation)
     try:
@@ -274,13 +276,12 @@ def submit(
     store: ObjectStore,
     run: TinkerRun,
     seq_id: int | None,
-    kind: str,
-    params: dict[str, Any],
+    operation: TinkerOperation,
     limits: TenantLimits,
     body: bytes | None = None,
     refused: str | None = None,
 ) -> TinkerRequest:
-    """Queue one operation of the run; the same ``seq_id`` again returns the same future
+    """Queue ``operation`` as operation ``seq_id`` of the run; the same ``seq_id`` again returns the same future
     (the SDK retries a submission whose answer it did not get).
 
     The run holds at most ``limits.max_queued_operations`` operations not done (one more is a
@@ -296,6 +297,7 @@ def submit(
     """
     if seq_id is None or seq_id < 1:
         raise InvalidRequest(f"seq_id must be 1 or more, not {seq_id}: send it with the tinker SDK")
+    kind, params = operation.kind, _params(operation)
     existing = _find_operation(session, run, seq_id)
     if existing is not None:
         if existing.kind != kind:
@@ -305,15 +307,15 @@ def submit(
             )
         return existing
     check_open(session, run=run)
-    operation = TinkerRequest(
+    row = TinkerRequest(
         tenant_id=run.tenant_id, run_id=run.id, seq_id=seq_id, kind=kind, params=params
     )
     if refused is not None:
-        operation.params = {**params, "refused": True}
-        operation.status = "failed"
-        operation.error = refused
-        operation.error_category = "user"
-        operation.finished_at = utcnow()
+        row.params = {**params, REFUSED: True}
+        row.status = "failed"
+        row.error = refused
+        row.error_category = "user"
+        row.finished_at = utcnow()
     elif body is not None:
         # The body (up to the request limit) goes to the store with no transaction open and
         # no connection held; the run is checked again after. An object whose row never
@@ -322,12 +324,12 @@ def submit(
         session.rollback()
         store.put_bytes(key, body)
         check_open(session, run=run)
-        operation.input_uri = store.uri(key)
-        operation.input_bytes = len(body)
+        row.input_uri = store.uri(key)
+        row.input_bytes = len(body)
     try:
         if refused is None:
-            _reserve(session, run=run, limits=limits, size=operation.input_bytes or 0)
-        session.add(operation)
+            _reserve(session, run=run, limits=limits, size=row.input_bytes or 0)
+        session.add(row)
         run.last_request_at = utcnow()
         session.commit()
     except IntegrityError:
@@ -336,7 +338,7 @@ def submit(
     except (QuotaExceeded, RateLimited) as exc:
         # Refused: its payload goes, unless the same operation sent again (the SDK retries)
         # was queued meanwhile, with its payload at the same key.
-        if operation.input_uri is not None and _find_operation(session, run, seq_id) is None:
+        if row.input_uri is not None and _find_operation(session, run, seq_id) is None:
             store.delete(input_key(run, seq_id))
         if isinstance(exc, RateLimited):
             raise  # a full queue: the SDK sends it again
@@ -346,12 +348,34 @@ def submit(
             store=store,
             run=run,
             seq_id=seq_id,
-            kind=kind,
-            params=params,
+            operation=operation,
             limits=limits,
             refused=exc.message,
         )
-    return operation
+    return row
+
+
+# The mark of an operation refused on arrival: it never reached a worker.
+REFUSED = "refused"
+_OPERATION: TypeAdapter[TinkerOperation] = TypeAdapter(TinkerOperation)
+
+
+def _params(operation: TinkerOperation) -> dict[str, object]:
+    """What a row stores of ``operation`` (its ``kind`` is a column of its own)."""
+    if operation.params is None:
+        return {}
+    return operation.params.model_dump(mode="json", exclude_none=True)
+
+
+def was_refused(row: TinkerRequest) -> bool:
+    return bool(row.params.get(REFUSED))
+
+
+def stored_operation(row: TinkerRequest) -> TinkerOperation:
+    """The operation a row holds, typed by its kind, as the SDK's request made it (a refused
+    step or load has nothing a worker could read: its params are None)."""
+    nothing = was_refused(row) and row.kind in ("optim_step", "load_weights")
+    return _OPERATION.validate_python({"kind": row.kind, "params": None if nothing else row.params})
 
 
 def _find_operation(session: Session, run: TinkerRun, seq_id: int) -> TinkerRequest | None:
@@ -403,78 +427,6 @@ def input_key(run: TinkerRun, seq_id: int) -> str:
 
 
 # --- a run's hold on its worker -----------------------------------------------------------------
-
-IN_FLIGHT = ("queued", "running")
-
-
-def operation_in_flight() -> ColumnElement[bool]:
-    """The Tinker run of the job (``TrainingJob`` in the query) has an operation queued or
-    running: its worker needs the run's state."""
-    return exists().where(
-        TinkerRun.job_id == TrainingJob.id,
-        TinkerRequest.run_id == TinkerRun.id,
-        TinkerRequest.status.in_(IN_FLIGHT),
-    )
-
-
-def job_needs_its_worker() -> ColumnElement[bool]:
-    """The job (``TrainingJob`` in the query) needs a worker while it is open: any job but a
-    Tinker run's, which needs one only while an operation of it is queued or running."""
-    return or_(TrainingJob.kind != JOB_KIND, operation_in_flight())
-
-
-def run_used_since(since: datetime) -> ColumnElement[bool]:
-    """The model (``Model`` in the query) is a Tinker run that got a request after ``since``
-    (its operations do not touch the model's ``last_active_at``)."""
-    return exists().where(TinkerRun.model_id == Model.id, TinkerRun.last_request_at > since)
-
-
-def hand_back_idle_run(session: Session, *, model_id: str, why: str) -> bool:
-    """Take the running job of the model (placed, its row locked) back from its worker, if
-    it is a Tinker run's with no operation in flight: queued again, the attempt counted as a
-    preemption, not a failure; the worker gets ``LeaseLost`` at its next call. Whether the
-    model may now leave its worker: True when no job runs on it or its run was taken back;
-    False when one needs the worker (an operation came since the caller looked, or the worker
-    holds the job's row this moment: it is working on the run); the caller then rolls back."""
-    running = select(TrainingJob).where(
-        TrainingJob.model_id == model_id, TrainingJob.status == "running"
-    )
-    jobs = list(session.scalars(running.with_for_update(skip_locked=True)))
-    if len(jobs) != session.scalar(select(func.count()).select_from(running.subquery())):
-        return False  # one is locked: its worker is working on it
-    if any(job.kind != JOB_KIND for job in jobs):
-        return False
-    for job in jobs:
-        # One statement, so that SQLite (no row locks) cannot interleave a worker marking an
-        # operation running between a read here and this write.
-        taken = session.execute(
-            update(TrainingJob)
-            .where(
-                TrainingJob.id == job.id,
-                TrainingJob.status == "running",
-                TrainingJob.attempts == job.attempts,
-                ~operation_in_flight(),
-            )
-            .values(
-                status="queued",
-                worker_id=None,
-                lease_expires_at=None,
-                yield_requested=False,
-                preemptions=TrainingJob.preemptions + 1,
-            )
-            .execution_options(synchronize_session=False)
-        )
-        if taken.rowcount != 1:  # type: ignore[attr-defined]
-            return False
-        logger.info(
-            "Tinker run of model %s has no operation in flight: its job %s is taken back "
-            "from its worker (%s)",
-            model_id,
-            job.id,
-            why,
-        )
-    return True
-
 
 # --- ending runs --------------------------------------------------------------------------------
 

@@ -1,16 +1,18 @@
 """The Tinker worker protocol (``/v1/worker/tinker/...``): what a worker's Tinker executor and
 the control plane say to each other, typed like the job protocol (``protocol/worker.py``).
 
-A worker leases a run (``TinkerLease``: the run, and the plan to rebuild its state), then asks
-for its operations one by one (``TinkerOperationAnswer``); each operation's ``params`` are
-typed per ``kind`` (a discriminated union), from what the control plane stored when the SDK
-sent it. The worker answers each with ``OperationCompletion``, ``OperationFailure`` or (for
+An operation is one ``TinkerOperation``: a union discriminated by ``kind``, its ``params``
+typed per kind. The control plane's routes build one from the SDK's request and queue it
+(``scheduler/tinker/runs.submit``); a worker leases a run (``TinkerLease``: the run, and the
+plan to rebuild its state), then asks for its operations one by one and gets the same
+operation back (``LeasedOperation``: the operation and where it stands in the run). The worker answers each with ``OperationCompletion``, ``OperationFailure`` or (for
 saves) ``SaveCommit``. The routes declare these as bodies and ``response_model``, and
 ``worker/client.py`` validates every answer with them: a worker and a control plane of
 different versions fail at the first call, saying so.
 
-Parameters the worker does not read (a save's name, a batch's token count) are kept by the
-control plane and ignored here: params are lenient, answers strict where they matter.
+Parameters the worker does not read (a save's name, a batch's token count) travel all the
+same: one type on both sides. Params ignore keys they do not know (rows stored by older
+versions), answers are strict where they matter.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from skytrain_backend.protocol.configs import ModelConfig
+from skytrain_backend.protocol.tinker_api import AdamParams
 from skytrain_backend.protocol.worker import StagedFile
 
 # The longest a worker's wait for the next operation is held.
@@ -72,7 +75,7 @@ class RebuildPlan(BaseModel):
     next_seq: int = Field(ge=0)
 
 
-class TinkerRun(BaseModel):
+class LeasedRun(BaseModel):
     """A leased Tinker run: its job (and attempt), model, and the plan to rebuild it."""
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
@@ -89,7 +92,7 @@ class TinkerRun(BaseModel):
 
 
 class TinkerLease(BaseModel):
-    run: TinkerRun
+    run: LeasedRun
 
 
 # --- operations, typed per kind -----------------------------------------------------------------
@@ -107,65 +110,63 @@ class CreationParams(_Params):
         return RestorePoint(seed=self.seed, checkpoint=self.source, optimizer=self.optimizer)
 
 
-class AdamStep(BaseModel):
+class OptimParams(_Params):
     """One AdamW step's hyperparameters, checked when the SDK sent them."""
 
-    learning_rate: float
-    beta1: float
-    beta2: float
-    eps: float
-    weight_decay: float
-    grad_clip_norm: float
-
-
-class OptimParams(_Params):
-    adam: AdamStep
+    adam: AdamParams
 
 
 class BatchParams(_Params):
-    """A forward or forward-backward: its batch is the operation's input object."""
+    """A forward or forward-backward: its batch is the operation's input object (its size
+    here, for the futures' reports)."""
 
     loss_fn: str | None = None
+    num_datums: int | None = Field(default=None, ge=0)
+    num_tokens: int | None = Field(default=None, ge=0)
 
 
 class SaveParams(_Params):
+    """A save's name (None: a sampler save the SDK did not name), and what the control plane
+    records once its checkpoint is committed."""
+
     name: str | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+    # Set when the save is committed: the step it made, and whether gradients were pending
+    # (a save with none is a restore point).
+    committed_step: int | None = Field(default=None, ge=1)
+    grads_pending: bool | None = None
 
 
 class LoadParams(_Params):
+    """A checkpoint loaded into a live run: ``path`` as the SDK named it."""
+
     source: CheckpointSource
     optimizer: bool = False
+    path: str | None = None
 
 
-class _Operation(BaseModel):
-    seq_id: int = Field(ge=0)
-    request_id: str
-    has_input: bool = False
-    # Refused on arrival (or finished before): the worker only moves past it.
-    finished: bool = False
-
-
-class CreationOperation(_Operation):
+class CreationOperation(BaseModel):
     kind: Literal["create_model", "load_create"]
     params: CreationParams
 
 
-class BatchOperation(_Operation):
+class BatchOperation(BaseModel):
     kind: Literal["forward", "forward_backward"]
     params: BatchParams
 
 
-class OptimOperation(_Operation):
+class OptimOperation(BaseModel):
     kind: Literal["optim_step"]
     params: OptimParams | None = None
 
 
-class SaveOperation(_Operation):
+class SaveOperation(BaseModel):
     kind: Literal["save_weights", "save_weights_for_sampler"]
     params: SaveParams
 
 
-class LoadOperation(_Operation):
+class LoadOperation(BaseModel):
     kind: Literal["load_weights"]
     params: LoadParams | None = None
 
@@ -176,7 +177,15 @@ TinkerOperation = Annotated[
 ]
 
 
-class TinkerOperationAnswer(BaseModel):
+class LeasedOperation(BaseModel):
+    """An operation as a worker gets it: where it stands in its run, and whether it has an
+    input object (a forward-backward's batch)."""
+
+    seq_id: int = Field(ge=0)
+    request_id: str
+    has_input: bool = False
+    # Refused on arrival (or finished before): the worker only moves past it.
+    finished: bool = False
     operation: TinkerOperation
 
 

@@ -1,6 +1,6 @@
-"""What a worker's Tinker executor runs (``api/routes/tinker_worker.py`` serves it): leasing a
+"""What a worker's Tinker executor runs (``api/tinker/worker_routes.py`` serves it): leasing a
 run with the plan to rebuild its state, its operations in ``seq_id`` order, their results,
-failures and saves. The runs themselves, their queue and their names: ``scheduler.tinker``.
+failures and saves. The runs themselves, their queue and their names: ``scheduler.tinker.runs``.
 """
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from pydantic import TypeAdapter
 from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
 
@@ -28,15 +27,17 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded
 from skytrain_backend.protocol import ModelConfig, StagedFile
-from skytrain_backend.protocol import tinker as wire
-from skytrain_backend.protocol.tinker import CREATIONS, SAVES, STATE_CHANGES
+from skytrain_backend.protocol import tinker_ops as ops
+from skytrain_backend.protocol.tinker_ops import CREATIONS, STATE_CHANGES
 from skytrain_backend.scheduler import queue
-from skytrain_backend.scheduler.tinker import (
+from skytrain_backend.scheduler.tinker.runs import (
     FINISHED,
     JOB_KIND,
     CheckpointKind,
     TinkerPath,
     output_key,
+    stored_operation,
+    was_refused,
 )
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
@@ -44,14 +45,14 @@ from skytrain_backend.storage.base import ObjectStore
 # --- what a worker runs -------------------------------------------------------------------------
 
 
-def lease_run(session: Session, *, worker: Worker, lease_s: float) -> wire.TinkerRun | None:
+def lease_run(session: Session, *, worker: Worker, lease_s: float) -> ops.LeasedRun | None:
     """A queued run of a model placed on the worker, with the plan to rebuild its state."""
     job = queue.lease_job(session, worker=worker, lease_s=lease_s, kinds=(JOB_KIND,))
     if job is None:
         return None
     run = session.scalars(select(TinkerRun).where(TinkerRun.job_id == job.id)).one()
     model = session.get_one(Model, run.model_id)
-    return wire.TinkerRun(
+    return ops.LeasedRun(
         job_id=job.id,
         attempt=job.attempts,
         run_id=run.id,
@@ -63,7 +64,7 @@ def lease_run(session: Session, *, worker: Worker, lease_s: float) -> wire.Tinke
     )
 
 
-def plan(session: Session, *, run: TinkerRun) -> wire.RebuildPlan:
+def plan(session: Session, *, run: TinkerRun) -> ops.RebuildPlan:
     """How a worker rebuilds the run's state: where from (``restore``), which finished
     operations to rerun (``replay``), and the first operation still to run (``next_seq``)."""
     operations = list(
@@ -79,7 +80,7 @@ def plan(session: Session, *, run: TinkerRun) -> wire.RebuildPlan:
             break
         finished.append(operation)
     if not finished or finished[0].status != "succeeded":
-        return wire.RebuildPlan(restore=None, replay=[], next_seq=len(finished))
+        return ops.RebuildPlan(restore=None, replay=[], next_seq=len(finished))
     restore_at = 0
     restore = _restore_from(finished[0])
     for operation in reversed(finished):
@@ -94,23 +95,31 @@ def plan(session: Session, *, run: TinkerRun) -> wire.RebuildPlan:
     replay = [
         op.seq_id or 0
         for op in finished[restore_at + 1 :]
-        if op.kind in STATE_CHANGES and not op.params.get("refused")
+        if op.kind in STATE_CHANGES and not was_refused(op)
     ]
-    return wire.RebuildPlan(restore=restore, replay=replay, next_seq=len(finished))
+    return ops.RebuildPlan(restore=restore, replay=replay, next_seq=len(finished))
 
 
-def _restore_from(creation: TinkerRequest) -> wire.RestorePoint:
-    return wire.CreationParams.model_validate(creation.params).restore()
+def _restore_from(row: TinkerRequest) -> ops.RestorePoint:
+    """Where a creation, or a load into the run, starts the run's state."""
+    operation = stored_operation(row)
+    if isinstance(operation, ops.CreationOperation):
+        return operation.params.restore()
+    if isinstance(operation, ops.LoadOperation) and operation.params is not None:
+        source = operation.params
+        return ops.RestorePoint(checkpoint=source.source, optimizer=source.optimizer)
+    raise ValueError(f"a {row.kind} is no restore point")
 
 
 def _restore_point(
     session: Session, *, run: TinkerRun, operation: TinkerRequest
-) -> wire.RestorePoint | None:
+) -> ops.RestorePoint | None:
     if operation.kind in CREATIONS or operation.kind == "load_weights":
         return _restore_from(operation)
-    if operation.kind not in SAVES or operation.params.get("grads_pending", True):
+    save = stored_operation(operation)
+    if not isinstance(save, ops.SaveOperation) or save.params.grads_pending is not False:
         return None
-    step = operation.params.get("committed_step")
+    step = save.params.committed_step
     live = session.scalar(
         select(Checkpoint.id).where(
             Checkpoint.model_id == run.model_id,
@@ -120,8 +129,8 @@ def _restore_point(
     )
     if live is None or step is None:
         return None
-    return wire.RestorePoint(
-        checkpoint=wire.CheckpointSource(model_id=run.model_id, step=int(step)), optimizer=True
+    return ops.RestorePoint(
+        checkpoint=ops.CheckpointSource(model_id=run.model_id, step=int(step)), optimizer=True
     )
 
 
@@ -131,25 +140,15 @@ def leased_run(session: Session, *, worker: Worker, job_id: str, attempt: int) -
     return session.scalars(select(TinkerRun).where(TinkerRun.job_id == job.id)).one()
 
 
-_OPERATION: TypeAdapter[wire.TinkerOperation] = TypeAdapter(wire.TinkerOperation)
-
-
-def operation_for_worker(operation: TinkerRequest) -> wire.TinkerOperation:
-    """An operation as a worker runs it, its parameters typed by its kind."""
-    refused = bool(operation.params.get("refused"))
-    return _OPERATION.validate_python(
-        {
-            "seq_id": operation.seq_id,
-            "request_id": operation.id,
-            "kind": operation.kind,
-            # A refused step or load has nothing a worker could read.
-            "params": None
-            if refused and operation.kind in ("optim_step", "load_weights")
-            else operation.params,
-            "has_input": operation.input_uri is not None,
-            # Refused on arrival: the worker only moves past it.
-            "finished": operation.status in FINISHED,
-        }
+def operation_for_worker(row: TinkerRequest) -> ops.LeasedOperation:
+    """An operation as a worker runs it: the one the SDK's request made, where it stands."""
+    return ops.LeasedOperation(
+        seq_id=row.seq_id or 0,
+        request_id=row.id,
+        operation=stored_operation(row),
+        has_input=row.input_uri is not None,
+        # Refused on arrival: the worker only moves past it.
+        finished=row.status in FINISHED,
     )
 
 
@@ -207,10 +206,10 @@ def readable_checkpoint(
     session: Session, *, run: TinkerRun, model_id: str, step: int
 ) -> Checkpoint:
     """A checkpoint the run may load: its own model's, or one its operations named."""
+    named = ops.CheckpointSource(model_id=model_id, step=step)
     allowed = model_id == run.model_id or any(
-        (op.params.get("source") or {}).get("model_id") == model_id
-        and (op.params.get("source") or {}).get("step") == step
-        for op in session.scalars(
+        _source(stored_operation(row)) == named
+        for row in session.scalars(
             select(TinkerRequest).where(
                 TinkerRequest.run_id == run.id,
                 TinkerRequest.kind.in_(("load_create", "load_weights")),
@@ -223,6 +222,14 @@ def readable_checkpoint(
     if not allowed or checkpoint is None or checkpoint.uri is None:
         raise NotFound(f"run {run.id} has no checkpoint {model_id} step {step} to load")
     return checkpoint
+
+
+def _source(operation: ops.TinkerOperation) -> ops.CheckpointSource | None:
+    if isinstance(operation, ops.CreationOperation):
+        return operation.params.source
+    if isinstance(operation, ops.LoadOperation) and operation.params is not None:
+        return operation.params.source
+    return None
 
 
 def _finish(operation: TinkerRequest, *, result: dict[str, Any] | None = None) -> None:
@@ -239,7 +246,7 @@ def complete(
     job_id: str,
     attempt: int,
     seq_id: int,
-    result: wire.OperationResult,
+    result: ops.OperationResult,
     has_output: bool,
 ) -> str:
     """Record an operation's result (an output object already uploaded, if ``has_output``);
@@ -266,13 +273,17 @@ def complete(
 
 
 def _public_result(
-    run: TinkerRun, operation: TinkerRequest, reported: wire.OperationResult
+    run: TinkerRun, operation: TinkerRequest, reported: ops.OperationResult
 ) -> dict[str, Any]:
     """What the future answers, in the SDK's response shape for the operation."""
     if operation.kind == "create_model":
         return {"model_id": run.id, "type": "create_model"}
     if operation.kind in ("load_create", "load_weights"):
-        return {"model_id": run.id, "path": operation.params.get("path"), "type": "load_weights"}
+        loaded = stored_operation(operation)
+        params = (
+            loaded.params if isinstance(loaded, ops.CreationOperation | ops.LoadOperation) else None
+        )
+        return {"model_id": run.id, "path": params and params.path, "type": "load_weights"}
     if operation.kind == "optim_step":
         return {"metrics": reported.metrics or {}}
     return {}
@@ -387,8 +398,8 @@ def commit_save(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
     model = session.get_one(Model, model_id)
-    params = dict(operation.params)
-    name = params.get("name")
+    params = _save_params(operation)
+    name = params.name
     kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
     existing = _named(session, run=run, kind=kind, name=name)
     if reuse_step is not None:
@@ -419,7 +430,7 @@ def commit_save(
                     kind=kind,
                     name=name,
                     step=step,
-                    user_metadata=params.get("user_metadata") or {},
+                    user_metadata=params.user_metadata or {},
                 )
             )
         result = {"path": TinkerPath.of(run.id, kind, name), "type": operation.kind}
@@ -430,14 +441,21 @@ def commit_save(
         session.add(sampler)
         session.flush()
         result = {"sampling_session_id": sampler.id, "type": operation.kind}
-    params.update(committed_step=step, grads_pending=grads_pending)
-    operation.params = params
+    committed = params.model_copy(update={"committed_step": step, "grads_pending": grads_pending})
+    operation.params = {**operation.params, **committed.model_dump(mode="json", exclude_none=True)}
     model.last_active_at = utcnow()
     _finish(operation, result=result)
     session.commit()
     if reuse_step is None:
         store.delete_prefix(staged + "attempts/")
     return operation.id
+
+
+def _save_params(row: TinkerRequest) -> ops.SaveParams:
+    save = stored_operation(row)
+    if not isinstance(save, ops.SaveOperation):
+        raise InvalidRequest(f"operation {row.seq_id} is a {row.kind}, not a save")
+    return save.params
 
 
 def _reserve_save(
@@ -510,13 +528,13 @@ def _check_save(
         session.rollback()
         return operation.id
     model = session.get_one(Model, run.model_id)
-    params = operation.params
+    params = _save_params(operation)
     kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
-    existing = _named(session, run=run, kind=kind, name=params.get("name"))
-    if existing is not None and not params.get("overwrite"):
+    existing = _named(session, run=run, kind=kind, name=params.name)
+    if existing is not None and not params.overwrite:
         operation.status = "failed"
         operation.error = (
-            f"run {run.id} already has a checkpoint named {params.get('name')!r}: choose "
+            f"run {run.id} already has a checkpoint named {params.name!r}: choose "
             "another name, or pass overwrite=True"
         )
         operation.error_category = "user"

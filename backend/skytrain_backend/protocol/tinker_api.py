@@ -138,6 +138,9 @@ class GetInfoResponse(BaseModel):
 
 
 class AdamParams(_Request):
+    """One AdamW step's hyperparameters as the SDK sends them (no clipping at 0): checked on
+    arrival, carried by the ``optim_step`` operation, applied by ``trainer.primitives``."""
+
     model_config = ConfigDict(extra="forbid")
 
     learning_rate: float = Field(default=1e-4, ge=0, allow_inf_nan=False)
@@ -230,7 +233,9 @@ class ModelInput(_Request):
         return tokens
 
 
-class SamplingParams(_Request):
+class TinkerSamplingParams(_Request):
+    """The SDK's ``SamplingParams`` (``sampling_params`` of a sample request)."""
+
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     seed: Seed | None = None
     stop: (
@@ -257,7 +262,7 @@ MAX_TOP_LOGPROBS = 20
 class SampleRequest(_Request):
     num_samples: int = Field(default=1, ge=1, le=MAX_SAMPLES)
     prompt: ModelInput
-    sampling_params: SamplingParams
+    sampling_params: TinkerSamplingParams
     base_model: TinkerName | None = None
     model_path: TinkerName | None = None
     sampling_session_id: TinkerId | None = None

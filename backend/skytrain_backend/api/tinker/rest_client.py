@@ -7,14 +7,13 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from sqlalchemy.orm import Session
 
-from skytrain_backend.api import tinker_schemas as schemas
 from skytrain_backend.api.deps import (
     SessionDep,
     SessionRoute,
     TinkerTenantDep,
 )
-from skytrain_backend.api.routes.tinker_common import PathId
-from skytrain_backend.db import tinker as tinker_rows
+from skytrain_backend.api.tinker.deps import PathId
+from skytrain_backend.db import tinker_rows
 from skytrain_backend.db.models import (
     Checkpoint,
     Model,
@@ -23,10 +22,11 @@ from skytrain_backend.db.models import (
     TinkerRun,
 )
 from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.protocol import tinker_api as schemas
 from skytrain_backend.ranges import INT32_MAX
-from skytrain_backend.scheduler import tinker as runs
+from skytrain_backend.scheduler.tinker import runs
 
-# Included by the main Tinker router (api/routes/tinker.py), under its /api/v1 prefix.
+# Included by the main Tinker router (api/tinker/training.py), under its /api/v1 prefix.
 router = APIRouter(tags=["tinker"], route_class=SessionRoute)
 
 

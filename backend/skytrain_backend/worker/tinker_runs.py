@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from skytrain_backend import tinker_wire
 from skytrain_backend.errors import LeaseLost, SkytrainError, TrainingError
-from skytrain_backend.protocol import ModelConfig, StagedFile
-from skytrain_backend.protocol.tinker import (
+from skytrain_backend.protocol import ModelConfig, StagedFile, tinker_protobuf
+from skytrain_backend.protocol.tinker_ops import (
     BatchOperation,
     CreationOperation,
+    LeasedOperation,
     LoadOperation,
     OperationCompletion,
     OperationFailure,
@@ -261,7 +261,7 @@ class TinkerExecutor:
                 run.ended = "cancelled"
                 return
 
-    async def _next(self, run: _Run) -> TinkerOperation | None:
+    async def _next(self, run: _Run) -> LeasedOperation | None:
         return await self._cp.tinker_next(
             run.job_id, attempt=run.attempt, seq_id=run.next_seq, wait_s=NEXT_WAIT_S
         )
@@ -279,9 +279,9 @@ class TinkerExecutor:
         await self._build(run, restore)
         for seq_id in run.plan.replay:
             run.check()
-            operation = await self._cp.tinker_operation(run.job_id, seq_id, attempt=run.attempt)
+            leased = await self._cp.tinker_operation(run.job_id, seq_id, attempt=run.attempt)
             with contextlib.suppress(TrainingError):
-                await self._change_state(run, operation)
+                await self._change_state(run, leased.operation, seq_id=seq_id)
         logger.info(
             "Tinker run %s rebuilt: %d operations replayed", run.run_id, len(run.plan.replay)
         )
@@ -344,10 +344,10 @@ class TinkerExecutor:
 
     # --- operations -----------------------------------------------------------------------------
 
-    async def _execute(self, run: _Run, operation: TinkerOperation) -> None:
-        if operation.finished:
+    async def _execute(self, run: _Run, leased: LeasedOperation) -> None:
+        if leased.finished:
             return
-        seq_id = operation.seq_id
+        seq_id, operation = leased.seq_id, leased.operation
         if isinstance(operation, CreationOperation):
             try:
                 await self._build(run, operation.params.restore())
@@ -361,10 +361,10 @@ class TinkerExecutor:
             await self._complete(run, seq_id, OperationResult())
             return
         if isinstance(operation, SaveOperation):
-            await self._save(run, operation)
+            await self._save(run, operation, seq_id=seq_id)
             return
         try:
-            result, output = await self._change_state(run, operation)
+            result, output = await self._change_state(run, operation, seq_id=seq_id)
         except TrainingError as exc:
             await self._cp.tinker_fail(
                 run.job_id, seq_id, OperationFailure(attempt=run.attempt, error=exc.message)
@@ -376,7 +376,7 @@ class TinkerExecutor:
                 seq_id,
                 attempt=run.attempt,
                 content=output,
-                media_type=tinker_wire.PROTOBUF_MEDIA_TYPE,
+                media_type=tinker_protobuf.PROTOBUF_MEDIA_TYPE,
             )
         await self._complete(run, seq_id, result, has_output=output is not None)
 
@@ -387,7 +387,7 @@ class TinkerExecutor:
         await self._cp.tinker_complete(run.job_id, seq_id, completion)
 
     async def _change_state(
-        self, run: _Run, operation: TinkerOperation
+        self, run: _Run, operation: TinkerOperation, *, seq_id: int
     ) -> tuple[OperationResult, bytes | None]:
         """Run a forward, forward-backward, optimizer step or load: its result and output."""
         from skytrain_backend.trainer import primitives
@@ -405,15 +405,17 @@ class TinkerExecutor:
         if isinstance(operation, OptimOperation):
             if operation.params is None:
                 raise TrainingError("the optimizer step was refused: nothing to apply")
-            adam = primitives.AdamParams(**operation.params.adam.model_dump())
+            adam = operation.params.adam
             async with self._turn(run, operation.kind):
                 metrics = await asyncio.to_thread(primitives.adam_step, trainer, adam)
             run.saved_step = None
             return OperationResult(metrics=metrics), None
         if not isinstance(operation, BatchOperation):
             raise TrainingError(f"a {operation.kind} does not change a run's state")
-        body = await self._input(run, operation.seq_id)
-        batch = tinker_wire.parse_forward_backward(body, max_tokens=run.model_config.max_seq_length)
+        body = await self._input(run, seq_id)
+        batch = tinker_protobuf.parse_forward_backward(
+            body, max_tokens=run.model_config.max_seq_length
+        )
         examples = [
             primitives.Example(
                 tokens=datum.tokens,
@@ -430,7 +432,7 @@ class TinkerExecutor:
                 config=batch.loss_config,
                 backward=operation.kind == "forward_backward",
             )
-        return OperationResult(), tinker_wire.encode_forward_backward_output(logprobs, metrics)
+        return OperationResult(), tinker_protobuf.encode_forward_backward_output(logprobs, metrics)
 
     async def _input(self, run: _Run, seq_id: int) -> bytes:
         target = self._work_dir / "tinker" / run.job_id / f"{seq_id}.pb"
@@ -440,7 +442,7 @@ class TinkerExecutor:
         finally:
             target.unlink(missing_ok=True)
 
-    async def _save(self, run: _Run, operation: SaveOperation) -> None:
+    async def _save(self, run: _Run, operation: SaveOperation, *, seq_id: int) -> None:
         """Write the checkpoint (unless the weights did not change since the last one), load
         a sampler save into the engine, then commit it."""
         from skytrain_backend.trainer import primitives
@@ -475,7 +477,7 @@ class TinkerExecutor:
             served=served,
         )
         try:
-            await self._cp.tinker_save(run.job_id, operation.seq_id, commit)
+            await self._cp.tinker_save(run.job_id, seq_id, commit)
         except BaseException:
             if served:  # never committed: served to no one, and its name is free again
                 await self._adapters.unload((run.model_id, step))
