@@ -62,7 +62,7 @@ Modules: ``advantages``, ``tokenize``, ``packing``, ``art_layout``, ``loss`` (pu
 ``plans`` (a job's steps before they run), ``trainer`` (the one ``Trainer`` class: the policy,
 its optimizer and step, loading, saving, the optimizer step and the loop), ``rl`` and ``sft``
 (each job kind as functions over a ``Trainer``: ``prepare``, ``pending_steps``,
-``train_step``), ``rl_rows`` (an RL batch as steps and rows), ``progress`` (a job's state
+``train_step``; they name it by ``state.TrainerState``, a Protocol), ``rl_rows`` (an RL batch as steps and rows), ``progress`` (a job's state
 between two steps), ``primitives`` (Tinker's calls over a ``Trainer``), ``distributed`` (one
 trainer as several torchrun processes, the base sharded with FSDP2:
 ``Trainer.load(shards=Shards.from_environment())``) and ``job`` (the entry point those

@@ -9,7 +9,6 @@ import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -50,14 +49,12 @@ from skytrain_backend.trainer.rl_rows import (
     steps_over_groups,
     steps_per_row,
 )
+from skytrain_backend.trainer.state import TrainerState
 from skytrain_backend.trainer.tokenize import TokenizedSequence, tokenize_rl_groups
-
-if TYPE_CHECKING:
-    from skytrain_backend.trainer.trainer import Trainer
 
 
 def prepare(
-    trainer: Trainer,
+    trainer: TrainerState,
     groups: Sequence[TrajectoryGroup],
     config: RLTrainConfig,
     *,
@@ -173,7 +170,7 @@ def prepare(
 
 
 def _resumed_plan(
-    trainer: Trainer,
+    trainer: TrainerState,
     config: RLTrainConfig,
     steps: list[Packing],
     summary: Metrics,
@@ -208,7 +205,7 @@ def _resumed_plan(
 
 @torch.no_grad()
 def _old_logprobs(
-    trainer: Trainer, steps: Sequence[Packing], config: RLTrainConfig, agreement: Agreement
+    trainer: TrainerState, steps: Sequence[Packing], config: RLTrainConfig, agreement: Agreement
 ) -> list[list[torch.Tensor | None]]:
     """The old logprobs of every row of ``steps``, read in a pass without gradient."""
     trainer.policy.model.eval()
@@ -225,7 +222,7 @@ def _old_logprobs(
     return old
 
 
-def _finish_agreement(trainer: Trainer, plan: RLPlan, agreement: Agreement) -> None:
+def _finish_agreement(trainer: TrainerState, plan: RLPlan, agreement: Agreement) -> None:
     if trainer.shards.sharded:
         parts = trainer.shards.gather(([d.cpu() for d in agreement.differences], agreement.missing))
         agreement = Agreement(
@@ -237,7 +234,7 @@ def _finish_agreement(trainer: Trainer, plan: RLPlan, agreement: Agreement) -> N
     plan.agreement = None
 
 
-def pending_steps(trainer: Trainer, plan: RLPlan) -> Iterator[Callable[[], Metrics]]:
+def pending_steps(trainer: TrainerState, plan: RLPlan) -> Iterator[Callable[[], Metrics]]:
     """The plan's steps not done yet, ART's warm-up step first where it is due."""
     with out_of_memory_as_error("ART's warm-up step", trainer.policy.device):
         art_warmup(trainer, plan)
@@ -245,7 +242,7 @@ def pending_steps(trainer: Trainer, plan: RLPlan) -> Iterator[Callable[[], Metri
         yield functools.partial(train_step, trainer, plan, index)
 
 
-def remaining_old_logprobs(trainer: Trainer, plan: RLPlan) -> list[list[torch.Tensor]]:
+def remaining_old_logprobs(trainer: TrainerState, plan: RLPlan) -> list[list[torch.Tensor]]:
     """The old logprobs of every row of the steps still to run, on the CPU, for the job's
     saved progress: each rank read its own rows before the first update, so the ranks'
     parts are gathered (every rank gets them all)."""
@@ -264,7 +261,7 @@ def remaining_old_logprobs(trainer: Trainer, plan: RLPlan) -> list[list[torch.Te
     ]
 
 
-def art_warmup(trainer: Trainer, plan: RLPlan) -> None:
+def art_warmup(trainer: TrainerState, plan: RLPlan) -> None:
     """ART's warm-up step (``warmup_step``), taken once by a trainer whose optimizer has
     no state yet, before the plan's first step: the first row cut to ART's warm-up
     length, at learning rate 1e-9 times its rate multiplier, without a KL penalty, the
@@ -293,7 +290,7 @@ def art_warmup(trainer: Trainer, plan: RLPlan) -> None:
     train_step(trainer, warmup, 0)
 
 
-def train_step(trainer: Trainer, plan: RLPlan, index: int) -> Metrics:
+def train_step(trainer: TrainerState, plan: RLPlan, index: int) -> Metrics:
     config, packing = plan.config, plan.steps[index]
     trainer.policy.model.train()
     # Gradients left by a step that failed halfway must not leak into this one.
@@ -396,7 +393,7 @@ def train_step(trainer: Trainer, plan: RLPlan, index: int) -> Metrics:
 
 @torch.no_grad()
 def _art_kl_inputs(
-    trainer: Trainer,
+    trainer: TrainerState,
     packing: Packing,
     index: int,
     old_logprobs: Sequence[torch.Tensor | None],

@@ -10,7 +10,6 @@ import random
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from skytrain_backend.errors import TrainingError
 from skytrain_backend.protocol import (
@@ -27,17 +26,15 @@ from skytrain_backend.trainer.plans import (
     SFTPlan,
 )
 from skytrain_backend.trainer.progress import Position, Progress
+from skytrain_backend.trainer.state import TrainerState
 from skytrain_backend.trainer.tokenize import (
     TokenizedSequence,
     tokenize_sft_trajectories,
 )
 
-if TYPE_CHECKING:
-    from skytrain_backend.trainer.trainer import Trainer
-
 
 def prepare(
-    trainer: Trainer,
+    trainer: TrainerState,
     trajectories: Sequence[Trajectory],
     config: SFTTrainConfig,
     *,
@@ -134,7 +131,7 @@ def prepare(
     )
 
 
-def pending_steps(trainer: Trainer, plan: SFTPlan) -> Iterator[Callable[[], Metrics]]:
+def pending_steps(trainer: TrainerState, plan: SFTPlan) -> Iterator[Callable[[], Metrics]]:
     """The plan's steps not done yet. The batches of the steps done are made again and
     dropped: each epoch's shuffle draws from one seeded generator, so the later ones depend
     on the earlier ones."""
@@ -144,7 +141,7 @@ def pending_steps(trainer: Trainer, plan: SFTPlan) -> Iterator[Callable[[], Metr
 
 
 def train_step(
-    trainer: Trainer,
+    trainer: TrainerState,
     index: int,
     sequences: list[TokenizedSequence],
     learning_rate: float,
