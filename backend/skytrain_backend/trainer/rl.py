@@ -60,6 +60,7 @@ def prepare(
     *,
     separate_pass: bool = False,
     resume_from: Path | None = None,
+    reference: Path | None = None,
 ) -> RLPlan:
     """Tokenize, split into steps and pack ``groups``; read the old logprobs of the rows
     that the first step's forward pass will not read, without gradient. Raises
@@ -71,7 +72,11 @@ def prepare(
 
     ``resume_from``: the directory ``save_progress`` wrote for this job (this trainer
     loaded from it): the plan continues after the steps done there, with the old
-    logprobs, summary and metrics saved then (nothing is read again)."""
+    logprobs, summary and metrics saved then (nothing is read again).
+
+    ``reference``: the checkpoint directory of the KL penalty's reference policy (the
+    config's ``kl_penalty_reference_step`` / ``kl_penalty_step_lag``, fetched by the
+    worker), loaded as a second adapter; None: the base model is the reference."""
     trainer.check_not_released()
     policy_loss_function(config.loss_fn)  # an unknown loss fails before any work
     try:
@@ -91,6 +96,11 @@ def prepare(
         art_rules=art,
     )
     trainer.check_vocabulary(batch.sequences)
+    trainer.policy.set_reference(
+        reference if config.kl_penalty_coef > 0 else None,
+        model_config=trainer.model_config,
+        name=f"the KL reference checkpoint (step {config.kl_reference_step(trainer.step)})",
+    )
     seed = config.seed + trainer.step
     num_steps = config.num_gradient_steps
     if isinstance(num_steps, int):
@@ -356,7 +366,7 @@ def train_step(trainer: TrainerState, plan: RLPlan, index: int) -> Metrics:
         if config.kl_penalty_coef > 0 and not art_kl:
             with (
                 torch.no_grad(),
-                trainer.policy.adapter_disabled(),
+                trainer.policy.reference(),
                 trainer.row_masks(config.seed, index, position, stream="reference"),
             ):
                 reference, _ = trainer.policy.site_logprobs(row, chunk_size=chunk_size)
@@ -399,7 +409,8 @@ def _art_kl_inputs(
     old_logprobs: Sequence[torch.Tensor | None],
     config: RLTrainConfig,
 ) -> tuple[dict[int, torch.Tensor], float]:
-    """The reference (base model) logprobs of each row of a step, and the mean over the
+    """The reference (``Policy.reference``: the base model or the job's reference checkpoint)
+    logprobs of each row of a step, and the mean over the
     step's tokens of the KL ART shapes advantages with: log pi_source - log pi_ref, the
     source being the sampler (the old logprobs, all read before the step for this) or the
     current policy (read here, as the step's own forward pass will compute it). Each rank
@@ -409,7 +420,7 @@ def _art_kl_inputs(
     total, count = 0.0, 0
     for position, row, scale in trainer.shards.rows(packing.rows):
         with (
-            trainer.policy.adapter_disabled(),
+            trainer.policy.reference(),
             trainer.row_masks(config.seed, index, position, stream="reference"),
         ):
             reference, _ = trainer.policy.site_logprobs(row, chunk_size=chunk_size)

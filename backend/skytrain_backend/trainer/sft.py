@@ -63,6 +63,7 @@ def prepare(
         trainer.policy.tokenizer, trajectories, assistant_turns=config.assistant_turns
     )
     trainer.check_vocabulary(sequences)
+    trainer.policy.set_reference(None, model_config=trainer.model_config)  # an RL job's KL
     requested = trainer.model_config.max_seq_length
     row_length = trainer.row_length(requested)
     by_trajectory: defaultdict[int, list[TokenizedSequence]] = defaultdict(list)

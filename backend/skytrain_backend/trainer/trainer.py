@@ -421,10 +421,17 @@ class Trainer:
         *,
         separate_pass: bool = False,
         resume_from: Path | None = None,
+        reference: Path | None = None,
     ) -> RLPlan:
-        """``rl.prepare``: an RL job's plan (TrainingError for input it cannot train on)."""
+        """``rl.prepare``: an RL job's plan (TrainingError for input it cannot train on);
+        ``reference``: the KL penalty's reference checkpoint (None: the base model)."""
         return rl.prepare(
-            self, groups, config, separate_pass=separate_pass, resume_from=resume_from
+            self,
+            groups,
+            config,
+            separate_pass=separate_pass,
+            resume_from=resume_from,
+            reference=reference,
         )
 
     def prepare_sft(
