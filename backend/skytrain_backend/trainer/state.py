@@ -22,10 +22,12 @@ class TrainerState(Protocol):
     """A policy, its optimizer and the checkpoint step it is at (``trainer.Trainer``)."""
 
     policy: Policy
-    optimizer: torch.optim.Optimizer
     model_config: ModelConfig
     shards: Shards
     step: int
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
 
     def check_not_released(self) -> None: ...
 
