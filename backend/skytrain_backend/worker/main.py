@@ -32,6 +32,7 @@ import uvicorn
 
 from skytrain_backend import __version__, tls
 from skytrain_backend.config import EngineKind, Settings
+from skytrain_backend.connections import ConnectionLimits, guarded_protocol
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.observability.http import Observe
 from skytrain_backend.worker.agent import AgentOptions, WorkerAgent
@@ -167,6 +168,12 @@ def _write_tls_files(directory: Path, certificate: str, key: str) -> tuple[Path,
     return certificate_path, key_path
 
 
+def front_door_protocol(settings: Settings) -> type[asyncio.Protocol]:
+    """The front door's HTTP protocol: uvicorn's, counted and timed before a request is
+    parsed (``connections.py``, ``ConnectionLimits.for_front_door``)."""
+    return guarded_protocol(ConnectionLimits.for_front_door(settings))
+
+
 class _FrontDoorServer(uvicorn.Server):
     """uvicorn inside the worker's event loop: the worker handles SIGTERM/SIGINT itself."""
 
@@ -187,7 +194,13 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     from skytrain_backend.engine.launcher import EngineProcess
     from skytrain_backend.engine.options import EngineOptions
     from skytrain_backend.planning import lora_rank_slot
-    from skytrain_backend.worker.sizing import check_machine, size_this_worker, this_machine
+    from skytrain_backend.worker.sizing import (
+        check_machine,
+        cuda_gpus,
+        size_this_worker,
+        this_machine,
+    )
+    from skytrain_backend.worker.trainer_python import trainer_python
 
     # The memory plan fills in what the worker was not told (on CUDA; worker.sizing).
     sizing = await asyncio.to_thread(size_this_worker, settings, base_model=config.base_model)
@@ -244,6 +257,9 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
         uvicorn.Config(
             # Each request's id (the gateway's) binds to its log lines and goes to the engine.
             Observe(front_door, count=False),
+            # Connections counted and timed before a request is parsed, as the control
+            # plane's (connections.py): the front door is reachable from the internet.
+            http=front_door_protocol(settings),
             log_config=None,
             ssl_certfile=str(certificate_path),
             ssl_keyfile=str(key_path),
@@ -297,6 +313,12 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             trainer_memory_limit_bytes=limit_mb * 1024 * 1024 if limit_mb else None,
             trainer_options=sizing.trainer,
             trainer_shards=sizing.trainer_shards,
+            trainer_python=trainer_python(
+                settings.unsloth_python,
+                cuda=cuda_gpus() is not None,
+                trainer_shards=sizing.trainer_shards,
+                device=config.device,
+            ),
             tinker_max_runs=settings.worker_tinker_max_runs,
             hardware=_hardware(),
             version=__version__,
