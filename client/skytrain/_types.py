@@ -68,6 +68,10 @@ class TrainConfig(_SentConfig):
     truncated_importance_sampling: float | None = Field(default=None, gt=0, le=1e3)
     kl_penalty_coef: float | None = Field(default=None, ge=0, le=1e3)
     kl_penalty_source: Literal["current_learner", "sample"] | None = None
+    # The KL reference: the model's own checkpoint at this step (0: the base model), or at the
+    # step the job makes minus this lag; at most one of the two.
+    kl_penalty_reference_step: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    kl_penalty_step_lag: int | None = Field(default=None, ge=1, le=INT32_MAX)
     scale_rewards: bool | None = None
     allow_training_without_logprobs: bool | None = None
     unsampled_old_logprobs: Literal["job_start", "current"] | None = None

@@ -209,11 +209,23 @@ def test_unknown_art_options_are_refused_naming_the_known_ones(art: OpenAI, call
     assert "preset" not in message
 
 
-def test_art_options_skytrain_lacks_are_refused_when_set(art: OpenAI, caller: Caller) -> None:
-    """ART sends them null by default (accepted); a value is refused, saying why."""
+def test_art_kl_references_that_are_not_the_models_own_checkpoints_are_refused(
+    art: OpenAI, caller: Caller
+) -> None:
+    """ART's KL reference keys: a step the model has no checkpoint at, or a path (never read
+    on the server), is a 400 naming the key; step 0, the base model, is always there."""
     body = art_train_request(caller.create_model()["id"], [group(1.0, 0.0)])
-    for key, value in (("kl_ref_adapter_path", "/etc"), ("kl_penalty_reference_step", 3)):
+    for key, value, said in (
+        ("kl_ref_adapter_path", "/etc", "kl_ref_adapter_path: it is not a checkpoint of model"),
+        ("kl_penalty_reference_step", 3, "kl_penalty_reference_step=3: model"),
+    ):
         sent = {**body, "experimental_config": {**body["experimental_config"], key: value}}
         response = caller.http.post("/v1/preview/training-jobs", json=sent)
         assert response.status_code == 400
-        assert f"experimental_config.{key} is not supported" in response.json()["error"]["message"]
+        assert said in response.json()["error"]["message"]
+        assert "/etc" not in response.json()["error"]["message"]
+    sent = {
+        **body,
+        "experimental_config": {**body["experimental_config"], "kl_penalty_reference_step": 0},
+    }
+    assert caller.http.post("/v1/preview/training-jobs", json=sent).status_code == 201

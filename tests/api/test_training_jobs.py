@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 
+import httpx
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import jobs
 from skytrain_backend.storage import ObjectStore, compression, keys
 from tests.api.conftest import Caller
-from tests.api.support import group, sft_trajectory
+from tests.api.support import add_checkpoint, group, sft_trajectory
 from tests.fixtures.services import ON_EVERY_BACKEND
 
 pytestmark = ON_EVERY_BACKEND
@@ -61,6 +62,83 @@ def test_experimental_config_is_translated_and_unknown_keys_refused(caller: Call
     )
     assert refused.status_code == 400
     assert "kl_ref_adapter_path" in refused.json()["error"]["message"]
+
+
+ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x00" * 64}
+
+
+def test_art_kl_reference_is_a_checkpoint_of_the_jobs_own_model(
+    caller: Caller,
+    other: Caller,
+    db_sessions: sessionmaker[Session],
+    object_store: ObjectStore,
+) -> None:
+    """ART's KL reference keys: a step or a checkpoint id of the job's model is taken (the id
+    as its step); a missing step, a path, another model's or another tenant's checkpoint is a
+    400 naming the key; two of the keys at once are refused."""
+    mine = caller.create_model(name="mine")["id"]
+    sibling = caller.create_model(name="sibling")["id"]
+    theirs = other.create_model(name="theirs")["id"]
+    for tenant, model_id in ((caller, mine), (caller, sibling), (other, theirs)):
+        add_checkpoint(
+            db_sessions,
+            object_store,
+            tenant_id=tenant.key.tenant_id,
+            model_id=model_id,
+            step=1,
+            files=ADAPTER,
+        )
+
+    def send(tenant: Caller, model_id: str, **art: object) -> httpx.Response:
+        return tenant.http.post(
+            "/v1/training-jobs",
+            json={
+                "model_id": model_id,
+                "trajectory_groups": [group()],
+                "experimental_config": {"kl_penalty_coef": 0.1, **art},
+            },
+        )
+
+    def checkpoint_id(tenant: Caller, model_id: str) -> str:
+        listed = tenant.http.get(f"/v1/models/{model_id}/checkpoints").json()["data"]
+        (step_1,) = [checkpoint for checkpoint in listed if checkpoint["step"] == 1]
+        return str(step_1["id"])
+
+    by_step = send(caller, mine, kl_penalty_reference_step=1)
+    assert by_step.status_code == 201, by_step.text
+    assert by_step.json()["config"]["kl_penalty_reference_step"] == 1
+    by_id = send(caller, mine, kl_ref_adapter_path=checkpoint_id(caller, mine))
+    assert by_id.status_code == 201, by_id.text
+    assert by_id.json()["config"]["kl_penalty_reference_step"] == 1
+    lagged = send(caller, mine, kl_penalty_step_lag=1)
+    assert lagged.status_code == 201 and lagged.json()["config"]["kl_penalty_step_lag"] == 1
+
+    missing = send(caller, mine, kl_penalty_reference_step=7)
+    assert missing.status_code == 400
+    assert (
+        f"kl_penalty_reference_step=7: model {mine} has no checkpoint at step 7"
+        in (missing.json()["error"]["message"])
+    )
+    for reference in (
+        "/etc/passwd",
+        "../../checkpoints/1",
+        checkpoint_id(caller, sibling),
+        checkpoint_id(other, theirs),
+    ):
+        refused = send(caller, mine, kl_ref_adapter_path=reference)
+        assert refused.status_code == 400, reference
+        message = refused.json()["error"]["message"]
+        assert "kl_ref_adapter_path" in message and "is not a checkpoint of model" in message
+        assert "/etc" not in message and "../" not in message
+    both = send(caller, mine, kl_penalty_reference_step=1, kl_penalty_step_lag=1)
+    assert both.status_code == 400
+    assert (
+        "only one of kl_penalty_reference_step and kl_penalty_step_lag"
+        in (both.json()["error"]["message"])
+    )
+    # Nothing of the refused jobs was kept: the three accepted ones are the model's jobs.
+    listed = caller.http.get("/v1/training-jobs", params={"model_id": mine}).json()["data"]
+    assert len(listed) == 3
 
 
 def test_jobs_list_by_model_and_status(caller: Caller) -> None:

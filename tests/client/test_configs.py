@@ -65,6 +65,7 @@ def test_every_set_field_is_accepted_by_the_server() -> None:
         truncated_importance_sampling=2.0,
         kl_penalty_coef=0.01,
         kl_penalty_source="current_learner",
+        kl_penalty_step_lag=2,
         scale_rewards=False,
         allow_training_without_logprobs=True,
         unsampled_old_logprobs="job_start",
@@ -79,7 +80,11 @@ def test_every_set_field_is_accepted_by_the_server() -> None:
         weight_decay=0.1,
         seed=7,
     )._to_request()
-    assert protocol.RLTrainConfig.model_validate(sent).model_dump() == sent
+    dumped = protocol.RLTrainConfig.model_validate(sent).model_dump()
+    assert dumped.pop("kl_penalty_reference_step") is None  # at most one of it and the lag
+    assert dumped == sent
+    by_step = skytrain.TrainConfig(kl_penalty_reference_step=3)._to_request()
+    assert protocol.RLTrainConfig.model_validate(by_step).kl_penalty_reference_step == 3
     per_row = skytrain.TrainConfig(num_gradient_steps="per_row")._to_request()
     assert protocol.RLTrainConfig.model_validate(per_row).num_gradient_steps == "per_row"
     model = skytrain.ModelConfig(

@@ -259,3 +259,57 @@ def test_a_job_aborts_requests_still_in_flight_after_the_sleep_timeout_and_train
         assert sleep["aborted_requests"] >= 1
         assert outcome and outcome[0] != "finished", outcome
         assert _job(http, job["id"])["attempts"] == 1
+
+
+@pytest.mark.slow
+def test_the_kl_reference_is_the_models_own_checkpoint_the_worker_fetches(
+    service: Service, tiny_model_path: Path
+) -> None:
+    """ART's KL reference keys through the control plane and the worker: the reference is
+    the model's checkpoint at the step named (by step, by lag, by checkpoint id), fetched and
+    loaded beside the policy. Against the checkpoint a job starts from, its first step's KL
+    (ART's, from the current learner) is 0; against an older one it is not."""
+    model = _served_model(service, tiny_model_path, "kl-reference")
+    groups = _groups(service, model, groups=2)
+    for sampled in groups:  # a reward signal in every group, whatever was sampled
+        for index, trajectory in enumerate(sampled["trajectories"]):
+            trajectory["reward"] = float(index % 2)
+    with service.http("alice") as http:
+        _, events = support.train(
+            http,
+            model["id"],
+            groups,
+            learning_rate=LEARNING_RATE,
+            packed_sequence_length=SHORT_ROWS,
+        )
+        assert events[-1]["type"] == "training_ended", events[-1]
+
+        def first_kl(**art: Any) -> float:
+            response = http.post(
+                "/v1/training-jobs",
+                json={
+                    "model_id": model["id"],
+                    "trajectory_groups": groups,
+                    "experimental_config": {
+                        "learning_rate": LEARNING_RATE,
+                        "kl_penalty_coef": 0.5,
+                        "kl_penalty_source": "current_learner",
+                        "packed_sequence_length": SHORT_ROWS,  # rows within the memory cap
+                        **art,
+                    },
+                },
+            )
+            assert response.status_code == 201, response.text
+            events = support.events_until_end(http, response.json()["id"])
+            assert events[-1]["type"] == "training_ended", events[-1]
+            steps = [e["data"] for e in events if e["type"] == "gradient_step"]
+            return float(steps[0]["kl/policy_ref"])
+
+        assert abs(first_kl(kl_penalty_reference_step=1)) < 1e-6  # from step 1, against it
+        assert abs(first_kl(kl_penalty_step_lag=1)) < 1e-6  # from step 2, against step 2
+        (step_1,) = [
+            c
+            for c in http.get(f"/v1/models/{model['id']}/checkpoints").json()["data"]
+            if c["step"] == 1
+        ]
+        assert abs(first_kl(kl_ref_adapter_path=step_1["id"])) > 1e-4  # from step 3

@@ -221,7 +221,7 @@ def _skytrains_step(
     """skytrain's job on the batch: its number of steps, the first step's metrics, optimizer
     settings and gradient (read where the optimizer takes it)."""
     seen: dict[str, Any] = {}
-    step = trainer._optimizer_step
+    step = trainer.optimizer_step
 
     def read_gradient(**settings: Any) -> float:
         seen["settings"] = settings
@@ -230,7 +230,7 @@ def _skytrains_step(
         ]
         return step(**settings)
 
-    trainer._optimizer_step = read_gradient  # type: ignore[method-assign]
+    trainer.optimizer_step = read_gradient  # type: ignore[method-assign]
     plan = trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in groups], config)
     metrics = next(iter(trainer.run(plan)))
     return plan.num_gradient_steps, metrics, seen["settings"], seen["gradient"]
@@ -494,7 +494,7 @@ def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
     assert plan.num_gradient_steps == packed.rows
     arts: list[list[torch.Tensor]] = []
     ours: list[list[torch.Tensor]] = []
-    step = trainer._optimizer_step
+    step = trainer.optimizer_step
 
     def compare(**settings: Any) -> float:
         if settings["learning_rate"] == 1e-9:  # ART's warm-up (its own test is below)
@@ -504,7 +504,7 @@ def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
         ours.append([p.grad.detach().clone() for p in trainer.policy.trainable_parameters()])
         return step(**settings)
 
-    trainer._optimizer_step = compare  # type: ignore[method-assign]
+    trainer.optimizer_step = compare  # type: ignore[method-assign]
     metrics = list(trainer.run(plan))
     assert [m["learning_rate"] for m in metrics] == [1e-3] * packed.rows
     for index, (art, our) in enumerate(zip(arts, ours, strict=True)):
@@ -528,7 +528,7 @@ def test_a_fresh_trainer_takes_arts_warm_up_step_first(
     assert not trainer.optimizer.state
     plan = trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in batch], config)
     calls: list[tuple[dict[str, Any], list[torch.Tensor], list[torch.Tensor]]] = []
-    step = trainer._optimizer_step
+    step = trainer.optimizer_step
 
     def record(**settings: Any) -> float:
         ours = [p.grad.detach().clone() for p in trainer.policy.trainable_parameters()]
@@ -536,7 +536,7 @@ def test_a_fresh_trainer_takes_arts_warm_up_step_first(
         calls.append((settings, ours, arts))
         return step(**settings)
 
-    trainer._optimizer_step = record  # type: ignore[method-assign]
+    trainer.optimizer_step = record  # type: ignore[method-assign]
     list(trainer.run(plan))
     assert [settings["learning_rate"] for settings, _, _ in calls] == [1e-9] + [5e-6] * packed.rows
     _, ours, arts = calls[0]

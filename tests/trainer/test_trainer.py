@@ -499,3 +499,48 @@ def test_every_packing_takes_the_same_steps_and_makes_the_same_update(
     rows = {key: plan.summary["packing/rows"] for key, (plan, _, _) in results.items()}
     assert len(set(rows.values())) > 1  # the packings really differ
     print(f"\nrows per packing: {rows}; largest adapter difference: {largest:.2e}")
+
+
+@pytest.mark.parametrize("source", [None, "current_learner"])
+def test_a_checkpoint_as_the_kl_reference_is_the_policy_it_saved(
+    tiny_trainer: Trainer, tmp_path: Path, source: str | None
+) -> None:
+    """ART's ``kl_penalty_reference_step``: the reference is a checkpoint, loaded as a second
+    adapter beside the policy's. Trained once and saved, the policy is that checkpoint, so the
+    first step's KL against it is exactly 0 where the base model's is not; the reference stays
+    out of the saved adapter and of the trained weights."""
+    groups = _groups(tiny_trainer, [[1.0, 0.0], [0.0, 1.0]])
+    _train(tiny_trainer, groups, RLTrainConfig(learning_rate=5e-2))
+    tiny_trainer.save(tmp_path / "step-1")
+    trained = set(_adapter(tiny_trainer))
+    kl_key = "loss/kl" if source is None else "kl/policy_ref"
+    config = RLTrainConfig(
+        learning_rate=1e-2,
+        kl_penalty_coef=0.5,
+        kl_penalty_source=source,
+        kl_penalty_reference_step=1,
+        num_gradient_steps=2,
+    )
+    plan = tiny_trainer.prepare_rl(groups, config, reference=tmp_path / "step-1")
+    against_checkpoint = list(tiny_trainer.run(plan))
+    assert against_checkpoint[0][kl_key] == 0.0
+    assert against_checkpoint[-1][kl_key] != 0.0  # the policy moved, the reference did not
+    assert set(_adapter(tiny_trainer)) == trained
+    tiny_trainer.save(tmp_path / "step-2")
+    assert not (tmp_path / "step-2" / "reference").exists()
+    base = config.model_copy(update={"kl_penalty_reference_step": None})
+    against_base = list(tiny_trainer.run(tiny_trainer.prepare_rl(groups, base)))
+    assert abs(against_base[0][kl_key]) > 1e-4
+
+
+def test_a_reference_checkpoint_of_another_shape_is_refused_by_step(
+    tiny_trainer: Trainer, tmp_path: Path
+) -> None:
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "adapter_config.json").write_text('{"r": 3}')
+    (tmp_path / "other" / "adapter_model.safetensors").write_bytes(b"")
+    groups = _groups(tiny_trainer, [[1.0, 0.0]])
+    config = RLTrainConfig(kl_penalty_coef=0.5, kl_penalty_reference_step=4)
+    with pytest.raises(TrainingError, match=r"KL reference checkpoint \(step 4\)") as raised:
+        tiny_trainer.prepare_rl(groups, config, reference=tmp_path / "other")
+    assert str(tmp_path) not in str(raised.value)

@@ -58,6 +58,19 @@ def get_checkpoint(session: Session, *, model_id: str, step: int) -> Checkpoint:
     return checkpoint
 
 
+def live_checkpoint_by_id(
+    session: Session, *, model_id: str, checkpoint_id: str
+) -> Checkpoint | None:
+    """The checkpoint ``checkpoint_id`` of model ``model_id`` with its files, else None."""
+    return session.scalar(
+        select(Checkpoint).where(
+            Checkpoint.id == checkpoint_id,
+            Checkpoint.model_id == model_id,
+            Checkpoint.deleted_at.is_(None),
+        )
+    )
+
+
 def mark_deleted(session: Session, *, model_id: str, steps: list[int]) -> list[Checkpoint]:
     """Mark the live checkpoints at ``steps`` deleted, all in one transaction; returns them.
 

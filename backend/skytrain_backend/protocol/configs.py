@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -20,6 +21,7 @@ from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol.trajectories import format_validation_error
 from skytrain_backend.ranges import (
     INT32_MAX,
+    MAX_STEP,
     NO_NUL_PATTERN,
     Seed,
     parse_step,
@@ -114,6 +116,9 @@ class RLTrainConfig(BaseModel):
     estimate of KL(policy || base model) added to each token's loss); set, it is ART's:
     each token's advantage gains ``kl_penalty_coef * (mean KL - KL)``, its KL being log pi -
     log pi_base with pi the current policy (``current_learner``) or the sampler (``sample``).
+    Either way the reference (pi_base) is the base model unless ``kl_penalty_reference_step``
+    or ``kl_penalty_step_lag`` names one of the model's own checkpoints (``kl_reference_step``),
+    which the worker fetches and the trainer loads beside the policy.
 
     ``preset="art"`` fills what is left unset with ART's settings (``ART_PRESET``): CISPO,
     ART's aggregation and steps, AdamW beta2 0.99, weight decay 0.1, max_grad_norm 0.1, and
@@ -150,6 +155,11 @@ class RLTrainConfig(BaseModel):
     truncated_importance_sampling: float | None = Field(default=None, gt=0, le=1e3)
     kl_penalty_coef: float = Field(default=0.0, ge=0, le=1e3)
     kl_penalty_source: KLPenaltySource | None = None
+    # ART: the KL penalty's reference policy is the model's own checkpoint at this step
+    # (0: the base model, as when unset), or at the step this job makes minus this lag
+    # (floored at 0). At most one of the two; see kl_reference_step.
+    kl_penalty_reference_step: int | None = Field(default=None, ge=0, le=MAX_STEP)
+    kl_penalty_step_lag: int | None = Field(default=None, ge=1, le=MAX_STEP)
     scale_rewards: bool = True
     allow_training_without_logprobs: bool = False
     # Tokens the sampler gave no logprob for (allow_training_without_logprobs): their old
@@ -177,12 +187,28 @@ class RLTrainConfig(BaseModel):
     IGNORED_KEYS: ClassVar[frozenset[str]] = frozenset(
         {"plot_tensors", "scale_learning_rate_by_reward_std_dev"}
     )
-    # ART keys skytrain takes only unset (null), each with why.
-    UNSUPPORTED_KEYS: ClassVar[dict[str, str]] = {
-        "kl_penalty_reference_step": "the KL reference is the base model",
-        "kl_penalty_step_lag": "the KL reference is the base model",
-        "kl_ref_adapter_path": "the KL reference is the base model",
-    }
+    # ART's key for a reference adapter by path: the control plane takes it only as a
+    # checkpoint of the job's own model and turns it into kl_penalty_reference_step.
+    REFERENCE_PATH_KEY: ClassVar[str] = "kl_ref_adapter_path"
+
+    @model_validator(mode="after")
+    def _one_reference(self) -> RLTrainConfig:
+        if self.kl_penalty_reference_step is not None and self.kl_penalty_step_lag is not None:
+            raise ValueError(
+                "only one of kl_penalty_reference_step and kl_penalty_step_lag may be set"
+            )
+        return self
+
+    def kl_reference_step(self, base_step: int) -> int:
+        """The step of the KL reference for a job that trains from ``base_step``: the
+        config's ``kl_penalty_reference_step``, else ``base_step + 1 - kl_penalty_step_lag``
+        (ART's lag counts from the step the job makes) floored at 0, else 0. Step 0 is the
+        base model: a fresh adapter computes exactly it."""
+        if self.kl_penalty_reference_step is not None:
+            return self.kl_penalty_reference_step
+        if self.kl_penalty_step_lag is not None:
+            return max(base_step + 1 - self.kl_penalty_step_lag, 0)
+        return 0
 
     @model_validator(mode="before")
     @classmethod
@@ -220,12 +246,38 @@ class RLTrainConfig(BaseModel):
         return epsilon, epsilon_high
 
     @classmethod
-    def from_experimental(cls, raw: dict[str, Any] | None) -> RLTrainConfig:
+    def from_experimental(
+        cls,
+        raw: dict[str, Any] | None,
+        *,
+        checkpoint_step: Callable[[str], int] | None = None,
+    ) -> RLTrainConfig:
         """Build from ART's ``experimental_config`` with ART's settings where it says nothing
         (``preset="art"``): null means ART's default, ``ppo`` picks the loss (false: CISPO)
         unless ``loss_fn`` does (they must agree), ``normalize_advantages=false`` turns
-        ``scale_rewards`` off; unknown keys are refused naming the known ones."""
+        ``scale_rewards`` off; unknown keys are refused naming the known ones.
+
+        ``kl_ref_adapter_path`` goes through ``checkpoint_step`` (the control plane's lookup
+        of a checkpoint of the job's model: its step, or InvalidRequest) into
+        ``kl_penalty_reference_step``; without one it is refused."""
         raw = {k: v for k, v in (raw or {}).items() if v is not None}
+        if cls.REFERENCE_PATH_KEY in raw:
+            path = raw.pop(cls.REFERENCE_PATH_KEY)
+            if checkpoint_step is None:
+                raise InvalidRequest(
+                    f"experimental_config.{cls.REFERENCE_PATH_KEY} is not taken here: name the "
+                    "reference with kl_penalty_reference_step"
+                )
+            if "kl_penalty_reference_step" in raw or "kl_penalty_step_lag" in raw:
+                raise InvalidRequest(
+                    f"experimental_config has {cls.REFERENCE_PATH_KEY} and "
+                    "kl_penalty_reference_step or kl_penalty_step_lag: send one of them"
+                )
+            if not isinstance(path, str):
+                raise InvalidRequest(
+                    f"experimental_config.{cls.REFERENCE_PATH_KEY} must be a checkpoint id"
+                )
+            raw["kl_penalty_reference_step"] = checkpoint_step(path)
         if "ppo" in raw:
             ppo = raw.pop("ppo")
             if not isinstance(ppo, bool):
@@ -242,14 +294,11 @@ class RLTrainConfig(BaseModel):
             )
         for key in cls.IGNORED_KEYS:
             raw.pop(key, None)
-        for key, why in cls.UNSUPPORTED_KEYS.items():
-            if key in raw:
-                raise InvalidRequest(
-                    f"experimental_config.{key} is not supported ({why}): leave it unset"
-                )
-        known = (set(cls.model_fields) | {"ppo", "normalize_advantages"} | cls.IGNORED_KEYS) - {
-            "preset"
-        }
+        known = (
+            set(cls.model_fields)
+            | {"ppo", "normalize_advantages", cls.REFERENCE_PATH_KEY}
+            | cls.IGNORED_KEYS
+        ) - {"preset"}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise InvalidRequest(

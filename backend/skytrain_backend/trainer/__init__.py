@@ -57,13 +57,17 @@ runs alone on CPU (fp32) or CUDA (bf16; Unsloth when importable). Public API::
   or ART's aggregation, and an optional KL penalty against the base model, skytrain's or
   ART's (``loss``; docs/art.md).
 
-Modules: ``advantages``, ``tokenize``, ``packing``, ``loss`` (pure functions), ``model`` (loading
-and the forward pass), ``memory`` (activation estimates, out of memory), ``plans`` (a job's
-steps before they run), ``core`` (the trainer's state: loading, saving, the optimizer step),
-``rl`` and ``sft`` (their steps), ``trainer`` (the loop), ``progress`` (a job's state between
-two steps), ``distributed`` (one trainer as several torchrun processes, the base sharded with
-FSDP2: ``Trainer.load(shards=Shards.from_environment())``) and ``job`` (the entry point those
-processes run).
+Modules: ``advantages``, ``tokenize``, ``packing``, ``art_layout``, ``loss`` (pure functions),
+``model`` (loading and the forward pass), ``memory`` (activation estimates, out of memory),
+``plans`` (a job's steps before they run), ``trainer`` (the one ``Trainer`` class: the policy,
+its optimizer and step, loading, saving, the optimizer step and the loop), ``rl`` and ``sft``
+(each job kind as functions over a ``Trainer``: ``prepare``, ``pending_steps``,
+``train_step``; they name it by ``state.TrainerState``, a Protocol), ``rl_rows`` (an RL batch as steps and rows), ``progress`` (a job's state
+between two steps), ``primitives`` (Tinker's calls over a ``Trainer``), ``distributed`` (one
+trainer as several torchrun processes, the base sharded with FSDP2:
+``Trainer.load(shards=Shards.from_environment())``) and ``job`` (the entry point those
+processes run). No mixins: ``tests/trainer/test_structure.py`` fails on a class with more than
+one base from the project.
 """
 
 from skytrain_backend.trainer.trainer import RLPlan, SFTPlan, Trainer

@@ -28,7 +28,7 @@ What each rank does:
 One process (no ``torchrun``, or a world of one) is ``SINGLE``: every method is then the
 identity, and the trainer runs exactly as it did before.
 
-Dropout: each row draws its masks from a generator of its own (``TrainerCore._row_masks``,
+Dropout: each row draws its masks from a generator of its own (``Trainer.row_masks``,
 seeded by the job, the step and the row), so a row draws the same masks on whichever rank
 runs it, and N processes make one process's update with LoRA dropout too.
 """

@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# peft's names for the policy's adapter and the KL reference loaded beside it.
+DEFAULT_ADAPTER = "default"
+REFERENCE_ADAPTER = "reference"
 # Fresh adapters are initialized from this seed, so step 0 is the same on every worker.
 LORA_INIT_SEED = 0
 
@@ -149,6 +152,33 @@ def _load_with_peft(
     return model, tokenizer
 
 
+def _check_adapter(directory: Path, *, model_config: ModelConfig, name: str) -> None:
+    """Refuse an adapter directory whose files or shape (rank, alpha, target modules) are not
+    those of ``model_config``; errors call it ``name``."""
+    config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
+    if not config_path.is_file() or not weights_path.is_file():
+        raise TrainingError(
+            f"{name} is not a checkpoint directory: it needs {ADAPTER_CONFIG} and "
+            f"{ADAPTER_WEIGHTS} (the files Trainer.save writes)"
+        )
+    saved = json.loads(config_path.read_text())
+    expected = {
+        "r": model_config.lora_rank,
+        "lora_alpha": model_config.lora_alpha,
+        "target_modules": sorted(model_config.lora_target_modules),
+    }
+    found = {
+        "r": saved.get("r"),
+        "lora_alpha": saved.get("lora_alpha"),
+        "target_modules": sorted(saved.get("target_modules") or []),
+    }
+    if found != expected:
+        raise TrainingError(
+            f"the adapter in {name} was trained with {found}, but the model config "
+            f"asks for {expected}: load it with the model config it was trained with"
+        )
+
+
 class Policy:
     """A peft model, its tokenizer, and the forward pass that reads logprobs at row sites."""
 
@@ -178,6 +208,8 @@ class Policy:
         self._softcap = getattr(base.config, "final_logit_softcapping", None)
         # Set by the trainer: refuses rows whose activations would not fit (None: no check).
         self.budget: ActivationBudget | None = None
+        # The KL penalty's reference adapter, when a job names one (``set_reference``).
+        self.reference_loaded = False
 
     @classmethod
     def load(
@@ -244,42 +276,65 @@ class Policy:
 
     def save_adapter(self, directory: Path) -> None:
         """``adapter_config.json`` + ``adapter_model.safetensors``, as peft writes them."""
-        self.model.save_pretrained(str(directory), save_embedding_layers=False)
+        # Only the policy's own adapter: never the KL reference loaded beside it.
+        self.model.save_pretrained(
+            str(directory), save_embedding_layers=False, selected_adapters=[DEFAULT_ADAPTER]
+        )
         # peft adds a model card; a checkpoint directory holds only what loading needs.
         (directory / "README.md").unlink(missing_ok=True)
 
     def load_adapter(self, directory: Path, *, model_config: ModelConfig) -> None:
         """Load adapter weights saved by ``save_adapter`` into this (same-shaped) adapter."""
-        config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
-        if not config_path.is_file() or not weights_path.is_file():
-            raise TrainingError(
-                f"{directory} is not a checkpoint directory: it needs {ADAPTER_CONFIG} and "
-                f"{ADAPTER_WEIGHTS} (the files Trainer.save writes)"
-            )
-        saved = json.loads(config_path.read_text())
-        expected = {
-            "r": model_config.lora_rank,
-            "lora_alpha": model_config.lora_alpha,
-            "target_modules": sorted(model_config.lora_target_modules),
-        }
-        found = {
-            "r": saved.get("r"),
-            "lora_alpha": saved.get("lora_alpha"),
-            "target_modules": sorted(saved.get("target_modules") or []),
-        }
-        if found != expected:
-            raise TrainingError(
-                f"the adapter in {directory} was trained with {found}, but the model config "
-                f"asks for {expected}: load it with the model config it was trained with"
-            )
+        _check_adapter(directory, model_config=model_config, name=str(directory))
         result: Any = set_peft_model_state_dict(
-            self.model, load_file(str(weights_path), device=str(self.device))
+            self.model, load_file(str(directory / ADAPTER_WEIGHTS), device=str(self.device))
         )
         if result.unexpected_keys:
             raise TrainingError(
                 f"the adapter in {directory} has weights this model has no place for "
                 f"({result.unexpected_keys[:3]}...): was it trained on another base model?"
             )
+
+    def set_reference(
+        self, directory: Path | None, *, model_config: ModelConfig, name: str = "the reference"
+    ) -> None:
+        """Load the adapter in ``directory`` (a checkpoint of the same shape) as the KL
+        penalty's reference, a second adapter beside the policy's, frozen; None: the base model
+        is the reference again. ``name`` is what errors call it (never a host path)."""
+        if self.reference_loaded:
+            self.model.delete_adapter(REFERENCE_ADAPTER)
+            self.reference_loaded = False
+        if directory is None:
+            return
+        _check_adapter(directory, model_config=model_config, name=name)
+        try:
+            self.model.load_adapter(
+                str(directory),
+                adapter_name=REFERENCE_ADAPTER,
+                is_trainable=False,
+                torch_device=str(self.device),
+            )
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise TrainingError(
+                f"{name} does not fit this model's adapter ({type(exc).__name__}): was it "
+                "trained on another base model?"
+            ) from exc
+        self.reference_loaded = True
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The KL penalty's reference policy: the reference adapter (``set_reference``), else
+        the base model. The policy's adapter is active again afterwards, trainable as before
+        (peft's ``set_adapter`` sets which adapter's weights require a gradient)."""
+        if not self.reference_loaded:
+            with self.adapter_disabled():
+                yield
+            return
+        self.model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(DEFAULT_ADAPTER)
 
     # --- forward -----------------------------------------------------------------------------
 

@@ -256,6 +256,21 @@ class JobRunner:
                 "the worker was stopped while the job trained; the job goes back to the queue"
             )
 
+    async def _kl_reference(self, job: LeasedJob) -> Path | None:
+        """An RL job's KL reference checkpoint, fetched as its start adapter is (None: the base
+        model). The control plane checked the step when the job was queued; one deleted
+        since, or a lag reaching a step that is not there, fails the job naming it."""
+        if job.kind != "rl":
+            return None
+        config = RLTrainConfig.model_validate(job.config or {})
+        step = config.kl_reference_step(job.base_step)
+        if config.kl_penalty_coef == 0 or step == 0:
+            return None
+        try:
+            return await self._host.fetch_checkpoint(job.model_id, step)
+        except SkytrainError as exc:
+            raise TrainingError(f"the KL reference (step {step} of this model): {exc}") from exc
+
     async def _train_and_commit(self, job: LeasedJob, running: _RunningJob) -> None:
         model_id = job.model_id
         step = job.step  # base_step + 1 unless newer steps were deleted
@@ -271,6 +286,7 @@ class JobRunner:
                 saved_dir = await self._cp.download_saved_state(running.id, job_dir / "saved")
             elif job.base_step > 0:
                 base_dir = await self._host.fetch_checkpoint(model_id, job.base_step)
+            reference_dir = await self._kl_reference(job)
         self._check(running, training=True)
 
         await self._host.sleep()
@@ -298,7 +314,13 @@ class JobRunner:
                 groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
                 rl_config = RLTrainConfig.model_validate(job.config or {})
                 plan = await asyncio.to_thread(
-                    functools.partial(trainer.prepare_rl, groups, rl_config, resume_from=saved_dir)
+                    functools.partial(
+                        trainer.prepare_rl,
+                        groups,
+                        rl_config,
+                        resume_from=saved_dir,
+                        reference=reference_dir,
+                    )
                 )
                 num_trajectories = sum(len(g.trajectories) for g in groups)
         # training_started carries the sampler-vs-trainer agreement: sent now when the plan has

@@ -201,7 +201,14 @@ class ShardedTrainer:
         config: RLTrainConfig,
         *,
         resume_from: Path | None = None,
+        reference: Path | None = None,
     ) -> ShardedPlan:
+        if reference is not None:
+            raise TrainingError(
+                "a KL reference checkpoint (kl_penalty_reference_step, kl_penalty_step_lag) is "
+                "not supported on a sharded trainer yet: leave them unset (the base model is "
+                "the reference) or use a worker whose model fits one GPU"
+            )
         return self._prepare("rl", [g.model_dump(mode="json") for g in groups], config, resume_from)
 
     def prepare_sft(

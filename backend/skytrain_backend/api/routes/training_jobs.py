@@ -8,6 +8,8 @@ asked to stop.
 from __future__ import annotations
 
 import contextlib
+import functools
+import re
 from typing import Any, Generic, TypeVar
 
 import msgspec
@@ -45,10 +47,10 @@ from skytrain_backend.api.schemas import (
     TrainingJobsPublic,
 )
 from skytrain_backend.config import Settings
-from skytrain_backend.db import jobs, notify, registry
+from skytrain_backend.db import checkpoints, jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
 from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_storage
-from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.observability import logs, metrics
 from skytrain_backend.protocol import (
     TERMINAL_JOB_STATUSES,
@@ -59,6 +61,7 @@ from skytrain_backend.protocol import (
     SFTTrainConfig,
     check_trainable_turns,
 )
+from skytrain_backend.ranges import ID_MAX_LENGTH, ID_PATTERN
 from skytrain_backend.scheduler import ranks
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import job_waiting
@@ -153,8 +156,9 @@ class _JobBody(Generic[RequestT, ConfigT]):
     schema: type[RequestT]
     list_field: str
 
-    def config(self, request: RequestT, items: Items) -> ConfigT:
-        """The job's options; raises for a body that asks for something impossible."""
+    def config(self, request: RequestT, items: Items, *, session: Session, model: Model) -> ConfigT:
+        """The job's options for ``model``; raises for a body that asks for something
+        impossible."""
         raise NotImplementedError
 
     def add_items(
@@ -173,6 +177,35 @@ class _JobBody(Generic[RequestT, ConfigT]):
         """What remains once the body's buffer is closed."""
 
 
+def _reference_by_id(session: Session, model: Model, reference: str) -> int:
+    """ART's ``kl_ref_adapter_path``: taken only as the id of a live checkpoint of the job's
+    own model (never a path on this server); its step."""
+    checkpoint = checkpoints.live_checkpoint_by_id(
+        session, model_id=model.id, checkpoint_id=reference
+    )
+    if checkpoint is None:
+        safe = len(reference) <= ID_MAX_LENGTH and re.fullmatch(ID_PATTERN, reference)
+        shown = repr(reference) if safe else "it"
+        raise InvalidRequest(
+            f"experimental_config.kl_ref_adapter_path: {shown} is not a checkpoint of model "
+            f"{model.id}; send the id of one of its checkpoints (GET /v1/models/{model.id}/"
+            "checkpoints): a path on the server is never read"
+        )
+    return checkpoint.step
+
+
+def _check_reference_step(session: Session, model: Model, config: RLTrainConfig) -> None:
+    """A ``kl_penalty_reference_step`` names a live checkpoint of the job's model (0: the base
+    model, always there)."""
+    step = config.kl_penalty_reference_step
+    if not step:
+        return
+    try:
+        checkpoints.get_checkpoint(session, model_id=model.id, step=step)
+    except NotFound as exc:
+        raise InvalidRequest(f"kl_penalty_reference_step={step}: {exc.message}") from exc
+
+
 class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
     """A GRPO job's body: trajectory groups, skytrain's or ART's options."""
 
@@ -184,12 +217,19 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
         self._trainable_turns = 0
         self._long: ingest.LongSequences | None = None
 
-    def config(self, request: TrainingJobCreate, items: Items) -> RLTrainConfig:
+    def config(
+        self, request: TrainingJobCreate, items: Items, *, session: Session, model: Model
+    ) -> RLTrainConfig:
         if request.config is not None and request.experimental_config is not None:
             raise InvalidRequest(
                 "send either config (skytrain's options) or experimental_config (ART's), not both"
             )
-        return request.config or RLTrainConfig.from_experimental(request.experimental_config)
+        config = request.config or RLTrainConfig.from_experimental(
+            request.experimental_config,
+            checkpoint_step=functools.partial(_reference_by_id, session, model),
+        )
+        _check_reference_step(session, model, config)
+        return config
 
     def add_items(
         self, items: Items, batch: ingest.Batch, config: RLTrainConfig, *, model: Model
@@ -225,7 +265,9 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
     schema = SFTTrainingJobCreate
     list_field = "trajectories"
 
-    def config(self, request: SFTTrainingJobCreate, items: Items) -> SFTTrainConfig:
+    def config(
+        self, request: SFTTrainingJobCreate, items: Items, *, session: Session, model: Model
+    ) -> SFTTrainConfig:
         if (items is None) == (request.training_data_url is None):
             raise InvalidRequest(
                 "send exactly one of trajectories (a list) or training_data_url "
@@ -327,8 +369,8 @@ def _queue_job(
             request, items = ingest.split_body(buffer, schema=job.schema, list_field=job.list_field)
             model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
             _check_servable(session, model=model, settings=settings)
+            config = job.config(request, items, session=session, model=model)
             session.commit()  # ends the read: no connection is held while the batch streams
-            config = job.config(request, items)
             job_id = new_id()
             batch.stream_to(store, _input_key(model, job_id))
             job.add_items(items, batch, config, model=model)
