@@ -8,7 +8,7 @@ store, no SQL. The phases:
 - split:  ``split_body``: the fields validated, the raw bytes of each group found
 - decode: each group decoded and validated (``parse_group``)
 - turns:  the trainability rule on each group (``trainable_turns``)
-- encode: each group written back as its JSONL line, compressed (``Batch.add``)
+- encode: each group written back as its JSONL line, compressed (``IngestBatch.add``)
 
 Usage:
     .venv/bin/python bench/ingest_phases.py [--trajectories 10000] [--repeats 5] [--token-ids]
@@ -54,7 +54,7 @@ def _phases(payload: bytes) -> dict[str, float]:
     for offset in range(0, len(payload), CHUNK_BYTES):
         spool.write(payload[offset : offset + CHUNK_BYTES])
     times["spool"] = time.perf_counter() - start
-    batch = ingest.Batch(limit=len(payload))
+    batch = ingest.IngestBatch(limit=len(payload))
     batch.writer = compression.CompressingWriter(_Discard())
     try:
         with spool.view() as buffer:

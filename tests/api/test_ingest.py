@@ -70,7 +70,7 @@ def _pending_uploads(store: ObjectStore) -> list[dict[str, Any]]:
     return list(store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []))
 
 
-def _fill(batch: ingest.Batch, *, size: float) -> list[bytes]:
+def _fill(batch: ingest.IngestBatch, *, size: float) -> list[bytes]:
     """Add groups to ``batch`` until its stored (compressed) bytes reach about ``size``;
     returns the lines. Each group carries random base64 text, which zstd shrinks to about
     3/4 (6 bits of every 8), so the lines fill their parts compressed too."""
@@ -92,7 +92,7 @@ def test_a_batch_streamed_in_parts_is_stored_whole(
     db_sessions: sessionmaker[Session], object_store: ObjectStore
 ) -> None:
     key = f"tests/{new_id()}.jsonl"
-    batch = ingest.Batch(limit=1_000_000)
+    batch = ingest.IngestBatch(limit=1_000_000)
     try:
         batch.stream_to(object_store, key)
         lines = _fill(batch, size=MULTIPART_THRESHOLD + 1.5 * STREAM_PART_BYTES)
@@ -112,7 +112,7 @@ def test_a_batch_streamed_in_parts_is_stored_whole(
 @ON_EVERY_BACKEND
 def test_a_batch_refused_midway_leaves_no_object_and_no_parts(object_store: ObjectStore) -> None:
     key = f"tests/{new_id()}.jsonl"
-    batch = ingest.Batch(limit=1_000_000)
+    batch = ingest.IngestBatch(limit=1_000_000)
     try:
         batch.stream_to(object_store, key)
         _fill(batch, size=MULTIPART_THRESHOLD + 0.5 * STREAM_PART_BYTES)  # a part up, one begun

@@ -5,7 +5,7 @@ turned into Python objects as a whole. Its bytes are spooled as they arrive (in 
 1 MiB, then in a temporary file); one pass of msgspec's C parser splits it into its small
 fields and the raw bytes of each item of its list (``trajectory_groups``, ``trajectories``);
 then each item is validated alone and written as one JSONL line, straight to the object
-store (``Batch.stream_to``) or to a spool. Items are decoded by msgspec into the Structs of
+store (``IngestBatch.stream_to``) or to a spool. Items are decoded by msgspec into the Structs of
 ``api.trajectory_structs`` (and written back by msgspec's encoder); an item msgspec refuses is
 validated by pydantic's models, which name the problem, or accept what msgspec's stricter
 types did not. Either way the line stored is the model's ``model_dump_json``. Memory stays at
@@ -331,7 +331,7 @@ def _path_to_first_error(buffer: Buffer) -> str:
 _ENCODER = msgspec.json.Encoder()
 
 
-class Batch:
+class IngestBatch:
     """Validated items as JSONL (``model_dump(mode="json")``, one per line), with a count of
     trajectories that refuses the request as soon as it passes ``limit``.
 
@@ -393,7 +393,7 @@ def groups_from_jsonl(data: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in data.splitlines() if line.strip()]
 
 
-def parse_trajectory_lines(lines: Iterable[bytes], batch: Batch) -> None:
+def parse_trajectory_lines(lines: Iterable[bytes], batch: IngestBatch) -> None:
     """Validate a JSONL upload into ``batch``: one trajectory per line; errors name the line."""
     for number, line in enumerate(lines, start=1):
         if line.strip():

@@ -70,7 +70,7 @@ def _log(
     store: ObjectStore,
     settings: Settings,
 ) -> TrajectoryBatchPublic:
-    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
     summary = ingest.Summary()
     try:
         with body.view() as buffer:

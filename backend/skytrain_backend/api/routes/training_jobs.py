@@ -78,7 +78,7 @@ def _store_job(
     model: Model,
     kind: JobKind,
     config: RLTrainConfig | SFTTrainConfig,
-    batch: ingest.Batch,
+    batch: ingest.IngestBatch,
     max_attempts: int,
     scheduler: Scheduler,
     job_id: str,
@@ -158,7 +158,7 @@ class _JobBody(Generic[RequestT, ConfigT]):
         raise NotImplementedError
 
     def add_items(
-        self, items: Items, batch: ingest.Batch, config: ConfigT, *, model: Model
+        self, items: Items, batch: ingest.IngestBatch, config: ConfigT, *, model: Model
     ) -> None:
         """The body's list, each item validated, into the batch (of a job of ``model``)."""
         raise NotImplementedError
@@ -168,7 +168,7 @@ class _JobBody(Generic[RequestT, ConfigT]):
         return None
 
     def finish(
-        self, request: RequestT, batch: ingest.Batch, *, store: ObjectStore, tenant: Tenant
+        self, request: RequestT, batch: ingest.IngestBatch, *, store: ObjectStore, tenant: Tenant
     ) -> None:
         """What remains once the body's buffer is closed."""
 
@@ -192,7 +192,7 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
         return request.config or RLTrainConfig.from_experimental(request.experimental_config)
 
     def add_items(
-        self, items: Items, batch: ingest.Batch, config: RLTrainConfig, *, model: Model
+        self, items: Items, batch: ingest.IngestBatch, config: RLTrainConfig, *, model: Model
     ) -> None:
         allow = config.allow_training_without_logprobs
         self._long = ingest.LongSequences(
@@ -213,7 +213,7 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
         return None if report is None else LongSequencesPublic(**report)
 
     def finish(
-        self, request: TrainingJobCreate, batch: ingest.Batch, *, store: ObjectStore, tenant: Tenant
+        self, request: TrainingJobCreate, batch: ingest.IngestBatch, *, store: ObjectStore, tenant: Tenant
     ) -> None:
         check_trainable_turns(self._trainable_turns)
 
@@ -234,7 +234,7 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
         return request.config or SFTTrainConfig()
 
     def add_items(
-        self, items: Items, batch: ingest.Batch, config: SFTTrainConfig, *, model: Model
+        self, items: Items, batch: ingest.IngestBatch, config: SFTTrainConfig, *, model: Model
     ) -> None:
         if items is not None:
             for trajectory in ingest.each_item(
@@ -245,7 +245,7 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
     def finish(
         self,
         request: SFTTrainingJobCreate,
-        batch: ingest.Batch,
+        batch: ingest.IngestBatch,
         *,
         store: ObjectStore,
         tenant: Tenant,
@@ -321,7 +321,7 @@ def _queue_job(
     scheduler: Scheduler,
 ) -> TrainingJobPublic:
     """Validate the body, stream its batch to the store and record the job ``queued``."""
-    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
     try:
         with body.view() as buffer:
             request, items = ingest.split_body(buffer, schema=job.schema, list_field=job.list_field)
