@@ -45,6 +45,7 @@ from skytrain_backend.api.tinker import TinkerService
 from skytrain_backend.config import Settings
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.db.notify import Notifier
+from skytrain_backend.db.pages import PageRequest
 from skytrain_backend.errors import AuthenticationFailed
 from skytrain_backend.provision.package import WorkerPackage
 from skytrain_backend.ranges import (
@@ -311,6 +312,14 @@ After = Annotated[
         description="Cursor: the id of the last item seen.",
     ),
 ]
+
+
+def page_query(after: After = None, limit: Limit = 20, order: OrderQuery = "asc") -> PageRequest:
+    """The page a listing route is asked for: ``?after=<id>&limit=&order=``."""
+    return PageRequest(after=after, limit=limit, order=order)
+
+
+PageDep = Annotated[PageRequest, Depends(page_query)]
 WaitS = Annotated[
     float,
     Query(

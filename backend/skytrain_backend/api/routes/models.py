@@ -5,11 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Response, status
 
 from skytrain_backend.api.deps import (
-    After,
-    Limit,
     ModelId,
     NameQuery,
-    OrderQuery,
+    PageDep,
     SchedulerDep,
     SessionDep,
     SessionRoute,
@@ -103,12 +101,10 @@ def create_model(
 def list_models(
     session: SessionDep,
     tenant: TenantDep,
+    page: PageDep,
     entity: NameQuery = None,
     project: NameQuery = None,
     name: NameQuery = None,
-    after: After = None,
-    limit: Limit = 20,
-    order: OrderQuery = "asc",
 ) -> ModelsPublic:
     models, has_more = registry.list_models(
         session,
@@ -116,9 +112,7 @@ def list_models(
         entity=entity,
         project=project,
         name=name,
-        after=after,
-        limit=limit,
-        order=order,
+        page=page,
     )
     steps = registry.latest_steps(session, model_ids=[model.id for model in models])
     return ModelsPublic(

@@ -17,13 +17,12 @@ from sqlalchemy.orm import Session
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import LargeBodyRoute, json_body_doc
 from skytrain_backend.api.deps import (
-    After,
     EventCursor,
     JobId,
     Limit,
     ModelIdQuery,
     NotifierDep,
-    OrderQuery,
+    PageDep,
     SchedulerDep,
     SessionDep,
     SettingsDep,
@@ -213,7 +212,12 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
         return None if report is None else LongSequencesPublic(**report)
 
     def finish(
-        self, request: TrainingJobCreate, batch: ingest.IngestBatch, *, store: ObjectStore, tenant: Tenant
+        self,
+        request: TrainingJobCreate,
+        batch: ingest.IngestBatch,
+        *,
+        store: ObjectStore,
+        tenant: Tenant,
     ) -> None:
         check_trainable_turns(self._trainable_turns)
 
@@ -357,11 +361,9 @@ def _queue_job(
 def list_training_jobs(
     session: SessionDep,
     tenant: TenantDep,
+    page: PageDep,
     model_id: ModelIdQuery = None,
     status: JobStatus | None = None,
-    after: After = None,
-    limit: Limit = 20,
-    order: OrderQuery = "asc",
 ) -> TrainingJobsPublic:
     if model_id is not None:
         registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
@@ -370,9 +372,7 @@ def list_training_jobs(
         tenant_id=tenant.id,
         model_id=model_id,
         status=status,
-        after=after,
-        limit=limit,
-        order=order,
+        page=page,
     )
     return TrainingJobsPublic(
         data=[TrainingJobPublic.model_validate(row) for row in rows], has_more=has_more
