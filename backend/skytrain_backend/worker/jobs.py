@@ -58,10 +58,9 @@ from skytrain_backend.errors import (
 )
 from skytrain_backend.protocol import (
     LeasedJob,
+    LeasedSFTJob,
     LeaseRenewed,
     ModelConfig,
-    RLTrainConfig,
-    SFTTrainConfig,
     Trajectory,
     TrajectoryGroup,
 )
@@ -285,20 +284,18 @@ class JobRunner:
         # Parsing, tokenizing and packing a large batch takes a while: all off the event loop.
         plan: RLPlan | SFTPlan
         with _timed(times, "prepare"):
-            if job.kind == "sft":
+            if isinstance(job, LeasedSFTJob):
                 trajectories = await asyncio.to_thread(_read_batch, batch_path, Trajectory)
-                sft_config = SFTTrainConfig.model_validate(job.config or {})
                 plan = await asyncio.to_thread(
                     functools.partial(
-                        trainer.prepare_sft, trajectories, sft_config, resume_from=saved_dir
+                        trainer.prepare_sft, trajectories, job.config, resume_from=saved_dir
                     )
                 )
                 num_trajectories = len(trajectories)
             else:
                 groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
-                rl_config = RLTrainConfig.model_validate(job.config or {})
                 plan = await asyncio.to_thread(
-                    functools.partial(trainer.prepare_rl, groups, rl_config, resume_from=saved_dir)
+                    functools.partial(trainer.prepare_rl, groups, job.config, resume_from=saved_dir)
                 )
                 num_trajectories = sum(len(g.trajectories) for g in groups)
         # training_started carries the sampler-vs-trainer agreement: sent now when the plan has
