@@ -19,8 +19,8 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.errors import RateLimited
 from skytrain_backend.ranges import MAX_WAIT_S
-from tests.api.conftest import Caller
 from tests.api.support import group
+from tests.fixtures.callers import Caller
 from tests.fixtures.service import start_service, stop_service
 from tests.fixtures.services import ControlPlane, MakeSettings
 
