@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.api.tenant_load import REST_REQUEST, TenantLoads
+from skytrain_backend.api.admission.tenant_load import REST_REQUEST, TenantLoads
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.errors import RateLimited

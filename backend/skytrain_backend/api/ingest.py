@@ -129,7 +129,7 @@ class Spool:
 
 async def read_body(request: Request) -> Spool:
     """The request's body, spooled. Its size and time limits are the middleware's
-    (``api.limits``), applied as the bytes arrive."""
+    (``api.admission.limits``), applied as the bytes arrive."""
     spool = Spool()
     try:
         async for chunk in request.stream():

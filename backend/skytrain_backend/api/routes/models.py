@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
+from skytrain_backend.api.admission.model_rules import check_new_model
 from skytrain_backend.api.deps import (
     ModelId,
     NameQuery,
@@ -15,7 +16,6 @@ from skytrain_backend.api.deps import (
     StoreDep,
     TenantDep,
 )
-from skytrain_backend.api.model_rules import check_new_model
 from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
 from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import Model

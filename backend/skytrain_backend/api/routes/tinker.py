@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend import tinker_wire
 from skytrain_backend.api import tinker_schemas as schemas
+from skytrain_backend.api.admission.model_rules import check_new_model
 from skytrain_backend.api.deps import (
     SchedulerDep,
     SessionDep,
@@ -30,7 +31,6 @@ from skytrain_backend.api.deps import (
     TinkerDep,
     TinkerTenantDep,
 )
-from skytrain_backend.api.model_rules import check_new_model
 from skytrain_backend.api.routes import tinker_futures, tinker_runs, tinker_sampling
 from skytrain_backend.api.routes.tinker_common import PathId, future, queued, submit, tenant_run
 from skytrain_backend.db import tinker as tinker_rows

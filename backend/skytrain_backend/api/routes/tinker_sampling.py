@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend.api import tinker_schemas as schemas
+from skytrain_backend.api.admission.model_rules import check_new_model
 from skytrain_backend.api.deps import (
     SchedulerDep,
     SessionDep,
@@ -20,7 +21,6 @@ from skytrain_backend.api.deps import (
     TinkerDep,
     TinkerTenantDep,
 )
-from skytrain_backend.api.model_rules import check_new_model
 from skytrain_backend.api.routes.tinker_common import PathId, future
 from skytrain_backend.api.tinker import sampling_body
 from skytrain_backend.config import Settings
