@@ -2,7 +2,7 @@
 
 The same steps as ``POST /v1/training-jobs`` after the bytes arrive (``api.ingest``), on the
 batch ``bench/ingest_trajectories.py`` sends, with the lines written nowhere: no HTTP, no
-store, no SQL. The phases:
+store, no SQL. It calls only ``api.ingest``'s public names (its ``__all__``). The phases:
 
 - spool:  the body written to ``ingest.Spool`` in 64 KiB pieces, as the request streams it
 - split:  ``split_body``: the fields validated, the raw bytes of each group found
@@ -29,7 +29,7 @@ from ingest_trajectories import _IDS, _groups, add_batch_arguments
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import gc_paused
 from skytrain_backend.api.schemas import TrainingJobCreate
-from skytrain_backend.storage import ObjectWriter, compression
+from skytrain_backend.storage import ObjectWriter
 
 CHUNK_BYTES = 64 * 1024
 
@@ -55,7 +55,7 @@ def _phases(payload: bytes) -> dict[str, float]:
         spool.write(payload[offset : offset + CHUNK_BYTES])
     times["spool"] = time.perf_counter() - start
     batch = ingest.IngestBatch(limit=len(payload))
-    batch.writer = compression.CompressingWriter(_Discard())
+    batch.write_to(_Discard())
     try:
         with spool.view() as buffer:
             start = time.perf_counter()

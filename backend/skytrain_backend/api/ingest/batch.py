@@ -61,8 +61,13 @@ class IngestBatch:
 
     def stream_to(self, store: ObjectStore, key: str) -> None:
         """Write every line from now on to a new object at ``key`` in ``store``."""
-        assert self.writer is None and self.spool.size == 0, "stream_to comes before add"
-        self.writer = compression.CompressingWriter(store.open_writer(key))
+        self.write_to(store.open_writer(key))
+
+    def write_to(self, writer: ObjectWriter) -> None:
+        """Write every line from now on, compressed, to ``writer`` (committed or aborted with
+        the batch)."""
+        assert self.writer is None and self.spool.size == 0, "write_to comes before add"
+        self.writer = compression.CompressingWriter(writer)
 
     @property
     def output(self) -> Spool | ObjectWriter:
