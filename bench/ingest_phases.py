@@ -2,13 +2,13 @@
 
 The same steps as ``POST /v1/training-jobs`` after the bytes arrive (``api.ingest``), on the
 batch ``bench/ingest_trajectories.py`` sends, with the lines written nowhere: no HTTP, no
-store, no SQL. The phases:
+store, no SQL. It calls only ``api.ingest``'s public names (its ``__all__``). The phases:
 
 - spool:  the body written to ``ingest.Spool`` in 64 KiB pieces, as the request streams it
 - split:  ``split_body``: the fields validated, the raw bytes of each group found
 - decode: each group decoded and validated (``parse_group``)
 - turns:  the trainability rule on each group (``trainable_turns``)
-- encode: each group written back as its JSONL line, compressed (``Batch.add``)
+- encode: each group written back as its JSONL line, compressed (``IngestBatch.add``)
 
 Usage:
     .venv/bin/python bench/ingest_phases.py [--trajectories 10000] [--repeats 5] [--token-ids]
@@ -30,7 +30,7 @@ from ingest_trajectories import _IDS, _groups, add_batch_arguments
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import gc_paused
 from skytrain_backend.api.schemas import TrainingJobCreate
-from skytrain_backend.storage import ObjectWriter, compression
+from skytrain_backend.storage import ObjectWriter
 
 CHUNK_BYTES = 64 * 1024
 
@@ -60,8 +60,8 @@ def _phases(payload: bytes) -> dict[str, float]:
     for offset in range(0, len(payload), CHUNK_BYTES):
         spool.write(payload[offset : offset + CHUNK_BYTES])
     times["spool"] = _clock() - start
-    batch = ingest.Batch(limit=len(payload))
-    batch.writer = compression.CompressingWriter(_Discard())
+    batch = ingest.IngestBatch(limit=len(payload))
+    batch.write_to(_Discard())
     try:
         with spool.view() as buffer:
             start = _clock()

@@ -21,6 +21,7 @@ pytest_plugins = [
     "tests.fixtures.hub",
     "tests.fixtures.models",
     "tests.fixtures.services",
+    "tests.fixtures.callers",
     "tests.fixtures.cli",
 ]
 

@@ -13,9 +13,6 @@ import skytrain_backend
 BACKEND = Path(skytrain_backend.__file__).parent
 MAX_PLACES_PER_MODULE_NAME = 3
 
-# Being renamed on branch apijob (issue 37 item 2); the lead removes these after its merge.
-RENAMING_ELSEWHERE = frozenset({"EngineClient", "EngineProcess", "Batch"})
-
 
 def _modules() -> list[Path]:
     return sorted(BACKEND.rglob("*.py"))
@@ -31,11 +28,7 @@ def test_no_two_classes_in_the_backend_share_a_name() -> None:
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
                 places[node.name].append(_where(path))
-    shared = {
-        name: where
-        for name, where in places.items()
-        if len(where) > 1 and name not in RENAMING_ELSEWHERE
-    }
+    shared = {name: where for name, where in places.items() if len(where) > 1}
     assert not shared, f"class names defined more than once: {shared}"
 
 
@@ -48,15 +41,3 @@ def test_no_module_name_is_used_in_more_than_three_places() -> None:
         name: where for name, where in places.items() if len(where) > MAX_PLACES_PER_MODULE_NAME
     }
     assert not crowded, f"module names used in more than three places: {crowded}"
-
-
-def test_the_allow_list_names_only_classes_still_defined_twice() -> None:
-    """An allow-list entry whose rename has landed must go, so the list cannot hide a new
-    duplicate under an old name."""
-    counts: defaultdict[str, int] = defaultdict(int)
-    for path in _modules():
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.ClassDef):
-                counts[node.name] += 1
-    stale = sorted(name for name in RENAMING_ELSEWHERE if counts[name] < 2)
-    assert not stale, f"remove from the allow-list, no longer defined twice: {stale}"

@@ -19,17 +19,17 @@ from sqlalchemy.engine import make_url
 from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend import __version__
-from skytrain_backend.api import tenant_load
-from skytrain_backend.api.auth import AUTH_THREADS, Authenticator
+from skytrain_backend.api.admission import tenant_load
+from skytrain_backend.api.admission.auth import AUTH_THREADS, Authenticator
+from skytrain_backend.api.admission.fairness import FairLimiter
+from skytrain_backend.api.admission.limits import RequestLimits
+from skytrain_backend.api.admission.rest_admission import RestAdmission
+from skytrain_backend.api.admission.tenant_load import TenantLoads
 from skytrain_backend.api.bulk import add_json_body_docs
 from skytrain_backend.api.errors import AnswerMiddlewareErrors, install_error_handlers
-from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.api.gateway import RESOLVE_CONCURRENCY, Gateway
-from skytrain_backend.api.limits import RequestLimits
 from skytrain_backend.api.longpoll import CHECK_THREADS, Waiting
-from skytrain_backend.api.rest_admission import RestAdmission
 from skytrain_backend.api.routes import api_router, health, worker
-from skytrain_backend.api.tenant_load import TenantLoads
 from skytrain_backend.api.tinker import training, worker_routes
 from skytrain_backend.api.tinker.service import LOOKUP_CONCURRENCY, TinkerService
 from skytrain_backend.config import Settings, get_settings
@@ -85,7 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 sessions=app.state.sessionmaker,
                 shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
             )
-            # The routes' threads, taken in turns by tenant (api/fairness.py).
+            # The routes' threads, taken in turns by tenant (api/admission/fairness.py).
             app.state.route_turns = FairLimiter(total=settings.threads, per_key=settings.threads)
             # Worker tokens' requests, counted in this process only.
             app.state.worker_loads = TenantLoads(sessions=app.state.sessionmaker, shared=False)

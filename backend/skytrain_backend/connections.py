@@ -12,7 +12,7 @@ layers, so that both the control plane and the worker may import it.
   ``SKYTRAIN_HEADER_TIMEOUT_S`` of the connection's accept (its first request) or of the
   first byte after the previous answer (the next ones on a kept-alive connection: blank
   lines count), however slowly they trickle; then 408 and the connection closes.
-- **Bodies.** A body the app reads is timed where it reads it (``api/limits.py``,
+- **Bodies.** A body the app reads is timed where it reads it (``api/admission/limits.py``,
   ``SKYTRAIN_REQUEST_BODY_TIMEOUT_S``); the rest of a body the app answered without reading
   gets that long to arrive after the answer, then the connection closes (or, once it is in,
   idles as any other).

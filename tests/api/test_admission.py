@@ -24,8 +24,8 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.api import rest_admission
-from skytrain_backend.api.fairness import FairLimiter
+from skytrain_backend.api.admission import rest_admission
+from skytrain_backend.api.admission.fairness import FairLimiter
 from skytrain_backend.db import tenants
 from skytrain_backend.db import workers as worker_rows
 from tests.fixtures.services import ApiKey, ControlPlane

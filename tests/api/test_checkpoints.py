@@ -11,8 +11,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import ObjectStore, keys
-from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint
+from tests.fixtures.callers import Caller
 from tests.fixtures.services import ON_EVERY_BACKEND
 
 pytestmark = ON_EVERY_BACKEND

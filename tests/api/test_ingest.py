@@ -20,10 +20,11 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import LARGE_BODY_BYTES, LargeBodyRoute, gc_paused
+from skytrain_backend.api.ingest import body as ingest_body
 from skytrain_backend.api.routes import logs, training_jobs
 from skytrain_backend.db import batches
 from skytrain_backend.db.models import TrajectoryBatch, new_id
-from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.errors import InvalidRequest, PayloadTooLarge
 from skytrain_backend.protocol import parse_trajectory_groups
 from skytrain_backend.storage import ObjectStore, compression
 from skytrain_backend.storage.s3 import MULTIPART_THRESHOLD, STREAM_PART_BYTES, S3ObjectStore
@@ -70,7 +71,7 @@ def _pending_uploads(store: ObjectStore) -> list[dict[str, Any]]:
     return list(store._client.list_multipart_uploads(Bucket=store.bucket).get("Uploads", []))
 
 
-def _fill(batch: ingest.Batch, *, size: float) -> list[bytes]:
+def _fill(batch: ingest.IngestBatch, *, size: float) -> list[bytes]:
     """Add groups to ``batch`` until its stored (compressed) bytes reach about ``size``;
     returns the lines. Each group carries random base64 text, which zstd shrinks to about
     3/4 (6 bits of every 8), so the lines fill their parts compressed too."""
@@ -92,7 +93,7 @@ def test_a_batch_streamed_in_parts_is_stored_whole(
     db_sessions: sessionmaker[Session], object_store: ObjectStore
 ) -> None:
     key = f"tests/{new_id()}.jsonl"
-    batch = ingest.Batch(limit=1_000_000)
+    batch = ingest.IngestBatch(limit=1_000_000)
     try:
         batch.stream_to(object_store, key)
         lines = _fill(batch, size=MULTIPART_THRESHOLD + 1.5 * STREAM_PART_BYTES)
@@ -112,7 +113,7 @@ def test_a_batch_streamed_in_parts_is_stored_whole(
 @ON_EVERY_BACKEND
 def test_a_batch_refused_midway_leaves_no_object_and_no_parts(object_store: ObjectStore) -> None:
     key = f"tests/{new_id()}.jsonl"
-    batch = ingest.Batch(limit=1_000_000)
+    batch = ingest.IngestBatch(limit=1_000_000)
     try:
         batch.stream_to(object_store, key)
         _fill(batch, size=MULTIPART_THRESHOLD + 0.5 * STREAM_PART_BYTES)  # a part up, one begun
@@ -187,7 +188,7 @@ def test_the_routes_that_take_trajectories_pause_the_collector_for_large_bodies(
 
 
 _GROUP = json.dumps(group(1.0, 0.0))
-_BIG = "x" * ingest.MAX_FIELDS_BYTES
+_BIG = "x" * ingest_body.MAX_FIELDS_BYTES
 
 
 @pytest.mark.parametrize(
@@ -227,18 +228,18 @@ def test_one_pass_split_reads_a_body_as_the_exact_split_does(
                 schema=training_jobs.TrainingJobCreate,
                 list_field="trajectory_groups",
             )
-        except (InvalidRequest, ingest.PayloadTooLarge) as exc:
+        except (InvalidRequest, PayloadTooLarge) as exc:
             return type(exc), str(exc)
         return header, None if items is None else [bytes(item) for item in items]
 
     at_once = split()
-    monkeypatch.setattr(ingest, "_split_at_once", lambda *_, **__: None)
+    monkeypatch.setattr(ingest_body, "_split_at_once", lambda *_, **__: None)
     assert split() == at_once
 
 
 def test_a_body_as_expected_is_split_in_one_pass() -> None:
     body = f'{{"model_id": "m", "trajectory_groups": [{_GROUP}, {_GROUP}], "unknown": 1}}'
-    split = ingest._split_at_once(
+    split = ingest_body._split_at_once(
         body.encode(), schema=training_jobs.TrainingJobCreate, list_field="trajectory_groups"
     )
     assert split is not None
@@ -309,7 +310,7 @@ def test_a_schema_that_reads_more_than_its_own_fields_is_split_the_exact_way(
 ) -> None:
     """Refusing or keeping unknown fields, renaming one, or validating the body as a whole:
     the one pass, which reads only the fields by name, would change what such a schema sees."""
-    assert ingest._top_level_struct(schema, "trajectory_groups") is None
+    assert ingest_body._top_level_struct(schema, "trajectory_groups") is None
     try:
         header, _ = ingest.split_body(body.encode(), schema=schema, list_field="trajectory_groups")
     except InvalidRequest as exc:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from skytrain_backend.storage import ObjectStore, compression, keys
-from tests.api.conftest import Caller
 from tests.api.support import group
+from tests.fixtures.callers import Caller
 from tests.fixtures.services import ON_EVERY_BACKEND
 
 pytestmark = ON_EVERY_BACKEND

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.api.conftest import Caller
 from tests.api.support import choice, group, trajectory
+from tests.fixtures.callers import Caller
 
 
 def _sampled(prompt_tokens: int | None, *, sampled: int = 2) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.api import model_rules
+from skytrain_backend.api.admission import model_rules
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ModelConfigUnavailable
 

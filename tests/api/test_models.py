@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import ObjectStore, keys
-from tests.api.conftest import Caller
+from tests.fixtures.callers import Caller
 from tests.fixtures.services import ON_EVERY_BACKEND, ControlPlane
 
 pytestmark = ON_EVERY_BACKEND

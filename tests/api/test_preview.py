@@ -19,7 +19,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.db import jobs
 from skytrain_backend.protocol import RLTrainConfig
 from skytrain_backend.storage import ObjectStore
-from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint, group, sft_trajectory
 from tests.fixtures.art import (
     ART_EVERY_OPTION,
@@ -30,6 +29,7 @@ from tests.fixtures.art import (
     ArtModel,
     art_train_request,
 )
+from tests.fixtures.callers import Caller
 from tests.fixtures.services import ControlPlane
 
 

@@ -14,13 +14,13 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.api.tenant_load import REST_REQUEST, TenantLoads
+from skytrain_backend.api.admission.tenant_load import REST_REQUEST, TenantLoads
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.errors import RateLimited
 from skytrain_backend.ranges import MAX_WAIT_S
-from tests.api.conftest import Caller
 from tests.api.support import group
+from tests.fixtures.callers import Caller
 from tests.fixtures.service import start_service, stop_service
 from tests.fixtures.services import ControlPlane, MakeSettings
 

@@ -16,8 +16,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import jobs, tenants
 from skytrain_backend.storage import ObjectStore
-from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint, group, sft_trajectory
+from tests.fixtures.callers import Caller
 from tests.fixtures.services import ON_EVERY_BACKEND, ApiKey, ControlPlane
 
 pytestmark = ON_EVERY_BACKEND

@@ -9,8 +9,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import jobs
 from skytrain_backend.storage import ObjectStore, compression, keys
-from tests.api.conftest import Caller
 from tests.api.support import add_checkpoint, group, sft_trajectory
+from tests.fixtures.callers import Caller
 from tests.fixtures.services import ON_EVERY_BACKEND
 
 pytestmark = ON_EVERY_BACKEND

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.api.conftest import Caller
 from tests.api.support import group, trajectory
+from tests.fixtures.callers import Caller
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.api.longpoll import WAIT_REFUSED_HEADER
 from skytrain_backend.db import tenants
 from skytrain_backend.ranges import MAX_WAIT_S
-from tests.api.conftest import Caller
 from tests.api.support import group
+from tests.fixtures.callers import Caller
 from tests.fixtures.services import ControlPlane
 
 LIMIT = 2

@@ -24,7 +24,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -36,18 +35,16 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
 from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.types import ASGIApp
 
 from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
-from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.protocol import lora_name
-from tests.fixtures.services import MakeSettings
+from tests.fixtures.services import MakeSettings, database_sessions
+from tests.fixtures.services import serve_in_thread as serve_in_thread
 
 TENANT_LIMIT = 4
 # A request for a checkpoint still loading waits this long before its 503.
@@ -61,30 +58,6 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-@contextmanager
-def serve_in_thread(app: ASGIApp) -> Iterator[str]:
-    """``app`` under uvicorn on a free loopback port; yields its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    # Requests still running at exit (an engine finishing an abandoned request) are cancelled
-    # after a grace period, so the app's shutdown runs.
-    config = uvicorn.Config(app, log_level="warning", ws="none", timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            pytest.fail("the server did not start: see the log above")
-        thread.join(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
 
 
 def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = 60.0) -> None:
@@ -125,9 +98,8 @@ def gateway_url(gateway_app: FastAPI) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def gateway_db(gateway_settings: Settings) -> Iterator[sessionmaker[Session]]:
-    engine = create_db_engine(gateway_settings.resolved_database_url)
-    yield session_factory(engine)
-    engine.dispose()
+    with database_sessions(gateway_settings) as sessions:
+        yield sessions
 
 
 # --- the engine and the worker row standing in for its agent ------------------------------------

@@ -28,7 +28,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from skytrain_backend.api.gateway.upstream import EngineClient
+from skytrain_backend.api.gateway.upstream import EnginePool
 from tests.gateway.conftest import (
     TENANT_LIMIT,
     Tenant,
@@ -359,7 +359,7 @@ def test_answers_being_read_when_the_engines_client_closes_fail_instead_of_hangi
     engine, url = counting_engine
 
     async def scenario() -> tuple[str, int]:
-        client = EngineClient()
+        client = EnginePool()
         body = {"model": SERVED_NAME, "messages": [{"role": "user", "content": HELD}]}
         headers = {"Authorization": f"Bearer {engine.secret}"}
         streamed = await client.post(

@@ -9,22 +9,20 @@ home's ``allowed-models`` directory.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
-import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
-from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.storage import ObjectStore, open_object_store
-from tests.api import support
-from tests.api.conftest import Caller
 from tests.fixtures.models import model_cache_dir
-from tests.fixtures.services import ApiKey, ControlPlane, MakeSettings
-from tests.gateway.conftest import serve_in_thread
+from tests.fixtures.services import (
+    ControlPlane,
+    MakeSettings,
+    database_sessions,
+    running_control_plane,
+)
 
 INFERENCE_LIMIT = 256 * 1024
 
@@ -56,31 +54,16 @@ def settings(
 
 @pytest.fixture(scope="session")
 def control_plane(settings: Settings) -> Iterator[ControlPlane]:
-    served = settings.model_copy(update={"host": "127.0.0.1"})
-    with serve_in_thread(create_app(served)) as url:
-        yield ControlPlane(url=url, settings=served)
+    with running_control_plane(settings) as plane:
+        yield plane
 
 
 @pytest.fixture(scope="session")
 def db_sessions(settings: Settings) -> Iterator[sessionmaker[Session]]:
-    engine = create_db_engine(settings.resolved_database_url)
-    yield session_factory(engine)
-    engine.dispose()
+    with database_sessions(settings) as sessions:
+        yield sessions
 
 
 @pytest.fixture(scope="session")
 def object_store(settings: Settings) -> ObjectStore:
     return open_object_store(settings.resolved_object_store_url, settings)
-
-
-@pytest.fixture
-def caller(control_plane: ControlPlane, api_key: Callable[..., ApiKey]) -> Iterator[Caller]:
-    key = api_key()
-    with httpx.Client(base_url=control_plane.url, headers=key.headers, timeout=60) as http:
-        yield Caller(key=key, http=http)
-
-
-@pytest.fixture
-def stored(db_sessions: Any, object_store: Any) -> Callable[[Caller], Any]:
-    """``stored(caller)``: the caller's rows and objects, to compare before and after."""
-    return lambda who: support.snapshot(db_sessions, object_store, who.key.tenant_id)

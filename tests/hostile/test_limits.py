@@ -22,8 +22,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.app import create_app
 from skytrain_backend.db import workers
 from skytrain_backend.storage import ObjectStore, keys
-from tests.api.conftest import Caller
 from tests.api.support import group
+from tests.fixtures.callers import Caller
 from tests.fixtures.models import model_cache_dir
 from tests.fixtures.services import ControlPlane
 from tests.gateway.conftest import serve_in_thread

@@ -15,8 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.api.conftest import Caller
 from tests.api.support import group, sft_trajectory, trajectory
+from tests.fixtures.callers import Caller
 
 INT32_MAX = 2**31 - 1
 TOO_LARGE_STEPS = [2**31, 2**63, 10**30]

@@ -36,10 +36,8 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Checkpoint, Model
-from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.storage import LocalObjectStore, keys
-from tests.fixtures.services import MakeSettings
-from tests.gateway.conftest import serve_in_thread
+from tests.fixtures.services import MakeSettings, database_sessions, serve_in_thread
 
 SWEEP_INTERVAL_S = 0.5
 
@@ -64,9 +62,8 @@ def lifecycle_url(lifecycle_app: FastAPI) -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def lifecycle_db(lifecycle_settings: Settings) -> Iterator[sessionmaker[Session]]:
-    engine = create_db_engine(lifecycle_settings.resolved_database_url)
-    yield session_factory(engine)
-    engine.dispose()
+    with database_sessions(lifecycle_settings) as sessions:
+        yield sessions
 
 
 @pytest.fixture(scope="session")

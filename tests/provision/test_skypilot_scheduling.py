@@ -28,7 +28,7 @@ from skytrain_backend.provision.skypilot import SkyPilotProvider
 from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import serving_status
-from tests.fixtures.rows import add_rl_job
+from tests.fixtures.rows import add_active_model, add_rl_job
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
 
@@ -84,21 +84,7 @@ def control_plane(
 
 
 def _active_model(plane: ControlPlane, name: str = "agent") -> str:
-    with plane.sessions() as session:
-        tenant = api_keys.get_or_create_tenant(session, name="acme")
-        model, _ = registry.create_model(
-            session,
-            tenant=tenant,
-            entity="acme",
-            project="tests",
-            name=name,
-            base_model=BASE_MODEL,
-            config={},
-            return_existing=False,
-        )
-        model.last_active_at = utcnow()
-        session.commit()
-        return model.id
+    return add_active_model(plane.sessions, name, base_model=BASE_MODEL)
 
 
 def _register(plane: ControlPlane, worker_id: str) -> None:

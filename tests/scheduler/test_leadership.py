@@ -27,7 +27,6 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db import api_keys, registry
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -40,7 +39,7 @@ from skytrain_backend.scheduler.leader import (
     open_leadership,
 )
 from skytrain_backend.scheduler.loop import Scheduler
-from tests.fixtures.rows import add_rl_job
+from tests.fixtures.rows import add_active_model, add_rl_job
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import FakeSky
 
@@ -87,24 +86,6 @@ def cluster(make_settings: MakeSettings) -> Iterator[Cluster]:
     engine = create_db_engine(url)
     yield Cluster(url, session_factory(engine), FakeSky(), settings)
     engine.dispose()
-
-
-def _active_model(cluster: Cluster, name: str, base_model: str = BASE_MODEL) -> str:
-    with cluster.sessions() as session:
-        tenant = api_keys.get_or_create_tenant(session, name="acme")
-        model, _ = registry.create_model(
-            session,
-            tenant=tenant,
-            entity="acme",
-            project="tests",
-            name=name,
-            base_model=base_model,
-            config={},
-            return_existing=False,
-        )
-        model.last_active_at = utcnow()
-        session.commit()
-        return model.id
 
 
 def _ready_worker(cluster: Cluster, base_model: str, *, cluster_up: bool) -> str:
@@ -193,8 +174,8 @@ def test_a_follower_neither_provisions_nor_expires_leases_nor_stops_workers(
 ) -> None:
     # Work for a scheduler: a model nobody serves (a launch), a silent worker whose job's
     # lease ran out (lost, job requeued) and an idle worker (stopped).
-    _active_model(cluster, "unserved", base_model=OTHER_BASE_MODEL)
-    trained = _active_model(cluster, "trained")
+    add_active_model(cluster.sessions, "unserved", base_model=OTHER_BASE_MODEL)
+    trained = add_active_model(cluster.sessions, "trained", base_model=BASE_MODEL)
     silent = _ready_worker(cluster, BASE_MODEL, cluster_up=False)  # its machine is gone
     _running_job(cluster, trained, silent)
     _silent(cluster, silent)

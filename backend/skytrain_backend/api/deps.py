@@ -2,11 +2,11 @@
 
 The app's lifespan puts the settings, the session factory, the object store, the scheduler,
 the inference gateway and the workers' wheel on ``app.state``; these functions hand them to
-routes (no other module reads ``app.state`` but ``api/rest_admission.py``, which runs before
-routing). ``TenantDep`` is the only way a route learns whose rows it may touch: the tenant of
+routes (no other module reads ``app.state`` but ``api/admission/rest_admission.py``, which runs
+before routing). ``TenantDep`` is the only way a route learns whose rows it may touch: the tenant of
 the bearer key (``TinkerTenantDep``: the Tinker SDK's key), whose request
-``api/rest_admission.py`` counted against its ``max_concurrent_rest_requests`` before routing
-(429 past it).
+``api/admission/rest_admission.py`` counted against its ``max_concurrent_rest_requests`` before
+routing (429 past it).
 
 No request holds a database connection while it waits: for a thread, a lock, a long-poll,
 its body, the object store or an engine. A session's transaction never outlives the thread
@@ -14,8 +14,8 @@ hop that began it. ``SessionDep`` opens no connection itself; a plain ``def`` en
 (``SessionRoute``, the route class of every router) closes its session in its own thread as
 it returns; a coroutine endpoint runs its queries with ``in_thread``, which ends the
 transaction in that thread; authentication uses short sessions of its own
-(``api/auth.py``). Under a burst, threads wait for connections only while the threads holding
-them run, never the other way round: the deadlock that froze the control plane (connections
+(``api/admission/auth.py``). Under a burst, threads wait for connections only while the threads
+holding them run, never the other way round: the deadlock that froze the control plane (connections
 held by requests waiting for a thread, every thread waiting for a connection) cannot form.
 """
 
@@ -35,15 +35,16 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend.api import fairness, rest_admission
-from skytrain_backend.api.auth import NO_KEY, Authenticator
+from skytrain_backend.api.admission import fairness, rest_admission
+from skytrain_backend.api.admission.auth import NO_KEY, Authenticator
+from skytrain_backend.api.admission.rest_admission import TINKER_KEY_PREFIX
+from skytrain_backend.api.admission.tenant_load import TenantLoads
 from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.longpoll import Waiting
-from skytrain_backend.api.rest_admission import TINKER_KEY_PREFIX
-from skytrain_backend.api.tenant_load import TenantLoads
 from skytrain_backend.config import Settings
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.db.notify import Notifier
+from skytrain_backend.db.pages import PageRequest
 from skytrain_backend.errors import AuthenticationFailed
 from skytrain_backend.provision.package import WorkerPackage
 from skytrain_backend.ranges import (
@@ -114,7 +115,7 @@ _closing_endpoints: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
 
 def _closing_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
     """A plain endpoint as a coroutine that runs it in a thread, in the turn of the tenant
-    admission admitted (``api/fairness.py``), closing the sessions it was given before it
+    admission admitted (``api/admission/fairness.py``), closing the sessions it was given before it
     returns, in that thread; a coroutine endpoint as it is."""
     if inspect.iscoroutinefunction(endpoint) or endpoint in _closing_endpoints:
         return endpoint
@@ -144,7 +145,7 @@ class SessionRoute(APIRoute):
     thread and closes a dependency's session after the response, in another hop; here the
     endpoint closes it in its own thread as it returns (what it did not commit is rolled back,
     as closing did), so the connection is free before the answer is serialized and sent; and
-    it takes that thread in its tenant's turn (``api/fairness.py``), not first come, first
+    it takes that thread in its tenant's turn (``api/admission/fairness.py``), not first come, first
     served."""
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
@@ -192,7 +193,7 @@ PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
 
 
 # The bearer key as sent; routes that authenticate in their own session (the inference
-# gateway) pass it to ``api.auth.authenticate`` themselves.
+# gateway) pass it to ``api.admission.auth.authenticate`` themselves.
 CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
@@ -304,6 +305,14 @@ After = Annotated[
         description="Cursor: the id of the last item seen.",
     ),
 ]
+
+
+def page_query(after: After = None, limit: Limit = 20, order: OrderQuery = "asc") -> PageRequest:
+    """The page a listing route is asked for: ``?after=<id>&limit=&order=``."""
+    return PageRequest(after=after, limit=limit, order=order)
+
+
+PageDep = Annotated[PageRequest, Depends(page_query)]
 WaitS = Annotated[
     float,
     Query(

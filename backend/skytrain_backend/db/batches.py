@@ -8,8 +8,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import TrajectoryBatch
-from skytrain_backend.db.pages import Order, fetch_page
-from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.db.pages import PageRequest, list_page
+from skytrain_backend.errors import NotFound
 
 
 def add_batch(
@@ -48,32 +48,23 @@ def list_batches(
     model_id: str,
     split: str | None = None,
     step: int | None = None,
-    after: str | None = None,
-    limit: int,
-    order: Order,
+    page: PageRequest,
 ) -> tuple[list[TrajectoryBatch], bool]:
     statement = select(TrajectoryBatch).where(TrajectoryBatch.model_id == model_id)
     if split is not None:
         statement = statement.where(TrajectoryBatch.split == split)
     if step is not None:
         statement = statement.where(TrajectoryBatch.step == step)
-    cursor = None
-    if after is not None:
-        anchor = session.scalar(
-            select(TrajectoryBatch).where(
-                TrajectoryBatch.id == after, TrajectoryBatch.model_id == model_id
-            )
-        )
-        if anchor is None:
-            raise InvalidRequest(f"after={after!r} is not the id of a log batch of this model")
-        cursor = (anchor.created_at, anchor.id)
-    return fetch_page(
+    keys = (TrajectoryBatch.created_at, TrajectoryBatch.id)
+    return list_page(
         session,
         statement,
-        keys=(TrajectoryBatch.created_at, TrajectoryBatch.id),
-        after=cursor,
-        limit=limit,
-        order=order,
+        keys=keys,
+        page=page,
+        anchor=select(*keys).where(
+            TrajectoryBatch.id == page.after, TrajectoryBatch.model_id == model_id
+        ),
+        missing="the id of a log batch of this model",
     )
 
 

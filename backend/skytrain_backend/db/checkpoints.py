@@ -13,34 +13,31 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Checkpoint, Model, utcnow
-from skytrain_backend.db.pages import Order, fetch_page
-from skytrain_backend.errors import Conflict, InvalidRequest, NotFound
+from skytrain_backend.db.pages import PageRequest, list_page
+from skytrain_backend.errors import Conflict, NotFound
 
 
 def list_checkpoints(
     session: Session,
     *,
     model_id: str,
-    after: str | None = None,
-    limit: int,
-    order: Order,
+    page: PageRequest,
     include_deleted: bool = False,
 ) -> tuple[list[Checkpoint], bool]:
     """Checkpoints by step (with the deleted ones, whose rows keep their metrics, when
-    ``include_deleted``); ``after`` is a checkpoint id (the page cursor)."""
-    cursor = None
-    if after is not None:
-        anchor = session.scalar(
-            select(Checkpoint.step).where(Checkpoint.id == after, Checkpoint.model_id == model_id)
-        )
-        if anchor is None:
-            raise InvalidRequest(f"after={after!r} is not the id of a checkpoint of this model")
-        cursor = (anchor,)
+    ``include_deleted``); ``page.after`` is a checkpoint id."""
     statement = select(Checkpoint).where(Checkpoint.model_id == model_id)
     if not include_deleted:
         statement = statement.where(Checkpoint.deleted_at.is_(None))
-    return fetch_page(
-        session, statement, keys=(Checkpoint.step,), after=cursor, limit=limit, order=order
+    return list_page(
+        session,
+        statement,
+        keys=(Checkpoint.step,),
+        page=page,
+        anchor=select(Checkpoint.step).where(
+            Checkpoint.id == page.after, Checkpoint.model_id == model_id
+        ),
+        missing="the id of a checkpoint of this model",
     )
 
 

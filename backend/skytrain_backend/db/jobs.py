@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Model, TrainingJob, TrainingJobEvent, utcnow
-from skytrain_backend.db.pages import Order, fetch_page
-from skytrain_backend.errors import Conflict, InvalidRequest, NotFound, RateLimited
+from skytrain_backend.db.pages import PageRequest, fetch_page, list_page
+from skytrain_backend.errors import Conflict, NotFound, RateLimited
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, EventType, JobKind, JobStatus
 
 # When a job refused for a full queue is worth sending again.
@@ -99,28 +99,23 @@ def list_jobs(
     tenant_id: str,
     model_id: str | None = None,
     status: JobStatus | None = None,
-    after: str | None = None,
-    limit: int,
-    order: Order,
+    page: PageRequest,
 ) -> tuple[list[TrainingJob], bool]:
     statement = _tenant_jobs(tenant_id)
     if model_id is not None:
         statement = statement.where(TrainingJob.model_id == model_id)
     if status is not None:
         statement = statement.where(TrainingJob.status == status)
-    cursor = None
-    if after is not None:
-        anchor = session.scalar(_tenant_jobs(tenant_id).where(TrainingJob.id == after))
-        if anchor is None:
-            raise InvalidRequest(f"after={after!r} is not the id of one of your training jobs")
-        cursor = (anchor.created_at, anchor.id)
-    return fetch_page(
+    keys = (TrainingJob.created_at, TrainingJob.id)
+    return list_page(
         session,
         statement,
-        keys=(TrainingJob.created_at, TrainingJob.id),
-        after=cursor,
-        limit=limit,
-        order=order,
+        keys=keys,
+        page=page,
+        anchor=select(*keys)
+        .join(Model)
+        .where(Model.tenant_id == tenant_id, TrainingJob.id == page.after),
+        missing="the id of one of your training jobs",
     )
 
 

@@ -17,8 +17,8 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Checkpoint, Entity, Model, Tenant, TrainingJob
-from skytrain_backend.db.pages import Order, fetch_page
-from skytrain_backend.errors import Conflict, InvalidRequest, NotFound, QuotaExceeded
+from skytrain_backend.db.pages import PageRequest, list_page
+from skytrain_backend.errors import Conflict, NotFound, QuotaExceeded
 
 
 def _find(
@@ -209,29 +209,21 @@ def list_models(
     entity: str | None = None,
     project: str | None = None,
     name: str | None = None,
-    after: str | None = None,
-    limit: int,
-    order: Order,
+    page: PageRequest,
 ) -> tuple[list[Model], bool]:
     statement = select(Model).where(Model.tenant_id == tenant_id)
     for column, value in ((Model.entity, entity), (Model.project, project), (Model.name, name)):
         if value is not None:
             statement = statement.where(column == value)
-    cursor = None
-    if after is not None:
-        anchor = session.scalar(
-            select(Model).where(Model.id == after, Model.tenant_id == tenant_id)
-        )
-        if anchor is None:
-            raise InvalidRequest(f"after={after!r} is not the id of one of your models")
-        cursor = (anchor.created_at, anchor.id)
-    return fetch_page(
+    return list_page(
         session,
         statement,
         keys=(Model.created_at, Model.id),
-        after=cursor,
-        limit=limit,
-        order=order,
+        page=page,
+        anchor=select(Model.created_at, Model.id).where(
+            Model.id == page.after, Model.tenant_id == tenant_id
+        ),
+        missing="the id of one of your models",
     )
 
 

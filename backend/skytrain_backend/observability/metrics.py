@@ -90,8 +90,8 @@ GATEWAY_REFUSALS = Counter(
 )
 CONNECTIONS_REFUSED = Counter(
     "skytrain_connections_refused_total",
-    "Connections the server closed at its door (connections.py, api/limits.py), by reason: "
-    "total_cap (503: SKYTRAIN_MAX_CONNECTIONS), per_client_cap (429: SKYTRAIN_MAX_CONNECTIONS_"
+    "Connections the server closed at its door (connections.py, api/admission/limits.py), by "
+    "reason: total_cap (503: SKYTRAIN_MAX_CONNECTIONS), per_client_cap (429: SKYTRAIN_MAX_CONNECTIONS_"
     "PER_CLIENT), header_timeout (408: SKYTRAIN_HEADER_TIMEOUT_S), body_timeout (408 or closed: "
     "SKYTRAIN_REQUEST_BODY_TIMEOUT_S).",
     ["reason"],

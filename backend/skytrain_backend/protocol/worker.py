@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -10,7 +10,7 @@ from pydantic import (
     Field,
 )
 
-from skytrain_backend.protocol.configs import ModelConfig
+from skytrain_backend.protocol.configs import ModelConfig, RLTrainConfig, SFTTrainConfig
 from skytrain_backend.ranges import (
     INT32_MAX,
 )
@@ -116,14 +116,12 @@ class HeartbeatAnswer(BaseModel):
     drain: bool
 
 
-class LeasedJob(BaseModel):
-    """What a worker needs to run the job it leased."""
+class _LeasedJobBase(BaseModel):
+    """What a worker needs to run the job it leased, whatever its kind."""
 
     id: str
-    kind: JobKind
     model_id: str
     base_model: str
-    config: dict[str, Any] | None = None
     model_config_: ModelConfig = Field(alias="model_config")
     base_step: int = Field(ge=0)
     # The step the job commits: base_step + 1, or higher when newer steps were deleted (a
@@ -137,6 +135,26 @@ class LeasedJob(BaseModel):
     request_id: str | None = None
 
     model_config = ConfigDict(populate_by_name=True, serialize_by_alias=True)
+
+
+class LeasedRLJob(_LeasedJobBase):
+    """A GRPO job: its groups are the job's input, trained with ``config``."""
+
+    kind: Literal["rl"]
+    config: RLTrainConfig = Field(default_factory=RLTrainConfig)
+
+
+class LeasedSFTJob(_LeasedJobBase):
+    """A supervised fine-tuning job: its trajectories are the job's input."""
+
+    kind: Literal["sft"]
+    config: SFTTrainConfig = Field(default_factory=SFTTrainConfig)
+
+
+# The job a worker leases, its config typed by ``kind`` and validated once on each side. On the
+# wire it is what it was as a dict (``{"kind": "rl", "config": {...}}``): a worker and a control
+# plane of either version read each other's leases.
+LeasedJob = Annotated[LeasedRLJob | LeasedSFTJob, Field(discriminator="kind")]
 
 
 class JobLease(BaseModel):

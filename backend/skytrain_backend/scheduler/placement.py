@@ -40,7 +40,7 @@ are started and stopped.
   job) no worker for its base model could serve is refused up front
   (``ranks.check_lora_rank``). So is a model whose base model fits none of the GPUs the
   provider's workers may get, by the memory plan at the model's own rank
-  (``api.model_rules.check_fits_a_gpu``), unless a worker for it is registered.
+  (``api.admission.model_rules.check_fits_a_gpu``), unless a worker for it is registered.
 - Slots by fair share: a model no worker has room for, and none is launched for, takes a
   slot from a tenant holding more than its fair share (``fair_share``).
 - Quotas: a tenant has at most ``max_placed_models`` models placed at once, on at most

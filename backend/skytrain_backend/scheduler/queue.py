@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, BinaryIO
 
+from pydantic import TypeAdapter
 from sqlalchemy import Select, exists, func, select
 from sqlalchemy.orm import Session, aliased
 
@@ -56,6 +57,7 @@ from skytrain_backend.observability import metrics as observed
 from skytrain_backend.protocol import (
     TERMINAL_JOB_STATUSES,
     CheckpointFile,
+    LeasedJob,
     ModelConfig,
     StagedFile,
 )
@@ -682,20 +684,25 @@ def expire_leases(session: Session) -> int:
     return len(jobs)
 
 
-def job_for_worker(session: Session, job: TrainingJob) -> dict[str, Any]:
-    """What a worker needs to run a leased job."""
+_LEASED_JOB: TypeAdapter[LeasedJob] = TypeAdapter(LeasedJob)
+
+
+def job_for_worker(session: Session, job: TrainingJob) -> LeasedJob:
+    """What a worker needs to run a leased job, its config typed by the job's kind."""
     model = session.get_one(Model, job.model_id)
-    return {
-        "id": job.id,
-        "kind": job.kind,
-        "model_id": job.model_id,
-        "base_model": model.base_model,
-        "config": job.config,
-        "model_config": ModelConfig.model_validate(model.config or {}).model_dump(),
-        "base_step": job.base_step,
-        # Usually base_step + 1; higher when newer steps were deleted (never reused).
-        "step": registry.next_step(session, model_id=job.model_id),
-        "attempt": job.attempts,
-        "steps_done": job.saved_steps or 0,
-        "request_id": job.request_id,
-    }
+    return _LEASED_JOB.validate_python(
+        {
+            "id": job.id,
+            "kind": job.kind,
+            "model_id": job.model_id,
+            "base_model": model.base_model,
+            "config": job.config,
+            "model_config": ModelConfig.model_validate(model.config or {}).model_dump(),
+            "base_step": job.base_step,
+            # Usually base_step + 1; higher when newer steps were deleted (never reused).
+            "step": registry.next_step(session, model_id=job.model_id),
+            "attempt": job.attempts,
+            "steps_done": job.saved_steps or 0,
+            "request_id": job.request_id,
+        }
+    )

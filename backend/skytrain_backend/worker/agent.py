@@ -35,7 +35,7 @@ from skytrain_backend.protocol import (
     WorkerStatus,
 )
 from skytrain_backend.worker.client import LEASE_RETRY_S, ControlPlaneClient, until_stopped
-from skytrain_backend.worker.engine_host import EngineHost, EngineProcess
+from skytrain_backend.worker.engine_host import EngineHost, SupervisedEngine
 from skytrain_backend.worker.jobs import JobRunner
 from skytrain_backend.worker.options import AgentOptions
 from skytrain_backend.worker.stats import StatsReader
@@ -44,7 +44,7 @@ from skytrain_backend.worker.tinker_runs import TinkerExecutor
 if TYPE_CHECKING:
     from skytrain_backend.engine.client import EngineClient
 
-__all__ = ["AgentOptions", "EngineProcess", "WorkerAgent"]
+__all__ = ["AgentOptions", "SupervisedEngine", "WorkerAgent"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class WorkerAgent:
         *,
         control_plane: ControlPlaneClient,
         engine: EngineClient,
-        engine_process: EngineProcess | None,
+        engine_process: SupervisedEngine | None,
         options: AgentOptions,
         stats: StatsReader | None = None,
     ) -> None:

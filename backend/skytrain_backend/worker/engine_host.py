@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 ENGINE_ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
-class EngineProcess(Protocol):
+class SupervisedEngine(Protocol):
     """The engine subprocess the agent supervises."""
 
     def is_alive(self) -> bool: ...
@@ -53,7 +53,7 @@ class EngineHost:
         *,
         control_plane: ControlPlaneClient,
         engine: EngineClient,
-        engine_process: EngineProcess | None,
+        engine_process: SupervisedEngine | None,
         work_dir: Path,
         sleep_during_training: bool,
         sleep_wait_s: float,
@@ -111,7 +111,7 @@ class EngineHost:
         async with self._lock:
             await self._restart(process)
 
-    async def _restart(self, process: EngineProcess) -> None:
+    async def _restart(self, process: SupervisedEngine) -> None:
         """Start the engine again (under the engine lock): it comes back awake, serving the
         base model only; the heartbeat loads the adapters again."""
         self.served.clear()

@@ -58,10 +58,10 @@ from skytrain_backend.errors import (
 )
 from skytrain_backend.protocol import (
     LeasedJob,
+    LeasedRLJob,
+    LeasedSFTJob,
     LeaseRenewed,
     ModelConfig,
-    RLTrainConfig,
-    SFTTrainConfig,
     Trajectory,
     TrajectoryGroup,
 )
@@ -260,9 +260,9 @@ class JobRunner:
         """An RL job's KL reference checkpoint, fetched as its start adapter is (None: the base
         model). The control plane checked the step when the job was queued; one deleted
         since, or a lag reaching a step that is not there, fails the job naming it."""
-        if job.kind != "rl":
+        if not isinstance(job, LeasedRLJob):
             return None
-        config = RLTrainConfig.model_validate(job.config or {})
+        config = job.config
         step = config.kl_reference_step(job.base_step)
         if config.kl_penalty_coef == 0 or step == 0:
             return None
@@ -301,23 +301,21 @@ class JobRunner:
         # Parsing, tokenizing and packing a large batch takes a while: all off the event loop.
         plan: RLPlan | SFTPlan
         with _timed(times, "prepare"):
-            if job.kind == "sft":
+            if isinstance(job, LeasedSFTJob):
                 trajectories = await asyncio.to_thread(_read_batch, batch_path, Trajectory)
-                sft_config = SFTTrainConfig.model_validate(job.config or {})
                 plan = await asyncio.to_thread(
                     functools.partial(
-                        trainer.prepare_sft, trajectories, sft_config, resume_from=saved_dir
+                        trainer.prepare_sft, trajectories, job.config, resume_from=saved_dir
                     )
                 )
                 num_trajectories = len(trajectories)
             else:
                 groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
-                rl_config = RLTrainConfig.model_validate(job.config or {})
                 plan = await asyncio.to_thread(
                     functools.partial(
                         trainer.prepare_rl,
                         groups,
-                        rl_config,
+                        job.config,
                         resume_from=saved_dir,
                         reference=reference_dir,
                     )

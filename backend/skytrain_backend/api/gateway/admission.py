@@ -2,13 +2,12 @@
 
 The body is the caller's OpenAI request: JSON, with a ``model``, its options within the
 ranges of ``api/schemas.py``. Each tenant's requests in flight (streams count until they
-end; across every control plane on a PostgreSQL database, ``api/tenant_load.py``) are counted
-three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
-times the number of prompts) and tokens (the body's bytes, an upper bound of the prompt's
-tokens, plus ``n`` x ``max_tokens``, which the gateway defaults to
-``SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS`` when the request sets none). The request that would
-pass one gets 429 with ``Retry-After``; one that could never fit (more sequences or tokens
-than the limit itself) gets 400.
+end; across every control plane on a PostgreSQL database, ``api/admission/tenant_load.py``) are
+counted three ways, each against the tenant's limit (``db.tenants``): requests, sequences (``n``
+times the number of prompts) and tokens (the body's bytes, an upper bound of the prompt's tokens,
+plus ``n`` x ``max_tokens``, which the gateway defaults to ``SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS``
+when the request sets none). The request that would pass one gets 429 with ``Retry-After``; one that
+could never fit (more sequences or tokens than the limit itself) gets 400.
 """
 
 from __future__ import annotations
@@ -20,8 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from skytrain_backend.api.admission.tenant_load import Load
 from skytrain_backend.api.schemas import ChatCompletionCreate, CompletionCreate
-from skytrain_backend.api.tenant_load import Load
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import format_validation_error

@@ -27,12 +27,12 @@ import anyio
 from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.api.auth import authenticate
-from skytrain_backend.api.fairness import FairLimiter
+from skytrain_backend.api.admission.auth import authenticate
+from skytrain_backend.api.admission.fairness import FairLimiter
+from skytrain_backend.api.admission.tenant_load import Load
 from skytrain_backend.api.gateway import admission
 from skytrain_backend.api.gateway.admission import Endpoint
 from skytrain_backend.api.route_cache import RouteCache
-from skytrain_backend.api.tenant_load import Load
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Tenant
@@ -50,7 +50,7 @@ INLINE_PARSE_BYTES = 64 * 1024
 # Requests resolved in threads at once: fewer than the database pool's 5 kept connections, so
 # a burst reuses them instead of opening (and configuring) a connection per request. One API
 # key (or tenant) holds at most RESOLVE_PER_KEY of them: its backlog queues on its own
-# (``api/fairness.py``), never in front of another tenant's requests.
+# (``api/admission/fairness.py``), never in front of another tenant's requests.
 RESOLVE_CONCURRENCY = 4
 RESOLVE_PER_KEY = 2
 

@@ -23,11 +23,11 @@ from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.api.admission.tenant_load import TenantLoads
 from skytrain_backend.api.gateway import admission, answers
 from skytrain_backend.api.gateway.admission import COMPLETIONS, Endpoint
 from skytrain_backend.api.gateway.resolver import Resolver, Routed
 from skytrain_backend.api.gateway.upstream import Engines, Upstream
-from skytrain_backend.api.tenant_load import TenantLoads
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import Settings
 from skytrain_backend.db.tenants import TenantLimits

@@ -55,7 +55,7 @@ STALE_CONNECTION_ERRORS = (aiohttp.ServerDisconnectedError, aiohttp.ClientOSErro
 _JSON = msgspec.json.Encoder()
 
 
-class EngineClient:
+class EnginePool:
     """The pooled connections to one engine (plain HTTP on loopback, or TLS pinned to the
     worker's certificate), and the answers being read from it: an answer is open until its
     ``Upstream`` is closed, however it ends."""
@@ -163,9 +163,9 @@ class Engines:
 
     def __init__(self) -> None:
         # Engines on this host over loopback HTTP (worker rows without a certificate).
-        self.http = EngineClient()
+        self.http = EnginePool()
         # worker id -> (the certificate it registered, a client that trusts only it)
-        self._pinned: dict[str, tuple[str, EngineClient]] = {}
+        self._pinned: dict[str, tuple[str, EnginePool]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing: set[asyncio.Task[None]] = set()
 
@@ -189,7 +189,7 @@ class Engines:
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    def client_of(self, route: EngineRoute) -> EngineClient:
+    def client_of(self, route: EngineRoute) -> EnginePool:
         """The client for the route's worker: pinned to its certificate."""
         self._loop = asyncio.get_running_loop()
         certificate = route.engine_certificate
@@ -211,7 +211,7 @@ class Engines:
             return held[1]
         if held is not None:
             self._drop_client(route.worker_id)
-        client = EngineClient(tls.pinned_context(certificate))
+        client = EnginePool(tls.pinned_context(certificate))
         self._pinned[route.worker_id] = (certificate, client)
         return client
 

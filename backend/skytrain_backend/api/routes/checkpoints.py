@@ -10,10 +10,8 @@ from fastapi.responses import RedirectResponse, StreamingResponse
 from sqlalchemy.orm import Session
 
 from skytrain_backend.api.deps import (
-    After,
-    Limit,
     ModelId,
-    OrderQuery,
+    PageDep,
     SessionDep,
     SessionRoute,
     StepPath,
@@ -44,9 +42,7 @@ def list_checkpoints(
     model_id: ModelId,
     session: SessionDep,
     tenant: TenantDep,
-    after: After = None,
-    limit: Limit = 20,
-    order: OrderQuery = "asc",
+    page: PageDep,
     include_deleted: Annotated[
         bool,
         Query(description="Also list deleted steps (their metrics stay; their files are gone)."),
@@ -56,9 +52,7 @@ def list_checkpoints(
     rows, has_more = checkpoints.list_checkpoints(
         session,
         model_id=model.id,
-        after=after,
-        limit=limit,
-        order=order,
+        page=page,
         include_deleted=include_deleted,
     )
     return CheckpointsPublic(

@@ -25,7 +25,7 @@ def upload_file(
     file: UploadFile, tenant: TenantDep, store: StoreDep, settings: SettingsDep
 ) -> FilePublic:
     """Upload JSONL, one trajectory per line; every line is validated before it is stored."""
-    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()

@@ -10,11 +10,9 @@ from sqlalchemy.orm import Session
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import LargeBodyRoute, json_body_doc
 from skytrain_backend.api.deps import (
-    After,
     BatchId,
-    Limit,
     ModelId,
-    OrderQuery,
+    PageDep,
     SessionDep,
     SettingsDep,
     SplitQuery,
@@ -70,7 +68,7 @@ def _log(
     store: ObjectStore,
     settings: Settings,
 ) -> TrajectoryBatchPublic:
-    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
     summary = ingest.Summary()
     try:
         with body.view() as buffer:
@@ -138,15 +136,13 @@ def list_logs(
     model_id: ModelId,
     session: SessionDep,
     tenant: TenantDep,
+    page: PageDep,
     split: SplitQuery = None,
     step: StepQuery = None,
-    after: After = None,
-    limit: Limit = 20,
-    order: OrderQuery = "asc",
 ) -> TrajectoryBatchesPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     rows, has_more = batches.list_batches(
-        session, model_id=model.id, split=split, step=step, after=after, limit=limit, order=order
+        session, model_id=model.id, split=split, step=step, page=page
     )
     return TrajectoryBatchesPublic(
         data=[TrajectoryBatchPublic.model_validate(row) for row in rows], has_more=has_more

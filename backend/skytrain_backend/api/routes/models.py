@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
 
+from skytrain_backend.api.admission.model_rules import check_new_model
 from skytrain_backend.api.deps import (
-    After,
-    Limit,
     ModelId,
     NameQuery,
-    OrderQuery,
+    PageDep,
     SchedulerDep,
     SessionDep,
     SessionRoute,
@@ -17,7 +16,6 @@ from skytrain_backend.api.deps import (
     StoreDep,
     TenantDep,
 )
-from skytrain_backend.api.model_rules import check_new_model
 from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
 from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import Model
@@ -103,12 +101,10 @@ def create_model(
 def list_models(
     session: SessionDep,
     tenant: TenantDep,
+    page: PageDep,
     entity: NameQuery = None,
     project: NameQuery = None,
     name: NameQuery = None,
-    after: After = None,
-    limit: Limit = 20,
-    order: OrderQuery = "asc",
 ) -> ModelsPublic:
     models, has_more = registry.list_models(
         session,
@@ -116,9 +112,7 @@ def list_models(
         entity=entity,
         project=project,
         name=name,
-        after=after,
-        limit=limit,
-        order=order,
+        page=page,
     )
     steps = registry.latest_steps(session, model_ids=[model.id for model in models])
     return ModelsPublic(

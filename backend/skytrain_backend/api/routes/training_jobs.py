@@ -19,13 +19,12 @@ from sqlalchemy.orm import Session
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import LargeBodyRoute, json_body_doc
 from skytrain_backend.api.deps import (
-    After,
     EventCursor,
     JobId,
     Limit,
     ModelIdQuery,
     NotifierDep,
-    OrderQuery,
+    PageDep,
     SchedulerDep,
     SessionDep,
     SettingsDep,
@@ -81,7 +80,7 @@ def _store_job(
     model: Model,
     kind: JobKind,
     config: RLTrainConfig | SFTTrainConfig,
-    batch: ingest.Batch,
+    batch: ingest.IngestBatch,
     max_attempts: int,
     scheduler: Scheduler,
     job_id: str,
@@ -162,7 +161,7 @@ class _JobBody(Generic[RequestT, ConfigT]):
         raise NotImplementedError
 
     def add_items(
-        self, items: Items, batch: ingest.Batch, config: ConfigT, *, model: Model
+        self, items: Items, batch: ingest.IngestBatch, config: ConfigT, *, model: Model
     ) -> None:
         """The body's list, each item validated, into the batch (of a job of ``model``)."""
         raise NotImplementedError
@@ -172,7 +171,7 @@ class _JobBody(Generic[RequestT, ConfigT]):
         return None
 
     def finish(
-        self, request: RequestT, batch: ingest.Batch, *, store: ObjectStore, tenant: Tenant
+        self, request: RequestT, batch: ingest.IngestBatch, *, store: ObjectStore, tenant: Tenant
     ) -> None:
         """What remains once the body's buffer is closed."""
 
@@ -232,7 +231,7 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
         return config
 
     def add_items(
-        self, items: Items, batch: ingest.Batch, config: RLTrainConfig, *, model: Model
+        self, items: Items, batch: ingest.IngestBatch, config: RLTrainConfig, *, model: Model
     ) -> None:
         allow = config.allow_training_without_logprobs
         self._long = ingest.LongSequences(
@@ -253,7 +252,12 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
         return None if report is None else LongSequencesPublic(**report)
 
     def finish(
-        self, request: TrainingJobCreate, batch: ingest.Batch, *, store: ObjectStore, tenant: Tenant
+        self,
+        request: TrainingJobCreate,
+        batch: ingest.IngestBatch,
+        *,
+        store: ObjectStore,
+        tenant: Tenant,
     ) -> None:
         check_trainable_turns(self._trainable_turns)
 
@@ -276,7 +280,7 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
         return request.config or SFTTrainConfig()
 
     def add_items(
-        self, items: Items, batch: ingest.Batch, config: SFTTrainConfig, *, model: Model
+        self, items: Items, batch: ingest.IngestBatch, config: SFTTrainConfig, *, model: Model
     ) -> None:
         if items is not None:
             for trajectory in ingest.each_item(
@@ -287,7 +291,7 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
     def finish(
         self,
         request: SFTTrainingJobCreate,
-        batch: ingest.Batch,
+        batch: ingest.IngestBatch,
         *,
         store: ObjectStore,
         tenant: Tenant,
@@ -363,7 +367,7 @@ def _queue_job(
     scheduler: Scheduler,
 ) -> TrainingJobPublic:
     """Validate the body, stream its batch to the store and record the job ``queued``."""
-    batch = ingest.Batch(limit=settings.max_trajectories_per_request)
+    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
     try:
         with body.view() as buffer:
             request, items = ingest.split_body(buffer, schema=job.schema, list_field=job.list_field)
@@ -399,11 +403,9 @@ def _queue_job(
 def list_training_jobs(
     session: SessionDep,
     tenant: TenantDep,
+    page: PageDep,
     model_id: ModelIdQuery = None,
     status: JobStatus | None = None,
-    after: After = None,
-    limit: Limit = 20,
-    order: OrderQuery = "asc",
 ) -> TrainingJobsPublic:
     if model_id is not None:
         registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
@@ -412,9 +414,7 @@ def list_training_jobs(
         tenant_id=tenant.id,
         model_id=model_id,
         status=status,
-        after=after,
-        limit=limit,
-        order=order,
+        page=page,
     )
     return TrainingJobsPublic(
         data=[TrainingJobPublic.model_validate(row) for row in rows], has_more=has_more

@@ -50,7 +50,6 @@ from skytrain_backend.protocol import (
     JobLease,
     JobPreempted,
     JobPreemption,
-    LeasedJob,
     LeaseRenewed,
     ModelConfig,
     PlacedModel,
@@ -290,7 +289,7 @@ async def lease(
                 return None
             if job.attempts == 1 and job.preemptions == 0:
                 first_waits.append((utcnow() - job.created_at).total_seconds())
-            return JobLease(job=LeasedJob.model_validate(queue.job_for_worker(session, job)))
+            return JobLease(job=queue.job_for_worker(session, job))
         finally:
             session.rollback()
 

@@ -9,6 +9,7 @@ from fastapi import APIRouter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from skytrain_backend.api.admission.model_rules import check_new_model
 from skytrain_backend.api.deps import (
     SchedulerDep,
     SessionDep,
@@ -16,7 +17,6 @@ from skytrain_backend.api.deps import (
     SettingsDep,
     TinkerTenantDep,
 )
-from skytrain_backend.api.model_rules import check_new_model
 from skytrain_backend.api.tinker.deps import PathId, TinkerDep
 from skytrain_backend.config import Settings
 from skytrain_backend.db import registry, tinker_rows

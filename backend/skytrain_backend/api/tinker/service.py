@@ -20,7 +20,7 @@ generated, and past its limit ``asample`` answers 429 (the SDK backs off and sen
 ``try_again``, since the SDK asks again at once: one request per few seconds per future instead
 of a busy loop. A tenant has at most ``max_waiting_polls`` waits at once in a process (the
 long-polls' counter, ``api/longpoll.py``): past them a future not done yet is answered 429, and
-the SDK backs off. The waits' lookups take turns per tenant (``api/fairness.py``), so one
+the SDK backs off. The waits' lookups take turns per tenant (``api/admission/fairness.py``), so one
 tenant's many waits never delay another's.
 """
 
@@ -39,9 +39,9 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend.api.fairness import FairLimiter
+from skytrain_backend.api.admission.fairness import FairLimiter
+from skytrain_backend.api.admission.model_rules import check_new_model
 from skytrain_backend.api.gateway import Gateway
-from skytrain_backend.api.model_rules import check_new_model
 from skytrain_backend.api.tinker.completions import (
     parse_completion,
     parse_prompt_logprobs,

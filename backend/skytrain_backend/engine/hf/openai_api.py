@@ -27,7 +27,7 @@ from skytrain_backend.engine.hf.engine import HFEngine
 from skytrain_backend.engine.hf.requests import SampledToken, SequenceUpdate
 from skytrain_backend.engine.hf.sampling import SamplingParams
 from skytrain_backend.engine.hf.toolcalls import parse_tool_calls, streamable_prefix
-from skytrain_backend.engine.protocol import (
+from skytrain_backend.engine.wire import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,

@@ -28,7 +28,7 @@ from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import get_settings
 from skytrain_backend.engine.hf.engine import HFEngine, SleepMode
 from skytrain_backend.engine.hf.openai_api import OpenAIServing, error_response
-from skytrain_backend.engine.protocol import (
+from skytrain_backend.engine.wire import (
     ChatCompletionRequest,
     CompletionRequest,
     LoadLoRAAdapterRequest,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 
-from skytrain_backend.engine.protocol import random_id
+from skytrain_backend.engine.wire import random_id
 from skytrain_backend.protocol import FunctionCall, ToolCall
 
 TOOL_CALL_START = "<tool_call>"

@@ -12,7 +12,7 @@ call that may take it waits.
 
 The routes' own threads go through one (``route_turns``, ``SKYTRAIN_THREADS`` places, made in
 the app's lifespan): every plain ``def`` endpoint (``api/deps.py``'s ``SessionRoute``) runs in
-the turn of the tenant that ``api/rest_admission.py`` admitted (``turn_key``), so eight
+the turn of the tenant that ``api/admission/rest_admission.py`` admitted (``turn_key``), so eight
 tenants bursting at once take the process's threads in turns, and a ninth is served as soon
 as a thread frees.
 """

@@ -5,8 +5,8 @@ One ASGI middleware, before FastAPI routes anything, for every route family:
 
 - ``/v1`` and ``/v1/preview`` (a bearer key) and ``/api/v1``, the Tinker protocol (the key as
   the official ``tinker`` SDK sends it, ``X-API-Key: tml-<key>``, or a bearer key): counted
-  against the tenant's ``max_concurrent_rest_requests`` (``api/tenant_load.py``: across every
-  control-plane process on a PostgreSQL database);
+  against the tenant's ``max_concurrent_rest_requests`` (``api/admission/tenant_load.py``: across
+  every control-plane process on a PostgreSQL database);
 - ``/v1/worker/...`` (a worker token, required: 401 without one, before the body is read):
   counted per token against ``SKYTRAIN_WORKER_MAX_CONCURRENT_REQUESTS`` in this process.
 
@@ -23,11 +23,11 @@ order of arrival) up to ``SKYTRAIN_REST_ADMISSION_WAIT_S``, then gets 429 with `
 for a fraction of the CPU that routing and solving the route's dependencies cost: a hostile
 burst's requests are mostly refusals, and they share the event loop with every other tenant's
 requests. The request counts until the app has answered it (a long-poll counts while it
-waits). Keys and tokens are checked by ``api/auth.py`` (cached; failures rate-limited per
+waits). Keys and tokens are checked by ``api/admission/auth.py`` (cached; failures rate-limited per
 client address, off the routes' threads); an address past its failures gets its 429 after
 the same wait, so a client that ignores Retry-After costs a request per wait and loop. The
 admitted request's plain ``def`` route takes its thread in its tenant's turn
-(``api/fairness.py``).
+(``api/admission/fairness.py``).
 
 ``TenantDep`` and ``TinkerTenantDep`` take the tenant from here (``admitted``); they
 authenticate and admit a request themselves where this middleware did not (a request without
@@ -44,11 +44,11 @@ from collections.abc import Callable
 import anyio
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from skytrain_backend.api import fairness
-from skytrain_backend.api.auth import FAILURES_LIMIT, Authenticator
+from skytrain_backend.api.admission import fairness
+from skytrain_backend.api.admission.auth import FAILURES_LIMIT, Authenticator
+from skytrain_backend.api.admission.limits import CHECKPOINT_UPLOAD, INFERENCE_PATH, WORKER_PREFIX
+from skytrain_backend.api.admission.tenant_load import REST_REQUEST, TenantLoads, rest_cost
 from skytrain_backend.api.errors import skytrain_error_response
-from skytrain_backend.api.limits import CHECKPOINT_UPLOAD, INFERENCE_PATH, WORKER_PREFIX
-from skytrain_backend.api.tenant_load import REST_REQUEST, TenantLoads, rest_cost
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Tenant

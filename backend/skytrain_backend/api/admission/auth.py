@@ -1,13 +1,13 @@
 """API keys and worker tokens checked: cached for a moment, looked up in threads of their own,
 failures rate-limited per client address.
 
-Every REST, Tinker and worker request authenticates its key or token (``api/rest_admission.py``)
-and under a burst that lookup was a query per request. The answer changes only when a key, a
-tenant or a worker row does, so a success is kept per hash for
-``SKYTRAIN_GATEWAY_ROUTE_CACHE_TTL_S`` (1 s) in a ``RouteCache``, which any commit in this
-process that changes a key, a tenant or a worker empties at once: a key revoked here is
-refused at once, one revoked through another process (another replica, ``skytrain keys
-revoke``) within the TTL, as the gateway's routes are.
+Every REST, Tinker and worker request authenticates its key or token
+(``api/admission/rest_admission.py``) and under a burst that lookup was a query per request. The
+answer changes only when a key, a tenant or a worker row does, so a success is kept per hash for
+``SKYTRAIN_GATEWAY_ROUTE_CACHE_TTL_S`` (1 s) in a ``RouteCache``, which any commit in this process
+that changes a key, a tenant or a worker empties at once: a key revoked here is refused at once, one
+revoked through another process (another replica, ``skytrain keys revoke``) within the TTL, as the
+gateway's routes are.
 
 Failures cost their sender, not the other tenants:
 
@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from fastapi.security import HTTPAuthorizationCredentials
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.api.fairness import FairLimiter
+from skytrain_backend.api.admission.fairness import FairLimiter
 from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.db import api_keys, workers
 from skytrain_backend.db.models import Tenant

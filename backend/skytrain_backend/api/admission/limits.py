@@ -11,8 +11,8 @@
 
 Checkpoint uploads from workers (gigabytes, ``PUT /v1/worker/jobs/{id}/files/{name}``) have no
 size or time limit: the route streams them to the object store. Their worker token, as every
-worker route's, has been checked before they get here (``api/rest_admission.py``): a request
-without a valid worker token gets 401 having cost nothing.
+worker route's, has been checked before they get here (``api/admission/rest_admission.py``): a
+request without a valid worker token gets 401 having cost nothing.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Each tenant's requests in flight, counted against its limits (``db.tenants``).
 
 An inference request holds a ``Load`` (one request, its sequences, its tokens) from admission
-until its answer ends; a REST request (``api/rest_admission.py``) holds one REST request until
-the app has answered it. The gateway and the REST routes each count with a ``TenantLoads`` of
-their own. ``TenantLoads.admit`` counts a request in, or raises ``RateLimited`` naming the
-limit it would pass (after waiting, in order of arrival and holding nothing, up to its
-``wait_s`` for the tenant's requests in this process to make room: the REST routes wait,
-the gateway does not); the function it returns counts it out.
+until its answer ends; a REST request (``api/admission/rest_admission.py``) holds one REST request
+until the app has answered it. The gateway and the REST routes each count with a ``TenantLoads`` of
+their own. ``TenantLoads.admit`` counts a request in, or raises ``RateLimited`` naming the limit it
+would pass (after waiting, in order of arrival and holding nothing, up to its ``wait_s`` for the
+tenant's requests in this process to make room: the REST routes wait, the gateway does not); the
+function it returns counts it out.
 
 - One process (SQLite, the embedded default): counted in memory.
 - PostgreSQL: counted in memory too (a process over a limit on its own refuses at once), and
@@ -37,8 +37,8 @@ import anyio
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.api.admission.fairness import FairLimiter
 from skytrain_backend.api.errors import database_outage
-from skytrain_backend.api.fairness import FairLimiter
 from skytrain_backend.db import tenant_loads
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import RateLimited, Unavailable

@@ -1,21 +1,11 @@
-"""Taking trajectories in: read, validate, summarise, serialise, store.
+"""The request body of a bulk request: spooled as it arrives, split in one pass, each item
+validated alone.
 
-A bulk body (a training job, a log, an SFT job: tens of megabytes of trajectories) is never
-turned into Python objects as a whole. Its bytes are spooled as they arrive (in memory up to
-1 MiB, then in a temporary file); one pass of msgspec's C parser splits it into its small
-fields and the raw bytes of each item of its list (``trajectory_groups``, ``trajectories``);
-then each item is validated alone and written as one JSONL line, straight to the object
-store (``Batch.stream_to``) or to a spool. Items are decoded by msgspec into the Structs of
-``api.trajectory_structs`` (and written back by msgspec's encoder); an item msgspec refuses is
-validated by pydantic's models, which name the problem, or accept what msgspec's stricter
-types did not. Either way the line stored is the model's ``model_dump_json``. Memory stays at
-one item plus the buffers (spool, upload parts) whatever the size of the body, and the count
-limit stops the work as soon as it is passed.
-
-A batch is stored atomically from the client's point of view: on S3 a batch of up to 16 MiB
-stored goes up in one PUT once everything is valid; a larger one goes up as it is validated,
-as a multipart upload that becomes an object only then (and is aborted otherwise); then the
-rows are inserted in one transaction; if the transaction fails the object is deleted again. A rejected request leaves no row and no object behind.
+Its bytes are spooled (in memory up to 1 MiB, then in a temporary file); one pass of msgspec's
+C parser splits it into its small fields and the raw bytes of each item of its list
+(``trajectory_groups``, ``trajectories``); each item is then decoded by msgspec into the
+Structs of ``api.trajectory_structs``, and an item msgspec refuses is validated by pydantic's
+models, which name the problem, or accept what msgspec's stricter types did not.
 """
 
 from __future__ import annotations
@@ -23,37 +13,29 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import json
-import logging
-import math
 import mmap
 import re
-import statistics
 import tempfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
 import ijson
 import msgspec
 from pydantic import BaseModel, ValidationError
-from sqlalchemy.orm import Session
 from starlette.requests import Request
 from typing_extensions import Buffer
 
 from skytrain_backend.api import trajectory_structs as structs
 from skytrain_backend.errors import InvalidRequest, PayloadTooLarge
 from skytrain_backend.protocol import (
-    Choice,
     Message,
     Trajectory,
     TrajectoryGroup,
-    count_trainable_turns,
     format_validation_error,
 )
-from skytrain_backend.storage import ObjectStore, ObjectWriter, compression
+from skytrain_backend.storage import ObjectStore
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
 M = TypeVar("M", bound=BaseModel)
 # A group or trajectory as read: msgspec's Struct, or pydantic's model when msgspec refused it.
@@ -72,9 +54,6 @@ def check_count(num_trajectories: int, *, limit: int) -> None:
             f"the request holds more than {limit} trajectories, the limit "
             "(SKYTRAIN_MAX_TRAJECTORIES_PER_REQUEST): split it into several requests"
         )
-
-
-# --- the request body ---------------------------------------------------------------------------
 
 
 class Spool:
@@ -129,7 +108,7 @@ class Spool:
 
 async def read_body(request: Request) -> Spool:
     """The request's body, spooled. Its size and time limits are the middleware's
-    (``api.limits``), applied as the bytes arrive."""
+    (``api.admission.limits``), applied as the bytes arrive."""
     spool = Spool()
     try:
         async for chunk in request.stream():
@@ -323,245 +302,3 @@ def _path_to_first_error(buffer: Buffer) -> str:
         elif part is not None:
             text += f".{part}" if text else part
     return text or "body"
-
-
-# --- the batch written to the store -------------------------------------------------------------
-
-
-_ENCODER = msgspec.json.Encoder()
-
-
-class Batch:
-    """Validated items as JSONL (``model_dump(mode="json")``, one per line), with a count of
-    trajectories that refuses the request as soon as it passes ``limit``.
-
-    The lines are spooled, or, once ``stream_to`` named the object they become, written
-    straight to the store as they are made (on S3, past 16 MiB compressed, a multipart upload
-    in a thread, beside the validation), and nothing is visible at the key until
-    ``store_then_commit`` commits it. ``close`` drops whatever was not committed.
-    """
-
-    def __init__(self, *, limit: int) -> None:
-        self.limit = limit
-        self.spool = Spool()
-        self.writer: ObjectWriter | None = None
-        self.num_items = 0
-        self.num_trajectories = 0
-        self.num_bytes = 0  # the JSONL's, what its tenant's storage quota counts
-
-    def stream_to(self, store: ObjectStore, key: str) -> None:
-        """Write every line from now on to a new object at ``key`` in ``store``."""
-        assert self.writer is None and self.spool.size == 0, "stream_to comes before add"
-        self.writer = compression.CompressingWriter(store.open_writer(key))
-
-    @property
-    def output(self) -> Spool | ObjectWriter:
-        return self.spool if self.writer is None else self.writer
-
-    def add(self, item: Group | AnyTrajectory) -> None:
-        self.num_items += 1
-        if isinstance(item, structs.TrajectoryGroup | TrajectoryGroup):
-            self.num_trajectories += len(item.trajectories)
-        else:
-            self.num_trajectories += 1
-        check_count(self.num_trajectories, limit=self.limit)
-        if isinstance(item, BaseModel):
-            line = item.model_dump_json().encode() + b"\n"
-        else:
-            line = _ENCODER.encode(item) + b"\n"
-        self.num_bytes += len(line)
-        self.output.write(line)
-
-    def close(self) -> None:
-        self.spool.close()
-        if self.writer is not None:
-            self.writer.abort()  # nothing, once committed
-
-
-def trainable_turns(group: Group, index: int, *, allow_training_without_logprobs: bool) -> int:
-    """The turns of group ``index`` the RL trainer can learn from; refuses a choice it cannot."""
-    if isinstance(group, structs.TrajectoryGroup):
-        return structs.count_trainable_turns(
-            group, index, allow_training_without_logprobs=allow_training_without_logprobs
-        )
-    return count_trainable_turns(
-        group, index, allow_training_without_logprobs=allow_training_without_logprobs
-    )
-
-
-def groups_from_jsonl(data: bytes) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in data.splitlines() if line.strip()]
-
-
-def parse_trajectory_lines(lines: Iterable[bytes], batch: Batch) -> None:
-    """Validate a JSONL upload into ``batch``: one trajectory per line; errors name the line."""
-    for number, line in enumerate(lines, start=1):
-        if line.strip():
-            batch.add(parse_trajectory(line, f"line {number}"))
-    if not batch.num_items:
-        raise InvalidRequest("the file holds no trajectories: send one JSON trajectory per line")
-
-
-# --- summaries ----------------------------------------------------------------------------------
-
-
-class LongSequences:
-    """Sequences longer than a job's row (``row_tokens``), counted at submission where their
-    length is known: a conversation's last sampled turn carries ``prompt_token_ids`` and its
-    sampled ids (a skytrain endpoint gives both), and the sequence the trainer makes of it is
-    that prompt and those ids. The trainer cuts such a sequence to the row (or, under ART's
-    rules, leaves it out), so the job says so when it is created; sequences of unknown length
-    are not counted."""
-
-    def __init__(self, *, row_tokens: int) -> None:
-        self.row_tokens = row_tokens
-        self.count = 0
-        self.longest = 0
-
-    def add(self, group: Group) -> None:
-        for trajectory in group.trajectories:
-            for history in trajectory.histories():
-                length = _known_length(history.messages_and_choices)
-                if length is not None and length > self.row_tokens:
-                    self.count += 1
-                    self.longest = max(self.longest, length)
-
-    def report(self) -> dict[str, int] | None:
-        """``{sequences, longest_tokens, row_tokens}``; None when none is longer."""
-        if not self.count:
-            return None
-        return {
-            "sequences": self.count,
-            "longest_tokens": self.longest,
-            "row_tokens": self.row_tokens,
-        }
-
-
-def _known_length(turns: Sequence[Any]) -> int | None:
-    """The tokens of the sequence up to the last sampled turn: its prompt's ids and its
-    sampled ids, when the turn has both (None otherwise)."""
-    for turn in reversed(turns):
-        if isinstance(turn, structs.Turn):
-            if not turn.is_choice:
-                continue
-            prompt = turn.prompt_token_ids if isinstance(turn.prompt_token_ids, list) else None
-            sampled: int | None = None
-            if isinstance(turn.token_ids, list) and turn.token_ids:
-                sampled = len(turn.token_ids)
-            elif isinstance(turn.logprobs, structs.ChoiceLogprobs) and turn.logprobs.content:
-                sampled = len(turn.logprobs.content)
-        elif isinstance(turn, Choice):
-            prompt = turn.prompt_token_ids
-            ids = turn.sampled_token_ids()
-            sampled = None if ids is None else len(ids)
-        else:
-            continue
-        return None if prompt is None or sampled is None else len(prompt) + sampled
-    return None
-
-
-class Summary:
-    """Summary metrics of a batch, gathered a group at a time: reward statistics, counts,
-    and the mean of each trajectory metric.
-
-    ``reward`` and ``reward_std_dev`` are named as ART names them, so checkpoint metrics read
-    ``val/reward`` for ``delete_checkpoints(best_checkpoint_metric="val/reward")``.
-    """
-
-    def __init__(self) -> None:
-        self.rewards: list[float] = []
-        self.values: dict[str, list[float]] = {}
-        self.num_groups = 0
-
-    def add(self, group: Group) -> None:
-        self.num_groups += 1
-        for trajectory in group.trajectories:
-            self.rewards.append(trajectory.reward)
-            for key, value in trajectory.metrics.items():
-                self.values.setdefault(key, []).append(float(value))
-
-    def result(self) -> dict[str, float]:
-        rewards = self.rewards
-        summary = {key: statistics.fmean(series) for key, series in sorted(self.values.items())}
-        summary.update(
-            {
-                "reward": statistics.fmean(rewards),
-                "reward_std_dev": statistics.pstdev(rewards),
-                "reward/min": min(rewards),
-                "reward/max": max(rewards),
-                "num_trajectories": float(len(rewards)),
-                "num_groups": float(self.num_groups),
-            }
-        )
-        return summary
-
-
-def summarize(groups: Iterable[TrajectoryGroup]) -> dict[str, float]:
-    summary = Summary()
-    for group in groups:
-        summary.add(group)
-    return summary.result()
-
-
-def combine(summaries: Sequence[dict[str, float]]) -> dict[str, float]:
-    """Summaries of several batches (same step and split) as if they were one batch.
-
-    Means are weighted by trajectory count; the reward's standard deviation is pooled from
-    each batch's mean and variance.
-    """
-    if len(summaries) == 1:
-        return dict(summaries[0])
-    weights = [s["num_trajectories"] for s in summaries]
-    total = sum(weights)
-    combined: dict[str, float] = {}
-    for key in sorted({key for s in summaries for key in s}):
-        pairs = [(s[key], w) for s, w in zip(summaries, weights, strict=True) if key in s]
-        if key in ("num_trajectories", "num_groups"):
-            combined[key] = sum(value for value, _ in pairs)
-        elif key == "reward/min":
-            combined[key] = min(value for value, _ in pairs)
-        elif key == "reward/max":
-            combined[key] = max(value for value, _ in pairs)
-        else:
-            combined[key] = sum(value * w for value, w in pairs) / sum(w for _, w in pairs)
-    second_moment = (
-        sum(
-            (s["reward_std_dev"] ** 2 + s["reward"] ** 2) * w
-            for s, w in zip(summaries, weights, strict=True)
-        )
-        / total
-    )
-    combined["reward_std_dev"] = math.sqrt(max(second_moment - combined["reward"] ** 2, 0.0))
-    return combined
-
-
-# --- storing ------------------------------------------------------------------------------------
-
-
-def store_then_commit(
-    store: ObjectStore,
-    session: Session,
-    *,
-    key: str,
-    data: bytes | Spool | ObjectWriter,
-    insert: Callable[[str], T],
-) -> T:
-    """Write ``data`` at ``key`` (or commit the writer streaming to it), then run
-    ``insert(uri)`` and commit; undo the write on failure."""
-    if isinstance(data, bytes):
-        store.put_bytes(key, data)
-    elif isinstance(data, Spool):
-        data.put(store, key)
-    else:
-        data.commit()
-    try:
-        result = insert(store.uri(key))
-        session.commit()
-    except BaseException:
-        session.rollback()
-        try:
-            store.delete(key)
-        except Exception:
-            logger.exception("could not delete %s after a failed insert; it is orphaned", key)
-        raise
-    return result
