@@ -55,6 +55,10 @@ GATEWAY_UPSTREAM = Histogram(
     ["endpoint"],
     buckets=LATENCY_BUCKETS,
 )
+GATEWAY_REPLICA_RETRIES = Counter(
+    "skytrain_gateway_replica_retries_total",
+    "Requests sent to another replica of their model because the first could not be reached.",
+)
 GATEWAY_TOKENS = Counter(
     "skytrain_gateway_tokens_total",
     "Tokens through the gateway, as the engines count them: prompt (in) and completion (out).",
@@ -158,6 +162,10 @@ def upstream_timer(endpoint: str) -> Iterator[None]:
         yield
     finally:
         GATEWAY_UPSTREAM.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+
+
+def replica_retried() -> None:
+    GATEWAY_REPLICA_RETRIES.inc()
 
 
 def count_refusal(*, path: str, status: int, reason: str) -> None:
