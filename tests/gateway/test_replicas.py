@@ -11,6 +11,7 @@ demand is made of real requests held open (long streams), never of numbers writt
 from __future__ import annotations
 
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -25,7 +26,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
-from skytrain_backend.db.models import Model, ModelReplica, Worker
+from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db.models import Checkpoint, Model, ModelReplica, Worker
 from skytrain_backend.db.session import create_db_engine, session_factory
 from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import (
@@ -244,6 +246,66 @@ def test_replicas_follow_demand_with_events(
     reasons = {event["kind"]: event["reason"] for event in events}
     assert "per replica" in reasons["scale_out"] and "above 1.5" in reasons["scale_out"]
     assert "would be below 0.5" in reasons["scale_in"]
+
+
+def test_every_replica_is_told_the_new_step_and_a_drained_one_to_unload(
+    url: str, db: sessionmaker[Session]
+) -> None:
+    """What the agents are told in their heartbeat answers: the model on both workers, its
+    newest step on both, and once drained, on its home only."""
+    base = f"tests/hb-{uuid.uuid4().hex[:8]}"
+    with db() as session:
+        _, key = api_keys.create_key(session, tenant_name=f"hb-{uuid.uuid4().hex[:8]}")
+        tokens = [
+            worker_rows.create_worker(
+                session, provider="manual", base_model=base, max_models=4, status="ready"
+            )[1]
+            for _ in range(2)
+        ]
+        session.commit()
+    user = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    agents = [
+        httpx.Client(
+            base_url=f"{url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
+        )
+        for token in tokens
+    ]
+
+    def told() -> list[dict[str, int]]:
+        """Per agent: model id -> the latest step it is told to serve."""
+        answers = [agent.post("/heartbeat", json={"status": "ready"}) for agent in agents]
+        assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+        return [
+            {item["model_id"]: item["latest_step"] for item in a.json()["models"]} for a in answers
+        ]
+
+    with user, agents[0], agents[1]:
+        created = user.post(
+            "/v1/models",
+            json={
+                "project": "hb",
+                "name": "m",
+                "base_model": base,
+                "config": {"min_replicas": 2, "max_replicas": 2},
+            },
+        )
+        assert created.status_code == 201, created.text
+        model_id = created.json()["id"]
+        wait_until(lambda: told() == [{model_id: 0}, {model_id: 0}], what="both told step 0")
+        with db() as session:
+            session.add(Checkpoint(model_id=model_id, step=1, uri="file:///checkpoints/1"))
+            session.commit()
+        assert told() == [{model_id: 1}, {model_id: 1}]
+        refused = user.patch(f"/v1/models/{model_id}", json={"max_replicas": 1})
+        assert refused.status_code == 400
+        assert "min_replicas (2) is more than max_replicas (1)" in refused.text
+        lowered = user.patch(f"/v1/models/{model_id}", json={"min_replicas": 1, "max_replicas": 1})
+        assert lowered.status_code == 200, lowered.text
+        wait_until(
+            lambda: sorted(map(len, told())) == [0, 1], what="the drained replica told to unload"
+        )
+        kinds = [e["kind"] for e in user.get(f"/v1/models/{model_id}/events").json()["data"]]
+        assert kinds[:3] == ["replica_removed", "scale_in", "replicas_set"], kinds
 
 
 def _replica_rows(db: sessionmaker[Session], model_id: str) -> int:
