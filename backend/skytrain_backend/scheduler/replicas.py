@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import Model, ModelEvent, ModelReplica, Worker, utcnow
@@ -201,7 +201,7 @@ def _finish_draining(session: Session, *, model: Model, demand: DemandMeter) -> 
 def _drain(session: Session, *, model: Model, worker_id: str, count: int, reason: str) -> None:
     """Stop sending the model's requests to ``worker_id``; its row goes once none is left."""
     session.execute(
-        ModelReplica.__table__.update()
+        update(ModelReplica)
         .where(ModelReplica.model_id == model.id, ModelReplica.worker_id == worker_id)
         .values(status="draining")
     )

@@ -94,9 +94,9 @@ def resolve_route(
         placement.mark_model_active(session, model=found, min_interval_s=interval_s)
         routes = _serving_routes(session, model=found, step=step, pinned=pinned is not None)
         if routes:
-            if any(_stale(route.last_active_at, interval_s=interval_s) for route in routes):
-                for worker in routes:
-                    worker.last_active_at = utcnow()
+            if any(_stale(serving.last_active_at, interval_s=interval_s) for serving in routes):
+                for serving in routes:
+                    serving.last_active_at = utcnow()
                 session.commit()
             return _routes(found.id, routes, step=step, pinned=pinned is not None)
         status = serving_status(
