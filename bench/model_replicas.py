@@ -2,7 +2,7 @@
 job trains, with 1 replica against 2.
 
 THE ENGINES ARE STAND-INS OF FIXED LATENCY: each answers a chat completion after
-``--latency-s`` (0.5 s), at most ``--slots`` (4) at once (a GPU engine's batch, scaled down),
+``--latency-s`` (2 s), at most ``--slots`` (4) at once (a GPU engine's batch, scaled down),
 so what is measured is the scheduler's placement and the gateway's balancing, not a model (the
 machine has two cores; a real engine per replica would share them). Each stand-in is its own
 process speaking the engine's HTTP surface (``/health``, ``/v1/chat/completions``).
@@ -10,7 +10,8 @@ process speaking the engine's HTTP surface (``/health``, ``/v1/chat/completions`
 ``skytrain serve`` (SQLite, provider none, its own scheduler) runs as a process; four ready
 worker rows point at four stand-ins (what the worker agents leave once registered); one model
 per replica count is created with ``min_replicas = max_replicas = N`` and the scheduler places
-its replicas. Then ``--clients`` (64) clients send requests back to back for ``--seconds``.
+its replicas. Then ``--clients`` (32) clients send requests back to back for ``--seconds``; answers
+that end after it are not counted.
 
 Training: a model with 1 replica, then one with 2, gets requests from 16 clients for 12 s; from
 4 s to 8 s its home worker's row says ``sleeping`` (what the agent reports while a job trains:
@@ -18,7 +19,7 @@ its engine sleeps). A 503 is retried after 0.25 s (a client honouring ``Retry-Af
 wait 30 s); latency counts from the first try to the 200.
 
 Usage:
-    .venv/bin/python bench/model_replicas.py [--latency-s 0.5] [--slots 4] [--seconds 20]
+    .venv/bin/python bench/model_replicas.py [--latency-s 2] [--slots 4] [--seconds 20]
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from pathlib import Path
 
 import httpx
 import machine
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from skytrain_backend.config import Settings
 from skytrain_backend.db.models import Model, Worker, utcnow
@@ -50,8 +53,6 @@ BASE = "bench/fixed-latency"
 def _engine_main(port: int, secret: str, latency_s: float, slots: int) -> None:
     """A stand-in engine: every completion takes ``latency_s``, ``slots`` at once."""
     import uvicorn
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse
 
     app = FastAPI()
     gate = asyncio.Semaphore(slots)
@@ -131,7 +132,8 @@ async def _load(
                 while True:
                     response = await http.post("/v1/chat/completions", json=body)
                     if response.status_code == 200:
-                        latencies.append(time.monotonic() - start)
+                        if time.monotonic() <= end:  # answers after the end are not counted
+                            latencies.append(time.monotonic() - start)
                         break
                     if response.status_code == 503 and retry:
                         refused += 1
@@ -152,9 +154,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--engine", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--secret", help=argparse.SUPPRESS)
-    parser.add_argument("--latency-s", type=float, default=0.5)
+    parser.add_argument("--latency-s", type=float, default=2.0)
     parser.add_argument("--slots", type=int, default=4)
-    parser.add_argument("--clients", type=int, default=64)
+    parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=20.0)
     args = parser.parse_args()
     if args.engine is not None:
@@ -170,6 +172,7 @@ def main() -> None:
             "SKYTRAIN_PROVIDER": "none",
             "SKYTRAIN_TENANT_MAX_CONCURRENT_REQUESTS": "1000",
             "SKYTRAIN_TENANT_MAX_WORKERS": "4",
+            "SKYTRAIN_TENANT_MAX_PLACED_MODELS": "32",
             # Replicas fixed per model here (min = max): no scaling during a measure.
             "SKYTRAIN_GATEWAY_ROUTE_CACHE_TTL_S": "1",
         }
