@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create (or update) the project's virtual environment in .venv: by default what the demo
 # needs (the server, the worker and the demo's model), nothing system-wide; with --test also the
-# test stack (the dev extra, tinker-cookbook and, as root on Debian, chromium and prometheus).
+# test stack (the dev extra, tinker-cookbook and, as root on Debian, chromium, nginx and
+# prometheus).
 # Safe to run again: pip skips what is already installed.
 #   scripts/setup.sh [--test]
 #   SKYTRAIN_VENV        the environment (default .venv)
@@ -103,6 +104,19 @@ if [ "$TEST_STACK" = 1 ]; then
         else
             echo "warning: no chromium on PATH: the dashboard's browser tests need it" \
                 "(as root on Debian: apt-get install chromium)" >&2
+        fi
+    fi
+    # nginx from the system's packages: a test checks the reverse proxy's shipped config with the
+    # real `nginx -t` (tests/infra/test_proxy.py).
+    if ! command -v nginx >/dev/null 2>&1 && ! [ -x /usr/sbin/nginx ]; then
+        if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+            echo "==> installing nginx (Debian package) for the reverse proxy's config test"
+            apt_install nginx-light
+            # The package starts a server on port 80; the test runs its own.
+            (command -v service >/dev/null 2>&1 && service nginx stop >/dev/null 2>&1) || true
+        else
+            echo "warning: no nginx on PATH: the reverse proxy's config test needs it" \
+                "(as root on Debian: apt-get install nginx-light)" >&2
         fi
     fi
     # Prometheus from the system's packages: a test scrapes the control plane's metrics listener

@@ -543,6 +543,13 @@ class Settings(BaseSettings):
     worker_base_model: str | None = Field(
         default=None, description="Worker: the base model its engine serves."
     )
+    worker_id: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Worker and its engine: the id the control plane gave the worker when it "
+        "launched it, on every log line from the first (a worker that joins with a join token "
+        "learns its id when it registers).",
+    )
     engine_secret: str | None = Field(
         default=None,
         description="Worker: the secret its front door requires on every request (the "

@@ -4,14 +4,17 @@ failing on an outdated schema so a script can check it."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from skytrain_backend.cli import app
@@ -123,3 +126,66 @@ def test_the_status_choices_are_the_protocols() -> None:
     from skytrain_backend.protocol.worker import JobStatus
 
     assert [choice.value for choice in JobStatusChoice] == list(get_args(JobStatus))
+
+
+def _commands(group: Any, path: list[str]) -> Iterator[tuple[list[str], Any]]:
+    """Every command below ``group`` (Typer's own Click groups), with its path."""
+    for name, command in group.commands.items():
+        yield [*path, name], command
+        if hasattr(command, "commands"):
+            yield from _commands(command, [*path, name])
+
+
+def test_help_text_reflows_its_paragraphs_to_the_terminal() -> None:
+    """Issue 36: help kept every line break of the docstring, so at 80 columns it broke lines
+    mid-sentence. On a wide terminal each paragraph of every command's help is one line."""
+    root = typer.main.get_command(app)
+    runner = CliRunner()
+    checked = 0
+    for path, command in _commands(root, []):
+        paragraphs = inspect.cleandoc(command.help or "").split("\n\n")
+        result = runner.invoke(app, [*path, "-h"], env={"COLUMNS": "400"})
+        assert result.exit_code == 0, (path, result.output)
+        lines = [" ".join(line.split()) for line in result.output.splitlines()]
+        for paragraph in paragraphs:
+            if "\n" not in paragraph or paragraph.lstrip().startswith(("-", "*", "1.")):
+                continue  # one source line already, or a list
+            first, second = (" ".join(line.replace("`", "").split()) for line in
+                             paragraph.splitlines()[:2])  # fmt: skip
+            # Reflowed: the paragraph's first source line goes on with the next one's words.
+            joined = f"{first} {second.split()[0]}"
+            assert any(joined in line for line in lines), (path, joined, result.output)
+            checked += 1
+    assert checked >= 10
+
+
+@pytest.mark.parametrize("command", [["serve", "--port", "0"], ["storage", "check"]])
+def test_an_unreachable_object_store_is_a_few_lines_naming_it(
+    command: list[str], tmp_path: Path
+) -> None:
+    """Issue 36: `skytrain serve` started on a store it could not reach and logged a
+    scheduler traceback every pass; `storage check` said every object was there."""
+    port = _closed_port()
+    env = {
+        **os.environ,
+        "SKYTRAIN_HOME": str(tmp_path),
+        "SKYTRAIN_OBJECT_STORE_URL": "s3://checkpoints/prod",
+        "SKYTRAIN_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "operator",
+        "AWS_SECRET_ACCESS_KEY": "s3cret-store-key",
+    }
+    upgrade = subprocess.run([SKYTRAIN, "db", "upgrade"], env=env, capture_output=True, timeout=300)
+    assert upgrade.returncode == 0, upgrade.stderr  # the database is fine: only the store is not
+    result = subprocess.run(
+        [SKYTRAIN, *command], env=env, capture_output=True, text=True, timeout=300
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    errors = [line for line in output.splitlines() if "cannot use the object store" in line]
+    assert errors and f"s3://checkpoints/prod (endpoint http://127.0.0.1:{port})" in errors[0]
+    assert "SKYTRAIN_S3_ENDPOINT_URL" in output
+    assert "s3cret-store-key" not in output and "Traceback" not in output
+    assert "listening on" not in output  # never started
+    # Besides the log lines before it (the schema check's, boto's): the error, two lines.
+    said = [line for line in output.strip().splitlines() if not line[:4].isdigit()]
+    assert len(said) <= 2, output

@@ -20,6 +20,7 @@ import pytest
 import sqlalchemy
 
 from tests.e2e import support
+from tests.fixtures.prometheus import board_expressions, prometheus_scraping
 from tests.fixtures.service import Service, start_service, stop_service
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -64,8 +65,18 @@ def _series(text: str, name: str) -> dict[str, float]:
     return found
 
 
+# Board panels whose series exist only after what this workload does not do: a refusal or a
+# limit hit (counted in tests/observability/test_metrics.py), vLLM's KV cache, CUDA memory.
+_NOT_IN_THIS_WORKLOAD = {
+    "Refusals per second by reason",
+    "Tenant limits hit per second",
+    "KV cache use",
+    "GPU memory used",
+}
+
+
 def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
-    service: Service, tiny_model_path: Path
+    service: Service, tiny_model_path: Path, tmp_path: Path
 ) -> None:
     metrics_url = f"http://127.0.0.1:{service.env['SKYTRAIN_METRICS_PORT']}/metrics"
     key = service.key("alice")
@@ -77,6 +88,7 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         assert created.status_code == 201, created.text
         model = created.json()
         support.wait_until_served(http, model["id"])
+        assert http.get("/v1/models/no-such-model").status_code == 404  # an error to count
         chat = http.post(
             "/v1/chat/completions",
             headers={"X-Request-Id": "operator-trace-1"},
@@ -114,12 +126,12 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
     text = httpx.get(metrics_url, timeout=30).text
     requests = _series(text, "skytrain_http_requests_total")
     assert any('route="/v1/chat/completions"' in k and 'status="200"' in k for k in requests)
-    assert _series(text, "skytrain_gateway_upstream_seconds_count")
+    assert _series(text, "skytrain_gateway_upstream_duration_seconds_count")
     assert sum(_series(text, "skytrain_gateway_tokens_total").values()) > 0
-    assert _series(text, "skytrain_training_jobs")['{status="succeeded"}'] == 1
-    phases = _series(text, "skytrain_training_phase_seconds_count")
+    assert _series(text, "skytrain_training_jobs_ended_total")['{status="succeeded"}'] == 1
+    phases = _series(text, "skytrain_training_phase_duration_seconds_count")
     assert {'{phase="download"}', '{phase="steps"}', '{phase="commit"}'} <= set(phases)
-    assert _series(text, "skytrain_training_queue_wait_seconds_count")[""] == 1
+    assert _series(text, "skytrain_training_queue_wait_duration_seconds_count")[""] == 1
     workers = _series(text, "skytrain_workers")
     # The one local worker, in whatever live status its last heartbeat gave (ready, or still
     # training for a moment after the job).
@@ -127,6 +139,18 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
     assert sum(live.values()) == 1 and all('provider="local"' in k for k in live), workers
     assert _series(text, "skytrain_worker_engine_running_requests")
     assert model["id"] not in text  # never a label
+    assert str(tiny_model_path) not in text  # a base model is a tenant's string: never a label
+
+    # Every query of the Grafana board returns data from the real Prometheus scraping this
+    # listener after the workload above.
+    port = service.env["SKYTRAIN_METRICS_PORT"]
+    with prometheus_scraping(f"127.0.0.1:{port}", tmp_path) as prometheus:
+        prometheus.wait_for("count_over_time(skytrain_metrics_database_up[5m]) >= 3")
+        for title, expr in board_expressions():
+            answer = prometheus.query(expr)
+            assert answer["status"] == "success", (title, expr, answer)
+            if title not in _NOT_IN_THIS_WORKLOAD:
+                assert answer["data"]["result"], (title, expr)
 
     listed = service.cli("models", "list")
     assert model["id"] in listed and "obs/agent" in listed and "alice" in listed
@@ -172,11 +196,17 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         assert lines, path
         for line in lines:
             assert isinstance(json.loads(line), dict), f"{path.name}: {line}"
-    worker_lines = _json_lines(service.worker_logs())
-    registered = next(
-        i for i, line in enumerate(worker_lines) if line["message"].startswith("registered as")
-    )
-    assert all(line["worker_id"] for line in worker_lines[registered:])
+    # Every line of the launched worker and of its engine names the worker, from the first
+    # (issue 36: the lines before it registered, and the engine's, had none).
+    (worker_log,) = sorted((service.home / "workers").glob("*.log"))
+    (worker_id,) = {line["worker_id"] for line in _json_lines(worker_log.read_text())}
+    assert worker_id == worker_log.stem and worker_id in service.cli("workers", "list")
+    engine_lines = [
+        line
+        for path in sorted(service.home.rglob("engine*.log"))
+        for line in _json_lines(path.read_text())
+    ]
+    assert engine_lines and {line["worker_id"] for line in engine_lines} == {worker_id}
 
     # No key, token or secret in any log line: the caller's key, any key or worker token
     # (by their shapes), the worker's engine secret.

@@ -3,8 +3,10 @@ never on the public port, with bounded labels."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +21,10 @@ from tests.api.support import group
 from tests.fixtures.services import ApiKey, ControlPlane
 from tests.observability.conftest import scrape, value
 
-MODEL_ROUTE = '{method="GET",route="/v1/models/{model_id}",status="404",tenant_class="tenant"}'
+MODEL_ROUTE = (
+    '{method="GET",route="/v1/models/{model_id}",route_class="request",status="404",'
+    'tenant_class="tenant"}'
+)
 
 
 def test_public_port_does_not_serve_metrics(
@@ -44,6 +49,15 @@ def test_requests_are_counted_by_route_template_never_by_id(
     assert "skytrain_http_request_duration_seconds_bucket" in text
     # No path, model id or tenant id ever becomes a label.
     assert missing not in text and key.tenant_id not in text
+    # Prometheus' conventions: no _created series; counters end _total, histograms of time
+    # _duration_seconds.
+    assert "_created" not in text
+    for line in text.splitlines():
+        if line.startswith("# TYPE skytrain_"):
+            _, _, name, kind = line.split()
+            assert (kind == "counter") == name.endswith("_total"), line
+            if kind == "histogram" and name.endswith("_seconds"):
+                assert name.endswith("_duration_seconds"), line
 
 
 def test_request_id_is_echoed_when_sane_and_made_when_not(control_plane: ControlPlane) -> None:
@@ -80,8 +94,12 @@ def test_tenant_quota_hits_are_counted_by_limit(
 def test_database_series_count_jobs_and_workers(listener: MetricsListener) -> None:
     text = scrape(listener)
     assert value(text, "skytrain_metrics_database_up") == 1
-    for status in ("queued", "running", "succeeded", "failed", "cancelled"):
+    # A gauge of what is going on now: jobs that ended are a counter's
+    # (skytrain_training_jobs_ended_total), else this gauge would only grow.
+    for status in ("queued", "running"):
         assert f'skytrain_training_jobs{{status="{status}"}}' in text
+    for status in ("succeeded", "failed", "cancelled"):
+        assert f'skytrain_training_jobs{{status="{status}"}}' not in text
     assert "skytrain_training_queue_depth " in text
     assert "skytrain_training_queue_oldest_wait_seconds " in text
     assert "skytrain_models_placed " in text
@@ -169,3 +187,46 @@ def test_a_queued_job_cancelled_counts_as_one_ended_job(
         assert http.post(f"/v1/training-jobs/{job.json()['id']}/cancel").status_code == 200
         assert http.post(f"/v1/training-jobs/{job.json()['id']}/cancel").status_code == 409
     assert value(scrape(listener), series) == before + 1
+
+
+def test_a_long_poll_waits_outside_the_in_flight_gauge_and_the_request_latencies(
+    control_plane: ControlPlane, listener: MetricsListener, api_key: Callable[..., ApiKey]
+) -> None:
+    """Issue 36: workers' long-polls (15-30 s by design) counted as requests in flight (2 with
+    no traffic) and put the latency panel's p99 at 44 s on an idle system."""
+    key = api_key()
+    with httpx.Client(base_url=control_plane.url, headers=key.headers, timeout=60) as http:
+        model = http.post(
+            "/v1/models", json={"project": "p", "name": "polled", "base_model": "tiny/llama"}
+        ).json()
+        job = http.post(
+            "/v1/training-jobs", json={"model_id": model["id"], "trajectory_groups": [group()]}
+        ).json()
+        # A queued job has no events yet: the next page waits for its first.
+        assert http.get(f"/v1/training-jobs/{job['id']}/events").json()["data"] == []
+        before = scrape(listener)
+        waiting = "skytrain_http_long_polls_waiting"
+        in_flight = "skytrain_http_requests_in_flight"
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            polled = pool.submit(
+                http.get,
+                f"/v1/training-jobs/{job['id']}/events",
+                params={"wait_s": 30},
+            )
+            deadline = time.monotonic() + 30
+            while value(scrape(listener), waiting) < value(before, waiting) + 1:
+                assert time.monotonic() < deadline, "the long-poll never counted as waiting"
+                time.sleep(0.1)
+            assert value(scrape(listener), in_flight) == value(before, in_flight)
+            # An event ends the wait: the cancel.
+            assert http.post(f"/v1/training-jobs/{job['id']}/cancel").status_code == 200
+            assert polled.result().status_code == 200
+    after = scrape(listener)
+    assert value(after, waiting) == value(before, waiting)
+    route = (
+        '{method="GET",route="/v1/training-jobs/{job_id}/events",route_class="long_poll",'
+        'status="200",tenant_class="tenant"}'
+    )
+    assert value(after, f"skytrain_http_requests_total{route}") == 1 + value(
+        before, f"skytrain_http_requests_total{route}"
+    )

@@ -1,31 +1,25 @@
 """infra/ against the real thing: Debian's Prometheus server, with infra/prometheus's scrape
 config pointed at the metrics listener of the session's control plane, scrapes it and answers
 a query for a skytrain_ series; every query of the Grafana board names series skytrain
-exports."""
+exports, and the board imports into any Grafana (tests/e2e/test_observability.py runs each of
+its queries in Prometheus after a real workload)."""
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
-import yaml
 from prometheus_client import REGISTRY
 
 from skytrain_backend.observability.collector import DatabaseCollector
 from skytrain_backend.observability.listener import MetricsListener
+from tests.fixtures.prometheus import BOARD, board_expressions, prometheus_scraping
 from tests.fixtures.services import ControlPlane
-from tests.observability.conftest import free_port
 
-INFRA = Path(__file__).resolve().parents[2] / "infra"
-BOARD = INFRA / "grafana" / "dashboards" / "skytrain.json"
-SCRAPE_WAIT_S = 60
-_SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
+_SUFFIXES = ("_bucket", "_sum", "_count", "_total")
 
 
 def _exported_names(db_sessions: object) -> set[str]:
@@ -41,8 +35,7 @@ def _exported_names(db_sessions: object) -> set[str]:
 
 
 def test_every_grafana_query_names_series_skytrain_exports(db_sessions: object) -> None:
-    board = json.loads(BOARD.read_text())
-    exprs = [target["expr"] for panel in board["panels"] for target in panel.get("targets", [])]
+    exprs = [expr for _, expr in board_expressions()]
     assert len(exprs) >= 20
     exported = _exported_names(db_sessions)
     named = {name for expr in exprs for name in re.findall(r"\bskytrain_[a-z0-9_]+", expr)}
@@ -56,46 +49,35 @@ def test_every_grafana_query_names_series_skytrain_exports(db_sessions: object) 
 def test_prometheus_scrapes_the_listener_with_the_infra_config(
     tmp_path: Path, control_plane: ControlPlane, listener: MetricsListener
 ) -> None:
-    binary = shutil.which("prometheus")
-    assert binary, "no prometheus on PATH: scripts/setup.sh installs Debian's package"
     httpx.get(f"{control_plane.url}/health")  # at least one request counted
-    config = yaml.safe_load((INFRA / "prometheus" / "prometheus.yml").read_text())
-    config["global"]["scrape_interval"] = "1s"
-    config["scrape_configs"][0]["static_configs"][0]["targets"] = [f"127.0.0.1:{listener.port}"]
-    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    with open(tmp_path / "prometheus.log", "wb") as log_file:
-        process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={tmp_path / 'prometheus.yml'}",
-                f"--storage.tsdb.path={tmp_path / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=log_file,
-        )
-    try:
-        query = 'skytrain_http_requests_total{route="/health"}'
-        deadline = time.monotonic() + SCRAPE_WAIT_S
-        result: list[dict[str, object]] = []
-        while not result and time.monotonic() < deadline:
-            time.sleep(0.5)
-            try:
-                answer = httpx.get(
-                    f"http://127.0.0.1:{port}/api/v1/query", params={"query": query}, timeout=5
-                )
-            except httpx.TransportError:
-                continue
-            if answer.status_code == 200:
-                result = answer.json()["data"]["result"]
-        log = (tmp_path / "prometheus.log").read_text(errors="replace")[-2000:]
-        assert result, f"Prometheus never had {query}:\n{log}"
+    with prometheus_scraping(f"127.0.0.1:{listener.port}", tmp_path) as prometheus:
+        result = prometheus.wait_for('skytrain_http_requests_total{route="/health"}')
         assert result[0]["metric"]["job"] == "skytrain"
         assert result[0]["metric"]["deployment"] == "compose"
-        targets = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=5).json()
+        targets = httpx.get(f"{prometheus.url}/api/v1/targets", timeout=5).json()
         (target,) = targets["data"]["activeTargets"]
         assert target["health"] == "up"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+
+
+def test_the_board_imports_into_any_grafana_and_keeps_one_unit_per_axis() -> None:
+    """Issue 36: the board named its datasource by a uid only this compose file provisions,
+    and one panel plotted a count and seconds on one axis."""
+    board = json.loads(BOARD.read_text())
+    (variable,) = [v for v in board["templating"]["list"] if v["type"] == "datasource"]
+    assert variable["query"] == "prometheus"
+    uids = re.findall(r'"uid":\s*"([^"]*)"', BOARD.read_text())
+    assert uids and set(uids) - {board["uid"]} == {"${" + variable["name"] + "}"}
+    for panel in board["panels"]:
+        exprs = [target["expr"] for target in panel.get("targets", [])]
+        units = {panel.get("fieldConfig", {}).get("defaults", {}).get("unit")}
+        overridden = {
+            prop["value"]
+            for override in panel.get("fieldConfig", {}).get("overrides", [])
+            for prop in override["properties"]
+            if prop["id"] == "unit"
+        }
+        seconds = [e for e in exprs if "_seconds" in e and "histogram_quantile" not in e]
+        counts = [e for e in exprs if "_seconds" not in e]
+        if seconds and counts:  # both kinds in one panel: each on an axis of its own unit
+            assert "s" in overridden or "s" in units, panel["title"]
+            assert overridden - units, panel["title"]

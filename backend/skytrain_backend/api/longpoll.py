@@ -27,6 +27,7 @@ import anyio
 from starlette.requests import Request
 
 from skytrain_backend.db.notify import Notifier
+from skytrain_backend.observability import http as observe_http
 
 T = TypeVar("T")
 
@@ -79,6 +80,8 @@ async def long_poll(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + wait_s
     hung_up = asyncio.ensure_future(_hung_up(request)) if wait_s > 0 else None
+    if wait_s > 0:
+        observe_http.mark_long_poll(request.scope)  # its wait is not load, nor its latency
     try:
         while True:
             # Taken before the check: a change committed during it still wakes the wait.

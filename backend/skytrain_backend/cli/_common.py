@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Literal, TextIO
 
 import typer
 
@@ -22,7 +22,15 @@ if TYPE_CHECKING:
     from sqlalchemy import Engine
     from sqlalchemy.orm import Session
 
+    from skytrain_backend.config import Settings
+    from skytrain_backend.storage import ObjectStore
+
+# Help as Markdown: a docstring's paragraphs reflow to the terminal's width. Typer's "rich" mode
+# keeps every line break of the source, so help text broke lines mid-sentence.
+MARKUP: Literal["markdown"] = "markdown"
+
 app = typer.Typer(
+    rich_markup_mode=MARKUP,
     name="skytrain",
     help="skytrain: a self-hosted backend that trains LLM agents with reinforcement learning.",
     no_args_is_help=True,
@@ -76,6 +84,29 @@ def _database() -> Iterator[Engine]:
         ) from None
     finally:
         engine.dispose()
+
+
+def _object_store(settings: Settings) -> ObjectStore:
+    """The settings' object store, listed once: one that cannot be reached, or has no such
+    bucket, is a short error naming its URL and what to check, not a scheduler's traceback
+    every few seconds once the server runs."""
+    from skytrain_backend.errors import SkytrainError
+    from skytrain_backend.storage import open_object_store
+
+    shown = settings.resolved_object_store_url
+    if settings.s3_endpoint_url and shown.startswith("s3://"):
+        shown += f" (endpoint {settings.s3_endpoint_url})"
+    try:
+        store = open_object_store(settings.resolved_object_store_url, settings)
+        store.list("health/")
+    except SkytrainError as exc:
+        reason = exc.message.strip().splitlines()[0][:300]
+        raise _fail(
+            f"cannot use the object store {shown}: {reason}\n"
+            "  check that it runs and this host can reach it, SKYTRAIN_OBJECT_STORE_URL and "
+            "SKYTRAIN_S3_ENDPOINT_URL, and the store's credentials (AWS_ACCESS_KEY_ID, ...)"
+        ) from None
+    return store
 
 
 @contextlib.contextmanager
@@ -236,4 +267,5 @@ def _log_to_stderr() -> None:
     from skytrain_backend.config import get_settings
     from skytrain_backend.observability.logs import configure_logging
 
-    configure_logging(get_settings().log_format, whole_process=True)
+    settings = get_settings()
+    configure_logging(settings.log_format, whole_process=True, worker_id=settings.worker_id)

@@ -8,11 +8,13 @@ import typer
 
 from skytrain_backend import __version__
 from skytrain_backend.cli._common import (
+    MARKUP,
     _columns,
     _database,
     _fail,
     _interruptible,
     _log_to_stderr,
+    _object_store,
     _session,
     _when,
     app,
@@ -22,9 +24,13 @@ from skytrain_backend.engine.cli import engine_app
 if TYPE_CHECKING:
     from types import FrameType
 
-keys_app = typer.Typer(help="Create, list and revoke API keys.", no_args_is_help=True)
+keys_app = typer.Typer(
+    rich_markup_mode=MARKUP, help="Create, list and revoke API keys.", no_args_is_help=True
+)
 db_app = typer.Typer(
-    help="Upgrade, downgrade or inspect the database schema.", no_args_is_help=True
+    rich_markup_mode=MARKUP,
+    help="Upgrade, downgrade or inspect the database schema.",
+    no_args_is_help=True,
 )
 app.add_typer(keys_app, name="keys")
 app.add_typer(db_app, name="db")
@@ -52,6 +58,7 @@ def serve(
     settings = get_settings().model_copy(update=overrides)
     with _session():  # refuse to start on an outdated schema, with the fix in the message
         pass
+    _object_store(settings)  # nor on a store it cannot use
     database = make_url(settings.resolved_database_url).render_as_string(hide_password=True)
     store = settings.resolved_object_store_url
     if settings.s3_endpoint_url and store.startswith("s3://"):
@@ -203,6 +210,7 @@ def keys_revoke(
 
 
 tenants_app = typer.Typer(
+    rich_markup_mode=MARKUP,
     help="See tenants and set their limits and quotas (defaults: SKYTRAIN_TENANT_*).",
     no_args_is_help=True,
 )

@@ -9,6 +9,7 @@ import typer
 
 from skytrain_backend.cli._common import (
     JSON_OPTION,
+    MARKUP,
     _ago,
     _fail,
     _human_size,
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 
     from skytrain_backend.db.models import Model
 
-models_app = typer.Typer(help="See and delete the models of every tenant.", no_args_is_help=True)
+models_app = typer.Typer(
+    rich_markup_mode=MARKUP, help="See and delete the models of every tenant.", no_args_is_help=True
+)
 app.add_typer(models_app, name="models")
 
 MODEL_ARGUMENT = typer.Argument(..., help="The model's id, or its entity/project/name.")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import typer
 
-from skytrain_backend.cli._common import _fail, _session, _table, app
+from skytrain_backend.cli._common import MARKUP, _fail, _object_store, _session, _table, app
 
-storage_app = typer.Typer(help="Check the object store against the database.", no_args_is_help=True)
+storage_app = typer.Typer(
+    rich_markup_mode=MARKUP,
+    help="Check the object store against the database.",
+    no_args_is_help=True,
+)
 app.add_typer(storage_app, name="storage")
 
 
@@ -26,12 +30,11 @@ def storage_check(
     from skytrain_backend.config import get_settings
     from skytrain_backend.errors import SkytrainError
     from skytrain_backend.scheduler import integrity
-    from skytrain_backend.storage import open_object_store
 
     settings = get_settings()
+    store = _object_store(settings)
     with _session() as session:
         try:
-            store = open_object_store(settings.resolved_object_store_url, settings)
             problems = list(integrity.check_storage(session, store=store, read=read))
         except SkytrainError as exc:
             raise _fail(exc.message) from None

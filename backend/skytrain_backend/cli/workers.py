@@ -9,6 +9,7 @@ import typer
 
 from skytrain_backend.cli._common import (
     JSON_OPTION,
+    MARKUP,
     _ago,
     _columns,
     _fail,
@@ -35,9 +36,11 @@ class JobStatusChoice(enum.StrEnum):
 
 
 workers_app = typer.Typer(
-    help="See the workers and manage their join tokens.", no_args_is_help=True
+    rich_markup_mode=MARKUP,
+    help="See the workers and manage their join tokens.",
+    no_args_is_help=True,
 )
-jobs_app = typer.Typer(help="See training jobs.", no_args_is_help=True)
+jobs_app = typer.Typer(rich_markup_mode=MARKUP, help="See training jobs.", no_args_is_help=True)
 app.add_typer(workers_app, name="workers")
 app.add_typer(jobs_app, name="jobs")
 
@@ -339,6 +342,7 @@ def workers_plan(
 
 
 token_app = typer.Typer(
+    rich_markup_mode=MARKUP,
     help="Join tokens for workers started by hand (`sky launch sky/worker.yaml`).",
     no_args_is_help=True,
 )

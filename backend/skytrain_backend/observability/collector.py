@@ -1,14 +1,17 @@
 """The series Prometheus reads from the database when it scrapes: what every control plane on
 the database sees alike, so any of them may be scraped (or all: the values agree).
 
-- ``skytrain_training_jobs{status}``: jobs by status; ``skytrain_training_queue_depth`` and
-  ``skytrain_training_queue_oldest_wait_seconds``: the queue;
-- ``skytrain_workers{status,provider}``: workers by status (stopped, lost and failed ones
-  too: they are counted, not listed); ``skytrain_models_placed``: models on a worker now;
+- ``skytrain_training_jobs{status}``: jobs queued or running now (a gauge goes up and down:
+  jobs that ended are counted by ``skytrain_training_jobs_ended_total``);
+  ``skytrain_training_queue_depth`` and ``skytrain_training_queue_oldest_wait_seconds``: the
+  queue;
+- ``skytrain_workers{status,provider}``: live workers by status (ended ones are in
+  ``skytrain workers list --all``, not here); ``skytrain_models_placed``: models on a worker now;
 - from each live worker's last heartbeat: ``skytrain_worker_engine_running_requests``,
   ``skytrain_worker_engine_kv_cache_usage_ratio``, ``skytrain_worker_gpu_memory_used_bytes``
-  and ``..._total_bytes``, labelled by worker id (live workers are few, and the series of a
-  worker that ended goes with it).
+  and ``..._total_bytes``, labelled by worker id only (live workers are few, at most the
+  operator's ``max_workers``, and the series of a worker that ended goes with it; its base
+  model is a string a tenant chose, so never a label).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ from skytrain_backend.db.workers import LIVE_STATUSES
 
 logger = logging.getLogger(__name__)
 
-JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+# The statuses a job is in until it ends: the gauge's (ended jobs only grow: a counter's).
+ACTIVE_JOB_STATUSES = ("queued", "running")
 # What a heartbeat's ``stats`` may carry, and the gauge each goes to.
 WORKER_STATS = {
     "running_requests": (
@@ -81,10 +85,12 @@ def _families(session: Session) -> list[GaugeMetricFamily]:
     counts: dict[str, int] = {
         status: count
         for status, count in session.execute(
-            select(TrainingJob.status, func.count()).group_by(TrainingJob.status)
+            select(TrainingJob.status, func.count())
+            .where(TrainingJob.status.in_(ACTIVE_JOB_STATUSES))
+            .group_by(TrainingJob.status)
         )
     }
-    for status in JOB_STATUSES:
+    for status in ACTIVE_JOB_STATUSES:
         jobs.add_metric([status], counts.get(status, 0))
     oldest = session.scalar(
         select(func.min(TrainingJob.created_at)).where(TrainingJob.status == "queued")
@@ -103,9 +109,9 @@ def _families(session: Session) -> list[GaugeMetricFamily]:
         "skytrain_workers", "Workers, by status and provider.", labels=["status", "provider"]
     )
     for status, provider, count in session.execute(
-        select(Worker.status, Worker.provider, func.count()).group_by(
-            Worker.status, Worker.provider
-        )
+        select(Worker.status, Worker.provider, func.count())
+        .where(Worker.status.in_(LIVE_STATUSES))
+        .group_by(Worker.status, Worker.provider)
     ):
         workers.add_metric([status, provider], count)
     placed = GaugeMetricFamily(
@@ -114,18 +120,16 @@ def _families(session: Session) -> list[GaugeMetricFamily]:
         value=session.scalar(select(func.count(Model.id)).where(Model.worker_id.is_not(None))) or 0,
     )
     stats = {
-        key: GaugeMetricFamily(name, text, labels=["worker_id", "base_model"])
+        key: GaugeMetricFamily(name, text, labels=["worker_id"])
         for key, (name, text) in WORKER_STATS.items()
     }
     live = session.execute(
-        select(Worker.id, Worker.base_model, Worker.hardware).where(
-            Worker.status.in_(LIVE_STATUSES)
-        )
+        select(Worker.id, Worker.hardware).where(Worker.status.in_(LIVE_STATUSES))
     )
-    for worker_id, base_model, hardware in live:
+    for worker_id, hardware in live:
         reported = (hardware or {}).get("stats") or {}
         for key, family in stats.items():
             value = reported.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool):
-                family.add_metric([worker_id, base_model], float(value))
+                family.add_metric([worker_id], float(value))
     return [jobs, depth, wait, workers, placed, *stats.values()]

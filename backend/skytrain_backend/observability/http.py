@@ -3,7 +3,10 @@
 It gives the request its id (the caller's ``X-Request-Id`` when sane, else a new one), answers
 it in ``X-Request-Id``, binds it to the request's log lines, writes one access line, and counts
 the request in ``skytrain_http_*`` by route template (``/v1/models/{model_id}``, never the
-path), status and tenant class. The worker's front door and the CPU engine use the same
+path), route class, status and tenant class. A long-poll says so when it starts to wait
+(``mark_long_poll``): from then on it counts in ``skytrain_http_long_polls_waiting`` instead of
+the in-flight gauge, and under ``route_class="long_poll"``, so that waits of 15-30 s by design
+neither read as load nor fill the latency percentiles. The worker's front door and the CPU engine use the same
 middleware without the counting (``count=False``): their requests come from the gateway.
 """
 
@@ -18,6 +21,30 @@ from skytrain_backend.observability import logs, metrics
 
 access_logger = logging.getLogger("skytrain.access")
 _METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
+# Where the middleware leaves its request's record in the ASGI scope (the routes see the same
+# scope).
+_SCOPE_KEY = "skytrain.observed"
+
+
+class _Observed:
+    """One request's class, as counted now."""
+
+    __slots__ = ("counted", "route_class")
+
+    def __init__(self, *, counted: bool) -> None:
+        self.counted = counted
+        self.route_class = metrics.REQUEST
+
+
+def mark_long_poll(scope: Scope) -> None:
+    """Count the request ``scope`` belongs to as a long-poll from now on (once it waits)."""
+    observed = scope.get(_SCOPE_KEY)
+    if not isinstance(observed, _Observed) or observed.route_class == metrics.LONG_POLL:
+        return
+    observed.route_class = metrics.LONG_POLL
+    if observed.counted:
+        metrics.HTTP_IN_FLIGHT.dec()
+        metrics.HTTP_LONG_POLLS_WAITING.inc()
 
 
 class Observe:
@@ -49,6 +76,8 @@ class Observe:
                 ]
             await send(message)
 
+        observed = _Observed(counted=self.count)
+        scope[_SCOPE_KEY] = observed
         if self.count:
             metrics.HTTP_IN_FLIGHT.inc()
         try:
@@ -63,16 +92,24 @@ class Observe:
                     )
         finally:
             if self.count:
-                metrics.HTTP_IN_FLIGHT.dec()
+                route_class = observed.route_class
+                if route_class == metrics.LONG_POLL:
+                    metrics.HTTP_LONG_POLLS_WAITING.dec()
+                else:
+                    metrics.HTTP_IN_FLIGHT.dec()
                 route = _route(scope)
                 method = scope["method"] if scope["method"] in _METHODS else "other"
                 who = metrics.tenant_class(scope["path"], scope.get("headers", []))
                 metrics.HTTP_REQUESTS.labels(
-                    method=method, route=route, status=str(status), tenant_class=who
+                    method=method,
+                    route=route,
+                    route_class=route_class,
+                    status=str(status),
+                    tenant_class=who,
                 ).inc()
-                metrics.HTTP_DURATION.labels(method=method, route=route, tenant_class=who).observe(
-                    time.perf_counter() - start
-                )
+                metrics.HTTP_DURATION.labels(
+                    method=method, route=route, route_class=route_class, tenant_class=who
+                ).observe(time.perf_counter() - start)
 
 
 def _route(scope: Scope) -> str:

@@ -208,13 +208,20 @@ def _route_library_handlers(streams: tuple[object, ...]) -> None:
 
 
 def configure_logging(
-    fmt: LogFormat = "text", *, level: int | str = logging.INFO, whole_process: bool = False
+    fmt: LogFormat = "text",
+    *,
+    level: int | str = logging.INFO,
+    whole_process: bool = False,
+    worker_id: str | None = None,
 ) -> None:
     """skytrain's log lines (``level`` and up) on stderr, as text or JSON, with the context.
 
     ``whole_process`` (a server's, a worker's or an engine's entry point): in JSON mode, also
-    everything else the process prints, as JSON lines (module docstring).
+    everything else the process prints, as JSON lines (module docstring). ``worker_id`` (a
+    launched worker and its engine know it from the start): on every line.
     """
+    if worker_id:
+        set_process_context(worker_id=worker_id)
     stream = sys.stderr
     if fmt == "json" and whole_process:
         originals = (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__)

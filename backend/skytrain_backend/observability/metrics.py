@@ -1,9 +1,12 @@
 """Every Prometheus series skytrain exports, defined in one place.
 
 Names follow Prometheus' conventions: a ``skytrain_`` prefix, base units in the name
-(``_seconds``, ``_bytes``), ``_total`` on counters. Labels take only bounded sets of values:
-a route's template (never its path), a status, a tenant *class*, a refusal's reason, a limit's
-name. Tenant ids and model ids are never labels.
+(``_bytes``; every histogram of time ends ``_duration_seconds``), ``_total`` on counters and
+only on them, no ``_created`` series. Labels take only bounded sets of values: a route's
+template (never its path) and its class (a long-poll waits by design: it is kept out of the
+in-flight gauge and the request latencies), a status, a tenant *class*, a refusal's reason, a
+limit's name. Tenant ids, model ids and base models (strings a tenant chooses) are never
+labels.
 
 The series counted as things happen live here; those read from the database when Prometheus
 scrapes (jobs by state, the queue, workers and what their heartbeats report) are in
@@ -19,7 +22,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
+
+# A ``_created`` series per counter and histogram (84 of them) says when the process first
+# counted it: noise for every query here, and Prometheus does not need it to compute rates.
+disable_created_metrics()
 
 # Request latencies: from a health check (ms) to a long generation (minutes).
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -30,27 +37,37 @@ IO_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1
 
 # --- HTTP, every route of the control plane -------------------------------------------------
 
+# A route's class: ``request``, answered as soon as it can be, or ``long_poll``, held until
+# something happens or its wait ends (workers' leases, Tinker futures, a job's events).
+REQUEST, LONG_POLL = "request", "long_poll"
+
 HTTP_REQUESTS = Counter(
     "skytrain_http_requests_total",
-    "HTTP requests answered, by method, route template, status and tenant class.",
-    ["method", "route", "status", "tenant_class"],
+    "HTTP requests answered, by method, route template and class, status and tenant class.",
+    ["method", "route", "route_class", "status", "tenant_class"],
 )
 HTTP_DURATION = Histogram(
     "skytrain_http_request_duration_seconds",
-    "Time from a request's arrival to its answer's last byte, by route template.",
-    ["method", "route", "tenant_class"],
+    "Time from a request's arrival to its answer's last byte, by route template and class "
+    "(a long_poll's includes its wait).",
+    ["method", "route", "route_class", "tenant_class"],
     buckets=LATENCY_BUCKETS,
 )
 HTTP_IN_FLIGHT = Gauge(
     "skytrain_http_requests_in_flight",
-    "HTTP requests being answered now.",
+    "HTTP requests being answered now, long-polls waiting excepted.",
+    multiprocess_mode="livesum",
+)
+HTTP_LONG_POLLS_WAITING = Gauge(
+    "skytrain_http_long_polls_waiting",
+    "Long-polls held now, waiting for something to answer.",
     multiprocess_mode="livesum",
 )
 
 # --- the inference gateway ------------------------------------------------------------------
 
 GATEWAY_UPSTREAM = Histogram(
-    "skytrain_gateway_upstream_seconds",
+    "skytrain_gateway_upstream_duration_seconds",
     "Time from sending a request to a worker's engine to its answer's status line.",
     ["endpoint"],
     buckets=LATENCY_BUCKETS,
@@ -84,12 +101,12 @@ TENANT_LIMITS_HIT = Counter(
 # --- training ---------------------------------------------------------------------------------
 
 JOB_QUEUE_WAIT = Histogram(
-    "skytrain_training_queue_wait_seconds",
+    "skytrain_training_queue_wait_duration_seconds",
     "Time a training job waited in the queue before a worker leased it.",
     buckets=PHASE_BUCKETS,
 )
 JOB_PHASE = Histogram(
-    "skytrain_training_phase_seconds",
+    "skytrain_training_phase_duration_seconds",
     "Duration of a training job's phases as its worker reports them (download, prepare, "
     "steps, save, handoff, upload, engine_load) and the control plane's commit.",
     ["phase"],
@@ -111,7 +128,7 @@ LOGPROB_AGREEMENT = Histogram(
 # --- storage and database ---------------------------------------------------------------------
 
 STORE_DURATION = Histogram(
-    "skytrain_object_store_operation_seconds",
+    "skytrain_object_store_operation_duration_seconds",
     "Object-store calls, by operation and outcome.",
     ["operation", "outcome"],
     buckets=IO_BUCKETS,
@@ -216,7 +233,7 @@ _STORE_OPERATIONS = (
 
 
 def instrument_store(store: Any) -> None:
-    """Time the store's calls (``skytrain_object_store_operation_seconds``) on this instance."""
+    """Time the store's calls (``skytrain_object_store_operation_duration_seconds``) on this instance."""
     for name in _STORE_OPERATIONS:
         method = getattr(store, name)
         setattr(store, name, _timed_store_call(name, method))

@@ -93,6 +93,7 @@ class LocalProvider(Provider):
                 "SKYTRAIN_CONTROL_PLANE_URL": launch.control_plane_url,
                 "SKYTRAIN_WORKER_TOKEN": launch.join_token,
                 "SKYTRAIN_WORKER_BASE_MODEL": launch.base_model,
+                "SKYTRAIN_WORKER_ID": launch.worker_id,  # on its log lines from the first
                 "SKYTRAIN_ENGINE_SECRET": launch.engine_secret,
                 # The front door on loopback, on a port of its own: the control plane is here.
                 "SKYTRAIN_WORKER_HOST": "127.0.0.1",

@@ -179,6 +179,7 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
         **launch.envs,
         "SKYTRAIN_CONTROL_PLANE_URL": launch.control_plane_url,
         "SKYTRAIN_WORKER_BASE_MODEL": launch.base_model,
+        "SKYTRAIN_WORKER_ID": launch.worker_id,  # on its log lines from the first
         "WORKER_PORT": str(settings.skypilot_worker_port),
     }
     secrets = {

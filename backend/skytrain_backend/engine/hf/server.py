@@ -224,7 +224,13 @@ def serve(
     from skytrain_backend.hub import resolve_model
 
     torch.set_num_threads(threads or default_threads())
-    configure_logging(get_settings().log_format, level=log_level.upper(), whole_process=True)
+    settings = get_settings()
+    configure_logging(
+        settings.log_format,
+        level=log_level.upper(),
+        whole_process=True,
+        worker_id=settings.worker_id,
+    )
     engine = HFEngine(
         resolve_model(model),
         served_model_name=served_model_name or model,
