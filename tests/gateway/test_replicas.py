@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
@@ -246,6 +247,8 @@ def test_replicas_follow_demand_with_events(
     reasons = {event["kind"]: event["reason"] for event in events}
     assert "per replica" in reasons["scale_out"] and "above 1.5" in reasons["scale_out"]
     assert "would be below 0.5" in reasons["scale_in"]
+    decided = REGISTRY.get_sample_value("skytrain_replica_decisions_total", {"kind": "scale_in"})
+    assert decided is not None and decided >= 2
 
 
 def test_every_replica_is_told_the_new_step_and_a_drained_one_to_unload(

@@ -72,6 +72,12 @@ GATEWAY_UPSTREAM = Histogram(
     ["endpoint"],
     buckets=LATENCY_BUCKETS,
 )
+REPLICA_DECISIONS = Counter(
+    "skytrain_replica_decisions_total",
+    "The scheduler's decisions about model replicas, by kind (scale_out, scale_in, launch, "
+    "held, replica_removed, replicas_set, home_moved).",
+    ["kind"],
+)
 GATEWAY_REPLICA_RETRIES = Counter(
     "skytrain_gateway_replica_retries_total",
     "Requests sent to another replica of their model because the first could not be reached.",
@@ -179,6 +185,10 @@ def upstream_timer(endpoint: str) -> Iterator[None]:
         yield
     finally:
         GATEWAY_UPSTREAM.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+
+
+def replica_decided(kind: str) -> None:
+    REPLICA_DECISIONS.labels(kind=kind).inc()
 
 
 def replica_retried() -> None:

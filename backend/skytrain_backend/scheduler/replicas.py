@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 from skytrain_backend.db.models import Model, ModelEvent, ModelReplica, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.observability import metrics as observed
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import placement, ranks
 from skytrain_backend.scheduler.demand import DemandMeter
@@ -86,6 +87,7 @@ def record(
             model_id=model.id, kind=kind, reason=reason, replicas=replicas, worker_id=worker_id
         )
     )
+    observed.replica_decided(kind)
     logger.info("model %s: %s (%d replicas): %s", model.id, kind, replicas, reason)
 
 
