@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
+from urllib.parse import quote
 
 import anyio
 import httpx
@@ -130,6 +131,68 @@ class Backend:
     async def close(self) -> None:
         """Close the connection pool."""
         await self._client.aclose()
+
+    # --- the API's calls ---------------------------------------------------------------------
+    # Every path of the /v1 API the SDK uses is written here, once; the model objects ask
+    # for these calls and never build a URL (as ART's ``Model`` hands its calls to its
+    # backend). Each returns the server's JSON as it came.
+
+    @property
+    def _inference_base_url(self) -> str:
+        """The OpenAI-compatible endpoint that serves the registered models."""
+        return f"{self.base_url}/v1"
+
+    async def _register_model(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Create a model, or return the existing one of that name (safe to repeat)."""
+        return await self._post("/v1/models", json=body, idempotent=True)
+
+    async def _get_model(self, model_id: str) -> dict[str, Any]:
+        return await self._get(f"/v1/models/{model_id}")
+
+    async def _log(self, model_id: str, body: dict[str, Any]) -> None:
+        await self._post(f"/v1/models/{model_id}/log", json=body)
+
+    async def _create_training_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Submit an RL training job (sent once: a repeat would train twice)."""
+        return await self._post("/v1/training-jobs", json=body)
+
+    async def _create_sft_training_job(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Submit a supervised fine-tuning job (sent once, likewise)."""
+        return await self._post("/v1/sft-training-jobs", json=body)
+
+    async def _get_training_job(self, job_id: str) -> dict[str, Any]:
+        return await self._get(f"/v1/training-jobs/{job_id}")
+
+    async def _training_job_events(
+        self, job_id: str, *, after: str | None, limit: int, wait_s: float
+    ) -> dict[str, Any]:
+        """A page of the job's events after ``after``; the server holds the request up to
+        ``wait_s`` seconds for the next one (a long-poll)."""
+        params: dict[str, Any] = {"limit": limit, "wait_s": wait_s}
+        if after is not None:
+            params["after"] = after
+        return await self._get(f"/v1/training-jobs/{job_id}/events", params=params)
+
+    def _checkpoints(self, model_id: str) -> AsyncIterator[dict[str, Any]]:
+        """Every checkpoint of the model, oldest step first."""
+        return self._paginate(f"/v1/models/{model_id}/checkpoints", params={"order": "asc"})
+
+    async def _delete_checkpoints(self, model_id: str, steps: list[int]) -> dict[str, Any]:
+        return await self._delete(f"/v1/models/{model_id}/checkpoints", json={"steps": steps})
+
+    async def _checkpoint_files(self, model_id: str, step: int) -> list[dict[str, Any]]:
+        """The files of checkpoint ``step`` (name and size of each)."""
+        listing = await self._get(f"/v1/models/{model_id}/checkpoints/{step}/files")
+        return listing["data"]
+
+    async def _download_checkpoint_file(
+        self, model_id: str, step: int, name: str, destination: Path, *, expected_size: int | None
+    ) -> int:
+        return await self._download(
+            f"/v1/models/{model_id}/checkpoints/{step}/files/{quote(name)}",
+            destination,
+            expected_size=expected_size,
+        )
 
     # --- requests ---------------------------------------------------------------------------
 

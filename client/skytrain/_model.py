@@ -17,7 +17,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import anyio
 from openai import AsyncOpenAI
@@ -187,12 +186,12 @@ class TrainableModel(Model):
             body["entity"] = self.entity
         if self.config is not None:
             body["config"] = self.config._to_request()
-        created = await backend._post("/v1/models", json=body, idempotent=True)
+        created = await backend._register_model(body)
         self._backend = backend
         self._id = str(created["id"])
         self.entity = created["entity"]
         self.inference_model_name = created["inference_name"]
-        self.inference_base_url = f"{backend.base_url}/v1"
+        self.inference_base_url = backend._inference_base_url
         self.inference_api_key = backend.api_key
         self._openai_client = None
         if wait and "serving" in created:
@@ -227,7 +226,7 @@ class TrainableModel(Model):
                         "again to keep waiting, or pass a longer timeout"
                     )
                 await asyncio.sleep(min(poll_interval, remaining))
-                model = await backend._get(f"/v1/models/{model_id}")
+                model = await backend._get_model(model_id)
         finally:
             status.close()
 
@@ -286,7 +285,7 @@ class TrainableModel(Model):
         body: dict[str, Any] = {"model_id": model_id, "trajectory_groups": _groups_payload(groups)}
         if config is not None:
             body["config"] = config._to_request()
-        job = await backend._post("/v1/training-jobs", json=body)
+        job = await backend._create_training_job(body)
         if too_long := job.get("too_long"):
             warnings.warn(
                 f"training job {job['id']}: {too_long['sequences']} of its trajectories are "
@@ -319,7 +318,7 @@ class TrainableModel(Model):
         }
         if config is not None:
             body["config"] = config._to_request()
-        job = await backend._post("/v1/sft-training-jobs", json=body)
+        job = await backend._create_sft_training_job(body)
         return await self._follow_job(
             str(job["id"]), poll_interval=poll_interval, limit_s=timeout, progress=progress
         )
@@ -357,17 +356,16 @@ class TrainableModel(Model):
 
         try:
             if bar is not None:
-                show_waiting(await backend._get(f"/v1/training-jobs/{job_id}"))
+                show_waiting(await backend._get_training_job(job_id))
             while True:
                 # The server holds the request until the next event (a long-poll), within
                 # the request's own timeout and the wait's deadline.
                 wait_s = min(_FOLLOW_WAIT_S, backend.timeout / 2)
                 if deadline is not None:
                     wait_s = max(0.0, min(wait_s, deadline - loop.time()))
-                params: dict[str, Any] = {"limit": 100, "wait_s": round(wait_s, 3)}
-                if cursor is not None:
-                    params["after"] = cursor
-                page = await backend._get(f"/v1/training-jobs/{job_id}/events", params=params)
+                page = await backend._training_job_events(
+                    job_id, after=cursor, limit=100, wait_s=round(wait_s, 3)
+                )
                 for event in page["data"]:
                     cursor = str(event["id"])
                     kind, data = event["type"], event.get("data") or {}
@@ -427,7 +425,7 @@ class TrainableModel(Model):
                         job_id=job_id,
                     )
                 if not page["data"]:
-                    job = await backend._get(f"/v1/training-jobs/{job_id}")
+                    job = await backend._get_training_job(job_id)
                     show_waiting(job)
                     if job["status"] in _TERMINAL_JOB_STATUSES:
                         job_finished = job
@@ -455,23 +453,18 @@ class TrainableModel(Model):
         body: dict[str, Any] = {"trajectory_groups": _groups_payload(groups), "split": split}
         if step is not None:
             body["step"] = step
-        await backend._post(f"/v1/models/{model_id}/log", json=body)
+        await backend._log(model_id, body)
 
     async def get_step(self) -> int:
         """The latest trained step (0 before the first training job)."""
         backend, model_id = self._registered()
-        model = await backend._get(f"/v1/models/{model_id}")
+        model = await backend._get_model(model_id)
         return int(model["latest_step"])
 
     async def list_checkpoints(self) -> list[Checkpoint]:
         """Every checkpoint of the model, oldest step first."""
         backend, model_id = self._registered()
-        return [
-            Checkpoint._from_api(item)
-            async for item in backend._paginate(
-                f"/v1/models/{model_id}/checkpoints", params={"order": "asc"}
-            )
-        ]
+        return [Checkpoint._from_api(item) async for item in backend._checkpoints(model_id)]
 
     async def delete_checkpoints(self, best_checkpoint_metric: str = "val/reward") -> list[int]:
         """Delete every checkpoint except the latest and the best; return the deleted steps.
@@ -499,7 +492,7 @@ class TrainableModel(Model):
         doomed = sorted(c.step for c in checkpoints if c.step not in (best, latest))
         if not doomed:
             return []
-        result = await backend._delete(f"/v1/models/{model_id}/checkpoints", json={"steps": doomed})
+        result = await backend._delete_checkpoints(model_id, doomed)
         not_found = set(result.get("not_found_steps") or [])
         return [step for step in doomed if step not in not_found]
 
@@ -510,8 +503,7 @@ class TrainableModel(Model):
         only once all have arrived complete, so a failed pull leaves ``path`` untouched.
         """
         backend, model_id = self._registered()
-        listing = await backend._get(f"/v1/models/{model_id}/checkpoints/{step}/files")
-        files = listing["data"]
+        files = await backend._checkpoint_files(model_id, step)
         if not files:
             raise ValueError(
                 f"checkpoint step {step} of model {self.name!r} has no files: step 0 is the "
@@ -529,8 +521,10 @@ class TrainableModel(Model):
         staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
         try:
             for file in files:
-                await backend._download(
-                    f"/v1/models/{model_id}/checkpoints/{step}/files/{quote(file['name'])}",
+                await backend._download_checkpoint_file(
+                    model_id,
+                    step,
+                    file["name"],
                     staging / file["name"],
                     expected_size=file.get("size"),
                 )

@@ -1,4 +1,5 @@
-"""The msgspec Structs the API reads batches with agree with the pydantic models they mirror.
+"""The msgspec Structs the API reads batches with agree with the pydantic models they are
+derived from.
 
 Whatever the Structs accept, pydantic accepts as the same values, and the line stored is the
 one ``model_dump_json`` writes; whatever they refuse is judged by pydantic, whose message the
@@ -10,12 +11,20 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import pytest
-from pydantic import ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+)
 
+from skytrain_backend import protocol
 from skytrain_backend.api import ingest
 from skytrain_backend.api import trajectory_structs as structs
 from skytrain_backend.errors import InvalidRequest
@@ -27,6 +36,7 @@ from skytrain_backend.protocol import (
     names_token_ids,
     token_id_digits,
 )
+from skytrain_backend.ranges import Reward
 from tests.api.support import choice, group, sft_trajectory, trajectory
 
 
@@ -403,3 +413,83 @@ def test_a_struct_decoded_twice_does_not_share_defaults() -> None:
     first.trajectories[0].logs.append("mine")
     assert second.trajectories[0].logs == []
     assert copy.deepcopy(second) == second
+
+
+# --- the derivation: a change to the models carries over, or stops the import ----------------
+
+
+class _Scored(BaseModel):
+    """A model as ``protocol``'s are written: constraints, a default, an after-validator."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    label: Annotated[str, StringConstraints(max_length=3)]
+    score: Annotated[int, Field(ge=0)] = 7
+    reward: Reward = 0.0
+    tags: list[str] = Field(default_factory=list)
+
+    @field_validator("label")
+    @classmethod
+    def _not_x(cls, label: str) -> str:
+        if label == "x":
+            raise ValueError("x is not a label")
+        return label
+
+
+def test_a_field_added_to_a_model_is_read_and_written_as_the_model_does() -> None:
+    decoder = msgspec.json.Decoder(structs.derive(_Scored))
+    for raw in (b'{"label": "ab"}', b'{"label": "ab", "score": 3, "reward": 2, "other": 1}'):
+        assert (
+            msgspec.json.encode(decoder.decode(raw))
+            == _Scored.model_validate_json(raw).model_dump_json().encode()
+        )
+    for refused in (
+        b'{"label": "abcd"}',  # too long
+        b'{"label": "ab", "score": -1}',  # below its bound
+        b'{"label": "x"}',  # the model's own validator
+        b'{"label": "ab", "reward": 1180591620717411303424}',  # an integer past 64 bits
+        b'{"score": 1}',  # a required field left out
+    ):
+        with pytest.raises(msgspec.ValidationError):
+            decoder.decode(refused)
+        with pytest.raises(ValidationError):
+            _Scored.model_validate_json(refused)
+
+
+class _Before(BaseModel):
+    name: str
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _strip(cls, name: Any) -> Any:
+        return name.strip() if isinstance(name, str) else name
+
+
+class _Stripped(BaseModel):
+    name: Annotated[str, StringConstraints(strip_whitespace=True)]
+
+
+class _Forbidding(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+
+
+@pytest.mark.parametrize("model", [_Before, _Stripped, _Forbidding])
+def test_what_msgspec_cannot_mirror_stops_the_derivation(model: type[BaseModel]) -> None:
+    with pytest.raises(TypeError, match=model.__name__):
+        structs.derive(model)
+
+
+def test_the_structs_have_the_models_fields_in_their_order() -> None:
+    for struct, model in (
+        (structs.TrajectoryGroup, TrajectoryGroup),
+        (structs.Trajectory, Trajectory),
+        (structs.Turn, None),
+    ):
+        names = list(struct.__struct_fields__)
+        if model is None:
+            names_of = [*protocol.Message.model_fields, *protocol.Choice.model_fields]
+        else:
+            names_of = list(model.model_fields)
+        assert names == names_of

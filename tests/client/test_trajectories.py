@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from openai.types.chat.chat_completion import Choice
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 import skytrain
 from skytrain_backend import protocol
@@ -126,6 +126,35 @@ def test_art_json_is_accepted_by_the_servers_parser() -> None:
     assert server_choice(first.additional_histories[0], 1).sampled_token_ids() == [19, 2]
     assert first.metrics == {"turns": 2, "found": True}
     assert parsed.metadata == {"scenario": "s1"}
+
+
+@pytest.mark.parametrize(
+    ("sdk", "server"),
+    [
+        (skytrain.TrajectoryGroup, protocol.TrajectoryGroup),
+        (skytrain.Trajectory, protocol.Trajectory),
+        (skytrain.History, protocol.History),
+    ],
+)
+def test_the_sdk_sends_every_field_the_server_reads_and_no_other(
+    sdk: type[BaseModel], server: type[BaseModel]
+) -> None:
+    """The SDK cannot import the server's models (it stays light), so its own trajectory
+    types are held to them here, the one definition of the wire shape: the same fields, and
+    where the server has a default the SDK's is the same."""
+    assert set(sdk.model_fields) == set(server.model_fields)
+    group = skytrain.TrajectoryGroup([make_trajectory()])
+    sent = {
+        skytrain.TrajectoryGroup: group,
+        skytrain.Trajectory: group.trajectories[0],
+        skytrain.History: group.trajectories[0].additional_histories[0],
+    }[sdk].model_dump(mode="json")
+    assert set(sent) == set(server.model_fields)
+    for name, field in server.model_fields.items():
+        if not field.is_required():
+            assert sdk.model_fields[name].get_default(call_default_factory=True) == (
+                field.get_default(call_default_factory=True)
+            ), name
 
 
 def test_server_refuses_plain_assistant_messages_the_sdk_sends_for_rl() -> None:

@@ -88,3 +88,48 @@ def test_existing_entity_names_go_to_their_tenant_or_their_first_user(
     with empty_engine.connect() as connection:
         owners = dict(connection.execute(text("SELECT name, tenant_id FROM entities")).all())
     assert owners == {"ta": "ta", "x": "tb"}
+
+
+def test_the_tenants_running_total_is_backfilled_and_nothing_referring_to_it_is_lost(
+    empty_engine: Engine,
+) -> None:
+    """Revision i38s adds ``tenants.storage_bytes``, the sum of what each tenant's rows hold.
+    Adding it by SQLite's batch copy of ``tenants`` would drop the old table, and with foreign
+    keys on that cascades to every model, key and session of every tenant."""
+    migrations.upgrade(empty_engine, "i36a")
+    with empty_engine.begin() as connection:
+        connection.execute(
+            text("INSERT INTO tenants (id, name, created_at, limits) VALUES ('t', 't', :c, '{}')"),
+            {"c": "2026-01-01"},
+        )
+        connection.execute(
+            text(
+                "INSERT INTO models (id, tenant_id, entity, project, name, base_model, config, "
+                "run_id, created_at) VALUES ('m', 't', 't', 'p', 'm', 'b', '{}', 'm', :c)"
+            ),
+            {"c": "2026-01-01"},
+        )
+        connection.execute(
+            text(
+                "INSERT INTO trajectory_batches (id, model_id, split, step, uri, num_groups, "
+                "num_trajectories, metrics, size_bytes, created_at) "
+                "VALUES ('b', 'm', 'train', 0, 'file:///x', 1, 2, '{}', 1000, :c)"
+            ),
+            {"c": "2026-01-01"},
+        )
+        connection.execute(
+            text(
+                "INSERT INTO tinker_sessions (id, tenant_id, sdk_version, tags, user_metadata, "
+                "size_bytes, created_at, last_heartbeat_at) "
+                "VALUES ('s', 't', 'x', '[]', '{}', 234, :c, :c)"
+            ),
+            {"c": "2026-01-01"},
+        )
+
+    migrations.upgrade(empty_engine)
+
+    with empty_engine.connect() as connection:
+        assert connection.scalar(text("SELECT storage_bytes FROM tenants")) == 1234
+        assert connection.scalar(text("SELECT count(*) FROM models")) == 1
+        assert connection.scalar(text("SELECT count(*) FROM trajectory_batches")) == 1
+        assert connection.scalar(text("SELECT count(*) FROM tinker_sessions")) == 1

@@ -1,4 +1,4 @@
-"""No connection, keyless and slow, holds ``skytrain serve``'s door open (api/connections.py).
+"""No connection, keyless and slow, holds ``skytrain serve``'s door open (connections.py).
 
 Against the real server on PostgreSQL with 4,096 open files: 8,000 connections from one
 address trickle their headers and are all closed by the server (at once past the caps, at the
@@ -16,12 +16,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from skytrain_backend.api.connections import ConnectionLimits
 from skytrain_backend.config import Settings
+from skytrain_backend.connections import ConnectionLimits
 from tests.fixtures.raw_http import exchange
 from tests.fixtures.service import Service, start_service, stop_service
+from tests.fixtures.service import _free_port as free_port
 from tests.fixtures.slow_clients import (
     OtherClient,
     beside,
@@ -106,7 +109,8 @@ HEALTH = b"GET /health HTTP/1.1\r\nHost: skytrain\r\n\r\n"
 
 @pytest.fixture(scope="module")
 def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
-    service = start_service(SMALL, tmp_path_factory.mktemp("small") / "home")
+    metrics = {"SKYTRAIN_METRICS_PORT": str(free_port())}
+    service = start_service({**SMALL, **metrics}, tmp_path_factory.mktemp("small") / "home")
     yield service
     stop_service(service)
 
@@ -139,8 +143,21 @@ def _trickle_until_closed(connection: socket.socket, start: bytes) -> bytes:
     return b""
 
 
+def _refused(service: Service) -> dict[str, float]:
+    """``skytrain_connections_refused_total`` by reason, from the service's metrics listener."""
+    port = service.env["SKYTRAIN_METRICS_PORT"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return {
+        sample.labels["reason"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "skytrain_connections_refused_total"
+    }
+
+
 @pytest.mark.slow
 def test_headers_sent_a_byte_at_a_time_are_cut_off_at_the_header_timeout(small: Service) -> None:
+    before = _refused(small).get("header_timeout", 0)
     with _connect(small, "127.0.0.3") as connection:
         answer = _trickle_until_closed(connection, b"GET /health HTTP/1.1\r\nX-Slow: ")
     assert answer.startswith(b"HTTP/1.1 408 "), answer
@@ -152,22 +169,26 @@ def test_headers_sent_a_byte_at_a_time_are_cut_off_at_the_header_timeout(small: 
         assert head.startswith(b"HTTP/1.1 200 "), head
         answer = _trickle_until_closed(connection, b"GET /health HTTP/1.1\r\nX-Slow: ")
     assert answer.startswith(b"HTTP/1.1 408 "), answer
+    assert _refused(small)["header_timeout"] == before + 2  # the operator sees each one
 
 
 @pytest.mark.slow
 def test_the_rest_of_a_body_nobody_reads_gets_the_body_timeout(small: Service) -> None:
+    before = _refused(small).get("body_timeout", 0)
     with _connect(small, "127.0.0.4") as connection:
         answer = _trickle_until_closed(
             connection, b"GET /health HTTP/1.1\r\nHost: skytrain\r\nContent-Length: 1000\r\n\r\n"
         )
     # Answered at once, then closed while the body still trickled in.
     assert answer.startswith(b"HTTP/1.1 200 "), answer
+    assert _refused(small)["body_timeout"] == before + 1
 
 
 @pytest.mark.slow
 def test_connections_past_the_address_cap_and_the_total_cap_are_refused_at_once(
     small: Service,
 ) -> None:
+    before = _refused(small)
     held: list[socket.socket] = []
     try:
         for _ in range(4):  # the address's cap, each kept alive after an answer
@@ -185,6 +206,9 @@ def test_connections_past_the_address_cap_and_the_total_cap_are_refused_at_once(
             head, body = _answer_then_close(seventh)
         assert head.startswith(b"HTTP/1.1 503 "), head
         assert b"SKYTRAIN_MAX_CONNECTIONS" in body, body
+        after = _refused(small)
+        for reason in ("per_client_cap", "total_cap"):
+            assert after[reason] == before.get(reason, 0) + 1, (reason, before, after)
 
         held.pop().close()  # room again, as soon as the server sees the close
         for _ in range(50):

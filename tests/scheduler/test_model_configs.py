@@ -8,6 +8,7 @@ import pytest
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ModelConfigUnavailable
+from skytrain_backend.scheduler import model_configs
 from skytrain_backend.scheduler.model_configs import ModelConfigs
 from skytrain_backend.storage import open_object_store
 from tests.fixtures.hub import LoopbackHub
@@ -46,3 +47,20 @@ def test_a_failure_is_not_asked_again_at_once_unless_fresh(
     with pytest.raises(ModelConfigUnavailable):
         configs.get("nobody/no-such-model", fresh=True)  # the scheduler, before a launch
     assert len(loopback_hub.requests) > asked
+
+
+def test_what_one_process_keeps_is_bounded_whatever_base_models_tenants_name(
+    make_settings: MakeSettings, loopback_hub: LoopbackHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The configs and failures were kept in dicts by base-model string, without end: a tenant
+    naming new models kept growing the control plane's memory. (The bounds made small here,
+    so the test asks the Hub a few times, not a thousand.)"""
+    monkeypatch.setattr(model_configs, "KNOWN_FAILURES", 3)
+    monkeypatch.setattr(model_configs, "KNOWN_CONFIGS", 1)
+    configs = _configs(make_settings(hf_endpoint=loopback_hub.url))
+    for index in range(5):
+        with pytest.raises(ModelConfigUnavailable):
+            configs.get(f"nobody/no-such-model-{index}")
+    assert len(configs._failed) == 3
+    assert configs.get(QWEN_7B) is not None
+    assert len(configs._known) == 1

@@ -268,6 +268,7 @@ def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
             step=1,
             metrics={"loss/policy": 0.5},
             files=staged,
+            settings=Settings(),
         )
         # The stale first attempt wakes up and tries to commit its result and upload again.
         with pytest.raises(queue.LeaseLost):
@@ -280,6 +281,7 @@ def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
                 step=1,
                 metrics={},
                 files=stale[:1],
+                settings=Settings(),
             )
         with pytest.raises(queue.LeaseLost):
             queue.renew_lease(session, worker=old_worker, job_id=job.id, attempt=1, lease_s=LEASE_S)
@@ -329,6 +331,7 @@ def test_a_commit_from_a_sleeping_worker_serves_the_new_step_on_the_next_request
             step=1,
             metrics={},
             files=staged,
+            settings=Settings(),
         )
         routed = serving_status(session, model=model)
         assert (routed.ready, routed.step, routed.worker_id) == (True, 1, worker.id)

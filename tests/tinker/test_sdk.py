@@ -9,9 +9,13 @@ from collections.abc import Callable
 import httpx
 import openai
 import pytest
+from sqlalchemy import func, select
 from tinker.proto.request_conv import forward_backward_request_to_proto
 
 import tinker
+from skytrain_backend.config import Settings
+from skytrain_backend.db.models import TinkerRequest
+from skytrain_backend.db.session import create_db_engine
 from tests.fixtures.service import Service
 from tests.tinker.conftest import tinker_key
 from tinker import types
@@ -111,6 +115,27 @@ def test_cross_entropy_steps_lower_the_loss_and_saves_are_ordinary_checkpoints(
     assert [c.tinker_path for c in listed.checkpoints] == [saved.path]
     runs = rest.list_training_runs().result(timeout=60)
     assert training.model_id in [r.training_run_id for r in runs.training_runs]
+
+    # Every byte the run stored is in the tenant's running total, the forward passes' outputs
+    # included: the check recounts each tenant from its rows and finds no difference.
+    with tinker_service.http("alice") as http:
+        quotas = {q["name"]: q["used"] for q in http.get("/v1/usage").json()["quotas"]}
+    url = tinker_service.env.get("SKYTRAIN_DATABASE_URL") or (
+        Settings(home=tinker_service.home).resolved_database_url
+    )
+    engine = create_db_engine(url)
+    try:
+        with engine.connect() as connection:
+            outputs = connection.scalar(
+                select(func.sum(TinkerRequest.output_bytes)).where(
+                    TinkerRequest.run_id == training.model_id
+                )
+            )
+    finally:
+        engine.dispose()
+    assert (outputs or 0) > 0  # five forward passes' outputs
+    assert quotas["max_storage_bytes"] > sum(f["size"] for f in files) + outputs
+    assert "Every tenant's stored bytes match its rows." in tinker_service.cli("storage", "check")
 
 
 @pytest.mark.slow

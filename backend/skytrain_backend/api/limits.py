@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skytrain_backend.api.errors import error_response
 from skytrain_backend.config import Settings
+from skytrain_backend.observability.metrics import CONNECTIONS_REFUSED
 
 WORKER_PREFIX = "/v1/worker/"
 CHECKPOINT_UPLOAD = re.compile(r"^/v1/worker/jobs/[^/]+/files/[^/]+$")
@@ -90,6 +91,7 @@ class _Limited:
                 with anyio.fail_after(max(deadline - time.monotonic(), 0)):
                     message = await receive()
             except TimeoutError:
+                CONNECTIONS_REFUSED.labels(reason="body_timeout").inc()
                 self.refusal = _timed_out(self.received, self.timeout_s)
                 raise _Refused from None
             if message["type"] != "http.request":

@@ -132,8 +132,7 @@ def _when(moment: datetime | None, default: str = "") -> str:
 
 
 def _columns(rows: Sequence[Sequence[str]]) -> None:
-    """Plain aligned columns: readable in a terminal, greppable in a pipe, never wrapped, so
-    ids stay whole to copy into `revoke`."""
+    """Plain aligned columns (``_table`` is the one to call)."""
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
     for row in rows:
         typer.echo(
@@ -153,21 +152,15 @@ def _ago(moment: datetime | None) -> str:
     return f"{seconds}s ago"
 
 
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    table = Table(title=title, title_justify="left")
-    for index, column in enumerate(columns):
-        # The first column holds ids: never folded, so they can be copied.
-        width = max((len(row[0]) for row in rows), default=None) if index == 0 else None
-        table.add_column(column, overflow="fold", no_wrap=index == 0, min_width=width)
-    for row in rows:
-        # Plain text: a cell's brackets (a log's "skytrain[gpu]") are not rich's markup.
-        table.add_row(*(Text(cell) for cell in row))
-    # Piped into another program, ids must come out whole rather than folded to 80 columns.
-    Console(width=None if sys.stdout.isatty() else 240).print(table)
+def _table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Every table of the CLI, in one style (as `sky status` and `kubectl get` print theirs):
+    an optional title line, a header in capitals, then aligned plain columns, never wrapped or
+    folded, so that ids come out whole to copy and every row is one line for grep. A cell's line
+    breaks become spaces."""
+    if title:
+        typer.echo(title)
+    cells = [[" ".join(str(cell).split()) for cell in row] for row in rows]
+    _columns([[column.upper() for column in columns], *cells])
 
 
 def _interruptible() -> None:
@@ -246,13 +239,15 @@ def _print_json(value: object) -> None:
     typer.echo(json.dumps(value, indent=2, default=str))
 
 
-def _rows(columns: list[str], rows: list[list[str]]) -> list[dict[str, str]]:
+def _rows(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[dict[str, str]]:
     """Table rows as objects, keyed by the columns' names (spaces as underscores)."""
     keys = [column.replace(" ", "_") for column in columns]
     return [dict(zip(keys, row, strict=True)) for row in rows]
 
 
-def _output(title: str, columns: list[str], rows: list[list[str]], *, as_json: bool) -> None:
+def _output(
+    title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]], *, as_json: bool
+) -> None:
     """A list command's rows: a table, or a JSON array of objects with ``--json``."""
     if as_json:
         _print_json(_rows(columns, rows))

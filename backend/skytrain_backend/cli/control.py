@@ -8,13 +8,14 @@ import typer
 
 from skytrain_backend import __version__
 from skytrain_backend.cli._common import (
+    JSON_OPTION,
     MARKUP,
-    _columns,
     _database,
     _fail,
     _interruptible,
     _log_to_stderr,
     _object_store,
+    _output,
     _session,
     _when,
     app,
@@ -46,9 +47,9 @@ def serve(
     import uvicorn
     from sqlalchemy.engine import make_url
 
-    from skytrain_backend.api.connections import ConnectionLimits, guarded_protocol
     from skytrain_backend.app import create_app
     from skytrain_backend.config import get_settings
+    from skytrain_backend.connections import ConnectionLimits, guarded_protocol
     from skytrain_backend.observability.listener import start_metrics_listener
 
     _interruptible()
@@ -103,7 +104,7 @@ def serve(
             application,
             host=settings.host,
             port=settings.port,
-            # Connections counted and timed before a request is parsed (api/connections.py).
+            # Connections counted and timed before a request is parsed (connections.py).
             http=guarded_protocol(limits),
             timeout_keep_alive=settings.keep_alive_s,
             log_config=None,
@@ -172,15 +173,19 @@ def keys_create(
 
 
 @keys_app.command("list")
-def keys_list(tenant: str | None = typer.Option(None, help="Only this tenant's keys.")) -> None:
+def keys_list(
+    tenant: str | None = typer.Option(None, help="Only this tenant's keys."),
+    json_: bool = JSON_OPTION,
+) -> None:
     """List keys: id, prefix, tenant, label, created, last used, revoked (times in UTC)."""
     from skytrain_backend.db import api_keys as keys
 
-    rows = [("id", "prefix", "tenant", "name", "created", "last used", "revoked")]
+    columns = ["id", "prefix", "tenant", "name", "created", "last used", "revoked"]
+    rows: list[list[str]] = []
     with _session() as session:
         for key, owner in keys.list_keys(session, tenant_name=tenant):
             rows.append(
-                (
+                [
                     key.id,
                     f"{key.prefix}...",
                     owner.name,
@@ -188,9 +193,9 @@ def keys_list(tenant: str | None = typer.Option(None, help="Only this tenant's k
                     _when(key.created_at),
                     _when(key.last_used_at, "never"),
                     _when(key.revoked_at),
-                )
+                ]
             )
-    _columns(rows)
+    _output(None, columns, rows, as_json=json_)
 
 
 @keys_app.command("revoke")
@@ -218,25 +223,26 @@ app.add_typer(tenants_app, name="tenants")
 
 
 @tenants_app.command("list")
-def tenants_list() -> None:
+def tenants_list(json_: bool = JSON_OPTION) -> None:
     """List tenants: models owned and every limit in force ('*': set for this tenant)."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.db import tenants
 
     names = tenants.TenantLimits.names()
-    rows = [("tenant", "models", *names)]
+    columns = ["tenant", "models", *names]
+    rows: list[list[str]] = []
     with _session() as session:
         for tenant, owned in tenants.list_tenants(session):
             limits = vars(tenants.limits_of(tenant, get_settings()))
             own = tenant.limits or {}
             rows.append(
-                (
+                [
                     tenant.name,
                     str(owned),
                     *(f"{limits[name]}{'*' if name in own else ''}" for name in names),
-                )
+                ]
             )
-    _columns(rows)
+    _output(None, columns, rows, as_json=json_)
 
 
 @tenants_app.command("limits")
@@ -288,6 +294,7 @@ def tenants_limits(
     reset: list[str] = typer.Option(
         [], "--reset", help="A limit to return to its default (the setting); repeatable."
     ),
+    json_: bool = JSON_OPTION,
 ) -> None:
     """Set a tenant's limits and quotas, then print those in force.
 
@@ -332,18 +339,21 @@ def tenants_limits(
             raise _fail(exc.message) from None
         limits = vars(tenants.limits_of(row, get_settings()))
         own = row.limits or {}
-    _columns(
-        [("limit", "value", "set by")]
-        + [
-            (name, str(value), "this tenant" if name in own else "default")
+    _output(
+        None,
+        ["limit", "value", "set by"],
+        [
+            [name, str(value), "this tenant" if name in own else "default"]
             for name, value in limits.items()
-        ]
+        ],
+        as_json=json_,
     )
 
 
 @tenants_app.command("show")
 def tenants_show(
     tenant: str = typer.Argument(..., help="The tenant's name (see `skytrain tenants list`)."),
+    json_: bool = JSON_OPTION,
 ) -> None:
     """Show a tenant's quotas: what it holds (models, Tinker sessions open, stored bytes)
     against each limit."""
@@ -361,12 +371,14 @@ def tenants_show(
             k: str(v) for k, v in tenants.usage_of(session, tenant_id=row.id).by_limit().items()
         }
         own = row.limits or {}
-    _columns(
-        [("limit", "used", "value", "set by")]
-        + [
-            (name, used.get(name, "-"), str(value), "this tenant" if name in own else "default")
+    _output(
+        None,
+        ["limit", "used", "value", "set by"],
+        [
+            [name, used.get(name, "-"), str(value), "this tenant" if name in own else "default"]
             for name, value in limits.items()
-        ]
+        ],
+        as_json=json_,
     )
 
 

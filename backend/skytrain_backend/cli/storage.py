@@ -21,13 +21,23 @@ def storage_check(
         "--read",
         help="Also read every checkpoint file back and check its SHA-256 (slow: every byte).",
     ),
+    fix_usage: bool = typer.Option(
+        False,
+        "--fix-usage",
+        help="Set each tenant's running total of stored bytes to the sum over its rows.",
+    ),
 ) -> None:
     """List every row whose object is missing from the store or not the size recorded: each
     file of a live checkpoint (or, for rows committed before files were recorded, their
     total), logged batches and the inputs of unfinished jobs. Reads one listing per model;
     with --read, also each checkpoint file (``corrupt``: not the SHA-256 committed). Exits 1
-    when it finds any, so a cron job or a health check can alert on it."""
+    when it finds any, so a cron job or a health check can alert on it.
+
+    Also recounts each tenant's stored bytes (the running total its storage quota is checked
+    against) from its rows and lists the tenants whose total differs; --fix-usage sets them
+    to the count (a difference not fixed also exits 1)."""
     from skytrain_backend.config import get_settings
+    from skytrain_backend.db import tenants
     from skytrain_backend.errors import SkytrainError
     from skytrain_backend.scheduler import integrity
 
@@ -36,10 +46,22 @@ def storage_check(
     with _session() as session:
         try:
             problems = list(integrity.check_storage(session, store=store, read=read))
+            recounts = tenants.recount_storage(session, fix=fix_usage)
         except SkytrainError as exc:
             raise _fail(exc.message) from None
+    if recounts:
+        _table(
+            f"{len(recounts)} tenants whose stored bytes differ from their rows' "
+            + ("(fixed)" if fix_usage else "(--fix-usage sets them to the count)"),
+            ["tenant", "bytes recorded", "bytes counted"],
+            [[item.tenant, str(item.recorded), str(item.counted)] for item in recounts],
+        )
+    else:
+        typer.echo("Every tenant's stored bytes match its rows.")
     if not problems:
         typer.echo(f"Every row's objects are in {store.url}, at the size recorded.")
+        if recounts and not fix_usage:
+            raise typer.Exit(code=1)
         return
     rows = [
         [

@@ -11,7 +11,6 @@ from skytrain_backend.cli._common import (
     JSON_OPTION,
     MARKUP,
     _ago,
-    _columns,
     _fail,
     _follow,
     _interruptible,
@@ -372,14 +371,15 @@ def workers_token_create(
 
 
 @token_app.command("list")
-def workers_token_list() -> None:
+def workers_token_list(json_: bool = JSON_OPTION) -> None:
     """List join tokens: id, prefix, label, base model scope, created, last used, revoked (UTC)."""
     from skytrain_backend.db import worker_tokens
 
-    rows = [("id", "prefix", "name", "base model", "created", "last used", "revoked")]
+    columns = ["id", "prefix", "name", "base model", "created", "last used", "revoked"]
+    rows: list[list[str]] = []
     with _session() as session:
         rows.extend(
-            (
+            [
                 row.id,
                 f"{row.prefix}...",
                 row.name or "",
@@ -387,10 +387,10 @@ def workers_token_list() -> None:
                 _when(row.created_at),
                 _when(row.last_used_at, "never"),
                 _when(row.revoked_at),
-            )
+            ]
             for row in worker_tokens.list_join_tokens(session)
         )
-    _columns(rows)
+    _output(None, columns, rows, as_json=json_)
 
 
 @token_app.command("revoke")

@@ -11,7 +11,8 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db.models import Checkpoint, utcnow
+from skytrain_backend.db import tenants
+from skytrain_backend.db.models import Checkpoint, Model, utcnow
 from skytrain_backend.db.pages import Order, fetch_page
 from skytrain_backend.errors import Conflict, InvalidRequest, NotFound
 
@@ -92,6 +93,12 @@ def mark_deleted(session: Session, *, model_id: str, steps: list[int]) -> list[C
             f"delete the model instead with DELETE /v1/models/{model_id}"
         )
     now = utcnow()
+    if found:
+        tenants.release_storage(
+            session,
+            tenant_id=session.get_one(Model, model_id).tenant_id,
+            freed=sum(checkpoint.size_bytes for checkpoint in found),
+        )
     for checkpoint in found:
         checkpoint.deleted_at = now
         checkpoint.size_bytes = 0

@@ -107,6 +107,11 @@ class Tenant(Base):
     # The operator's limits for this tenant, {limit name: value}; absent ones are the
     # settings' defaults (``db.tenants``).
     limits: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # The bytes it holds, kept as a running total by every write that stores or frees them
+    # (``db.tenants.reserve_storage`` / ``release_storage``): the sum over its rows that it
+    # stands for (``db.tenants.counted_storage``) is recounted by ``skytrain storage check
+    # --fix-usage``.
+    storage_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class ApiKey(Base):
@@ -236,7 +241,7 @@ class TrajectoryBatch(Base):
     num_groups: Mapped[int]
     num_trajectories: Mapped[int]
     metrics: Mapped[dict[str, Any]]
-    # The batch's bytes, counted in its tenant's stored bytes (``db.tenants.storage_used``).
+    # The batch's bytes, counted in its tenant's stored bytes (``Tenant.storage_bytes``).
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _created_at()
 
@@ -436,6 +441,9 @@ class TinkerRequest(Base):
     input_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     result: Mapped[dict[str, Any] | None] = mapped_column(JSONType)
     result_uri: Mapped[str | None] = mapped_column(Text)
+    # The output object's bytes (a forward-backward's result), counted in its tenant's stored
+    # bytes once the worker reports it (0 for rows older than migration i38s).
+    output_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     error: Mapped[str | None] = mapped_column(Text)
     error_category: Mapped[str | None] = mapped_column(String(16))
     created_at: Mapped[datetime] = _created_at()

@@ -283,6 +283,12 @@ def check_deletable(session: Session, *, model: Model) -> None:
 
 
 def delete_model_rows(session: Session, *, model: Model) -> None:
-    """Delete the model and, through ON DELETE CASCADE, its checkpoints, logs and jobs."""
+    """Delete the model and, through ON DELETE CASCADE, its checkpoints, logs and jobs; their
+    bytes leave its tenant's stored total in the same transaction. The tenant's lock is taken
+    first, so no row that holds bytes (inserted under it) is added between the count and the
+    delete."""
+    tenants.lock_tenant(session, tenant_id=model.tenant_id)
+    freed = tenants.model_storage(session, model_id=model.id)
     session.execute(delete(Model).where(Model.id == model.id))
+    tenants.release_storage(session, tenant_id=model.tenant_id, freed=freed)
     session.commit()

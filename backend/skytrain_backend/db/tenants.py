@@ -10,7 +10,7 @@
 | ``max_models`` | ``SKYTRAIN_TENANT_MAX_MODELS`` | models owned | 403 on create |
 | ``max_placed_models`` | ``SKYTRAIN_TENANT_MAX_PLACED_MODELS`` | models placed on workers | waits; 429 |
 | ``max_workers`` | ``SKYTRAIN_TENANT_MAX_WORKERS`` | workers holding its models | waits; 429 |
-| ``max_storage_bytes`` | ``SKYTRAIN_TENANT_MAX_STORAGE_BYTES`` | bytes held (``storage_used``) | 403 on store |
+| ``max_storage_bytes`` | ``SKYTRAIN_TENANT_MAX_STORAGE_BYTES`` | bytes held (``Tenant.storage_bytes``) | 403 on store |
 | ``max_sessions`` | ``SKYTRAIN_TENANT_MAX_SESSIONS`` | Tinker sessions open | 403 on create |
 | ``max_metadata_bytes`` | ``SKYTRAIN_TENANT_MAX_METADATA_BYTES`` | one user_metadata, as JSON | 413 |
 | ``max_queued_jobs`` | ``SKYTRAIN_TENANT_MAX_QUEUED_JOBS`` | RL/SFT jobs not ended | 429 |
@@ -22,6 +22,8 @@ other limit follows its setting, so changing a default changes it for every such
 Quotas on what a tenant holds are counted and taken in one transaction that first locks the
 tenant's row (``enforce_quota``): concurrent creates take turns, so none sees a count another
 is about to change (64 concurrent creates under ``max_models`` 2 make exactly 2 models).
+Stored bytes are a running total on the tenant's row, changed in the transaction that inserts
+or deletes the rows holding them, so their check reads one row (``reserve_storage``).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from skytrain_backend.db.models import (
     Model,
     Tenant,
     TinkerRequest,
+    TinkerRun,
+    TinkerSampler,
     TinkerSession,
     TrainingJob,
     TrajectoryBatch,
@@ -152,11 +156,11 @@ def enforce_quota(
     return count
 
 
-def storage_used(*, tenant_id: str) -> Select[Any]:
-    """The bytes the tenant holds: its checkpoints' files (until a deleted one's are purged),
-    trajectory batches (logged, and training jobs' inputs), Tinker sessions' metadata and Tinker
-    operations' payloads. A sum over rows, so deleting a model or a checkpoint releases its
-    bytes with its rows."""
+def counted_storage(*, tenant_id: str) -> Select[Any]:
+    """The bytes the tenant holds, summed over its rows: its checkpoints' files (until a deleted
+    one's are purged), trajectory batches (logged, and training jobs' inputs), Tinker sessions'
+    metadata and Tinker operations' payloads and outputs. What ``Tenant.storage_bytes`` keeps as a running
+    total; a sum over every such row (linear in them), so only ``recount_storage`` reads it."""
     of_models = select(Model.id).where(Model.tenant_id == tenant_id).scalar_subquery()
 
     def total(column: Any, *where: Any) -> Any:
@@ -171,16 +175,68 @@ def storage_used(*, tenant_id: str) -> Select[Any]:
         + total(TrajectoryBatch.size_bytes, TrajectoryBatch.model_id.in_(of_models))
         + total(TrainingJob.input_bytes, TrainingJob.model_id.in_(of_models))
         + total(TinkerSession.size_bytes, TinkerSession.tenant_id == tenant_id)
-        + total(TinkerRequest.input_bytes, TinkerRequest.tenant_id == tenant_id)
+        + total(
+            TinkerRequest.input_bytes + TinkerRequest.output_bytes,
+            TinkerRequest.tenant_id == tenant_id,
+        )
     )
+
+
+def model_storage(session: Session, *, model_id: str) -> int:
+    """The bytes the model's rows hold (what deleting it frees: its checkpoints, batches, jobs'
+    inputs and its Tinker run's operations, all gone with it through ON DELETE CASCADE)."""
+
+    def total(column: Any, *where: Any) -> int:
+        return int(session.scalar(select(func.coalesce(func.sum(column), 0)).where(*where)) or 0)
+
+    of_runs = select(TinkerRun.id).where(TinkerRun.model_id == model_id).scalar_subquery()
+    of_samplers = select(TinkerSampler.id).where(TinkerSampler.model_id == model_id)
+    return (
+        total(Checkpoint.size_bytes, Checkpoint.model_id == model_id)
+        + total(TrajectoryBatch.size_bytes, TrajectoryBatch.model_id == model_id)
+        + total(TrainingJob.input_bytes, TrainingJob.model_id == model_id)
+        + total(
+            TinkerRequest.input_bytes + TinkerRequest.output_bytes,
+            TinkerRequest.run_id.in_(of_runs)
+            | TinkerRequest.sampler_id.in_(of_samplers.scalar_subquery()),
+        )
+    )
+
+
+def _add_storage(session: Session, *, tenant_id: str, delta: int) -> None:
+    # One UPDATE: atomic on its own (it takes the row lock), whoever else changes the total.
+    session.execute(
+        update(Tenant)
+        .where(Tenant.id == tenant_id)
+        .values(storage_bytes=Tenant.storage_bytes + delta)
+        .execution_options(synchronize_session=False)
+    )
+
+
+def add_storage(session: Session, *, tenant_id: str, added: int) -> None:
+    """Add ``added`` bytes to the tenant's running total, unchecked, in the transaction that
+    records the row holding them: for bytes already stored that cannot be refused (a Tinker
+    operation's output, written by the worker that ran it); the tenant's next writes are
+    checked against them."""
+    if added:
+        _add_storage(session, tenant_id=tenant_id, delta=added)
+
+
+def release_storage(session: Session, *, tenant_id: str, freed: int) -> None:
+    """Take ``freed`` bytes off the tenant's running total, in the transaction that deletes (or
+    empties) the rows that held them; the caller commits."""
+    if freed:
+        _add_storage(session, tenant_id=tenant_id, delta=-freed)
 
 
 def reserve_storage(
     session: Session, *, tenant_id: str, limits: TenantLimits, adding: int, what: str
 ) -> None:
     """Take ``adding`` bytes (``what``: "this batch", ...) of the tenant's ``max_storage_bytes``
-    under its lock (``enforce_quota``); the caller inserts the row that holds them and commits.
-    ``QuotaExceeded`` (403) when they do not fit."""
+    under its lock (``enforce_quota``, reading the running total ``Tenant.storage_bytes``: one
+    row, however many the tenant holds) and add them to the total; the caller inserts the row
+    that holds them and commits in the same transaction. ``QuotaExceeded`` (403) when they do
+    not fit."""
 
     def refusal(used: int) -> QuotaExceeded:
         return QuotaExceeded(
@@ -194,11 +250,44 @@ def reserve_storage(
     enforce_quota(
         session,
         tenant_id=tenant_id,
-        used=storage_used(tenant_id=tenant_id),
+        used=select(Tenant.storage_bytes).where(Tenant.id == tenant_id),
         adding=adding,
         allowed=limits.max_storage_bytes,
         refusal=refusal,
     )
+    if adding:
+        _add_storage(session, tenant_id=tenant_id, delta=adding)
+
+
+@dataclass(frozen=True)
+class StorageRecount:
+    """One tenant's running total of stored bytes against the sum over its rows."""
+
+    tenant: str
+    recorded: int
+    counted: int
+
+
+def recount_storage(session: Session, *, fix: bool) -> list[StorageRecount]:
+    """Every tenant whose running total differs from the sum over its rows (rows written
+    around the running total: by hand, or by a version before it); ``fix`` sets the total to
+    the sum, each under the tenant's lock, and commits."""
+    differing = []
+    for tenant_id, name in session.execute(select(Tenant.id, Tenant.name).order_by(Tenant.name)):
+        lock_tenant(session, tenant_id=tenant_id)
+        recorded = int(
+            session.scalar(select(Tenant.storage_bytes).where(Tenant.id == tenant_id)) or 0
+        )
+        counted = int(session.scalar(counted_storage(tenant_id=tenant_id)) or 0)
+        if recorded != counted:
+            differing.append(StorageRecount(tenant=name, recorded=recorded, counted=counted))
+            if fix:
+                _add_storage(session, tenant_id=tenant_id, delta=counted - recorded)
+        if fix:
+            session.commit()
+        else:
+            session.rollback()
+    return differing
 
 
 def queued_jobs(*, tenant_id: str) -> Select[Any]:
@@ -242,7 +331,7 @@ def usage_of(session: Session, *, tenant_id: str) -> TenantUsage:
         )
     )
     jobs = session.scalar(queued_jobs(tenant_id=tenant_id))
-    stored = session.scalar(storage_used(tenant_id=tenant_id))
+    stored = session.scalar(select(Tenant.storage_bytes).where(Tenant.id == tenant_id))
     return TenantUsage(
         models=int(models or 0),
         sessions=int(sessions or 0),

@@ -98,6 +98,14 @@ GATEWAY_REFUSALS = Counter(
     "429, unavailable_error a 503...).",
     ["reason", "status"],
 )
+CONNECTIONS_REFUSED = Counter(
+    "skytrain_connections_refused_total",
+    "Connections the server closed at its door (connections.py, api/limits.py), by reason: "
+    "total_cap (503: SKYTRAIN_MAX_CONNECTIONS), per_client_cap (429: SKYTRAIN_MAX_CONNECTIONS_"
+    "PER_CLIENT), header_timeout (408: SKYTRAIN_HEADER_TIMEOUT_S), body_timeout (408 or closed: "
+    "SKYTRAIN_REQUEST_BODY_TIMEOUT_S).",
+    ["reason"],
+)
 TENANT_LIMITS_HIT = Counter(
     "skytrain_tenant_limits_hit_total",
     "Requests refused because a tenant reached one of its limits or quotas, by limit.",

@@ -167,8 +167,8 @@ class Choice(_Lenient):
 def message_shape_problem(
     role: str, content: object, tool_calls: list[Any] | None, *, tool_call_id: str | None
 ) -> str | None:
-    """What a message of ``role`` lacks, or None: the rule for pydantic's ``Message`` and the
-    ingest's msgspec mirror of it (``api.trajectory_structs``)."""
+    """What a message of ``role`` lacks, or None: ``Message``'s rule (which the ingest's
+    msgspec Structs, derived from the models, run as well)."""
     if role == "assistant":
         if content is None and not tool_calls:
             return "an assistant message needs content or tool_calls"
@@ -355,7 +355,7 @@ def count_trainable_turns(
     """The turns of group ``g`` the RL trainer can learn from; refuses a choice it cannot.
 
     ``group`` is a ``TrajectoryGroup``, or anything shaped like one (the ingest's msgspec
-    mirror) with ``sampled`` reading its turns as ``sampled_turn`` reads the models'."""
+    Structs) with ``sampled`` reading its turns as ``sampled_turn`` reads the models'."""
     trainable_turns = 0
     allow = allow_training_without_logprobs
     for t, trajectory in enumerate(group.trajectories):

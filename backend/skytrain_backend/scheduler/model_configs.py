@@ -13,6 +13,10 @@ scheduler's pass longer, and the fetch that goes on in the background leaves its
 the next caller. A failure is remembered for ``RETRY_AFTER_S``, so a Hub that is down is not
 asked again by every request meanwhile; the scheduler asks again before each launch (which
 the launch back-off spaces out: ``SKYTRAIN_WORKER_LAUNCH_BACKOFF_S``).
+
+What this process keeps is bounded, whatever base-model strings tenants send: the
+``KNOWN_CONFIGS`` most recently used configs and the ``KNOWN_FAILURES`` latest failures
+(each configs up to 1 MiB, ``MAX_CONFIG_BYTES``); the rest are read again from the store.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
+
+from cachetools import LRUCache, TTLCache
 
 from skytrain_backend.base_models import is_hub_id
 from skytrain_backend.config import Settings
@@ -41,6 +47,9 @@ logger = logging.getLogger(__name__)
 PUBLIC_HUB = "https://huggingface.co"
 # How long a failed fetch answers for the Hub before it is asked again.
 RETRY_AFTER_S = 30.0
+# The configs and failures one process keeps (a config.json is a few KiB, at most 1 MiB).
+KNOWN_CONFIGS = 256
+KNOWN_FAILURES = 1024
 
 
 class ModelConfigs:
@@ -52,8 +61,10 @@ class ModelConfigs:
         self._store = store
         self._endpoint = (settings.hf_endpoint or PUBLIC_HUB).rstrip("/")
         self._lock = threading.Lock()
-        self._known: dict[str, dict[str, Any]] = {}
-        self._failed: dict[str, tuple[float, str]] = {}
+        self._known: LRUCache[str, dict[str, Any]] = LRUCache(maxsize=KNOWN_CONFIGS)
+        self._failed: TTLCache[str, tuple[float, str]] = TTLCache(
+            maxsize=KNOWN_FAILURES, ttl=RETRY_AFTER_S
+        )
         self._fetches: dict[str, Future[dict[str, Any]]] = {}
 
     def get(self, base_model: str, *, fresh: bool = False) -> dict[str, Any] | None:

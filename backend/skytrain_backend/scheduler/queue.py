@@ -27,22 +27,28 @@ job; SQLite serializes writers, and a process lock keeps its read-then-write ato
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, BinaryIO
 
 from sqlalchemy import Select, exists, func, select
 from sqlalchemy.orm import Session, aliased
 
+from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs as job_rows
-from skytrain_backend.db import registry
-from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db import registry, tenants
+from skytrain_backend.db.models import Checkpoint, Model, Tenant, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import (
+    Conflict,
     InvalidRequest,
     LeaseLost,
     NotFound,
+    QuotaExceeded,
+    SkytrainError,
     StorageError,
     StoreUnavailable,
 )
@@ -54,7 +60,7 @@ from skytrain_backend.protocol import (
     StagedFile,
 )
 from skytrain_backend.storage import keys
-from skytrain_backend.storage.base import ObjectStore
+from skytrain_backend.storage.base import CHUNK_BYTES, ObjectDigest, ObjectStore
 
 logger = logging.getLogger(__name__)
 
@@ -259,6 +265,43 @@ def staged_file_key(job: TrainingJob, *, tenant_id: str, attempt: int, name: str
     return _staged_prefix(job, tenant_id=tenant_id, attempt=attempt) + name
 
 
+def staged_digest_key(staged_key: str) -> str:
+    """Where the size and SHA-256 of the staged file at ``staged_key`` are recorded, as its
+    upload streamed through the control plane (``attempts/{n}.digests/{name}`` beside
+    ``attempts/{n}/{name}``: out of the attempt's listing, gone with ``attempts/``)."""
+    head, _, name = staged_key.rpartition("/")
+    return f"{head}.digests/{name}"
+
+
+def stage_file(store: ObjectStore, *, key: str, stream: BinaryIO) -> ObjectDigest:
+    """Store a staged file from ``stream`` (a local spool, read twice) and record its size and
+    SHA-256 beside it, so that the commit compares them with the worker's without reading
+    the object back. The record is removed first: a file whose upload fails midway has none,
+    and the commit reads that one back instead."""
+    digest_key = staged_digest_key(key)
+    store.delete(digest_key)
+    sha256 = hashlib.sha256()
+    size = 0
+    while chunk := stream.read(CHUNK_BYTES):
+        sha256.update(chunk)
+        size += len(chunk)
+    stream.seek(0)
+    store.put_stream(key, stream)
+    digest = ObjectDigest(size=size, sha256=sha256.hexdigest())
+    store.put_bytes(digest_key, json.dumps({"size": size, "sha256": digest.sha256}).encode())
+    return digest
+
+
+def _recorded_digest(store: ObjectStore, key: str) -> ObjectDigest | None:
+    """The size and SHA-256 recorded when the file at ``key`` was staged; None when there is
+    no usable record (an upload cut short, or a store hiccup): the caller reads it back."""
+    try:
+        recorded = json.loads(store.get_bytes(staged_digest_key(key)))
+        return ObjectDigest(size=int(recorded["size"]), sha256=str(recorded["sha256"]))
+    except (SkytrainError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _staged_prefix(job: TrainingJob, *, tenant_id: str, attempt: int) -> str:
     prefix = keys.model_prefix(tenant_id=tenant_id, model_id=job.model_id)
     return f"{prefix}jobs/{job.id}/attempts/{attempt}/"
@@ -353,13 +396,15 @@ def complete_job(
     step: int,
     metrics: dict[str, float],
     files: Sequence[StagedFile],
+    settings: Settings,
 ) -> Checkpoint:
     """Commit the attempt's checkpoint and finish the job, once.
 
     Three phases, so that no transaction (nor the job's row lock) is held while the store
     works: a short transaction checks the lease and the step; then, with no connection held,
-    each staged file is read back and checked against the size and SHA-256 the worker sent
-    (a mismatch commits nothing: InvalidRequest) and copied into place; then a short
+    each staged file is checked against the size and SHA-256 the worker sent (``check_staged``:
+    a listing and the digests recorded at staging; a mismatch commits nothing: InvalidRequest)
+    and copied into place (``copy_staged``: one gone meanwhile is a Conflict); then a short
     transaction checks the lease again, inserts the checkpoint row and finishes the job.
 
     The files are copied into the attempt's own directory of the step (``keys.
@@ -382,7 +427,9 @@ def complete_job(
     session.rollback()  # the row lock and the connection go back before the store works
     try:
         check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
-        total = sum(store.copy(attempt_prefix + item.name, prefix + item.name) for item in files)
+        total = copy_staged(
+            store, source=attempt_prefix, dest=prefix, files=files, job_id=job_id, step=step
+        )
     except StoreUnavailable as exc:
         # The store is away for now: nothing is committed, the job stays leased and its staged
         # files stay where they are, so the worker's retry commits once the store is back
@@ -393,11 +440,44 @@ def complete_job(
         ) from exc
     except StorageError as exc:
         job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
-        _fail_commit(session, store=store, job=job, step=step, prefixes=(prefix, staged), exc=exc)
+        logger.error("committing step %d of job %s failed: %s", step, job.id, exc.message)
+        _fail_commit(
+            session,
+            store=store,
+            job=job,
+            step=step,
+            prefixes=(prefix, staged),
+            error=f"the object store failed while saving the checkpoint of step {step}, so "
+            "nothing was committed: submit the job again (the operator's log has the store's "
+            "error)",
+        )
         raise StorageError(
             f"the object store failed while committing step {step} of job {job_id}; the job "
             "has failed and its files were removed"
         ) from exc
+    # The checkpoint's bytes are taken from the tenant's storage quota in the commit's
+    # transaction (the tenant's row lock first, then the job's, as every writer takes them):
+    # a checkpoint that does not fit fails the job, its files removed, rather than pass it.
+    limits = tenants.limits_of(session.get_one(Tenant, tenant_id), settings)
+    try:
+        tenants.reserve_storage(
+            session,
+            tenant_id=tenant_id,
+            limits=limits,
+            adding=total,
+            what=f"the checkpoint of step {step} of job {job_id}",
+        )
+    except QuotaExceeded as exc:
+        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+        _fail_commit(
+            session,
+            store=store,
+            job=job,
+            step=step,
+            prefixes=(prefix, staged),
+            error=f"nothing was committed: {exc.message}; then submit the job again",
+        )
+        raise
     # The lease is checked again: a worker whose lease was lost while the files were copied
     # commits nothing (LeaseLost); what it copied lies in its own directory, for the sweep.
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
@@ -440,23 +520,55 @@ def check_staged(
     store: ObjectStore, *, prefix: str, files: Sequence[StagedFile], job_id: str, step: int
 ) -> None:
     """Each file is in the store under ``prefix`` with the size and SHA-256 the worker sent:
-    one listing for the sizes (a truncated upload fails here, unread), then each file read
-    back and hashed. InvalidRequest naming every file that differs."""
+    one listing for the sizes (a truncated upload fails here, unread), then each file's
+    SHA-256 as recorded while its upload streamed through (``stage_file``); only a file with
+    no record of its size is read back and hashed. InvalidRequest naming every file that
+    differs."""
     stored = {info.key.removeprefix(prefix): info.size for info in store.list(prefix)}
     wrong = []
     for item in files:
         size = stored.get(item.name)
         if size is None:
             wrong.append(f"{item.name} is not staged")
-        elif size != item.size:
+            continue
+        if size != item.size:
             wrong.append(f"{item.name} is staged with {size} bytes, not {item.size}")
-        elif store.digest(prefix + item.name).sha256 != item.sha256:
+            continue
+        recorded = _recorded_digest(store, prefix + item.name)
+        if recorded is None or recorded.size != size:
+            recorded = store.digest(prefix + item.name)
+        if recorded.sha256 != item.sha256:
             wrong.append(f"{item.name} is staged with a SHA-256 other than {item.sha256}")
     if wrong:
         raise InvalidRequest(
             f"the checkpoint of step {step} of job {job_id} was not committed: "
             f"{'; '.join(wrong)}. Upload each file with PUT .../files/{{name}} again"
         )
+
+
+def copy_staged(
+    store: ObjectStore,
+    *,
+    source: str,
+    dest: str,
+    files: Sequence[StagedFile],
+    job_id: str,
+    step: int,
+) -> int:
+    """Copy the checked staged files from ``source`` to ``dest``; their total bytes. A staged
+    file gone meanwhile (deleted while the commit copied: a worker's retry, or by hand) is a
+    Conflict, nothing committed: upload it again."""
+    total = 0
+    for item in files:
+        try:
+            total += store.copy(source + item.name, dest + item.name)
+        except NotFound:
+            raise Conflict(
+                f"the checkpoint of step {step} of job {job_id} was not committed: "
+                f"{item.name} was removed from the staged files while they were copied. "
+                "Upload each file with PUT .../files/{name} again and complete again"
+            ) from None
+    return total
 
 
 def _fail_commit(
@@ -466,23 +578,16 @@ def _fail_commit(
     job: TrainingJob,
     step: int,
     prefixes: tuple[str, str],
-    exc: StorageError,
+    error: str,
 ) -> None:
-    """End a job whose checkpoint the store could not take. ``prefixes``: the checkpoint's
-    (files copied so far) and the job's (files staged by its attempts); both are deleted,
-    and the sweep collects what the store refuses now."""
-    logger.error("committing step %d of job %s failed: %s", step, job.id, exc.message)
+    """End a job whose checkpoint could not be committed (the store failed, or it did not fit
+    the tenant's storage quota), saying why (``error``). ``prefixes``: the checkpoint's (files
+    copied so far) and the job's (files staged by its attempts); both are deleted, and the
+    sweep collects what the store refuses now."""
     checkpoint_prefix, job_prefix = prefixes
     _delete_quietly(store, checkpoint_prefix)
     _delete_quietly(store, job_prefix + "attempts/")
-    _finish(
-        session,
-        job,
-        status="failed",
-        error=f"the object store failed while saving the checkpoint of step {step}, so "
-        "nothing was committed: submit the job again (the operator's log has the store's "
-        "error)",
-    )
+    _finish(session, job, status="failed", error=error)
     session.commit()
 
 

@@ -12,10 +12,12 @@ from pydantic import TypeAdapter
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db import registry
+from skytrain_backend.config import Settings
+from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import (
     Checkpoint,
     Model,
+    Tenant,
     TinkerCheckpoint,
     TinkerRequest,
     TinkerRun,
@@ -23,7 +25,7 @@ from skytrain_backend.db.models import (
     Worker,
     utcnow,
 )
-from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded
 from skytrain_backend.protocol import ModelConfig, StagedFile
 from skytrain_backend.protocol import tinker as wire
 from skytrain_backend.protocol.tinker import CREATIONS, SAVES, STATE_CHANGES
@@ -228,9 +230,14 @@ def complete(
         return operation.id
     if has_output:
         key = output_key(run, seq_id)
-        if not store.exists(key):
+        sizes = [info.size for info in store.list(key) if info.key == key]
+        if not sizes:
             raise InvalidRequest(f"operation {seq_id}'s output was not uploaded")
         operation.result_uri = store.uri(key)
+        # Stored already, by the worker that ran it: counted, not refused (the tenant's next
+        # writes are checked against it).
+        operation.output_bytes = sizes[0]
+        tenants.add_storage(session, tenant_id=run.tenant_id, added=sizes[0])
     _finish(operation, result=_public_result(run, operation, result))
     session.commit()
     return operation.id
@@ -287,6 +294,7 @@ def commit_save(
     grads_pending: bool,
     optim_steps: int,
     served: bool,
+    settings: Settings,
 ) -> str:
     """Commit a save: the staged files as the model's next step (or ``reuse_step``, when the
     weights did not change since that save), its name, and the future's answer (its id).
@@ -323,7 +331,9 @@ def commit_save(
     if reuse_step is None:
         attempt_prefix = f"{staged}attempts/{attempt}/"
         queue.check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
-        total = sum(store.copy(attempt_prefix + item.name, prefix + item.name) for item in files)
+        total = queue.copy_staged(
+            store, source=attempt_prefix, dest=prefix, files=files, job_id=job_id, step=step
+        )
     checked = _check_save(
         session,
         worker=worker,
@@ -336,6 +346,21 @@ def commit_save(
     )
     if isinstance(checked, str):
         return checked
+    if total:
+        refused = _reserve_save(
+            session,
+            worker=worker,
+            job_id=job_id,
+            attempt=attempt,
+            seq_id=seq_id,
+            tenant_id=tenant_id,
+            size=total,
+            settings=settings,
+        )
+        if refused is not None:
+            store.delete_prefix(prefix)
+            store.delete_prefix(staged + "attempts/")
+            return refused
     run, operation = worker_operation(
         session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
     )
@@ -391,6 +416,40 @@ def commit_save(
     if reuse_step is None:
         store.delete_prefix(staged + "attempts/")
     return operation.id
+
+
+def _reserve_save(
+    session: Session,
+    *,
+    worker: Worker,
+    job_id: str,
+    attempt: int,
+    seq_id: int,
+    tenant_id: str,
+    size: int,
+    settings: Settings,
+) -> str | None:
+    """Take a save's ``size`` bytes from the tenant's storage quota, in the transaction that
+    commits it (after its checks: the run's rows, then the tenant's, as ``submit`` takes them).
+    When they do not fit, the operation fails saying so (committed; the caller removes the
+    files) and its future's id is returned."""
+    limits = tenants.limits_of(session.get_one(Tenant, tenant_id), settings)
+    try:
+        tenants.reserve_storage(
+            session, tenant_id=tenant_id, limits=limits, adding=size, what="this checkpoint"
+        )
+    except QuotaExceeded as exc:
+        _, operation = worker_operation(
+            session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
+        )
+        if operation.status not in FINISHED:
+            operation.status = "failed"
+            operation.error = f"nothing was saved: {exc.message}"
+            operation.error_category = "user"
+            operation.finished_at = utcnow()
+        session.commit()
+        return operation.id
+    return None
 
 
 def _named(

@@ -32,6 +32,7 @@ import uvicorn
 
 from skytrain_backend import __version__, tls
 from skytrain_backend.config import EngineKind, Settings
+from skytrain_backend.connections import ConnectionLimits, guarded_protocol
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.observability.http import Observe
 from skytrain_backend.worker.agent import AgentOptions, WorkerAgent
@@ -167,6 +168,12 @@ def _write_tls_files(directory: Path, certificate: str, key: str) -> tuple[Path,
     return certificate_path, key_path
 
 
+def front_door_protocol(settings: Settings) -> type[asyncio.Protocol]:
+    """The front door's HTTP protocol: uvicorn's, counted and timed before a request is
+    parsed (``connections.py``, ``ConnectionLimits.for_front_door``)."""
+    return guarded_protocol(ConnectionLimits.for_front_door(settings))
+
+
 class _FrontDoorServer(uvicorn.Server):
     """uvicorn inside the worker's event loop: the worker handles SIGTERM/SIGINT itself."""
 
@@ -244,6 +251,9 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
         uvicorn.Config(
             # Each request's id (the gateway's) binds to its log lines and goes to the engine.
             Observe(front_door, count=False),
+            # Connections counted and timed before a request is parsed, as the control
+            # plane's (connections.py): the front door is reachable from the internet.
+            http=front_door_protocol(settings),
             log_config=None,
             ssl_certfile=str(certificate_path),
             ssl_keyfile=str(key_path),

@@ -232,6 +232,7 @@ def save(
     session: SessionDep,
     store: StoreDep,
     tinker: TinkerDep,
+    settings: SettingsDep,
 ) -> None:
     request_id = worker_runs.commit_save(
         session,
@@ -246,6 +247,7 @@ def save(
         grads_pending=body.grads_pending,
         optim_steps=body.optim_steps,
         served=body.served,
+        settings=settings,
     )
     tinker.notify(f"request:{request_id}")
 

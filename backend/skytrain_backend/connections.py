@@ -1,5 +1,7 @@
 """Limits every connection to ``skytrain serve`` meets before a request is parsed, let alone a
-key read: the server's own door, which holds even without a reverse proxy in front.
+key read: the server's own door, which holds even without a reverse proxy in front. A worker's
+front door takes the same (``ConnectionLimits.for_front_door``): this module sits beside the
+layers, so that both the control plane and the worker may import it.
 
 - **Count.** At most ``SKYTRAIN_MAX_CONNECTIONS`` open at once (by default, and never more
   than, three quarters of the process's open-file limit) and ``SKYTRAIN_MAX_CONNECTIONS_PER_
@@ -18,6 +20,9 @@ key read: the server's own door, which holds even without a reverse proxy in fro
   carries at most ``SKYTRAIN_MAX_REQUESTS_PER_CONNECTION`` requests, the last answered with
   ``Connection: close``.
 
+Each connection closed by one of these is counted in ``skytrain_connections_refused_total`` by
+reason (``total_cap``, ``per_client_cap``, ``header_timeout``, ``body_timeout``).
+
 ``guarded_protocol(limits)`` is uvicorn's HTTP protocol (httptools) with these limits, for
 ``uvicorn.Config(http=...)``.
 """
@@ -25,6 +30,7 @@ key read: the server's own door, which holds even without a reverse proxy in fro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import resource
 from collections import Counter
@@ -36,11 +42,20 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.utils import get_remote_addr
 
 from skytrain_backend.config import Settings
+from skytrain_backend.observability.metrics import CONNECTIONS_REFUSED
 
 # Client connections may hold three quarters of the open-file limit; the last quarter stays
 # for the rest of the process (database pool, object store, worker logs, the listener).
 _CONNECTION_SHARE_OF_FILES = 0.75
 _CLOSE = (b"connection", b"close")
+
+
+def _files_share() -> int:
+    """The connections the process's open-file limit leaves room for."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:  # not on Linux; elsewhere, assume the usual 1,024
+        soft = 1024
+    return max(int(soft * _CONNECTION_SHARE_OF_FILES), 1)
 
 
 @dataclass(frozen=True)
@@ -55,10 +70,7 @@ class ConnectionLimits:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
-        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft == resource.RLIM_INFINITY:  # not on Linux; elsewhere, assume the usual 1,024
-            soft = 1024
-        bound = max(int(soft * _CONNECTION_SHARE_OF_FILES), 1)
+        bound = _files_share()
         total = min(settings.max_connections or bound, bound)
         per_client = min(settings.max_connections_per_client or max(total // 2, 1), total)
         return cls(
@@ -68,6 +80,18 @@ class ConnectionLimits:
             body_timeout_s=settings.request_body_timeout_s,
             max_requests=settings.max_requests_per_connection,
         )
+
+    @classmethod
+    def for_front_door(cls, settings: Settings) -> ConnectionLimits:
+        """A worker's front door (``worker/main.py``): the same timeouts, at most half the
+        control plane's share of open files (each request it serves also holds a connection
+        to the engine), and no cap per address below the total: its one client, the control
+        plane's gateway, may hold them all (the secret turns everyone else away)."""
+        limits = cls.from_settings(settings)
+        total = max(_files_share() // 2, 1)
+        if settings.max_connections:
+            total = min(settings.max_connections, total)
+        return dataclasses.replace(limits, max_connections=total, max_per_client=total)
 
 
 class ConnectionCounts:
@@ -130,6 +154,9 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if refusal is not None:
             status, message = refusal
             kind = "rate_limit_error" if status == 429 else "service_unavailable"
+            CONNECTIONS_REFUSED.labels(
+                reason="per_client_cap" if status == 429 else "total_cap"
+            ).inc()
             transport.write(raw_error(status, kind, message))
             transport.close()
             return
@@ -185,7 +212,7 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         answered = self.cycle.response_complete and self.cycle.more_body
         if answered and not self.transport.is_closing():
             # Answered before its body was read: the rest gets the body timeout, no more.
-            self._arm(self.counts.limits.body_timeout_s, self.transport.close)
+            self._arm(self.counts.limits.body_timeout_s, self._body_late)
 
     def _arm(self, delay_s: float, callback: Callable[[], object]) -> None:
         if self._deadline is None:
@@ -201,7 +228,12 @@ class GuardedHttpProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             callback()
 
+    def _body_late(self) -> None:
+        CONNECTIONS_REFUSED.labels(reason="body_timeout").inc()
+        self.transport.close()
+
     def _headers_late(self) -> None:
+        CONNECTIONS_REFUSED.labels(reason="header_timeout").inc()
         if self.cycle is None or self.cycle.response_complete:  # not in the middle of an answer
             timeout_s = self.counts.limits.header_timeout_s
             self.transport.write(
