@@ -5,7 +5,7 @@ serve a model besides its home (``models.worker_id``, which trains it), and
 Existing models have no replicas (one worker each, as before). Downgrading drops both tables.
 
 Revision ID: i35a
-Revises: i36a
+Revises: i38s
 Create Date: 2026-12-07
 """
 
@@ -17,7 +17,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision: str = "i35a"
-down_revision: str | Sequence[str] | None = "i36a"
+down_revision: str | Sequence[str] | None = "i38s"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
