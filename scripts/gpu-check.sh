@@ -10,7 +10,9 @@
 # vLLM wakes and serves the LoRA (test_a_7b_model_..._within_an_l4s_memory; the plan's JSON
 # goes to $OUT/plan-7b-l4.json). The plan beside vLLM: SmolLM2-135M served with the plan's
 # numbers for this GPU, vLLM's KV-cache tokens and the memory outside its share against the
-# plan's, a ratio per figure ($OUT/plan-vs-vllm.txt; bench/plan_vs_vllm.py).
+# plan's, a ratio per figure ($OUT/plan-vs-vllm.txt; bench/plan_vs_vllm.py). The Unsloth
+# trainer's own environment built and chosen (SKYTRAIN_UNSLOTH_PYTHON), and the multi-node
+# follower and sharded trainer on this machine.
 #
 # Usage: scripts/gpu-check.sh [extra pytest arguments]
 #   OUT=<dir>                where the report goes (default /tmp/gpu-check)
@@ -103,6 +105,36 @@ set +e
     --junitxml="$OUT/junit.xml" "$@" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
 
+# The Unsloth trainer's own environment, as sky/worker.yaml builds it on a one-GPU node
+# (scripts/unsloth-constraints.txt pins it), and the worker's choice of it: on this GPU the
+# trainer process runs under that interpreter (worker.trainer_python; the selection and a job
+# through another interpreter, tests/worker/test_trainer_python.py). Where no index is reached
+# and no wheels are given it is skipped, and says so.
+echo "==> the Unsloth trainer environment"
+UNSLOTH_VENV=${SKYTRAIN_UNSLOTH_VENV:-/tmp/skytrain-unsloth}
+if [ ! -x "$UNSLOTH_VENV/bin/python" ]; then
+    "$PYTHON" -m venv "$UNSLOTH_VENV"
+    if ! "$UNSLOTH_VENV/bin/python" -m pip install "${INDEX[@]}" \
+        --constraint scripts/unsloth-constraints.txt -e ".[worker]" unsloth \
+        >"$OUT/pip-unsloth.log" 2>&1; then
+        echo "the Unsloth environment did not build (see $OUT/pip-unsloth.log)"
+        rm -rf "$UNSLOTH_VENV"
+    fi
+fi
+if [ -x "$UNSLOTH_VENV/bin/python" ]; then
+    "$UNSLOTH_VENV/bin/python" -c 'import unsloth, torch; print("unsloth", unsloth.__version__,
+"torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tee "$OUT/unsloth.txt"
+    export SKYTRAIN_UNSLOTH_PYTHON="$UNSLOTH_VENV/bin/python"
+fi
+
+# Every node trains: the head worker's sharded trainer and a follower on this machine meet
+# over NCCL where there are two GPUs (gloo on one), and the trainer's entry point selection.
+echo "==> the follower, the Unsloth selection and the sharded trainer on this machine"
+"$VENV/bin/python" -m pytest -p no:cacheprovider -rA tests/worker/test_followers.py \
+    tests/worker/test_trainer_python.py tests/trainer/test_distributed.py \
+    --junitxml="$OUT/junit-nodes.xml" "$@" 2>&1 | tee "$OUT/pytest-nodes.log"
+nodes_status=${PIPESTATUS[0]}
+
 # A worker's jobs on this GPU, as users run them: `skytrain serve` with the local provider, its
 # worker's engine (vLLM where installed, else the CPU engine on CUDA) sleeping while the trainer
 # trains on the same device, then serving the new step (SQLite and a local store: no services).
@@ -111,6 +143,7 @@ echo "==> a worker's jobs on this GPU"
     --junitxml="$OUT/junit-worker.xml" "$@" 2>&1 | tee "$OUT/pytest-worker.log"
 worker_status=${PIPESTATUS[0]}
 [ "$status" -ne 0 ] || status=$worker_status
+[ "$status" -ne 0 ] || status=$nodes_status
 set -e
 cp -f /tmp/pytest-of-*/pytest-current/*/vllm.log "$OUT/" 2>/dev/null || true
 echo "==> pytest exited with $status; report in $OUT"

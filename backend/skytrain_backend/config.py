@@ -534,6 +534,14 @@ class Settings(BaseSettings):
         description="vLLM: the Python interpreter that runs it, for a vLLM installed in an "
         "environment of its own (scripts/test-vllm.sh's CPU build). Default: this one.",
     )
+    unsloth_python: str | None = Field(
+        default=None,
+        description="Worker: the Python interpreter of the Unsloth trainer's own environment "
+        "(scripts/unsloth-constraints.txt; sky/worker.yaml builds ~/skytrain-unsloth on a "
+        "one-GPU node). Used on CUDA when the trainer runs on one GPU; otherwise, or when it "
+        "is missing, the trainer is torch + peft in the worker's own process. Default: "
+        "~/skytrain-unsloth/bin/python where it exists.",
+    )
     control_plane_url: str | None = Field(
         default=None, description="Worker: URL of the control plane it joins."
     )
@@ -612,9 +620,12 @@ class Settings(BaseSettings):
     )
     worker_tinker_max_runs: int = Field(
         default=2,
-        ge=1,
+        ge=0,
+        le=64,
         description="Worker: most Tinker training runs it holds in memory at once (each keeps "
-        "a trainer); more wait in the queue.",
+        "a trainer, parked whole in host memory between operations); more wait in the queue. "
+        "The memory plan counts each in the host memory a worker asks for (about 17 GB for a "
+        "7B). 0: no Tinker training runs (creating one is refused), nothing parked.",
     )
 
     @field_validator("home", "model_cache_dir", "worker_wheel", mode="after")

@@ -189,3 +189,18 @@ def test_unsloth_resolves_in_a_trainer_environment_of_its_own(tmp_path: Path) ->
     assert versions["transformers"] == Version("5.17.0")
     assert versions["huggingface-hub"] < Version("2.0")
     assert versions["torch"] in SpecifierSet(">=2.4,<2.15")
+
+
+def test_the_worker_task_builds_the_unsloth_environment_of_the_pins() -> None:
+    """sky/worker.yaml's setup installs the Unsloth that scripts/unsloth-constraints.txt
+    resolved, into the venv the worker looks for (worker.trainer_python)."""
+    import yaml
+
+    from skytrain_backend.worker.trainer_python import DEFAULT_UNSLOTH_PYTHON
+
+    task = yaml.safe_load((ROOT / "sky" / "worker.yaml").read_text())
+    assert str(task["envs"]["WORKER_UNSLOTH_VERSION"]) == NEWEST_UNSLOTH
+    pins = (ROOT / "scripts" / "unsloth-constraints.txt").read_text()
+    assert f"unsloth=={NEWEST_UNSLOTH}" in pins
+    venv = DEFAULT_UNSLOTH_PYTHON.parents[1].name
+    assert f"~/{venv}/bin/python -m pip install" in task["setup"]

@@ -333,3 +333,40 @@ def test_a_mixture_of_experts_is_refused_on_every_gpu_with_the_reason() -> None:
         assert plan.host_memory_gb is None and plan.max_model_len is None
     with pytest.raises(FitsNoGpu, match="H100:8: base model Qwen/Qwen3-30B-A3B is a mixture"):
         choose_gpu(_shape(QWEN3_MOE), ["L4:1", "H100:8"], model=QWEN3_MOE)
+
+
+def test_a_model_no_node_holds_is_planned_over_nodes_of_gpus() -> None:
+    """Qwen2.5-72B on A100-40GB: one node of 4 cannot serve it; two nodes of 4 (vLLM's
+    pipeline stages, one a node; the trainer sharded over all 8 GPUs) can, and the worker's
+    settings say so."""
+    one = _plan(QWEN_72B, "A100:4", lora_rank=8)
+    assert not one.fits and "does not fit 4 x A100 for serving" in one.reason
+    two = _plan(QWEN_72B, "A100:4", lora_rank=8, nodes=2)
+    assert two.fits, two.reason
+    assert two.nodes == 2 and two.tensor_parallel_size == 4
+    assert (two.trainer_device_map, two.trainer_shards) == ("fsdp", 8)
+    assert "fits 2 nodes of 4 x A100: vLLM on 4 GPUs x 2 pipeline stages" in two.reason
+    envs = two.worker_envs()
+    assert envs["SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE"] == "2"
+    assert envs["SKYTRAIN_TRAINER_SHARDS"] == "8"
+    serve = {row.item: row for row in two.rows if row.phase == "serve"}
+    assert "the largest of 2 pipeline stages" in serve["weights"].how
+    # A stage holds half the layers: about half the weights of one node's GPU.
+    weights = [
+        float(next(r.value for r in p.rows if r.item == "weights").split()[0]) for p in (one, two)
+    ]
+    assert 0.45 < weights[1] / weights[0] < 0.55
+    # 32B on L4s: one node of 4 serves it but cannot train it; two nodes train on 8 shards.
+    assert "for training" in _plan(QWEN_32B, "L4:4", lora_rank=8).reason
+    assert _plan(QWEN_32B, "L4:4", lora_rank=8, nodes=2).trainer_shards == 8
+    # Two nodes of one L4 are still refused, with the plan's reason.
+    small = _plan(QWEN_72B, "L4:1", lora_rank=8, nodes=2)
+    assert not small.fits and "does not fit 2 nodes of 1 x L4 for serving" in small.reason
+
+
+def test_gpus_are_chosen_for_the_nodes_a_worker_has() -> None:
+    shape = _shape(QWEN_72B)
+    choice = choose_gpu(shape, ["L4:4", "A100:4"], model=QWEN_72B, lora_rank=8, nodes=2)
+    assert str(choice.spec) == "A100:4" and choice.plan is not None and choice.plan.nodes == 2
+    with pytest.raises(FitsNoGpu, match="does not fit 2 nodes of 1 x L4"):
+        choose_gpu(shape, ["L4:1", "A10G:1"], model=QWEN_72B, lora_rank=8, nodes=2)

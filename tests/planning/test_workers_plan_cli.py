@@ -178,3 +178,22 @@ def test_a_mixture_of_experts_is_refused_on_every_gpu_with_the_reason() -> None:
     table = CliRunner().invoke(app, ["workers", "plan", "Qwen/Qwen3-30B-A3B", "--gpu", "H100:8"])
     assert table.exit_code == 0, table.output
     assert "Qwen/Qwen3-30B-A3B on H100:8: does not fit" in table.output
+
+
+def test_nodes_plan_a_model_no_node_holds() -> None:
+    """Qwen2.5-72B on A100-40GB: one node of 4 cannot serve it; with --nodes 2 it fits, vLLM
+    in 2 pipeline stages and the trainer over all 8 GPUs."""
+    one = _plan("Qwen/Qwen2.5-72B-Instruct", "--gpu", "A100:4", "--lora-rank", "8")
+    assert not one["fits"]
+    two = _plan("Qwen/Qwen2.5-72B-Instruct", "--gpu", "A100:4", "--lora-rank", "8", "--nodes", "2")
+    assert two["fits"] and two["nodes"] == 2 and two["trainer_shards"] == 8
+    result = CliRunner().invoke(
+        app,
+        [
+            *("workers", "plan", "Qwen/Qwen2.5-72B-Instruct"),
+            *("--gpu", "A100:4", "--nodes", "2", "--lora-rank", "8"),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert "on 2 nodes of A100:4: fits" in result.output
+    assert "--pipeline-parallel-size 2" in result.output

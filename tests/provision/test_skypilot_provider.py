@@ -471,19 +471,33 @@ def test_without_the_models_config_every_configured_gpu_is_offered(
 def test_a_worker_of_several_nodes_gets_num_nodes_and_splits_the_model_across_them(
     tmp_path: Path, fake: FakeSky
 ) -> None:
-    """A base model larger than a node: SkyPilot's num_nodes, vLLM's tensor parallelism within
-    each node and pipeline stages across them, the trainer's ranks on the head node's GPUs."""
-    provider = _planned(tmp_path, fake, skypilot_accelerators="H100:8", skypilot_num_nodes=2)
-    provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct"))
+    """A base model larger than a node: SkyPilot's num_nodes, planned for the nodes (vLLM's
+    tensor parallelism within each node and pipeline stages across them, the trainer's ranks
+    on every GPU of every node); the cheapest accelerator whose nodes fit it."""
+    provider = _planned(tmp_path, fake, skypilot_accelerators="L4:4, A100:4", skypilot_num_nodes=2)
+    provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct", lora_rank=8))
     fake.settle()
     task = fake.launches[0].task
     assert task.num_nodes == 2
-    assert [r.accelerators for r in task.resources] == [{"H100": 8}]
-    assert task.envs["SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE"] == "8"
+    assert [r.accelerators for r in task.resources] == [{"A100": 4}]
+    assert task.envs["SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE"] == "4"
     assert task.envs["SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE"] == "2"
     assert task.envs["SKYTRAIN_TRAINER_SHARDS"] == "8"
-    # The task's run script starts Ray across the nodes before the worker, on the head only.
+    assert task.envs["SKYTRAIN_TRAINER_DEVICE_MAP"] == "fsdp"
+    # The task's run script starts Ray across the nodes, the worker on the head only and a
+    # follower (its trainer ranks) on the others.
     assert "ray start --head" in task.run and "SKYPILOT_NODE_RANK" in task.run
+    assert "skytrain_backend.worker.follower" in task.run
+
+
+def test_a_model_no_shape_fits_on_its_nodes_is_refused_before_any_launch(
+    tmp_path: Path, fake: FakeSky
+) -> None:
+    provider = _planned(tmp_path, fake, skypilot_accelerators="L4:1, A10G:1", skypilot_num_nodes=2)
+    with pytest.raises(FitsNoGpu, match="does not fit 2 nodes of 1 x L4"):
+        provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct", lora_rank=8))
+    fake.settle()
+    assert fake.launches == []
 
 
 def test_a_worker_of_several_nodes_needs_one_gpu_count_to_split_by(

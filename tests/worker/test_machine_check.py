@@ -17,7 +17,15 @@ from skytrain_backend.cli import app
 from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.errors import ConfigurationError, MachineTooSmall
 from skytrain_backend.planning import find_model_config, parse_gpu
-from skytrain_backend.worker.sizing import Machine, check_machine, size_worker
+from skytrain_backend.worker.sizing import (
+    Machine,
+    check_machine,
+    host_memory_bytes,
+    memory_limit_bytes,
+    size_worker,
+    task_nodes,
+    this_machine,
+)
 
 MODELS = Path(__file__).resolve().parents[1] / "planning" / "models"
 QWEN_7B = "Qwen/Qwen2.5-7B-Instruct"
@@ -144,3 +152,90 @@ def test_a_gpu_without_vllms_share_free_stops_the_worker(tmp_path: Path) -> None
     message = str(raised.value)
     assert f"GPU 0 has {busy[0] / GIB:.2f} GiB free of {total / GIB:.2f} GiB" in message
     assert "gpu_memory_utilization 0.92" in message and "nvidia-smi" in message
+
+
+def _cgroup_tree(root: Path, files: dict[str, str], own: str) -> Path:
+    """A cgroup mount under ``root`` (``files``: path -> content) and the /proc/self/cgroup
+    naming this process's cgroup ``own`` in it; the latter's path."""
+    for name, content in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(content + "\n")
+    cgroup_file = root.parent / "proc-self-cgroup"
+    cgroup_file.write_text(own + "\n")
+    return cgroup_file
+
+
+@pytest.mark.parametrize(
+    ("files", "own", "limit"),
+    [
+        # cgroup v2 inside a container: its cgroup is the mount's root.
+        ({"memory.max": "8589934592"}, "0::/", 8 * GIB),
+        ({"memory.max": "max"}, "0::/", None),
+        # v2 seen from the node: the lowest of the process's cgroup and those above it.
+        (
+            {
+                "memory.max": "max",
+                "kubepods/memory.max": str(12 * GIB),
+                "kubepods/pod-1/memory.max": "max",
+            },
+            "0::/kubepods/pod-1",
+            12 * GIB,
+        ),
+        # cgroup v1: the memory controller's hierarchy; "no limit" is a huge number.
+        ({"memory/memory.limit_in_bytes": str(6 * GIB)}, "4:memory:/", 6 * GIB),
+        (
+            {
+                "memory/memory.limit_in_bytes": "9223372036854771712",
+                "memory/docker/abc/memory.limit_in_bytes": str(5 * GIB),
+            },
+            "5:cpu,cpuacct:/\n4:memory:/docker/abc",
+            5 * GIB,
+        ),
+    ],
+)
+def test_a_containers_memory_limit_is_the_hosts_memory(
+    tmp_path: Path, files: dict[str, str], own: str, limit: int | None
+) -> None:
+    cgroup_file = _cgroup_tree(tmp_path / "cgroup", files, own)
+    found = memory_limit_bytes(tmp_path / "cgroup", cgroup_file=cgroup_file)
+    assert found == limit
+    node = 64 * GIB
+    seen = host_memory_bytes(node, cgroup_root=tmp_path / "cgroup", cgroup_file=cgroup_file)
+    assert seen == min(node, limit or node)
+
+
+def test_a_worker_in_a_container_smaller_than_its_plan_stops(tmp_path: Path) -> None:
+    """A 64 GiB node whose container may use 32 GiB: the 7B's plan (60 GB) does not fit it."""
+    cgroup_file = _cgroup_tree(tmp_path / "cgroup", {"memory.max": str(32 * GIB)}, "0::/")
+    sizing = _sizing_7b_on_l4(tmp_path)
+    host = host_memory_bytes(64 * GIB, cgroup_root=tmp_path / "cgroup", cgroup_file=cgroup_file)
+    l4 = (int(21.5 * GIB), 22_478 * 1024**2)
+    with pytest.raises(MachineTooSmall, match=r"the host has 32\.0 GiB of memory"):
+        check_machine(sizing, Machine(host, (l4,)), base_model=QWEN_7B)
+
+
+def test_this_hosts_memory_is_at_most_the_nodes() -> None:
+    """The real host: psutil's figure, or this sandbox's cgroup limit when it sets one."""
+    import psutil
+
+    total = psutil.virtual_memory().total
+    machine = this_machine()
+    limit = memory_limit_bytes()
+    assert 0 < machine.host_memory_bytes <= total
+    assert machine.host_memory_bytes == (min(total, limit) if limit is not None else total)
+
+
+def test_a_worker_of_two_nodes_plans_for_both_and_takes_a_model_one_node_cannot(
+    tmp_path: Path,
+) -> None:
+    """Qwen2.5-72B on nodes of 4 x A100-40GB: the worker of one node is refused; the head of a
+    two-node task (SKYPILOT_NODE_IPS names two) plans for both and shards over all 8 GPUs."""
+    config = find_model_config("Qwen/Qwen2.5-72B-Instruct", cache_dir=MODELS)
+    settings = Settings(home=tmp_path, engine_max_lora_rank=8)
+    a100 = parse_gpu("A100").gpu
+    with pytest.raises(ConfigurationError, match="does not fit 4 x A100"):
+        size_worker(settings, base_model="m", config=config, gpu=a100, gpu_count=4)
+    nodes = task_nodes({"SKYPILOT_NODE_IPS": "10.0.0.5\n10.0.0.6\n"})
+    assert nodes == 2 and task_nodes({}) == 1
+    sizing = size_worker(settings, base_model="m", config=config, gpu=a100, gpu_count=4, nodes=2)
+    assert sizing.trainer_shards == 8 and sizing.plan is not None and sizing.plan.nodes == 2

@@ -71,6 +71,12 @@ def check_new_model(
         configs=configs,
     )
     if tinker_training:
+        if settings.worker_tinker_max_runs == 0:
+            raise InvalidRequest(
+                "this deployment runs no Tinker training runs (its workers hold none: "
+                "SKYTRAIN_WORKER_TINKER_MAX_RUNS is 0); train with skytrain's training jobs "
+                "(REST, SDK or ART's client), or ask the operator to allow Tinker runs"
+            )
         check_one_device_trains(
             session,
             base_model=base_model,

@@ -242,6 +242,13 @@ def workers_plan(
         help="Longest training row wanted. [default: SKYTRAIN_TRAINER_MAX_ROW_TOKENS, else the "
         "context]",
     ),
+    nodes: int | None = typer.Option(
+        None,
+        min=1,
+        max=64,
+        help="Nodes of each --gpu a worker spans: vLLM's pipeline stages, one a node, and the "
+        "trainer sharded over every GPU of every node. [default: SKYTRAIN_SKYPILOT_NUM_NODES]",
+    ),
 ) -> None:
     """Show how BASE_MODEL is served and trained on a worker's GPUs: whether it fits and why,
     vLLM's max_model_len, gpu_memory_utilization and tensor_parallel_size, the trainer's
@@ -305,6 +312,7 @@ def workers_plan(
             context=context or settings.engine_max_model_len,
             row_tokens=row_tokens or settings.trainer_max_row_tokens,
             tinker_runs=settings.worker_tinker_max_runs,
+            nodes=nodes or settings.skypilot_num_nodes,
         )
         for spec in specs
         if spec.gpu is not None
@@ -315,13 +323,16 @@ def workers_plan(
         return
     for plan in plans:
         verdict = "fits" if plan.fits else "does not fit"
-        typer.echo(f"{base_model} on {plan.gpu}: {verdict}")
+        where = f"{plan.nodes} nodes of {plan.gpu}" if plan.nodes > 1 else plan.gpu
+        typer.echo(f"{base_model} on {where}: {verdict}")
         typer.echo(f"  {plan.reason}")
         if plan.fits:
             typer.echo(
                 f"  vLLM: --max-model-len {plan.max_model_len} --gpu-memory-utilization "
                 f"{plan.gpu_memory_utilization} --tensor-parallel-size "
-                f"{plan.tensor_parallel_size}, sleep level {plan.sleep_level}; trainer: "
+                f"{plan.tensor_parallel_size}"
+                + (f" --pipeline-parallel-size {plan.nodes}" if plan.nodes > 1 else "")
+                + f", sleep level {plan.sleep_level}; trainer: "
                 f"{plan.trainer_dtype} on {plan.trainer_device_map}"
                 + (
                     f" ({plan.trainer_shards} processes, torchrun + FSDP2)"

@@ -81,7 +81,8 @@ def choose_worker_gpu(
     """``choose_gpu`` for a worker of ``base_model`` serving and training adapters of up to
     ``lora_rank`` (the rank in use: a model's own at its creation, the largest of the models
     a worker is launched for; never above ``SKYTRAIN_ENGINE_MAX_LORA_RANK``), with the engine
-    settings (LoRA slots, context, row length, parked Tinker runs), from its ``config``
+    settings (LoRA slots, context, row length, parked Tinker runs, nodes a worker), from its
+    ``config``
     (default: this machine's copy), or None when there is none (or it cannot be counted):
     the worker, which downloads the model, plans for itself."""
     if config is None:
@@ -101,4 +102,5 @@ def choose_worker_gpu(
         context=settings.engine_max_model_len,
         row_tokens=settings.trainer_max_row_tokens,
         tinker_runs=settings.worker_tinker_max_runs,
+        nodes=settings.skypilot_num_nodes,
     )

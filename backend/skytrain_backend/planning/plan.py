@@ -137,6 +137,9 @@ class WorkerPlan:
     host_memory_gb: int | None
     disk_gb: int | None
     rows: list[PlanRow] = field(default_factory=list)
+    # Nodes of ``gpu`` (a SkyPilot task's num_nodes): vLLM's pipeline stages, one a node, and
+    # the trainer's ranks over every GPU of every node.
+    nodes: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -150,6 +153,8 @@ class WorkerPlan:
             "SKYTRAIN_TRAINER_DEVICE_MAP": self.trainer_device_map,
             "SKYTRAIN_TRAINER_SHARDS": str(self.trainer_shards),
         }
+        if self.nodes > 1:
+            envs["SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE"] = str(self.nodes)
         if self.max_model_len is not None:
             envs["SKYTRAIN_ENGINE_MAX_MODEL_LEN"] = str(self.max_model_len)
         if self.max_row_tokens is not None:
@@ -180,23 +185,38 @@ class _Serving:
 
 
 def _serving(
-    shape: ModelShape, gpu: GpuType, *, tp: int, util: float, rank_slot: int, max_loras: int
+    shape: ModelShape,
+    gpu: GpuType,
+    *,
+    tp: int,
+    util: float,
+    rank_slot: int,
+    max_loras: int,
+    stages: int = 1,
 ) -> _Serving:
+    """vLLM on one GPU of ``tp`` (tensor parallel) in each of ``stages`` pipeline stages (one
+    a node): a stage holds its share of the layers, counted as the largest, and the
+    embeddings and output layer (which only the first and last hold: counted on each)."""
     batched_tokens, max_seqs = vllm_batch_defaults(gpu)
     forward_peak = batched_tokens * (3 * shape.mlp_width // tp + 4 * shape.hidden_size) * 2
     sampler_peak = max_seqs * shape.vocab_size * 4 * 2
     overhead = (
-        (NON_TORCH_GIB + (NCCL_GIB if tp > 1 else 0) + CUDA_GRAPHS_GIB) * GIB
+        (NON_TORCH_GIB + (NCCL_GIB if tp * stages > 1 else 0) + CUDA_GRAPHS_GIB) * GIB
         + forward_peak
         + sampler_peak
     )
+    layers = max(shape.num_layers, 1)
+    stage_layers = math.ceil(layers / stages)
+    layer_weights = shape.num_layers * shape.layer_parameters(tp=tp)
+    weights = shape.parameters(tp=tp) - layer_weights + stage_layers * (layer_weights // layers)
+    slot = shape.lora_slot_parameters(rank=rank_slot, tp=tp)
     return _Serving(
         tp=tp,
         budget=gpu.memory_bytes * util,
-        weights=shape.parameters(tp=tp) * SERVE_DTYPE_BYTES,
-        lora=max_loras * shape.lora_slot_parameters(rank=rank_slot, tp=tp) * SERVE_DTYPE_BYTES,
+        weights=weights * SERVE_DTYPE_BYTES,
+        lora=max_loras * math.ceil(slot * stage_layers / layers) * SERVE_DTYPE_BYTES,
         overhead=overhead,
-        kv_per_token=shape.kv_cache_bytes_per_token(tp=tp),
+        kv_per_token=math.ceil(shape.kv_cache_bytes_per_token(tp=tp) * stage_layers / layers),
     )
 
 
@@ -221,8 +241,10 @@ def plan_worker(
     row_tokens: int | None = None,
     lora_modules: tuple[str, ...] | None = None,
     tinker_runs: int = 2,
+    nodes: int = 1,
 ) -> WorkerPlan:
-    """The plan for ``model`` (of ``shape``) on ``gpu_count`` GPUs of type ``gpu``.
+    """The plan for ``model`` (of ``shape``) on ``gpu_count`` GPUs of type ``gpu`` (on each of
+    ``nodes`` nodes: vLLM's pipeline stages across them, the trainer sharded over them all).
 
     ``lora_rank`` is the largest rank served and trained, ``max_loras`` the adapters vLLM
     holds at once; ``context`` the wanted ``max_model_len`` (default: the model's own, at
@@ -242,6 +264,7 @@ def plan_worker(
         row_tokens=row_tokens,
         lora_modules=lora_modules,
         tinker_runs=tinker_runs,
+        nodes=nodes,
     ).plan()
 
 
@@ -259,8 +282,15 @@ class _Planner:
         row_tokens: int | None,
         lora_modules: tuple[str, ...] | None,
         tinker_runs: int,
+        nodes: int = 1,
     ) -> None:
         self.shape, self.gpu, self.model, self.count = shape, gpu, model, gpu_count
+        self.nodes = nodes
+        self.where = (
+            f"{nodes} nodes of {gpu_count} x {gpu.name}"
+            if nodes > 1
+            else f"{gpu_count} x {gpu.name}"
+        )
         self.tinker_runs = tinker_runs
         self.rank_slot = lora_rank_slot(lora_rank)
         self.lora_rank, self.max_loras = lora_rank, max_loras
@@ -277,7 +307,7 @@ class _Planner:
         shape, gpu = self.shape, self.gpu
         self.row(
             "gpu",
-            f"{gpu.name} x {self.count}",
+            f"{gpu.name} x {self.count}" + (f" x {self.nodes} nodes" if self.nodes > 1 else ""),
             _gib(gpu.memory_bytes),
             f"each, as CUDA reports it (nvidia-smi: {gpu.smi_memory_mib} MiB)",
         )
@@ -307,6 +337,7 @@ class _Planner:
                 util=self.util,
                 rank_slot=self.rank_slot,
                 max_loras=self.max_loras,
+                stages=self.nodes,
             )
             for tp in sizes
         ]
@@ -326,6 +357,8 @@ class _Planner:
     def serving_rows(self, s: _Serving) -> None:
         shape = self.shape
         per = f" / {s.tp} GPUs" if s.tp > 1 else ""
+        if self.nodes > 1:
+            per += f", the largest of {self.nodes} pipeline stages (one a node)"
         batched, seqs = vllm_batch_defaults(self.gpu)
         self.row(
             "serve",
@@ -373,7 +406,7 @@ class _Planner:
         if s.kv_bytes <= 0:
             split = f" (split {s.tp} ways)" if s.tp > 1 else ""
             return None, (
-                f"{self.model} does not fit {self.count} x {self.gpu.name} for serving: "
+                f"{self.model} does not fit {self.where} for serving: "
                 f"weights {_gib(s.weights)}, LoRA slots {_gib(s.lora)} and vLLM's overhead "
                 f"{_gib(s.overhead)} make {_gib(fixed)} per GPU{split}, more than vLLM's "
                 f"{_gib(s.budget)} of each {self.gpu.name}: use a GPU with more memory, more "
@@ -384,7 +417,7 @@ class _Planner:
                 return None, (
                     f"a context of {self.context} tokens needs "
                     f"{_gib(self.context * s.kv_per_token)} of KV cache, and "
-                    f"{self.count} x {self.gpu.name} leaves {_gib(s.kv_bytes)} "
+                    f"{self.where} leaves {_gib(s.kv_bytes)} "
                     f"({s.kv_tokens} tokens) after the weights: ask for a context of at most "
                     f"{s.kv_tokens // CONTEXT_STEP * CONTEXT_STEP}, or a larger GPU"
                 )
@@ -395,7 +428,7 @@ class _Planner:
         )
         if length < min(MIN_CONTEXT, self.wanted_context):
             return None, (
-                f"{self.model} on {self.count} x {self.gpu.name} leaves {_gib(s.kv_bytes)} of "
+                f"{self.model} on {self.where} leaves {_gib(s.kv_bytes)} of "
                 f"KV cache ({s.kv_tokens} tokens): fewer than {CONCURRENT_SEQUENCES} sequences "
                 f"of {MIN_CONTEXT} tokens; use a GPU with more memory or more GPUs"
             )
@@ -436,10 +469,14 @@ class _Planner:
             longest = self.longest_row(wanted_row, lambda tokens: fits(tokens, checkpointing))
             return longest, checkpointing, room
 
-        # One GPU when it holds the wanted row, else shards over every GPU of the node.
+        # One GPU when it holds the wanted row, else shards over every GPU of the node; a
+        # worker of several nodes shards over every GPU of every node.
         trainer_gpus = 1
         longest, checkpointing, room = longest_on(1)
-        if self.count > 1 and (longest or 0) < wanted_row:
+        if self.nodes > 1:
+            trainer_gpus = self.count * self.nodes
+            longest, checkpointing, room = longest_on(trainer_gpus)
+        elif self.count > 1 and (longest or 0) < wanted_row:
             sharded = longest_on(self.count)
             if (sharded[0] or 0) > (longest or 0):
                 trainer_gpus = self.count
@@ -490,7 +527,7 @@ class _Planner:
             )
             return self.refuse(
                 s,
-                f"{self.model} does not fit {self.count} x {gpu.name} for training: base weights "
+                f"{self.model} does not fit {self.where} for training: base weights "
                 f"{_gib(weights)}"
                 + (f" over {trainer_gpus} shards" if trainer_gpus > 1 else "")
                 + f" and LoRA states {_gib(lora)} leave {_gib(max(0.0, room))} a GPU, "
@@ -519,8 +556,9 @@ class _Planner:
         self.row("host", "disk", f"{disk_gb} GB", host.disk_how)
         sequences = s.kv_tokens / max_model_len
         reason = (
-            f"fits {self.count} x {gpu.name}: vLLM on {s.tp} GPU{'s' if s.tp > 1 else ''} "
-            f"with {s.kv_tokens} tokens of KV cache ({sequences:.1f} sequences of "
+            f"fits {self.where}: vLLM on {s.tp} GPU{'s' if s.tp > 1 else ''} "
+            + (f"x {self.nodes} pipeline stages " if self.nodes > 1 else "")
+            + f"with {s.kv_tokens} tokens of KV cache ({sequences:.1f} sequences of "
             f"{max_model_len}); training rows up to {longest} tokens"
             + (" with gradient checkpointing" if checkpointing else "")
             + (f" on {trainer_gpus} sharded trainer processes" if trainer_gpus > 1 else "")
@@ -543,6 +581,7 @@ class _Planner:
             host_memory_gb=host_gb,
             disk_gb=disk_gb,
             rows=self.rows,
+            nodes=self.nodes,
         )
 
     @staticmethod
@@ -582,4 +621,5 @@ class _Planner:
             host_memory_gb=None,
             disk_gb=None,
             rows=self.rows,
+            nodes=self.nodes,
         )

@@ -5,7 +5,7 @@ A base model that one node holds gets ``GPU:N`` of the plan (the engine's tensor
 and the trainer's shards use all N); one the operator gives several nodes
 (``SKYTRAIN_SKYPILOT_NUM_NODES``) gets ``num_nodes``, with vLLM's pipeline parallelism across
 them (Ray, as vLLM documents multi-node serving: sky/worker.yaml starts it) and the
-trainer's torchrun rendezvous from ``SKYPILOT_NODE_IPS`` (``worker.sharded``).
+trainer's torchrun ranks on every node (``worker.sharded``, ``worker.follower``).
 """
 
 from __future__ import annotations
@@ -92,10 +92,11 @@ def configured_accelerators(
 
 
 def multi_node_envs(choices: list[str] | None, *, nodes: int) -> dict[str, str]:
-    """A worker of ``nodes`` nodes of ``GPU:N``: vLLM's tensor parallelism over each node's N
-    GPUs and pipeline stages across the nodes; the trainer's ranks on the head node's N GPUs
-    (ranks on every node are not done: docs/operators.md). The accelerators offered must
-    agree on N (the split is fixed before SkyPilot picks)."""
+    """A worker of ``nodes`` nodes of ``GPU:N`` without a plan (a base model whose config is
+    unknown): vLLM's tensor parallelism over each node's N GPUs and pipeline stages across
+    the nodes; the trainer's ranks on every GPU of every node (the head worker's and the
+    other nodes' followers: ``worker.follower``). The accelerators offered must agree on N
+    (the split is fixed before SkyPilot picks)."""
     try:
         counts = {parse_gpu(choice).count for choice in choices or []}
     except ValueError as exc:
@@ -110,7 +111,7 @@ def multi_node_envs(choices: list[str] | None, *, nodes: int) -> dict[str, str]:
         "SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE": str(per_node),
         "SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE": str(nodes),
         "SKYTRAIN_TRAINER_DEVICE_MAP": "fsdp",
-        "SKYTRAIN_TRAINER_SHARDS": str(per_node),
+        "SKYTRAIN_TRAINER_SHARDS": str(per_node * nodes),
     }
 
 
@@ -129,8 +130,9 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
     (``SKYTRAIN_ENGINE_MAX_MODEL_LEN``...); a base model that fits none raises FitsNoGpu.
     Otherwise every configured accelerator is offered and the worker plans for itself.
 
-    With ``skypilot_num_nodes`` above 1 the task has ``num_nodes`` and the worker the
-    multi-node settings (``multi_node_envs``); the one-node plan does not apply to it.
+    With ``skypilot_num_nodes`` above 1 the task has ``num_nodes``, planned for that many
+    nodes of each accelerator (a base model no shape fits raises FitsNoGpu before any
+    launch), or, without a plan, the multi-node settings (``multi_node_envs``).
     """
     import sky
 
@@ -155,7 +157,7 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[s
             lora_rank=launch.lora_rank or settings.engine_max_lora_rank,
             config=launch.base_model_config,
         )
-        if choices and nodes == 1
+        if choices
         else None
     )
     planned: dict[str, str] = {}

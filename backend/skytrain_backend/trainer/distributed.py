@@ -35,10 +35,12 @@ runs it, and N processes make one process's update with LoRA dropout too.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -48,6 +50,8 @@ T = TypeVar("T")
 # How long a rank waits for the others at a collective before failing (loading the base
 # model on a slow disk is the longest wait).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
+# Files rank 0 sends to other nodes go in pieces of this size (``Shards.share``).
+SHARE_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -186,6 +190,73 @@ class Shards:
         dist.all_gather_object(gathered, value)
         return gathered
 
+    def broadcast(self, value: T | None) -> T:
+        """Rank 0's ``value`` on every rank (a picklable object: small data only)."""
+        if not self.sharded:
+            assert value is not None
+            return value
+        box: list[Any] = [value if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def share(
+        self, sources: Mapping[str, Path | None], into: Path | None
+    ) -> dict[str, Path | None]:
+        """Rank 0's files and directories (``sources``, by name) copied to ``into`` on every
+        rank that passes one (a rank on another node than rank 0: it cannot read the worker's
+        disk), in pieces over the process group; what each rank reads instead of
+        ``sources``. Nothing moves when no rank passes ``into``."""
+        if not self.sharded or not self.any(into is not None):
+            return dict(sources)
+        listings = self.broadcast(
+            {name: _listing(path) for name, path in sources.items()} if self.is_main else None
+        )
+        device = self.device() or torch.device("cpu")
+        found: dict[str, Path | None] = {}
+        for name, listing in listings.items():
+            if listing is None:
+                found[name] = None
+                continue
+            is_dir, files = listing
+            source = sources.get(name) if self.is_main else None
+            target = into / name if into is not None else None
+            if target is not None and is_dir:
+                target.mkdir(parents=True, exist_ok=True)
+            for relative, size in files:
+                self._send_file(
+                    (source / relative if is_dir else source) if source else None,
+                    target / relative if target else None,
+                    size,
+                    device,
+                )
+            if target is not None:
+                found[name] = target if is_dir else target / files[0][0]
+            else:
+                found[name] = sources.get(name)
+        return found
+
+    def _send_file(
+        self, source: Path | None, target: Path | None, size: int, device: torch.device
+    ) -> None:
+        """Rank 0's ``source`` (``size`` bytes) written to ``target`` where a rank has one."""
+        if target is not None:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.ExitStack() as stack:
+            reader = stack.enter_context(source.open("rb")) if source is not None else None
+            writer = stack.enter_context(target.open("wb")) if target is not None else None
+            done = 0
+            while done < size:
+                length = min(SHARE_CHUNK_BYTES, size - done)
+                if reader is not None:
+                    piece = torch.frombuffer(bytearray(reader.read(length)), dtype=torch.uint8)
+                    piece = piece.to(device)
+                else:
+                    piece = torch.empty(length, dtype=torch.uint8, device=device)
+                dist.broadcast(piece, src=0)
+                if writer is not None:
+                    writer.write(piece.cpu().numpy().tobytes())
+                done += length
+
     def barrier(self) -> None:
         if self.sharded:
             dist.barrier()
@@ -196,3 +267,13 @@ class Shards:
 
 
 SINGLE = Shards()
+
+
+def _listing(path: Path | None) -> tuple[bool, list[tuple[str, int]]] | None:
+    """Whether ``path`` is a directory, and its files (relative names and sizes)."""
+    if path is None:
+        return None
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file())
+        return True, [(str(p.relative_to(path)), p.stat().st_size) for p in files]
+    return False, [(path.name, path.stat().st_size)]

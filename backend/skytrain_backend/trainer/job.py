@@ -16,6 +16,10 @@ between two steps: after ``stop_after`` steps, or when the worker says so.
 With ``control_dir`` the worker drives the steps as it drives an in-process trainer: after
 step ``k`` (not the last) rank 0 waits for ``go-k`` (the next step) or ``stop`` (save the
 progress: the worker yields to another job) to appear there, and every rank follows it.
+
+Ranks on other nodes than the head's (a worker of several nodes) run ``... job --follow
+DIRECTORY`` instead (``worker.follower``): rank 0 sends them the specs and every file a job
+reads (``follow_jobs``).
 """
 
 from __future__ import annotations
@@ -166,16 +170,62 @@ def _wait_for_word(control_dir: Path | None, steps_done: int) -> bool:
         time.sleep(CONTROL_POLL_S)
 
 
+def follow_jobs(specs: list[JobSpec] | None, shards: Shards, into: Path | None) -> None:
+    """Run ``specs`` (rank 0's: the others' may be None) as this rank of ``shards``. A rank
+    given ``into`` (a follower on another node, ``worker.follower``) has none of the worker's
+    files: rank 0 sends it the specs, then each job's data and checkpoints as the job starts
+    (a job may resume from what the one before it saved), written under ``into``."""
+    if not shards.any(into is not None):
+        assert specs is not None
+        for spec in specs:
+            run_job(spec, shards)
+        return
+    text = shards.broadcast(
+        _SPECS.dump_json(specs).decode() if shards.is_main and specs is not None else None
+    )
+    for index, spec in enumerate(_SPECS.validate_json(text)):
+        local = into / f"job-{index}" if into is not None else None
+        found = shards.share(
+            {"data": spec.data_path, "adapter": spec.adapter_dir, "resume": spec.resume_from},
+            local,
+        )
+        if local is not None:
+            # What only rank 0 writes or reads goes to this node's own directory.
+            data = found["data"]
+            assert data is not None
+            spec = spec.model_copy(
+                update={
+                    "data_path": data,
+                    "adapter_dir": found["adapter"],
+                    "resume_from": found["resume"],
+                    "output_dir": local / "out",
+                    "metrics_path": local / "events.jsonl",
+                    "control_dir": None,
+                }
+            )
+        run_job(spec, shards)
+
+
+_SPECS: TypeAdapter[list[JobSpec]] = TypeAdapter(list[JobSpec])
+USAGE = "usage: python -m skytrain_backend.trainer.job SPEC.json | --follow DIRECTORY"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m skytrain_backend.trainer.job SPEC.json", file=sys.stderr)
+    if len(args) not in (1, 2) or (len(args) == 2) != (args[0] == "--follow"):
+        print(USAGE, file=sys.stderr)
         return 2
-    specs = _JOBS.validate_json(Path(args[0]).read_text())
+    into = Path(args[1]) if len(args) == 2 else None
+    specs: list[JobSpec] | None = None
+    if into is None:
+        read = _JOBS.validate_json(Path(args[0]).read_text())
+        specs = read if isinstance(read, list) else [read]
     shards = Shards.from_environment()
+    if into is not None and shards.is_main:
+        print("--follow is for the ranks of other nodes than the head's", file=sys.stderr)
+        return 2
     try:
-        for spec in specs if isinstance(specs, list) else [specs]:
-            run_job(spec, shards)
+        follow_jobs(specs, shards, into)
     finally:
         shards.close()
     return 0

@@ -476,7 +476,7 @@ class JobRunner:
             return kept[1]
         if kept is not None:
             await asyncio.to_thread(kept[1].release)
-        if self._options.trainer_shards > 1:
+        if self._options.trainer_shards > 1 or self._options.trainer_python:
             from skytrain_backend.worker.sharded import sharded_trainer
 
             return sharded_trainer(self._options, model_id, model_config, adapter_dir)

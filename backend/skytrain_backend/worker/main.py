@@ -194,7 +194,13 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     from skytrain_backend.engine.launcher import EngineProcess
     from skytrain_backend.engine.options import EngineOptions
     from skytrain_backend.planning import lora_rank_slot
-    from skytrain_backend.worker.sizing import check_machine, size_this_worker, this_machine
+    from skytrain_backend.worker.sizing import (
+        check_machine,
+        cuda_gpus,
+        size_this_worker,
+        this_machine,
+    )
+    from skytrain_backend.worker.trainer_python import trainer_python
 
     # The memory plan fills in what the worker was not told (on CUDA; worker.sizing).
     sizing = await asyncio.to_thread(size_this_worker, settings, base_model=config.base_model)
@@ -307,6 +313,12 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             trainer_memory_limit_bytes=limit_mb * 1024 * 1024 if limit_mb else None,
             trainer_options=sizing.trainer,
             trainer_shards=sizing.trainer_shards,
+            trainer_python=trainer_python(
+                settings.unsloth_python,
+                cuda=cuda_gpus() is not None,
+                trainer_shards=sizing.trainer_shards,
+                device=config.device,
+            ),
             tinker_max_runs=settings.worker_tinker_max_runs,
             hardware=_hardware(),
             version=__version__,

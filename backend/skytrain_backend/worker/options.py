@@ -34,6 +34,9 @@ class AgentOptions:
     # Trainer processes a job runs on (the plan's trainer_shards): more than 1, under
     # torchrun with the base model sharded (worker.sharded).
     trainer_shards: int = 1
+    # The interpreter of the Unsloth trainer's environment (worker.trainer_python): each job's
+    # trainer runs there as a process of its own (worker.sharded, one rank). None: in process.
+    trainer_python: str | None = None
     hardware: dict[str, Any] = field(default_factory=dict)
     version: str = ""
     # How long one lease request waits on the control plane for a job (a long-poll: a job

@@ -15,8 +15,10 @@ Where the processes meet (torchrun's rendezvous):
 - one node: ``--standalone`` (a local rendezvous on a free port);
 - several nodes (a SkyPilot task with ``num_nodes``): SkyPilot gives every node the same
   ``SKYPILOT_NODE_IPS`` (one address a line, the head first) and its own
-  ``SKYPILOT_NODE_RANK``; every node runs the same torchrun command with ``--nnodes``,
-  ``--node-rank`` and the head's address as ``--master-addr`` (``Rendezvous.from_skypilot``).
+  ``SKYPILOT_NODE_RANK``; every node runs torchrun with ``--nnodes``, ``--node-rank`` and
+  the head's address as ``--master-addr`` (``Rendezvous.from_skypilot``): the head worker
+  for each job, the other nodes' followers (``worker.follower``) waiting for it, which
+  rank 0 sends the job's files to (``trainer.job.follow_jobs``).
 """
 
 from __future__ import annotations
@@ -109,10 +111,13 @@ class Rendezvous:
         ]
 
 
-def torchrun_command(spec_path: Path, rendezvous: Rendezvous) -> list[str]:
-    """The command that runs the job in ``spec_path`` as ``rendezvous``'s processes."""
+def torchrun_command(
+    spec_path: Path, rendezvous: Rendezvous, *, python: str | None = None
+) -> list[str]:
+    """The command that runs the job in ``spec_path`` as ``rendezvous``'s processes, under
+    ``python`` (default: this interpreter)."""
     return [
-        sys.executable,
+        python or sys.executable,
         "-m",
         "torch.distributed.run",
         *rendezvous.torchrun_args(),
@@ -120,6 +125,12 @@ def torchrun_command(spec_path: Path, rendezvous: Rendezvous) -> list[str]:
         "skytrain_backend.trainer.job",
         str(spec_path),
     ]
+
+
+def follower_command(directory: Path, rendezvous: Rendezvous) -> list[str]:
+    """The command that runs this node's ranks of the next sharded job the head starts, with
+    the files rank 0 sends written under ``directory`` (``worker.follower``)."""
+    return [*torchrun_command(Path("--follow"), rendezvous), str(directory)]
 
 
 @dataclass
@@ -161,8 +172,11 @@ class ShardedTrainer:
         device: str | None = None,
         options: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
+        python: str | None = None,
     ) -> None:
         self.base_model, self.model_config = base_model, model_config
+        # The interpreter the ranks run under (the Unsloth trainer's environment, or this one).
+        self.python = python
         self.adapter_dir, self.rendezvous = adapter_dir, rendezvous
         self.work_dir, self.device, self.env = work_dir, device, dict(env or {})
         options = dict(options or {})
@@ -240,7 +254,9 @@ class ShardedTrainer:
         """Start the ranks on ``plan`` and yield each step's metrics; asking for the next one
         lets the ranks take the next step."""
         spec = plan.spec
-        command = torchrun_command(spec.data_path.parent / "job.json", self.rendezvous)
+        command = torchrun_command(
+            spec.data_path.parent / "job.json", self.rendezvous, python=self.python
+        )
         with (spec.data_path.parent / "output.log").open("wb") as log:
             self._process = subprocess.Popen(
                 command,
@@ -378,20 +394,48 @@ def _apply(plan: ShardedPlan, event: dict[str, Any]) -> None:
         plan.summary = event.get("summary", plan.summary)
 
 
+def worker_rendezvous(env: Mapping[str, str], *, trainer_shards: int) -> Rendezvous:
+    """The head worker's rendezvous for ``trainer_shards`` ranks over the nodes SkyPilot's
+    environment names (one node without it), the same number on each."""
+    nodes = Rendezvous.from_skypilot(env, gpus_per_node=1).nodes
+    if trainer_shards % nodes:
+        raise ConfigurationError(
+            f"{trainer_shards} trainer processes (SKYTRAIN_TRAINER_SHARDS) do not split over "
+            f"{nodes} nodes: give a multiple of the nodes"
+        )
+    rendezvous = Rendezvous.from_skypilot(env, gpus_per_node=trainer_shards // nodes)
+    if rendezvous.node_rank != 0:
+        raise ConfigurationError(
+            "the worker runs on the head node (SKYPILOT_NODE_RANK 0); other nodes run "
+            "`python -m skytrain_backend.worker.follower`"
+        )
+    return rendezvous
+
+
 def sharded_trainer(
-    options: Any, model_id: str, model_config: ModelConfig, adapter_dir: Path | None
+    options: Any,
+    model_id: str,
+    model_config: ModelConfig,
+    adapter_dir: Path | None,
+    *,
+    env: Mapping[str, str] | None = None,
 ) -> Trainer:
     """The worker's trainer for ``model_id`` when its plan shards it (``AgentOptions``):
-    ``trainer_shards`` processes on this node. It answers the calls the job loop makes of a
+    ``trainer_shards`` processes over this node and the followers of the task's other nodes
+    (``env``: SkyPilot's, default this process's), or one process under the Unsloth
+    trainer's interpreter (``trainer_python``). It answers the calls the job loop makes of a
     ``Trainer``; the loop types it as one."""
     trainer = ShardedTrainer(
         options.base_model,
         model_config=model_config,
         adapter_dir=adapter_dir,
-        rendezvous=Rendezvous(gpus_per_node=options.trainer_shards),
+        rendezvous=worker_rendezvous(
+            os.environ if env is None else env, trainer_shards=options.trainer_shards
+        ),
         work_dir=options.work_dir / "sharded" / model_id,
         # Each rank takes its own GPU (LOCAL_RANK); only a CPU device is passed on.
         device="cpu" if options.device == "cpu" else None,
         options=options.trainer_options,
+        python=getattr(options, "trainer_python", None),
     )
     return cast("Trainer", trainer)

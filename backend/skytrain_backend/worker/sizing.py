@@ -10,7 +10,8 @@ to their own defaults. A mixture of experts stops the worker, GPU or not, before
 loads (``planning.experts``).
 
 Before it loads anything, the worker checks the machine it got against what it needs
-(``check_machine``): its host memory (psutil) against the plan's, or, without a GPU, against
+(``check_machine``): its host memory (psutil's, or a container's cgroup memory limit
+when lower: ``host_memory_bytes``) against the plan's, or, without a GPU, against
 the copies of the weights it will hold (``planning.host.cpu_worker_host_bytes``); and on CUDA
 each GPU vLLM uses must have vLLM's share free (``torch.cuda.mem_get_info``), which vLLM
 itself refuses to start without. A machine short of either stops the worker with
@@ -21,7 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from skytrain_backend.config import Settings
@@ -109,8 +113,10 @@ def size_worker(
     config: dict[str, Any] | None,
     gpu: GpuType | None,
     gpu_count: int = 1,
+    nodes: int = 1,
 ) -> Sizing:
-    """The settings, with the plan for ``gpu_count`` x ``gpu`` filling in the unset ones.
+    """The settings, with the plan for ``gpu_count`` x ``gpu`` (on each of ``nodes`` nodes)
+    filling in the unset ones.
 
     ``gpu`` None (no CUDA) or a ``config`` None (not found): the settings alone.
     ConfigurationError when the plan says the model does not fit, or ``config`` is a
@@ -140,6 +146,7 @@ def size_worker(
         context=settings.engine_max_model_len,
         row_tokens=settings.trainer_max_row_tokens,
         tinker_runs=settings.worker_tinker_max_runs,
+        nodes=nodes,
     )
     if None not in told.values():
         # Told everything: the plan only sizes the machine check (when it has figures).
@@ -153,9 +160,16 @@ def size_worker(
     )
 
 
+def task_nodes(env: Mapping[str, str]) -> int:
+    """The nodes of the SkyPilot task this worker runs in (``SKYPILOT_NODE_IPS``; one
+    without it): a worker of several nodes plans for all of them."""
+    return max(1, len([ip for ip in env.get("SKYPILOT_NODE_IPS", "").splitlines() if ip.strip()]))
+
+
 def size_this_worker(settings: Settings, *, base_model: str) -> Sizing:
-    """``size_worker`` for the GPUs this machine has; without CUDA, the settings and the host
-    memory the weights need (when this machine has the base model's config.json)."""
+    """``size_worker`` for the GPUs this machine has (on each of the task's nodes); without
+    CUDA, the settings and the host memory the weights need (when this machine has the base
+    model's config.json)."""
     found = cuda_gpus()
     if found is None:
         return _without_gpu(settings, base_model=base_model)
@@ -168,6 +182,7 @@ def size_this_worker(settings: Settings, *, base_model: str) -> Sizing:
         config=hub.model_config(base_model),
         gpu=gpu,
         gpu_count=count,
+        nodes=task_nodes(os.environ),
     )
 
 
@@ -203,14 +218,79 @@ class Machine:
     gpus: tuple[tuple[int, int], ...] = ()
 
 
-def this_machine() -> Machine:
-    """This machine's memory (psutil), and on CUDA each GPU's free and total memory."""
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+
+
+def _cgroup_paths(cgroup_file: Path) -> dict[str, str]:
+    """This process's cgroup per hierarchy, from ``/proc/self/cgroup``: ``""`` for cgroup v2's
+    (``0::/path``), ``"memory"`` for v1's memory controller."""
+    try:
+        lines = cgroup_file.read_text().splitlines()
+    except OSError:
+        return {}
+    paths: dict[str, str] = {}
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            for controller in parts[1].split(","):
+                paths[controller] = parts[2].strip().lstrip("/")
+    return paths
+
+
+def _limit(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # "max": none
+
+
+def memory_limit_bytes(root: Path = CGROUP_ROOT, *, cgroup_file: Path = PROC_CGROUP) -> int | None:
+    """The memory limit a container (or any cgroup) puts on this process, None without one:
+    the lowest ``memory.max`` (cgroup v2) or ``memory.limit_in_bytes`` (v1, under
+    ``memory/``) of its cgroup and each above it, under ``root``. Inside a container the
+    cgroup is usually mounted as the root itself; outside, ``cgroup_file`` names it."""
+    paths = _cgroup_paths(cgroup_file)
+    found: list[int] = []
+    for base, name, own in (
+        (root, "memory.max", paths.get("")),
+        (root / "memory", "memory.limit_in_bytes", paths.get("memory")),
+    ):
+        directory = base / own if own else base
+        for folder in (directory, *directory.parents):
+            if folder == base.parent:
+                break
+            limit = _limit(folder / name)
+            if limit is not None:
+                found.append(limit)
+    return min(found) if found else None
+
+
+def host_memory_bytes(
+    total: int, *, cgroup_root: Path = CGROUP_ROOT, cgroup_file: Path = PROC_CGROUP
+) -> int:
+    """The host memory this process may use: the node's ``total``, or a container's memory
+    limit when it is lower (v1's "no limit" is a huge number, so it never is)."""
+    limit = memory_limit_bytes(cgroup_root, cgroup_file=cgroup_file)
+    return min(total, limit) if limit is not None else total
+
+
+def this_machine(*, cgroup_root: Path = CGROUP_ROOT, cgroup_file: Path = PROC_CGROUP) -> Machine:
+    """This machine's memory (psutil's, or the container's limit when lower), and on CUDA
+    each GPU's free and total memory."""
     import psutil
 
     gpus: tuple[tuple[int, int], ...] = ()
     if cuda_gpus() is not None:
         gpus = _gpu_memory()
-    return Machine(host_memory_bytes=psutil.virtual_memory().total, gpus=gpus)
+    total = psutil.virtual_memory().total
+    return Machine(
+        host_memory_bytes=host_memory_bytes(
+            total, cgroup_root=cgroup_root, cgroup_file=cgroup_file
+        ),
+        gpus=gpus,
+    )
 
 
 # ``mem_get_info`` makes a CUDA context on every GPU it asks about; in a process of its own,
