@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                     settings=settings,
                     sessions=app.state.sessionmaker,
                     on_unplaced=app.state.scheduler.wake,
+                    demand=app.state.scheduler.demand,
                 )
                 app.state.scheduler.on_worker_gone = app.state.gateway.forget_worker
                 app.state.worker_package = WorkerPackage(settings)

@@ -299,6 +299,35 @@ class Settings(BaseSettings):
         "max_models, the tenant's max_placed_models) goes to a model that waits; its next "
         "request places it again. At most worker_idle_timeout_s.",
     )
+    replica_window_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="The window over which a model's demand (requests in flight, averaged "
+        "over time) is judged before a replica is added or taken away.",
+    )
+    replica_scale_out_in_flight: float = Field(
+        default=4.0,
+        gt=0,
+        le=10_000,
+        description="Add a replica (up to the model's max_replicas) when the model's requests "
+        "in flight per replica stay above this over replica_window_s.",
+    )
+    replica_scale_in_in_flight: float = Field(
+        default=1.0,
+        ge=0,
+        le=10_000,
+        description="Take a replica away (down to min_replicas) when the requests in flight "
+        "per replica, counted with one replica fewer, stay below this over replica_window_s. "
+        "Below replica_scale_out_in_flight (hysteresis).",
+    )
+    replica_cooldown_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=86_400,
+        description="After a model's replicas changed, the least time before they change "
+        "again for demand.",
+    )
     job_lease_s: float = Field(
         default=60.0, gt=0, description="A training job's lease; the worker renews it."
     )

@@ -202,6 +202,10 @@ class Backend:
     async def _post(self, path: str, *, json: Any, idempotent: bool = False) -> Any:
         return await self._send("POST", path, json=json, idempotent=idempotent)
 
+    async def _patch(self, path: str, *, json: Any) -> Any:
+        # Setting the same fields again changes nothing: safe to retry.
+        return await self._send("PATCH", path, json=json, idempotent=True)
+
     async def _delete(self, path: str, *, json: Any = None) -> Any:
         return await self._send("DELETE", path, json=json)
 

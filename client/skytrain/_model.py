@@ -237,6 +237,21 @@ class TrainableModel(Model):
             )
         return self._backend, self._id
 
+    async def set_replicas(
+        self, *, min_replicas: int | None = None, max_replicas: int | None = None
+    ) -> dict[str, Any]:
+        """Change how many workers may serve the model (``max_replicas`` at most the
+        tenant's ``max_workers``); the server adds replicas while demand per replica stays
+        high and drains them while it stays low. Returns the model as the server shows it
+        (its ``replicas``)."""
+        backend, model_id = self._registered()
+        body = {
+            key: value
+            for key, value in (("min_replicas", min_replicas), ("max_replicas", max_replicas))
+            if value is not None
+        }
+        return dict(await backend._patch(f"/v1/models/{model_id}", json=body))
+
     # --- training ---------------------------------------------------------------------------
 
     async def train(

@@ -29,7 +29,8 @@ class _SentConfig(BaseModel):
 
 
 class ModelConfig(_SentConfig):
-    """Fixed at registration: the LoRA adapter's shape and the longest sequence trained on."""
+    """Fixed at registration: the LoRA adapter's shape and the longest sequence trained on;
+    and how many workers may serve the model (``min_replicas``/``max_replicas``)."""
 
     lora_rank: int | None = Field(default=None, ge=1, le=256)
     lora_alpha: int | None = Field(default=None, ge=1, le=INT32_MAX)
@@ -37,6 +38,10 @@ class ModelConfig(_SentConfig):
     lora_target_modules: list[str] | None = Field(default=None, min_length=1, max_length=64)
     max_seq_length: int | None = Field(default=None, ge=16, le=MAX_SEQUENCE_LENGTH)
     gradient_checkpointing: bool | None = None
+    # Workers serving the model at least / at most (the scheduler follows demand between
+    # them; capped by the tenant's max_workers). Changeable later: ``model.set_replicas``.
+    min_replicas: int | None = Field(default=None, ge=1, le=64)
+    max_replicas: int | None = Field(default=None, ge=1, le=64)
 
 
 class TrainConfig(_SentConfig):

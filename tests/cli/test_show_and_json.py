@@ -143,3 +143,20 @@ def test_keys_create_refuses_a_new_tenant_named_as_another_tenants_entity(
     assert f"tenant name {entity!r} is taken" in output
     assert owner.tenant_name in output
     assert entity not in control_plane_cli("tenants", "list")
+
+
+def test_models_replicas_sets_the_bounds_and_show_prints_the_events(
+    control_plane_cli: Callable[..., str], queued_job: tuple[dict[str, Any], str]
+) -> None:
+    """Issue 35: the operator sets a model's replicas; `models show` says what the scheduler
+    decided about them and why."""
+    model, _ = queued_job
+    said = control_plane_cli("models", "replicas", model["id"], "--min", "1", "--max", "2")
+    assert "min_replicas=1 max_replicas=2" in said
+    shown = json.loads(control_plane_cli("models", "show", model["id"], "--json"))
+    assert shown["config"]["max_replicas"] == 2
+    (event,) = shown["replica_events"]
+    assert event["event"] == "replicas_set" and "max_replicas=2" in event["reason"]
+    assert "replica events" in control_plane_cli("models", "show", model["id"])
+    refused = control_plane_cli("models", "replicas", model["id"], "--max", "3", code=1)
+    assert "max_workers=2" in refused

@@ -94,6 +94,8 @@ def test_every_set_field_is_accepted_by_the_server() -> None:
         lora_target_modules=["q_proj", "v_proj"],
         max_seq_length=1024,
         gradient_checkpointing=True,
+        min_replicas=1,
+        max_replicas=3,
     )._to_request()
     assert protocol.ModelConfig.model_validate(model).model_dump() == model
     sft = skytrain.SFTConfig(

@@ -225,7 +225,7 @@ def test_a_yielded_job_goes_behind_the_job_it_yielded_to_and_resumes_from_its_st
         resumed = queue.lease_job(session, worker=worker, lease_s=LEASE_S)
         assert resumed is not None and resumed.id == long
         handed = queue.job_for_worker(session, resumed)
-        assert (handed["attempt"], handed["steps_done"], handed["base_step"]) == (2, 3, 0)
+        assert (handed.attempt, handed.steps_done, handed.base_step) == (2, 3, 0)
 
         # A yield is not a failure: with max_attempts=3, two losses after it still requeue.
         for attempt in (2, 3):
@@ -233,7 +233,7 @@ def test_a_yielded_job_goes_behind_the_job_it_yielded_to_and_resumes_from_its_st
             assert resumed.status == "queued", attempt
             resumed = queue.lease_job(session, worker=worker, lease_s=LEASE_S)
             assert resumed is not None and resumed.attempts == attempt + 1
-        assert queue.job_for_worker(session, resumed)["steps_done"] == 3
+        assert queue.job_for_worker(session, resumed).steps_done == 3
 
 
 def _tenant(session: Session, job_id: str) -> str:

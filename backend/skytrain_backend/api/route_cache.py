@@ -32,10 +32,10 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import event, inspect
 from sqlalchemy.orm import ORMExecuteState, Session, UOWTransaction
 
-from skytrain_backend.db.models import ApiKey, Checkpoint, Model, Tenant, Worker
+from skytrain_backend.db.models import ApiKey, Checkpoint, Model, ModelReplica, Tenant, Worker
 
 # Rows routes are made of, and their columns whose changes do not alter a route.
-_WATCHED: tuple[type[Any], ...] = (ApiKey, Tenant, Model, Checkpoint, Worker)
+_WATCHED: tuple[type[Any], ...] = (ApiKey, Tenant, Model, ModelReplica, Checkpoint, Worker)
 _ACTIVITY_MARKS = frozenset(
     {"last_active_at", "last_requested_at", "last_heartbeat_at", "last_used_at", "updated_at"}
 )

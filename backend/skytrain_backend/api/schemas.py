@@ -23,6 +23,7 @@ from pydantic import (
 )
 
 from skytrain_backend.protocol import (
+    MAX_REPLICAS,
     JobKind,
     JobStatus,
     ModelConfig,
@@ -108,6 +109,9 @@ class ModelPublic(_Public):
     serving: ServingPublic | None = Field(
         default=None, description="Where the model is served (on GET and create)."
     )
+    replicas: list[ReplicaPublic] | None = Field(
+        default=None, description="The workers serving it (on GET and create)."
+    )
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -144,6 +148,42 @@ class ServingPublic(BaseModel):
     message: str
     worker_id: str | None = None
     step: int | None = None
+
+
+class ReplicaPublic(BaseModel):
+    """A worker serving the model: its ``home`` (which trains it) or a ``replica``."""
+
+    worker_id: str
+    role: Literal["home", "replica"]
+    # A draining replica gets no new request; it goes once those in flight are answered.
+    status: Literal["serving", "draining"]
+
+
+class ModelReplicasUpdate(BaseModel):
+    """How many workers may serve the model (``PATCH /v1/models/{id}``); a field left out
+    keeps its value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    min_replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_REPLICAS)
+    max_replicas: StrictInt | None = Field(default=None, ge=1, le=MAX_REPLICAS)
+
+
+class ModelEventPublic(BaseModel):
+    """A decision of the scheduler about the model's replicas, and why."""
+
+    id: int
+    kind: str
+    reason: str
+    replicas: int
+    worker_id: str | None
+    created_at: datetime
+
+
+class ModelEventsPublic(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelEventPublic]
+    has_more: bool = False
 
 
 class ModelsPublic(BaseModel):

@@ -102,7 +102,8 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
 
     from sqlalchemy import select
 
-    from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob
+    from skytrain_backend.db.models import Checkpoint, ModelReplica, Tenant, TrainingJob
+    from skytrain_backend.scheduler import replicas
 
     with _session() as session:
         row = _find(session, model)
@@ -141,8 +142,26 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
             )
         ]
         config = row.config or {}
+        placed = [
+            [row.worker_id, "home", "serving"] if row.worker_id else None,
+            *(
+                [replica.worker_id, "replica", replica.status]
+                for replica in session.scalars(
+                    select(ModelReplica)
+                    .where(ModelReplica.model_id == row.id)
+                    .order_by(ModelReplica.created_at)
+                )
+            ),
+        ]
+        replica_rows = [item for item in placed if item is not None]
+        events = [
+            [_ago(event.created_at), event.kind, str(event.replicas), event.reason]
+            for event in replicas.events(session, model_id=row.id, limit=20)
+        ]
     checkpoint_columns = ["step", "size", "created"]
     job_columns = ["id", "status", "step", "created", "error"]
+    replica_columns = ["worker", "role", "status"]
+    event_columns = ["when", "event", "replicas", "reason"]
     if json_:
         _print_json(
             {
@@ -150,6 +169,8 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
                 "config": config,
                 "checkpoints": _rows(checkpoint_columns, checkpoints),
                 "training_jobs": _rows(job_columns, jobs),
+                "replicas": _rows(replica_columns, replica_rows),
+                "replica_events": _rows(event_columns, events),
             }
         )
         return
@@ -158,6 +179,48 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
     typer.echo(f"{'config':<12} {json.dumps(config, sort_keys=True)}")
     _output("checkpoints", checkpoint_columns, checkpoints, as_json=False)
     _output("training jobs", job_columns, jobs, as_json=False)
+    _output("replicas", replica_columns, replica_rows, as_json=False)
+    _output("replica events (newest first)", event_columns, events, as_json=False)
+
+
+@models_app.command("replicas")
+def models_replicas(
+    model: str = MODEL_ARGUMENT,
+    min_replicas: int | None = typer.Option(
+        None, "--min", min=1, max=64, help="Workers serving it at least."
+    ),
+    max_replicas: int | None = typer.Option(
+        None,
+        "--max",
+        min=1,
+        max=64,
+        help="Workers serving it at most (<= its tenant's max_workers).",
+    ),
+) -> None:
+    """Set how many workers may serve a model (as its tenant can with PATCH /v1/models/{id});
+    the scheduler follows demand between the two."""
+    from skytrain_backend.config import get_settings
+    from skytrain_backend.db import tenants
+    from skytrain_backend.db.models import Tenant
+    from skytrain_backend.errors import InvalidRequest
+    from skytrain_backend.scheduler import replicas
+
+    if min_replicas is None and max_replicas is None:
+        raise _fail("give --min, --max or both")
+    with _session() as session:
+        row = _find(session, model)
+        limits = tenants.limits_of(session.get_one(Tenant, row.tenant_id), get_settings())
+        try:
+            config = replicas.set_bounds(
+                session,
+                model=row,
+                min_replicas=min_replicas,
+                max_replicas=max_replicas,
+                limits=limits,
+            )
+        except InvalidRequest as exc:
+            raise _fail(str(exc)) from None
+    typer.echo(f"min_replicas={config.min_replicas} max_replicas={config.max_replicas}")
 
 
 @models_app.command("delete")

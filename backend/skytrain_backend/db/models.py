@@ -152,6 +152,40 @@ class Model(Base):
     last_active_at: Mapped[datetime | None]
 
 
+class ModelReplica(Base):
+    """A worker serving a model besides the one in ``Model.worker_id`` (its *home*, which
+    trains it): the scheduler adds and removes these as the model's demand goes up and down
+    (``scheduler/replicas.py``). A ``draining`` replica gets no new request; its row goes once
+    the gateway has none in flight there."""
+
+    __tablename__ = "model_replicas"
+    __table_args__ = (UniqueConstraint("model_id", "worker_id"),)
+
+    id: Mapped[str] = _id_column()
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), index=True)
+    worker_id: Mapped[str] = mapped_column(ForeignKey("workers.id", ondelete="CASCADE"), index=True)
+    # "serving" or "draining".
+    status: Mapped[str] = mapped_column(String(16), default="serving")
+    created_at: Mapped[datetime] = _created_at()
+
+
+class ModelEvent(Base):
+    """What the scheduler decided about a model's replicas, and why (``skytrain models
+    show``); the id orders them."""
+
+    __tablename__ = "model_events"
+    __table_args__ = (Index(None, "model_id", "id"), {"sqlite_autoincrement": True})
+
+    id: Mapped[int] = mapped_column(EventIdType, primary_key=True, autoincrement=True)
+    model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
+    # scale_out, scale_in, replica_placed, replica_removed, launch, replicas_set, held
+    kind: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str] = mapped_column(Text)
+    replicas: Mapped[int] = mapped_column(Integer)
+    worker_id: Mapped[str | None] = mapped_column(String(ID_LENGTH))
+    created_at: Mapped[datetime] = _created_at()
+
+
 class Entity(Base):
     """An entity name (the first part of ``<entity>/<project>/<name>``) and the tenant that
     used it first: only that tenant's models are created under it (``db.registry``). The

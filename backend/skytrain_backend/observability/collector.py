@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import Model, ModelReplica, TrainingJob, Worker, utcnow
 from skytrain_backend.db.workers import LIVE_STATUSES
 
 logger = logging.getLogger(__name__)
@@ -119,6 +119,15 @@ def _families(session: Session) -> list[GaugeMetricFamily]:
         "Models placed on a worker now (their adapters served there).",
         value=session.scalar(select(func.count(Model.id)).where(Model.worker_id.is_not(None))) or 0,
     )
+    replicas = GaugeMetricFamily(
+        "skytrain_model_replicas",
+        "Replicas of models on workers besides their homes, by status (serving, draining).",
+        labels=["status"],
+    )
+    for status, count in session.execute(
+        select(ModelReplica.status, func.count()).group_by(ModelReplica.status)
+    ):
+        replicas.add_metric([status], count)
     stats = {
         key: GaugeMetricFamily(name, text, labels=["worker_id"])
         for key, (name, text) in WORKER_STATS.items()
@@ -132,4 +141,4 @@ def _families(session: Session) -> list[GaugeMetricFamily]:
             value = reported.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool):
                 family.add_metric([worker_id], float(value))
-    return [jobs, depth, wait, workers, placed, *stats.values()]
+    return [jobs, depth, wait, workers, placed, replicas, *stats.values()]

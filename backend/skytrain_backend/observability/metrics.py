@@ -72,6 +72,16 @@ GATEWAY_UPSTREAM = Histogram(
     ["endpoint"],
     buckets=LATENCY_BUCKETS,
 )
+REPLICA_DECISIONS = Counter(
+    "skytrain_replica_decisions_total",
+    "The scheduler's decisions about model replicas, by kind (scale_out, scale_in, launch, "
+    "held, replica_removed, replicas_set, home_moved).",
+    ["kind"],
+)
+GATEWAY_REPLICA_RETRIES = Counter(
+    "skytrain_gateway_replica_retries_total",
+    "Requests sent to another replica of their model because the first could not be reached.",
+)
 GATEWAY_TOKENS = Counter(
     "skytrain_gateway_tokens_total",
     "Tokens through the gateway, as the engines count them: prompt (in) and completion (out).",
@@ -183,6 +193,14 @@ def upstream_timer(endpoint: str) -> Iterator[None]:
         yield
     finally:
         GATEWAY_UPSTREAM.labels(endpoint=endpoint).observe(time.perf_counter() - start)
+
+
+def replica_decided(kind: str) -> None:
+    REPLICA_DECISIONS.labels(kind=kind).inc()
+
+
+def replica_retried() -> None:
+    GATEWAY_REPLICA_RETRIES.inc()
 
 
 def count_refusal(*, path: str, status: int, reason: str) -> None:

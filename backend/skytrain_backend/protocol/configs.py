@@ -43,6 +43,8 @@ DEFAULT_LORA_TARGET_MODULES = (
 # Tokens in one sequence or packed row: far beyond any model's context.
 MAX_SEQUENCE_LENGTH = 1024 * 1024
 MAX_SFT_EPOCHS = 100
+# Workers one model may be served by at most.
+MAX_REPLICAS = 64
 MAX_SFT_LEARNING_RATES = 10_000
 ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=NO_NUL_PATTERN)]
 
@@ -61,6 +63,20 @@ class ModelConfig(BaseModel):
     max_seq_length: int = Field(default=4096, ge=16, le=MAX_SEQUENCE_LENGTH)
     # None: the worker decides (its memory plan; on with CUDA).
     gradient_checkpointing: bool | None = None
+    # Workers serving the model at least / at most (``scheduler/replicas.py``): the scheduler
+    # adds one while demand per replica stays high, and takes one away while it stays low.
+    # Changeable after registration (PATCH /v1/models/{id}); capped by the tenant's max_workers.
+    min_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
+    max_replicas: int = Field(default=1, ge=1, le=MAX_REPLICAS)
+
+    @model_validator(mode="after")
+    def _replicas_in_order(self) -> ModelConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is more than max_replicas "
+                f"({self.max_replicas})"
+            )
+        return self
 
 
 LossFn = Literal["ppo", "cispo"]

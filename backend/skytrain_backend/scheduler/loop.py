@@ -38,7 +38,8 @@ from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.errors import FitsNoGpu, ModelConfigUnavailable
 from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
-from skytrain_backend.scheduler import garbage, placement, queue, ranks, scale_in
+from skytrain_backend.scheduler import garbage, placement, queue, ranks, replicas, scale_in
+from skytrain_backend.scheduler.demand import DemandMeter
 from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
 from skytrain_backend.scheduler.model_configs import ModelConfigs
 from skytrain_backend.scheduler.placement import LaunchBackoff
@@ -86,6 +87,15 @@ class Scheduler:
             max_failures=settings.worker_launch_max_failures,
         )
         self._role_logged = False
+        # Requests in flight per model, counted by this process's gateway: the replica
+        # policy's demand (replicas.py).
+        self.demand = DemandMeter()
+        self._replica_policy = replicas.ScalePolicy(
+            window_s=settings.replica_window_s,
+            scale_out_in_flight=settings.replica_scale_out_in_flight,
+            scale_in_in_flight=settings.replica_scale_in_in_flight,
+            cooldown_s=settings.replica_cooldown_s,
+        )
         # Held by a pass: shutting down waits for one still running in its thread.
         self._pass_lock = threading.Lock()
         # Told the id of each worker that ended (the gateway closes its connection to it);
@@ -219,6 +229,15 @@ class Scheduler:
                 max_workers=s.max_workers,
                 launch=(lambda base: self._launch(session, base)) if self.provider else None,
                 limits=tenants.limits_by_id(session, s),
+            )
+            # Replicas follow each placed model's demand (after placement: homes first).
+            replicas.scale(
+                session,
+                demand=self.demand,
+                policy=self._replica_policy,
+                limits=tenants.limits_by_id(session, s),
+                max_workers=s.max_workers,
+                launch=(lambda base: self._launch(session, base)) if self.provider else None,
             )
             # At max_workers, a model that needs a worker does not wait for idle ones to time
             # out: they stop now, and a later pass launches its worker in their place.

@@ -55,12 +55,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
+from sqlalchemy import ColumnElement, and_, delete, exists, func, or_, select, union_all, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tinker_rows
 from skytrain_backend.db import workers as worker_rows
-from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import (
+    Model,
+    ModelEvent,
+    ModelReplica,
+    TrainingJob,
+    Worker,
+    utcnow,
+)
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.scheduler import fair_share, queue, ranks
 
@@ -81,7 +88,7 @@ JOINED_PROVIDER = "manual"
 NOT_LAUNCHED = "not launched: "
 
 
-def _placeable() -> ColumnElement[bool]:
+def placeable() -> ColumnElement[bool]:
     """Workers models may be placed on: live ones, except a joined worker the control plane
     cannot reach. Whoever holds a join token can make one advertise any address; until it is
     reached it gets no tenant's model (its models go elsewhere, or wait)."""
@@ -144,6 +151,7 @@ def release_idle_models(session: Session, *, idle_timeout_s: float) -> int:
             session.rollback()
             continue
         session.execute(update(Model).where(Model.id == model_id).values(worker_id=None))
+        session.execute(delete(ModelReplica).where(ModelReplica.model_id == model_id))
         session.commit()
         released += 1
         logger.info(
@@ -178,7 +186,7 @@ def _hold_idle_clocks_of_starting_workers(session: Session, *, idle_timeout_s: f
 def active_models_without_worker(session: Session, *, idle_timeout_s: float) -> list[Model]:
     """Active models that no live worker holds."""
     since = utcnow() - timedelta(seconds=idle_timeout_s)
-    live = select(Worker.id).where(_placeable())
+    live = select(Worker.id).where(placeable())
     return list(
         session.scalars(
             select(Model)
@@ -192,12 +200,22 @@ def active_models_without_worker(session: Session, *, idle_timeout_s: float) -> 
 
 
 def tenant_placements(session: Session, *, tenant_id: str) -> dict[str, int]:
-    """The live workers holding the tenant's models, with how many of them each holds."""
+    """The live workers holding the tenant's models, with how many of them each holds (a
+    model's replicas count as placed models too: ``replicas.py``)."""
+    homes = select(Model.worker_id.label("worker_id")).where(
+        Model.tenant_id == tenant_id, Model.worker_id.is_not(None)
+    )
+    copies = (
+        select(ModelReplica.worker_id.label("worker_id"))
+        .join(Model, Model.id == ModelReplica.model_id)
+        .where(Model.tenant_id == tenant_id)
+    )
+    held = union_all(homes, copies).subquery()
     rows = session.execute(
-        select(Model.worker_id, func.count(Model.id))
-        .join(Worker, Worker.id == Model.worker_id)
-        .where(Model.tenant_id == tenant_id, _placeable())
-        .group_by(Model.worker_id)
+        select(held.c.worker_id, func.count())
+        .join(Worker, Worker.id == held.c.worker_id)
+        .where(placeable())
+        .group_by(held.c.worker_id)
     )
     return {str(worker_id): int(count) for worker_id, count in rows}
 
@@ -252,6 +270,8 @@ def place_models(
         if sum(held.values()) >= quota.max_placed_models:
             if _unplace(session, model):
                 _hold_idle_clock(session, model, idle_timeout_s=idle_timeout_s)
+            continue
+        if _promote_replica(session, model):
             continue
         at_worker_quota = len(held) >= quota.max_workers
         worker = worker_with_room(
@@ -313,6 +333,42 @@ def place_models(
     return held_back
 
 
+def _promote_replica(session: Session, model: Model) -> bool:
+    """A model whose home went away but that a replica still serves: that replica's worker
+    becomes its home (it trains the model from now on); whether one did."""
+    replica = session.scalar(
+        select(ModelReplica)
+        .join(Worker, Worker.id == ModelReplica.worker_id)
+        .where(ModelReplica.model_id == model.id, ModelReplica.status == "serving", placeable())
+        .order_by(ModelReplica.created_at)
+        .limit(1)
+    )
+    if replica is None:
+        return False
+    if not _placement_unchanged(session, model):
+        session.rollback()
+        return True
+    model.worker_id = replica.worker_id
+    model.last_active_at = utcnow()
+    session.delete(replica)
+    left = session.scalar(
+        select(func.count(ModelReplica.id)).where(ModelReplica.model_id == model.id)
+    )
+    session.add(
+        ModelEvent(
+            model_id=model.id,
+            kind="home_moved",
+            reason=f"its home worker went away: its replica on worker {replica.worker_id} "
+            "serves on and trains it from now on",
+            replicas=int(left or 0),  # the deleted row is still counted until the flush
+            worker_id=replica.worker_id,
+        )
+    )
+    session.commit()
+    logger.info("model %s: its replica on worker %s is now its home", model.id, model.worker_id)
+    return True
+
+
 def _hold_idle_clock(session: Session, model: Model, *, idle_timeout_s: float) -> None:
     """An active model waiting for a place (a worker launching, which takes minutes on a
     cloud; the tenant's quota) stays active: it would otherwise go idle before its worker
@@ -339,7 +395,7 @@ def _claim_worker(session: Session, worker: Worker) -> bool:
     committed."""
     claimed = session.scalar(
         update(Worker)
-        .where(Worker.id == worker.id, _placeable())
+        .where(Worker.id == worker.id, placeable())
         .values(last_active_at=utcnow())
         .returning(Worker.id)
     )
@@ -375,10 +431,15 @@ def fitting_workers(
 ) -> list[tuple[Worker, int]]:
     """The live workers of ``base_model`` (of ``among``, when given) that load adapters of
     ``lora_rank``, room or not, with how many models each holds, the fewest first."""
-    placed = select(func.count(Model.id)).where(Model.worker_id == Worker.id).scalar_subquery()
+    placed = (
+        select(func.count(Model.id)).where(Model.worker_id == Worker.id).scalar_subquery()
+        + select(func.count(ModelReplica.id))
+        .where(ModelReplica.worker_id == Worker.id)
+        .scalar_subquery()
+    )
     statement = (
         select(Worker, placed)
-        .where(Worker.base_model == base_model, _placeable())
+        .where(Worker.base_model == base_model, placeable())
         .order_by(placed, Worker.created_at)
     )
     if among is not None:
@@ -517,6 +578,7 @@ def worker_gone(
         )
     for model in session.scalars(select(Model).where(Model.worker_id == worker.id)):
         model.worker_id = None
+    session.execute(delete(ModelReplica).where(ModelReplica.worker_id == worker.id))
     session.commit()
     running = list(
         session.scalars(

@@ -28,8 +28,13 @@ from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import NotFound, RateLimited, Unavailable
 from skytrain_backend.protocol import ModelRef
 from skytrain_backend.ranges import parse_step
-from skytrain_backend.scheduler import placement
-from skytrain_backend.scheduler.serving import engine_model_name, serving_status
+from skytrain_backend.scheduler import placement, replicas
+from skytrain_backend.scheduler.serving import (
+    ROUTABLE_WORKER_STATUSES,
+    engine_model_name,
+    is_served,
+    serving_status,
+)
 
 ACTIVITY_RESOLUTION_S = 30.0
 
@@ -51,6 +56,14 @@ class EngineRoute:
     # The certificate the worker registered, which its front door must present.
     engine_certificate: str | None
     engine_model: str
+    # Every engine serving the model's checkpoint (this one first): the gateway balances
+    # requests among them (``api/gateway/balance.py``). Empty in a route built by hand.
+    replicas: tuple[EngineRoute, ...] = ()
+
+    @property
+    def choices(self) -> tuple[EngineRoute, ...]:
+        """The routes a request may take: every replica, or this one alone."""
+        return self.replicas or (self,)
 
 
 def resolve_route(
@@ -79,6 +92,13 @@ def resolve_route(
         found, pinned = _find_model(session, tenant_id=tenant_id, model=model)
         step = _target_step(session, model=found, pinned=pinned, interval_s=interval_s)
         placement.mark_model_active(session, model=found, min_interval_s=interval_s)
+        routes = _serving_routes(session, model=found, step=step, pinned=pinned is not None)
+        if routes:
+            if any(_stale(serving.last_active_at, interval_s=interval_s) for serving in routes):
+                for serving in routes:
+                    serving.last_active_at = utcnow()
+                session.commit()
+            return _routes(found.id, routes, step=step, pinned=pinned is not None)
         status = serving_status(
             session, model=found, step=step, limits=limits, max_workers=max_workers
         )
@@ -114,6 +134,75 @@ def resolve_route(
         )
     finally:
         session.rollback()
+
+
+def _serving_routes(session: Session, *, model: Model, step: int, pinned: bool) -> list[Worker]:
+    """The workers whose engines answer for the model now, its home first: awake, reachable,
+    and serving ``step`` (pinned), or for its latest (not pinned), any step of it they serve
+    (a replica still loading the newest step answers with its previous one meanwhile, and
+    says so in ``X-Skytrain-Step``)."""
+    ids = [model.worker_id] if model.worker_id else []
+    ids += replicas.replica_workers(session, model_id=model.id, status="serving")
+    if not ids:
+        return []
+    workers = {
+        worker.id: worker
+        for worker in session.scalars(
+            select(Worker).where(Worker.id.in_(ids), Worker.status.in_(ROUTABLE_WORKER_STATUSES))
+        )
+    }
+    awake = [
+        worker
+        for worker_id in ids
+        if (worker := workers.get(worker_id)) is not None and worker.engine_endpoint
+    ]
+    exact = [worker for worker in awake if is_served(worker, model_id=model.id, step=step)]
+    if exact or pinned or len(ids) == 1:
+        # A model on one worker waits for its newest step to load, as it always has.
+        return exact
+    return [worker for worker in awake if _served_step(worker, model_id=model.id) is not None]
+
+
+def _served_step(worker: Worker, *, model_id: str) -> int | None:
+    """The newest step of the model the worker's engine serves (None: none)."""
+    steps = [
+        int(item["step"])
+        for item in worker.served or []
+        if item.get("model_id") == model_id and isinstance(item.get("step"), int)
+    ]
+    return max(steps) if steps else None
+
+
+def _routes(model_id: str, workers: list[Worker], *, step: int, pinned: bool) -> EngineRoute:
+    """The route to each worker (the step each serves), the first holding the rest."""
+    built = []
+    for worker in workers:
+        served = step
+        if not pinned and not is_served(worker, model_id=model_id, step=step):
+            served = _served_step(worker, model_id=model_id) or 0
+        assert worker.engine_endpoint is not None
+        built.append(
+            EngineRoute(
+                model_id=model_id,
+                step=served,
+                worker_id=worker.id,
+                engine_endpoint=worker.engine_endpoint.rstrip("/"),
+                engine_secret=worker.engine_secret,
+                engine_certificate=worker.engine_certificate,
+                engine_model=engine_model_name(worker, model_id=model_id, step=served),
+            )
+        )
+    first = built[0]
+    return EngineRoute(
+        model_id=first.model_id,
+        step=first.step,
+        worker_id=first.worker_id,
+        engine_endpoint=first.engine_endpoint,
+        engine_secret=first.engine_secret,
+        engine_certificate=first.engine_certificate,
+        engine_model=first.engine_model,
+        replicas=tuple(built),
+    )
 
 
 def _find_model(session: Session, *, tenant_id: str, model: str) -> tuple[Model, int | None]:

@@ -15,7 +15,7 @@ from datetime import datetime, timedelta
 from sqlalchemy import ColumnElement, and_, exists, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import Model, ModelReplica, TrainingJob, Worker, utcnow
 from skytrain_backend.scheduler import placement
 
 logger = logging.getLogger(__name__)
@@ -82,11 +82,16 @@ def make_room(
 
 
 def _active_model_on_worker(since: datetime) -> ColumnElement[bool]:
-    """The worker holds a model used after ``since`` or with a job queued or running."""
-    return exists().where(
-        Model.worker_id == Worker.id,
-        or_(Model.last_active_at > since, placement.has_open_job()),
+    """The worker holds a model (as its home or a replica) used after ``since`` or with a job
+    queued or running."""
+    active = or_(Model.last_active_at > since, placement.has_open_job())
+    replica = (
+        select(ModelReplica.id)
+        .join(Model, Model.id == ModelReplica.model_id)
+        .where(ModelReplica.worker_id == Worker.id, active)
+        .exists()
     )
+    return or_(exists().where(Model.worker_id == Worker.id, active), replica)
 
 
 def _has_work(since: datetime) -> ColumnElement[bool]:

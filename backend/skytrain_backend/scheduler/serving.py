@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import registry
-from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import Model, ModelReplica, TrainingJob, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.protocol import ModelConfig, lora_name
 from skytrain_backend.scheduler import fair_share, placement, ranks, scale_in
@@ -114,6 +114,18 @@ def serving_status(
         )
     if worker.status == "unreachable":
         return _unreachable(worker, model=model)
+    if worker.status != "ready" or not is_served(worker, model_id=model.id, step=target):
+        elsewhere = _ready_replicas(session, model=model, step=target)
+        if elsewhere:
+            # The home trains (its engine sleeps) or loads: its replicas serve meanwhile.
+            return ServingStatus(
+                state="ready",
+                ready=True,
+                worker_id=elsewhere[0],
+                step=target,
+                message=f"serving step {target} on worker {', '.join(elsewhere)} while worker "
+                f"{worker.id} is {'training' if worker.status == 'sleeping' else 'loading'}",
+            )
     if worker.status == "sleeping":
         return ServingStatus(
             state="training",
@@ -145,6 +157,22 @@ def serving_status(
     return ServingStatus(
         state="ready", ready=True, worker_id=worker.id, step=target, message=message
     )
+
+
+def _ready_replicas(session: Session, *, model: Model, step: int) -> list[str]:
+    """The workers besides its home that serve the model's ``step`` now."""
+    held = select(ModelReplica.worker_id).where(
+        ModelReplica.model_id == model.id, ModelReplica.status == "serving"
+    )
+    return [
+        worker.id
+        for worker in session.scalars(
+            select(Worker)
+            .where(Worker.id.in_(held), Worker.status.in_(ROUTABLE_WORKER_STATUSES))
+            .order_by(Worker.created_at)
+        )
+        if worker.engine_endpoint and is_served(worker, model_id=model.id, step=step)
+    ]
 
 
 def _idle(session: Session, *, model: Model, timeout_s: float) -> bool:

@@ -26,13 +26,16 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.api.admission.tenant_load import TenantLoads
 from skytrain_backend.api.gateway import admission, answers
 from skytrain_backend.api.gateway.admission import COMPLETIONS, Endpoint
+from skytrain_backend.api.gateway.balance import Balancer, conversation_of
 from skytrain_backend.api.gateway.resolver import Resolver, Routed
 from skytrain_backend.api.gateway.upstream import Engines, Upstream
 from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import Settings
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.errors import EngineError, InvalidRequest
+from skytrain_backend.errors import EngineError, InvalidRequest, Unavailable
 from skytrain_backend.observability import gateway as observe
+from skytrain_backend.scheduler.demand import DemandMeter
+from skytrain_backend.scheduler.routing import EngineRoute
 
 
 class Gateway:
@@ -45,9 +48,12 @@ class Gateway:
         settings: Settings,
         sessions: sessionmaker[Session],
         on_unplaced: Callable[[], None],
+        demand: DemandMeter | None = None,
     ) -> None:
         self.settings = settings
         self.engines = Engines()
+        # Which replica each request goes to; its counts are the scheduler's demand.
+        self.balancer = Balancer(demand if demand is not None else DemandMeter())
         self.resolver = Resolver(settings=settings, sessions=sessions, on_unplaced=on_unplaced)
         self.loads = TenantLoads(
             sessions=sessions,
@@ -74,37 +80,91 @@ class Gateway:
         routed = await self.resolver.route(credentials=credentials, raw=raw, endpoint=endpoint)
         observe.note_routed(routed.tenant_id, routed.route, endpoint.path)
         release = await self.loads.admit(routed.tenant_id, limits=routed.limits, cost=routed.cost)
+        counted: list[Callable[[], None]] = [release]
+
+        def count_out() -> None:
+            for done in counted:
+                done()
+
         try:
-            response = await self._proxy(request, routed=routed, endpoint=endpoint)
+            response = await self._proxy(request, routed=routed, endpoint=endpoint, counted=counted)
         except BaseException:
-            release()
+            count_out()
             raise
         if isinstance(response, answers.EventStream):
-            response.on_close = release  # a stream counts itself out when it ends
+            response.on_close = count_out  # a stream counts itself out when it ends
         else:
-            release()
+            count_out()
         return response
 
-    async def _proxy(self, request: Request, *, routed: Routed, endpoint: Endpoint) -> Response:
-        body, route = routed.body, routed.route
-        upstream_body = {**body, "model": route.engine_model}
+    async def _send(
+        self,
+        route: EngineRoute,
+        *,
+        path: str,
+        body: dict[str, Any],
+        tenant_id: str,
+        conversation: str | None,
+        counted: list[Callable[[], None]],
+    ) -> tuple[Upstream, EngineRoute]:
+        """The answer of one of the route's replicas (``balance.py``), and which it was; a
+        replica that cannot be reached is left out and the next one tried. The replica's
+        request is counted out by the caller (``counted``)."""
+        tried: set[str] = set()
+        while True:
+            chosen = self.balancer.pick(route, conversation=conversation, exclude=tried)
+            assert chosen is not None  # the route's own engine at least, before any is tried
+            done = self.balancer.begin(chosen)
+            sent = {**body, "model": chosen.engine_model}
+            try:
+                upstream = await self.engines.send(
+                    route=chosen, path=path, body=sent, tenant_id=tenant_id
+                )
+            except Unavailable:
+                # Not reached (its connection failed): another replica, if one is left.
+                done()
+                tried.add(chosen.worker_id)
+                self.balancer.unreachable(chosen.worker_id)
+                if len(tried) >= len(route.choices):
+                    raise
+                observe.metrics.replica_retried()
+                continue
+            except BaseException:
+                done()
+                raise
+            counted.append(done)
+            return upstream, chosen
+
+    async def _proxy(
+        self,
+        request: Request,
+        *,
+        routed: Routed,
+        endpoint: Endpoint,
+        counted: list[Callable[[], None]],
+    ) -> Response:
+        body = routed.body
+        upstream_body = dict(body)
         endpoint.ask_for_logprobs(upstream_body)
         admission.with_default_max_tokens(
             upstream_body, default_max_tokens=self.settings.gateway_default_max_tokens
         )
-        headers = {
-            "X-Skytrain-Model-Id": route.model_id,
-            "X-Skytrain-Step": str(route.step),
-            "X-Skytrain-Worker": route.worker_id,
-        }
         stream = bool(body.get("stream"))
+        conversation = conversation_of(body, dict(request.headers))
+        chosen: list[EngineRoute] = []
 
         async def exchange() -> tuple[Upstream, Any]:
             # The engine's answer, read whole (parsed) unless it streams or refused: one
             # watch for the caller leaving covers the request and the answer.
-            upstream = await self.engines.send(
-                route=route, path=endpoint.path, body=upstream_body, tenant_id=routed.tenant_id
+            upstream, route = await self._send(
+                routed.route,
+                path=endpoint.path,
+                body=upstream_body,
+                tenant_id=routed.tenant_id,
+                conversation=conversation,
+                counted=counted,
             )
+            chosen.append(route)
             if stream or upstream.status_code != 200:
                 return upstream, None
             return upstream, await answers.read_json(upstream, route=route)
@@ -113,6 +173,12 @@ class Gateway:
         if exchanged is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         upstream, content = exchanged
+        route = chosen[0]
+        headers = {
+            "X-Skytrain-Model-Id": route.model_id,
+            "X-Skytrain-Step": str(route.step),
+            "X-Skytrain-Worker": route.worker_id,
+        }
         if upstream.status_code != 200:
             return await answers.refusal(upstream, route=route)
         if stream:
@@ -141,21 +207,31 @@ class Gateway:
         being loaded is waited for, as for ``forward``), admitted already
         (``admit_completion``). The Tinker protocol's sampling calls it; an engine's refusal
         raises ``InvalidRequest``."""
-        route = await self.resolver.route_of_tenant(tenant_id=tenant_id, model=model)
-        upstream_body = {**body, "model": route.engine_model}
+        resolved = await self.resolver.route_of_tenant(tenant_id=tenant_id, model=model)
+        upstream_body = dict(body)
         COMPLETIONS.ask_for_logprobs(upstream_body)
         admission.with_default_max_tokens(
             upstream_body, default_max_tokens=self.settings.gateway_default_max_tokens
         )
-        upstream = await self.engines.send(
-            route=route, path=COMPLETIONS.path, body=upstream_body, tenant_id=tenant_id
-        )
-        if upstream.status_code != 200:
-            await answers.refusal(upstream, route=route)  # raises unless the request was refused
-            raise InvalidRequest(
-                f"the engine refused the request: {answers.engine_message(upstream)}"
+        counted: list[Callable[[], None]] = []
+        try:
+            upstream, route = await self._send(
+                resolved,
+                path=COMPLETIONS.path,
+                body=upstream_body,
+                tenant_id=tenant_id,
+                conversation=None,
+                counted=counted,
             )
-        content = await answers.read_json(upstream, route=route)
+            if upstream.status_code != 200:
+                await answers.refusal(upstream, route=route)  # raises unless it was refused
+                raise InvalidRequest(
+                    f"the engine refused the request: {answers.engine_message(upstream)}"
+                )
+            content = await answers.read_json(upstream, route=route)
+        finally:
+            for done in counted:
+                done()
         if not isinstance(content, dict):
             raise EngineError(f"the engine of worker {route.worker_id} answered no JSON object")
         return content

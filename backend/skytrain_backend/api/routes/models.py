@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
+from sqlalchemy import select
 
 from skytrain_backend.api.admission.model_rules import check_new_model
 from skytrain_backend.api.deps import (
+    Limit,
     ModelId,
     NameQuery,
     PageDep,
@@ -16,19 +18,49 @@ from skytrain_backend.api.deps import (
     StoreDep,
     TenantDep,
 )
-from skytrain_backend.api.schemas import ModelCreate, ModelPublic, ModelsPublic, ServingPublic
+from skytrain_backend.api.schemas import (
+    ModelCreate,
+    ModelEventPublic,
+    ModelEventsPublic,
+    ModelPublic,
+    ModelReplicasUpdate,
+    ModelsPublic,
+    ReplicaPublic,
+    ServingPublic,
+)
 from skytrain_backend.db import registry, tenants
-from skytrain_backend.db.models import Model
+from skytrain_backend.db.models import Model, ModelReplica
 from skytrain_backend.protocol import ModelConfig
-from skytrain_backend.scheduler import placement
+from skytrain_backend.scheduler import placement, replicas
 from skytrain_backend.scheduler.serving import ServingStatus, serving_status
 from skytrain_backend.storage import keys
 
 router = APIRouter(prefix="/models", tags=["models"], route_class=SessionRoute)
 
 
+def replicas_public(session: SessionDep, *, model: Model) -> list[ReplicaPublic]:
+    """The model's home and replicas on live workers."""
+    found = (
+        [ReplicaPublic(worker_id=model.worker_id, role="home", status="serving")]
+        if model.worker_id
+        else []
+    )
+    for replica in session.scalars(
+        select(ModelReplica)
+        .where(ModelReplica.model_id == model.id)
+        .order_by(ModelReplica.created_at, ModelReplica.id)
+    ):
+        status = "draining" if replica.status == "draining" else "serving"
+        found.append(ReplicaPublic(worker_id=replica.worker_id, role="replica", status=status))
+    return found
+
+
 def model_public(
-    model: Model, *, latest_step: int, serving: ServingStatus | None = None
+    model: Model,
+    *,
+    latest_step: int,
+    serving: ServingStatus | None = None,
+    replicas: list[ReplicaPublic] | None = None,
 ) -> ModelPublic:
     return ModelPublic(
         id=model.id,
@@ -43,6 +75,7 @@ def model_public(
         created_at=model.created_at,
         last_active_at=model.last_active_at,
         serving=ServingPublic(**serving.public()) if serving else None,
+        replicas=replicas,
     )
 
 
@@ -64,6 +97,7 @@ def create_model(
     reasons in the message).
     """
     config = body.config or ModelConfig()
+    replicas.check_bounds(config, limits=tenants.limits_of(tenant, settings))
     limits = check_new_model(
         session,
         tenant=tenant,
@@ -94,6 +128,7 @@ def create_model(
         serving=serving_status(
             session, model=model, limits=limits, max_workers=settings.launched_workers_limit
         ),
+        replicas=replicas_public(session, model=model),
     )
 
 
@@ -136,6 +171,46 @@ def get_model(
             max_workers=settings.launched_workers_limit,
             idle_timeout_s=settings.resolved_model_idle_timeout_s,
         ),
+        replicas=replicas_public(session, model=model),
+    )
+
+
+@router.patch("/{model_id}", response_model=ModelPublic)
+def update_model(
+    model_id: ModelId,
+    body: ModelReplicasUpdate,
+    session: SessionDep,
+    tenant: TenantDep,
+    scheduler: SchedulerDep,
+    settings: SettingsDep,
+) -> ModelPublic:
+    """Change how many workers may serve the model (``min_replicas``, ``max_replicas``;
+    ``max_replicas`` at most the tenant's ``max_workers``). The scheduler adds replicas up to
+    ``min_replicas`` at its next pass, and drains those above ``max_replicas`` (their
+    requests in flight are answered first)."""
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    replicas.set_bounds(
+        session,
+        model=model,
+        min_replicas=body.min_replicas,
+        max_replicas=body.max_replicas,
+        limits=tenants.limits_of(tenant, settings),
+    )
+    scheduler.wake()
+    return get_model(model_id, session, tenant, settings)
+
+
+@router.get("/{model_id}/events", response_model=ModelEventsPublic)
+def model_events(
+    model_id: ModelId, session: SessionDep, tenant: TenantDep, limit: Limit = 20
+) -> ModelEventsPublic:
+    """The scheduler's decisions about the model's replicas, newest first, with reasons."""
+    model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+    return ModelEventsPublic(
+        data=[
+            ModelEventPublic.model_validate(event, from_attributes=True)
+            for event in replicas.events(session, model_id=model.id, limit=limit)
+        ]
     )
 
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, BinaryIO, cast
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from starlette.concurrency import run_in_threadpool
 
 from skytrain_backend import tls
@@ -34,7 +34,7 @@ from skytrain_backend.api.deps import (
 )
 from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.db import notify, registry, worker_tokens, workers
-from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import Checkpoint, Model, ModelReplica, TrainingJob, Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest, NotFound
 from skytrain_backend.observability import metrics
 from skytrain_backend.protocol import (
@@ -228,7 +228,13 @@ def heartbeat(body: Heartbeat, worker: WorkerDep, session: SessionDep) -> Heartb
 
 def _assignments(session: SessionDep, *, worker: Worker) -> HeartbeatAnswer:
     """The models placed on the worker and the steps it should serve; jobs to cancel."""
-    placed = list(session.scalars(select(Model).where(Model.worker_id == worker.id)))
+    # Its models' homes and replicas (a draining replica still serves its requests in flight).
+    replicas = select(ModelReplica.model_id).where(ModelReplica.worker_id == worker.id)
+    placed = list(
+        session.scalars(
+            select(Model).where(or_(Model.worker_id == worker.id, Model.id.in_(replicas)))
+        )
+    )
     pinned_since = utcnow() - PIN_TTL
     models = []
     for model in placed:
@@ -550,6 +556,14 @@ def _worker_job(session: SessionDep, *, worker: Worker, job_id: str) -> Training
 
 def _placed_model(session: SessionDep, *, worker: Worker, model_id: str) -> Model:
     model = session.get(Model, model_id)
-    if model is None or model.worker_id != worker.id:
+    if model is None or (
+        model.worker_id != worker.id
+        and session.scalar(
+            select(ModelReplica.id).where(
+                ModelReplica.model_id == model_id, ModelReplica.worker_id == worker.id
+            )
+        )
+        is None
+    ):
         raise NotFound(f"model {model_id!r} is not placed on worker {worker.id}")
     return model

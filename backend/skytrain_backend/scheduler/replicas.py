@@ -1,0 +1,395 @@
+"""Replicas: a model served by 1..N workers of its base model, as many as its demand needs.
+
+A placed model has a *home* (``Model.worker_id``: the worker that trains it, placed as
+``placement.py`` says) and 0..N-1 *replicas* (``model_replicas`` rows) on other workers of its
+base model, which load the same steps (the heartbeat answer lists the model to each) and share
+its requests (the gateway balances them: ``api/gateway/balance.py``).
+
+Each pass, for each placed model (``scale``):
+
+- A replica whose worker went away is gone (``placement.worker_gone`` deletes its row).
+- A ``draining`` replica (taken away) is deleted once the gateway has no request in flight on
+  it: scale-in never drops a request.
+- Below ``min_replicas`` (capped by the tenant's ``max_workers``): a replica is added.
+- Demand is the model's requests in flight, averaged over ``replica_window_s``
+  (``demand.DemandMeter``). Above ``replica_scale_out_in_flight`` per replica, a replica is
+  added, up to ``max_replicas`` (capped by the tenant's ``max_workers``). When the average
+  counted over one replica fewer is below ``replica_scale_in_in_flight``, the newest replica
+  drains, down to ``min_replicas``. Two thresholds (hysteresis), and no change for demand
+  within ``replica_cooldown_s`` of the last one, so replicas do not flap.
+- A replica goes to a live worker of the base model that loads the model's LoRA rank and has
+  room (its ``max_models``), the one holding the fewest models first; only when none has room
+  is a worker launched (once at a time per base model, within the control plane's and the
+  tenant's ``max_workers``). No model is ever taken off a worker for a replica: one tenant's
+  scale-out never evicts another tenant's model.
+- Every decision is a ``model_events`` row with its reason (``skytrain models show``,
+  ``GET /v1/models/{id}/events``); a wait (no room, a quota) is written once, not per pass.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
+
+from skytrain_backend.db.models import Model, ModelEvent, ModelReplica, Worker, utcnow
+from skytrain_backend.db.tenants import TenantLimits
+from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.observability import metrics as observed
+from skytrain_backend.protocol import ModelConfig
+from skytrain_backend.scheduler import placement, ranks
+from skytrain_backend.scheduler.demand import DemandMeter
+
+logger = logging.getLogger(__name__)
+
+# Events that change the number of replicas for demand: the cool-down counts from the last.
+SCALING_EVENTS = ("scale_out", "scale_in")
+
+
+@dataclass(frozen=True)
+class ScalePolicy:
+    """The settings of the replica policy (``Settings.replica_*``)."""
+
+    window_s: float
+    scale_out_in_flight: float
+    scale_in_in_flight: float
+    cooldown_s: float
+
+
+def replica_workers(session: Session, *, model_id: str, status: str | None = None) -> list[str]:
+    """The workers holding a replica of the model (in ``status``, when given), oldest first."""
+    statement = (
+        select(ModelReplica.worker_id)
+        .where(ModelReplica.model_id == model_id)
+        .order_by(ModelReplica.created_at, ModelReplica.id)
+    )
+    if status is not None:
+        statement = statement.where(ModelReplica.status == status)
+    return list(session.scalars(statement))
+
+
+def record(
+    session: Session,
+    *,
+    model: Model,
+    kind: str,
+    reason: str,
+    replicas: int,
+    worker_id: str | None = None,
+) -> None:
+    """Write a decision about the model's replicas (committed by the caller)."""
+    session.add(
+        ModelEvent(
+            model_id=model.id, kind=kind, reason=reason, replicas=replicas, worker_id=worker_id
+        )
+    )
+    observed.replica_decided(kind)
+    logger.info("model %s: %s (%d replicas): %s", model.id, kind, replicas, reason)
+
+
+def _record_wait(session: Session, *, model: Model, reason: str, replicas: int) -> None:
+    """A wait is written once: not again while the model's last event says the same."""
+    last = session.scalar(
+        select(ModelEvent).where(ModelEvent.model_id == model.id).order_by(ModelEvent.id.desc())
+    )
+    if last is not None and last.kind == "held" and last.reason == reason:
+        return
+    record(session, model=model, kind="held", reason=reason, replicas=replicas)
+    session.commit()
+
+
+def _cooling(session: Session, *, model_id: str, cooldown_s: float) -> bool:
+    last = session.scalar(
+        select(func.max(ModelEvent.created_at)).where(
+            ModelEvent.model_id == model_id, ModelEvent.kind.in_(SCALING_EVENTS)
+        )
+    )
+    return last is not None and last > utcnow() - timedelta(seconds=cooldown_s)
+
+
+def scale(
+    session: Session,
+    *,
+    demand: DemandMeter,
+    policy: ScalePolicy,
+    limits: Callable[[str], TenantLimits],
+    max_workers: int,
+    launch: Callable[[str], None] | None,
+) -> None:
+    """One pass of the replica policy over every placed model (see the module's doc)."""
+    live = select(Worker.id).where(placement.placeable())
+    homed = list(
+        session.scalars(select(Model).where(Model.worker_id.in_(live)).order_by(Model.created_at))
+    )
+    launched: set[str] = set()
+    for model in homed:
+        _finish_draining(session, model=model, demand=demand)
+        config = ModelConfig.model_validate(model.config or {})
+        quota = limits(model.tenant_id)
+        serving = replica_workers(session, model_id=model.id, status="serving")
+        count = 1 + len(serving)
+        cap = min(config.max_replicas, quota.max_workers)
+        floor = min(config.min_replicas, cap)
+        if count < floor:
+            _add(
+                session,
+                model=model,
+                count=count,
+                quota=quota,
+                max_workers=max_workers,
+                launch=launch,
+                launched=launched,
+                kind="scale_out",
+                reason=f"{count} of min_replicas={config.min_replicas} replicas",
+            )
+            continue
+        average = demand.average(model.id, window_s=policy.window_s)
+        if average is None or _cooling(session, model_id=model.id, cooldown_s=policy.cooldown_s):
+            continue
+        per_replica = average / count
+        said = f"{average:.1f} requests in flight on average over {policy.window_s:.0f} s"
+        if per_replica > policy.scale_out_in_flight and count < cap:
+            _add(
+                session,
+                model=model,
+                count=count,
+                quota=quota,
+                max_workers=max_workers,
+                launch=launch,
+                launched=launched,
+                kind="scale_out",
+                reason=f"{said}: {per_replica:.1f} per replica over {count}, above "
+                f"{policy.scale_out_in_flight:g}",
+            )
+        elif count > floor and serving and average / (count - 1) < policy.scale_in_in_flight:
+            _drain(
+                session,
+                model=model,
+                worker_id=serving[-1],
+                count=count,
+                reason=f"{said}: {average / (count - 1):.1f} per replica over {count - 1} would "
+                f"be below {policy.scale_in_in_flight:g}",
+            )
+
+
+def _finish_draining(session: Session, *, model: Model, demand: DemandMeter) -> None:
+    """Delete the model's draining replicas that have no request in flight."""
+    for worker_id in replica_workers(session, model_id=model.id, status="draining"):
+        if demand.in_flight(model.id, worker_id) > 0:
+            continue
+        session.execute(
+            delete(ModelReplica).where(
+                ModelReplica.model_id == model.id,
+                ModelReplica.worker_id == worker_id,
+                ModelReplica.status == "draining",
+            )
+        )
+        left = 1 + len(replica_workers(session, model_id=model.id, status="serving"))
+        record(
+            session,
+            model=model,
+            kind="replica_removed",
+            reason=f"worker {worker_id} drained: no request in flight on it; it unloads the model",
+            replicas=left,
+            worker_id=worker_id,
+        )
+        session.commit()
+
+
+def _drain(session: Session, *, model: Model, worker_id: str, count: int, reason: str) -> None:
+    """Stop sending the model's requests to ``worker_id``; its row goes once none is left."""
+    session.execute(
+        update(ModelReplica)
+        .where(ModelReplica.model_id == model.id, ModelReplica.worker_id == worker_id)
+        .values(status="draining")
+    )
+    record(
+        session,
+        model=model,
+        kind="scale_in",
+        reason=reason,
+        replicas=count - 1,
+        worker_id=worker_id,
+    )
+    session.commit()
+
+
+def tenant_workers(session: Session, *, tenant_id: str) -> set[str]:
+    """The live workers holding any of the tenant's models, as home or replica."""
+    return set(placement.tenant_placements(session, tenant_id=tenant_id))
+
+
+def _add(
+    session: Session,
+    *,
+    model: Model,
+    count: int,
+    quota: TenantLimits,
+    max_workers: int,
+    launch: Callable[[str], None] | None,
+    launched: set[str],
+    kind: str,
+    reason: str,
+) -> None:
+    """Put one more replica of the model on a worker with room, or launch one for it."""
+    held = tenant_workers(session, tenant_id=model.tenant_id)
+    taken = {model.worker_id, *replica_workers(session, model_id=model.id)}
+    at_quota = len(held) >= quota.max_workers
+    rank = ranks.model_lora_rank(model)
+    fitting = placement.fitting_workers(
+        session, base_model=model.base_model, lora_rank=rank, among=held if at_quota else None
+    )
+    for worker, placed in fitting:
+        if worker.id in taken or placed >= int((worker.capacity or {}).get("max_models", 1)):
+            continue
+        session.add(ModelReplica(model_id=model.id, worker_id=worker.id))
+        record(
+            session,
+            model=model,
+            kind=kind,
+            reason=f"{reason}: replica placed on worker {worker.id}",
+            replicas=count + 1,
+            worker_id=worker.id,
+        )
+        session.commit()
+        return
+    if at_quota:
+        _record_wait(
+            session,
+            model=model,
+            reason=f"{reason}, but no worker of the {len(held)} your tenant's models occupy "
+            f"has room for another replica (max_workers={quota.max_workers})",
+            replicas=count,
+        )
+        return
+    base = model.base_model
+    starting = session.scalar(
+        select(Worker.id).where(
+            Worker.base_model == base, Worker.status.in_(placement.STARTING_STATUSES)
+        )
+    )
+    if starting is not None or base in launched:
+        # A worker is on its way: the replica goes there once it registers.
+        _record_wait(
+            session,
+            model=model,
+            reason=f"{reason}: waiting for a worker for {base} that is starting",
+            replicas=count,
+        )
+        return
+    if launch is None or placement.launch_hold(session, base_model=base) is not None:
+        _record_wait(
+            session,
+            model=model,
+            reason=f"{reason}, but no worker of {base} has room and none can be launched now",
+            replicas=count,
+        )
+        return
+    if placement.live_worker_count(session) >= max_workers:
+        _record_wait(
+            session,
+            model=model,
+            reason=f"{reason}, but no worker of {base} has room and the control plane runs "
+            f"the most workers it may (max_workers={max_workers})",
+            replicas=count,
+        )
+        return
+    launched.add(base)
+    record(
+        session,
+        model=model,
+        kind="launch",
+        reason=f"{reason}: no worker of {base} has room, launching one",
+        replicas=count,
+    )
+    session.commit()
+    launch(base)
+
+
+def forget_worker(session: Session, *, worker_id: str) -> None:
+    """A worker went away: its replicas are gone (not committed: the caller's transaction)."""
+    session.execute(delete(ModelReplica).where(ModelReplica.worker_id == worker_id))
+
+
+def check_bounds(config: ModelConfig, *, limits: TenantLimits) -> None:
+    """Refuse (400) a ``max_replicas`` above the tenant's ``max_workers``: each replica takes a
+    worker of its own."""
+    if config.max_replicas > limits.max_workers:
+        raise InvalidRequest(
+            f"max_replicas={config.max_replicas} is more than your tenant's max_workers="
+            f"{limits.max_workers}: each replica holds a worker of its own"
+        )
+
+
+def set_bounds(
+    session: Session,
+    *,
+    model: Model,
+    min_replicas: int | None,
+    max_replicas: int | None,
+    limits: TenantLimits,
+) -> ModelConfig:
+    """Change the model's ``min_replicas``/``max_replicas`` (400 naming the problem, nothing
+    stored, when they are out of order or above the tenant's ``max_workers``); committed, with
+    an event. The next pass adds or drains replicas to fit them."""
+    current = ModelConfig.model_validate(model.config or {})
+    changes = {
+        key: value
+        for key, value in (("min_replicas", min_replicas), ("max_replicas", max_replicas))
+        if value is not None
+    }
+    try:
+        config = ModelConfig.model_validate({**current.model_dump(mode="json"), **changes})
+    except ValueError as exc:
+        raise InvalidRequest(_first_error(exc)) from None
+    check_bounds(config, limits=limits)
+    model.config = config.model_dump(mode="json")
+    serving = replica_workers(session, model_id=model.id, status="serving")
+    count = (1 if model.worker_id else 0) + len(serving)
+    record(
+        session,
+        model=model,
+        kind="replicas_set",
+        reason=f"min_replicas={config.min_replicas}, max_replicas={config.max_replicas}",
+        replicas=count,
+    )
+    # Above the new maximum: the newest replicas drain at once (no cool-down).
+    for worker_id in reversed(serving):
+        if count <= config.max_replicas:
+            break
+        _drain(
+            session,
+            model=model,
+            worker_id=worker_id,
+            count=count,
+            reason=f"{count} replicas, more than max_replicas={config.max_replicas}",
+        )
+        count -= 1
+    session.commit()
+    return config
+
+
+def _first_error(exc: ValueError) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        first = errors()[0]
+        where = ".".join(str(part) for part in first.get("loc", ()))
+        message = str(first.get("msg", exc)).removeprefix("Value error, ")
+        return f"{where}: {message}" if where else message
+    return str(exc)
+
+
+def events(session: Session, *, model_id: str, limit: int = 50) -> list[ModelEvent]:
+    """The model's latest replica decisions, newest first."""
+    return list(
+        session.scalars(
+            select(ModelEvent)
+            .where(ModelEvent.model_id == model_id)
+            .order_by(ModelEvent.id.desc())
+            .limit(limit)
+        )
+    )
