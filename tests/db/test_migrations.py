@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
@@ -44,6 +46,22 @@ def test_an_outdated_schema_is_refused_with_the_fix(empty_engine: Engine) -> Non
     migrations.prepare_schema(empty_engine, auto_migrate=True)
     migrations.check_schema(empty_engine)
     assert migrations.current_revisions(empty_engine) == migrations.head_revisions()
+
+
+def test_a_current_schema_is_checked_without_a_log_line_and_an_upgrade_says_what_it_runs(
+    empty_engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every start checks the schema: alembic's "Context impl" lines are noise there. Only an
+    upgrade that runs a revision logs, one line per revision."""
+    caplog.set_level(logging.INFO, logger="alembic")
+    migrations.prepare_schema(empty_engine, auto_migrate=True)
+    ran = [r.getMessage() for r in caplog.records if r.name.startswith("alembic")]
+    assert ran and all(line.startswith("Running upgrade") for line in ran), ran
+    caplog.clear()
+    migrations.prepare_schema(empty_engine, auto_migrate=True)
+    migrations.check_schema(empty_engine)
+    assert migrations.current_revisions(empty_engine) == migrations.head_revisions()
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("alembic")] == []
 
 
 def test_migrations_are_found_in_the_checkout() -> None:

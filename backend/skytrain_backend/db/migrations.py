@@ -7,6 +7,7 @@ its code (``SchemaOutdated``) unless auto-migration is on (the SQLite default).
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from alembic import command
@@ -19,6 +20,18 @@ from skytrain_backend.db.session import create_db_engine
 from skytrain_backend.errors import ConfigurationError, SchemaOutdated
 
 _PACKAGE_DIR = Path(__file__).resolve().parents[1]
+
+
+class _RevisionsRun(logging.Filter):
+    """Alembic names its dialect ("Context impl ...", "Will assume ... DDL") each time it
+    opens a context, so every start and every schema check logged it. Only the revisions an
+    upgrade or downgrade runs are news."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage().startswith("Running ")
+
+
+logging.getLogger("alembic.runtime.migration").addFilter(_RevisionsRun())
 
 
 def script_location() -> Path:
