@@ -177,10 +177,11 @@ def _interruptible() -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def _follow(path: Path, *, lines: int, poll_s: float = 0.5) -> None:
+def _follow(path: Path, *, lines: int, waiting: str, poll_s: float = 0.5) -> None:
     """Print the last ``lines`` of the log at ``path``, then what is appended as it comes,
     like ``tail -F``, until Ctrl-C (which ends it with exit code 0). A file not there yet is
-    waited for; one truncated or replaced (a worker started again) is read from its start."""
+    waited for, saying ``waiting`` once on stderr, and printed whole when it appears; one
+    truncated or replaced (a worker started again) is read from its start."""
     _interruptible()
     handle: TextIO | None = None
     first = True
@@ -190,6 +191,9 @@ def _follow(path: Path, *, lines: int, poll_s: float = 0.5) -> None:
                 try:
                     handle = open(path, errors="replace")  # noqa: SIM115 (held across polls)
                 except FileNotFoundError:
+                    if first:
+                        typer.echo(waiting, err=True)
+                    first = False  # whatever appears later is new: all of it
                     time.sleep(poll_s)
                     continue
                 if first:  # the tail of what is there; a later file is new: all of it

@@ -560,7 +560,9 @@ def logs(
     if provider == "skypilot" and cluster:
         typer.echo(f"(the worker's own output: `sky logs {cluster}`)", err=True)
     if follow and (provider != "manual" or path.exists()):
-        _follow(path, lines=lines)  # a local worker's file may not be written yet: waited for
+        # A local worker's file may not be written yet: waited for.
+        waiting = f"waiting for worker {worker_id} to write its log at {path} (Ctrl-C to stop)"
+        _follow(path, lines=lines, waiting=waiting)
         return
     text = log_tail(path, lines)
     if text:
