@@ -91,6 +91,7 @@ def _requests(o: Owned, own_model: str) -> list[tuple[str, str, dict[str, Any]]]
         ("GET", f"/training-jobs/{o.job_id}", {}),
         ("POST", f"/training-jobs/{o.job_id}/cancel", {}),
         ("GET", f"/training-jobs/{o.job_id}/events", {}),
+        ("DELETE", f"/files/{o.file_uri.rsplit('/', 1)[-1]}", {}),
     ]
 
 

@@ -11,6 +11,7 @@ tested.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -462,6 +463,43 @@ def test_storage_quota_refuses_what_does_not_fit_and_deleting_frees_it(
         with_session = who.stored_bytes()
         assert http.delete(f"/v1/models/{model['id']}").status_code == 204
         assert who.stored_bytes() == with_session - held
+
+
+def test_uploaded_files_count_in_the_storage_quota_and_deleting_one_frees_it(
+    tenant: Callable[..., Who],
+) -> None:
+    """SFT data uploaded with POST /v1/files is held for the tenant like a batch: counted,
+    refused past the quota with nothing stored, listed, and freed by deleting it."""
+    who = tenant(max_storage_bytes=30_000)
+    line = (json.dumps(support.sft_trajectory()) + "\n").encode()
+    with who.rest() as http:
+        small = http.post("/v1/files", files={"file": ("a.jsonl", line * 4)})
+        assert small.status_code == 201, small.text
+        uploaded = small.json()
+        assert who.stored_bytes() == uploaded["bytes"] > 0
+        big = http.post("/v1/files", files={"file": ("b.jsonl", line * 400)})
+        assert big.status_code == 403, big.text
+        assert big.json()["error"]["type"] == "quota_exceeded"
+        assert "max_storage_bytes" in big.json()["error"]["message"]
+        assert len([key for key in who.objects() if "/files/" in key]) == 1
+        assert who.stored_bytes() == uploaded["bytes"]
+        listed = http.get("/v1/files").json()["data"]
+        assert [(f["id"], f["bytes"], f["uri"]) for f in listed] == [
+            (uploaded["id"], uploaded["bytes"], uploaded["uri"])
+        ]
+
+        assert http.delete(f"/v1/files/{uploaded['id']}").status_code == 204
+        assert who.stored_bytes() == 0
+        assert [key for key in who.objects() if "/files/" in key] == []
+        assert http.get("/v1/files").json()["data"] == []
+        again = http.delete(f"/v1/files/{uploaded['id']}")
+        assert again.status_code == 404 and uploaded["id"] in again.text
+        model = _model(http)
+        job = http.post(
+            "/v1/sft-training-jobs",
+            json={"model_id": model["id"], "training_data_url": uploaded["uri"]},
+        )
+        assert job.status_code == 404, job.text
 
 
 def _skytrain(who: Who, *args: str) -> str:

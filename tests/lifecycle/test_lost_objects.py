@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.errors import ObjectDamaged
 from skytrain_backend.storage import LocalObjectStore, keys
 from skytrain_backend.worker.client import ControlPlaneClient
-from tests.api.support import group
+from tests.api.support import group, sft_trajectory
 from tests.lifecycle.conftest import Who, WorkerClient, committed_prefix
 
 ADAPTER = {
@@ -132,7 +133,7 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
     assert all("checkpoint" in line and state in line for line in lines)
 
 
-def test_storage_check_lists_a_pending_jobs_lost_input(
+def test_storage_check_lists_a_pending_jobs_and_an_uploaded_files_lost_objects(
     who: Callable[[], Who],
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
@@ -142,13 +143,19 @@ def test_storage_check_lists_a_pending_jobs_lost_input(
     job_id = alice.http.post(
         "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
     ).json()["id"]
+    file_id = alice.http.post(
+        "/v1/files", files={"file": ("d.jsonl", json.dumps(sft_trajectory()).encode())}
+    ).json()["id"]
     lifecycle_store.delete(
         keys.job_input_key(tenant_id=alice.tenant_id, model_id=model_id, job_id=job_id)
     )
+    lifecycle_store.delete(keys.file_key(tenant_id=alice.tenant_id, file_id=file_id))
     checked = _storage_check(lifecycle_settings)
     assert checked.exit_code == 1, checked.stdout
     (line,) = [line for line in checked.stdout.splitlines() if job_id in line]
     assert "job input" in line and "missing" in line
+    (line,) = [line for line in checked.stdout.splitlines() if file_id in line]
+    assert "file" in line and "missing" in line
 
 
 def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loading_it(

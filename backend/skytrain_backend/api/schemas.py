@@ -360,6 +360,13 @@ class FilePublic(BaseModel):
     id: str
     uri: str
     bytes: int
+    num_trajectories: int
+    created_at: datetime
+
+
+class FilesPublic(BaseModel):
+    data: list[FilePublic]
+    has_more: bool
 
 
 # --- inference --------------------------------------------------------------------------------

@@ -67,7 +67,7 @@ def storage_check(
         [
             problem.row_id,
             problem.kind,
-            problem.model_id,
+            problem.model_id or "-",
             problem.state,
             "-" if problem.expected_size is None else str(problem.expected_size),
             "-" if problem.found_size is None else str(problem.found_size),

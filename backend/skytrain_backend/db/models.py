@@ -246,6 +246,20 @@ class TrajectoryBatch(Base):
     created_at: Mapped[datetime] = _created_at()
 
 
+class UploadedFile(Base):
+    """JSONL training data uploaded for SFT jobs (``POST /v1/files``): its object is the
+    tenant's ``files/<id>.jsonl``, its bytes counted in the tenant's stored bytes."""
+
+    __tablename__ = "uploaded_files"
+    __table_args__ = (Index(None, "tenant_id", "created_at", "id"),)
+
+    id: Mapped[str] = _id_column()
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    num_trajectories: Mapped[int]
+    size_bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = _created_at()
+
+
 class TrainingJob(Base):
     """One RL or SFT training request; the scheduler leases queued jobs to workers."""
 

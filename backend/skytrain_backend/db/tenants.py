@@ -48,6 +48,7 @@ from skytrain_backend.db.models import (
     TinkerSession,
     TrainingJob,
     TrajectoryBatch,
+    UploadedFile,
 )
 from skytrain_backend.errors import (
     InvalidRequest,
@@ -158,8 +159,8 @@ def enforce_quota(
 
 def counted_storage(*, tenant_id: str) -> Select[Any]:
     """The bytes the tenant holds, summed over its rows: its checkpoints' files (until a deleted
-    one's are purged), trajectory batches (logged, and training jobs' inputs), Tinker sessions'
-    metadata and Tinker operations' payloads and outputs. What ``Tenant.storage_bytes`` keeps as a running
+    one's are purged), trajectory batches (logged, and training jobs' inputs), uploaded files,
+    Tinker sessions' metadata and Tinker operations' payloads and outputs. What ``Tenant.storage_bytes`` keeps as a running
     total; a sum over every such row (linear in them), so only ``recount_storage`` reads it."""
     of_models = select(Model.id).where(Model.tenant_id == tenant_id).scalar_subquery()
 
@@ -174,6 +175,7 @@ def counted_storage(*, tenant_id: str) -> Select[Any]:
         )
         + total(TrajectoryBatch.size_bytes, TrajectoryBatch.model_id.in_(of_models))
         + total(TrainingJob.input_bytes, TrainingJob.model_id.in_(of_models))
+        + total(UploadedFile.size_bytes, UploadedFile.tenant_id == tenant_id)
         + total(TinkerSession.size_bytes, TinkerSession.tenant_id == tenant_id)
         + total(
             TinkerRequest.input_bytes + TinkerRequest.output_bytes,

@@ -1,7 +1,7 @@
 """Rows whose objects are gone or damaged: found when they are read, and listed on demand.
 
 The database says what the store should hold: a live checkpoint's files (their total size
-is its ``size_bytes``), a logged batch's JSONL, a pending job's input. An object deleted or
+is its ``size_bytes``), a logged batch's JSONL, a pending job's input, an uploaded file. An object deleted or
 cut short after its row was committed (by hand, by a store that lost it, by a bucket rule)
 would otherwise go unnoticed until a model failed to load.
 
@@ -14,6 +14,7 @@ would otherwise go unnoticed until a model failed to load.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -21,7 +22,13 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from skytrain_backend.db.models import Checkpoint, Model, TrainingJob, TrajectoryBatch
+from skytrain_backend.db.models import (
+    Checkpoint,
+    Model,
+    TrainingJob,
+    TrajectoryBatch,
+    UploadedFile,
+)
 from skytrain_backend.errors import ObjectDamaged
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES
 from skytrain_backend.storage import ObjectStore, keys
@@ -31,9 +38,9 @@ from skytrain_backend.storage import ObjectStore, keys
 class Problem:
     """A row whose object is ``missing``, of the ``wrong size`` or (read back) ``corrupt``."""
 
-    kind: str  # "checkpoint", "batch", "job input"
+    kind: str  # "checkpoint", "batch", "job input", "file"
     row_id: str
-    model_id: str
+    model_id: str  # "" for a file (the tenant's, not a model's)
     key: str
     state: str
     expected_size: int | None = None
@@ -104,9 +111,9 @@ def checkpoint_files(
 
 def check_storage(session: Session, *, store: ObjectStore, read: bool = False) -> Iterator[Problem]:
     """Every live checkpoint, logged batch and unfinished job's input whose object is
-    missing or not the size recorded, model by model; with ``read``, also every checkpoint
-    file whose SHA-256 is not the one committed (each file read back). No transaction is
-    open while the store works."""
+    missing or not the size recorded, model by model, then every uploaded file whose object is
+    missing, tenant by tenant; with ``read``, also every checkpoint file whose SHA-256 is not
+    the one committed (each file read back). No transaction is open while the store works."""
     models = session.execute(select(Model.id, Model.tenant_id).order_by(Model.created_at)).all()
     for model_id, tenant_id in models:
         checkpoints = [
@@ -151,6 +158,20 @@ def check_storage(session: Session, *, store: ObjectStore, read: bool = False) -
             key = keys.job_input_key(tenant_id=tenant_id, model_id=model_id, job_id=job_id)
             if key not in stored:
                 yield Problem("job input", job_id, model_id, key, "missing")
+    yield from _uploaded_files(session, store=store)
+
+
+def _uploaded_files(session: Session, *, store: ObjectStore) -> Iterator[Problem]:
+    files: defaultdict[str, list[str]] = defaultdict(list)
+    for file_id, tenant_id in session.execute(select(UploadedFile.id, UploadedFile.tenant_id)):
+        files[tenant_id].append(file_id)
+    session.rollback()
+    for tenant_id, file_ids in files.items():
+        stored = {info.key for info in store.list(keys.files_prefix(tenant_id))}
+        for file_id in file_ids:
+            key = keys.file_key(tenant_id=tenant_id, file_id=file_id)
+            if key not in stored:
+                yield Problem("file", file_id, "", key, "missing")
 
 
 def _checkpoint(

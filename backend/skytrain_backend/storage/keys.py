@@ -67,8 +67,13 @@ def log_key(*, tenant_id: str, model_id: str, batch_id: str) -> str:
     return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}logs/{batch_id}.jsonl"
 
 
+def files_prefix(tenant_id: str) -> str:
+    """Where the tenant's uploaded files lie."""
+    return f"{tenant_prefix(tenant_id)}files/"
+
+
 def file_key(*, tenant_id: str, file_id: str) -> str:
-    return f"{tenant_prefix(tenant_id)}files/{file_id}.jsonl"
+    return f"{files_prefix(tenant_id)}{file_id}.jsonl"
 
 
 def tinker_op_key(*, tenant_id: str, model_id: str, seq_id: int, name: str) -> str:

@@ -1,16 +1,26 @@
-"""Uploaded files: JSONL training data for SFT jobs, referenced as ``skytrain-file://<id>``."""
+"""Uploaded files: JSONL training data for SFT jobs, referenced as ``skytrain-file://<id>``;
+held in the tenant's storage quota until deleted."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import Annotated
 
-from fastapi import APIRouter, UploadFile
+from fastapi import APIRouter, Path, Response, UploadFile, status
 
 from skytrain_backend.api import ingest
-from skytrain_backend.api.deps import SessionRoute, SettingsDep, StoreDep, TenantDep
-from skytrain_backend.api.schemas import FilePublic
-from skytrain_backend.db.models import new_id
+from skytrain_backend.api.deps import (
+    PageDep,
+    SessionDep,
+    SessionRoute,
+    SettingsDep,
+    StoreDep,
+    TenantDep,
+)
+from skytrain_backend.api.schemas import FilePublic, FilesPublic
+from skytrain_backend.db import tenants, uploaded_files
+from skytrain_backend.db.models import UploadedFile, new_id
 from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.storage import ObjectStore, keys
 
@@ -20,19 +30,71 @@ FILE_SCHEME = "skytrain-file://"
 _FILE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
 
 
+FileId = Annotated[
+    str, Path(pattern=_FILE_ID_RE.pattern, description="The file's id (the end of its uri).")
+]
+
+
+def _public(row: UploadedFile) -> FilePublic:
+    return FilePublic(
+        id=row.id,
+        uri=f"{FILE_SCHEME}{row.id}",
+        bytes=row.size_bytes,
+        num_trajectories=row.num_trajectories,
+        created_at=row.created_at,
+    )
+
+
 @router.post("", status_code=201, response_model=FilePublic)
 def upload_file(
-    file: UploadFile, tenant: TenantDep, store: StoreDep, settings: SettingsDep
+    file: UploadFile,
+    session: SessionDep,
+    tenant: TenantDep,
+    store: StoreDep,
+    settings: SettingsDep,
 ) -> FilePublic:
-    """Upload JSONL, one trajectory per line; every line is validated before it is stored."""
+    """Upload JSONL, one trajectory per line; every line is validated before it is stored,
+    and its bytes count in your storage quota (403 past it) until you delete it."""
     batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()
-        batch.spool.put(store, keys.file_key(tenant_id=tenant.id, file_id=file_id))
-        return FilePublic(id=file_id, uri=f"{FILE_SCHEME}{file_id}", bytes=batch.spool.size)
+
+        def insert(_uri: str) -> FilePublic:
+            row = uploaded_files.add_file(
+                session,
+                file_id=file_id,
+                tenant_id=tenant.id,
+                limits=tenants.limits_of(tenant, settings),
+                num_trajectories=batch.num_trajectories,
+                size_bytes=batch.num_bytes,
+            )
+            return _public(row)
+
+        key = keys.file_key(tenant_id=tenant.id, file_id=file_id)
+        return ingest.store_then_commit(store, session, key=key, data=batch.spool, insert=insert)
     finally:
         batch.close()
+
+
+@router.get("", response_model=FilesPublic)
+def list_files(session: SessionDep, tenant: TenantDep, page: PageDep) -> FilesPublic:
+    """Your uploaded files, oldest first (``order=desc``: newest first)."""
+    rows, has_more = uploaded_files.list_files(session, tenant_id=tenant.id, page=page)
+    return FilesPublic(data=[_public(row) for row in rows], has_more=has_more)
+
+
+@router.delete("/{file_id}", status_code=status.HTTP_204_NO_CONTENT)
+def delete_file(
+    file_id: FileId, session: SessionDep, tenant: TenantDep, store: StoreDep
+) -> Response:
+    """Delete the file and free its bytes. Jobs already queued with it keep their own copy."""
+    uploaded_files.get_file(session, tenant_id=tenant.id, file_id=file_id)
+    session.commit()  # ends the read: no transaction is held across the store
+    store.delete(keys.file_key(tenant_id=tenant.id, file_id=file_id))
+    uploaded_files.delete_file(session, tenant_id=tenant.id, file_id=file_id)
+    session.commit()
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 def read_uploaded_file(store: ObjectStore, *, tenant_id: str, url: str) -> Iterator[bytes]:
