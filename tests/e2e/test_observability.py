@@ -65,10 +65,12 @@ def _series(text: str, name: str) -> dict[str, float]:
     return found
 
 
-# Board panels whose series exist only after what this workload does not do: a refusal or a
-# limit hit (counted in tests/observability/test_metrics.py), vLLM's KV cache, CUDA memory.
+# Board panels whose series exist only after what this workload does not do: a refusal, a
+# refused connection or a limit hit (counted in tests/observability/test_metrics.py and
+# tests/lifecycle/test_slow_clients.py), vLLM's KV cache, CUDA memory.
 _NOT_IN_THIS_WORKLOAD = {
     "Refusals per second by reason",
+    "Connections refused per second by reason (caps, header and body timeouts)",
     "Tenant limits hit per second",
     "KV cache use",
     "GPU memory used",
