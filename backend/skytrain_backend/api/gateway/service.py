@@ -182,8 +182,10 @@ class Gateway:
         if upstream.status_code != 200:
             return await answers.refusal(upstream, route=route)
         if stream:
-            return answers.EventStream(upstream, model=body["model"], headers=headers)
-        return answers.json_answer(content, model=body["model"], headers=headers)
+            return answers.EventStream(
+                upstream, model=body["model"], step=route.step, headers=headers
+            )
+        return answers.json_answer(content, model=body["model"], step=route.step, headers=headers)
 
     async def admit_completion(
         self, *, tenant_id: str, limits: TenantLimits, body: dict[str, Any]
