@@ -78,6 +78,8 @@ class TrainConfig(_SentConfig):
     kl_penalty_reference_step: int | None = Field(default=None, ge=0, le=INT32_MAX)
     kl_penalty_step_lag: int | None = Field(default=None, ge=1, le=INT32_MAX)
     scale_rewards: bool | None = None
+    # Refuse groups sampled more than this many steps before the model's current step.
+    max_off_policy_steps: int | None = Field(default=None, ge=0, le=INT32_MAX)
     allow_training_without_logprobs: bool | None = None
     unsampled_old_logprobs: Literal["job_start", "current"] | None = None
     warmup_step: bool | None = None

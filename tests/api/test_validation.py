@@ -11,9 +11,12 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
+from sqlalchemy.orm import Session, sessionmaker
 
-from tests.api.support import group, trajectory
+from skytrain_backend.storage import ObjectStore
+from tests.api.support import add_checkpoint, group, trajectory
 from tests.fixtures.callers import Caller
 
 
@@ -251,6 +254,54 @@ def test_bad_training_configs_are_refused(
     _refused(
         caller, stored, lambda: caller.http.post("/v1/training-jobs", json=body), 400, fragment
     )
+
+
+def _sampled_at(step: int, *rewards: float) -> dict[str, Any]:
+    """A group whose choices say they were sampled from ``step`` (as the gateway writes)."""
+    sampled = group(*rewards)
+    for item in sampled["trajectories"]:
+        item["messages_and_choices"][-1]["skytrain_step"] = step
+    return sampled
+
+
+def test_groups_further_off_policy_than_allowed_are_refused_naming_the_group(
+    caller: Caller,
+    stored: Callable[[Caller], Any],
+    model_id: str,
+    db_sessions: sessionmaker[Session],
+    object_store: ObjectStore,
+) -> None:
+    for step in (1, 2, 3):
+        add_checkpoint(
+            db_sessions,
+            object_store,
+            tenant_id=caller.key.tenant_id,
+            model_id=model_id,
+            step=step,
+            files={"adapter_config.json": b"{}"},
+        )
+    groups = [_sampled_at(3), _sampled_at(2, 0.0, 1.0), _sampled_at(1)]
+    body = {"model_id": model_id, "trajectory_groups": groups}
+
+    def send(limit: int) -> httpx.Response:
+        return caller.http.post(
+            "/v1/training-jobs", json={**body, "config": {"max_off_policy_steps": limit}}
+        )
+
+    _refused(
+        caller,
+        stored,
+        lambda: send(1),
+        400,
+        "trajectory_groups[2] was sampled from step 1, 2 steps before the model's current step 3",
+        "max_off_policy_steps=1",
+    )
+    _refused(caller, stored, lambda: send(-1), 400, "config.max_off_policy_steps")
+    accepted = send(2)
+    assert accepted.status_code == 201, accepted.text
+    assert accepted.json()["config"]["max_off_policy_steps"] == 2
+    # Without the option any lag is taken (the sampled logprobs are the old policy).
+    assert caller.http.post("/v1/training-jobs", json=body).status_code == 201
 
 
 def test_bad_sft_data_is_refused(

@@ -67,6 +67,7 @@ def test_every_set_field_is_accepted_by_the_server() -> None:
         kl_penalty_source="current_learner",
         kl_penalty_step_lag=2,
         scale_rewards=False,
+        max_off_policy_steps=2,
         allow_training_without_logprobs=True,
         unsampled_old_logprobs="job_start",
         warmup_step=True,

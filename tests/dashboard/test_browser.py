@@ -515,6 +515,33 @@ def test_a_failed_jobs_message_is_shown_on_its_page_and_in_the_jobs_tab(
     expect(row.locator(".job-error")).to_contain_text("every trained token lies beyond 16 tokens")
 
 
+def test_a_models_replicas_and_its_scale_events_are_shown_with_their_reasons(
+    service: Service, runs: Runs, open_page: Callable[..., Page]
+) -> None:
+    with service.http(TENANT) as http:
+        raised = http.patch(f"/v1/models/{runs.run_id}", json={"max_replicas": 2})
+        assert raised.status_code == 200, raised.text
+        (home,) = raised.json()["replicas"]
+    try:
+        page = open_page(runs.key)
+        goto(page, service, f"#/models/{runs.run_id}")
+        summary = page.locator(".replicas-summary")
+        expect(summary).to_have_text("1 serving (min 1, max 2)")
+        summary.get_by_role("link").click()
+        assert page.url.endswith(f"#/models/{runs.run_id}/replicas")
+
+        row = page.locator("table.replicas tbody tr")
+        expect(row).to_have_count(1)
+        expect(row).to_have_attribute("data-worker-id", home["worker_id"])
+        expect(row.locator("td").first).to_have_text("home")
+        expect(row.locator(".badge")).to_have_text("serving")
+        event = page.locator('table.scale-events tr[data-kind="replicas_set"]').first
+        expect(event).to_contain_text("min_replicas=1, max_replicas=2")
+    finally:
+        with service.http(TENANT) as http:
+            http.patch(f"/v1/models/{runs.run_id}", json={"max_replicas": 1})
+
+
 async def _sample_for(service: Service, runs: Runs, *, groups: int, size: int) -> list[Any]:
     """Groups sampled from live-run's endpoint, as the JSON a training job takes."""
     live = skytrain.Model(

@@ -120,6 +120,8 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         job, events = support.train(http, model["id"], groups, learning_rate=1e-3)
         del http.headers["X-Request-Id"]
         assert events[-1]["type"] == "training_ended", events[-1]
+        # Sampled from step 0, trained from step 0: each choice said so through the client.
+        assert events[-1]["data"]["off_policy_steps/max"] == 0.0
         # A heartbeat after the job reports the worker's stats.
         support.wait_until_served(http, model["id"], step=1)
 
@@ -131,6 +133,8 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
     assert _series(text, "skytrain_gateway_upstream_duration_seconds_count")
     assert sum(_series(text, "skytrain_gateway_tokens_total").values()) > 0
     assert _series(text, "skytrain_training_jobs_ended_total")['{status="succeeded"}'] == 1
+    off_policy = _series(text, "skytrain_training_off_policy_steps_count")
+    assert off_policy == {'{stat="max"}': 1, '{stat="mean"}': 1}, off_policy
     phases = _series(text, "skytrain_training_phase_duration_seconds_count")
     assert {'{phase="download"}', '{phase="steps"}', '{phase="commit"}'} <= set(phases)
     assert _series(text, "skytrain_training_queue_wait_duration_seconds_count")[""] == 1

@@ -65,11 +65,12 @@ def test_completion_always_carries_logprobs_with_token_ids(
     assert len(logprobs.token_logprobs) == len(logprobs.tokens) == 5
 
 
-def test_every_chat_choice_carries_the_engines_prompt_ids_for_training(
+def test_every_chat_choice_carries_the_engines_prompt_ids_and_its_step_for_training(
     tenant: Callable[[], Tenant], engine_worker: str, engine: Engine
 ) -> None:
     """The gateway asks for vLLM's return_token_ids and copies the prompt ids, which vLLM
-    answers once per response, onto each choice: the object a client keeps in its trajectory."""
+    answers once per response, onto each choice: the object a client keeps in its trajectory.
+    Each choice (each streamed chunk's too) also says the step that sampled it."""
     alice = tenant()
     name = alice.create_model(worker_id=engine_worker)["inference_name"]
     direct = engine.post(
@@ -88,6 +89,7 @@ def test_every_chat_choice_carries_the_engines_prompt_ids_for_training(
     for choice in completion.choices:
         assert choice.model_extra["prompt_token_ids"] == direct["prompt_token_ids"]  # type: ignore[index]
         assert choice.model_extra["token_ids"] == _token_ids(choice.logprobs.content)  # type: ignore[index, union-attr]
+        assert choice.model_extra["skytrain_step"] == 0  # type: ignore[index]
 
     chunks = list(
         alice.openai.chat.completions.create(
@@ -96,6 +98,7 @@ def test_every_chat_choice_carries_the_engines_prompt_ids_for_training(
     )
     first = chunks[0].choices[0]
     assert first.model_extra["prompt_token_ids"] == direct["prompt_token_ids"]  # type: ignore[index]
+    assert {c.choices[0].model_extra["skytrain_step"] for c in chunks if c.choices} == {0}  # type: ignore[index]
 
 
 def test_gateway_answers_exactly_what_the_engine_answers(
@@ -192,6 +195,10 @@ def test_pinned_step_is_served_by_its_adapter_and_step0_by_the_base_model(
         raw = alice.openai.chat.completions.with_raw_response.create(model=model_name, **greedy)  # type: ignore[call-overload]
         completion = raw.parse()
         assert completion.model == model_name
+        assert (
+            str(completion.choices[0].model_extra["skytrain_step"])
+            == raw.headers["x-skytrain-step"]
+        )  # type: ignore[index]
         return _token_ids(completion.choices[0].logprobs.content), raw.headers["x-skytrain-step"]
 
     def engine_ids(engine_model: str) -> list[int]:

@@ -346,3 +346,25 @@ def test_a_replica_killed_mid_burst_costs_no_request_that_had_not_reached_it(
     after = _burst(client, model["inference_name"], 6, threads=3)
     assert [a.status_code for a in after] == [200] * 6
     assert victim not in {a.headers["X-Skytrain-Worker"] for a in after}
+
+
+def test_a_replica_whose_engine_refuses_to_take_requests_costs_none_of_them(
+    client: httpx.Client, workers: list[str], engines: list[Engine]
+) -> None:
+    """An engine that answers 503 before generating (going to sleep for a job the control
+    plane has not heard of yet) is left out and its requests go to another replica."""
+    model = _create(client, "refusing", min_replicas=3, max_replicas=3)
+    wait_until(lambda: len(_serving(client, model["id"])) == 3, what="three replicas placed")
+    retries = "skytrain_gateway_replica_retries_total"
+    before = REGISTRY.get_sample_value(retries) or 0.0
+    asleep = engines[1]
+    assert asleep.post("/sleep", {}).status_code == 200
+    try:
+        answers = _burst(client, model["inference_name"], 12)
+    finally:
+        assert asleep.post("/wake_up", {}).status_code == 200
+    assert [a.status_code for a in answers] == [200] * 12, [a.text for a in answers]
+    assert workers[1] not in {a.headers["X-Skytrain-Worker"] for a in answers}
+    assert (REGISTRY.get_sample_value(retries) or 0.0) > before  # it was tried, then left out
+    client.patch(f"/v1/models/{model['id']}", json={"min_replicas": 1, "max_replicas": 1})
+    wait_until(lambda: len(_serving(client, model["id"])) == 1, what="replicas drained")

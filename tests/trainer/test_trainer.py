@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from skytrain_backend.errors import TrainingError
-from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGroup
+from skytrain_backend.protocol import Choice, ModelConfig, RLTrainConfig, TrajectoryGroup
 from skytrain_backend.trainer import Trainer
 from tests.fixtures.sampling import sample_choices
 
@@ -123,6 +123,43 @@ def test_groups_without_reward_variance_change_nothing(tiny_trainer: Trainer) ->
     assert list(tiny_trainer.run(plan)) == []
     assert _same(before, _adapter(tiny_trainer))
     assert tiny_trainer.step == 1  # the worker still commits the next step
+
+
+def _sampled_at(groups: list[TrajectoryGroup], step: int) -> list[TrajectoryGroup]:
+    """The groups with each choice saying it was sampled from ``step``, as the gateway says."""
+    for group in groups:
+        for trajectory in group.trajectories:
+            for item in trajectory.messages_and_choices:
+                if isinstance(item, Choice):
+                    item.skytrain_step = step
+    return groups
+
+
+def test_a_job_reports_how_many_steps_behind_its_groups_were_sampled(
+    tiny_trainer: Trainer,
+) -> None:
+    """Groups sampled from the step before train with their own sampled logprobs as the old
+    policy (the policy has moved since: their ratios are not 1); the plan says how far behind
+    they were, and a group whose choices say no step is not counted."""
+    stale = _sampled_at(_groups(tiny_trainer, [[0.0, 1.0], [1.0, 0.0]]), 0)
+    _train(
+        tiny_trainer, _groups(tiny_trainer, [[0.0, 1.0]], seed=7), RLTrainConfig(learning_rate=1e-2)
+    )
+    assert tiny_trainer.step == 1
+    fresh = _sampled_at(_groups(tiny_trainer, [[1.0, 0.0]], seed=3), 1)
+    unsaid = _groups(tiny_trainer, [[0.0, 1.0]], seed=5)
+
+    plan = tiny_trainer.prepare_rl([*stale, *fresh, *unsaid], RLTrainConfig(learning_rate=1e-3))
+
+    assert plan.summary["off_policy_steps/max"] == 1.0
+    assert plan.summary["off_policy_steps/mean"] == pytest.approx(2 / 3)
+    assert plan.summary["groups/off_policy"] == 2.0
+    (metrics,) = list(tiny_trainer.run(plan))
+    assert metrics["ratio/mean"] != 1.0
+    assert tiny_trainer.step == 2
+    later = tiny_trainer.prepare_rl(fresh, RLTrainConfig())
+    assert later.summary["off_policy_steps/max"] == 1.0  # sampled at 1, the trainer is at 2
+    assert "off_policy_steps/max" not in tiny_trainer.prepare_rl(unsaid, RLTrainConfig()).summary
 
 
 def test_a_plan_runs_once_and_only_on_the_step_it_was_prepared_at(tiny_trainer: Trainer) -> None:

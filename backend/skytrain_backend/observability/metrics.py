@@ -138,6 +138,13 @@ LOGPROB_AGREEMENT = Histogram(
     ["stat"],
     buckets=(0.0001, 0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
 )
+OFF_POLICY_STEPS = Histogram(
+    "skytrain_training_off_policy_steps",
+    "How many steps before the step a job trained from its groups were sampled (the "
+    "choices' skytrain_step), per job: the mean and the largest over its groups.",
+    ["stat"],
+    buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
+)
 
 # --- storage and database ---------------------------------------------------------------------
 
@@ -160,6 +167,7 @@ _KNOWN_PHASES = frozenset(
     {"download", "prepare", "steps", "save", "handoff", "upload", "engine_load", "training"}
 )
 _AGREEMENT = {"logprob_agreement/mean_abs_diff": "mean", "logprob_agreement/max_abs_diff": "max"}
+_OFF_POLICY = {"off_policy_steps/mean": "mean", "off_policy_steps/max": "max"}
 _STATEMENTS = frozenset({"select", "insert", "update", "delete"})
 
 
@@ -210,7 +218,8 @@ def count_refusal(*, path: str, status: int, reason: str) -> None:
 
 
 def record_job_completion(metrics: dict[str, float]) -> None:
-    """Observe what a worker reported with a job's result: its phases and its agreement."""
+    """Observe what a worker reported with a job's result: its phases, its agreement and how
+    far off-policy its groups were."""
     for key, value in metrics.items():
         if key.startswith(_PHASE_PREFIX) and key.endswith(_PHASE_SUFFIX):
             phase = key[len(_PHASE_PREFIX) : -len(_PHASE_SUFFIX)]
@@ -218,6 +227,8 @@ def record_job_completion(metrics: dict[str, float]) -> None:
                 JOB_PHASE.labels(phase=phase).observe(value)
         elif key in _AGREEMENT and value >= 0:
             LOGPROB_AGREEMENT.labels(stat=_AGREEMENT[key]).observe(value)
+        elif key in _OFF_POLICY and value >= 0:
+            OFF_POLICY_STEPS.labels(stat=_OFF_POLICY[key]).observe(value)
 
 
 T = TypeVar("T")

@@ -63,7 +63,9 @@ from skytrain_backend.protocol.trajectories import (
     format_validation_error,
     message_shape_problem,
     names_token_ids,
+    off_policy_steps,
     parse_trajectory_groups,
+    sampled_step,
     sampled_turn,
     token_id_digits,
 )
@@ -181,7 +183,9 @@ __all__ = [
     "lora_name",
     "message_shape_problem",
     "names_token_ids",
+    "off_policy_steps",
     "parse_trajectory_groups",
+    "sampled_step",
     "sampled_turn",
     "token_id_digits",
 ]

@@ -177,6 +177,10 @@ class RLTrainConfig(BaseModel):
     kl_penalty_reference_step: int | None = Field(default=None, ge=0, le=MAX_STEP)
     kl_penalty_step_lag: int | None = Field(default=None, ge=1, le=MAX_STEP)
     scale_rewards: bool = True
+    # Groups sampled more than this many steps before the model's current step (their
+    # choices' skytrain_step) are refused when the job is queued (None: any lag is trained,
+    # the sampled logprobs being the old policy).
+    max_off_policy_steps: int | None = Field(default=None, ge=0, le=MAX_STEP)
     allow_training_without_logprobs: bool = False
     # Tokens the sampler gave no logprob for (allow_training_without_logprobs): their old
     # policy is the policy at the job's start ("job_start"), or each step's own, so their

@@ -29,6 +29,7 @@ from typing_extensions import TypedDict
 
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.ranges import (
+    MAX_STEP,
     NO_NUL_PATTERN,
     MetricValue,
     Reward,
@@ -120,6 +121,9 @@ class Choice(_Lenient):
     ``return_token_ids`` fields: ``prompt_token_ids``, the exact prompt the engine sampled
     after (the gateway copies it from the response onto every choice, where ART reads it too),
     and ``token_ids``, the sampled ids. The trainer trains each turn on exactly these.
+    ``skytrain_step`` is the step of the model that sampled it (the gateway writes it on
+    every choice, as ``X-Skytrain-Step`` says it of the answer): a group sampled from an older
+    step than the one a job trains from is off-policy by that many steps.
     """
 
     index: int = 0
@@ -128,6 +132,7 @@ class Choice(_Lenient):
     logprobs: ChoiceLogprobs | None = None
     prompt_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    skytrain_step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
 
     @field_validator("message")
     @classmethod
@@ -270,6 +275,34 @@ class TrajectoryGroup(_Lenient):
     metadata: dict[str, Any] = Field(default_factory=dict)
     metrics: Metrics = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
+
+
+def sampled_step(group: Any) -> int | None:
+    """The oldest step that sampled a turn of ``group`` (a ``TrajectoryGroup``, or the
+    ingest's Struct of one), from its choices' ``skytrain_step``; None when no choice says.
+    A group is as far off-policy as its oldest turn."""
+    steps = [
+        item.skytrain_step
+        for trajectory in group.trajectories
+        for history in (trajectory, *trajectory.additional_histories)
+        for item in history.messages_and_choices
+        if isinstance(getattr(item, "skytrain_step", None), int)
+    ]
+    return min(steps) if steps else None
+
+
+def off_policy_steps(groups: Sequence[Any], *, base_step: int) -> dict[str, float]:
+    """How many steps behind ``base_step`` (the step a job trains from) its groups were
+    sampled: ``off_policy_steps/mean`` and ``/max`` over the groups whose choices say their
+    step, and ``groups/off_policy``, how many were behind. Empty when no group says."""
+    behind = [max(base_step - step, 0) for step in map(sampled_step, groups) if step is not None]
+    if not behind:
+        return {}
+    return {
+        "off_policy_steps/mean": sum(behind) / len(behind),
+        "off_policy_steps/max": float(max(behind)),
+        "groups/off_policy": float(sum(1 for lag in behind if lag > 0)),
+    }
 
 
 def format_validation_error(error: ValidationError, *, root: str = "") -> str:

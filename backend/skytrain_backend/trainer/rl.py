@@ -17,6 +17,7 @@ from skytrain_backend.protocol import (
     RLTrainConfig,
     TrajectoryGroup,
     check_trainable,
+    off_policy_steps,
 )
 from skytrain_backend.trainer.loss import (
     art_kl_advantages,
@@ -140,11 +141,14 @@ def prepare(
         cut, count = warmup_cut
         cut_sequences = [batch.sequences[index].truncated(tokens) for index, tokens in cut]
         warmup = WarmupRow(trainer.pack(cut_sequences, row_length), count)
+    # Groups sampled from an older step are trained with their own sampled logprobs as the
+    # old policy (the ratio and clipping cover the lag); the job reports how far behind.
     summary = (
         batch.summary
         | dropped
         | merged_stats(packings, row_length=row_length)
         | {"train/num_gradient_steps": float(len(steps))}
+        | off_policy_steps(groups, base_step=trainer.step)
     )
     if resume_from is not None:
         return _resumed_plan(trainer, config, steps, summary, Path(resume_from), rate_counts)

@@ -1,8 +1,10 @@
 """An engine's answer as the caller gets it: JSON or server-sent events, rewritten.
 
-The answer's ``model`` is written back to the caller's name, and the chat answer's
+The answer's ``model`` is written back to the caller's name, the chat answer's
 ``prompt_token_ids`` is copied onto each of its choices (the object a client keeps in its
-trajectory). Streams are passed through event by event as the engine sends them; when the
+trajectory), and each choice says the step that sampled it (``skytrain_step``, as the
+``X-Skytrain-Step`` header says it of the answer): a group sent to train carries it, so the
+job knows how far off-policy the group is. Streams are passed through event by event as the engine sends them; when the
 caller goes away mid-stream the upstream request is closed at once, which makes the engine
 stop generating for it.
 
@@ -57,11 +59,13 @@ async def read_json(upstream: Upstream, *, route: EngineRoute) -> Any:
         upstream.close()
 
 
-def json_answer(content: Any, *, model: str, headers: dict[str, str]) -> Response:
-    """The engine's parsed answer, ``model`` written back to the caller's name."""
+def json_answer(content: Any, *, model: str, step: int, headers: dict[str, str]) -> Response:
+    """The engine's parsed answer, ``model`` written back to the caller's name, each choice
+    marked with the ``step`` that sampled it."""
     if isinstance(content, dict) and "model" in content:
         content["model"] = model
         _prompt_ids_onto_choices(content)
+        _step_onto_choices(content, step)
         observe.metrics.count_usage(content)
     # msgspec read it, so every number is finite: written back as JSONResponse would.
     return Response(_JSON.encode(content), headers=headers, media_type="application/json")
@@ -128,10 +132,11 @@ class EventStream(StreamingResponse):
         upstream: Upstream,
         *,
         model: str,
+        step: int,
         headers: dict[str, str],
     ) -> None:
         super().__init__(
-            _events(upstream, model=model),
+            _events(upstream, model=model, step=step),
             media_type="text/event-stream",
             headers={**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
@@ -149,14 +154,14 @@ class EventStream(StreamingResponse):
             self.on_close()
 
 
-async def _events(upstream: Upstream, *, model: str) -> AsyncIterator[str]:
+async def _events(upstream: Upstream, *, model: str, step: int) -> AsyncIterator[str]:
     """The engine's events, rewritten, and an error event if it breaks off (events that came
     in the same instant as the broken connection may be lost with it: the caller retries)."""
     event: list[str] = []
     try:
         async for line in upstream.lines():
             if line:
-                event.append(_rewrite_data_line(line, model=model))
+                event.append(_rewrite_data_line(line, model=model, step=step))
                 continue
             if event:
                 yield "\n".join(event) + "\n\n"
@@ -170,7 +175,7 @@ async def _events(upstream: Upstream, *, model: str) -> AsyncIterator[str]:
         yield f"data: {json.dumps(payload)}\n\n"
 
 
-def _rewrite_data_line(line: str, *, model: str) -> str:
+def _rewrite_data_line(line: str, *, model: str, step: int) -> str:
     if not line.startswith("data:"):
         return line
     payload = line.removeprefix("data:").strip()
@@ -184,6 +189,7 @@ def _rewrite_data_line(line: str, *, model: str) -> str:
         return line
     data["model"] = model
     _prompt_ids_onto_choices(data)
+    _step_onto_choices(data, step)
     observe.metrics.count_usage(data)
     return "data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
@@ -198,3 +204,11 @@ def _prompt_ids_onto_choices(data: dict[str, Any]) -> None:
     for choice in choices:
         if isinstance(choice, dict) and choice.get("prompt_token_ids") is None:
             choice["prompt_token_ids"] = prompt_ids
+
+
+def _step_onto_choices(data: dict[str, Any], step: int) -> None:
+    choices = data.get("choices")
+    if isinstance(choices, list):
+        for choice in choices:
+            if isinstance(choice, dict):
+                choice["skytrain_step"] = step

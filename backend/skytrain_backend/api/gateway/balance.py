@@ -7,8 +7,9 @@
   ``X-Session-Id`` header) goes to the replica the conversation's last request went to, so a
   multi-turn rollout reuses that engine's prefix cache, while that replica is among the
   route's and healthy; otherwise it is placed as any request and the conversation follows it.
-- **A replica that cannot be reached** (the request never reached it: the connection failed)
-  is left out for ``DOWN_S`` and the request goes to another replica. Once an engine has
+- **A replica that cannot be reached** (the request never reached it: the connection failed),
+  or whose engine refuses it with a 503 before generating (``Gateway._send``), is left
+  out for ``DOWN_S`` and the request goes to another replica. Once an engine has
   begun answering, the request is never sent elsewhere: a stream already started is never
   replayed.
 

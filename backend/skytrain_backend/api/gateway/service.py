@@ -108,8 +108,10 @@ class Gateway:
         counted: list[Callable[[], None]],
     ) -> tuple[Upstream, EngineRoute]:
         """The answer of one of the route's replicas (``balance.py``), and which it was; a
-        replica that cannot be reached is left out and the next one tried. The replica's
-        request is counted out by the caller (``counted``)."""
+        replica that cannot be reached, or whose engine refuses to take the request (503:
+        going to sleep for a job the control plane has not heard of yet, restarting), is left
+        out and the next one tried. The replica's request is counted out by the caller
+        (``counted``)."""
         tried: set[str] = set()
         while True:
             chosen = self.balancer.pick(route, conversation=conversation, exclude=tried)
@@ -123,17 +125,30 @@ class Gateway:
             except Unavailable:
                 # Not reached (its connection failed): another replica, if one is left.
                 done()
-                tried.add(chosen.worker_id)
-                self.balancer.unreachable(chosen.worker_id)
-                if len(tried) >= len(route.choices):
+                if not self._leave_out(chosen, tried, route):
                     raise
-                observe.metrics.replica_retried()
                 continue
             except BaseException:
                 done()
                 raise
+            # A 503 comes before the engine generates anything (a stream's status is 200):
+            # the request is another replica's to answer, if one is left.
+            if upstream.status_code == 503 and len(tried) + 1 < len(route.choices):
+                upstream.close()
+                done()
+                self._leave_out(chosen, tried, route)
+                continue
             counted.append(done)
             return upstream, chosen
+
+    def _leave_out(self, chosen: EngineRoute, tried: set[str], route: EngineRoute) -> bool:
+        """Leave a replica that could not take a request out; whether another is left."""
+        tried.add(chosen.worker_id)
+        self.balancer.unreachable(chosen.worker_id)
+        if len(tried) >= len(route.choices):
+            return False
+        observe.metrics.replica_retried()
+        return True
 
     async def _proxy(
         self,
@@ -182,8 +197,10 @@ class Gateway:
         if upstream.status_code != 200:
             return await answers.refusal(upstream, route=route)
         if stream:
-            return answers.EventStream(upstream, model=body["model"], headers=headers)
-        return answers.json_answer(content, model=body["model"], headers=headers)
+            return answers.EventStream(
+                upstream, model=body["model"], step=route.step, headers=headers
+            )
+        return answers.json_answer(content, model=body["model"], step=route.step, headers=headers)
 
     async def admit_completion(
         self, *, tenant_id: str, limits: TenantLimits, body: dict[str, Any]

@@ -36,6 +36,7 @@ from skytrain_backend.api.ingest.batch import (
     trainable_turns,
 )
 from skytrain_backend.api.ingest.body import (
+    Group,
     Spool,
     check_count,
     each_item,
@@ -47,6 +48,7 @@ from skytrain_backend.api.ingest.body import (
 from skytrain_backend.api.ingest.summaries import LongSequences, Summary, combine, summarize
 
 __all__ = [
+    "Group",
     "IngestBatch",
     "LongSequences",
     "Spool",

@@ -59,6 +59,7 @@ from skytrain_backend.protocol import (
     RLTrainConfig,
     SFTTrainConfig,
     check_trainable_turns,
+    sampled_step,
 )
 from skytrain_backend.ranges import ID_MAX_LENGTH, ID_PATTERN
 from skytrain_backend.scheduler import ranks
@@ -215,6 +216,7 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
     def __init__(self) -> None:
         self._trainable_turns = 0
         self._long: ingest.LongSequences | None = None
+        self._current_step = 0
 
     def config(
         self, request: TrainingJobCreate, items: Items, *, session: Session, model: Model
@@ -228,6 +230,7 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
             checkpoint_step=functools.partial(_reference_by_id, session, model),
         )
         _check_reference_step(session, model, config)
+        self._current_step = registry.latest_step(session, model_id=model.id)
         return config
 
     def add_items(
@@ -244,8 +247,22 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
             self._trainable_turns += ingest.trainable_turns(
                 group, index, allow_training_without_logprobs=allow
             )
+            self._check_off_policy(group, index, config.max_off_policy_steps)
             self._long.add(group)
             batch.add(group)
+
+    def _check_off_policy(self, group: ingest.Group, index: int, limit: int | None) -> None:
+        """A group sampled more than ``max_off_policy_steps`` before the model's step now is
+        refused (the whole job: nothing is stored)."""
+        step = sampled_step(group)
+        if limit is None or step is None or self._current_step - step <= limit:
+            return
+        raise InvalidRequest(
+            f"trajectory_groups[{index}] was sampled from step {step}, "
+            f"{self._current_step - step} steps before the model's current step "
+            f"{self._current_step}, and max_off_policy_steps={limit}: sample the group again "
+            "from the current step, leave it out, or raise max_off_policy_steps"
+        )
 
     def too_long(self) -> LongSequencesPublic | None:
         report = self._long.report() if self._long is not None else None

@@ -1,5 +1,6 @@
-// A model's page: what it is and where it is served, then one of four tabs: its metrics per
-// step (charts that update while it trains), logged trajectories, checkpoints and jobs.
+// A model's page: what it is and where it is served, then one of five tabs: its metrics per
+// step (charts that update while it trains), logged trajectories, checkpoints, jobs, and the
+// workers that serve it with the scheduler's scale events.
 
 import { get } from "../api.js";
 import { lineChart } from "../charts.js";
@@ -7,6 +8,7 @@ import { badge, copyable, formatAgo, formatTime, h, link, loading, replace, shor
 import { loadHistory, metricHistory, modelCharts } from "../metrics.js";
 import { checkpointsTab } from "./checkpoints.js";
 import { jobsTab } from "./jobs.js";
+import { replicaCount, replicasTab } from "./replicas.js";
 import { trajectoriesTab } from "./trajectories.js";
 
 const REFRESH_MS = 5000;
@@ -15,6 +17,7 @@ const TABS = [
   ["trajectories", "Trajectories"],
   ["checkpoints", "Checkpoints"],
   ["jobs", "Jobs"],
+  ["replicas", "Replicas"],
 ];
 
 async function openJob(modelId, signal) {
@@ -36,6 +39,8 @@ function summary(model, job) {
       h("dt", null, "latest step"), h("dd", { class: "latest-step" }, String(model.latest_step)),
       h("dt", null, "serving"),
       h("dd", null, serving ? [badge(serving.state), " ", h("span", { class: "muted" }, serving.message)] : "–"),
+      h("dt", null, "replicas"),
+      h("dd", { class: "replicas-summary" }, h("a", { href: link(["models", model.id, "replicas"]) }, replicaCount(model))),
       h("dt", null, "last activity"),
       h("dd", { title: formatTime(model.last_active_at) }, formatAgo(model.last_active_at)),
       h("dt", null, "created"), h("dd", null, formatTime(model.created_at))),
@@ -112,6 +117,7 @@ const TAB_VIEWS = {
   trajectories: trajectoriesTab,
   checkpoints: checkpointsTab,
   jobs: jobsTab,
+  replicas: replicasTab,
 };
 
 export async function modelPage(root, context) {
