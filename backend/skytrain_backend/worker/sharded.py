@@ -303,10 +303,14 @@ class ShardedTrainer:
             for line in lines:
                 event = json.loads(line)
                 _apply(plan, event)
-                yield event
                 if event["event"] in ("saved", "stopped"):
+                    # The ranks' last word: wait for them to exit before the caller hears
+                    # it (a caller stops asking at this event, so nothing after the yield
+                    # runs; the next job's torchrun would find this one's port still held).
                     self._wait()
+                    yield event
                     return
+                yield event
             if ended and not lines:
                 self._wait()
                 raise TrainingError("the sharded trainer's processes ended before the job did")
