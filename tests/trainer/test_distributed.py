@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from skytrain_backend.trainer import Trainer
 from skytrain_backend.trainer.job import JobSpec
 from skytrain_backend.trainer.trainer import OPTIMIZER_STATE
 from skytrain_backend.worker.sharded import Rendezvous, ShardedTrainer, torchrun_command
+from tests.fixtures.ports import port_outside_the_ephemeral_range
 from tests.trainer.test_resume import _answers, _groups
 
 pytestmark = pytest.mark.distributed
@@ -202,9 +202,7 @@ def test_an_sft_job_on_two_nodes_updates_as_one(tiny_model_path: Path, tmp_path:
         tiny_model_path, trajectories, config, lora, tmp_path, output_dir=tmp_path / "two"
     )
     (tmp_path / "job.json").write_text(spec.model_dump_json())
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = port_outside_the_ephemeral_range()
     skypilot = {
         "SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n",
         "SKYTRAIN_TRAINER_MASTER_PORT": str(port),

@@ -7,7 +7,6 @@ of the head's files: rank 0 sends it each job's data and checkpoint."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from skytrain_backend.trainer.trainer import OPTIMIZER_STATE
 from skytrain_backend.worker.follower import follower_rendezvous, gpus_per_node
 from skytrain_backend.worker.options import AgentOptions
 from skytrain_backend.worker.sharded import follower_command, sharded_trainer
+from tests.fixtures.ports import port_outside_the_ephemeral_range
 from tests.trainer.test_distributed import ADAPTER, _assert_same_metrics, _assert_same_to_noise
 from tests.trainer.test_resume import _answers
 
@@ -95,9 +95,7 @@ def test_two_jobs_on_two_worker_nodes_update_as_one_process(
     one_metrics = [list(one.run(one.prepare_sft(trajectories, c))) for c in configs]
     one.save(tmp_path / "one")
 
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = port_outside_the_ephemeral_range()
     nodes = {**TWO_NODES, "SKYTRAIN_TRAINER_MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
     follower = subprocess.Popen(
         [
