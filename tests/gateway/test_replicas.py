@@ -206,8 +206,11 @@ def test_a_burst_is_spread_over_the_replicas_and_one_serves_while_another_trains
         during = _burst(client, model["inference_name"], 6, threads=3)
         assert [a.status_code for a in during] == [200] * 6
         assert home_id not in {a.headers["X-Skytrain-Worker"] for a in during}
-        serving = client.get(f"/v1/models/{model['id']}").json()["serving"]
-        assert serving["ready"] and "while worker" in serving["message"]
+        shown = client.get(f"/v1/models/{model['id']}").json()
+        assert shown["serving"]["ready"] and "while worker" in shown["serving"]["message"]
+        # Each replica as its worker can answer now: the home sleeps, the others serve.
+        statuses = {item["worker_id"]: item["status"] for item in shown["replicas"]}
+        assert statuses == {w: ("sleeping" if w == home_id else "serving") for w in workers}
     finally:
         with db() as session:
             session.get_one(Worker, home_id).status = "ready"

@@ -150,13 +150,18 @@ class ServingPublic(BaseModel):
     step: int | None = None
 
 
+# serving: its worker answers requests; sleeping: its engine sleeps while the worker trains;
+# starting: its worker is not up yet; unreachable: its worker stopped answering; draining: it
+# gets no new request and goes once those in flight are answered.
+ReplicaStatus = Literal["serving", "sleeping", "starting", "unreachable", "draining"]
+
+
 class ReplicaPublic(BaseModel):
     """A worker serving the model: its ``home`` (which trains it) or a ``replica``."""
 
     worker_id: str
     role: Literal["home", "replica"]
-    # A draining replica gets no new request; it goes once those in flight are answered.
-    status: Literal["serving", "draining"]
+    status: ReplicaStatus
 
 
 class ModelReplicasUpdate(BaseModel):

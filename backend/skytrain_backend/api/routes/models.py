@@ -26,31 +26,47 @@ from skytrain_backend.api.schemas import (
     ModelReplicasUpdate,
     ModelsPublic,
     ReplicaPublic,
+    ReplicaStatus,
     ServingPublic,
 )
 from skytrain_backend.db import registry, tenants
-from skytrain_backend.db.models import Model, ModelReplica
+from skytrain_backend.db.models import Model, ModelReplica, Worker
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import placement, replicas
-from skytrain_backend.scheduler.serving import ServingStatus, serving_status
+from skytrain_backend.scheduler.serving import (
+    ROUTABLE_WORKER_STATUSES,
+    ServingStatus,
+    serving_status,
+)
 from skytrain_backend.storage import keys
 
 router = APIRouter(prefix="/models", tags=["models"], route_class=SessionRoute)
 
 
+def _replica_status(worker_status: str | None, *, draining: bool = False) -> ReplicaStatus:
+    if draining:
+        return "draining"
+    if worker_status in ROUTABLE_WORKER_STATUSES:
+        return "serving"
+    if worker_status == "sleeping":
+        return "sleeping"
+    return "starting" if worker_status in ("provisioning", "starting") else "unreachable"
+
+
 def replicas_public(session: SessionDep, *, model: Model) -> list[ReplicaPublic]:
-    """The model's home and replicas on live workers."""
-    found = (
-        [ReplicaPublic(worker_id=model.worker_id, role="home", status="serving")]
-        if model.worker_id
-        else []
-    )
-    for replica in session.scalars(
-        select(ModelReplica)
+    """The model's home and replicas on live workers, each as its worker can answer now."""
+    found = []
+    if model.worker_id:
+        home = session.get(Worker, model.worker_id)
+        status = _replica_status(home.status if home else None)
+        found.append(ReplicaPublic(worker_id=model.worker_id, role="home", status=status))
+    for replica, worker_status in session.execute(
+        select(ModelReplica, Worker.status)
+        .join(Worker, Worker.id == ModelReplica.worker_id)
         .where(ModelReplica.model_id == model.id)
         .order_by(ModelReplica.created_at, ModelReplica.id)
     ):
-        status = "draining" if replica.status == "draining" else "serving"
+        status = _replica_status(worker_status, draining=replica.status == "draining")
         found.append(ReplicaPublic(worker_id=replica.worker_id, role="replica", status=status))
     return found
 
