@@ -12,10 +12,12 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import update
 from sqlalchemy.orm import Session, sessionmaker
 
 import tinker
@@ -23,7 +25,7 @@ from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
-from skytrain_backend.db.models import TrainingJob
+from skytrain_backend.db.models import Model, TrainingJob, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
 from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import serve_in_thread, wait_until
@@ -50,8 +52,30 @@ def plane(make_settings: MakeSettings) -> Iterator[Plane]:
     engine.dispose()
 
 
+@pytest.fixture(scope="module")
+def patient_plane(make_settings: MakeSettings) -> Iterator[Plane]:
+    """A control plane whose models go idle only when a test says so (``_gone_idle``): its
+    idle timeout is longer than any test, however slow the machine."""
+    settings = make_settings(model_idle_timeout_s=3600)
+    engine = create_db_engine(settings.resolved_database_url)
+    with serve_in_thread(create_app(settings)) as url:
+        yield Plane(url=url, settings=settings, sessions=session_factory(engine))
+    engine.dispose()
+
+
+def _gone_idle(plane: Plane, *model_ids: str) -> None:
+    """The models were last used two idle timeouts ago (as if time had passed)."""
+    long_ago = utcnow() - timedelta(seconds=2 * plane.settings.model_idle_timeout_s)
+    with plane.sessions() as session:
+        session.execute(
+            update(Model).where(Model.id.in_(model_ids)).values(last_active_at=long_ago)
+        )
+        session.commit()
+
+
 @pytest.mark.slow
-def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane) -> None:
+def test_a_ninth_model_gets_the_place_of_one_that_went_idle(patient_plane: Plane) -> None:
+    plane = patient_plane
     base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
     with plane.sessions() as session:
         _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
@@ -100,6 +124,7 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane) -> Non
         assert "idle" in shown["message"]
 
         first, busy = models[0], models[1:]
+        _gone_idle(plane, first["id"])
 
         def ninth_placed_while_the_others_are_used() -> bool:
             # The ninth is asked for too, as a client waiting for it would.
@@ -119,6 +144,7 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane) -> Non
         assert here == {m["id"] for m in busy} | {ninth["id"]}
 
         # Everything goes idle; the first model's next use places it again.
+        _gone_idle(plane, *(m["id"] for m in busy), ninth["id"])
         wait_until(lambda: not placed_here(), what="all models released", timeout_s=30)
         register(first["name"])
         wait_until(
