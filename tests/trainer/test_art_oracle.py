@@ -301,6 +301,7 @@ def test_an_art_job_makes_arts_update(
     )
     assert metrics["loss/policy"] == pytest.approx(arts_loss, rel=1e-5, abs=1e-7)
     assert _cosine(gradient, arts_gradient) >= 0.9999
+    assert _norm(gradient) == pytest.approx(_norm(arts_gradient), rel=1e-5)
 
 
 def _agent_batch(
