@@ -424,14 +424,17 @@ def test_an_art_job_drops_sequences_longer_than_its_rows_as_art_does(
         sampled=(10, 40),
         tool=(5, 15),
     )
-    lengths = [_sequence_length(t) for group in batch for t in group["trajectories"]]
-    too_long = sum(length > 128 for length in lengths)
-    assert 0 < too_long < len(lengths)
+    trajectories = [t for group in batch for t in group["trajectories"]]
+    long = [t for t in trajectories if _sequence_length(t) > 128]
+    assert 0 < len(long) < len(trajectories)
     _, plan = _steps_as_art_does(
         art_oracle, tiny_model_path, tiny_trainer, batch, packed_sequence_length=128
     )
-    assert plan.summary["sequences/dropped"] == too_long
-    assert plan.summary["tokens/dropped"] > 0
+    assert plan.summary["sequences/dropped"] == len(long)
+    # The sampled tokens of the sequences left out (ART trains every sampled token).
+    assert plan.summary["tokens/dropped"] == sum(
+        len(item["token_ids"]) for t in long for item in t["messages_and_choices"][1:]
+    )
     assert plan.summary["tokens/truncated"] == 0
 
 
