@@ -200,16 +200,22 @@ def _row_logprobs(
 
 
 def _arts_gradient(
-    trainer: Trainer, oracle: ArtOracle, packed: ArtPacked, row: int = 0, cut: int | None = None
+    trainer: Trainer,
+    oracle: ArtOracle,
+    packed: ArtPacked,
+    row: int = 0,
+    cut: int | None = None,
+    old: torch.Tensor | None = None,
 ) -> tuple[float, list[torch.Tensor]]:
     """ART's loss of ``row`` (its first ``cut`` positions) and its gradient of the adapter's
-    parameters, at the trainer's parameters now."""
+    parameters, at the trainer's parameters now; ``old``: the row's logprobs before the job
+    (``_row_logprobs``), which ``precalculate_logprobs`` takes as old (default: now's)."""
     new_logprobs, _ = _row_logprobs(trainer, packed, row, cut)
     reference = None
     if packed.dev_config.get("kl_penalty_coef", 0.0) > 0 and cut is None:
         with torch.no_grad(), trainer.policy.adapter_disabled():
             reference, _ = _row_logprobs(trainer, packed, row)
-    loss, grad = oracle.loss(row, new_logprobs, reference, cut)
+    loss, grad = oracle.loss(row, new_logprobs, reference, cut, old)
     parameters = trainer.policy.trainable_parameters()
     gradients = torch.autograd.grad((new_logprobs * grad).sum(), parameters)
     return loss, list(gradients)
@@ -301,6 +307,7 @@ def test_an_art_job_makes_arts_update(
     )
     assert metrics["loss/policy"] == pytest.approx(arts_loss, rel=1e-5, abs=1e-7)
     assert _cosine(gradient, arts_gradient) >= 0.9999
+    assert _norm(gradient) == pytest.approx(_norm(arts_gradient), rel=1e-5)
 
 
 def _agent_batch(
@@ -417,14 +424,17 @@ def test_an_art_job_drops_sequences_longer_than_its_rows_as_art_does(
         sampled=(10, 40),
         tool=(5, 15),
     )
-    lengths = [_sequence_length(t) for group in batch for t in group["trajectories"]]
-    too_long = sum(length > 128 for length in lengths)
-    assert 0 < too_long < len(lengths)
+    trajectories = [t for group in batch for t in group["trajectories"]]
+    long = [t for t in trajectories if _sequence_length(t) > 128]
+    assert 0 < len(long) < len(trajectories)
     _, plan = _steps_as_art_does(
         art_oracle, tiny_model_path, tiny_trainer, batch, packed_sequence_length=128
     )
-    assert plan.summary["sequences/dropped"] == too_long
-    assert plan.summary["tokens/dropped"] > 0
+    assert plan.summary["sequences/dropped"] == len(long)
+    # The sampled tokens of the sequences left out (ART trains every sampled token).
+    assert plan.summary["tokens/dropped"] == sum(
+        len(item["token_ids"]) for t in long for item in t["messages_and_choices"][1:]
+    )
     assert plan.summary["tokens/truncated"] == 0
 
 
@@ -460,13 +470,16 @@ def test_an_art_jobs_learning_rate_per_step_is_arts(
         )
 
 
+@pytest.mark.parametrize("options", OPTION_SETS.values(), ids=OPTION_SETS.keys())
 @pytest.mark.slow
-def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
-    art_oracle: ArtOracle, tiny_model_path: Path, moved_trainer: Trainer
+def test_every_step_of_a_many_row_job_makes_arts_update(
+    art_oracle: ArtOracle, tiny_model_path: Path, moved_trainer: Trainer, options: dict[str, Any]
 ) -> None:
-    """A job of several rows: at each step, once the earlier steps have moved the policy,
-    skytrain's gradient has the direction and the norm of ART's loss at that point. Tokens without a sampler logprob keep ratio 1 on every step (ART
-    takes the step's own logprobs for them), not the ratio to the policy before the job."""
+    """A job of several rows, with each option set: at each step, once the earlier steps
+    have moved the policy, skytrain's learning rate is ART's and its gradient has the
+    direction and the norm of ART's loss at that point. Tokens without a sampler logprob
+    keep ratio 1 on every step (ART takes the step's own logprobs for them, in the KL
+    penalty's source too), not the ratio to the policy before the job."""
     batch = _agent_batch(
         groups=2,
         per_group=3,
@@ -476,10 +489,19 @@ def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
         sampled=(10, 30),
         tool=(5, 10),
     )
+    rng = random.Random(5)
+    for group in batch:
+        for trajectory in group["trajectories"]:
+            for item in trajectory["messages_and_choices"][1:]:
+                # Near the tiny model's logprobs of random tokens, so clipping and masks act
+                # on some tokens only.
+                for entry in item["logprobs"]["content"]:
+                    entry["logprob"] = -10.8 + rng.uniform(-0.4, 0.4)
     for trajectory in batch[0]["trajectories"][:2]:  # sampled ids, no logprobs
         for item in trajectory["messages_and_choices"][1:]:
             item["logprobs"] = None
     options = {
+        **options,
         "learning_rate": 1e-3,
         "allow_training_without_logprobs": True,
         "packed_sequence_length": 128,
@@ -492,24 +514,41 @@ def test_every_step_of_a_job_without_sampler_logprobs_makes_arts_update(
     trainer = copy.deepcopy(moved_trainer)
     plan = trainer.prepare_rl([TrajectoryGroup.model_validate(g) for g in batch], config)
     assert plan.num_gradient_steps == packed.rows
+    # ART's precalculate_logprobs reads every row's old logprobs once, before the first step.
+    with torch.no_grad():
+        precalculated = [_row_logprobs(trainer, packed, row)[0] for row in range(packed.rows)]
     arts: list[list[torch.Tensor]] = []
     ours: list[list[torch.Tensor]] = []
     step = trainer.optimizer_step
+    warmup = plan.warmup is not None
 
     def compare(**settings: Any) -> float:
-        if settings["learning_rate"] == 1e-9:  # ART's warm-up (its own test is below)
+        nonlocal warmup
+        if warmup:  # ART's warm-up (its own test is below)
+            warmup = False
             return step(**settings)
         # Before this step's update: ART's gradient of its row at the same parameters.
-        arts.append(_arts_gradient(trainer, art_oracle, packed, len(arts))[1])
+        row = len(arts)
+        arts.append(_arts_gradient(trainer, art_oracle, packed, row, old=precalculated[row])[1])
         ours.append([p.grad.detach().clone() for p in trainer.policy.trainable_parameters()])
         return step(**settings)
 
     trainer.optimizer_step = compare  # type: ignore[method-assign]
     metrics = list(trainer.run(plan))
-    assert [m["learning_rate"] for m in metrics] == [1e-3] * packed.rows
+    power = options.get("num_trajectories_learning_rate_multiplier_power", 0.0)
+    counts = [
+        len(packed.tensors["group_ids"][row].unique())
+        - len(packed.tensors["parent_ids"][row].unique())
+        for row in range(packed.rows)
+    ]
+    assert [m["learning_rate"] for m in metrics] == pytest.approx(
+        [1e-3 * count**power for count in counts], rel=1e-12, abs=0
+    )
+    assert any(_norm(art) > 0 for art in arts)
     for index, (art, our) in enumerate(zip(arts, ours, strict=True)):
-        assert _cosine(our, art) >= 0.9999, f"step {index + 1}"
-        assert _norm(our) == pytest.approx(_norm(art), rel=1e-5), f"step {index + 1}"
+        assert _norm(our) == pytest.approx(_norm(art), rel=1e-5, abs=1e-12), f"step {index + 1}"
+        if _norm(art) > 0:
+            assert _cosine(our, art) >= 0.9999, f"step {index + 1}"
 
 
 @pytest.mark.slow

@@ -333,7 +333,7 @@ def train_step(trainer: TrainerState, plan: RLPlan, index: int) -> Metrics:
             assert plan.agreement is not None
             old_logprobs = row_old_logprobs(packing, row, logprobs.detach(), config, plan.agreement)
             step_old_logprobs[position] = old_logprobs
-        if config.unsampled_old_logprobs == "current" and not config.precalculate_logprobs:
+        if _unsampled_ratio_one(config):
             unsampled = site_sampling_logprobs(packing, row, logprobs.device).isnan()
             old_logprobs = torch.where(unsampled, logprobs.detach(), old_logprobs)
         advantages, weights, sequence_ids = site_advantages(packing, row, trainer.policy.device)
@@ -405,6 +405,12 @@ def train_step(trainer: TrainerState, plan: RLPlan, index: int) -> Metrics:
     }
 
 
+def _unsampled_ratio_one(config: RLTrainConfig) -> bool:
+    """Whether tokens without a sampler logprob take each step's own logprob as old (ratio
+    1 on every step, and the KL penalty's ``"sample"`` source there), as ART does."""
+    return config.unsampled_old_logprobs == "current" and not config.precalculate_logprobs
+
+
 @torch.no_grad()
 def _art_kl_inputs(
     trainer: TrainerState,
@@ -416,8 +422,9 @@ def _art_kl_inputs(
     """The reference (``Policy.reference``: the base model or the job's reference checkpoint)
     logprobs of each row of a step, and the mean over the
     step's tokens of the KL ART shapes advantages with: log pi_source - log pi_ref, the
-    source being the sampler (the old logprobs, all read before the step for this) or the
-    current policy (read here, as the step's own forward pass will compute it). Each rank
+    source being the sampler (the old logprobs, all read before the step for this; where the
+    sampler gave none and ``_unsampled_ratio_one``, the current policy's, as the step takes
+    them as old) or the current policy (read here, as the step's own forward pass will compute it). Each rank
     reads its own rows (by position); the mean is over every rank's."""
     chunk_size = config.logprob_calculation_chunk_size
     references: dict[int, torch.Tensor] = {}
@@ -432,6 +439,12 @@ def _art_kl_inputs(
         if config.kl_penalty_source == "sample":
             assert old is not None or not scale, "prepare_rl reads the old logprobs for this"
             source = old if old is not None else reference
+            unsampled = site_sampling_logprobs(packing, row, reference.device).isnan()
+            if _unsampled_ratio_one(config) and bool(unsampled.any()):
+                # Their old logprob is the step's own (``train_step``), here as there.
+                with trainer.row_masks(config.seed, index, position):
+                    current, _ = trainer.policy.site_logprobs(row, chunk_size=chunk_size)
+                source = torch.where(unsampled, current, source)
         else:
             # With the masks the step's own forward pass of the row draws.
             with trainer.row_masks(config.seed, index, position):
