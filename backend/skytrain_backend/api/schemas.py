@@ -22,6 +22,7 @@ from pydantic import (
     computed_field,
 )
 
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import (
     MAX_REPLICAS,
     JobKind,
@@ -98,7 +99,7 @@ class ModelPublic(_Public):
     project: str
     name: str
     base_model: str
-    config: dict[str, Any]
+    config: JSONObject
     inference_name: str = Field(description="What to pass as `model` to /v1/chat/completions.")
     latest_step: int
     run_id: str
@@ -274,7 +275,7 @@ class TrainingJobCreate(BaseModel):
     model_id: Id
     trajectory_groups: list[TrajectoryGroup]
     config: RLTrainConfig | None = None
-    experimental_config: dict[str, Any] | None = Field(
+    experimental_config: JSONObject | None = Field(
         default=None, description="ART's experimental_config; mutually exclusive with config."
     )
 

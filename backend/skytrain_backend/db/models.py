@@ -32,6 +32,8 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from skytrain_backend.json_types import JSONObject
+
 ID_LENGTH = 32
 NAME_LENGTH = 128
 
@@ -83,7 +85,7 @@ class Base(DeclarativeBase):
     )
     type_annotation_map = {
         datetime: UTCDateTime(),
-        dict[str, Any]: JSONType,
+        JSONObject: JSONType,
         str: String(NAME_LENGTH),
     }
 
@@ -141,7 +143,8 @@ class Model(Base):
     project: Mapped[str]
     name: Mapped[str]
     base_model: Mapped[str] = mapped_column(String(512))
-    config: Mapped[dict[str, Any]]
+    # The user's model config, stored as given.
+    config: Mapped[JSONObject]
     run_id: Mapped[str] = mapped_column(String(ID_LENGTH), default=new_id)
     created_at: Mapped[datetime] = _created_at()
     # Placement: the worker that serves and trains this model (sticky until it goes away).
@@ -374,7 +377,7 @@ class TinkerSession(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     sdk_version: Mapped[str] = mapped_column(String(64))
     tags: Mapped[list[str]] = mapped_column(JSONType, default=list)
-    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    user_metadata: Mapped[JSONObject] = mapped_column(default=dict)
     # Its user_metadata's bytes (as JSON), counted in its tenant's stored bytes.
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _created_at()
@@ -397,7 +400,7 @@ class TinkerRun(Base):
     model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), unique=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("training_jobs.id", ondelete="CASCADE"))
     lora_config: Mapped[dict[str, Any]]
-    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    user_metadata: Mapped[JSONObject] = mapped_column(default=dict)
     created_at: Mapped[datetime] = _created_at()
     last_request_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -462,7 +465,7 @@ class TinkerCheckpoint(Base):
     kind: Mapped[str] = mapped_column(String(16))
     name: Mapped[str] = mapped_column(String(NAME_LENGTH))
     step: Mapped[int]
-    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    user_metadata: Mapped[JSONObject] = mapped_column(default=dict)
     created_at: Mapped[datetime] = _created_at()
 
 

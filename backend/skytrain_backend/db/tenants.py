@@ -56,6 +56,7 @@ from skytrain_backend.errors import (
     QuotaExceeded,
     SkytrainError,
 )
+from skytrain_backend.json_types import JSONObject
 
 # Limits of requests in flight: zero would refuse every request, so they are at least one.
 _REQUEST_LIMITS = frozenset(
@@ -340,7 +341,7 @@ def usage_of(session: Session, *, tenant_id: str) -> TenantUsage:
     )
 
 
-def metadata_bytes(metadata: dict[str, Any] | None, *, limits: TenantLimits, field: str) -> int:
+def metadata_bytes(metadata: JSONObject | None, *, limits: TenantLimits, field: str) -> int:
     """The bytes of ``metadata`` as JSON; ``PayloadTooLarge`` (413) naming the tenant's
     ``max_metadata_bytes`` when it is larger (checked before anything is stored)."""
     size = len(msgspec.json.encode(metadata or {}))

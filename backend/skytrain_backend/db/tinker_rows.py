@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
-from typing import Any
 
 from sqlalchemy import ColumnElement, exists, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -27,6 +26,7 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded
+from skytrain_backend.json_types import JSONObject
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def create_session(
     tenant_id: str,
     sdk_version: str,
     tags: list[str],
-    user_metadata: dict[str, Any],
+    user_metadata: JSONObject,
     limits: TenantLimits,
 ) -> TinkerSession:
     """The new session, refused (403) past the tenant's ``max_sessions`` open ones; its

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from skytrain_backend.chat_template import ToolSpec
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import Message, TokenLogprob, ToolCall
 from skytrain_backend.ranges import INT32_MAX, Seed
 
@@ -109,7 +110,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
 
     @model_validator(mode="before")
     @classmethod
