@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from sqlalchemy import (
     JSON,
@@ -86,8 +86,32 @@ class Base(DeclarativeBase):
     type_annotation_map = {
         datetime: UTCDateTime(),
         JSONObject: JSONType,
+        dict[str, float]: JSONType,
         str: String(NAME_LENGTH),
     }
+
+
+class CommittedFile(TypedDict):
+    """A checkpoint's file as committed (``Checkpoint.files``)."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+class ListedFile(TypedDict):
+    """A checkpoint's file as the store holds it, with the committed SHA-256 where recorded."""
+
+    name: str
+    size: int
+    sha256: NotRequired[str]
+
+
+class ServedStep(TypedDict):
+    """A checkpoint a worker's engine serves (``Worker.served``)."""
+
+    model_id: str
+    step: int
 
 
 def _id_column() -> Mapped[str]:
@@ -108,7 +132,7 @@ class Tenant(Base):
     created_at: Mapped[datetime] = _created_at()
     # The operator's limits for this tenant, {limit name: value}; absent ones are the
     # settings' defaults (``db.tenants``).
-    limits: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    limits: Mapped[dict[str, float]] = mapped_column(default=dict)
     # The bytes it holds, kept as a running total by every write that stores or frees them
     # (``db.tenants.reserve_storage`` / ``release_storage``): the sum over its rows that it
     # stands for (``db.tenants.counted_storage``) is recounted by ``skytrain storage check
@@ -217,11 +241,11 @@ class Checkpoint(Base):
     model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
     step: Mapped[int]
     uri: Mapped[str | None] = mapped_column(Text)
-    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    metrics: Mapped[dict[str, float]] = mapped_column(default=dict)
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     # The files as committed: [{"name", "size", "sha256"}] (null for rows older than it, and
     # for step 0); readers check the store against it.
-    files: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
+    files: Mapped[list[CommittedFile] | None] = mapped_column(JSONType)
     created_at: Mapped[datetime] = _created_at()
     deleted_at: Mapped[datetime | None]
     # Deleted, and its files may still be in the store: the scheduler's sweep removes them.
@@ -243,7 +267,7 @@ class TrajectoryBatch(Base):
     uri: Mapped[str] = mapped_column(Text)
     num_groups: Mapped[int]
     num_trajectories: Mapped[int]
-    metrics: Mapped[dict[str, Any]]
+    metrics: Mapped[dict[str, float]]
     # The batch's bytes, counted in its tenant's stored bytes (``Tenant.storage_bytes``).
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _created_at()
@@ -336,7 +360,7 @@ class Worker(Base):
     stopped_at: Mapped[datetime | None]
     # The base model's name in the engine, and the checkpoints it serves: [{model_id, step}].
     served_model_name: Mapped[str | None] = mapped_column(String(512))
-    served: Mapped[list[dict[str, Any]]] = mapped_column(JSONType, default=list)
+    served: Mapped[list[ServedStep]] = mapped_column(JSONType, default=list)
     # Last time the worker had work: a model placed, a request routed, a job.
     last_active_at: Mapped[datetime | None]
     # A worker that failed to start: how many launches for its base model failed in a row,

@@ -377,7 +377,7 @@ def set_limits(
         if value < 0 or (value == 0 and name in _REQUEST_LIMITS):
             raise InvalidRequest(f"{name} must be a positive number, not {value}")
     tenant = get_tenant_by_name(session, name=tenant_name)
-    limits: dict[str, Any] = {k: v for k, v in (tenant.limits or {}).items() if k not in reset}
+    limits: dict[str, float] = {k: v for k, v in (tenant.limits or {}).items() if k not in reset}
     tenant.limits = {**limits, **values}  # a new dict: JSON columns notice assignment only
     session.commit()
     return tenant

@@ -34,7 +34,15 @@ from skytrain_backend.api.deps import (
 )
 from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.db import notify, registry, worker_tokens, workers
-from skytrain_backend.db.models import Checkpoint, Model, ModelReplica, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import (
+    Checkpoint,
+    Model,
+    ModelReplica,
+    ServedStep,
+    TrainingJob,
+    Worker,
+    utcnow,
+)
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest, NotFound
 from skytrain_backend.observability import metrics
 from skytrain_backend.protocol import (
@@ -219,7 +227,7 @@ def heartbeat(body: Heartbeat, worker: WorkerDep, session: SessionDep) -> Heartb
         session,
         worker=worker,
         status=body.status,
-        served=[item.model_dump() for item in body.served],
+        served=[ServedStep(model_id=item.model_id, step=item.step) for item in body.served],
         unreachable=unreachable,
         stats=None if body.stats is None else body.stats.model_dump(exclude_none=True),
     )
