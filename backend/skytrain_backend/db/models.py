@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import uuid
 from datetime import UTC, datetime
-from typing import Any, NotRequired, TypedDict
+from typing import Any
 
 from sqlalchemy import (
     JSON,
@@ -31,6 +31,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from typing_extensions import TypedDict
 
 from skytrain_backend.json_types import JSONObject
 
@@ -97,14 +98,6 @@ class CommittedFile(TypedDict):
     name: str
     size: int
     sha256: str
-
-
-class ListedFile(TypedDict):
-    """A checkpoint's file as the store holds it, with the committed SHA-256 where recorded."""
-
-    name: str
-    size: int
-    sha256: NotRequired[str]
 
 
 class ServedStep(TypedDict):

@@ -23,13 +23,13 @@ from sqlalchemy.orm import Session
 from skytrain_backend.db.models import (
     Checkpoint,
     CommittedFile,
-    ListedFile,
     Model,
     TrainingJob,
     TrajectoryBatch,
 )
 from skytrain_backend.errors import ObjectDamaged
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES
+from skytrain_backend.protocol.worker import ListedFile
 from skytrain_backend.storage import ObjectStore, keys
 
 
