@@ -47,6 +47,7 @@ from skytrain_backend.ranges import (
     Step,
     StrictInt,
 )
+from skytrain_backend.scheduler.serving import ServingState
 
 Split = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=SPLIT_PATTERN)]
 Id = Annotated[str, StringConstraints(min_length=1, max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
@@ -134,17 +135,7 @@ class ModelPublic(_Public):
 class ServingPublic(BaseModel):
     """Whether the model's endpoint answers now, and in words what is happening if not."""
 
-    state: Literal[
-        "idle",
-        "waiting",
-        "provisioning",
-        "starting",
-        "unreachable",
-        "training",
-        "loading",
-        "ready",
-        "failed",
-    ]
+    state: ServingState
     ready: bool
     message: str
     worker_id: str | None = None
