@@ -86,14 +86,6 @@ class _WorkerStopping(SkytrainError):
 
 
 @dataclass
-class _Placement:
-    model_id: str
-    latest_step: int
-    steps: list[int]
-    model_config: ModelConfig
-
-
-@dataclass
 class _RunningJob:
     id: str
     model_id: str
