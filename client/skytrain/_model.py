@@ -33,7 +33,14 @@ from skytrain._exceptions import (
 from skytrain._progress import _format_metrics, _progress_bar, _StatusLine
 from skytrain._trajectories import Trajectory, TrajectoryGroup
 from skytrain._types import Checkpoint, ModelConfig, SFTConfig, TrainConfig, TrainResult
-from skytrain._wire import JobAnswer, LogBody, ModelAnswer, ModelCreateBody, SFTTrainBody, TrainBody
+from skytrain._wire import (
+    _JobAnswer,
+    _LogBody,
+    _ModelAnswer,
+    _ModelCreateBody,
+    _SFTTrainBody,
+    _TrainBody,
+)
 
 _TERMINAL_JOB_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 # The longest the server holds one request for a job's next event.
@@ -177,7 +184,7 @@ class TrainableModel(Model):
         model) until the model answers, ``ServingFailedError`` says why it cannot, and
         ``WaitTimeoutError`` ends a wait longer than ``timeout`` seconds.
         """
-        body = ModelCreateBody(
+        body = _ModelCreateBody(
             project=self.project,
             name=self.name,
             base_model=self.base_model,
@@ -201,7 +208,7 @@ class TrainableModel(Model):
             )
 
     async def _wait_until_served(
-        self, model: ModelAnswer, *, limit_s: float, poll_interval: float, progress: bool
+        self, model: _ModelAnswer, *, limit_s: float, poll_interval: float, progress: bool
     ) -> None:
         backend, model_id = self._registered()
         loop = asyncio.get_running_loop()
@@ -240,7 +247,7 @@ class TrainableModel(Model):
 
     async def set_replicas(
         self, *, min_replicas: int | None = None, max_replicas: int | None = None
-    ) -> ModelAnswer:
+    ) -> _ModelAnswer:
         """Change how many workers may serve the model (``max_replicas`` at most the
         tenant's ``max_workers``); the server adds replicas while demand per replica stays
         high and drains them while it stays low. Returns the model as the server shows it
@@ -251,7 +258,7 @@ class TrainableModel(Model):
             for key, value in (("min_replicas", min_replicas), ("max_replicas", max_replicas))
             if value is not None
         }
-        answer: ModelAnswer = await backend._patch(f"/v1/models/{model_id}", json=body)
+        answer: _ModelAnswer = await backend._patch(f"/v1/models/{model_id}", json=body)
         return answer
 
     # --- training ---------------------------------------------------------------------------
@@ -284,7 +291,7 @@ class TrainableModel(Model):
         """
         backend, model_id = self._registered()
         groups = list(groups)
-        body = TrainBody(model_id=model_id, trajectory_groups=_groups_payload(groups))
+        body = _TrainBody(model_id=model_id, trajectory_groups=_groups_payload(groups))
         if config is not None:
             body["config"] = config._to_request()
         job = await backend._create_training_job(body)
@@ -314,7 +321,7 @@ class TrainableModel(Model):
     ) -> TrainResult:
         """Fine-tune on ``trajectories`` (supervised, on their assistant turns) and wait."""
         backend, model_id = self._registered()
-        sft_body = SFTTrainBody(
+        sft_body = _SFTTrainBody(
             model_id=model_id,
             trajectories=[trajectory.model_dump(mode="json") for trajectory in trajectories],
         )
@@ -341,7 +348,7 @@ class TrainableModel(Model):
         bar = _progress_bar(desc="train", total=None, unit="step") if progress else None
         steps: list[dict[str, float]] = []  # each gradient step's metrics, in order
         cursor: str | None = None
-        job_finished: JobAnswer | None = None
+        job_finished: _JobAnswer | None = None
 
         def mean_metrics() -> dict[str, float]:
             values: defaultdict[str, list[float]] = defaultdict(list)
@@ -350,7 +357,7 @@ class TrainableModel(Model):
                     values[key].append(value)
             return {key: sum(v) / len(v) for key, v in values.items()}
 
-        def show_waiting(job: JobAnswer) -> None:
+        def show_waiting(job: _JobAnswer) -> None:
             # A queued job says why it has not started (no worker yet, the tenant's quota,
             # another job first): the bar says so until training starts.
             if bar is not None and job.get("waiting"):
@@ -453,7 +460,7 @@ class TrainableModel(Model):
         ``step`` defaults to the model's current step on the server.
         """
         backend, model_id = self._registered()
-        body = LogBody(trajectory_groups=_groups_payload(groups), split=split)
+        body = _LogBody(trajectory_groups=_groups_payload(groups), split=split)
         if step is not None:
             body["step"] = step
         await backend._log(model_id, body)

@@ -2,20 +2,20 @@
 
 The server's pydantic schemas (``skytrain_backend.api.schemas``) are the source; these name
 the fields the SDK reads, so a misspelt key fails the type check, not a training run.
-``JSONObject`` is for what is the user's own (a trajectory's or a group's metadata).
+``_JSONObject`` is for what is the user's own (a trajectory's or a group's metadata).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, NotRequired, TypedDict
 
-JSONObject = dict[str, Any]
+_JSONObject = dict[str, Any]
 """A JSON object of arbitrary shape: the user's own data, passed on as given."""
 
-QueryParams = dict[str, str | int | float]
+_QueryParams = dict[str, str | int | float]
 
 
-class ServingAnswer(TypedDict):
+class _ServingAnswer(TypedDict):
     state: str
     ready: bool
     message: str
@@ -23,13 +23,13 @@ class ServingAnswer(TypedDict):
     step: NotRequired[int | None]
 
 
-class ReplicaAnswer(TypedDict):
+class _ReplicaAnswer(TypedDict):
     worker_id: str
     role: Literal["home", "replica"]
     status: Literal["serving", "draining"]
 
 
-class ModelAnswer(TypedDict):
+class _ModelAnswer(TypedDict):
     id: str
     entity: str
     project: str
@@ -39,11 +39,11 @@ class ModelAnswer(TypedDict):
     latest_step: int
     run_id: str
     created_at: str
-    serving: NotRequired[ServingAnswer | None]
-    replicas: NotRequired[list[ReplicaAnswer] | None]
+    serving: NotRequired[_ServingAnswer | None]
+    replicas: NotRequired[list[_ReplicaAnswer] | None]
 
 
-class ModelCreateBody(TypedDict):
+class _ModelCreateBody(TypedDict):
     project: str
     name: str
     base_model: str
@@ -52,13 +52,13 @@ class ModelCreateBody(TypedDict):
     config: NotRequired[dict[str, Any]]  # a ModelConfig, dumped
 
 
-class LongSequences(TypedDict):
+class _LongSequences(TypedDict):
     sequences: int
     longest_tokens: int
     row_tokens: int
 
 
-class JobAnswer(TypedDict):
+class _JobAnswer(TypedDict):
     id: str
     model_id: str
     kind: str
@@ -66,54 +66,54 @@ class JobAnswer(TypedDict):
     step: int | None
     error: str | None
     waiting: NotRequired[str | None]
-    too_long: NotRequired[LongSequences | None]
+    too_long: NotRequired[_LongSequences | None]
 
 
-class JobEvent(TypedDict):
+class _JobEvent(TypedDict):
     id: str
     type: str
     # What the event says: its keys differ by ``type`` (the trainer's metrics, a reason).
     data: dict[str, Any]
 
 
-class JobEventsPage(TypedDict):
-    data: list[JobEvent]
+class _JobEventsPage(TypedDict):
+    data: list[_JobEvent]
     has_more: bool
 
 
 # The pydantic models the SDK sends (trajectories, groups, configs) go as their JSON dumps.
 
 
-class TrainBody(TypedDict):
+class _TrainBody(TypedDict):
     model_id: str
     trajectory_groups: list[dict[str, Any]]
     config: NotRequired[dict[str, Any]]
 
 
-class SFTTrainBody(TypedDict):
+class _SFTTrainBody(TypedDict):
     model_id: str
     trajectories: list[dict[str, Any]]
     config: NotRequired[dict[str, Any]]
 
 
-class LogBody(TypedDict):
+class _LogBody(TypedDict):
     trajectory_groups: list[dict[str, Any]]
     split: str
     step: NotRequired[int]
 
 
-class CheckpointAnswer(TypedDict):
+class _CheckpointAnswer(TypedDict):
     id: str
     step: int
     metrics: dict[str, float]
     created_at: NotRequired[str | None]
 
 
-class CheckpointsDeleted(TypedDict):
+class _CheckpointsDeleted(TypedDict):
     deleted_count: int
     not_found_steps: list[int]
 
 
-class FileAnswer(TypedDict):
+class _FileAnswer(TypedDict):
     name: str
     size: int
