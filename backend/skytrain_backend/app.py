@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
 import anyio
 from fastapi import FastAPI
@@ -37,6 +36,7 @@ from skytrain_backend.dashboard import install_dashboard
 from skytrain_backend.db import migrations
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.db.session import create_db_engine, session_factory
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.observability import listener, metrics
 from skytrain_backend.observability.http import Observe
 from skytrain_backend.provision import open_provider
@@ -166,7 +166,7 @@ def _add_json_body_docs(app: FastAPI) -> None:
     """The OpenAPI document, with the bodies the trajectory routes read themselves."""
     generate = app.openapi
 
-    def openapi() -> dict[str, Any]:
+    def openapi() -> JSONObject:
         if app.openapi_schema is None:
             add_json_body_docs(generate())
         return generate()

@@ -11,13 +11,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import Message
 
 
 class FunctionSpec(BaseModel):
     name: str = Field(min_length=1)
     description: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: JSONObject | None = None
 
 
 class ToolSpec(BaseModel):

@@ -28,9 +28,9 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 from skytrain_backend.base_models import is_hub_id
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.planning.configs import CONFIG_FILE, find_model_config, read_config
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ def resolve_model(model: str, *, cache_dir: Path | None = None) -> str:
     return model
 
 
-def model_config(model: str, *, cache_dir: Path | None = None) -> dict[str, Any] | None:
+def model_config(model: str, *, cache_dir: Path | None = None) -> JSONObject | None:
     """``model``'s config.json: this machine's copy, else the file alone from the Hub; None
     when neither can be had (offline, a gated model without a token)."""
     found = find_model_config(model, cache_dir=cache_dir or default_cache_dir())

@@ -33,6 +33,7 @@ from typing import Annotated, Any
 from pydantic import AfterValidator, BeforeValidator, Field, Strict, StringConstraints
 
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.json_types import JSONObject
 
 INT32_MAX = 2**31 - 1
 INT64_MIN = -(2**63)
@@ -136,12 +137,12 @@ def _storable(value: Any, depth: int = 0) -> None:
             _storable(item, depth + 1)
 
 
-def _storable_json(value: dict[str, Any]) -> dict[str, Any]:
+def _storable_json(value: JSONObject) -> JSONObject:
     _storable(value)
     return value
 
 
-JsonObject = Annotated[dict[str, Any], AfterValidator(_storable_json)]
+JsonObject = Annotated[JSONObject, AfterValidator(_storable_json)]
 """A JSON object with no NUL in any text, finite numbers, 64-bit integers, at most 16 deep."""
 
 

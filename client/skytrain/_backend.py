@@ -29,6 +29,19 @@ from skytrain._exceptions import (
     _error_from_response,
 )
 from skytrain._version import __version__
+from skytrain._wire import (
+    _CheckpointAnswer,
+    _CheckpointsDeleted,
+    _FileAnswer,
+    _JobAnswer,
+    _JobEventsPage,
+    _LogBody,
+    _ModelAnswer,
+    _ModelCreateBody,
+    _QueryParams,
+    _SFTTrainBody,
+    _TrainBody,
+)
 
 _DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 _RETRY_STATUSES = frozenset({429, 502, 503, 504})
@@ -142,45 +155,45 @@ class Backend:
         """The OpenAI-compatible endpoint that serves the registered models."""
         return f"{self.base_url}/v1"
 
-    async def _register_model(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _register_model(self, body: _ModelCreateBody) -> _ModelAnswer:
         """Create a model, or return the existing one of that name (safe to repeat)."""
         return await self._post("/v1/models", json=body, idempotent=True)
 
-    async def _get_model(self, model_id: str) -> dict[str, Any]:
+    async def _get_model(self, model_id: str) -> _ModelAnswer:
         return await self._get(f"/v1/models/{model_id}")
 
-    async def _log(self, model_id: str, body: dict[str, Any]) -> None:
+    async def _log(self, model_id: str, body: _LogBody) -> None:
         await self._post(f"/v1/models/{model_id}/log", json=body)
 
-    async def _create_training_job(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _create_training_job(self, body: _TrainBody) -> _JobAnswer:
         """Submit an RL training job (sent once: a repeat would train twice)."""
         return await self._post("/v1/training-jobs", json=body)
 
-    async def _create_sft_training_job(self, body: dict[str, Any]) -> dict[str, Any]:
+    async def _create_sft_training_job(self, body: _SFTTrainBody) -> _JobAnswer:
         """Submit a supervised fine-tuning job (sent once, likewise)."""
         return await self._post("/v1/sft-training-jobs", json=body)
 
-    async def _get_training_job(self, job_id: str) -> dict[str, Any]:
+    async def _get_training_job(self, job_id: str) -> _JobAnswer:
         return await self._get(f"/v1/training-jobs/{job_id}")
 
     async def _training_job_events(
         self, job_id: str, *, after: str | None, limit: int, wait_s: float
-    ) -> dict[str, Any]:
+    ) -> _JobEventsPage:
         """A page of the job's events after ``after``; the server holds the request up to
         ``wait_s`` seconds for the next one (a long-poll)."""
-        params: dict[str, Any] = {"limit": limit, "wait_s": wait_s}
+        params: _QueryParams = {"limit": limit, "wait_s": wait_s}
         if after is not None:
             params["after"] = after
         return await self._get(f"/v1/training-jobs/{job_id}/events", params=params)
 
-    def _checkpoints(self, model_id: str) -> AsyncIterator[dict[str, Any]]:
+    def _checkpoints(self, model_id: str) -> AsyncIterator[_CheckpointAnswer]:
         """Every checkpoint of the model, oldest step first."""
         return self._paginate(f"/v1/models/{model_id}/checkpoints", params={"order": "asc"})
 
-    async def _delete_checkpoints(self, model_id: str, steps: list[int]) -> dict[str, Any]:
+    async def _delete_checkpoints(self, model_id: str, steps: list[int]) -> _CheckpointsDeleted:
         return await self._delete(f"/v1/models/{model_id}/checkpoints", json={"steps": steps})
 
-    async def _checkpoint_files(self, model_id: str, step: int) -> list[dict[str, Any]]:
+    async def _checkpoint_files(self, model_id: str, step: int) -> list[_FileAnswer]:
         """The files of checkpoint ``step`` (name and size of each)."""
         listing = await self._get(f"/v1/models/{model_id}/checkpoints/{step}/files")
         return listing["data"]
@@ -196,7 +209,7 @@ class Backend:
 
     # --- requests ---------------------------------------------------------------------------
 
-    async def _get(self, path: str, *, params: dict[str, Any] | None = None) -> Any:
+    async def _get(self, path: str, *, params: _QueryParams | None = None) -> Any:
         return await self._send("GET", path, params=params)
 
     async def _post(self, path: str, *, json: Any, idempotent: bool = False) -> Any:
@@ -210,8 +223,8 @@ class Backend:
         return await self._send("DELETE", path, json=json)
 
     async def _paginate(
-        self, path: str, *, params: dict[str, Any] | None = None
-    ) -> AsyncIterator[dict[str, Any]]:
+        self, path: str, *, params: _QueryParams | None = None
+    ) -> AsyncIterator[Any]:
         """Every item of a cursor-paginated list, fetching the next page as needed."""
         after: str | None = None
         while True:
@@ -231,7 +244,7 @@ class Backend:
         method: str,
         path: str,
         *,
-        params: dict[str, Any] | None = None,
+        params: _QueryParams | None = None,
         json: Any = None,
         idempotent: bool | None = None,
     ) -> Any:

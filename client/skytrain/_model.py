@@ -14,7 +14,7 @@ import shutil
 import tempfile
 import warnings
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +33,21 @@ from skytrain._exceptions import (
 from skytrain._progress import _format_metrics, _progress_bar, _StatusLine
 from skytrain._trajectories import Trajectory, TrajectoryGroup
 from skytrain._types import Checkpoint, ModelConfig, SFTConfig, TrainConfig, TrainResult
+from skytrain._wire import (
+    _JobAnswer,
+    _LogBody,
+    _ModelAnswer,
+    _ModelCreateBody,
+    _SFTTrainBody,
+    _TrainBody,
+)
 
 _TERMINAL_JOB_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
 # The longest the server holds one request for a job's next event.
 _FOLLOW_WAIT_S = 30.0
 
 
-def _cut_words(started: dict[str, Any]) -> str | None:
+def _cut_words(started: Mapping[str, Any]) -> str | None:
     """What a ``training_started`` event says its rows cut of longer sequences, in words
     (None: nothing)."""
     row = int(started.get("packing/row_length") or 0)
@@ -62,7 +70,7 @@ def _cut_words(started: dict[str, Any]) -> str | None:
     return "; ".join(said) or None
 
 
-def _numeric(data: dict[str, Any]) -> dict[str, float]:
+def _numeric(data: Mapping[str, object]) -> dict[str, float]:
     return {
         key: float(value)
         for key, value in data.items()
@@ -176,12 +184,12 @@ class TrainableModel(Model):
         model) until the model answers, ``ServingFailedError`` says why it cannot, and
         ``WaitTimeoutError`` ends a wait longer than ``timeout`` seconds.
         """
-        body: dict[str, Any] = {
-            "project": self.project,
-            "name": self.name,
-            "base_model": self.base_model,
-            "return_existing": True,
-        }
+        body = _ModelCreateBody(
+            project=self.project,
+            name=self.name,
+            base_model=self.base_model,
+            return_existing=True,
+        )
         if self.entity is not None:
             body["entity"] = self.entity
         if self.config is not None:
@@ -200,7 +208,7 @@ class TrainableModel(Model):
             )
 
     async def _wait_until_served(
-        self, model: dict[str, Any], *, limit_s: float, poll_interval: float, progress: bool
+        self, model: _ModelAnswer, *, limit_s: float, poll_interval: float, progress: bool
     ) -> None:
         backend, model_id = self._registered()
         loop = asyncio.get_running_loop()
@@ -239,7 +247,7 @@ class TrainableModel(Model):
 
     async def set_replicas(
         self, *, min_replicas: int | None = None, max_replicas: int | None = None
-    ) -> dict[str, Any]:
+    ) -> _ModelAnswer:
         """Change how many workers may serve the model (``max_replicas`` at most the
         tenant's ``max_workers``); the server adds replicas while demand per replica stays
         high and drains them while it stays low. Returns the model as the server shows it
@@ -250,7 +258,8 @@ class TrainableModel(Model):
             for key, value in (("min_replicas", min_replicas), ("max_replicas", max_replicas))
             if value is not None
         }
-        return dict(await backend._patch(f"/v1/models/{model_id}", json=body))
+        answer: _ModelAnswer = await backend._patch(f"/v1/models/{model_id}", json=body)
+        return answer
 
     # --- training ---------------------------------------------------------------------------
 
@@ -282,7 +291,7 @@ class TrainableModel(Model):
         """
         backend, model_id = self._registered()
         groups = list(groups)
-        body: dict[str, Any] = {"model_id": model_id, "trajectory_groups": _groups_payload(groups)}
+        body = _TrainBody(model_id=model_id, trajectory_groups=_groups_payload(groups))
         if config is not None:
             body["config"] = config._to_request()
         job = await backend._create_training_job(body)
@@ -312,13 +321,13 @@ class TrainableModel(Model):
     ) -> TrainResult:
         """Fine-tune on ``trajectories`` (supervised, on their assistant turns) and wait."""
         backend, model_id = self._registered()
-        body: dict[str, Any] = {
-            "model_id": model_id,
-            "trajectories": [trajectory.model_dump(mode="json") for trajectory in trajectories],
-        }
+        sft_body = _SFTTrainBody(
+            model_id=model_id,
+            trajectories=[trajectory.model_dump(mode="json") for trajectory in trajectories],
+        )
         if config is not None:
-            body["config"] = config._to_request()
-        job = await backend._create_sft_training_job(body)
+            sft_body["config"] = config._to_request()
+        job = await backend._create_sft_training_job(sft_body)
         return await self._follow_job(
             str(job["id"]), poll_interval=poll_interval, limit_s=timeout, progress=progress
         )
@@ -339,7 +348,7 @@ class TrainableModel(Model):
         bar = _progress_bar(desc="train", total=None, unit="step") if progress else None
         steps: list[dict[str, float]] = []  # each gradient step's metrics, in order
         cursor: str | None = None
-        job_finished: dict[str, Any] | None = None
+        job_finished: _JobAnswer | None = None
 
         def mean_metrics() -> dict[str, float]:
             values: defaultdict[str, list[float]] = defaultdict(list)
@@ -348,7 +357,7 @@ class TrainableModel(Model):
                     values[key].append(value)
             return {key: sum(v) / len(v) for key, v in values.items()}
 
-        def show_waiting(job: dict[str, Any]) -> None:
+        def show_waiting(job: _JobAnswer) -> None:
             # A queued job says why it has not started (no worker yet, the tenant's quota,
             # another job first): the bar says so until training starts.
             if bar is not None and job.get("waiting"):
@@ -418,8 +427,9 @@ class TrainableModel(Model):
                     continue
                 if job_finished is not None:
                     # The job ended and every event after it has been read: none said how.
-                    if job_finished["status"] == "succeeded":
-                        return TrainResult(step=int(job_finished["step"]), metrics=mean_metrics())
+                    step = job_finished["step"]
+                    if job_finished["status"] == "succeeded" and step is not None:
+                        return TrainResult(step=int(step), metrics=mean_metrics())
                     raise TrainingFailedError(
                         str(job_finished.get("error") or f"the job was {job_finished['status']}"),
                         job_id=job_id,
@@ -450,7 +460,7 @@ class TrainableModel(Model):
         ``step`` defaults to the model's current step on the server.
         """
         backend, model_id = self._registered()
-        body: dict[str, Any] = {"trajectory_groups": _groups_payload(groups), "split": split}
+        body = _LogBody(trajectory_groups=_groups_payload(groups), split=split)
         if step is not None:
             body["step"] = step
         await backend._log(model_id, body)

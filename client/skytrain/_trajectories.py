@@ -36,6 +36,7 @@ from pydantic import (
 from pydantic_core import core_schema
 
 from skytrain._progress import _current_tally, _RolloutTally
+from skytrain._wire import _JSONObject
 
 Message = ChatCompletionMessageParam
 MessageOrChoice = Message | Choice
@@ -137,7 +138,7 @@ class Trajectory(BaseModel):
     messages_and_choices: _MessagesAndChoicesField
     reward: float = Field(allow_inf_nan=False)
     metrics: Metrics = Field(default_factory=dict)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: _JSONObject = Field(default_factory=dict)
     tools: _ToolsField | None = None
     additional_histories: list[History] = Field(default_factory=list)
     logs: list[str] = Field(default_factory=list)
@@ -191,7 +192,7 @@ class TrajectoryGroup(BaseModel):
 
     trajectories: list[Trajectory] = Field(default_factory=list)
     exceptions: list[RolloutException] = Field(default_factory=list)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: _JSONObject = Field(default_factory=dict)
     metrics: Metrics = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
 
@@ -203,7 +204,7 @@ class TrajectoryGroup(BaseModel):
         trajectories: Iterable[Trajectory | Awaitable[Trajectory] | BaseException] = (),
         *,
         exceptions: Iterable[BaseException | RolloutException] = (),
-        metadata: dict[str, Any] | None = None,
+        metadata: _JSONObject | None = None,
         metrics: Metrics | None = None,
         logs: list[str] | None = None,
     ) -> None:

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from skytrain._wire import _CheckpointAnswer
+
 # The server's ranges (its ``ranges`` module): a value outside fails here, before any request.
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -129,7 +131,7 @@ class Checkpoint:
     created_at: datetime | None
 
     @classmethod
-    def _from_api(cls, item: dict[str, Any]) -> Checkpoint:
+    def _from_api(cls, item: _CheckpointAnswer) -> Checkpoint:
         created = item.get("created_at")
         return cls(
             id=str(item["id"]),

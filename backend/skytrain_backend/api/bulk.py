@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from skytrain_backend.api.deps import SessionRoute
+from skytrain_backend.json_types import JSONObject
 
 LARGE_BODY_BYTES = 256 * 1024
 
@@ -79,7 +80,7 @@ _JSON_BODIES: dict[str, type[BaseModel]] = {}
 _COMPONENTS = "#/components/schemas/{model}"
 
 
-def json_body_doc(schema: type[BaseModel]) -> dict[str, Any]:
+def json_body_doc(schema: type[BaseModel]) -> JSONObject:
     """The ``openapi_extra`` of a route that reads its JSON body itself: the body is
     documented as ``schema``, as if FastAPI had parsed it."""
     _JSON_BODIES[schema.__name__] = schema
@@ -89,7 +90,7 @@ def json_body_doc(schema: type[BaseModel]) -> dict[str, Any]:
     }
 
 
-def add_json_body_docs(openapi: dict[str, Any]) -> None:
+def add_json_body_docs(openapi: JSONObject) -> None:
     """Add the schemas of the streamed bodies to an OpenAPI document's components."""
     components = openapi.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in _JSON_BODIES.items():

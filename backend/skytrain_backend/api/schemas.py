@@ -22,6 +22,7 @@ from pydantic import (
     computed_field,
 )
 
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import (
     MAX_REPLICAS,
     JobKind,
@@ -46,6 +47,7 @@ from skytrain_backend.ranges import (
     Step,
     StrictInt,
 )
+from skytrain_backend.scheduler.serving import ServingState
 
 Split = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=SPLIT_PATTERN)]
 Id = Annotated[str, StringConstraints(min_length=1, max_length=ID_MAX_LENGTH, pattern=ID_PATTERN)]
@@ -98,7 +100,7 @@ class ModelPublic(_Public):
     project: str
     name: str
     base_model: str
-    config: dict[str, Any]
+    config: JSONObject
     inference_name: str = Field(description="What to pass as `model` to /v1/chat/completions.")
     latest_step: int
     run_id: str
@@ -133,17 +135,7 @@ class ModelPublic(_Public):
 class ServingPublic(BaseModel):
     """Whether the model's endpoint answers now, and in words what is happening if not."""
 
-    state: Literal[
-        "idle",
-        "waiting",
-        "provisioning",
-        "starting",
-        "unreachable",
-        "training",
-        "loading",
-        "ready",
-        "failed",
-    ]
+    state: ServingState
     ready: bool
     message: str
     worker_id: str | None = None
@@ -279,7 +271,7 @@ class TrainingJobCreate(BaseModel):
     model_id: Id
     trajectory_groups: list[TrajectoryGroup]
     config: RLTrainConfig | None = None
-    experimental_config: dict[str, Any] | None = Field(
+    experimental_config: JSONObject | None = Field(
         default=None, description="ART's experimental_config; mutually exclusive with config."
     )
 

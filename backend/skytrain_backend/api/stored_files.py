@@ -7,11 +7,10 @@ prefix and a bad one is never taken for a store failure.
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi.responses import StreamingResponse
 
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.protocol.worker import FileListing, ListedFile
 from skytrain_backend.storage import ObjectStore
 
 
@@ -25,14 +24,14 @@ def file_name(name: str) -> str:
     return name
 
 
-def listing(store: ObjectStore, prefix: str) -> dict[str, Any]:
+def listing(store: ObjectStore, prefix: str) -> FileListing:
     """``{"data": [{"name", "size"}]}`` of the files under ``prefix``."""
-    return {
-        "data": [
-            {"name": info.key.removeprefix(prefix), "size": info.size}
+    return FileListing(
+        data=[
+            ListedFile(name=info.key.removeprefix(prefix), size=info.size)
             for info in store.list(prefix)
         ]
-    }
+    )
 
 
 def download(store: ObjectStore, prefix: str, name: str) -> StreamingResponse:

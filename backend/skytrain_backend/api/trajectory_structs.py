@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, NotRequired, Union, cast
 
 import annotated_types
@@ -145,7 +145,7 @@ def _constrained(tp: Any, metadata: list[Any], where: str) -> _Field:
     return _Field(result, field.free_form, field.to_float)
 
 
-def _only_pattern(settings: dict[str, Any]) -> bool:
+def _only_pattern(settings: Mapping[str, object]) -> bool:
     """Whether pydantic's string settings say no more than a pattern (none strips or
     changes the text)."""
     return settings.get("pattern") is not None and not any(
@@ -201,7 +201,7 @@ def _struct_type(tp: Any, where: str) -> _Field:
 
 # What a Struct does besides holding its model's fields: the methods ``api.ingest`` and the
 # trainability rule call, where the model's own would build model objects.
-_METHODS: dict[type[pydantic.BaseModel], dict[str, Any]] = {
+_METHODS: dict[type[pydantic.BaseModel], dict[str, object]] = {
     protocol.Trajectory: {
         "histories": lambda self: [self, *self.additional_histories],
     },
@@ -210,7 +210,9 @@ _METHODS: dict[type[pydantic.BaseModel], dict[str, Any]] = {
 _made: dict[Any, type[_Derived]] = {}
 
 
-def _defstruct(name: str, fields: Any, namespace: dict[str, Any] | None = None) -> type[_Derived]:
+def _defstruct(
+    name: str, fields: Any, namespace: dict[str, object] | None = None
+) -> type[_Derived]:
     return cast(
         type[_Derived],
         msgspec.defstruct(
@@ -289,7 +291,7 @@ class _Code:
 
     def __init__(self) -> None:
         self.lines: list[str] = []
-        self.names: dict[str, Any] = {"UNSET": UNSET, "_too_deep": _too_deep}
+        self.names: dict[str, object] = {"UNSET": UNSET, "_too_deep": _too_deep}
 
     def name(self, value: Any) -> str:
         """A name the code calls ``value`` by."""
@@ -332,7 +334,7 @@ def derive(model: type[pydantic.BaseModel]) -> type[_Derived]:
     if model in _made:
         return _made[model]
     specs = _specs(model)
-    namespace: dict[str, Any] = {
+    namespace: dict[str, object] = {
         "__doc__": f"``protocol.{model.__name__}`` as a Struct.",
         **_METHODS.get(model, {}),
     }
@@ -380,7 +382,7 @@ def _is_given(name: str) -> property:
     return property(code.function(f"is_given_{name}"))
 
 
-class _Given(dict[str, Any]):
+class _Given(dict[str, object]):
     """The fields given to a Struct, as a discriminator function reads a dict: only ``in``."""
 
     __slots__ = ("_struct",)
@@ -416,7 +418,7 @@ def _union_struct(tp: Any, where: str) -> type[_Derived]:
     code.add(1, f"given = {code.name(_Given)}()")
     code.add(1, "given._struct = self")
     code.add(1, f"tag = {code.name(discriminator.discriminator)}(given)")
-    namespace: dict[str, Any] = {
+    namespace: dict[str, object] = {
         "__doc__": f"One of {', '.join(members)}, told apart as the model tells them.",
     }
     for number, (tag, (model, specs)) in enumerate(members.items()):

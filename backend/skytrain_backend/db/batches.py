@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -22,7 +20,7 @@ def add_batch(
     uri: str,
     num_groups: int,
     num_trajectories: int,
-    metrics: dict[str, Any],
+    metrics: dict[str, float],
     size_bytes: int = 0,
 ) -> TrajectoryBatch:
     """Stage the row; the caller commits once the object is in the store."""

@@ -6,8 +6,6 @@ tenant themselves.
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -134,7 +132,7 @@ def lock_live_checkpoint(session: Session, *, model_id: str, step: int) -> Check
     )
 
 
-def merge_metrics(*, checkpoint: Checkpoint, metrics: dict[str, Any]) -> None:
+def merge_metrics(*, checkpoint: Checkpoint, metrics: dict[str, float]) -> None:
     """Add ``metrics`` to the checkpoint's (no commit)."""
     # A new dict: the JSON column only notices assignment, not in-place mutation.
     checkpoint.metrics = {**checkpoint.metrics, **metrics}

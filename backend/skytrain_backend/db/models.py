@@ -31,6 +31,9 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from typing_extensions import TypedDict
+
+from skytrain_backend.json_types import JSONObject
 
 ID_LENGTH = 32
 NAME_LENGTH = 128
@@ -83,9 +86,25 @@ class Base(DeclarativeBase):
     )
     type_annotation_map = {
         datetime: UTCDateTime(),
-        dict[str, Any]: JSONType,
+        JSONObject: JSONType,
+        dict[str, float]: JSONType,
         str: String(NAME_LENGTH),
     }
+
+
+class CommittedFile(TypedDict):
+    """A checkpoint's file as committed (``Checkpoint.files``)."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+class ServedStep(TypedDict):
+    """A checkpoint a worker's engine serves (``Worker.served``)."""
+
+    model_id: str
+    step: int
 
 
 def _id_column() -> Mapped[str]:
@@ -106,7 +125,7 @@ class Tenant(Base):
     created_at: Mapped[datetime] = _created_at()
     # The operator's limits for this tenant, {limit name: value}; absent ones are the
     # settings' defaults (``db.tenants``).
-    limits: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    limits: Mapped[dict[str, float]] = mapped_column(default=dict)
     # The bytes it holds, kept as a running total by every write that stores or frees them
     # (``db.tenants.reserve_storage`` / ``release_storage``): the sum over its rows that it
     # stands for (``db.tenants.counted_storage``) is recounted by ``skytrain storage check
@@ -141,7 +160,8 @@ class Model(Base):
     project: Mapped[str]
     name: Mapped[str]
     base_model: Mapped[str] = mapped_column(String(512))
-    config: Mapped[dict[str, Any]]
+    # The user's model config, stored as given.
+    config: Mapped[JSONObject]
     run_id: Mapped[str] = mapped_column(String(ID_LENGTH), default=new_id)
     created_at: Mapped[datetime] = _created_at()
     # Placement: the worker that serves and trains this model (sticky until it goes away).
@@ -214,11 +234,11 @@ class Checkpoint(Base):
     model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"))
     step: Mapped[int]
     uri: Mapped[str | None] = mapped_column(Text)
-    metrics: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    metrics: Mapped[dict[str, float]] = mapped_column(default=dict)
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     # The files as committed: [{"name", "size", "sha256"}] (null for rows older than it, and
     # for step 0); readers check the store against it.
-    files: Mapped[list[dict[str, Any]] | None] = mapped_column(JSONType)
+    files: Mapped[list[CommittedFile] | None] = mapped_column(JSONType)
     created_at: Mapped[datetime] = _created_at()
     deleted_at: Mapped[datetime | None]
     # Deleted, and its files may still be in the store: the scheduler's sweep removes them.
@@ -240,7 +260,7 @@ class TrajectoryBatch(Base):
     uri: Mapped[str] = mapped_column(Text)
     num_groups: Mapped[int]
     num_trajectories: Mapped[int]
-    metrics: Mapped[dict[str, Any]]
+    metrics: Mapped[dict[str, float]]
     # The batch's bytes, counted in its tenant's stored bytes (``Tenant.storage_bytes``).
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _created_at()
@@ -347,7 +367,7 @@ class Worker(Base):
     stopped_at: Mapped[datetime | None]
     # The base model's name in the engine, and the checkpoints it serves: [{model_id, step}].
     served_model_name: Mapped[str | None] = mapped_column(String(512))
-    served: Mapped[list[dict[str, Any]]] = mapped_column(JSONType, default=list)
+    served: Mapped[list[ServedStep]] = mapped_column(JSONType, default=list)
     # Last time the worker had work: a model placed, a request routed, a job.
     last_active_at: Mapped[datetime | None]
     # A worker that failed to start: how many launches for its base model failed in a row,
@@ -388,7 +408,7 @@ class TinkerSession(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
     sdk_version: Mapped[str] = mapped_column(String(64))
     tags: Mapped[list[str]] = mapped_column(JSONType, default=list)
-    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    user_metadata: Mapped[JSONObject] = mapped_column(default=dict)
     # Its user_metadata's bytes (as JSON), counted in its tenant's stored bytes.
     size_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[datetime] = _created_at()
@@ -411,7 +431,7 @@ class TinkerRun(Base):
     model_id: Mapped[str] = mapped_column(ForeignKey("models.id", ondelete="CASCADE"), unique=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("training_jobs.id", ondelete="CASCADE"))
     lora_config: Mapped[dict[str, Any]]
-    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    user_metadata: Mapped[JSONObject] = mapped_column(default=dict)
     created_at: Mapped[datetime] = _created_at()
     last_request_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -476,7 +496,7 @@ class TinkerCheckpoint(Base):
     kind: Mapped[str] = mapped_column(String(16))
     name: Mapped[str] = mapped_column(String(NAME_LENGTH))
     step: Mapped[int]
-    user_metadata: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    user_metadata: Mapped[JSONObject] = mapped_column(default=dict)
     created_at: Mapped[datetime] = _created_at()
 
 

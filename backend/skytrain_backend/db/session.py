@@ -27,7 +27,7 @@ def create_db_engine(url: str, *, pool_size: int = 5, max_connections: int = 15)
     that are running.
     """
     kept = min(pool_size, max_connections)
-    pool: dict[str, Any] = {"pool_size": kept, "max_overflow": max_connections - kept}
+    pool: dict[str, int] = {"pool_size": kept, "max_overflow": max_connections - kept}
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, **pool)

@@ -57,6 +57,7 @@ from skytrain_backend.errors import (
     QuotaExceeded,
     SkytrainError,
 )
+from skytrain_backend.json_types import JSONObject
 
 # Limits of requests in flight: zero would refuse every request, so they are at least one.
 _REQUEST_LIMITS = frozenset(
@@ -342,7 +343,7 @@ def usage_of(session: Session, *, tenant_id: str) -> TenantUsage:
     )
 
 
-def metadata_bytes(metadata: dict[str, Any] | None, *, limits: TenantLimits, field: str) -> int:
+def metadata_bytes(metadata: JSONObject | None, *, limits: TenantLimits, field: str) -> int:
     """The bytes of ``metadata`` as JSON; ``PayloadTooLarge`` (413) naming the tenant's
     ``max_metadata_bytes`` when it is larger (checked before anything is stored)."""
     size = len(msgspec.json.encode(metadata or {}))
@@ -378,7 +379,7 @@ def set_limits(
         if value < 0 or (value == 0 and name in _REQUEST_LIMITS):
             raise InvalidRequest(f"{name} must be a positive number, not {value}")
     tenant = get_tenant_by_name(session, name=tenant_name)
-    limits: dict[str, Any] = {k: v for k, v in (tenant.limits or {}).items() if k not in reset}
+    limits: dict[str, float] = {k: v for k, v in (tenant.limits or {}).items() if k not in reset}
     tenant.limits = {**limits, **values}  # a new dict: JSON columns notice assignment only
     session.commit()
     return tenant

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TypeVar
 
 from sqlalchemy import ColumnElement, exists, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -27,6 +27,7 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded
+from skytrain_backend.json_types import JSONObject
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +44,7 @@ def create_session(
     tenant_id: str,
     sdk_version: str,
     tags: list[str],
-    user_metadata: dict[str, Any],
+    user_metadata: JSONObject,
     limits: TenantLimits,
 ) -> TinkerSession:
     """The new session, refused (403) past the tenant's ``max_sessions`` open ones; its
@@ -85,15 +86,28 @@ def create_session(
     return row
 
 
-def get_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerSession:
-    row = session.scalar(
-        select(TinkerSession).where(
-            TinkerSession.id == session_id, TinkerSession.tenant_id == tenant_id
-        )
-    )
+_Owned = TypeVar("_Owned", TinkerSession, TinkerRun, TinkerRequest, TinkerSampler)
+
+
+def _owned(
+    session: Session, table: type[_Owned], *, tenant_id: str, row_id: str, missing: str
+) -> _Owned:
+    """The tenant's row ``row_id`` of ``table``; NotFound saying ``missing`` otherwise (a
+    row of another tenant is not found either)."""
+    row = session.scalar(select(table).where(table.id == row_id, table.tenant_id == tenant_id))
     if row is None:
-        raise NotFound(f"session {session_id!r} not found: create one with a new ServiceClient")
+        raise NotFound(missing)
     return row
+
+
+def get_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerSession:
+    return _owned(
+        session,
+        TinkerSession,
+        tenant_id=tenant_id,
+        row_id=session_id,
+        missing=f"session {session_id!r} not found: create one with a new ServiceClient",
+    )
 
 
 def open_session(session: Session, *, tenant_id: str, session_id: str) -> TinkerSession:
@@ -114,15 +128,14 @@ def heartbeat(session: Session, *, row: TinkerSession) -> None:
 
 
 def get_run(session: Session, *, tenant_id: str, run_id: str) -> TinkerRun:
-    run = session.scalar(
-        select(TinkerRun).where(TinkerRun.id == run_id, TinkerRun.tenant_id == tenant_id)
+    return _owned(
+        session,
+        TinkerRun,
+        tenant_id=tenant_id,
+        row_id=run_id,
+        missing=f"training run {run_id!r} not found: create one with "
+        "ServiceClient.create_lora_training_client",
     )
-    if run is None:
-        raise NotFound(
-            f"training run {run_id!r} not found: create one with "
-            "ServiceClient.create_lora_training_client"
-        )
-    return run
 
 
 def touch_run(session: Session, *, run: TinkerRun) -> None:
@@ -149,28 +162,24 @@ def list_runs(
 
 
 def get_request(session: Session, *, tenant_id: str, request_id: str) -> TinkerRequest:
-    row = session.scalar(
-        select(TinkerRequest).where(
-            TinkerRequest.id == request_id, TinkerRequest.tenant_id == tenant_id
-        )
+    return _owned(
+        session,
+        TinkerRequest,
+        tenant_id=tenant_id,
+        row_id=request_id,
+        missing=f"future {request_id!r} not found",
     )
-    if row is None:
-        raise NotFound(f"future {request_id!r} not found")
-    return row
 
 
 def get_sampler(session: Session, *, tenant_id: str, sampler_id: str) -> TinkerSampler:
-    row = session.scalar(
-        select(TinkerSampler).where(
-            TinkerSampler.id == sampler_id, TinkerSampler.tenant_id == tenant_id
-        )
+    return _owned(
+        session,
+        TinkerSampler,
+        tenant_id=tenant_id,
+        row_id=sampler_id,
+        missing=f"sampling session {sampler_id!r} not found: create one with "
+        "ServiceClient.create_sampling_client",
     )
-    if row is None:
-        raise NotFound(
-            f"sampling session {sampler_id!r} not found: create one with "
-            "ServiceClient.create_sampling_client"
-        )
-    return row
 
 
 def named_checkpoints(

@@ -8,6 +8,7 @@ provider for a worker, or handed out when a worker joins with an operator's join
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -16,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import credentials, worker_tokens
 from skytrain_backend.db.credentials import hash_secret
-from skytrain_backend.db.models import Worker, utcnow
+from skytrain_backend.db.models import ServedStep, Worker, utcnow
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest
 
 WORKER_TOKEN_PREFIX = "swt-"
@@ -147,7 +148,7 @@ def heartbeat(
     *,
     worker: Worker,
     status: str,
-    served: list[dict[str, Any]],
+    served: Sequence[ServedStep],
     unreachable: str | None = None,
     stats: dict[str, float] | None = None,
 ) -> Worker:
@@ -164,7 +165,7 @@ def heartbeat(
         if worker.status == "unreachable":
             worker.status_message = None
         worker.status = status
-    worker.served = [{"model_id": str(s["model_id"]), "step": int(s["step"])} for s in served]
+    worker.served = [ServedStep(model_id=s["model_id"], step=s["step"]) for s in served]
     session.commit()
     return worker
 

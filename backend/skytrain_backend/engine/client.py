@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import httpx
 
+from skytrain_backend.engine.wire import ControlCall
 from skytrain_backend.errors import EngineError, EngineRefused, EngineTimeout
 from skytrain_backend.protocol import TOKEN_ID_PREFIX
 
@@ -161,7 +162,7 @@ class EngineClient:
         response = await self._request("GET", "/is_sleeping")
         return bool(response.json()["is_sleeping"])
 
-    async def control_log(self) -> list[dict[str, Any]] | None:
+    async def control_log(self) -> list[ControlCall] | None:
         """The control calls the engine carried out, with their times (the CPU engine keeps
         them); None for an engine that keeps no such log (vLLM)."""
         response = await self._http.get("/control_log")

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal, NotRequired
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing_extensions import TypedDict
 
 from skytrain_backend.chat_template import ToolSpec
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import Message, TokenLogprob, ToolCall
 from skytrain_backend.ranges import INT32_MAX, Seed
 
@@ -36,7 +39,7 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     # Options OpenAI defines that skytrain's engines do not implement, with their no-op value.
-    UNSUPPORTED: ClassVar[dict[str, Any]] = {
+    UNSUPPORTED: ClassVar[Mapping[str, object]] = {
         "presence_penalty": 0.0,
         "frequency_penalty": 0.0,
         "repetition_penalty": 1.0,
@@ -109,7 +112,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: JSONObject | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -168,6 +171,16 @@ class CompletionRequest(_SamplingFields):
     @property
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+
+class ControlCall(TypedDict):
+    """A control call the CPU engine carried out (its ``/control_log``): the call, when
+    (Unix time), and what it named."""
+
+    call: str
+    at: float
+    lora_name: NotRequired[str]
+    aborted_requests: NotRequired[int]
 
 
 class LoadLoRAAdapterRequest(BaseModel):

@@ -14,6 +14,7 @@ from typing import Any
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import FitsNoGpu
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.planning.configs import find_model_config
 from skytrain_backend.planning.gpus import GpuSpec, parse_gpu
 from skytrain_backend.planning.plan import WorkerPlan, plan_worker
@@ -76,7 +77,7 @@ def choose_worker_gpu(
     *,
     settings: Settings,
     lora_rank: int,
-    config: dict[str, Any] | None = None,
+    config: JSONObject | None = None,
 ) -> GpuChoice | None:
     """``choose_gpu`` for a worker of ``base_model`` serving and training adapters of up to
     ``lora_rank`` (the rank in use: a model's own at its creation, the largest of the models

@@ -16,17 +16,17 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 from skytrain_backend.base_models import is_hub_id
 from skytrain_backend.errors import ModelConfigUnavailable
+from skytrain_backend.json_types import JSONObject
 
 CONFIG_FILE = "config.json"
 # A config.json is a few kilobytes; a file far larger is not one.
 MAX_CONFIG_BYTES = 1024 * 1024
 
 
-def read_config(path: Path) -> dict[str, Any] | None:
+def read_config(path: Path) -> JSONObject | None:
     """The JSON object in ``path``, or None if it is missing, too large or not an object."""
     try:
         if path.stat().st_size > MAX_CONFIG_BYTES:
@@ -37,7 +37,7 @@ def read_config(path: Path) -> dict[str, Any] | None:
     return config if isinstance(config, dict) else None
 
 
-def find_model_config(base_model: str, *, cache_dir: Path) -> dict[str, Any] | None:
+def find_model_config(base_model: str, *, cache_dir: Path) -> JSONObject | None:
     """``base_model``'s config.json from this machine's copies, or None."""
     if not is_hub_id(base_model):
         return read_config(Path(base_model).expanduser() / CONFIG_FILE)
@@ -52,7 +52,7 @@ def find_model_config(base_model: str, *, cache_dir: Path) -> dict[str, Any] | N
 
 def fetch_hub_config(
     base_model: str, *, endpoint: str | None, token: str | None, timeout_s: float
-) -> dict[str, Any]:
+) -> JSONObject:
     """``base_model``'s config.json downloaded alone from the Hub at ``endpoint`` (None: the
     public Hub), with ``token`` (None: none, even if this machine has one saved); read into
     memory, never into a cache the workers or other tenants read, and never more than

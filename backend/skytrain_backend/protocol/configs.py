@@ -18,6 +18,7 @@ from pydantic import (
 )
 
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol.trajectories import format_validation_error
 from skytrain_backend.ranges import (
     INT32_MAX,
@@ -96,7 +97,7 @@ DEFAULT_EPSILON: dict[str, tuple[float, float | None]] = {"ppo": (0.2, None), "c
 # preset="art": what ART's backends do where skytrain's defaults differ (openpipe-art 0.5.23:
 # ServerlessBackend.train's loss, art/dev/get_model_config.py's trainer_args, the loss
 # aggregation of art/preprocessing/pack.py and art/loss.py, one step per packed row).
-ART_PRESET: dict[str, Any] = {
+ART_PRESET: dict[str, str | float] = {
     "loss_fn": "cispo",
     "aggregation": "art",
     "num_gradient_steps": PER_ROW,
@@ -268,7 +269,7 @@ class RLTrainConfig(BaseModel):
     @classmethod
     def from_experimental(
         cls,
-        raw: dict[str, Any] | None,
+        raw: JSONObject | None,
         *,
         checkpoint_step: Callable[[str], int] | None = None,
     ) -> RLTrainConfig:

@@ -28,6 +28,7 @@ from pydantic import (
 from typing_extensions import TypedDict
 
 from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.ranges import (
     MAX_STEP,
     NO_NUL_PATTERN,
@@ -70,7 +71,7 @@ class Message(_Lenient):
     """A chat message given as a plain dict: context, not trained on by default."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[JSONObject] | None = None
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
@@ -243,16 +244,16 @@ class History(_Lenient):
     """Another conversation of the same rollout (e.g. a sub-agent's), trained with its reward."""
 
     messages_and_choices: list[MessageOrChoice] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[JSONObject] | None = None
 
 
 class Trajectory(_Lenient):
     messages_and_choices: list[MessageOrChoice] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[JSONObject] | None = None
     additional_histories: list[History] = Field(default_factory=list)
     reward: Reward
     metrics: Metrics = Field(default_factory=dict)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: JSONObject = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
 
     def histories(self) -> list[History]:
@@ -272,7 +273,7 @@ class TrajectoryGroup(_Lenient):
 
     trajectories: list[Trajectory] = Field(min_length=1)
     exceptions: list[dict[str, Any]] = Field(default_factory=list)
-    metadata: dict[str, Any] = Field(default_factory=dict)
+    metadata: JSONObject = Field(default_factory=dict)
     metrics: Metrics = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
 

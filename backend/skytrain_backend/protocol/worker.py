@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NotRequired
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
 )
+from typing_extensions import TypedDict
 
 from skytrain_backend.protocol.configs import ModelConfig, RLTrainConfig, SFTTrainConfig
 from skytrain_backend.ranges import (
@@ -184,6 +185,19 @@ class JobEventRecorded(LeaseRenewed):
 class JobEventReport(JobAttempt):
     type: WorkerEventType
     data: dict[str, Any] = Field(default_factory=dict)
+
+
+class ListedFile(TypedDict):
+    """A file as the control plane lists it to a worker (a checkpoint's, a saved state's),
+    with its SHA-256 where it was committed with one."""
+
+    name: str
+    size: int
+    sha256: NotRequired[str]
+
+
+class FileListing(TypedDict):
+    data: list[ListedFile]
 
 
 class CheckpointFile(BaseModel):

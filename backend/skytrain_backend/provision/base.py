@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
+
+from skytrain_backend.json_types import JSONObject
 
 ClusterState = Literal["launching", "up", "failed", "gone"]
 
@@ -32,7 +34,7 @@ class WorkerLaunch:
     accelerators: str | None = None
     # The base model's config.json as the control plane read it (the Hub's, kept in the
     # object store): what a provider that chooses GPUs plans with. None: not known here.
-    base_model_config: dict[str, Any] | None = None
+    base_model_config: JSONObject | None = None
     # The largest LoRA rank among the models the worker is launched for: what it is planned
     # at and its engine loads (``envs`` give it as SKYTRAIN_ENGINE_MAX_LORA_RANK). None: the
     # largest a worker may load (a local worker, which plans for itself).

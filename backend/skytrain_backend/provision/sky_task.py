@@ -21,6 +21,7 @@ import yaml
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ConfigurationError
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.planning.gpus import parse_gpu
 from skytrain_backend.provision.base import WorkerLaunch
 
@@ -45,7 +46,7 @@ def default_worker_yaml() -> Path:
     )
 
 
-def load_task_config(path: Path) -> dict[str, Any]:
+def load_task_config(path: Path) -> JSONObject:
     try:
         config = yaml.safe_load(path.read_text())
     except (OSError, yaml.YAMLError) as exc:
@@ -67,7 +68,7 @@ def accelerator_choices(spec: str) -> list[str] | None:
     return choices
 
 
-def task_accelerators(task_config: dict[str, Any]) -> list[str] | None:
+def task_accelerators(task_config: JSONObject) -> list[str] | None:
     """The worker task's own accelerators (``[L4:1, A10G:1]``, ``L4:1`` or ``{L4: 1}``) as
     ``NAME:COUNT`` strings; None when it names none."""
     value = (task_config.get("resources") or {}).get("accelerators")
@@ -81,7 +82,7 @@ def task_accelerators(task_config: dict[str, Any]) -> list[str] | None:
 
 
 def configured_accelerators(
-    launch_accelerators: str | None, *, settings: Settings, task_config: dict[str, Any]
+    launch_accelerators: str | None, *, settings: Settings, task_config: JSONObject
 ) -> list[str] | None:
     """The accelerators a worker may get: the launch's, the settings', else the task's; None
     for CPU-only workers."""
@@ -115,7 +116,7 @@ def multi_node_envs(choices: list[str] | None, *, nodes: int) -> dict[str, str]:
     }
 
 
-def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: dict[str, Any]) -> Any:
+def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: JSONObject) -> Any:
     """The ``sky.Task`` for one worker, parsed and validated by SkyPilot itself.
 
     The launch's values go in as SkyPilot does for ``sky launch --env/--secret``: settings as

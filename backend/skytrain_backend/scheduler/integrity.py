@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import (
     Checkpoint,
+    CommittedFile,
     Model,
     TrainingJob,
     TrajectoryBatch,
@@ -31,6 +31,7 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.errors import ObjectDamaged
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES
+from skytrain_backend.protocol.worker import ListedFile
 from skytrain_backend.storage import ObjectStore, keys
 
 
@@ -53,7 +54,7 @@ class Committed:
     size and SHA-256 where the row records them (rows older than that record none)."""
 
     size_bytes: int
-    files: tuple[dict[str, Any], ...] | None
+    files: tuple[CommittedFile, ...] | None
     uri: str  # where its files lie (keys.committed_prefix)
 
 
@@ -76,15 +77,13 @@ def files_prefix(*, tenant_id: str, model_id: str, step: int, expected: Committe
 
 def checkpoint_files(
     store: ObjectStore, *, tenant_id: str, model_id: str, step: int, expected: Committed | None
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, ListedFile]:
     """The checkpoint's files as the store holds them, ``{name: {"name", "size"}}`` (with the
     committed ``sha256`` where recorded): ``ObjectDamaged`` when a file is gone or not the
     size committed (or, for rows that record no files, when the total differs)."""
     prefix = files_prefix(tenant_id=tenant_id, model_id=model_id, step=step, expected=expected)
     stored = {info.key.removeprefix(prefix): info.size for info in store.list(prefix)}
-    files: dict[str, dict[str, Any]] = {
-        name: {"name": name, "size": size} for name, size in stored.items()
-    }
+    files = {name: ListedFile(name=name, size=size) for name, size in stored.items()}
     if expected is None:
         return files
     wrong = []

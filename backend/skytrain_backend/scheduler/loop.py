@@ -27,7 +27,6 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -333,7 +332,7 @@ class Scheduler:
         """Settings a worker started by this control plane inherits; ``lora_rank``: the
         largest rank it loads (default: SKYTRAIN_ENGINE_MAX_LORA_RANK)."""
         s = self.settings
-        envs: dict[str, Any] = {
+        envs: dict[str, str | float | bool | None] = {
             "SKYTRAIN_ENGINE": s.engine,
             "SKYTRAIN_ENGINE_STARTUP_TIMEOUT_S": s.engine_startup_timeout_s,
             "SKYTRAIN_ENGINE_MAX_LORAS": s.engine_max_loras,

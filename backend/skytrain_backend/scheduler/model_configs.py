@@ -27,13 +27,13 @@ import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
 
 from cachetools import LRUCache, TTLCache
 
 from skytrain_backend.base_models import is_hub_id
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ModelConfigUnavailable, SkytrainError
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.planning.configs import (
     CONFIG_FILE,
     MAX_CONFIG_BYTES,
@@ -61,13 +61,13 @@ class ModelConfigs:
         self._store = store
         self._endpoint = (settings.hf_endpoint or PUBLIC_HUB).rstrip("/")
         self._lock = threading.Lock()
-        self._known: LRUCache[str, dict[str, Any]] = LRUCache(maxsize=KNOWN_CONFIGS)
+        self._known: LRUCache[str, JSONObject] = LRUCache(maxsize=KNOWN_CONFIGS)
         self._failed: TTLCache[str, tuple[float, str]] = TTLCache(
             maxsize=KNOWN_FAILURES, ttl=RETRY_AFTER_S
         )
-        self._fetches: dict[str, Future[dict[str, Any]]] = {}
+        self._fetches: dict[str, Future[JSONObject]] = {}
 
-    def get(self, base_model: str, *, fresh: bool = False) -> dict[str, Any] | None:
+    def get(self, base_model: str, *, fresh: bool = False) -> JSONObject | None:
         """``base_model``'s config.json; None for a model directory this machine cannot
         read (its worker reads it). Raises ModelConfigUnavailable when the Hub refused it,
         failed, or has not answered within ``SKYTRAIN_HUB_TIMEOUT_S``.
@@ -99,7 +99,7 @@ class ModelConfigs:
                 retry_after_s=RETRY_AFTER_S,
             ) from None
 
-    def _fetch(self, base_model: str) -> Future[dict[str, Any]]:
+    def _fetch(self, base_model: str) -> Future[JSONObject]:
         """The fetch of ``base_model``'s config in flight, started if none is."""
         with self._lock:
             future = self._fetches.get(base_model)
@@ -112,7 +112,7 @@ class ModelConfigs:
         ).start()
         return future
 
-    def _run_fetch(self, base_model: str, future: Future[dict[str, Any]]) -> None:
+    def _run_fetch(self, base_model: str, future: Future[JSONObject]) -> None:
         token = self._settings.hf_token
         try:
             config = fetch_hub_config(
@@ -138,7 +138,7 @@ class ModelConfigs:
     def _key(self, base_model: str) -> str:
         return keys.hub_config_key(endpoint=self._endpoint, base_model=base_model)
 
-    def _from_store(self, base_model: str) -> dict[str, Any] | None:
+    def _from_store(self, base_model: str) -> JSONObject | None:
         if self._store is None:
             return None
         try:
@@ -151,7 +151,7 @@ class ModelConfigs:
             config = None
         return config if isinstance(config, dict) else None
 
-    def _to_store(self, base_model: str, config: dict[str, Any]) -> None:
+    def _to_store(self, base_model: str, config: JSONObject) -> None:
         if self._store is None:
             return
         try:

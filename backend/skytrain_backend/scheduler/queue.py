@@ -42,7 +42,16 @@ from sqlalchemy.orm import Session, aliased
 from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db import registry, tenants
-from skytrain_backend.db.models import Checkpoint, Model, Tenant, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import (
+    Checkpoint,
+    CommittedFile,
+    Model,
+    ServedStep,
+    Tenant,
+    TrainingJob,
+    Worker,
+    utcnow,
+)
 from skytrain_backend.errors import (
     Conflict,
     InvalidRequest,
@@ -490,13 +499,13 @@ def complete_job(
         uri=store.uri(prefix.rstrip("/")),
         metrics=metrics,
         size_bytes=total,
-        files=[item.model_dump() for item in files],
+        files=[CommittedFile(name=item.name, size=item.size, sha256=item.sha256) for item in files],
     )
     session.add(checkpoint)
     # The worker loaded and verified the new adapter before completing: it serves it now, so
     # the request that follows training_ended goes to the new step.
     served = [item for item in worker.served or [] if item.get("model_id") != model_id]
-    worker.served = [*served, {"model_id": model_id, "step": step}]
+    worker.served = [*served, ServedStep(model_id=model_id, step=step)]
     _woke(worker)
     now = utcnow()
     observed.JOBS_ENDED.labels(status="succeeded").inc()

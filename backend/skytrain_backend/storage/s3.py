@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypedDict
 
 import boto3
 from boto3.exceptions import S3UploadFailedError
@@ -272,6 +272,13 @@ class S3ObjectStore(ObjectStore):
         return aborted
 
 
+class _Part(TypedDict):
+    """An uploaded part, as CompleteMultipartUpload lists it."""
+
+    ETag: str
+    PartNumber: int
+
+
 class _S3Writer(ObjectWriter):
     """A multipart upload fed part by part: at most one part uploads (in a thread) while the
     next fills, so memory stays near two parts. An object smaller than ``MULTIPART_THRESHOLD``
@@ -286,7 +293,7 @@ class _S3Writer(ObjectWriter):
         self._chunks: list[bytes] = []
         self._size = 0
         self._upload_id: str | None = None
-        self._parts: list[Future[dict[str, Any]]] = []
+        self._parts: list[Future[_Part]] = []
         self._executor: ThreadPoolExecutor | None = None
         self._done = False
 
@@ -312,11 +319,11 @@ class _S3Writer(ObjectWriter):
         assert self._executor is not None
         number, upload_id = len(self._parts) + 1, self._upload_id
 
-        def upload() -> dict[str, Any]:
+        def upload() -> _Part:
             answer = client.upload_part(
                 Bucket=bucket, Key=self._s3_key, UploadId=upload_id, PartNumber=number, Body=body
             )
-            return {"ETag": answer["ETag"], "PartNumber": number}
+            return _Part(ETag=answer["ETag"], PartNumber=number)
 
         self._parts.append(self._executor.submit(upload))
 

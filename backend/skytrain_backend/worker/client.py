@@ -66,6 +66,7 @@ from skytrain_backend.protocol.tinker_ops import (
     SaveCommit,
     TinkerLease,
 )
+from skytrain_backend.protocol.worker import ListedFile
 
 T = TypeVar("T")
 Answer = TypeVar("Answer", bound=BaseModel)
@@ -206,7 +207,7 @@ class ControlPlaneClient:
     async def download_input(self, job_id: str, target: Path) -> Path:
         return await self._retrying(lambda: self._download(f"/jobs/{job_id}/input", target))
 
-    async def list_checkpoint_files(self, model_id: str, step: int) -> list[dict[str, Any]]:
+    async def list_checkpoint_files(self, model_id: str, step: int) -> list[ListedFile]:
         path = f"/models/{model_id}/checkpoints/{step}/files"
         response = await self._retrying(lambda: self._send("GET", path))
         return list(response.json()["data"])

@@ -45,10 +45,10 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from skytrain_backend.errors import (
     EngineRefused,
@@ -83,14 +83,6 @@ class _JobCancelled(SkytrainError):
 
 class _WorkerStopping(SkytrainError):
     """The worker was told to stop while a job trained."""
-
-
-@dataclass
-class _Placement:
-    model_id: str
-    latest_step: int
-    steps: list[int]
-    model_config: ModelConfig
 
 
 @dataclass
@@ -606,7 +598,7 @@ def _cut(summary: dict[str, float]) -> dict[str, float]:
     return {key: summary[key] for key in keys if key in summary}
 
 
-def _floats(values: dict[str, Any]) -> dict[str, float]:
+def _floats(values: Mapping[str, object]) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if isinstance(v, int | float)}
 
 

@@ -119,8 +119,8 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _hardware() -> dict[str, Any]:
-    info: dict[str, Any] = {
+def _hardware() -> dict[str, str | int | None]:
+    info: dict[str, str | int | None] = {
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "cpu_count": os.cpu_count(),

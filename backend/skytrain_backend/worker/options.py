@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from skytrain_backend.worker.sizing import TrainerSizing
+
 
 @dataclass
 class AgentOptions:
@@ -30,7 +32,7 @@ class AgentOptions:
     # Most bytes one training step's activations may take (None: the trainer's default).
     trainer_memory_limit_bytes: int | None = None
     # Trainer.load's memory-plan keywords (gradient_checkpointing, max_row_tokens, spread).
-    trainer_options: dict[str, Any] = field(default_factory=dict)
+    trainer_options: TrainerSizing = field(default_factory=TrainerSizing)
     # Trainer processes a job runs on (the plan's trainer_shards): more than 1, under
     # torchrun with the base model sharded (worker.sharded).
     trainer_shards: int = 1

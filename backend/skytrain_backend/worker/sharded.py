@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, cast
 
 from skytrain_backend.errors import ConfigurationError, TrainingError
 from skytrain_backend.protocol import (
@@ -61,6 +61,26 @@ ERROR_TAIL_LINES = 40
 EVENT_POLL_S = 0.1
 # How long the ranks of a released trainer get to end before they are killed.
 STOP_TIMEOUT_S = 30.0
+
+
+class PreparedPlan(TypedDict):
+    num_gradient_steps: int
+    steps_done: int
+    summary: dict[str, float]
+    warning: str | None
+
+
+class RankEvent(TypedDict):
+    """A line of rank 0's events file (``trainer.job`` writes it): ``event`` says which of
+    prepared (``plan``), step (``steps_done``, ``metrics``, ``summary``, ``warning``),
+    stopped (``steps_done``, ``summary``) or saved (``summary``, ``warning``) it is."""
+
+    event: Literal["prepared", "step", "stopped", "saved"]
+    plan: NotRequired[PreparedPlan]
+    steps_done: NotRequired[int]
+    metrics: NotRequired[dict[str, float]]
+    summary: NotRequired[dict[str, float]]
+    warning: NotRequired[str | None]
 
 
 @dataclass(frozen=True)
@@ -285,7 +305,7 @@ class ShardedTrainer:
             elif event["event"] == "stopped":
                 return
 
-    def _events(self, plan: ShardedPlan) -> Iterator[dict[str, Any]]:
+    def _events(self, plan: ShardedPlan) -> Iterator[RankEvent]:
         """Rank 0's events as it writes them, applied to ``plan``; TrainingError when the
         ranks end without saying they saved or stopped."""
         assert self._process is not None
@@ -301,7 +321,7 @@ class ShardedTrainer:
                 plan.events_read += len(complete)
                 lines = complete.decode().splitlines()
             for line in lines:
-                event = json.loads(line)
+                event: RankEvent = json.loads(line)
                 _apply(plan, event)
                 if event["event"] in ("saved", "stopped"):
                     # The ranks' last word: wait for them to exit before the caller hears
@@ -390,7 +410,7 @@ def _resumed(plan: ShardedPlan, directory: Path) -> None:
     plan.agreement_pending = False
 
 
-def _apply(plan: ShardedPlan, event: dict[str, Any]) -> None:
+def _apply(plan: ShardedPlan, event: RankEvent) -> None:
     if event["event"] == "prepared":
         prepared = event["plan"]
         plan.num_gradient_steps = prepared["num_gradient_steps"]

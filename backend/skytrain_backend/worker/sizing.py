@@ -26,10 +26,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ConfigurationError, MachineTooSmall
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.planning import (
     GpuType,
     ModelShape,
@@ -46,14 +47,33 @@ from skytrain_backend.planning.host import GB, cpu_worker_host_bytes
 logger = logging.getLogger(__name__)
 
 
+class EngineSizing(TypedDict):
+    """EngineOptions fields the plan sets (None: vLLM's or the engine's own default)."""
+
+    max_model_len: int | None
+    gpu_memory_utilization: float | None
+    tensor_parallel_size: int | None
+
+
+class TrainerSizing(TypedDict, total=False):
+    """Trainer.load's memory-plan keywords."""
+
+    gradient_checkpointing: bool | None
+    max_row_tokens: int | None
+    # The in-process trainer spreads a model it cannot hold on one GPU.
+    spread: bool
+
+
 @dataclass(frozen=True)
 class Sizing:
     """What the worker starts vLLM and loads trainers with."""
 
-    # EngineOptions fields (None: vLLM's or the engine's own default).
-    engine: dict[str, Any] = field(default_factory=dict)
-    # Trainer.load keywords.
-    trainer: dict[str, Any] = field(default_factory=dict)
+    engine: EngineSizing = field(
+        default_factory=lambda: EngineSizing(
+            max_model_len=None, gpu_memory_utilization=None, tensor_parallel_size=None
+        )
+    )
+    trainer: TrainerSizing = field(default_factory=TrainerSizing)
     plan: WorkerPlan | None = None
     # Trainer processes: more than 1 runs jobs under torchrun (``worker.sharded``).
     trainer_shards: int = 1
@@ -61,47 +81,75 @@ class Sizing:
     host_memory_bytes: int | None = None
 
 
-def _told(settings: Settings) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Knobs:
+    """The numbers a setting or the plan gives (None: not given)."""
+
+    max_model_len: int | None
+    gpu_memory_utilization: float | None
+    tensor_parallel_size: int | None
+    gradient_checkpointing: bool | None
+    max_row_tokens: int | None
+    device_map: str | None
+    shards: int | None
+
+    def given(self) -> bool:
+        return None not in dataclasses.astuple(self)
+
+    def filled_from(self, other: _Knobs) -> _Knobs:
+        """These knobs, with ``other``'s where these are None."""
+        return dataclasses.replace(
+            self,
+            **{
+                knob.name: getattr(other, knob.name)
+                for knob in dataclasses.fields(self)
+                if getattr(self, knob.name) is None
+            },
+        )
+
+
+def _told(settings: Settings) -> _Knobs:
     """The settings the plan may fill in (None: not given)."""
-    return {
-        "max_model_len": settings.engine_max_model_len,
-        "gpu_memory_utilization": settings.engine_gpu_memory_utilization,
-        "tensor_parallel_size": settings.engine_tensor_parallel_size,
-        "gradient_checkpointing": settings.trainer_gradient_checkpointing,
-        "max_row_tokens": settings.trainer_max_row_tokens,
-        "device_map": settings.trainer_device_map,
-        "shards": settings.trainer_shards,
-    }
+    return _Knobs(
+        max_model_len=settings.engine_max_model_len,
+        gpu_memory_utilization=settings.engine_gpu_memory_utilization,
+        tensor_parallel_size=settings.engine_tensor_parallel_size,
+        gradient_checkpointing=settings.trainer_gradient_checkpointing,
+        max_row_tokens=settings.trainer_max_row_tokens,
+        device_map=settings.trainer_device_map,
+        shards=settings.trainer_shards,
+    )
 
 
-def _planned(plan: WorkerPlan) -> dict[str, Any]:
-    return {
-        "max_model_len": plan.max_model_len,
-        "gpu_memory_utilization": plan.gpu_memory_utilization,
-        "tensor_parallel_size": plan.tensor_parallel_size,
-        "gradient_checkpointing": plan.gradient_checkpointing,
-        "max_row_tokens": plan.max_row_tokens,
-        "device_map": plan.trainer_device_map,
-        "shards": plan.trainer_shards,
-    }
+def _planned(plan: WorkerPlan) -> _Knobs:
+    return _Knobs(
+        max_model_len=plan.max_model_len,
+        gpu_memory_utilization=plan.gpu_memory_utilization,
+        tensor_parallel_size=plan.tensor_parallel_size,
+        gradient_checkpointing=plan.gradient_checkpointing,
+        max_row_tokens=plan.max_row_tokens,
+        device_map=plan.trainer_device_map,
+        shards=plan.trainer_shards,
+    )
 
 
-def _sizing(values: dict[str, Any], plan: WorkerPlan | None = None) -> Sizing:
+def _sizing(values: _Knobs, plan: WorkerPlan | None = None) -> Sizing:
     host = plan.host_memory_gb if plan is not None else None
     return Sizing(
-        engine={
-            key: values[key]
-            for key in ("max_model_len", "gpu_memory_utilization", "tensor_parallel_size")
-        },
-        trainer={
-            "gradient_checkpointing": values["gradient_checkpointing"],
-            "max_row_tokens": values["max_row_tokens"],
+        engine=EngineSizing(
+            max_model_len=values.max_model_len,
+            gpu_memory_utilization=values.gpu_memory_utilization,
+            tensor_parallel_size=values.tensor_parallel_size,
+        ),
+        trainer=TrainerSizing(
+            gradient_checkpointing=values.gradient_checkpointing,
+            max_row_tokens=values.max_row_tokens,
             # The in-process trainer spreads a model it cannot hold on one GPU; a sharded
             # one (trainer_shards > 1) runs under torchrun instead (worker.sharded).
-            "spread": values["device_map"] in ("auto", "fsdp"),
-        },
+            spread=values.device_map in ("auto", "fsdp"),
+        ),
         plan=plan,
-        trainer_shards=values["shards"] or 1,
+        trainer_shards=values.shards or 1,
         host_memory_bytes=host * GB if host is not None else None,
     )
 
@@ -110,7 +158,7 @@ def size_worker(
     settings: Settings,
     *,
     base_model: str,
-    config: dict[str, Any] | None,
+    config: JSONObject | None,
     gpu: GpuType | None,
     gpu_count: int = 1,
     nodes: int = 1,
@@ -148,16 +196,13 @@ def size_worker(
         tinker_runs=settings.worker_tinker_max_runs,
         nodes=nodes,
     )
-    if None not in told.values():
+    if told.given():
         # Told everything: the plan only sizes the machine check (when it has figures).
         return _sizing(told, plan if plan.fits else None)
     if not plan.fits:
         raise ConfigurationError(f"this worker cannot serve and train {base_model}: {plan.reason}")
     logger.info("memory plan: %s", plan.reason)
-    planned = _planned(plan)
-    return _sizing(
-        {key: value if value is not None else planned[key] for key, value in told.items()}, plan
-    )
+    return _sizing(told.filled_from(_planned(plan)), plan)
 
 
 def task_nodes(env: Mapping[str, str]) -> int:
@@ -204,7 +249,7 @@ def _without_gpu(settings: Settings, *, base_model: str) -> Sizing:
     return dataclasses.replace(sizing, host_memory_bytes=needed)
 
 
-def _refuse_experts(base_model: str, config: dict[str, Any] | None) -> None:
+def _refuse_experts(base_model: str, config: JSONObject | None) -> None:
     reason = experts.check_config(base_model, config)
     if reason is not None:
         raise ConfigurationError(f"this worker cannot serve and train {base_model}: {reason}")

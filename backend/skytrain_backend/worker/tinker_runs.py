@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from skytrain_backend.errors import LeaseLost, SkytrainError, TrainingError
 from skytrain_backend.protocol import ModelConfig, StagedFile, tinker_protobuf
@@ -58,6 +58,7 @@ from skytrain_backend.worker.client import (
     staged_file,
     until_stopped,
 )
+from skytrain_backend.worker.sizing import TrainerSizing
 
 if TYPE_CHECKING:
     from skytrain_backend.trainer import Trainer
@@ -119,7 +120,7 @@ class TinkerExecutor:
         work_dir: Path,
         device: str | None,
         max_runs: int,
-        trainer_options: dict[str, Any] | None = None,
+        trainer_options: TrainerSizing | None = None,
         trainer_shards: int = 1,
         lease_s: float = 60.0,
         wait_s: float = 30.0,
@@ -129,7 +130,7 @@ class TinkerExecutor:
         self._work_dir = work_dir
         self._device = device
         # Trainer.load's memory-plan keywords, as for the worker's jobs.
-        self._trainer_options = trainer_options or {}
+        self._trainer_options = trainer_options or TrainerSizing()
         # More than 1: the memory plan shards this worker's trainer (worker.sharded), which
         # Tinker's one-process trainer cannot be: its runs are refused rather than loaded
         # whole onto one device that cannot hold them.

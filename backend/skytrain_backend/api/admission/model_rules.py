@@ -21,8 +21,6 @@ Each is checked before anything is stored, so a refused request leaves nothing b
 
 from __future__ import annotations
 
-from typing import Any
-
 from sqlalchemy.orm import Session
 
 from skytrain_backend.base_models import check_base_model
@@ -31,6 +29,7 @@ from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Tenant
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, ModelConfigUnavailable
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.planning import choose_worker_gpu, experts, find_model_config
 from skytrain_backend.provision.base import Provider
 from skytrain_backend.scheduler import placement, ranks
@@ -174,7 +173,7 @@ def check_one_device_trains(
 
 def _plan_inputs(
     session: Session, *, base_model: str, provider: Provider | None, configs: ModelConfigs
-) -> tuple[list[str], dict[str, Any] | None] | None:
+) -> tuple[list[str], JSONObject | None] | None:
     """The GPUs the provider's workers may get and the base model's config.json; None when
     the plan is not checked here: no GPUs configured, a registered worker serves the base
     model (it planned for its own GPUs), or the config cannot be read now.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import tempfile
 from datetime import timedelta
-from typing import Annotated, Any, BinaryIO, cast
+from typing import Annotated, BinaryIO, cast
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
@@ -34,7 +34,15 @@ from skytrain_backend.api.deps import (
 )
 from skytrain_backend.api.longpoll import long_poll
 from skytrain_backend.db import notify, registry, worker_tokens, workers
-from skytrain_backend.db.models import Checkpoint, Model, ModelReplica, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import (
+    Checkpoint,
+    Model,
+    ModelReplica,
+    ServedStep,
+    TrainingJob,
+    Worker,
+    utcnow,
+)
 from skytrain_backend.errors import AuthenticationFailed, InvalidRequest, NotFound
 from skytrain_backend.observability import metrics
 from skytrain_backend.protocol import (
@@ -56,6 +64,7 @@ from skytrain_backend.protocol import (
     WorkerRegistered,
     WorkerRegistration,
 )
+from skytrain_backend.protocol.worker import FileListing
 from skytrain_backend.scheduler import integrity, queue
 from skytrain_backend.storage import compression, keys
 
@@ -219,7 +228,7 @@ def heartbeat(body: Heartbeat, worker: WorkerDep, session: SessionDep) -> Heartb
         session,
         worker=worker,
         status=body.status,
-        served=[item.model_dump() for item in body.served],
+        served=[ServedStep(model_id=item.model_id, step=item.step) for item in body.served],
         unreachable=unreachable,
         stats=None if body.stats is None else body.stats.model_dump(exclude_none=True),
     )
@@ -466,7 +475,7 @@ def preempt(
 @router.get("/jobs/{job_id}/saved-state")
 def saved_state_files(
     job_id: str, worker: WorkerDep, session: SessionDep, store: StoreDep
-) -> dict[str, Any]:
+) -> FileListing:
     """The files of the state the job saved when it last yielded, to resume from."""
     prefix = _saved_state_prefix(session, worker=worker, job_id=job_id)
     return stored_files.listing(store, prefix)
@@ -489,7 +498,7 @@ def _saved_state_prefix(session: SessionDep, *, worker: Worker, job_id: str) -> 
 @router.get("/models/{model_id}/checkpoints/{step}/files")
 def checkpoint_files(
     model_id: str, step: int, worker: WorkerDep, session: SessionDep, store: StoreDep
-) -> dict[str, Any]:
+) -> FileListing:
     """A step's files, to load it: ``{data: [{name, size, sha256?}]}`` (the SHA-256 as
     committed, for the worker to check what it downloads), or ``ObjectDamaged`` (with the step
     named) when the store no longer holds what was committed."""
@@ -498,7 +507,7 @@ def checkpoint_files(
     files = integrity.checkpoint_files(
         store, tenant_id=tenant_id, model_id=model_id, step=step, expected=expected
     )
-    return {"data": [files[name] for name in sorted(files)]}
+    return FileListing(data=[files[name] for name in sorted(files)])
 
 
 def _committed(

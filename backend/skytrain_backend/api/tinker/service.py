@@ -66,6 +66,7 @@ from skytrain_backend.errors import (
     SkytrainError,
     Unavailable,
 )
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.protocol import tinker_api as schemas
 from skytrain_backend.protocol.tinker_ops import (
@@ -175,7 +176,7 @@ class TinkerService:
         base_model: str,
         model_config: ModelConfig,
         lora: schemas.LoraConfig,
-        user_metadata: dict[str, Any] | None,
+        user_metadata: JSONObject | None,
         creation: CreationOperation,
     ) -> schemas.UntypedAPIFuture:
         """A new training run in the SDK's session: its model checked against the tenant's

@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Literal, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -54,6 +54,7 @@ from skytrain_backend.engine.hf.requests import (
 )
 from skytrain_backend.engine.hf.runner import ModelRunner, PromptTokenLogprob, read_adapter
 from skytrain_backend.engine.hf.sampling import SamplingParams, gather_logprobs, sample_next_tokens
+from skytrain_backend.engine.wire import ControlCall
 from skytrain_backend.errors import (
     ConfigurationError,
     EngineError,
@@ -130,7 +131,7 @@ class HFEngine:
         # Sleeps waiting for the running requests to finish (``sleep(mode="wait")``).
         self._pending_sleeps: list[concurrent.futures.Future[None]] = []
         # Control calls as the engine thread carried them out: {"call", "at" (Unix time), ...}.
-        self.control_log: list[dict[str, Any]] = []
+        self.control_log: list[ControlCall] = []
         self._batch: Batch | None = None
         self._mergeable: bool | None = None
         self._waiting = FairQueue()
@@ -546,8 +547,15 @@ class HFEngine:
         self._pausing = False
         self._record("wake_up")
 
-    def _record(self, call: str, **data: Any) -> None:
-        self.control_log.append({"call": call, "at": time.time(), **data})
+    def _record(
+        self, call: str, *, lora_name: str | None = None, aborted_requests: int | None = None
+    ) -> None:
+        entry = ControlCall(call=call, at=time.time())
+        if lora_name is not None:
+            entry["lora_name"] = lora_name
+        if aborted_requests is not None:
+            entry["aborted_requests"] = aborted_requests
+        self.control_log.append(entry)
 
 
 def _request_error(exc: Exception) -> SkytrainError:

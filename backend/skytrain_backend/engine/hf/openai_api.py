@@ -18,9 +18,9 @@ import contextlib
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from skytrain_backend.chat_template import template_message, template_tools
 from skytrain_backend.engine.hf.engine import HFEngine
@@ -66,7 +66,7 @@ _T = TypeVar("_T")
 _R = TypeVar("_R")
 
 
-def sse(payload: dict[str, Any]) -> str:
+def sse(payload: Mapping[str, object]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 

@@ -31,6 +31,7 @@ from skytrain_backend.engine.hf.openai_api import OpenAIServing, error_response
 from skytrain_backend.engine.wire import (
     ChatCompletionRequest,
     CompletionRequest,
+    ControlCall,
     LoadLoRAAdapterRequest,
     ModelList,
     UnloadLoRAAdapterRequest,
@@ -81,13 +82,13 @@ async def sleep(
     serving: ServingDep,
     level: Annotated[int, Query(ge=0, le=2)] = 1,
     mode: SleepMode = "abort",
-) -> dict[str, Any]:
+) -> dict[str, str | int]:
     await serving.engine.sleep(mode)
     return {"status": "sleeping", "level": level}
 
 
 @control.post("/wake_up")
-async def wake_up(serving: ServingDep) -> dict[str, Any]:
+async def wake_up(serving: ServingDep) -> dict[str, str]:
     await serving.engine.wake_up()
     return {"status": "awake"}
 
@@ -98,7 +99,7 @@ async def is_sleeping(serving: ServingDep) -> dict[str, bool]:
 
 
 @control.get("/control_log")
-async def control_log(serving: ServingDep) -> dict[str, Any]:
+async def control_log(serving: ServingDep) -> dict[str, list[ControlCall]]:
     return {"data": list(serving.engine.control_log)}
 
 

@@ -32,7 +32,7 @@ import logging
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import func, select
@@ -56,6 +56,7 @@ from skytrain_backend.db.models import (
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.db.tinker_rows import JOB_KIND
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded, RateLimited
+from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig, format_validation_error
 from skytrain_backend.protocol.tinker_api import LoraConfig
 from skytrain_backend.protocol.tinker_ops import CreationOperation, TinkerOperation
@@ -182,7 +183,7 @@ def create_run(
     base_model: str,
     model_config: ModelConfig,
     lora: LoraConfig,
-    user_metadata: dict[str, Any],
+    user_metadata: JSONObject,
     creation: CreationOperation,
     max_attempts: int,
     max_models: int,

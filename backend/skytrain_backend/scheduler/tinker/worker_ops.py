@@ -5,6 +5,7 @@ failures and saves. The runs themselves, their queue and their names: ``schedule
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -339,7 +340,8 @@ def commit_save(
     copied into the attempt's own directory of the step; then a short transaction checks
     all of it again and commits. What a save that lost the race copied is the garbage
     sweep's."""
-    checked = _check_save(
+    check = functools.partial(
+        _check_save,
         session,
         worker=worker,
         job_id=job_id,
@@ -349,6 +351,7 @@ def commit_save(
         reuse_step=reuse_step,
         files=files,
     )
+    checked = check()
     if isinstance(checked, str):
         return checked
     tenant_id, model_id = checked
@@ -367,16 +370,7 @@ def commit_save(
         total = queue.copy_staged(
             store, source=attempt_prefix, dest=prefix, files=files, job_id=job_id, step=step
         )
-    checked = _check_save(
-        session,
-        worker=worker,
-        job_id=job_id,
-        attempt=attempt,
-        seq_id=seq_id,
-        step=step,
-        reuse_step=reuse_step,
-        files=files,
-    )
+    checked = check()  # again, in the transaction that commits
     if isinstance(checked, str):
         return checked
     if total:
