@@ -10,13 +10,12 @@ from collections.abc import Callable
 
 from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session, sessionmaker
-from typer.testing import CliRunner, Result
 
-from skytrain_backend.cli import app
-from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob
 from tests.api.support import group
+from tests.fixtures.cli import run_cli
 from tests.lifecycle.conftest import Who, WorkerClient
 
 ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x01" * 512}
@@ -28,18 +27,6 @@ def _recorded_and_counted(db: sessionmaker[Session], who: Who) -> tuple[int, int
         recorded = session.scalar(select(Tenant.storage_bytes).where(Tenant.id == who.tenant_id))
         counted = session.scalar(tenants.counted_storage(tenant_id=who.tenant_id))
         return int(recorded or 0), int(counted or 0)
-
-
-def _skytrain(settings: Settings, *args: str) -> Result:
-    env = {
-        "SKYTRAIN_HOME": str(settings.home),
-        "SKYTRAIN_DATABASE_URL": settings.resolved_database_url,
-    }
-    get_settings.cache_clear()
-    try:
-        return CliRunner().invoke(app, list(args), env=env)
-    finally:
-        get_settings.cache_clear()
 
 
 def _commit_a_step(alice: Who, worker: WorkerClient, model_id: str, *, step: int) -> str:
@@ -92,11 +79,11 @@ def test_the_running_total_follows_every_write_and_delete_and_the_cli_recounts_i
             update(Tenant).where(Tenant.id == alice.tenant_id).values(storage_bytes=12345)
         )
         session.commit()
-    checked = _skytrain(lifecycle_settings, "storage", "check")
+    checked = run_cli(lifecycle_settings, "storage", "check")
     assert checked.exit_code == 1, checked.output
     (row,) = [line for line in checked.stdout.splitlines() if alice.name in line]
     assert "12345" in row and str(before_delete - ADAPTER_BYTES) in row
-    fixed = _skytrain(lifecycle_settings, "storage", "check", "--fix-usage")
+    fixed = run_cli(lifecycle_settings, "storage", "check", "--fix-usage")
     assert "(fixed)" in fixed.stdout
     assert _recorded_and_counted(lifecycle_db, alice) == (before_delete - ADAPTER_BYTES,) * 2
 

@@ -15,12 +15,10 @@ from datetime import timedelta
 import pytest
 from sky import exceptions
 from sky.skylet.job_lib import JobStatus
-from typer.testing import CliRunner
 
-from skytrain_backend.cli import app
-from skytrain_backend.config import get_settings
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
+from tests.fixtures.cli import run_cli
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import FakeSky
 from tests.provision.test_skypilot_scheduling import (
@@ -62,15 +60,7 @@ def control_plane(make_settings: MakeSettings) -> Iterator[ControlPlane]:
 
 def _cli(plane: ControlPlane, *args: str) -> str:
     """`skytrain ...` on the control plane's database, as its operator runs it."""
-    env = {
-        "SKYTRAIN_HOME": str(plane.settings.home),
-        "SKYTRAIN_DATABASE_URL": plane.settings.database_url or "",
-    }
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(app, list(args), env=env)
-    finally:
-        get_settings.cache_clear()
+    result = run_cli(plane.settings, *args)
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -237,18 +227,7 @@ def test_relaunches_back_off_exponentially_and_stop_at_the_limit_until_retried(
 
 
 def test_retry_refuses_a_base_model_with_no_failed_launch(control_plane: ControlPlane) -> None:
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(
-            app,
-            ["workers", "retry", "org/never-launched"],
-            env={
-                "SKYTRAIN_HOME": str(control_plane.settings.home),
-                "SKYTRAIN_DATABASE_URL": control_plane.settings.database_url or "",
-            },
-        )
-    finally:
-        get_settings.cache_clear()
+    result = run_cli(control_plane.settings, "workers", "retry", "org/never-launched")
     assert result.exit_code == 1
     assert "no failed launch of 'org/never-launched'" in result.output
 
