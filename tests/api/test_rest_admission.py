@@ -19,26 +19,12 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.errors import RateLimited
 from skytrain_backend.ranges import MAX_WAIT_S
-from tests.api.support import group
+from tests.api.support import queued_job_events
 from tests.fixtures.callers import Caller
 from tests.fixtures.service import start_service, stop_service
 from tests.fixtures.services import ControlPlane, MakeSettings
 
 DEADLINE_S = 30
-
-
-def _queued_job_events(http: httpx.Client) -> str:
-    """The events path of a job that stays queued (no workers): a long-poll on it waits."""
-    model = http.post(
-        "/v1/models", json={"project": "tests", "name": "admitted", "base_model": "tiny/llama"}
-    )
-    assert model.status_code == 201, model.text
-    job = http.post(
-        "/v1/training-jobs",
-        json={"model_id": model.json()["id"], "trajectory_groups": [group(1.0, 0.0)]},
-    )
-    assert job.status_code == 201, job.text
-    return f"/v1/training-jobs/{job.json()['id']}/events"
 
 
 async def _until_refused(client: httpx.AsyncClient) -> httpx.Response:
@@ -73,7 +59,7 @@ def test_past_its_cap_a_tenant_is_refused_others_are_served_and_a_hang_up_frees_
     other: Caller,
     db_sessions: sessionmaker[Session],
 ) -> None:
-    events = _queued_job_events(caller.http)
+    events = queued_job_events(caller.http)
     with db_sessions() as session:
         tenants.set_limits(
             session,
@@ -153,7 +139,7 @@ def test_a_tenant_at_its_cap_through_one_control_plane_is_refused_through_anothe
     second = start_service(env, tmp_path / "second")
     try:
         with first.http("alice") as http:
-            events = _queued_job_events(http)
+            events = queued_job_events(http)
         first.cli("tenants", "limits", "alice", "--max-concurrent-rest-requests", "1")
         headers = {"Authorization": f"Bearer {first.key('alice')}"}
 
