@@ -18,9 +18,9 @@ from skytrain_backend.config import Settings
 from skytrain_backend.errors import ObjectDamaged
 from skytrain_backend.storage import LocalObjectStore, keys
 from skytrain_backend.worker.client import ControlPlaneClient
-from tests.api.support import group, sft_trajectory
+from tests.api.support import sft_trajectory
 from tests.fixtures.cli import run_cli
-from tests.lifecycle.conftest import Who, WorkerClient, committed_prefix
+from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, committed_prefix, leased_job
 
 ADAPTER = {
     "adapter_config.json": b'{"r": 8}',
@@ -30,10 +30,7 @@ ADAPTER = {
 
 def _committed_step(alice: Who, worker: WorkerClient, model_id: str) -> str:
     """Train step 1 as a worker does (lease, upload, complete); the checkpoint's id."""
-    job_id = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
-    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
+    job_id = leased_job(alice, worker, model_id)
     worker.stage(job_id, ADAPTER)
     completed = worker.complete(job_id, ADAPTER, step=1)
     assert completed.status_code == 200, completed.text
@@ -74,16 +71,13 @@ LOSSES: dict[str, Callable[[LocalObjectStore, str], None]] = {
 
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
+    on_worker: OnWorker,
     loss: str,
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
     lifecycle_db: sessionmaker[Session],
 ) -> None:
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
+    alice, model_id, worker = on_worker
     checkpoint_id = _committed_step(alice, worker, model_id)
     listing = f"/v1/models/{model_id}/checkpoints/1/files"
     assert alice.http.get(listing).status_code == 200
@@ -124,9 +118,7 @@ def test_storage_check_lists_a_pending_jobs_and_an_uploaded_files_lost_objects(
 ) -> None:
     alice = who()
     model_id = str(alice.create_model()["id"])
-    job_id = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
+    job_id = alice.queue_job(model_id)
     file_id = alice.http.post(
         "/v1/files", files={"file": ("d.jsonl", json.dumps(sft_trajectory()).encode())}
     ).json()["id"]
@@ -143,8 +135,7 @@ def test_storage_check_lists_a_pending_jobs_and_an_uploaded_files_lost_objects(
 
 
 def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loading_it(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
+    on_worker: OnWorker,
     lifecycle_url: str,
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
@@ -153,9 +144,7 @@ def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loadi
 ) -> None:
     """The same length, other bytes: no listing can tell, so the worker checks the SHA-256
     committed with the step as it downloads, and `storage check --read` reads it back."""
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
+    alice, model_id, worker = on_worker
     checkpoint_id = _committed_step(alice, worker, model_id)
     prefix = committed_prefix(lifecycle_db, tenant_id=alice.tenant_id, model_id=model_id, step=1)
     weights = ADAPTER["adapter_model.safetensors"]
