@@ -16,17 +16,13 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 import tinker
-from skytrain_backend.app import create_app
-from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import TrainingJob
-from skytrain_backend.db.session import create_db_engine, session_factory
-from tests.fixtures.services import MakeSettings
-from tests.gateway.conftest import serve_in_thread, wait_until
+from tests.fixtures.services import MakeSettings, ServedPlane, served_plane
+from tests.gateway.conftest import wait_until
 from tinker import types
 
 # Long enough that the models a test keeps using (a request each round) never go idle.
@@ -34,20 +30,10 @@ IDLE_S = 5.0
 SLOTS = 8  # the default of both a worker's max_models and a tenant's max_placed_models
 
 
-@dataclass(frozen=True)
-class Plane:
-    url: str
-    settings: Settings
-    sessions: sessionmaker[Session]
-
-
 @pytest.fixture(scope="module")
-def plane(make_settings: MakeSettings) -> Iterator[Plane]:
-    settings = make_settings(model_idle_timeout_s=IDLE_S)
-    engine = create_db_engine(settings.resolved_database_url)
-    with serve_in_thread(create_app(settings)) as url:
-        yield Plane(url=url, settings=settings, sessions=session_factory(engine))
-    engine.dispose()
+def plane(make_settings: MakeSettings) -> Iterator[ServedPlane]:
+    with served_plane(make_settings(model_idle_timeout_s=IDLE_S)) as plane:
+        yield plane
 
 
 @dataclass(frozen=True)
@@ -68,7 +54,7 @@ class Site:
 
 
 @pytest.fixture
-def site(plane: Plane) -> Iterator[Site]:
+def site(plane: ServedPlane) -> Iterator[Site]:
     base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
     with plane.sessions() as session:
         _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
@@ -84,7 +70,7 @@ def site(plane: Plane) -> Iterator[Site]:
 
 
 @pytest.mark.slow
-def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane, site: Site) -> None:
+def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: ServedPlane, site: Site) -> None:
     user = httpx.Client(
         base_url=plane.url, headers={"Authorization": f"Bearer {site.key}"}, timeout=60
     )
@@ -150,7 +136,7 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(plane: Plane, site: 
 
 @pytest.mark.slow
 def test_a_tinker_run_keeps_its_place_while_an_operation_waits_and_leaves_after(
-    plane: Plane, site: Site
+    plane: ServedPlane, site: Site
 ) -> None:
     """A Tinker run with an operation waiting for its worker (here its creation, which no
     agent runs) holds its model's place however long that takes; once its session ends, its
@@ -170,7 +156,7 @@ def test_a_tinker_run_keeps_its_place_while_an_operation_waits_and_leaves_after(
 
 @pytest.mark.slow
 def test_an_idle_tinker_run_gives_its_place_back_and_its_next_operation_resumes_it(
-    plane: Plane, site: Site
+    plane: ServedPlane, site: Site
 ) -> None:
     """The gap: placement counted any open job as activity, and a Tinker run's job runs for as
     long as its session heartbeats, so a run with nothing to do held its slot for ever. Now a
@@ -231,7 +217,7 @@ def test_an_idle_tinker_run_gives_its_place_back_and_its_next_operation_resumes_
 
 @pytest.mark.slow
 def test_a_model_taken_off_its_worker_for_idleness_says_it_is_idle(
-    plane: Plane, site: Site
+    plane: ServedPlane, site: Site
 ) -> None:
     """GET /v1/models/{id} of a model released for idleness says it is idle and loads on its
     next request, not that it is loading; its next use places it again."""
