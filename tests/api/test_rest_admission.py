@@ -22,7 +22,7 @@ from skytrain_backend.ranges import MAX_WAIT_S
 from tests.api.support import queued_job_events
 from tests.fixtures.callers import Caller
 from tests.fixtures.service import start_service, stop_service
-from tests.fixtures.services import ControlPlane, MakeSettings
+from tests.fixtures.services import MakeSettings
 
 DEADLINE_S = 30
 
@@ -54,28 +54,15 @@ def _assert_refused_naming_the_limit(response: httpx.Response, *, limit: int) ->
 
 
 def test_past_its_cap_a_tenant_is_refused_others_are_served_and_a_hang_up_frees_its_place(
-    control_plane: ControlPlane,
-    caller: Caller,
-    other: Caller,
-    db_sessions: sessionmaker[Session],
+    caller: Caller, other: Caller, set_limits: Callable[..., None]
 ) -> None:
     events = queued_job_events(caller.http)
-    with db_sessions() as session:
-        tenants.set_limits(
-            session,
-            tenant_name=caller.key.tenant_name,
-            values={"max_concurrent_rest_requests": 1},
-            reset=[],
-        )
+    set_limits(caller, max_concurrent_rest_requests=1)
 
     async def scenario() -> None:
         async with (
-            httpx.AsyncClient(
-                base_url=control_plane.url, headers=caller.key.headers, timeout=None
-            ) as mine,
-            httpx.AsyncClient(
-                base_url=control_plane.url, headers=other.key.headers, timeout=60
-            ) as theirs,
+            caller.async_client(timeout=None) as mine,
+            other.async_client(timeout=60) as theirs,
         ):
             holding = asyncio.create_task(mine.get(events, params={"wait_s": MAX_WAIT_S}))
             _assert_refused_naming_the_limit(await _until_refused(mine), limit=1)
