@@ -18,7 +18,6 @@ from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.config import Settings
 from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db import migrations
-from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import (
     Checkpoint,
     Model,
@@ -34,7 +33,7 @@ from skytrain_backend.scheduler import placement, queue, scale_in
 from skytrain_backend.scheduler.serving import serving_status
 from skytrain_backend.storage import LocalObjectStore
 from skytrain_backend.storage import keys as object_keys
-from tests.fixtures.rows import add_model, add_rl_job
+from tests.fixtures.rows import add_model, add_ready_worker, add_rl_job
 
 LEASE_S = 60.0
 NO_QUOTA = TenantLimits.defaults(Settings(tenant_max_placed_models=100, tenant_max_workers=100))
@@ -62,11 +61,7 @@ def _model(session: Session, name: str = "agent") -> Model:
 
 
 def _worker(session: Session) -> Worker:
-    worker, _ = worker_rows.create_worker(
-        session, provider="local", base_model="base", max_models=8, status="ready"
-    )
-    session.commit()
-    return worker
+    return add_ready_worker(session)
 
 
 def _job(session: Session, model: Model, *, max_attempts: int = 3) -> TrainingJob:
