@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -113,6 +114,21 @@ def snapshot(
         ).all()
     objects = [(info.key, info.size) for info in store.list(keys.tenant_prefix(tenant_id))]
     return sorted(rows, key=repr), objects
+
+
+def queued_job_events(http: httpx.Client, *, project: str = "tests") -> str:
+    """The events path of a job that stays queued (no workers): a long-poll on it waits. A
+    new model of ``project`` (named ``agent``) on a base model no worker serves."""
+    model = http.post(
+        "/v1/models", json={"project": project, "name": "agent", "base_model": "tiny/llama"}
+    )
+    assert model.status_code == 201, model.text
+    job = http.post(
+        "/v1/training-jobs",
+        json={"model_id": model.json()["id"], "trajectory_groups": [group(1.0, 0.0)]},
+    )
+    assert job.status_code == 201, job.text
+    return f"/v1/training-jobs/{job.json()['id']}/events"
 
 
 def add_checkpoint(

@@ -8,21 +8,15 @@ cache holds real models' config.json (tests/planning/models).
 
 from __future__ import annotations
 
-import socket
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from skytrain_backend.app import create_app
-from skytrain_backend.db import api_keys
-from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.provision import skypilot
-from tests.fixtures.services import MakeSettings
+from tests.fixtures.services import MakeSettings, create_key, running_control_plane
 from tests.provision.fake_sky import FakeSky
 
 MODELS = Path(__file__).resolve().parents[1] / "planning" / "models"
@@ -30,38 +24,21 @@ MODELS = Path(__file__).resolve().parents[1] / "planning" / "models"
 
 @pytest.fixture(scope="module")
 def http(make_settings: MakeSettings) -> Iterator[httpx.Client]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
     settings = make_settings(
         provider="skypilot",
         model_cache_dir=MODELS,
         skypilot_accelerators="L4:1, A10G:1",
-        host="127.0.0.1",
-        port=port,
         public_url="https://skytrain.example.com",
         max_workers=0,  # the test is about creation: no launch
     )
-    engine = create_db_engine(settings.resolved_database_url)
-    with session_factory(engine)() as session:
-        _, key = api_keys.create_key(session, tenant_name="acme")
-    engine.dispose()
+    headers = {"Authorization": f"Bearer {create_key(settings, 'acme')}"}
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(skypilot, "_SkyPilotSdk", FakeSky)  # FAKE CLOUD: SkyPilot's SDK only
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(settings), log_level="warning", ws="none")
-        )
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        while not server.started:
-            assert thread.is_alive(), "the control plane did not start"
-            thread.join(0.05)
-        headers = {"Authorization": f"Bearer {key}"}
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=headers) as client:
+        with (
+            running_control_plane(settings) as plane,
+            httpx.Client(base_url=plane.url, headers=headers) as client,
+        ):
             yield client
-        server.should_exit = True
-        thread.join(30)
-    sock.close()
 
 
 def _create(http: httpx.Client, path: str, name: str, base_model: str) -> httpx.Response:

@@ -9,25 +9,20 @@ which its worker refused, launch after launch.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
-from skytrain_backend.app import create_app
-from skytrain_backend.db import api_keys
-from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.provision import skypilot
 from skytrain_backend.storage import keys, open_object_store
 from tests.fixtures.hub import LoopbackHub
-from tests.fixtures.services import MakeSettings
+from tests.fixtures.services import MakeSettings, create_key, running_control_plane
 from tests.provision.fake_sky import FakeSky
 
 QWEN_7B = "Qwen/Qwen2.5-7B-Instruct"
@@ -49,63 +44,38 @@ def start_control_plane(
 ) -> Iterator[Callable[..., Plane]]:
     """Starts the real app (its scheduler running) on a fresh home with an empty model cache
     and ``accelerators``, reading the Hub at ``hub``."""
-    stops: list[Callable[[], None]] = []
+    with ExitStack() as stack:
 
-    def start(*, accelerators: str, hub: str, hub_timeout_s: float = 30.0, **more: object) -> Plane:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        settings = make_settings(
-            home=tmp_path,
-            provider="skypilot",
-            model_cache_dir=tmp_path / "empty-model-cache",
-            skypilot_accelerators=accelerators,
-            skypilot_status_interval_s=0,
-            hf_endpoint=hub,
-            hub_timeout_s=hub_timeout_s,
-            worker_launch_backoff_s=0,
-            worker_launch_max_failures=1000,
-            host="127.0.0.1",
-            port=port,
-            public_url="https://skytrain.example.com",
-            **more,
-        )
-        engine = create_db_engine(settings.resolved_database_url)
-        with session_factory(engine)() as session:
-            _, key = api_keys.create_key(session, tenant_name="acme")
-        engine.dispose()
-        fake = FakeSky()
-        patch = pytest.MonkeyPatch()
-        patch.setattr(skypilot, "_SkyPilotSdk", lambda: fake)  # FAKE CLOUD: SkyPilot's SDK only
-        server = uvicorn.Server(
-            uvicorn.Config(create_app(settings), log_level="warning", ws="none")
-        )
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        while not server.started:
-            assert thread.is_alive(), "the control plane did not start"
-            thread.join(0.05)
-        http = httpx.Client(
-            base_url=f"http://127.0.0.1:{port}",
-            headers={"Authorization": f"Bearer {key}"},
-            timeout=60.0,
-        )
+        def start(
+            *, accelerators: str, hub: str, hub_timeout_s: float = 30.0, **more: object
+        ) -> Plane:
+            settings = make_settings(
+                home=tmp_path,
+                provider="skypilot",
+                model_cache_dir=tmp_path / "empty-model-cache",
+                skypilot_accelerators=accelerators,
+                skypilot_status_interval_s=0,
+                hf_endpoint=hub,
+                hub_timeout_s=hub_timeout_s,
+                worker_launch_backoff_s=0,
+                worker_launch_max_failures=1000,
+                public_url="https://skytrain.example.com",
+                **more,
+            )
+            headers = {"Authorization": f"Bearer {create_key(settings, 'acme')}"}
+            fake = FakeSky()
+            patch = stack.enter_context(pytest.MonkeyPatch.context())
+            patch.setattr(skypilot, "_SkyPilotSdk", lambda: fake)  # FAKE CLOUD: SkyPilot's SDK
+            # Undone last to first: the server stops, then the launches held back go on.
+            stack.callback(fake.settle)
+            stack.callback(fake.launch_gate.set)
+            plane = stack.enter_context(running_control_plane(settings))
+            http = stack.enter_context(
+                httpx.Client(base_url=plane.url, headers=headers, timeout=60.0)
+            )
+            return Plane(http, fake, plane.settings)
 
-        def stop() -> None:
-            http.close()
-            server.should_exit = True
-            thread.join(30)
-            sock.close()
-            fake.launch_gate.set()
-            fake.settle()
-            patch.undo()
-
-        stops.append(stop)
-        return Plane(http, fake, settings)
-
-    yield start
-    for stop in stops:
-        stop()
+        yield start
 
 
 def _create(

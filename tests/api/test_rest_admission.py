@@ -19,26 +19,12 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.errors import RateLimited
 from skytrain_backend.ranges import MAX_WAIT_S
-from tests.api.support import group
+from tests.api.support import queued_job_events
 from tests.fixtures.callers import Caller
 from tests.fixtures.service import start_service, stop_service
-from tests.fixtures.services import ControlPlane, MakeSettings
+from tests.fixtures.services import MakeSettings
 
 DEADLINE_S = 30
-
-
-def _queued_job_events(http: httpx.Client) -> str:
-    """The events path of a job that stays queued (no workers): a long-poll on it waits."""
-    model = http.post(
-        "/v1/models", json={"project": "tests", "name": "admitted", "base_model": "tiny/llama"}
-    )
-    assert model.status_code == 201, model.text
-    job = http.post(
-        "/v1/training-jobs",
-        json={"model_id": model.json()["id"], "trajectory_groups": [group(1.0, 0.0)]},
-    )
-    assert job.status_code == 201, job.text
-    return f"/v1/training-jobs/{job.json()['id']}/events"
 
 
 async def _until_refused(client: httpx.AsyncClient) -> httpx.Response:
@@ -68,28 +54,15 @@ def _assert_refused_naming_the_limit(response: httpx.Response, *, limit: int) ->
 
 
 def test_past_its_cap_a_tenant_is_refused_others_are_served_and_a_hang_up_frees_its_place(
-    control_plane: ControlPlane,
-    caller: Caller,
-    other: Caller,
-    db_sessions: sessionmaker[Session],
+    caller: Caller, other: Caller, set_limits: Callable[..., None]
 ) -> None:
-    events = _queued_job_events(caller.http)
-    with db_sessions() as session:
-        tenants.set_limits(
-            session,
-            tenant_name=caller.key.tenant_name,
-            values={"max_concurrent_rest_requests": 1},
-            reset=[],
-        )
+    events = queued_job_events(caller.http)
+    set_limits(caller, max_concurrent_rest_requests=1)
 
     async def scenario() -> None:
         async with (
-            httpx.AsyncClient(
-                base_url=control_plane.url, headers=caller.key.headers, timeout=None
-            ) as mine,
-            httpx.AsyncClient(
-                base_url=control_plane.url, headers=other.key.headers, timeout=60
-            ) as theirs,
+            caller.async_client(timeout=None) as mine,
+            other.async_client(timeout=60) as theirs,
         ):
             holding = asyncio.create_task(mine.get(events, params={"wait_s": MAX_WAIT_S}))
             _assert_refused_naming_the_limit(await _until_refused(mine), limit=1)
@@ -153,7 +126,7 @@ def test_a_tenant_at_its_cap_through_one_control_plane_is_refused_through_anothe
     second = start_service(env, tmp_path / "second")
     try:
         with first.http("alice") as http:
-            events = _queued_job_events(http)
+            events = queued_job_events(http)
         first.cli("tenants", "limits", "alice", "--max-concurrent-rest-requests", "1")
         headers = {"Authorization": f"Bearer {first.key('alice')}"}
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.db import jobs, tenants
+from skytrain_backend.db import jobs
 from skytrain_backend.storage import ObjectStore
 from tests.api.support import add_checkpoint, group, sft_trajectory
 from tests.fixtures.callers import Caller
@@ -158,13 +158,10 @@ def test_an_entity_belongs_to_the_tenant_that_used_it_first(
 
 
 def test_a_create_refused_by_the_quota_claims_no_entity(
-    caller: Caller, other: Caller, db_sessions: sessionmaker[Session]
+    caller: Caller, other: Caller, set_limits: Callable[..., None]
 ) -> None:
     """A tenant at its quota (or creating and deleting in a loop) took any number of names."""
-    with db_sessions() as session:
-        tenants.set_limits(
-            session, tenant_name=caller.key.tenant_name, values={"max_models": 1}, reset=[]
-        )
+    set_limits(caller, max_models=1)
     caller.create_model()
     entity = f"team-{uuid.uuid4().hex[:8]}"
     refused = caller.http.post(
@@ -177,12 +174,9 @@ def test_a_create_refused_by_the_quota_claims_no_entity(
 
 
 def test_creating_and_deleting_claims_no_more_entity_names_than_max_models(
-    caller: Caller, other: Caller, db_sessions: sessionmaker[Session]
+    caller: Caller, other: Caller, set_limits: Callable[..., None]
 ) -> None:
-    with db_sessions() as session:
-        tenants.set_limits(
-            session, tenant_name=caller.key.tenant_name, values={"max_models": 2}, reset=[]
-        )
+    set_limits(caller, max_models=2)
     names = [f"loop-{uuid.uuid4().hex[:8]}" for _ in range(3)]
     for entity in names[:2]:
         model = caller.create_model(entity=entity)

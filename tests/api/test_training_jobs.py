@@ -178,10 +178,7 @@ def test_cancel_queued_job_ends_it_with_a_failed_event(caller: Caller) -> None:
 def test_cancel_running_job_asks_its_worker_to_stop(
     caller: Caller, db_sessions: sessionmaker[Session]
 ) -> None:
-    model_id = caller.create_model()["id"]
-    job_id = caller.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
+    job_id = caller.queue_job()
     with db_sessions() as session:
         job = jobs.get_job(session, tenant_id=caller.key.tenant_id, job_id=job_id)
         job.status = "running"
@@ -195,10 +192,7 @@ def test_cancel_running_job_asks_its_worker_to_stop(
 def test_events_page_with_string_cursors(
     caller: Caller, db_sessions: sessionmaker[Session]
 ) -> None:
-    model_id = caller.create_model()["id"]
-    job_id = caller.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
+    job_id = caller.queue_job()
     with db_sessions() as session:
         jobs.add_event(session, job_id=job_id, type="training_started", data={"num_sequences": 2})
         for step in range(2):

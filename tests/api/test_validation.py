@@ -28,33 +28,36 @@ def model_id(caller: Caller) -> str:
     return model_id
 
 
-def _refused(
-    caller: Caller,
-    stored: Callable[[Caller], Any],
-    send: Callable[[], Any],
-    status: int,
-    *fragments: str,
-) -> None:
-    before = stored(caller)
-    response = send()
-    assert response.status_code == status, response.text
-    message = response.json()["error"]["message"]
-    for fragment in fragments:
-        assert fragment in message
-    assert stored(caller) == before
+Refused = Callable[..., None]
+
+
+def _post_raw(caller: Caller, url: str, content: bytes | str | Iterator[bytes]) -> httpx.Response:
+    """POST ``content`` as it is, labelled JSON."""
+    return caller.http.post(url, content=content, headers={"content-type": "application/json"})
+
+
+@pytest.fixture
+def refused(caller: Caller, stored: Callable[[Caller], Any]) -> Refused:
+    """``refused(send, status, *fragments)``: ``send()`` answers ``status`` with a message
+    holding each fragment, and the caller's rows and objects are as they were before."""
+
+    def check(send: Callable[[], Any], status: int, *fragments: str) -> None:
+        before = stored(caller)
+        response = send()
+        assert response.status_code == status, response.text
+        message = response.json()["error"]["message"]
+        for fragment in fragments:
+            assert fragment in message
+        assert stored(caller) == before
+
+    return check
 
 
 @pytest.mark.parametrize("route", ["log", "training-jobs"])
-def test_bad_json_is_refused(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str, route: str
-) -> None:
+def test_bad_json_is_refused(caller: Caller, refused: Refused, model_id: str, route: str) -> None:
     url = f"/v1/models/{model_id}/log" if route == "log" else "/v1/training-jobs"
-    _refused(
-        caller,
-        stored,
-        lambda: caller.http.post(
-            url, content=b'{"trajectory_groups": [', headers={"content-type": "application/json"}
-        ),
+    refused(
+        lambda: _post_raw(caller, url, b'{"trajectory_groups": ['),
         400,
         "not valid JSON",
     )
@@ -62,18 +65,14 @@ def test_bad_json_is_refused(
 
 @pytest.mark.parametrize("route", ["log", "training-jobs"])
 def test_nan_reward_is_refused_naming_the_trajectory(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str, route: str
+    caller: Caller, refused: Refused, model_id: str, route: str
 ) -> None:
     bad = group(1.0, 0.0)
     bad["trajectories"][1]["reward"] = math.nan
     body = {"model_id": model_id, "trajectory_groups": [group(), bad]}
     url = f"/v1/models/{model_id}/log" if route == "log" else "/v1/training-jobs"
-    _refused(
-        caller,
-        stored,
-        lambda: caller.http.post(
-            url, content=json.dumps(body), headers={"content-type": "application/json"}
-        ),
+    refused(
+        lambda: _post_raw(caller, url, json.dumps(body)),
         400,
         "trajectory_groups[1].trajectories[1].reward",
         "finite",
@@ -82,32 +81,22 @@ def test_nan_reward_is_refused_naming_the_trajectory(
 
 @pytest.mark.parametrize("depth", [300, 5000])
 def test_deeply_nested_bodies_are_refused(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str, depth: int
+    caller: Caller, refused: Refused, model_id: str, depth: int
 ) -> None:
     """Past pydantic's limit (200 levels) and past msgspec's (Python's recursion limit)."""
     nested = b"[" * depth + b"]" * depth
     body = b'{"trajectory_groups": [{"trajectories": [], "metadata": {"x": ' + nested + b"}}]}"
-    _refused(
-        caller,
-        stored,
-        lambda: caller.http.post(
-            f"/v1/models/{model_id}/log",
-            content=body,
-            headers={"content-type": "application/json"},
-        ),
+    refused(
+        lambda: _post_raw(caller, f"/v1/models/{model_id}/log", body),
         400,
         "too deep" if depth > 1000 else "trajectory_groups[0]",
     )
 
 
-def test_missing_messages_are_refused(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
-) -> None:
+def test_missing_messages_are_refused(caller: Caller, refused: Refused, model_id: str) -> None:
     bad = group()
     del bad["trajectories"][0]["messages_and_choices"]
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: caller.http.post(f"/v1/models/{model_id}/log", json={"trajectory_groups": [bad]}),
         400,
         "trajectory_groups[0].trajectories[0].messages_and_choices",
@@ -127,14 +116,12 @@ def test_missing_messages_are_refused(
 )
 def test_wrong_types_are_refused_naming_the_field(
     caller: Caller,
-    stored: Callable[[Caller], Any],
+    refused: Refused,
     model_id: str,
     body: dict[str, Any],
     fragment: str,
 ) -> None:
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: caller.http.post(f"/v1/models/{model_id}/log", json=body),
         400,
         fragment,
@@ -142,24 +129,18 @@ def test_wrong_types_are_refused_naming_the_field(
 
 
 def test_a_body_over_the_limit_is_refused_before_parsing(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+    caller: Caller, refused: Refused, model_id: str
 ) -> None:
     big = json.dumps({"trajectory_groups": [group()], "padding": "x" * (2 * 1024 * 1024)})
-    _refused(
-        caller,
-        stored,
-        lambda: caller.http.post(
-            f"/v1/models/{model_id}/log",
-            content=big,
-            headers={"content-type": "application/json"},
-        ),
+    refused(
+        lambda: _post_raw(caller, f"/v1/models/{model_id}/log", big),
         413,
         "over the limit of 1048576 bytes",
     )
 
 
 def test_a_chunked_body_over_the_limit_is_refused(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+    caller: Caller, refused: Refused, model_id: str
 ) -> None:
     def chunks() -> Iterator[bytes]:  # no Content-Length: the server must count
         yield b'{"trajectory_groups": [], "padding": "'
@@ -167,26 +148,16 @@ def test_a_chunked_body_over_the_limit_is_refused(
             yield b"x" * 64 * 1024
         yield b'"}'
 
-    _refused(
-        caller,
-        stored,
-        lambda: caller.http.post(
-            f"/v1/models/{model_id}/log",
-            content=chunks(),
-            headers={"content-type": "application/json"},
-        ),
+    refused(
+        lambda: _post_raw(caller, f"/v1/models/{model_id}/log", chunks()),
         413,
         "sent more than 1048576 bytes",
     )
 
 
-def test_too_many_trajectories_are_refused(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
-) -> None:
+def test_too_many_trajectories_are_refused(caller: Caller, refused: Refused, model_id: str) -> None:
     groups = [group(*([1.0] * 100)) for _ in range(6)]
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: caller.http.post(
             "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": groups}
         ),
@@ -198,14 +169,12 @@ def test_too_many_trajectories_are_refused(
 
 
 def test_choices_without_logprobs_are_refused_unless_allowed(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+    caller: Caller, refused: Refused, model_id: str
 ) -> None:
     bare = group()
     bare["trajectories"][1]["messages_and_choices"][-1]["logprobs"] = None
     body = {"model_id": model_id, "trajectory_groups": [bare]}
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: caller.http.post("/v1/training-jobs", json=body),
         400,
         "trajectory 1 of group 0",
@@ -219,15 +188,13 @@ def test_choices_without_logprobs_are_refused_unless_allowed(
 
 
 def test_a_token_id_too_long_to_be_one_is_refused_not_crashed(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+    caller: Caller, refused: Refused, model_id: str
 ) -> None:
     hostile = group()
     content = hostile["trajectories"][0]["messages_and_choices"][-1]["logprobs"]["content"]
     content[0]["token"] = "token_id:" + "1" * 5000  # int() refuses more than 4,300 digits
     body = {"model_id": model_id, "trajectory_groups": [hostile]}
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: caller.http.post("/v1/training-jobs", json=body),
         400,
         "trajectory 0 of group 0",
@@ -245,15 +212,13 @@ def test_a_token_id_too_long_to_be_one_is_refused_not_crashed(
 )
 def test_bad_training_configs_are_refused(
     caller: Caller,
-    stored: Callable[[Caller], Any],
+    refused: Refused,
     model_id: str,
     extra: dict[str, Any],
     fragment: str,
 ) -> None:
     body = {"model_id": model_id, "trajectory_groups": [group()], **extra}
-    _refused(
-        caller, stored, lambda: caller.http.post("/v1/training-jobs", json=body), 400, fragment
-    )
+    refused(lambda: caller.http.post("/v1/training-jobs", json=body), 400, fragment)
 
 
 def _sampled_at(step: int, *rewards: float) -> dict[str, Any]:
@@ -266,7 +231,7 @@ def _sampled_at(step: int, *rewards: float) -> dict[str, Any]:
 
 def test_groups_further_off_policy_than_allowed_are_refused_naming_the_group(
     caller: Caller,
-    stored: Callable[[Caller], Any],
+    refused: Refused,
     model_id: str,
     db_sessions: sessionmaker[Session],
     object_store: ObjectStore,
@@ -288,15 +253,13 @@ def test_groups_further_off_policy_than_allowed_are_refused_naming_the_group(
             "/v1/training-jobs", json={**body, "config": {"max_off_policy_steps": limit}}
         )
 
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: send(1),
         400,
         "trajectory_groups[2] was sampled from step 1, 2 steps before the model's current step 3",
         "max_off_policy_steps=1",
     )
-    _refused(caller, stored, lambda: send(-1), 400, "config.max_off_policy_steps")
+    refused(lambda: send(-1), 400, "config.max_off_policy_steps")
     accepted = send(2)
     assert accepted.status_code == 201, accepted.text
     assert accepted.json()["config"]["max_off_policy_steps"] == 2
@@ -304,13 +267,9 @@ def test_groups_further_off_policy_than_allowed_are_refused_naming_the_group(
     assert caller.http.post("/v1/training-jobs", json=body).status_code == 201
 
 
-def test_bad_sft_data_is_refused(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
-) -> None:
+def test_bad_sft_data_is_refused(caller: Caller, refused: Refused, model_id: str) -> None:
     no_answer = {"messages_and_choices": [{"role": "user", "content": "hi"}], "reward": 0}
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: caller.http.post(
             "/v1/sft-training-jobs", json={"model_id": model_id, "trajectories": [no_answer]}
         ),
@@ -320,13 +279,9 @@ def test_bad_sft_data_is_refused(
     )
 
 
-def test_a_file_with_a_bad_line_is_refused(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
-) -> None:
+def test_a_file_with_a_bad_line_is_refused(caller: Caller, refused: Refused, model_id: str) -> None:
     good = json.dumps(trajectory())
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: caller.http.post(
             "/v1/files", files={"file": ("d.jsonl", f"{good}\n{{oops\n".encode())}
         ),
@@ -336,16 +291,12 @@ def test_a_file_with_a_bad_line_is_refused(
 
 
 def test_unknown_model_and_bad_paging_are_refused(
-    caller: Caller, stored: Callable[[Caller], Any], model_id: str
+    caller: Caller, refused: Refused, model_id: str
 ) -> None:
-    _refused(
-        caller,
-        stored,
+    refused(
         lambda: caller.http.post("/v1/models/nope/log", json={"trajectory_groups": [group()]}),
         404,
         "model 'nope' not found",
     )
-    _refused(
-        caller, stored, lambda: caller.http.get("/v1/models?limit=0"), 400, "query parameter limit"
-    )
-    _refused(caller, stored, lambda: caller.http.get("/v1/models?after=nope"), 400, "after='nope'")
+    refused(lambda: caller.http.get("/v1/models?limit=0"), 400, "query parameter limit")
+    refused(lambda: caller.http.get("/v1/models?after=nope"), 400, "after='nope'")

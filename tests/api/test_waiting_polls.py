@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httpx
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.api.longpoll import WAIT_REFUSED_HEADER
-from skytrain_backend.db import tenants
 from skytrain_backend.ranges import MAX_WAIT_S
 from tests.api.support import group
 from tests.fixtures.callers import Caller
-from tests.fixtures.services import ControlPlane
 
 LIMIT = 2
 DEADLINE_S = 20  # for the server to notice a hang-up; the parked waits last longer (MAX_WAIT_S)
@@ -50,28 +48,15 @@ async def _until_waited(client: httpx.AsyncClient, events: str) -> httpx.Respons
 
 
 def test_past_its_waiting_polls_a_tenant_is_answered_at_once_and_a_hang_up_frees_a_place(
-    control_plane: ControlPlane,
-    caller: Caller,
-    other: Caller,
-    db_sessions: sessionmaker[Session],
+    caller: Caller, other: Caller, set_limits: Callable[..., None]
 ) -> None:
-    with db_sessions() as session:
-        tenants.set_limits(
-            session,
-            tenant_name=caller.key.tenant_name,
-            values={"max_waiting_polls": LIMIT},
-            reset=[],
-        )
+    set_limits(caller, max_waiting_polls=LIMIT)
     mine_events, their_events = _quiet_events(caller), _quiet_events(other)
 
     async def scenario() -> None:
         async with (
-            httpx.AsyncClient(
-                base_url=control_plane.url, headers=caller.key.headers, timeout=None
-            ) as mine,
-            httpx.AsyncClient(
-                base_url=control_plane.url, headers=other.key.headers, timeout=None
-            ) as theirs,
+            caller.async_client(timeout=None) as mine,
+            other.async_client(timeout=None) as theirs,
         ):
             # One more than the limit at once: exactly one is answered without waiting.
             follows = [

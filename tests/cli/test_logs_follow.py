@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 
 from skytrain_backend.cli import app
 from skytrain_backend.config import Settings, get_settings
-from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.provision.local import worker_log_path
+from tests.fixtures.rows import add_ready_worker
 
 SKYTRAIN = str(Path(sys.executable).parent / "skytrain")
 
@@ -60,11 +60,7 @@ class _Lines:
 
 def _local_worker(db_sessions: sessionmaker[Session]) -> str:
     with db_sessions() as session:
-        worker, _ = worker_rows.create_worker(
-            session, provider="local", base_model="tiny/llama", max_models=1, status="ready"
-        )
-        session.commit()
-        return worker.id
+        return add_ready_worker(session, base_model="tiny/llama", max_models=1).id
 
 
 def _follow(settings: Settings, worker_id: str, *args: str) -> subprocess.Popen[str]:
@@ -142,11 +138,9 @@ def test_logs_follow_of_a_manual_worker_without_a_log_here_says_so(
 ) -> None:
     """A worker started by hand writes its log on its own host: nothing to wait for here."""
     with db_sessions() as session:
-        worker, _ = worker_rows.create_worker(
-            session, provider="manual", base_model="tiny/llama", max_models=1, status="ready"
-        )
-        session.commit()
-        worker_id = worker.id
+        worker_id = add_ready_worker(
+            session, base_model="tiny/llama", max_models=1, provider="manual"
+        ).id
     monkeypatch.setenv("SKYTRAIN_HOME", str(settings.home))
     monkeypatch.setenv("SKYTRAIN_DATABASE_URL", settings.resolved_database_url)
     get_settings.cache_clear()

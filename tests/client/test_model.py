@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -287,6 +287,25 @@ async def created_job(proxy: FaultProxy, backend: skytrain.Backend, task: asynci
     return job_id
 
 
+StartTraining = Callable[..., Awaitable[tuple["asyncio.Task[skytrain.TrainResult]", str]]]
+
+
+@pytest.fixture
+def start_training(
+    proxy: FaultProxy, backend: skytrain.Backend, model: skytrain.TrainableModel
+) -> StartTraining:
+    """``await start_training(**options)``: ``model.train`` on one sampled group running in a
+    task (polling every 10 ms, no progress bar unless ``progress=True``), and the id of its
+    job once the server has it."""
+
+    async def start(**options: Any) -> tuple[asyncio.Task[skytrain.TrainResult], str]:
+        options = {"poll_interval": 0.01, "progress": False} | options
+        training = asyncio.create_task(model.train([sampled_group(0.0, 1.0)], **options))
+        return training, await created_job(proxy, backend, training)
+
+    return start
+
+
 def cursors(proxy: FaultProxy, job_id: str) -> list[str | None]:
     """The ``after`` cursors the SDK read the job's events from, each once, in order."""
     seen = [s.query.get("after") for s in proxy.seen("GET", f"^/v1/training-jobs/{job_id}/events$")]
@@ -294,15 +313,10 @@ def cursors(proxy: FaultProxy, job_id: str) -> list[str | None]:
 
 
 async def test_train_warns_when_the_job_says_the_trainer_is_far_from_the_sampler(
-    proxy: FaultProxy,
-    backend: skytrain.Backend,
-    model: skytrain.TrainableModel,
+    start_training: StartTraining,
     db_sessions: sessionmaker[Session],
 ) -> None:
-    training = asyncio.create_task(
-        model.train([sampled_group(0.0, 1.0)], poll_interval=0.01, progress=False)
-    )
-    job_id = await created_job(proxy, backend, training)
+    training, job_id = await start_training()
     warning = "the trainer's logprobs of the sampled tokens differ from the sampler's by 0.5"
     started = {"num_sequences": 1, "num_gradient_steps": 1, "attempt": 1, "warning": warning}
     with pytest.warns(RuntimeWarning, match=f"training job {job_id}: the trainer's logprobs"):
@@ -367,16 +381,13 @@ async def test_train_posts_groups_and_follows_events_to_the_result(
 
 
 async def test_train_shows_why_its_job_waits(
-    proxy: FaultProxy,
-    backend: skytrain.Backend,
-    model: skytrain.TrainableModel,
+    start_training: StartTraining,
     db_sessions: sessionmaker[Session],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """No worker serves the model's base model: the bar says so while the job is queued,
     then counts steps once it starts."""
-    training = asyncio.create_task(model.train([sampled_group(0.0, 1.0)], poll_interval=0.01))
-    job_id = await created_job(proxy, backend, training)
+    training, job_id = await start_training(progress=True)
     shown: list[str] = []
 
     async def waiting_shown() -> bool:
@@ -393,15 +404,10 @@ async def test_train_shows_why_its_job_waits(
 
 
 async def test_training_failure_raises_with_the_job_and_the_servers_message(
-    proxy: FaultProxy,
-    backend: skytrain.Backend,
-    model: skytrain.TrainableModel,
+    start_training: StartTraining,
     db_sessions: sessionmaker[Session],
 ) -> None:
-    training = asyncio.create_task(
-        model.train([sampled_group(0.0, 1.0)], poll_interval=0.01, progress=False)
-    )
-    job_id = await created_job(proxy, backend, training)
+    training, job_id = await start_training()
     add_events(
         db_sessions,
         job_id,
@@ -416,15 +422,10 @@ async def test_training_failure_raises_with_the_job_and_the_servers_message(
 
 
 async def test_a_retried_attempt_restarts_the_count(
-    proxy: FaultProxy,
-    backend: skytrain.Backend,
-    model: skytrain.TrainableModel,
+    start_training: StartTraining,
     db_sessions: sessionmaker[Session],
 ) -> None:
-    training = asyncio.create_task(
-        model.train([sampled_group(0.0, 1.0)], poll_interval=0.01, progress=False)
-    )
-    job_id = await created_job(proxy, backend, training)
+    training, job_id = await start_training()
     started = {"num_sequences": 2, "num_gradient_steps": 2}
     add_events(
         db_sessions,
@@ -444,9 +445,7 @@ async def test_a_retried_attempt_restarts_the_count(
 
 
 async def test_a_job_that_yields_its_worker_keeps_its_steps_and_the_bar_says_why_it_waits(
-    proxy: FaultProxy,
-    backend: skytrain.Backend,
-    model: skytrain.TrainableModel,
+    start_training: StartTraining,
     db_sessions: sessionmaker[Session],
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -454,8 +453,7 @@ async def test_a_job_that_yields_its_worker_keeps_its_steps_and_the_bar_says_why
     before the pause count, a step an attempt trained after the resume and lost with its
     worker is trained again from the saved one, and meanwhile the bar says what it waits
     for."""
-    training = asyncio.create_task(model.train([sampled_group(0.0, 1.0)], poll_interval=0.01))
-    job_id = await created_job(proxy, backend, training)
+    training, job_id = await start_training(progress=True)
     resumed = {"steps_done": 2, "num_gradient_steps": 3}
     add_events(
         db_sessions,
@@ -478,17 +476,13 @@ async def test_a_job_that_yields_its_worker_keeps_its_steps_and_the_bar_says_why
 
 
 async def test_a_job_cancelled_on_the_server_ends_the_wait(
+    start_training: StartTraining,
     proxy: FaultProxy,
-    backend: skytrain.Backend,
-    model: skytrain.TrainableModel,
     db_sessions: sessionmaker[Session],
 ) -> None:
     """A job that ended without an event saying how (as before jobs had events) is found
     ended by its status, which the SDK checks when no event comes."""
-    training = asyncio.create_task(
-        model.train([sampled_group(0.0, 1.0)], poll_interval=0.01, progress=False)
-    )
-    job_id = await created_job(proxy, backend, training)
+    training, job_id = await start_training()
     end_job_silently(db_sessions, job_id, status="cancelled")
     with pytest.raises(skytrain.TrainingFailedError, match="the job was cancelled"):
         await training
@@ -496,15 +490,10 @@ async def test_a_job_cancelled_on_the_server_ends_the_wait(
 
 
 async def test_a_job_that_succeeded_without_an_end_event_still_returns_its_step(
-    proxy: FaultProxy,
-    backend: skytrain.Backend,
-    model: skytrain.TrainableModel,
+    start_training: StartTraining,
     db_sessions: sessionmaker[Session],
 ) -> None:
-    training = asyncio.create_task(
-        model.train([sampled_group(0.0, 1.0)], poll_interval=0.01, progress=False)
-    )
-    job_id = await created_job(proxy, backend, training)
+    training, job_id = await start_training()
     add_events(db_sessions, job_id, ("gradient_step", {"loss/policy": 0.5}))
     end_job_silently(db_sessions, job_id, status="succeeded", step=7)
     result = await training

@@ -11,11 +11,12 @@ as the worker's commit path does; the SDK reads them over HTTP like any other.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from sqlalchemy.orm import Session, sessionmaker
 
 import skytrain
@@ -40,6 +41,20 @@ def sampled_group(*rewards: float) -> skytrain.TrajectoryGroup:
         )
         for reward in rewards
     )
+
+
+Registered = tuple[skytrain.Backend, skytrain.TrainableModel]
+
+
+@pytest_asyncio.fixture(loop_scope="function")
+async def registered(
+    control_plane: ControlPlane, api_key: Callable[..., ApiKey]
+) -> AsyncIterator[Registered]:
+    """A new tenant's backend and a model registered through it (no worker serves it)."""
+    async with backend_for(control_plane, api_key()) as backend:
+        model = skytrain.TrainableModel(name="agent", project="sdk", base_model=BASE_MODEL)
+        await model.register(backend, wait=False)
+        yield backend, model
 
 
 async def test_register_is_idempotent_and_adopts_the_tenant_as_entity(
@@ -69,19 +84,18 @@ async def test_register_is_idempotent_and_adopts_the_tenant_as_entity(
 
 
 async def test_logged_metrics_reach_the_checkpoint_the_best_is_chosen_by(
-    control_plane: ControlPlane, api_key: Callable[..., ApiKey]
+    registered: Registered,
 ) -> None:
-    async with backend_for(control_plane, api_key()) as backend:
-        model = skytrain.TrainableModel(name="agent", project="sdk", base_model=BASE_MODEL)
-        await model.register(backend, wait=False)
-        await model.log([sampled_group(1.0, 0.0), sampled_group(1.0, 1.0)], split="val")
-        (step0,) = await model.list_checkpoints()
-        assert step0.metrics["val/reward"] == pytest.approx(0.75)
-        assert step0.metrics["val/correct"] == pytest.approx(0.75)
+    model = registered[1]
+    await model.log([sampled_group(1.0, 0.0), sampled_group(1.0, 1.0)], split="val")
+    (step0,) = await model.list_checkpoints()
+    assert step0.metrics["val/reward"] == pytest.approx(0.75)
+    assert step0.metrics["val/correct"] == pytest.approx(0.75)
 
 
 async def test_server_errors_arrive_as_typed_errors_with_the_servers_message(
-    control_plane: ControlPlane, api_key: Callable[..., ApiKey]
+    control_plane: ControlPlane,
+    registered: Registered,
 ) -> None:
     async with skytrain.Backend(control_plane.url, "sk-st-not-a-key", timeout=30.0) as stranger:
         model = skytrain.TrainableModel(name="agent", project="sdk", base_model=BASE_MODEL)
@@ -89,76 +103,67 @@ async def test_server_errors_arrive_as_typed_errors_with_the_servers_message(
             await model.register(stranger)
         assert denied.value.status_code == 401
 
-    async with backend_for(control_plane, api_key()) as backend:
-        model = skytrain.TrainableModel(name="agent", project="sdk", base_model=BASE_MODEL)
-        await model.register(backend, wait=False)
-        unsampled = skytrain.TrajectoryGroup(
-            [
-                skytrain.Trajectory(
-                    messages_and_choices=[
-                        {"role": "user", "content": "2+2?"},
-                        {"role": "assistant", "content": "4"},
-                    ],
-                    reward=1.0,
-                )
-            ]
-        )
-        with pytest.raises(skytrain.InvalidRequestError, match="allow_training_without_logprobs"):
-            await model.train([unsampled], progress=False)
-        with pytest.raises(skytrain.NotFoundError, match="step 5"):
-            await model.pull_checkpoint(5, Path("unused"))
+    model = registered[1]
+    unsampled = skytrain.TrajectoryGroup(
+        [
+            skytrain.Trajectory(
+                messages_and_choices=[
+                    {"role": "user", "content": "2+2?"},
+                    {"role": "assistant", "content": "4"},
+                ],
+                reward=1.0,
+            )
+        ]
+    )
+    with pytest.raises(skytrain.InvalidRequestError, match="allow_training_without_logprobs"):
+        await model.train([unsampled], progress=False)
+    with pytest.raises(skytrain.NotFoundError, match="step 5"):
+        await model.pull_checkpoint(5, Path("unused"))
 
 
 async def test_train_follows_the_jobs_events_to_its_result(
-    control_plane: ControlPlane,
-    api_key: Callable[..., ApiKey],
     db_sessions: sessionmaker[Session],
+    registered: Registered,
 ) -> None:
-    async with backend_for(control_plane, api_key()) as backend:
-        model = skytrain.TrainableModel(name="agent", project="sdk", base_model=BASE_MODEL)
-        await model.register(backend, wait=False)
-        training = asyncio.create_task(
-            model.train(
-                [sampled_group(1.0, 0.0)],
-                config=skytrain.TrainConfig(learning_rate=1e-5),
-                poll_interval=0.05,
-                timeout=120,
-                progress=False,
-            )
+    backend, model = registered
+    training = asyncio.create_task(
+        model.train(
+            [sampled_group(1.0, 0.0)],
+            config=skytrain.TrainConfig(learning_rate=1e-5),
+            poll_interval=0.05,
+            timeout=120,
+            progress=False,
         )
-        job_id = await _queued_job(backend, model, training)
-        events: list[tuple[EventType, dict[str, Any]]] = [
-            ("training_started", {"num_sequences": 2, "num_gradient_steps": 2}),
-            ("gradient_step", {"loss/policy": 0.5}),
-            ("gradient_step", {"loss/policy": 0.25}),
-            ("training_ended", {"step": 1}),
-        ]
-        with db_sessions() as session:
-            for kind, data in events:
-                jobs.add_event(session, job_id=job_id, type=kind, data=data)
-            session.commit()
-        result = await training
-        assert result == skytrain.TrainResult(
-            step=1,
-            metrics={"loss/policy": 0.375, "train/reward": 0.5, "train/num_trajectories": 2.0},
-        )
+    )
+    job_id = await _queued_job(backend, model, training)
+    events: list[tuple[EventType, dict[str, Any]]] = [
+        ("training_started", {"num_sequences": 2, "num_gradient_steps": 2}),
+        ("gradient_step", {"loss/policy": 0.5}),
+        ("gradient_step", {"loss/policy": 0.25}),
+        ("training_ended", {"step": 1}),
+    ]
+    with db_sessions() as session:
+        for kind, data in events:
+            jobs.add_event(session, job_id=job_id, type=kind, data=data)
+        session.commit()
+    result = await training
+    assert result == skytrain.TrainResult(
+        step=1,
+        metrics={"loss/policy": 0.375, "train/reward": 0.5, "train/num_trajectories": 2.0},
+    )
 
 
-async def test_a_job_cancelled_on_the_server_fails_the_train_call(
-    control_plane: ControlPlane, api_key: Callable[..., ApiKey]
-) -> None:
-    async with backend_for(control_plane, api_key()) as backend:
-        model = skytrain.TrainableModel(name="agent", project="sdk", base_model=BASE_MODEL)
-        await model.register(backend, wait=False)
-        training = asyncio.create_task(
-            model.train([sampled_group(1.0, 0.0)], poll_interval=0.05, timeout=120, progress=False)
-        )
-        job_id = await _queued_job(backend, model, training)
-        await backend._post(f"/v1/training-jobs/{job_id}/cancel", json=None)
-        with pytest.raises(skytrain.TrainingFailedError) as failed:
-            await training
-        assert failed.value.job_id == job_id
-        assert "cancel" in failed.value.error_message
+async def test_a_job_cancelled_on_the_server_fails_the_train_call(registered: Registered) -> None:
+    backend, model = registered
+    training = asyncio.create_task(
+        model.train([sampled_group(1.0, 0.0)], poll_interval=0.05, timeout=120, progress=False)
+    )
+    job_id = await _queued_job(backend, model, training)
+    await backend._post(f"/v1/training-jobs/{job_id}/cancel", json=None)
+    with pytest.raises(skytrain.TrainingFailedError) as failed:
+        await training
+    assert failed.value.job_id == job_id
+    assert "cancel" in failed.value.error_message
 
 
 async def _queued_job(

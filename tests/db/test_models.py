@@ -12,6 +12,7 @@ from sqlalchemy.exc import IntegrityError
 from skytrain_backend.db import api_keys, jobs, migrations, registry
 from skytrain_backend.db.models import Checkpoint, TrainingJobEvent
 from skytrain_backend.db.session import session_factory
+from tests.fixtures.rows import add_model, add_rl_job
 
 
 @pytest.fixture
@@ -22,18 +23,7 @@ def engine(empty_engine: Engine) -> Engine:
 
 def _model(engine: Engine) -> str:
     with session_factory(engine)() as session:
-        tenant = api_keys.get_or_create_tenant(session, name="acme")
-        model, _ = registry.create_model(
-            session,
-            tenant=tenant,
-            entity="acme",
-            project="p",
-            name="m",
-            base_model="b",
-            config={},
-            return_existing=False,
-        )
-        return model.id
+        return add_model(session, "m", base_model="b", project="p").id
 
 
 def test_timestamps_come_back_aware_and_in_utc(engine: Engine) -> None:
@@ -57,17 +47,7 @@ def test_event_ids_increase_and_deleting_a_model_cascades(engine: Engine) -> Non
     model_id = _model(engine)
     sessions = session_factory(engine)
     with sessions() as session:
-        job = jobs.add_job(
-            session,
-            job_id="j" * 32,
-            model_id=model_id,
-            kind="rl",
-            config={},
-            input_uri="file:///x",
-            num_groups=1,
-            num_trajectories=1,
-            max_attempts=3,
-        )
+        job = add_rl_job(session, model_id, job_id="j" * 32)
         ids = [
             jobs.add_event(session, job_id=job.id, type="gradient_step", data={"n": n}).id
             for n in range(3)

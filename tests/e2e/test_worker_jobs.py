@@ -79,9 +79,26 @@ def _served_model(service: Service, tiny_model_path: Path, name: str) -> dict[st
     return model
 
 
-def _groups(service: Service, model: dict[str, Any], *, groups: int) -> list[dict[str, Any]]:
+def _served_with_groups(
+    service: Service, tiny_model_path: Path, name: str, *, groups: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A served model of alice's and ``groups`` groups of 4 sampled from it."""
+    model = _served_model(service, tiny_model_path, name)
     client = support.openai_client(service.url, service.key("alice"))
-    return support.sample_groups(client, model["inference_name"], groups=groups, n=4, max_tokens=16)
+    sampled = support.sample_groups(
+        client, model["inference_name"], groups=groups, n=4, max_tokens=16
+    )
+    return model, sampled
+
+
+def _train(
+    http: httpx.Client, model: dict[str, Any], groups: list[dict[str, Any]], *, rows: int
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A job on ``groups`` at the tests' learning rate in rows of ``rows`` tokens, followed
+    to its end: the job and its events."""
+    return support.train(
+        http, model["id"], groups, learning_rate=LEARNING_RATE, packed_sequence_length=rows
+    )
 
 
 def _timeline(events: list[dict[str, Any]]) -> dict[str, Any]:
@@ -122,16 +139,9 @@ def test_a_lora_rank_above_the_workers_limit_is_refused_at_creation(
 def test_a_job_sleeps_the_engine_trains_frees_wakes_then_loads_and_serves_the_step(
     service: Service, tiny_model_path: Path
 ) -> None:
-    model = _served_model(service, tiny_model_path, "in-order")
-    groups = _groups(service, model, groups=2)
+    model, groups = _served_with_groups(service, tiny_model_path, "in-order", groups=2)
     with service.http("alice") as http:
-        job, events = support.train(
-            http,
-            model["id"],
-            groups,
-            learning_rate=LEARNING_RATE,
-            packed_sequence_length=SHORT_ROWS,
-        )
+        job, events = _train(http, model, groups, rows=SHORT_ROWS)
         types = [e["type"] for e in events]
         assert types[-1] == "training_ended", events[-1]
         assert types.index("job_timeline") < types.index("training_ended")
@@ -171,12 +181,9 @@ def test_a_job_sleeps_the_engine_trains_frees_wakes_then_loads_and_serves_the_st
 def test_a_job_that_runs_out_of_memory_fails_once_and_the_worker_keeps_serving(
     service: Service, tiny_model_path: Path
 ) -> None:
-    model = _served_model(service, tiny_model_path, "too-long")
-    groups = _groups(service, model, groups=6)
+    model, groups = _served_with_groups(service, tiny_model_path, "too-long", groups=6)
     with service.http("alice") as http:
-        job, events = support.train(
-            http, model["id"], groups, learning_rate=LEARNING_RATE, packed_sequence_length=LONG_ROWS
-        )
+        job, events = _train(http, model, groups, rows=LONG_ROWS)
         types = [e["type"] for e in events]
         # It failed in a training step: after training started, before any step ended.
         assert types[0] == "training_started" and types[-1] == "training_failed", types
@@ -202,8 +209,7 @@ def test_a_job_that_runs_out_of_memory_fails_once_and_the_worker_keeps_serving(
 def test_a_config_error_fails_the_job_once_without_a_retry(
     service: Service, tiny_model_path: Path
 ) -> None:
-    model = _served_model(service, tiny_model_path, "misconfigured")
-    groups = _groups(service, model, groups=1)
+    model, groups = _served_with_groups(service, tiny_model_path, "misconfigured", groups=1)
     with service.http("alice") as http:
         # Rows of 16 tokens hold none of the sampled tokens, which all follow a longer prompt.
         job, events = support.train(http, model["id"], groups, packed_sequence_length=16)
@@ -217,8 +223,7 @@ def test_a_config_error_fails_the_job_once_without_a_retry(
 def test_a_job_aborts_requests_still_in_flight_after_the_sleep_timeout_and_trains(
     service: Service, tiny_model_path: Path
 ) -> None:
-    model = _served_model(service, tiny_model_path, "long-request")
-    groups = _groups(service, model, groups=1)
+    model, groups = _served_with_groups(service, tiny_model_path, "long-request", groups=1)
     client = support.openai_client(service.url, service.key("alice"))
     started, outcome = threading.Event(), []
 
@@ -245,13 +250,7 @@ def test_a_job_aborts_requests_still_in_flight_after_the_sleep_timeout_and_train
         thread = threading.Thread(target=long_request, daemon=True)
         thread.start()
         assert started.wait(120)
-        job, events = support.train(
-            http,
-            model["id"],
-            groups,
-            learning_rate=LEARNING_RATE,
-            packed_sequence_length=SHORT_ROWS,
-        )
+        job, events = _train(http, model, groups, rows=SHORT_ROWS)
         thread.join(120)
         assert events[-1]["type"] == "training_ended", events[-1]
         sleep = next(c for c in _timeline(events)["engine"] if c["call"] == "sleep")
@@ -269,19 +268,12 @@ def test_the_kl_reference_is_the_models_own_checkpoint_the_worker_fetches(
     the model's checkpoint at the step named (by step, by lag, by checkpoint id), fetched and
     loaded beside the policy. Against the checkpoint a job starts from, its first step's KL
     (ART's, from the current learner) is 0; against an older one it is not."""
-    model = _served_model(service, tiny_model_path, "kl-reference")
-    groups = _groups(service, model, groups=2)
+    model, groups = _served_with_groups(service, tiny_model_path, "kl-reference", groups=2)
     for sampled in groups:  # a reward signal in every group, whatever was sampled
         for index, trajectory in enumerate(sampled["trajectories"]):
             trajectory["reward"] = float(index % 2)
     with service.http("alice") as http:
-        _, events = support.train(
-            http,
-            model["id"],
-            groups,
-            learning_rate=LEARNING_RATE,
-            packed_sequence_length=SHORT_ROWS,
-        )
+        _, events = _train(http, model, groups, rows=SHORT_ROWS)
         assert events[-1]["type"] == "training_ended", events[-1]
 
         def first_kl(**art: Any) -> float:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import openai
@@ -313,6 +313,19 @@ def tenant(gateway_url: str, gateway_db: sessionmaker[Session]) -> Iterator[Call
     for who in made:
         who.http.close()
         who.openai.close()
+
+
+class OnEngine(NamedTuple):
+    """A new tenant and a model of its own placed on the engine's worker."""
+
+    who: Tenant
+    model: dict[str, Any]
+
+
+@pytest.fixture
+def on_engine(tenant: Callable[[], Tenant], engine_worker: str) -> OnEngine:
+    alice = tenant()
+    return OnEngine(alice, alice.create_model(worker_id=engine_worker))
 
 
 # Long enough to outlast the test: events with 20 top logprobs fill the socket buffers long

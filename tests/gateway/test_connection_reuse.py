@@ -147,22 +147,30 @@ def counting_engine() -> Iterator[tuple[CountingEngine, str]]:
         yield engine, url
 
 
-def test_sequential_requests_share_one_connection_and_concurrent_ones_keep_to_their_number(
-    tenant: Callable[[], Tenant],
-    gateway_db: sessionmaker[Session],
-    counting_engine: tuple[CountingEngine, str],
-) -> None:
+@pytest.fixture
+def counting_worker(
+    gateway_db: sessionmaker[Session], counting_engine: tuple[CountingEngine, str]
+) -> str:
+    """A worker whose engine is ``counting_engine``: its id."""
     engine, url = counting_engine
-    worker = add_worker(
+    return add_worker(
         gateway_db,
         base_model=BASE_MODEL,
         engine_endpoint=url,
         engine_secret=engine.secret,
         served_model_name=SERVED_NAME,
     )
+
+
+def test_sequential_requests_share_one_connection_and_concurrent_ones_keep_to_their_number(
+    tenant: Callable[[], Tenant],
+    counting_engine: tuple[CountingEngine, str],
+    counting_worker: str,
+) -> None:
+    engine, _ = counting_engine
     callers = [tenant() for _ in range(TENANTS)]
     names = [
-        who.create_model(base_model=BASE_MODEL, worker_id=worker)["inference_name"]
+        who.create_model(base_model=BASE_MODEL, worker_id=counting_worker)["inference_name"]
         for who in callers
     ]
     alice, name = callers[0], names[0]
@@ -232,6 +240,7 @@ class Counted:
     caller: Tenant
     model: str
     gateway_app: FastAPI
+    engine: CountingEngine
 
     def in_flight(self) -> int:
         return int(self.gateway_app.state.gateway.engines.http.in_flight)
@@ -247,21 +256,13 @@ class Counted:
 @pytest.fixture
 def counted(
     tenant: Callable[[], Tenant],
-    gateway_db: sessionmaker[Session],
     gateway_app: FastAPI,
     counting_engine: tuple[CountingEngine, str],
+    counting_worker: str,
 ) -> Counted:
-    engine, url = counting_engine
-    worker = add_worker(
-        gateway_db,
-        base_model=BASE_MODEL,
-        engine_endpoint=url,
-        engine_secret=engine.secret,
-        served_model_name=SERVED_NAME,
-    )
     caller = tenant()
-    model = caller.create_model(base_model=BASE_MODEL, worker_id=worker)["inference_name"]
-    counted = Counted(caller, model, gateway_app)
+    model = caller.create_model(base_model=BASE_MODEL, worker_id=counting_worker)["inference_name"]
+    counted = Counted(caller, model, gateway_app, counting_engine[0])
     wait_until(lambda: counted.in_flight() == IDLE, what="the gateway's earlier requests ending")
     return counted
 
@@ -279,9 +280,9 @@ def test_a_stream_the_caller_leaves_midway_leaves_the_in_flight_count(counted: C
 
 
 def test_a_request_the_caller_leaves_before_the_answer_leaves_the_in_flight_count(
-    counted: Counted, counting_engine: tuple[CountingEngine, str]
+    counted: Counted,
 ) -> None:
-    engine, _ = counting_engine
+    engine = counted.engine
     stalled_before = engine.stalled
 
     async def leave_before_the_answer() -> None:
@@ -329,20 +330,16 @@ def test_an_answer_that_is_not_json_is_a_502_naming_it_and_leaves_the_in_flight_
     wait_until(lambda: counted.in_flight() == IDLE, what="the garbled answer counted out")
 
 
-def test_a_cookie_an_engine_sets_is_never_sent_with_a_later_request(
-    counted: Counted, counting_engine: tuple[CountingEngine, str]
-) -> None:
-    engine, _ = counting_engine
+def test_a_cookie_an_engine_sets_is_never_sent_with_a_later_request(counted: Counted) -> None:
+    engine = counted.engine
     cookied = counted.caller.chat(counted.model, messages=[{"role": "user", "content": COOKIE}])
     assert cookied.status_code == 200, cookied.text
     assert counted.caller.chat(counted.model).status_code == 200  # on the same connection
     assert engine.cookies[-2:] == [None, None]
 
 
-def test_an_engines_redirect_is_not_followed_but_refused(
-    counted: Counted, counting_engine: tuple[CountingEngine, str]
-) -> None:
-    engine, _ = counting_engine
+def test_an_engines_redirect_is_not_followed_but_refused(counted: Counted) -> None:
+    engine = counted.engine
     answer = counted.caller.chat(counted.model, messages=[{"role": "user", "content": REDIRECT}])
     assert answer.status_code == 502, answer.text
     assert "redirect (307)" in answer.json()["error"]["message"]

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.protocol import TOKEN_ID_PREFIX
 from tests.gateway.conftest import (
     Engine,
+    OnEngine,
     Tenant,
     add_checkpoint,
     load_adapter,
@@ -28,10 +29,10 @@ def _token_ids(logprobs_content: list[object]) -> list[int]:
 
 
 def test_chat_completion_answers_with_the_callers_name_and_token_id_logprobs(
-    tenant: Callable[[], Tenant], engine_worker: str
+    on_engine: OnEngine,
+    engine_worker: str,
 ) -> None:
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     name = model["inference_name"]
 
     raw = alice.openai.chat.completions.with_raw_response.create(
@@ -177,14 +178,13 @@ def test_streamed_completion_carries_token_ids(
 
 
 def test_pinned_step_is_served_by_its_adapter_and_step0_by_the_base_model(
-    tenant: Callable[[], Tenant],
+    on_engine: OnEngine,
     engine_worker: str,
     engine: Engine,
     gateway_db: sessionmaker[Session],
     step1_adapter: Path,
 ) -> None:
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     name = model["inference_name"]
     adapter = load_adapter(engine, model_id=model["id"], step=1, path=step1_adapter)
     add_checkpoint(gateway_db, model_id=model["id"], step=1)

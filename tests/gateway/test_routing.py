@@ -28,6 +28,7 @@ from tests.gateway.conftest import (
     ENGINE_SERVED_NAME,
     LOADING_WAIT_S,
     Engine,
+    OnEngine,
     Tenant,
     add_checkpoint,
     add_engine_worker,
@@ -66,10 +67,10 @@ def test_unknown_and_foreign_models_are_not_found(
 
 
 def test_missing_step_is_not_found_naming_the_latest_step(
-    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+    on_engine: OnEngine,
+    gateway_db: sessionmaker[Session],
 ) -> None:
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     add_checkpoint(gateway_db, model_id=model["id"], step=1)
 
     status, _, message = _error(alice.chat(f"{model['inference_name']}:step7"))
@@ -79,10 +80,10 @@ def test_missing_step_is_not_found_naming_the_latest_step(
 
 
 def test_deleted_step_is_not_found_saying_it_was_deleted(
-    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+    on_engine: OnEngine,
+    gateway_db: sessionmaker[Session],
 ) -> None:
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     for step in (1, 2):
         add_checkpoint(gateway_db, model_id=model["id"], step=step)
     response = alice.http.request(
@@ -132,10 +133,10 @@ def test_model_on_a_starting_worker_is_unavailable_saying_so(
 
 @pytest.mark.slow
 def test_step_not_loaded_yet_is_unavailable_saying_it_is_loading(
-    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+    on_engine: OnEngine,
+    gateway_db: sessionmaker[Session],
 ) -> None:
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     add_checkpoint(gateway_db, model_id=model["id"], step=1)  # committed, not in `served`
 
     for reference in (model["inference_name"], f"{model['inference_name']}:step1"):
@@ -148,14 +149,13 @@ def test_step_not_loaded_yet_is_unavailable_saying_it_is_loading(
 
 
 def test_a_request_waits_for_its_checkpoint_to_finish_loading(
-    tenant: Callable[[], Tenant],
+    on_engine: OnEngine,
     engine_worker: str,
     engine: Engine,
     gateway_db: sessionmaker[Session],
     step1_adapter: Path,
 ) -> None:
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     load_adapter(engine, model_id=model["id"], step=1, path=step1_adapter)
     add_checkpoint(gateway_db, model_id=model["id"], step=1)
     # The worker's heartbeat reports the step served a moment after the request arrives.
@@ -174,7 +174,7 @@ def test_a_request_waits_for_its_checkpoint_to_finish_loading(
 
 
 def test_a_committed_step_is_served_at_once_and_a_deleted_model_not_at_all(
-    tenant: Callable[[], Tenant],
+    on_engine: OnEngine,
     engine_worker: str,
     engine: Engine,
     gateway_db: sessionmaker[Session],
@@ -182,8 +182,7 @@ def test_a_committed_step_is_served_at_once_and_a_deleted_model_not_at_all(
 ) -> None:
     """The route cache (kept far longer than this test) is emptied by the commits that
     change a route: the latest step, and the model itself."""
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     name = model["inference_name"]
     assert alice.chat(name).headers.get("x-skytrain-step") == "0"
     load_adapter(engine, model_id=model["id"], step=1, path=step1_adapter)
@@ -224,16 +223,13 @@ def test_a_revoked_key_and_a_gone_worker_are_seen_at_once(
     assert status == 503 and "waiting for a worker for tests/lost-worker" in message
 
 
-def test_a_repeated_request_reads_none_of_its_route_again(
-    tenant: Callable[[], Tenant], engine_worker: str
-) -> None:
+def test_a_repeated_request_reads_none_of_its_route_again(on_engine: OnEngine) -> None:
     """The route cache (kept ``ROUTE_CACHE_TTL_S``, far longer than this test) holds what a
     key and a model name resolved to: the key, the model, its step and its worker are read
     for the first request only. Nothing else committed meanwhile empties it: the scheduler,
     placing the model as the test does, keeps the placement it finds
     (``scheduler/placement.py``)."""
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     # Statements made to resolve alice's requests, which bind her key's hash or her name (the
     # model's entity); the scheduler's passes run meanwhile.
     hers = (credentials.hash_secret(alice.key), alice.name)
@@ -335,10 +331,10 @@ def test_requests_need_an_api_key(gateway_url: str) -> None:
 
 
 def test_requests_mark_the_model_and_a_pinned_step_active_at_most_every_30s(
-    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+    on_engine: OnEngine,
+    gateway_db: sessionmaker[Session],
 ) -> None:
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     # Older than the marks' resolution, so the next request writes one; far younger than the
     # idle timeout (300 s), so the scheduler running meanwhile does not take the model off as
     # idle and place it again (which writes the mark too).
@@ -401,10 +397,11 @@ def test_request_to_a_worker_marks_it_active(
 
 
 def test_checkpoint_missing_from_the_engine_is_unavailable_not_unknown(
-    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+    on_engine: OnEngine,
+    engine_worker: str,
+    gateway_db: sessionmaker[Session],
 ) -> None:
-    alice = tenant()
-    model = alice.create_model(worker_id=engine_worker)
+    alice, model = on_engine
     # The worker reported step 1 as served, but its engine does not have the adapter (an
     # engine restarted, say): the caller should retry, not conclude the model is gone.
     add_checkpoint(gateway_db, model_id=model["id"], step=1)

@@ -9,20 +9,11 @@ home's ``allowed-models`` directory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.storage import ObjectStore, open_object_store
 from tests.fixtures.models import model_cache_dir
-from tests.fixtures.services import (
-    ControlPlane,
-    MakeSettings,
-    database_sessions,
-    running_control_plane,
-)
+from tests.fixtures.services import MakeSettings, fixtures_on_settings
 
 INFERENCE_LIMIT = 256 * 1024
 
@@ -48,22 +39,5 @@ def settings(
     )
 
 
-# The session fixtures that depend on ``settings`` are overridden too: pytest would otherwise
-# hand this package the control plane another package's settings made first.
-
-
-@pytest.fixture(scope="session")
-def control_plane(settings: Settings) -> Iterator[ControlPlane]:
-    with running_control_plane(settings) as plane:
-        yield plane
-
-
-@pytest.fixture(scope="session")
-def db_sessions(settings: Settings) -> Iterator[sessionmaker[Session]]:
-    with database_sessions(settings) as sessions:
-        yield sessions
-
-
-@pytest.fixture(scope="session")
-def object_store(settings: Settings) -> ObjectStore:
-    return open_object_store(settings.resolved_object_store_url, settings)
+# The session fixtures built on ``settings`` are defined again for this package.
+control_plane, db_sessions, object_store = fixtures_on_settings()

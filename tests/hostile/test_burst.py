@@ -23,7 +23,7 @@ import pytest
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db.session import create_db_engine, session_factory
-from tests.api.support import group
+from tests.api.support import queued_job_events
 from tests.fixtures.burst import run_burst
 from tests.fixtures.service import Service, start_service, stop_service
 
@@ -55,20 +55,6 @@ def _key(service: Service, tenant: str) -> str:
         engine.dispose()
 
 
-def _queued_job_events(http: httpx.Client) -> str:
-    """The events path of a job that stays queued (no workers here): long-polls on it wait."""
-    model = http.post(
-        "/v1/models", json={"project": "burst", "name": "agent", "base_model": "tiny/llama"}
-    )
-    assert model.status_code == 201, model.text
-    job = http.post(
-        "/v1/training-jobs",
-        json={"model_id": model.json()["id"], "trajectory_groups": [group(1.0, 0.0)]},
-    )
-    assert job.status_code == 201, job.text
-    return f"/v1/training-jobs/{job.json()['id']}/events"
-
-
 @pytest.mark.slow
 def test_one_tenants_burst_gets_200_or_429_and_another_tenant_is_answered_throughout(
     service: Service,
@@ -76,7 +62,7 @@ def test_one_tenants_burst_gets_200_or_429_and_another_tenant_is_answered_throug
     burst_key, other_key = _key(service, "burst"), _key(service, "other")
     headers = {"Authorization": f"Bearer {burst_key}"}
     with httpx.Client(base_url=service.url, headers=headers, timeout=60) as http:
-        events = _queued_job_events(http)
+        events = queued_job_events(http, project="burst")
     result = asyncio.run(
         run_burst(
             service.url,

@@ -7,7 +7,10 @@
 - ``who()``: a new tenant with a key and an HTTP client, whose models get a base model of
   the test's own (the running scheduler places models on any ready worker of their base).
 - ``worker_client(...)``: a worker row (placed models, a token) and an HTTP client that
-  calls the worker routes as the worker agent does.
+  calls the worker routes as the worker agent does; ``on_worker``: ``who()`` with a model
+  placed on a ``worker_client``; ``leased_job(who, worker, model_id)``: a job queued by one
+  and leased by the other.
+- ``copies_watched(app, watch)``: the app's store runs ``watch`` before each copy.
 - ``undeletable(directory)``: entries of a real directory of the store cannot be removed,
   even by root (the immutable attribute as root, no write permission otherwise): the store
   fails for real.
@@ -23,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 import pytest
@@ -37,6 +40,7 @@ from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Checkpoint, Model
 from skytrain_backend.storage import LocalObjectStore, keys
+from tests.api.support import group
 from tests.fixtures.services import MakeSettings, database_sessions, serve_in_thread
 
 SWEEP_INTERVAL_S = 0.5
@@ -100,6 +104,16 @@ class Who:
             },
         )
 
+    def queue_job(self, model_id: str, *groups: dict[str, Any]) -> str:
+        """Queue an RL job of ``groups`` (one two-trajectory group if none) for ``model_id``;
+        its id."""
+        response = self.http.post(
+            "/v1/training-jobs",
+            json={"model_id": model_id, "trajectory_groups": list(groups) or [group()]},
+        )
+        assert response.status_code == 201, response.text
+        return str(response.json()["id"])
+
 
 @pytest.fixture
 def who(lifecycle_url: str, lifecycle_db: sessionmaker[Session]) -> Iterator[Callable[[], Who]]:
@@ -130,6 +144,12 @@ def who(lifecycle_url: str, lifecycle_db: sessionmaker[Session]) -> Iterator[Cal
 class WorkerClient:
     worker_id: str
     http: httpx.Client
+
+    def lease(self) -> dict[str, Any]:
+        """Lease the next job without waiting, as the agent does: the job handed over."""
+        leased = self.http.post("/jobs/lease", json={})
+        assert leased.status_code == 200, leased.text
+        return dict(leased.json()["job"])
 
     def stage(self, job_id: str, files: dict[str, bytes]) -> None:
         """Upload ``files`` (name: bytes) for attempt 1 of the leased job, as a worker does."""
@@ -184,6 +204,52 @@ def worker_client(
     yield make
     for http in clients:
         http.close()
+
+
+def leased_job(who: Who, worker: WorkerClient, model_id: str, *groups: dict[str, Any]) -> str:
+    """A job of ``groups`` for ``model_id`` that ``who`` queued and ``worker`` leased (attempt
+    1); its id."""
+    job_id = who.queue_job(model_id, *groups)
+    assert worker.lease()["id"] == job_id
+    return job_id
+
+
+class OnWorker(NamedTuple):
+    """A new tenant, a model of its own, and a ready worker that model is placed on."""
+
+    who: Who
+    model_id: str
+    worker: WorkerClient
+
+
+@pytest.fixture
+def on_worker(who: Callable[[], Who], worker_client: Callable[..., WorkerClient]) -> OnWorker:
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    return OnWorker(alice, model_id, worker_client(model_id))
+
+
+class _CopyWatchedStore(LocalObjectStore):
+    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+        super().__init__(root)
+        self._watch = watch
+
+    def copy(self, source_key: str, dest_key: str) -> int:
+        self._watch()
+        return super().copy(source_key, dest_key)
+
+
+@contextmanager
+def copies_watched(app: FastAPI, watch: Callable[[], None]) -> Iterator[None]:
+    """For the block, ``app``'s store runs ``watch`` each time it is about to copy an object:
+    the same directory, an observer and not a fake, so that a test sees what the database
+    holds while the store works."""
+    real = app.state.store
+    app.state.store = _CopyWatchedStore(real.root, watch)
+    try:
+        yield
+    finally:
+        app.state.store = real
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import LocalObjectStore, keys
-from tests.api.support import add_checkpoint, group
+from tests.api.support import add_checkpoint
 from tests.gateway.conftest import wait_until
 from tests.lifecycle.conftest import Who, WorkerClient, step_files, undeletable
 
@@ -126,13 +126,8 @@ def test_heartbeat_and_next_job_use_the_latest_live_step(
     assert placed["latest_step"] == 1
     assert placed["steps"] == [1]  # never the deleted step 2
 
-    job = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    )
-    assert job.status_code == 201, job.text
-    leased = worker.http.post("/jobs/lease", json={})
-    assert leased.status_code == 200, leased.text
-    assigned = leased.json()["job"]
+    alice.queue_job(model_id)
+    assigned = worker.lease()
     assert assigned["base_step"] == 1  # trains from the live latest...
     assert assigned["step"] == 3  # ...into a new step number: 2 named other weights
 

@@ -3,32 +3,23 @@ cause, and leaves neither staged files nor half a checkpoint behind."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import LocalObjectStore, keys
-from tests.api.support import group
-from tests.lifecycle.conftest import Who, WorkerClient, undeletable
+from tests.lifecycle.conftest import OnWorker, leased_job, undeletable
 
 ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x01" * 512}
 
 
 def test_a_store_failure_during_commit_fails_the_job_with_its_cause_and_no_leftovers(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
+    on_worker: OnWorker,
     lifecycle_db: sessionmaker[Session],
     lifecycle_store: LocalObjectStore,
 ) -> None:
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
-    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
     worker.stage(job_id, ADAPTER)
 
     model_prefix = keys.model_prefix(tenant_id=alice.tenant_id, model_id=model_id)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,8 +24,7 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db.models import TrainingJob, utcnow
 from skytrain_backend.scheduler import garbage, queue
 from skytrain_backend.storage import LocalObjectStore
-from tests.api.support import group
-from tests.lifecycle.conftest import Who, WorkerClient
+from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, copies_watched, leased_job
 
 ADAPTER = {
     "adapter_config.json": b'{"r": 8}',
@@ -42,27 +40,25 @@ def _completion(step: int = 1) -> dict[str, object]:
     return {"attempt": 1, "step": step, "metrics": {}, "files": files}
 
 
-def _leased_job(alice: Who, worker: WorkerClient, model_id: str) -> str:
-    job_id = str(
-        alice.http.post(
-            "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-        ).json()["id"]
-    )
-    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
-    return job_id
-
-
-def _stage(worker: WorkerClient, job_id: str, files: dict[str, bytes]) -> None:
-    for name, data in files.items():
-        staged = worker.http.put(
-            f"/jobs/{job_id}/files/{name}", params={"attempt": 1}, content=data
-        )
-        assert staged.status_code == 204, staged.text
-
-
 def _steps(alice: Who, model_id: str) -> list[int]:
     listed = alice.http.get(f"/v1/models/{model_id}/checkpoints").json()["data"]
     return sorted(int(checkpoint["step"]) for checkpoint in listed)
+
+
+def _still_running_with_nothing_committed(alice: Who, model_id: str, job_id: str) -> None:
+    """A refused completion: no step committed, and the job is still its worker's."""
+    assert _steps(alice, model_id) == [0]
+    assert alice.http.get(f"/v1/training-jobs/{job_id}").json()["status"] == "running"
+
+
+def _uploads_again_and_commits(
+    alice: Who, worker: WorkerClient, model_id: str, job_id: str
+) -> None:
+    """The worker uploads the adapter again; the same completion commits step 1."""
+    worker.stage(job_id, ADAPTER)
+    committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
+    assert committed.status_code == 200, committed.text
+    assert _steps(alice, model_id) == [0, 1]
 
 
 WEIGHTS = ADAPTER["adapter_model.safetensors"]
@@ -74,17 +70,14 @@ DAMAGED = {
 
 @pytest.mark.parametrize("damage", list(DAMAGED))
 def test_a_staged_file_that_differs_from_the_workers_commits_nothing(
+    on_worker: OnWorker,
     damage: str,
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
     lifecycle_store: LocalObjectStore,
 ) -> None:
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = _leased_job(alice, worker, model_id)
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
     staged, message = DAMAGED[damage]
-    _stage(worker, job_id, {**ADAPTER, "adapter_model.safetensors": staged})
+    worker.stage(job_id, {**ADAPTER, "adapter_model.safetensors": staged})
 
     refused = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert refused.status_code == 400, refused.text
@@ -93,14 +86,10 @@ def test_a_staged_file_that_differs_from_the_workers_commits_nothing(
     assert f"adapter_model.safetensors {message}" in error
     assert "adapter_config.json" not in error  # the good file is not blamed
     assert str(lifecycle_store.root) not in refused.text
-    assert _steps(alice, model_id) == [0]
-    assert alice.http.get(f"/v1/training-jobs/{job_id}").json()["status"] == "running"
+    _still_running_with_nothing_committed(alice, model_id, job_id)
 
     # Still the worker's: the file uploaded again, the same completion commits.
-    _stage(worker, job_id, ADAPTER)
-    committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
-    assert committed.status_code == 200, committed.text
-    assert _steps(alice, model_id) == [0, 1]
+    _uploads_again_and_commits(alice, worker, model_id, job_id)
     downloaded = alice.http.get(
         f"/v1/models/{model_id}/checkpoints/1/files/adapter_model.safetensors",
         follow_redirects=True,
@@ -108,14 +97,10 @@ def test_a_staged_file_that_differs_from_the_workers_commits_nothing(
     assert downloaded.content == WEIGHTS
 
 
-def test_a_completion_without_checksums_is_refused(
-    who: Callable[[], Who], worker_client: Callable[..., WorkerClient]
-) -> None:
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = _leased_job(alice, worker, model_id)
-    _stage(worker, job_id, ADAPTER)
+def test_a_completion_without_checksums_is_refused(on_worker: OnWorker) -> None:
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
+    worker.stage(job_id, ADAPTER)
     files = [{"name": name, "size": len(data)} for name, data in ADAPTER.items()]
     refused = worker.http.post(
         f"/jobs/{job_id}/complete", json={"attempt": 1, "step": 1, "metrics": {}, "files": files}
@@ -125,44 +110,17 @@ def test_a_completion_without_checksums_is_refused(
     assert _steps(alice, model_id) == [0]
 
 
-class _WatchedStore(LocalObjectStore):
-    """The control plane's own store (the same directory), which runs ``watch`` each time it
-    is about to copy an object: an observer, not a fake, so that the test sees what the
-    database holds while the store works."""
-
-    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
-        super().__init__(root)
-        self._watch = watch
-
-    def copy(self, source_key: str, dest_key: str) -> int:
-        self._watch()
-        return super().copy(source_key, dest_key)
-
-
-@contextmanager
-def _watched(app: FastAPI, watch: Callable[[], None]) -> Iterator[None]:
-    real = app.state.store
-    app.state.store = _WatchedStore(real.root, watch)
-    try:
-        yield
-    finally:
-        app.state.store = real
-
-
 def test_no_row_lock_is_held_while_the_commit_copies_the_files(
+    on_worker: OnWorker,
     lifecycle_settings: Settings,
     lifecycle_app: FastAPI,
     lifecycle_db: sessionmaker[Session],
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
 ) -> None:
     if lifecycle_settings.resolved_database_url.startswith("sqlite"):
         pytest.skip("row locks are PostgreSQL's: SQLite has none to hold")
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = _leased_job(alice, worker, model_id)
-    _stage(worker, job_id, ADAPTER)
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
+    worker.stage(job_id, ADAPTER)
     locked: list[bool] = []
 
     def watch() -> None:
@@ -178,7 +136,7 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
                 locked.append(True)
             session.rollback()
 
-    with _watched(lifecycle_app, watch):
+    with copies_watched(lifecycle_app, watch):
         committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert committed.status_code == 200, committed.text
     assert locked == [False] * len(ADAPTER)
@@ -218,9 +176,9 @@ def test_a_stale_attempt_copying_after_the_commit_leaves_the_committed_files(
     alice = who()
     model_id = str(alice.create_model()["id"])
     first = worker_client(model_id)
-    job_id = _leased_job(alice, first, model_id)
+    job_id = leased_job(alice, first, model_id)
     stale = {**ADAPTER, "adapter_model.safetensors": b"\x00" * len(WEIGHTS)}
-    _stage(first, job_id, stale)
+    first.stage(job_id, stale)
     stale_completion = _completion()
     stale_completion["files"] = [
         {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -245,7 +203,7 @@ def test_a_stale_attempt_copying_after_the_commit_leaves_the_committed_files(
             session.commit()
             queue.expire_leases(session)
         second = worker_client(model_id)
-        leased = second.http.post("/jobs/lease", json={}).json()["job"]
+        leased = second.lease()
         assert (leased["id"], leased["attempt"]) == (job_id, 2)
         for name, data in ADAPTER.items():
             staged = second.http.put(
@@ -306,15 +264,14 @@ class _ReadCountingStore(LocalObjectStore):
 
 
 def test_the_commit_checks_the_digests_recorded_at_staging_without_reading_the_files_back(
-    lifecycle_app: FastAPI, who: Callable[[], Who], worker_client: Callable[..., WorkerClient]
+    on_worker: OnWorker,
+    lifecycle_app: FastAPI,
 ) -> None:
     """complete() read every staged byte back to hash it (0.44 s per 64 MiB on SeaweedFS):
     the size and SHA-256 are now recorded as the upload streams through the control plane."""
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = _leased_job(alice, worker, model_id)
-    _stage(worker, job_id, ADAPTER)
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
+    worker.stage(job_id, ADAPTER)
     reads: list[str] = []
     real = lifecycle_app.state.store
     lifecycle_app.state.store = _ReadCountingStore(real.root, reads)
@@ -328,18 +285,15 @@ def test_the_commit_checks_the_digests_recorded_at_staging_without_reading_the_f
 
 
 def test_a_staged_file_removed_while_the_commit_copies_is_a_conflict_that_a_retry_fixes(
+    on_worker: OnWorker,
     lifecycle_app: FastAPI,
     lifecycle_store: LocalObjectStore,
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
 ) -> None:
     """The file gone between the check and its copy answered 404, as if the job or the route
     did not exist; it is a 409 now, nothing committed, and the job stays the worker's."""
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = _leased_job(alice, worker, model_id)
-    _stage(worker, job_id, ADAPTER)
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
+    worker.stage(job_id, ADAPTER)
     staged = [
         info.key
         for info in lifecycle_store.list()
@@ -350,16 +304,12 @@ def test_a_staged_file_removed_while_the_commit_copies_is_a_conflict_that_a_retr
         for key in staged:
             lifecycle_store.delete(key)
 
-    with _watched(lifecycle_app, remove_the_weights):
+    with copies_watched(lifecycle_app, remove_the_weights):
         refused = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert refused.status_code == 409, refused.text
     message = refused.json()["error"]["message"]
     assert "adapter_model.safetensors was removed from the staged files" in message
     assert str(lifecycle_store.root) not in refused.text
-    assert _steps(alice, model_id) == [0]
-    assert alice.http.get(f"/v1/training-jobs/{job_id}").json()["status"] == "running"
+    _still_running_with_nothing_committed(alice, model_id, job_id)
 
-    _stage(worker, job_id, ADAPTER)
-    committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
-    assert committed.status_code == 200, committed.text
-    assert _steps(alice, model_id) == [0, 1]
+    _uploads_again_and_commits(alice, worker, model_id, job_id)

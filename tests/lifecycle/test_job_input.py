@@ -4,13 +4,12 @@ zstd, and as plain JSONL otherwise; inputs stored before compression are served 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 import zstandard
 
 from skytrain_backend.storage import LocalObjectStore, compression, keys
 from tests.api.support import group
-from tests.lifecycle.conftest import Who, WorkerClient
+from tests.lifecycle.conftest import OnWorker, WorkerClient, leased_job
 
 
 def _raw(worker: WorkerClient, job_id: str, accept: str) -> tuple[str | None, bytes]:
@@ -24,18 +23,11 @@ def _raw(worker: WorkerClient, job_id: str, accept: str) -> tuple[str | None, by
 
 
 def test_a_job_input_goes_to_its_worker_compressed_only_if_the_worker_takes_zstd(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
+    on_worker: OnWorker,
     lifecycle_store: LocalObjectStore,
 ) -> None:
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = alice.http.post(
-        "/v1/training-jobs",
-        json={"model_id": model_id, "trajectory_groups": [group(1.0, 0.0), group(0.5, 0.2, 0.1)]},
-    ).json()["id"]
-    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id, group(1.0, 0.0), group(0.5, 0.2, 0.1))
 
     encoding, wire = _raw(worker, job_id, "gzip, deflate, zstd")
     assert encoding == "zstd" and wire.startswith(compression.MAGIC)

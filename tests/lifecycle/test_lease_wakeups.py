@@ -10,26 +10,28 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 from fastapi import FastAPI
 
 from skytrain_backend.db import notify
 from skytrain_backend.worker.client import ControlPlaneClient, until_stopped
-from tests.api.support import group
 from tests.gateway.conftest import wait_until
-from tests.lifecycle.conftest import Who, WorkerClient
+from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, leased_job
 
 LEASE_WAIT_S = 30
 
 
-def test_a_job_queued_while_a_worker_waits_is_leased_at_its_notification(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
-    lifecycle_app: FastAPI,
-) -> None:
+@pytest.fixture
+def notifier(lifecycle_app: FastAPI) -> notify.Notifier:
+    """The control plane's notifier: its counts say how each long-poll was woken."""
     notifier: notify.Notifier = lifecycle_app.state.notifier
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
+    return notifier
+
+
+def test_a_job_queued_while_a_worker_waits_is_leased_at_its_notification(
+    on_worker: OnWorker, notifier: notify.Notifier
+) -> None:
+    alice, model_id, worker = on_worker
     before = Counter(notifier.counts)
     with ThreadPoolExecutor(1) as pool:
         leasing = pool.submit(
@@ -38,9 +40,7 @@ def test_a_job_queued_while_a_worker_waits_is_leased_at_its_notification(
         # The request found nothing and waits (the queue is empty)...
         wait_until(lambda: notifier.parked == 1, what="the lease request to wait")
         # ... until a job is queued.
-        job_id = alice.http.post(
-            "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-        ).json()["id"]
+        job_id = alice.queue_job(model_id)
         answer = leasing.result()
 
     assert answer.status_code == 200, answer.text
@@ -56,11 +56,10 @@ def test_a_job_queued_while_a_worker_waits_is_leased_at_its_notification(
 def test_a_job_wakes_only_the_worker_its_model_is_placed_on(
     who: Callable[[], Who],
     worker_client: Callable[..., WorkerClient],
-    lifecycle_app: FastAPI,
+    notifier: notify.Notifier,
 ) -> None:
     """Two workers wait; a job of a model on the first wakes the first alone: the second's
     request stays parked and runs no claim query, until a job of its own model comes."""
-    notifier: notify.Notifier = lifecycle_app.state.notifier
     alice = who()
     first_model, second_model = (str(alice.create_model()["id"]) for _ in range(2))
     first, second = worker_client(first_model), worker_client(second_model)
@@ -74,9 +73,7 @@ def test_a_job_wakes_only_the_worker_its_model_is_placed_on(
         )
         wait_until(lambda: notifier.parked == 2, what="both requests to wait")
         before = Counter(notifier.counts)
-        first_job = alice.http.post(
-            "/v1/training-jobs", json={"model_id": first_model, "trajectory_groups": [group()]}
-        ).json()["id"]
+        first_job = alice.queue_job(first_model)
         assert first_leasing.result().json()["job"]["id"] == first_job
         counts = notifier.counts - before
         # One claim: the first worker's, at its wake-up; the second was not woken.
@@ -84,27 +81,20 @@ def test_a_job_wakes_only_the_worker_its_model_is_placed_on(
         assert counts[f"checks/{notify.JOBS}"] == 1
         assert not second_leasing.done() and notifier.parked == 1
 
-        second_job = alice.http.post(
-            "/v1/training-jobs", json={"model_id": second_model, "trajectory_groups": [group()]}
-        ).json()["id"]
+        second_job = alice.queue_job(second_model)
         assert second_leasing.result().json()["job"]["id"] == second_job
     assert (notifier.counts - before)["woken_by_timeout"] == 0
 
 
 async def test_a_job_claimed_for_a_worker_that_hung_up_goes_back_to_the_queue_uncounted(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
+    on_worker: OnWorker,
     lifecycle_app: FastAPI,
 ) -> None:
     """The worker hangs up while its lease request claims a job: nobody will read the answer,
     so the job is queued again at once with that attempt uncounted, not held until its lease
     expires (which would also use up one of its attempts)."""
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
+    alice, model_id, worker = on_worker
+    job_id = alice.queue_job(model_id)
 
     # The app called as its server would: the request's body, then the client hangs up
     # (which the long-poll sees before the claim it runs in a thread returns).
@@ -142,15 +132,14 @@ async def test_a_job_claimed_for_a_worker_that_hung_up_goes_back_to_the_queue_un
     job = alice.http.get(f"/v1/training-jobs/{job_id}").json()
     assert job["status"] == "queued"
     # Leased again at once, as its first attempt.
-    leased = worker.http.post("/jobs/lease", json={}).json()["job"]
+    leased = worker.lease()
     assert (leased["id"], leased["attempt"]) == (job_id, 1)
 
 
 def test_a_lease_request_without_wait_answers_at_once_and_out_of_range_waits_are_refused(
-    who: Callable[[], Who], worker_client: Callable[..., WorkerClient]
+    on_worker: OnWorker,
 ) -> None:
-    alice = who()
-    worker = worker_client(str(alice.create_model()["id"]))
+    worker = on_worker.worker
     assert worker.http.post("/jobs/lease", json={}).status_code == 204
     refused = worker.http.post("/jobs/lease", params={"wait_s": 31}, json={})
     assert refused.status_code == 400, refused.text
@@ -158,18 +147,10 @@ def test_a_lease_request_without_wait_answers_at_once_and_out_of_range_waits_are
 
 
 def test_a_follower_of_a_jobs_events_gets_the_next_event_at_its_notification(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
-    lifecycle_app: FastAPI,
+    on_worker: OnWorker, notifier: notify.Notifier
 ) -> None:
-    notifier: notify.Notifier = lifecycle_app.state.notifier
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job_id = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
-    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
     before = Counter(notifier.counts)
     with ThreadPoolExecutor(1) as pool:
         following = pool.submit(
@@ -190,15 +171,11 @@ def test_a_follower_of_a_jobs_events_gets_the_next_event_at_its_notification(
 
 
 async def test_a_stopping_worker_drops_its_pending_lease_and_the_control_plane_lets_go(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
-    lifecycle_app: FastAPI,
+    on_worker: OnWorker,
     lifecycle_url: str,
+    notifier: notify.Notifier,
 ) -> None:
-    notifier: notify.Notifier = lifecycle_app.state.notifier
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
+    alice, model_id, worker = on_worker
     token = worker.http.headers["Authorization"].removeprefix("Bearer ")
     control_plane = ControlPlaneClient(lifecycle_url, token)
     stopping = asyncio.Event()
@@ -219,7 +196,5 @@ async def test_a_stopping_worker_drops_its_pending_lease_and_the_control_plane_l
             )
     finally:
         await control_plane.aclose()
-    job_id = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
+    job_id = alice.queue_job(model_id)
     assert alice.http.get(f"/v1/training-jobs/{job_id}").json()["status"] == "queued"

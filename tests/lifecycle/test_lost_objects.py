@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
-from typer.testing import CliRunner, Result
 
-from skytrain_backend.cli import app
-from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.config import Settings
 from skytrain_backend.errors import ObjectDamaged
 from skytrain_backend.storage import LocalObjectStore, keys
 from skytrain_backend.worker.client import ControlPlaneClient
-from tests.api.support import group, sft_trajectory
-from tests.lifecycle.conftest import Who, WorkerClient, committed_prefix
+from tests.api.support import sft_trajectory
+from tests.fixtures.cli import run_cli
+from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, committed_prefix, leased_job
 
 ADAPTER = {
     "adapter_config.json": b'{"r": 8}',
@@ -31,29 +30,11 @@ ADAPTER = {
 
 def _committed_step(alice: Who, worker: WorkerClient, model_id: str) -> str:
     """Train step 1 as a worker does (lease, upload, complete); the checkpoint's id."""
-    job_id = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
-    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
+    job_id = leased_job(alice, worker, model_id)
     worker.stage(job_id, ADAPTER)
     completed = worker.complete(job_id, ADAPTER, step=1)
     assert completed.status_code == 200, completed.text
     return str(completed.json()["checkpoint_id"])
-
-
-def _storage_check(settings: Settings, *args: str) -> Result:
-    """`skytrain storage check` as the operator's shell runs it (settings from the
-    environment), through Typer's runner."""
-    env = {
-        "SKYTRAIN_HOME": str(settings.home),
-        "SKYTRAIN_DATABASE_URL": settings.resolved_database_url,
-        "SKYTRAIN_OBJECT_STORE_URL": settings.resolved_object_store_url,
-    }
-    get_settings.cache_clear()
-    try:
-        return CliRunner().invoke(app, ["storage", "check", *args], env=env)
-    finally:
-        get_settings.cache_clear()
 
 
 def _damaged(response_text: str, status_code: int, store: LocalObjectStore) -> str:
@@ -90,20 +71,17 @@ LOSSES: dict[str, Callable[[LocalObjectStore, str], None]] = {
 
 @pytest.mark.parametrize("loss", list(LOSSES))
 def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
+    on_worker: OnWorker,
     loss: str,
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
     lifecycle_db: sessionmaker[Session],
 ) -> None:
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
+    alice, model_id, worker = on_worker
     checkpoint_id = _committed_step(alice, worker, model_id)
     listing = f"/v1/models/{model_id}/checkpoints/1/files"
     assert alice.http.get(listing).status_code == 200
-    assert checkpoint_id not in _storage_check(lifecycle_settings).stdout
+    assert checkpoint_id not in run_cli(lifecycle_settings, "storage", "check").stdout
 
     prefix = committed_prefix(lifecycle_db, tenant_id=alice.tenant_id, model_id=model_id, step=1)
     LOSSES[loss](lifecycle_store, prefix)
@@ -125,7 +103,7 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
     assert loading.json()["error"]["type"] == "object_damaged"
     _damaged(loading.text, loading.status_code, lifecycle_store)
 
-    checked = _storage_check(lifecycle_settings)
+    checked = run_cli(lifecycle_settings, "storage", "check")
     assert checked.exit_code == 1, checked.stdout
     lines = [line for line in checked.stdout.splitlines() if checkpoint_id in line]
     assert len(lines) == (2 if loss == "every file deleted" else 1)
@@ -140,9 +118,7 @@ def test_storage_check_lists_a_pending_jobs_and_an_uploaded_files_lost_objects(
 ) -> None:
     alice = who()
     model_id = str(alice.create_model()["id"])
-    job_id = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    ).json()["id"]
+    job_id = alice.queue_job(model_id)
     file_id = alice.http.post(
         "/v1/files", files={"file": ("d.jsonl", json.dumps(sft_trajectory()).encode())}
     ).json()["id"]
@@ -150,7 +126,7 @@ def test_storage_check_lists_a_pending_jobs_and_an_uploaded_files_lost_objects(
         keys.job_input_key(tenant_id=alice.tenant_id, model_id=model_id, job_id=job_id)
     )
     lifecycle_store.delete(keys.file_key(tenant_id=alice.tenant_id, file_id=file_id))
-    checked = _storage_check(lifecycle_settings)
+    checked = run_cli(lifecycle_settings, "storage", "check")
     assert checked.exit_code == 1, checked.stdout
     (line,) = [line for line in checked.stdout.splitlines() if job_id in line]
     assert "job input" in line and "missing" in line
@@ -159,8 +135,7 @@ def test_storage_check_lists_a_pending_jobs_and_an_uploaded_files_lost_objects(
 
 
 def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loading_it(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
+    on_worker: OnWorker,
     lifecycle_url: str,
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
@@ -169,9 +144,7 @@ def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loadi
 ) -> None:
     """The same length, other bytes: no listing can tell, so the worker checks the SHA-256
     committed with the step as it downloads, and `storage check --read` reads it back."""
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
+    alice, model_id, worker = on_worker
     checkpoint_id = _committed_step(alice, worker, model_id)
     prefix = committed_prefix(lifecycle_db, tenant_id=alice.tenant_id, model_id=model_id, step=1)
     weights = ADAPTER["adapter_model.safetensors"]
@@ -206,8 +179,10 @@ def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loadi
     asyncio.run(load())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter_config.json"]  # no damaged file
 
-    assert checkpoint_id not in _storage_check(lifecycle_settings).stdout  # sizes all match
-    checked = _storage_check(lifecycle_settings, "--read")
+    assert (
+        checkpoint_id not in run_cli(lifecycle_settings, "storage", "check").stdout
+    )  # sizes all match
+    checked = run_cli(lifecycle_settings, "storage", "check", "--read")
     assert checked.exit_code == 1, checked.stdout
     (line,) = [line for line in checked.stdout.splitlines() if checkpoint_id in line]
     assert "corrupt" in line

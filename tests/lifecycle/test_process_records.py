@@ -15,9 +15,9 @@ from skytrain_backend.app import create_app
 from skytrain_backend.child_processes import ChildProcess, ProcessIdentity, stop_process
 from skytrain_backend.config import Settings
 from skytrain_backend.db import process_records
-from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker
 from skytrain_backend.db.session import create_db_engine, session_factory
+from tests.fixtures.rows import add_ready_worker
 from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import serve_in_thread, wait_until
 
@@ -67,11 +67,7 @@ def _record(
 
 def _worker(sessions: sessionmaker[Session]) -> str:
     with sessions() as session:
-        worker, _ = worker_rows.create_worker(
-            session, provider="local", base_model="base", max_models=8, status="ready"
-        )
-        session.commit()
-        return worker.id
+        return add_ready_worker(session).id
 
 
 def test_processes_no_live_control_plane_owns_are_stopped_at_start_and_shutdown(

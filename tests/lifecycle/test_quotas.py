@@ -8,35 +8,20 @@ from collections.abc import Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
-from typer.testing import CliRunner, Result
 
-from skytrain_backend.cli import app
-from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.config import Settings
 from skytrain_backend.db.models import Model
 from skytrain_backend.scheduler.loop import Scheduler
+from tests.fixtures.cli import run_cli
 from tests.gateway.conftest import wait_until
 from tests.lifecycle.conftest import Who, WorkerClient, new_base_model
-
-
-def _skytrain(settings: Settings, *args: str) -> Result:
-    """`skytrain ARGS` as the operator's shell runs it (the settings from the environment),
-    through Typer's runner: in this process, no interpreter to start."""
-    env = {
-        "SKYTRAIN_HOME": str(settings.home),
-        "SKYTRAIN_DATABASE_URL": settings.resolved_database_url,
-    }
-    get_settings.cache_clear()
-    try:
-        return CliRunner().invoke(app, list(args), env=env)
-    finally:
-        get_settings.cache_clear()
 
 
 def test_a_tenant_over_its_model_quota_gets_403_and_the_operator_can_change_it(
     who: Callable[..., Who], lifecycle_settings: Settings
 ) -> None:
     alice, bob = who(), who()
-    set_by_cli = _skytrain(lifecycle_settings, "tenants", "limits", alice.name, "--max-models", "2")
+    set_by_cli = run_cli(lifecycle_settings, "tenants", "limits", alice.name, "--max-models", "2")
     assert set_by_cli.exit_code == 0, set_by_cli.stderr
     assert "max_models" in set_by_cli.stdout and "this tenant" in set_by_cli.stdout
 
@@ -61,15 +46,15 @@ def test_a_tenant_over_its_model_quota_gets_403_and_the_operator_can_change_it(
     assert existing.status_code == 200  # getting an existing model is not creating one
     assert bob.post_model().status_code == 201  # other tenants keep the default
 
-    listed = _skytrain(lifecycle_settings, "tenants", "list")
+    listed = run_cli(lifecycle_settings, "tenants", "list")
     assert listed.exit_code == 0, listed.stderr
     (row,) = [line for line in listed.stdout.splitlines() if line.startswith(alice.name)]
     assert "2*" in row.split()
-    reset = _skytrain(lifecycle_settings, "tenants", "limits", alice.name, "--reset", "max_models")
+    reset = run_cli(lifecycle_settings, "tenants", "limits", alice.name, "--reset", "max_models")
     assert reset.exit_code == 0, reset.stderr
     assert alice.post_model().status_code == 201
 
-    unknown = _skytrain(lifecycle_settings, "tenants", "limits", "nobody", "--max-models", "1")
+    unknown = run_cli(lifecycle_settings, "tenants", "limits", "nobody", "--max-models", "1")
     assert unknown.exit_code == 1
     assert "no tenant 'nobody'" in unknown.stderr
 
@@ -127,9 +112,7 @@ def test_a_tenant_at_its_worker_quota_waits_rather_than_spreading(
     base = new_base_model()
     alice = who(base)
     assert (
-        _skytrain(
-            lifecycle_settings, "tenants", "limits", alice.name, "--max-workers", "1"
-        ).exit_code
+        run_cli(lifecycle_settings, "tenants", "limits", alice.name, "--max-workers", "1").exit_code
         == 0
     )
     first_worker = worker_client(base_model=base, max_models=1)

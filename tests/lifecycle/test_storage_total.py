@@ -10,14 +10,13 @@ from collections.abc import Callable
 
 from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session, sessionmaker
-from typer.testing import CliRunner, Result
 
-from skytrain_backend.cli import app
-from skytrain_backend.config import Settings, get_settings
+from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob
 from tests.api.support import group
-from tests.lifecycle.conftest import Who, WorkerClient
+from tests.fixtures.cli import run_cli
+from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, leased_job
 
 ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x01" * 512}
 ADAPTER_BYTES = sum(len(data) for data in ADAPTER.values())
@@ -30,38 +29,18 @@ def _recorded_and_counted(db: sessionmaker[Session], who: Who) -> tuple[int, int
         return int(recorded or 0), int(counted or 0)
 
 
-def _skytrain(settings: Settings, *args: str) -> Result:
-    env = {
-        "SKYTRAIN_HOME": str(settings.home),
-        "SKYTRAIN_DATABASE_URL": settings.resolved_database_url,
-    }
-    get_settings.cache_clear()
-    try:
-        return CliRunner().invoke(app, list(args), env=env)
-    finally:
-        get_settings.cache_clear()
-
-
 def _commit_a_step(alice: Who, worker: WorkerClient, model_id: str, *, step: int) -> str:
-    job_id = str(
-        alice.http.post(
-            "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-        ).json()["id"]
-    )
-    assert worker.http.post("/jobs/lease", json={}).json()["job"]["id"] == job_id
+    job_id = leased_job(alice, worker, model_id)
     worker.stage(job_id, ADAPTER)
     return job_id
 
 
 def test_the_running_total_follows_every_write_and_delete_and_the_cli_recounts_it(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
+    on_worker: OnWorker,
     lifecycle_db: sessionmaker[Session],
     lifecycle_settings: Settings,
 ) -> None:
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
+    alice, model_id, worker = on_worker
     logged = alice.http.post(f"/v1/models/{model_id}/log", json={"trajectory_groups": [group()]})
     assert logged.status_code == 201, logged.text
     recorded, counted = _recorded_and_counted(lifecycle_db, alice)
@@ -92,11 +71,11 @@ def test_the_running_total_follows_every_write_and_delete_and_the_cli_recounts_i
             update(Tenant).where(Tenant.id == alice.tenant_id).values(storage_bytes=12345)
         )
         session.commit()
-    checked = _skytrain(lifecycle_settings, "storage", "check")
+    checked = run_cli(lifecycle_settings, "storage", "check")
     assert checked.exit_code == 1, checked.output
     (row,) = [line for line in checked.stdout.splitlines() if alice.name in line]
     assert "12345" in row and str(before_delete - ADAPTER_BYTES) in row
-    fixed = _skytrain(lifecycle_settings, "storage", "check", "--fix-usage")
+    fixed = run_cli(lifecycle_settings, "storage", "check", "--fix-usage")
     assert "(fixed)" in fixed.stdout
     assert _recorded_and_counted(lifecycle_db, alice) == (before_delete - ADAPTER_BYTES,) * 2
 
@@ -146,15 +125,12 @@ def test_the_storage_check_reads_the_tenants_row_not_its_rows(
 
 
 def test_a_checkpoint_over_the_storage_quota_fails_its_job_and_commits_nothing(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
+    on_worker: OnWorker,
     lifecycle_db: sessionmaker[Session],
 ) -> None:
     """Checkpoints were committed whatever the tenant held: up to max_queued_jobs x the
     adapter's size past its max_storage_bytes."""
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
+    alice, model_id, worker = on_worker
     job_id = _commit_a_step(alice, worker, model_id, step=1)
     held, _ = _recorded_and_counted(lifecycle_db, alice)
     with lifecycle_db() as session:

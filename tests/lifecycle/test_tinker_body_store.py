@@ -33,6 +33,7 @@ from skytrain_backend.storage import LocalObjectStore, keys
 from tests.fixtures.services import MakeSettings
 from tests.fixtures.tinker_http import create_run, forward_backward_body
 from tests.gateway.conftest import serve_in_thread
+from tests.lifecycle.conftest import copies_watched
 
 pytestmark = pytest.mark.postgres
 
@@ -69,6 +70,20 @@ def _run(plane: Plane) -> str:
     return f"{session_id}:train:0"
 
 
+def _held(plane: Plane, *tables: str) -> list[str]:
+    """Which of ``tables`` a transaction holds now: a table read by an open transaction
+    cannot be locked exclusively by another."""
+    held = []
+    with plane.sessions() as session:
+        for table in tables:
+            try:
+                session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
+            except OperationalError:
+                held.append(table)
+            session.rollback()
+    return held
+
+
 class _WatchedStore(LocalObjectStore):
     """The control plane's own store (its directory), which runs ``watch`` before each put:
     an observer of the database while the store works, not a fake."""
@@ -87,15 +102,7 @@ def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane
     held: list[list[str]] = []
 
     def watch() -> None:
-        # A table read by an open transaction cannot be locked exclusively by another.
-        held.append([])
-        with plane.sessions() as session:
-            for table in ("tinker_requests", "tinker_runs", "training_jobs"):
-                try:
-                    session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
-                except OperationalError:
-                    held[-1].append(table)
-                session.rollback()
+        held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs"))
 
     real = plane.app.state.store
     plane.app.state.store = _WatchedStore(real.root, watch)
@@ -187,40 +194,17 @@ def _save(http: httpx.Client, job_id: str, files: dict[str, bytes]) -> httpx.Res
     return http.post(f"/tinker/runs/{job_id}/operations/1/save", json={**body, "optim_steps": 0})
 
 
-class _CopyWatchedStore(LocalObjectStore):
-    """The control plane's own store, which runs ``watch`` before each copy (an observer)."""
-
-    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
-        super().__init__(root)
-        self._watch = watch
-
-    def copy(self, source_key: str, dest_key: str) -> int:
-        self._watch()
-        return super().copy(source_key, dest_key)
-
-
 def test_a_tinker_save_copies_its_files_with_no_transaction_open(plane: Plane) -> None:
     run_id = _run(plane)
     held: list[list[str]] = []
 
     def watch() -> None:
-        held.append([])
-        with plane.sessions() as session:
-            for table in ("tinker_requests", "tinker_runs", "training_jobs", "checkpoints"):
-                try:
-                    session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
-                except OperationalError:
-                    held[-1].append(table)
-                session.rollback()
+        held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs", "checkpoints"))
 
     with _save_leased(plane, run_id) as (http, job_id):
         _stage(http, job_id, SAVED)
-        real = plane.app.state.store
-        plane.app.state.store = _CopyWatchedStore(real.root, watch)
-        try:
+        with copies_watched(plane.app, watch):
             saved = _save(http, job_id, SAVED)
-        finally:
-            plane.app.state.store = real
     assert saved.status_code == 204, saved.text
     assert held == [[], []]  # one copy per file, and no table held meanwhile
     with plane.sessions() as session:

@@ -10,8 +10,8 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.storage import LocalObjectStore, keys
-from tests.api.support import add_checkpoint, group
-from tests.lifecycle.conftest import Who, WorkerClient
+from tests.api.support import add_checkpoint
+from tests.lifecycle.conftest import OnWorker, Who, WorkerClient
 
 ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x00" * 64}
 # As sent in the path: "..", "." and a backslash, percent-encoded so that the client sends
@@ -48,20 +48,12 @@ def test_a_worker_reading_a_checkpoint_file_by_a_bad_name_gets_a_400(
 
 
 def test_a_worker_uploading_under_a_bad_name_gets_a_400_and_nothing_is_stored(
-    who: Callable[[], Who],
-    worker_client: Callable[..., WorkerClient],
+    on_worker: OnWorker,
     lifecycle_store: LocalObjectStore,
 ) -> None:
-    alice = who()
-    model_id = str(alice.create_model()["id"])
-    worker = worker_client(model_id)
-    job = alice.http.post(
-        "/v1/training-jobs", json={"model_id": model_id, "trajectory_groups": [group()]}
-    )
-    assert job.status_code == 201, job.text
-    leased = worker.http.post("/jobs/lease", json={})
-    assert leased.status_code == 200, leased.text
-    job_id = leased.json()["job"]["id"]
+    alice, model_id, worker = on_worker
+    alice.queue_job(model_id)
+    job_id = worker.lease()["id"]
 
     bad = worker.http.put(f"/jobs/{job_id}/files/%2E%2E", params={"attempt": 1}, content=b"x")
     assert bad.status_code == 400, bad.text

@@ -15,12 +15,10 @@ from datetime import timedelta
 import pytest
 from sky import exceptions
 from sky.skylet.job_lib import JobStatus
-from typer.testing import CliRunner
 
-from skytrain_backend.cli import app
-from skytrain_backend.config import get_settings
 from skytrain_backend.db.models import Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
+from tests.fixtures.cli import run_cli
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import FakeSky
 from tests.provision.test_skypilot_scheduling import (
@@ -62,15 +60,7 @@ def control_plane(make_settings: MakeSettings) -> Iterator[ControlPlane]:
 
 def _cli(plane: ControlPlane, *args: str) -> str:
     """`skytrain ...` on the control plane's database, as its operator runs it."""
-    env = {
-        "SKYTRAIN_HOME": str(plane.settings.home),
-        "SKYTRAIN_DATABASE_URL": plane.settings.database_url or "",
-    }
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(app, list(args), env=env)
-    finally:
-        get_settings.cache_clear()
+    result = run_cli(plane.settings, *args)
     assert result.exit_code == 0, result.output
     return result.output
 
@@ -82,6 +72,14 @@ def _launched(plane: ControlPlane) -> Worker:
     plane.tick()
     (worker,) = [w for w in plane.workers() if w.status == "provisioning"]
     return worker
+
+
+def _launched_for_a_model(plane: ControlPlane) -> tuple[Worker, str]:
+    """An active model and the worker launched for it: the worker and its cluster's name."""
+    _active_model(plane)
+    worker = _launched(plane)
+    assert worker.cluster_name is not None
+    return worker, worker.cluster_name
 
 
 def _worker(plane: ControlPlane, worker_id: str) -> Worker:
@@ -115,13 +113,11 @@ def test_a_worker_whose_setup_fails_is_failed_at_once_with_skypilots_log(
     control_plane: ControlPlane,
 ) -> None:
     plane, fake = control_plane, control_plane.fake
-    _active_model(plane)
-    worker = _launched(plane)
-    assert worker.cluster_name is not None
+    worker, cluster = _launched_for_a_model(plane)
     plane.tick()
     assert _worker(plane, worker.id).status == "provisioning"  # setup still running
 
-    fake.end_job(worker.cluster_name, JobStatus.FAILED_SETUP, log=SETUP_LOG)
+    fake.end_job(cluster, JobStatus.FAILED_SETUP, log=SETUP_LOG)
     plane.tick()
     fake.settle()
     row = _worker(plane, worker.id)
@@ -129,7 +125,7 @@ def test_a_worker_whose_setup_fails_is_failed_at_once_with_skypilots_log(
     reason = row.status_message or ""
     assert "FAILED_SETUP" in reason and "No matching distribution found" in reason
     # Its cluster is downed now, not left to autostop.
-    assert fake.downs == [worker.cluster_name] and fake.clusters == {}
+    assert fake.downs == [cluster] and fake.clusters == {}
 
     # The operator sees it without --all: it is why the base model has no worker.
     listed = _cli(plane, "workers", "list")
@@ -143,10 +139,8 @@ def test_a_worker_that_does_not_register_in_time_is_failed_and_its_cluster_downe
     control_plane: ControlPlane,
 ) -> None:
     plane, fake = control_plane, control_plane.fake
-    _active_model(plane)
-    worker = _launched(plane)
-    assert worker.cluster_name is not None
-    fake.end_job(worker.cluster_name, JobStatus.SETTING_UP, log="Pulling vllm/vllm-openai\n")
+    worker, cluster = _launched_for_a_model(plane)
+    fake.end_job(cluster, JobStatus.SETTING_UP, log="Pulling vllm/vllm-openai\n")
     _age(plane, worker.id, created_s=DEADLINE_S - 60)
     plane.tick()
     assert _worker(plane, worker.id).status == "provisioning"
@@ -160,7 +154,7 @@ def test_a_worker_that_does_not_register_in_time_is_failed_and_its_cluster_downe
     assert f"did not register within {DEADLINE_S:.0f}s" in reason
     assert "SKYTRAIN_WORKER_REGISTER_DEADLINE_S" in reason
     assert "SETTING_UP" in reason and "Pulling vllm/vllm-openai" in reason
-    assert fake.downs == [worker.cluster_name]
+    assert fake.downs == [cluster]
 
 
 def test_a_registered_worker_is_never_held_to_the_deadline(control_plane: ControlPlane) -> None:
@@ -178,10 +172,8 @@ def test_a_cluster_gone_before_its_worker_registered_is_a_failed_start(
     control_plane: ControlPlane,
 ) -> None:
     plane, fake = control_plane, control_plane.fake
-    _active_model(plane)
-    worker = _launched(plane)
-    assert worker.cluster_name is not None
-    fake.preempt(worker.cluster_name)  # autostopped after its setup failed, say
+    worker, cluster = _launched_for_a_model(plane)
+    fake.preempt(cluster)  # autostopped after its setup failed, say
     plane.tick()
     row = _worker(plane, worker.id)
     assert row.status == "failed" and "no longer exists" in (row.status_message or "")
@@ -237,18 +229,7 @@ def test_relaunches_back_off_exponentially_and_stop_at_the_limit_until_retried(
 
 
 def test_retry_refuses_a_base_model_with_no_failed_launch(control_plane: ControlPlane) -> None:
-    get_settings.cache_clear()
-    try:
-        result = CliRunner().invoke(
-            app,
-            ["workers", "retry", "org/never-launched"],
-            env={
-                "SKYTRAIN_HOME": str(control_plane.settings.home),
-                "SKYTRAIN_DATABASE_URL": control_plane.settings.database_url or "",
-            },
-        )
-    finally:
-        get_settings.cache_clear()
+    result = run_cli(control_plane.settings, "workers", "retry", "org/never-launched")
     assert result.exit_code == 1
     assert "no failed launch of 'org/never-launched'" in result.output
 

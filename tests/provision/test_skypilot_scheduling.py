@@ -20,7 +20,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend import tls
 from skytrain_backend.config import Settings
-from skytrain_backend.db import api_keys, registry
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -313,21 +312,7 @@ def test_a_base_model_that_fits_no_configured_gpu_fails_its_worker_with_the_plan
         }
     )
     plane.restart()
-    with plane.sessions() as session:
-        tenant = api_keys.get_or_create_tenant(session, name="acme")
-        model, _ = registry.create_model(
-            session,
-            tenant=tenant,
-            entity="acme",
-            project="tests",
-            name="huge",
-            base_model="Qwen/Qwen2.5-72B-Instruct",
-            config={},
-            return_existing=False,
-        )
-        model.last_active_at = utcnow()
-        session.commit()
-        model_id = model.id
+    model_id = add_active_model(plane.sessions, "huge", base_model="Qwen/Qwen2.5-72B-Instruct")
     plane.tick()
     plane.fake.settle()
     (worker,) = plane.workers()

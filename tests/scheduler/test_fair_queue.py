@@ -11,9 +11,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.db import api_keys, registry
 from skytrain_backend.db import jobs as job_rows
-from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.errors import InvalidRequest
@@ -21,7 +19,7 @@ from skytrain_backend.protocol import CheckpointFile
 from skytrain_backend.scheduler import garbage, queue
 from skytrain_backend.storage import ObjectStore
 from skytrain_backend.storage.local import LocalObjectStore
-from tests.fixtures.rows import add_rl_job
+from tests.fixtures.rows import add_model, add_ready_worker, add_rl_job
 from tests.fixtures.services import MakeSettings
 
 LEASE_S = 60.0
@@ -37,17 +35,7 @@ def sessions(
 
 
 def _model(session: Session, *, tenant: str, name: str, worker: Worker) -> Model:
-    owner = api_keys.get_or_create_tenant(session, name=tenant)
-    model, _ = registry.create_model(
-        session,
-        tenant=owner,
-        entity=tenant,
-        project="p",
-        name=name,
-        base_model="base",
-        config={},
-        return_existing=False,
-    )
+    model = add_model(session, name, base_model="base", tenant=tenant, project="p")
     model.worker_id = worker.id
     session.commit()
     return model
@@ -82,10 +70,7 @@ def test_one_tenants_thirty_queued_jobs_do_not_all_run_before_another_tenants_on
     sessions: sessionmaker[Session],
 ) -> None:
     with sessions() as session:
-        worker, _ = worker_rows.create_worker(
-            session, provider="local", base_model="base", max_models=8, status="ready"
-        )
-        session.commit()
+        worker = add_ready_worker(session)
         busy = [_model(session, tenant="busy", name=f"m{i}", worker=worker) for i in range(3)]
         busy_jobs = set()
         for model in busy:
@@ -104,10 +89,7 @@ def test_one_tenants_thirty_queued_jobs_do_not_all_run_before_another_tenants_on
 
 def test_tenants_alternate_while_both_have_jobs_queued(sessions: sessionmaker[Session]) -> None:
     with sessions() as session:
-        worker, _ = worker_rows.create_worker(
-            session, provider="local", base_model="base", max_models=8, status="ready"
-        )
-        session.commit()
+        worker = add_ready_worker(session)
         owners = {}
         for tenant in ("a", "b"):
             for index in range(2):
@@ -121,11 +103,7 @@ def test_tenants_alternate_while_both_have_jobs_queued(sessions: sessionmaker[Se
 
 
 def _worker(session: Session) -> Worker:
-    worker, _ = worker_rows.create_worker(
-        session, provider="local", base_model="base", max_models=8, status="ready"
-    )
-    session.commit()
-    return worker
+    return add_ready_worker(session)
 
 
 def _stage_state(store: ObjectStore, session: Session, job_id: str) -> list[CheckpointFile]:

@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.db import batches, registry
+from skytrain_backend.db import batches
 from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob, new_id, utcnow
 from skytrain_backend.errors import StorageError
 from skytrain_backend.scheduler import garbage
@@ -18,7 +18,7 @@ from skytrain_backend.storage import ObjectStore
 from skytrain_backend.storage import keys as object_keys
 from skytrain_backend.storage.local import LocalObjectStore
 from skytrain_backend.storage.s3 import MULTIPART_THRESHOLD, S3ObjectStore
-from tests.fixtures.rows import add_rl_job
+from tests.fixtures.rows import add_model, add_rl_job
 from tests.fixtures.services import ON_EVERY_BACKEND, ApiKey
 
 pytestmark = ON_EVERY_BACKEND
@@ -39,16 +39,7 @@ def test_objects_no_row_refers_to_are_collected_after_the_grace_period(
 
     with db_sessions() as session:
         tenant = session.get_one(Tenant, tenant_id)
-        model, _ = registry.create_model(
-            session,
-            tenant=tenant,
-            entity=tenant.name,
-            project="p",
-            name=new_id(),
-            base_model="base",
-            config={},
-            return_existing=False,
-        )
+        model = add_model(session, new_id(), base_model="base", tenant=tenant.name, project="p")
         model_id = model.id
         prefix = object_keys.model_prefix(tenant_id=tenant_id, model_id=model_id)
         # Step 1 committed; step 2 deleted and purged (its row has no uri); step 3 copied by

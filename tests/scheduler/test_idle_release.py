@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -18,17 +19,13 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import update
-from sqlalchemy.orm import Session, sessionmaker
 
 import tinker
-from skytrain_backend.app import create_app
-from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Model, TrainingJob, utcnow
-from skytrain_backend.db.session import create_db_engine, session_factory
-from tests.fixtures.services import MakeSettings
-from tests.gateway.conftest import serve_in_thread, wait_until
+from tests.fixtures.services import MakeSettings, ServedPlane, served_plane
+from tests.gateway.conftest import wait_until
 from tinker import types
 
 # Long enough that the models a test keeps using (a request each round) never go idle.
@@ -36,34 +33,38 @@ IDLE_S = 5.0
 SLOTS = 8  # the default of both a worker's max_models and a tenant's max_placed_models
 
 
+@pytest.fixture(scope="module")
+def plane(make_settings: MakeSettings) -> Iterator[ServedPlane]:
+    with served_plane(make_settings(model_idle_timeout_s=IDLE_S)) as plane:
+        yield plane
+
+
 @dataclass(frozen=True)
-class Plane:
-    url: str
-    settings: Settings
-    sessions: sessionmaker[Session]
+class Site:
+    """A tenant of its own (``key``) and a ready worker of its own base model, whose agent
+    (``agent``, an HTTP client with the worker's token) calls the worker routes."""
+
+    base_model: str
+    key: str
+    worker_id: str
+    agent: httpx.Client
+
+    def placed_here(self) -> set[str]:
+        """The models the control plane's heartbeat answer places on the worker."""
+        answer = self.agent.post("/heartbeat", json={"status": "ready"})
+        assert answer.status_code == 200, answer.text
+        return {item["model_id"] for item in answer.json()["models"]}
 
 
 @pytest.fixture(scope="module")
-def plane(make_settings: MakeSettings) -> Iterator[Plane]:
-    settings = make_settings(model_idle_timeout_s=IDLE_S)
-    engine = create_db_engine(settings.resolved_database_url)
-    with serve_in_thread(create_app(settings)) as url:
-        yield Plane(url=url, settings=settings, sessions=session_factory(engine))
-    engine.dispose()
-
-
-@pytest.fixture(scope="module")
-def patient_plane(make_settings: MakeSettings) -> Iterator[Plane]:
+def patient_plane(make_settings: MakeSettings) -> Iterator[ServedPlane]:
     """A control plane whose models go idle only when a test says so (``_gone_idle``): its
     idle timeout is longer than any test, however slow the machine."""
-    settings = make_settings(model_idle_timeout_s=3600)
-    engine = create_db_engine(settings.resolved_database_url)
-    with serve_in_thread(create_app(settings)) as url:
-        yield Plane(url=url, settings=settings, sessions=session_factory(engine))
-    engine.dispose()
+    with served_plane(make_settings(model_idle_timeout_s=3600)) as plane:
+        yield plane
 
 
-def _gone_idle(plane: Plane, *model_ids: str) -> None:
+def _gone_idle(plane: ServedPlane, *model_ids: str) -> None:
     """The models were last used two idle timeouts ago (as if time had passed)."""
     long_ago = utcnow() - timedelta(seconds=2 * plane.settings.model_idle_timeout_s)
     with plane.sessions() as session:
@@ -73,19 +74,41 @@ def _gone_idle(plane: Plane, *model_ids: str) -> None:
         session.commit()
 
 
-@pytest.mark.slow
-def test_a_ninth_model_gets_the_place_of_one_that_went_idle(patient_plane: Plane) -> None:
-    plane = patient_plane
+@pytest.fixture
+def site(plane: ServedPlane) -> Iterator[Site]:
+    with _site(plane) as made:
+        yield made
+
+
+@pytest.fixture
+def patient_site(patient_plane: ServedPlane) -> Iterator[Site]:
+    with _site(patient_plane) as made:
+        yield made
+
+
+@contextmanager
+def _site(plane: ServedPlane) -> Iterator[Site]:
     base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
     with plane.sessions() as session:
         _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
-        _, token = worker_rows.create_worker(
+        worker, token = worker_rows.create_worker(
             session, provider="manual", base_model=base_model, max_models=SLOTS, status="ready"
         )
         session.commit()
-    user = httpx.Client(base_url=plane.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-    agent = httpx.Client(
+        worker_id = worker.id
+    with httpx.Client(
         base_url=f"{plane.url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
+    ) as agent:
+        yield Site(base_model=base_model, key=key, worker_id=worker_id, agent=agent)
+
+
+@pytest.mark.slow
+def test_a_ninth_model_gets_the_place_of_one_that_went_idle(
+    patient_plane: ServedPlane, patient_site: Site
+) -> None:
+    plane, site = patient_plane, patient_site
+    user = httpx.Client(
+        base_url=plane.url, headers={"Authorization": f"Bearer {site.key}"}, timeout=60
     )
 
     def register(name: str) -> dict[str, Any]:
@@ -95,7 +118,7 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(patient_plane: Plane
             json={
                 "project": "idle",
                 "name": name,
-                "base_model": base_model,
+                "base_model": site.base_model,
                 "return_existing": True,
             },
         )
@@ -105,15 +128,10 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(patient_plane: Plane
     def serving(model: dict[str, Any]) -> dict[str, Any]:
         return dict(user.get(f"/v1/models/{model['id']}").json()["serving"])
 
-    def placed_here() -> set[str]:
-        answer = agent.post("/heartbeat", json={"status": "ready"})
-        assert answer.status_code == 200, answer.text
-        return {item["model_id"] for item in answer.json()["models"]}
-
-    with user, agent:
+    with user:
         models = [register(f"m{index}") for index in range(SLOTS)]
         wait_until(
-            lambda: placed_here() == {m["id"] for m in models},
+            lambda: site.placed_here() == {m["id"] for m in models},
             what="the eight models placed on the worker",
             timeout_s=30,
         )
@@ -130,7 +148,7 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(patient_plane: Plane
             # The ninth is asked for too, as a client waiting for it would.
             for model in [*busy, ninth]:
                 register(model["name"])
-            return ninth["id"] in placed_here()
+            return ninth["id"] in site.placed_here()
 
         wait_until(
             ninth_placed_while_the_others_are_used,
@@ -139,16 +157,16 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(patient_plane: Plane
         )
         # The idle model left the worker (whose agent unloads its adapters); the used ones
         # kept their places.
-        here = placed_here()
+        here = site.placed_here()
         assert first["id"] not in here
         assert here == {m["id"] for m in busy} | {ninth["id"]}
 
         # Everything goes idle; the first model's next use places it again.
         _gone_idle(plane, *(m["id"] for m in busy), ninth["id"])
-        wait_until(lambda: not placed_here(), what="all models released", timeout_s=30)
+        wait_until(lambda: not site.placed_here(), what="all models released", timeout_s=30)
         register(first["name"])
         wait_until(
-            lambda: placed_here() == {first["id"]},
+            lambda: site.placed_here() == {first["id"]},
             what="the idle model placed again on its next use",
             timeout_s=30,
         )
@@ -156,43 +174,27 @@ def test_a_ninth_model_gets_the_place_of_one_that_went_idle(patient_plane: Plane
 
 @pytest.mark.slow
 def test_a_tinker_run_keeps_its_place_while_an_operation_waits_and_leaves_after(
-    plane: Plane,
+    plane: ServedPlane, site: Site
 ) -> None:
     """A Tinker run with an operation waiting for its worker (here its creation, which no
     agent runs) holds its model's place however long that takes; once its session ends, its
     model leaves like any idle one."""
-    base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
-    with plane.sessions() as session:
-        _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
-        _, token = worker_rows.create_worker(
-            session, provider="manual", base_model=base_model, max_models=SLOTS, status="ready"
-        )
-        session.commit()
-    service = tinker.ServiceClient(base_url=plane.url, api_key="tml-" + key)
-    agent = httpx.Client(
-        base_url=f"{plane.url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
-    )
+    service = tinker.ServiceClient(base_url=plane.url, api_key="tml-" + site.key)
 
-    def placed_here() -> set[str]:
-        answer = agent.post("/heartbeat", json={"status": "ready"})
-        assert answer.status_code == 200, answer.text
-        return {item["model_id"] for item in answer.json()["models"]}
-
-    with agent:
-        # The run's creation waits for a worker agent to build its trainer (this one never
-        # does): its future is left pending; its model is placed at once.
-        service.create_lora_training_client(base_model=base_model, rank=8)
-        wait_until(lambda: len(placed_here()) == 1, what="the run's model placed", timeout_s=30)
-        (run_model,) = placed_here()
-        time.sleep(IDLE_S * 2)  # idle: nothing sampled or trained, yet the run is open
-        assert placed_here() == {run_model}
-        service.close("success").result(timeout=60)
-        wait_until(lambda: not placed_here(), what="the ended run's model released", timeout_s=30)
+    # The run's creation waits for a worker agent to build its trainer (this one never
+    # does): its future is left pending; its model is placed at once.
+    service.create_lora_training_client(base_model=site.base_model, rank=8)
+    wait_until(lambda: len(site.placed_here()) == 1, what="the run's model placed", timeout_s=30)
+    (run_model,) = site.placed_here()
+    time.sleep(IDLE_S * 2)  # idle: nothing sampled or trained, yet the run is open
+    assert site.placed_here() == {run_model}
+    service.close("success").result(timeout=60)
+    wait_until(lambda: not site.placed_here(), what="the ended run's model released", timeout_s=30)
 
 
 @pytest.mark.slow
 def test_an_idle_tinker_run_gives_its_place_back_and_its_next_operation_resumes_it(
-    plane: Plane,
+    plane: ServedPlane, site: Site
 ) -> None:
     """The gap: placement counted any open job as activity, and a Tinker run's job runs for as
     long as its session heartbeats, so a run with nothing to do held its slot for ever. Now a
@@ -200,102 +202,79 @@ def test_an_idle_tinker_run_gives_its_place_back_and_its_next_operation_resumes_
     job is queued again (a preemption, not a failed attempt) and its worker loses the lease;
     its next operation places it again, and the worker that leases it rebuilds it from its
     creation."""
-    base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
-    with plane.sessions() as session:
-        _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
-        _, token = worker_rows.create_worker(
-            session, provider="manual", base_model=base_model, max_models=SLOTS, status="ready"
-        )
-        session.commit()
-    service = tinker.ServiceClient(base_url=plane.url, api_key="tml-" + key)
-    agent = httpx.Client(
-        base_url=f"{plane.url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
-    )
-
-    def placed_here() -> set[str]:
-        answer = agent.post("/heartbeat", json={"status": "ready"})
-        assert answer.status_code == 200, answer.text
-        return {item["model_id"] for item in answer.json()["models"]}
+    service = tinker.ServiceClient(base_url=plane.url, api_key="tml-" + site.key)
 
     def lease() -> dict[str, Any]:
-        leased = agent.post("/tinker/lease")
+        leased = site.agent.post("/tinker/lease")
         assert leased.status_code == 200, leased.text
         return dict(leased.json()["run"])
 
     def next_operation(run: dict[str, Any], seq_id: int) -> httpx.Response:
-        return agent.post(
+        return site.agent.post(
             f"/tinker/runs/{run['job_id']}/next",
             json={"attempt": run["attempt"], "seq_id": seq_id, "wait_s": 0},
         )
 
-    with agent:
-        created = service.create_lora_training_client(base_model=base_model, rank=8)
-        wait_until(lambda: len(placed_here()) == 1, what="the run's model placed", timeout_s=30)
-        (run_model,) = placed_here()
-        # The agent builds the run (operation 0, its creation) as a worker does; then the run
-        # has nothing to do.
-        first = lease()
-        assert next_operation(first, 0).status_code == 200
-        done = agent.post(
-            f"/tinker/runs/{first['job_id']}/operations/0/complete",
-            json={"attempt": first["attempt"], "result": {}, "has_output": False},
+    created = service.create_lora_training_client(base_model=site.base_model, rank=8)
+    wait_until(lambda: len(site.placed_here()) == 1, what="the run's model placed", timeout_s=30)
+    (run_model,) = site.placed_here()
+    # The agent builds the run (operation 0, its creation) as a worker does; then the run
+    # has nothing to do.
+    first = lease()
+    assert next_operation(first, 0).status_code == 200
+    done = site.agent.post(
+        f"/tinker/runs/{first['job_id']}/operations/0/complete",
+        json={"attempt": first["attempt"], "result": {}, "has_output": False},
+    )
+    assert done.status_code == 204, done.text
+    training = created.result(timeout=60)
+
+    wait_until(lambda: not site.placed_here(), what="the idle run's model released", timeout_s=30)
+    assert next_operation(first, 1).status_code == 409  # its worker lets the trainer go
+    with plane.sessions() as session:
+        job = session.get_one(TrainingJob, first["job_id"])
+        assert (job.status, job.worker_id, job.attempts, job.preemptions) == (
+            "queued",
+            None,
+            1,
+            1,
         )
-        assert done.status_code == 204, done.text
-        training = created.result(timeout=60)
 
-        wait_until(lambda: not placed_here(), what="the idle run's model released", timeout_s=30)
-        assert next_operation(first, 1).status_code == 409  # its worker lets the trainer go
-        with plane.sessions() as session:
-            job = session.get_one(TrainingJob, first["job_id"])
-            assert (job.status, job.worker_id, job.attempts, job.preemptions) == (
-                "queued",
-                None,
-                1,
-                1,
-            )
-
-        # Its next operation places it again; the worker rebuilds it from its creation.
-        training.optim_step(types.AdamParams(learning_rate=1e-4))
-        wait_until(lambda: placed_here() == {run_model}, what="the run placed again", timeout_s=30)
-        second = lease()
-        assert (second["job_id"], second["attempt"]) == (first["job_id"], 2)
-        assert second["plan"]["restore"]["seed"] is not None
-        assert (second["plan"]["replay"], second["plan"]["next_seq"]) == ([], 1)
-        answer = next_operation(second, 1)
-        assert answer.status_code == 200, answer.text
-        assert answer.json()["operation"]["kind"] == "optim_step"
-        service.close("success").result(timeout=60)
+    # Its next operation places it again; the worker rebuilds it from its creation.
+    training.optim_step(types.AdamParams(learning_rate=1e-4))
+    wait_until(lambda: site.placed_here() == {run_model}, what="the run placed again", timeout_s=30)
+    second = lease()
+    assert (second["job_id"], second["attempt"]) == (first["job_id"], 2)
+    assert second["plan"]["restore"]["seed"] is not None
+    assert (second["plan"]["replay"], second["plan"]["next_seq"]) == ([], 1)
+    answer = next_operation(second, 1)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["operation"]["kind"] == "optim_step"
+    service.close("success").result(timeout=60)
 
 
 @pytest.mark.slow
-def test_a_model_taken_off_its_worker_for_idleness_says_it_is_idle(plane: Plane) -> None:
+def test_a_model_taken_off_its_worker_for_idleness_says_it_is_idle(
+    plane: ServedPlane, site: Site
+) -> None:
     """GET /v1/models/{id} of a model released for idleness says it is idle and loads on its
     next request, not that it is loading; its next use places it again."""
-    base_model = f"tests/base-{uuid.uuid4().hex[:8]}"
-    with plane.sessions() as session:
-        _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
-        worker, token = worker_rows.create_worker(
-            session, provider="manual", base_model=base_model, max_models=SLOTS, status="ready"
-        )
-        session.commit()
-        worker_id = worker.id
-    user = httpx.Client(base_url=plane.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-    agent = httpx.Client(
-        base_url=f"{plane.url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
+    user = httpx.Client(
+        base_url=plane.url, headers={"Authorization": f"Bearer {site.key}"}, timeout=60
     )
-    body = {"project": "idle", "name": "quiet", "base_model": base_model, "return_existing": True}
+    body = {
+        "project": "idle",
+        "name": "quiet",
+        "base_model": site.base_model,
+        "return_existing": True,
+    }
 
-    def placed_here() -> set[str]:
-        answer = agent.post("/heartbeat", json={"status": "ready"})
-        assert answer.status_code == 200, answer.text
-        return {item["model_id"] for item in answer.json()["models"]}
-
-    with user, agent:
+    with user:
         created = user.post("/v1/models", json=body)
         assert created.status_code == 201, created.text
         model_id = created.json()["id"]
-        wait_until(lambda: placed_here() == {model_id}, what="the model placed", timeout_s=30)
-        wait_until(lambda: not placed_here(), what="the idle model released", timeout_s=30)
+        wait_until(lambda: site.placed_here() == {model_id}, what="the model placed", timeout_s=30)
+        wait_until(lambda: not site.placed_here(), what="the idle model released", timeout_s=30)
 
         shown = user.get(f"/v1/models/{model_id}")
         assert shown.status_code == 200, shown.text
@@ -308,5 +287,5 @@ def test_a_model_taken_off_its_worker_for_idleness_says_it_is_idle(plane: Plane)
         again = user.post("/v1/models", json=body)
         assert again.status_code == 200, again.text
         assert again.json()["serving"]["state"] != "idle"
-        wait_until(lambda: placed_here() == {model_id}, what="placed again", timeout_s=30)
-        assert user.get(f"/v1/models/{model_id}").json()["serving"]["worker_id"] == worker_id
+        wait_until(lambda: site.placed_here() == {model_id}, what="placed again", timeout_s=30)
+        assert user.get(f"/v1/models/{model_id}").json()["serving"]["worker_id"] == site.worker_id

@@ -23,7 +23,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db import api_keys, registry, tenants
+from skytrain_backend.db import api_keys, tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import (
     Model,
@@ -45,7 +45,7 @@ from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import serving_status
 from skytrain_backend.scheduler.tinker import runs as tinker_runs
 from skytrain_backend.scheduler.tinker import worker_ops as tinker_worker
-from tests.fixtures.rows import add_rl_job
+from tests.fixtures.rows import add_model, add_rl_job
 from tests.fixtures.services import MakeSettings
 from tests.provision.fake_sky import ENDPOINT_HOST, FakeSky
 
@@ -122,17 +122,7 @@ def _model(
 ) -> str:
     """A model of ``tenant``, used just now (or long ago: ``idle``), placed on ``worker_id``."""
     with plane.sessions() as session:
-        owner = api_keys.get_or_create_tenant(session, name=tenant)
-        model, _ = registry.create_model(
-            session,
-            tenant=owner,
-            entity=tenant,
-            project="tests",
-            name=name,
-            base_model=base_model,
-            config={},
-            return_existing=False,
-        )
+        model = add_model(session, name, base_model=base_model, tenant=tenant)
         model.last_active_at = utcnow() - (LONG_AGO if idle else timedelta(0))
         model.worker_id = worker_id
         session.commit()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -16,9 +16,8 @@ from sqlalchemy.orm import ORMExecuteState, Session, sessionmaker
 
 from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.config import Settings
-from skytrain_backend.db import api_keys, migrations, registry
 from skytrain_backend.db import jobs as job_rows
-from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.db import migrations
 from skytrain_backend.db.models import (
     Checkpoint,
     Model,
@@ -34,7 +33,7 @@ from skytrain_backend.scheduler import placement, queue, scale_in
 from skytrain_backend.scheduler.serving import serving_status
 from skytrain_backend.storage import LocalObjectStore
 from skytrain_backend.storage import keys as object_keys
-from tests.fixtures.rows import add_rl_job
+from tests.fixtures.rows import add_model, add_ready_worker, add_rl_job
 
 LEASE_S = 60.0
 NO_QUOTA = TenantLimits.defaults(Settings(tenant_max_placed_models=100, tenant_max_workers=100))
@@ -58,26 +57,11 @@ def store(tmp_path: Path) -> LocalObjectStore:
 
 
 def _model(session: Session, name: str = "agent") -> Model:
-    tenant = api_keys.get_or_create_tenant(session, name="tenant")
-    model, _ = registry.create_model(
-        session,
-        tenant=tenant,
-        entity="tenant",
-        project="p",
-        name=name,
-        base_model="base",
-        config={},
-        return_existing=False,
-    )
-    return model
+    return add_model(session, name, base_model="base", tenant="tenant", project="p")
 
 
 def _worker(session: Session) -> Worker:
-    worker, _ = worker_rows.create_worker(
-        session, provider="local", base_model="base", max_models=8, status="ready"
-    )
-    session.commit()
-    return worker
+    return add_ready_worker(session)
 
 
 def _job(session: Session, model: Model, *, max_attempts: int = 3) -> TrainingJob:
@@ -94,6 +78,73 @@ def _job(session: Session, model: Model, *, max_attempts: int = 3) -> TrainingJo
 def _place(session: Session, model: Model, worker: Worker) -> None:
     model.worker_id = worker.id
     session.commit()
+
+
+def _placement_pass(
+    session: Session, *, max_workers: int, launch: Callable[[str], None] | None = None
+) -> None:
+    """A placement pass where neither the idle clock nor a tenant's quota is the subject."""
+    placement.place_models(
+        session,
+        idle_timeout_s=600,
+        max_workers=max_workers,
+        launch=launch,
+        limits=lambda _tenant_id: NO_QUOTA,
+    )
+
+
+def _placed(session: Session) -> tuple[Worker, Model]:
+    """A ready worker and a model placed on it."""
+    worker, model = _worker(session), _model(session)
+    _place(session, model, worker)
+    return worker, model
+
+
+def _leased(session: Session) -> tuple[Worker, Model, TrainingJob]:
+    """A model placed on a worker, and a job of it the worker leased (attempt 1)."""
+    worker, model = _placed(session)
+    job = _job(session, model)
+    queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+    return worker, model, job
+
+
+def _fail(
+    session: Session, worker: Worker, job_id: str, error_message: str, *, cancelled: bool = False
+) -> None:
+    """The worker reports attempt 1 failed for good (or cancelled)."""
+    queue.fail_job(
+        session,
+        worker=worker,
+        job_id=job_id,
+        attempt=1,
+        error_message=error_message,
+        retryable=False,
+        cancelled=cancelled,
+    )
+
+
+def _complete(
+    session: Session,
+    store: LocalObjectStore,
+    worker: Worker,
+    job_id: str,
+    *,
+    attempt: int,
+    files: list[StagedFile],
+    metrics: dict[str, float] | None = None,
+) -> None:
+    """The worker reports ``attempt`` trained step 1 with those staged files."""
+    queue.complete_job(
+        session,
+        store=store,
+        worker=worker,
+        job_id=job_id,
+        attempt=attempt,
+        step=1,
+        metrics=metrics or {},
+        files=files,
+        settings=Settings(),
+    )
 
 
 def _stage_files(
@@ -150,20 +201,11 @@ def test_concurrent_workers_never_lease_the_same_job(sessions: sessionmaker[Sess
 
 def test_a_model_runs_one_job_at_a_time(sessions: sessionmaker[Session]) -> None:
     with sessions() as session:
-        worker, model = _worker(session), _model(session)
-        _place(session, model, worker)
+        worker, model = _placed(session)
         first, second = _job(session, model), _job(session, model)
         assert queue.lease_job(session, worker=worker, lease_s=LEASE_S).id == first.id  # type: ignore[union-attr]
         assert queue.lease_job(session, worker=worker, lease_s=LEASE_S) is None
-        queue.fail_job(
-            session,
-            worker=worker,
-            job_id=first.id,
-            attempt=1,
-            error_message="bad data",
-            retryable=False,
-            cancelled=False,
-        )
+        _fail(session, worker, first.id, "bad data")
         assert queue.lease_job(session, worker=worker, lease_s=LEASE_S).id == second.id  # type: ignore[union-attr]
 
 
@@ -227,8 +269,7 @@ def test_an_expired_lease_is_retried_then_fails_with_the_reason(
     sessions: sessionmaker[Session],
 ) -> None:
     with sessions() as session:
-        worker, model = _worker(session), _model(session)
-        _place(session, model, worker)
+        worker, model = _placed(session)
         job = _job(session, model, max_attempts=2)
         for attempt in (1, 2):
             leased = queue.lease_job(session, worker=worker, lease_s=LEASE_S)
@@ -259,30 +300,18 @@ def test_a_step_is_committed_once_and_a_stale_attempt_is_refused(
         _place(session, model, new_worker)
         assert queue.lease_job(session, worker=new_worker, lease_s=LEASE_S) is not None
         staged = _stage_files(store, job, model, attempt=2)
-        queue.complete_job(
+        _complete(
             session,
-            store=store,
-            worker=new_worker,
-            job_id=job.id,
+            store,
+            new_worker,
+            job.id,
             attempt=2,
-            step=1,
-            metrics={"loss/policy": 0.5},
             files=staged,
-            settings=Settings(),
+            metrics={"loss/policy": 0.5},
         )
         # The stale first attempt wakes up and tries to commit its result and upload again.
         with pytest.raises(queue.LeaseLost):
-            queue.complete_job(
-                session,
-                store=store,
-                worker=old_worker,
-                job_id=job.id,
-                attempt=1,
-                step=1,
-                metrics={},
-                files=stale[:1],
-                settings=Settings(),
-            )
+            _complete(session, store, old_worker, job.id, attempt=1, files=stale[:1])
         with pytest.raises(queue.LeaseLost):
             queue.renew_lease(session, worker=old_worker, job_id=job.id, attempt=1, lease_s=LEASE_S)
         steps = list(
@@ -314,49 +343,25 @@ def test_a_commit_from_a_sleeping_worker_serves_the_new_step_on_the_next_request
     the worker's next heartbeat to say it is awake. A sharded e2e worker's first request after
     ``training_ended`` got 503 "its engine sleeps" that way."""
     with sessions() as session:
-        worker, model = _worker(session), _model(session)
-        _place(session, model, worker)
-        job = _job(session, model)
-        queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        worker, model, job = _leased(session)
         worker.status = "sleeping"  # its heartbeat as the engine went to sleep
         session.commit()
         assert serving_status(session, model=model).state == "training"
         staged = _stage_files(store, job, model, attempt=1)
-        queue.complete_job(
-            session,
-            store=store,
-            worker=worker,
-            job_id=job.id,
-            attempt=1,
-            step=1,
-            metrics={},
-            files=staged,
-            settings=Settings(),
-        )
+        _complete(session, store, worker, job.id, attempt=1, files=staged)
         routed = serving_status(session, model=model)
         assert (routed.ready, routed.step, routed.worker_id) == (True, 1, worker.id)
 
 
 def test_a_running_job_is_cancelled_through_its_worker(sessions: sessionmaker[Session]) -> None:
     with sessions() as session:
-        worker, model = _worker(session), _model(session)
-        _place(session, model, worker)
-        job = _job(session, model)
-        queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        worker, _, job = _leased(session)
         job_rows.cancel_job(session, job=job)
         renewed = queue.renew_lease(
             session, worker=worker, job_id=job.id, attempt=1, lease_s=LEASE_S
         )
         assert renewed.cancel_requested
-        queue.fail_job(
-            session,
-            worker=worker,
-            job_id=job.id,
-            attempt=1,
-            error_message="cancelled by the user",
-            retryable=False,
-            cancelled=True,
-        )
+        _fail(session, worker, job.id, "cancelled by the user", cancelled=True)
         session.refresh(job)
         assert job.status == "cancelled"
 
@@ -365,10 +370,7 @@ def test_a_lost_worker_frees_its_models_and_requeues_its_job(
     sessions: sessionmaker[Session],
 ) -> None:
     with sessions() as session:
-        worker, model = _worker(session), _model(session)
-        _place(session, model, worker)
-        job = _job(session, model)
-        queue.lease_job(session, worker=worker, lease_s=LEASE_S)
+        worker, model, job = _leased(session)
         placement.worker_gone(session, worker=worker, status="lost", reason="no heartbeat")
         session.refresh(job)
         session.refresh(model)
@@ -456,13 +458,7 @@ def test_placement_skips_a_worker_gone_after_the_pass_read_it(
 
     with sessions() as session:
         event.listen(session, "do_orm_execute", gone_after_the_read)
-        placement.place_models(
-            session,
-            idle_timeout_s=600,
-            max_workers=1,
-            launch=None,
-            limits=lambda _tenant_id: NO_QUOTA,
-        )
+        _placement_pass(session, max_workers=1)
     assert left, "the pass never read the workers"
     with sessions() as session:
         assert session.get_one(Model, model.id).worker_id is None
@@ -485,24 +481,20 @@ def test_placement_prefers_a_worker_with_room_and_launches_only_within_the_limit
         first, second, third = (_model(session, name) for name in ("a", "b", "c"))
         for model in (first, second, third):
             placement.mark_model_active(session, model=model, min_interval_s=0)
-        placement.place_models(
-            session,
-            idle_timeout_s=600,
-            max_workers=1,
-            launch=launches.append,
-            limits=lambda _tenant_id: NO_QUOTA,
-        )
+        _placement_pass(session, max_workers=1, launch=launches.append)
         placed = [session.get_one(Model, m.id).worker_id for m in (first, second, third)]
         assert placed.count(full.id) == 1 and placed.count(None) == 2
         assert launches == []  # max_workers=1 is reached: nothing more is launched
-        placement.place_models(
-            session,
-            idle_timeout_s=600,
-            max_workers=2,
-            launch=launches.append,
-            limits=lambda _tenant_id: NO_QUOTA,
-        )
+        _placement_pass(session, max_workers=2, launch=launches.append)
         assert launches == ["base"]  # one launch per base model per pass
+
+
+def _time_passes(session: Session, seconds: float) -> None:
+    """Move every model's last activity ``seconds`` into the past."""
+    for row in session.scalars(select(Model).execution_options(populate_existing=True)):
+        assert row.last_active_at is not None
+        row.last_active_at -= timedelta(seconds=seconds)
+    session.commit()
 
 
 def test_a_model_waiting_for_its_worker_does_not_go_idle_meanwhile(
@@ -524,19 +516,13 @@ def test_a_model_waiting_for_its_worker_does_not_go_idle_meanwhile(
             limits=lambda _tenant_id: NO_QUOTA,
         )
 
-    def time_passes(session: Session, seconds: float) -> None:
-        for row in session.scalars(select(Model).execution_options(populate_existing=True)):
-            assert row.last_active_at is not None
-            row.last_active_at -= timedelta(seconds=seconds)
-        session.commit()
-
     with sessions() as session:
         model = _model(session)
         placement.mark_model_active(session, model=model, min_interval_s=0)
         a_pass(session)
         assert launches == ["base"]
         for _ in range(3):  # 18 s of launching, with passes between
-            time_passes(session, 0.6 * idle_timeout_s)
+            _time_passes(session, 0.6 * idle_timeout_s)
             a_pass(session)
         worker = _worker(session)
         a_pass(session)
@@ -546,7 +532,7 @@ def test_a_model_waiting_for_its_worker_does_not_go_idle_meanwhile(
         assert placed.last_active_at is not None
         assert placed.last_active_at > utcnow() - timedelta(seconds=idle_timeout_s / 2)
         # Once placed and unused, it goes idle as before.
-        time_passes(session, idle_timeout_s + 1)
+        _time_passes(session, idle_timeout_s + 1)
         assert placement.release_idle_models(session, idle_timeout_s=idle_timeout_s) == 1
 
 
@@ -558,12 +544,6 @@ def test_a_model_on_a_worker_still_starting_does_not_go_idle_meanwhile(
     worker serves it."""
     idle_timeout_s = 10.0
 
-    def time_passes(session: Session, seconds: float) -> None:
-        for row in session.scalars(select(Model).execution_options(populate_existing=True)):
-            assert row.last_active_at is not None
-            row.last_active_at -= timedelta(seconds=seconds)
-        session.commit()
-
     with sessions() as session:
         worker, model = _worker(session), _model(session)
         worker.status = "starting"
@@ -571,13 +551,13 @@ def test_a_model_on_a_worker_still_starting_does_not_go_idle_meanwhile(
         placement.mark_model_active(session, model=model, min_interval_s=0)
         _place(session, model, worker)
         for _ in range(3):  # 18 s of starting
-            time_passes(session, 0.6 * idle_timeout_s)
+            _time_passes(session, 0.6 * idle_timeout_s)
             assert placement.release_idle_models(session, idle_timeout_s=idle_timeout_s) == 0
         worker.status = "ready"
         session.commit()
         assert placement.release_idle_models(session, idle_timeout_s=idle_timeout_s) == 0
         assert scale_in.idle_workers(session, idle_timeout_s=idle_timeout_s) == []
-        time_passes(session, idle_timeout_s + 1)
+        _time_passes(session, idle_timeout_s + 1)
         assert placement.release_idle_models(session, idle_timeout_s=idle_timeout_s) == 1
         session.refresh(model)
         assert model.worker_id is None

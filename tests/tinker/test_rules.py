@@ -16,38 +16,23 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 import tinker
-from skytrain_backend.app import create_app
-from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys, tenants
-from skytrain_backend.db.session import create_db_engine, session_factory
-from tests.fixtures.services import MakeSettings
-from tests.gateway.conftest import serve_in_thread
+from tests.fixtures.services import MakeSettings, ServedPlane, served_plane
 
 HUB_MODEL = "tests-org/tiny-model"
 PROMPT = {"chunks": [{"type": "encoded_text", "tokens": [1, 2, 3]}]}
 
 
-@dataclass(frozen=True)
-class RulesPlane:
-    url: str
-    settings: Settings
-    sessions: sessionmaker[Session]
-
-
 @pytest.fixture(scope="module")
 def plane(
     tmp_path_factory: pytest.TempPathFactory, make_settings: MakeSettings
-) -> Iterator[RulesPlane]:
+) -> Iterator[ServedPlane]:
     home = tmp_path_factory.mktemp("tinker-rules")
     # Its own model cache, whatever SKYTRAIN_MODEL_CACHE_DIR says: the allowed directories.
-    settings = make_settings(home=home, model_cache_dir=home / "models")
-    engine = create_db_engine(settings.resolved_database_url)
-    with serve_in_thread(create_app(settings)) as url:
-        yield RulesPlane(url=url, settings=settings, sessions=session_factory(engine))
-    engine.dispose()
+    with served_plane(make_settings(home=home, model_cache_dir=home / "models")) as plane:
+        yield plane
 
 
 @dataclass
@@ -59,7 +44,7 @@ class Tenant:
 
 
 @pytest.fixture
-def tenant(plane: RulesPlane) -> Iterator[Callable[..., Tenant]]:
+def tenant(plane: ServedPlane) -> Iterator[Callable[..., Tenant]]:
     """``tenant(**limits)``: a new tenant with those limits, its ServiceClient and an HTTP
     client speaking the SDK's wire format."""
     made: list[Tenant] = []
@@ -82,7 +67,7 @@ def tenant(plane: RulesPlane) -> Iterator[Callable[..., Tenant]]:
         who.http.close()
 
 
-def _models(plane: RulesPlane, who: Tenant) -> list[str]:
+def _models(plane: ServedPlane, who: Tenant) -> list[str]:
     with httpx.Client(
         base_url=plane.url, headers={"Authorization": f"Bearer {who.key}"}, timeout=60
     ) as http:
@@ -92,7 +77,7 @@ def _models(plane: RulesPlane, who: Tenant) -> list[str]:
 
 
 def test_tinker_refuses_a_base_model_outside_the_allowed_directories(
-    plane: RulesPlane, tenant: Callable[..., Tenant], tmp_path: Path
+    plane: ServedPlane, tenant: Callable[..., Tenant], tmp_path: Path
 ) -> None:
     who = tenant()
     private = tmp_path / "private-model"
@@ -110,7 +95,7 @@ def test_tinker_refuses_a_base_model_outside_the_allowed_directories(
 
 
 def test_tinker_models_count_against_the_tenants_model_quota(
-    plane: RulesPlane, tenant: Callable[..., Tenant]
+    plane: ServedPlane, tenant: Callable[..., Tenant]
 ) -> None:
     who = tenant(max_models=2)
     who.service.create_sampling_client(base_model=HUB_MODEL).result(timeout=60)
@@ -126,7 +111,7 @@ def test_tinker_models_count_against_the_tenants_model_quota(
 
 
 def test_tinker_refuses_a_lora_rank_no_worker_loads(
-    plane: RulesPlane, tenant: Callable[..., Tenant]
+    plane: ServedPlane, tenant: Callable[..., Tenant]
 ) -> None:
     who = tenant()
     limit = plane.settings.engine_max_lora_rank

@@ -26,21 +26,13 @@ from skytrain_backend.worker.sharded import follower_command, sharded_trainer
 from tests.fixtures.ports import port_outside_the_ephemeral_range
 from tests.trainer.test_distributed import ADAPTER, _assert_same_metrics, _assert_same_to_noise
 from tests.trainer.test_resume import _answers
+from tests.worker.support import agent_options
 
 TWO_NODES = {"SKYPILOT_NODE_IPS": "127.0.0.1\n127.0.0.1\n", "SKYPILOT_NUM_GPUS_PER_NODE": "1"}
 
 
 def _options(model: Path, work_dir: Path, *, shards: int) -> AgentOptions:
-    return AgentOptions(
-        base_model=str(model),
-        served_model_name="tiny",
-        work_dir=work_dir,
-        port=0,
-        certificate="",
-        engine_secret="",
-        device="cpu",
-        trainer_shards=shards,
-    )
+    return agent_options(model, work_dir, device="cpu", trainer_shards=shards)
 
 
 def test_the_head_worker_meets_its_followers_at_the_head_node(tmp_path: Path) -> None:

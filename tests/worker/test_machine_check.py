@@ -90,20 +90,24 @@ def test_a_worker_for_a_mixture_of_experts_stops_before_loading_anything(
     assert "mixture of experts (128 experts a layer)" in message
     assert "the host has" not in message and "control plane" not in message
     config = find_model_config(str(model), cache_dir=MODELS)
-    told = Settings(
-        home=tmp_path,
-        engine_max_model_len=8192,
-        engine_gpu_memory_utilization=0.9,
-        engine_tensor_parallel_size=8,
-        trainer_gradient_checkpointing=True,
-        trainer_max_row_tokens=4096,
-        trainer_device_map="fsdp",
-        trainer_shards=8,
-    )
+    told = Settings(home=tmp_path, **told_every_setting(gpus=8, device_map="fsdp"))
     with pytest.raises(ConfigurationError, match="is a mixture of experts"):
         size_worker(
             told, base_model=str(model), config=config, gpu=parse_gpu("H100").gpu, gpu_count=8
         )
+
+
+def told_every_setting(*, gpus: int, device_map: str) -> dict[str, Any]:
+    """The settings of a worker told every one that its memory plan reads, on ``gpus``."""
+    return {
+        "engine_max_model_len": 8192,
+        "engine_gpu_memory_utilization": 0.9,
+        "engine_tensor_parallel_size": gpus,
+        "trainer_gradient_checkpointing": True,
+        "trainer_max_row_tokens": 4096,
+        "trainer_device_map": device_map,
+        "trainer_shards": gpus,
+    }
 
 
 def _sizing_7b_on_l4(tmp_path: Path, **settings: Any) -> Any:
@@ -123,16 +127,7 @@ def test_a_host_below_the_plans_memory_stops_the_worker(tmp_path: Path) -> None:
     is refused; told every setting, the worker still plans for the check."""
     for sizing in (
         _sizing_7b_on_l4(tmp_path),
-        _sizing_7b_on_l4(
-            tmp_path,
-            engine_max_model_len=8192,
-            engine_gpu_memory_utilization=0.9,
-            engine_tensor_parallel_size=1,
-            trainer_gradient_checkpointing=True,
-            trainer_max_row_tokens=4096,
-            trainer_device_map="cuda:0",
-            trainer_shards=1,
-        ),
+        _sizing_7b_on_l4(tmp_path, **told_every_setting(gpus=1, device_map="cuda:0")),
     ):
         l4 = (int(21.5 * GIB), 22_478 * 1024**2)
         with pytest.raises(MachineTooSmall) as raised:

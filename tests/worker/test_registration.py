@@ -8,6 +8,8 @@ from __future__ import annotations
 import secrets
 import socket
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -106,12 +108,25 @@ def test_a_worker_is_reached_at_the_address_its_registration_came_from(
     assert row.engine_certificate == door.certificate
 
 
-def test_an_unreachable_worker_says_where_it_was_tried_and_is_routed_to_once_reached(
-    join: httpx.Client,
-    db_sessions: sessionmaker[Session],
-    control_plane: ControlPlane,
-    api_key: Callable[..., ApiKey],
-) -> None:
+@dataclass(frozen=True)
+class Unreached:
+    """A worker registered with an address where nothing listens yet (``.answer``, the
+    control plane's answer; ``.address``)."""
+
+    answer: dict[str, Any]
+    address: str
+    secret: str
+    credentials: tuple[str, str]
+
+    @contextmanager
+    def front_door_up(self) -> Iterator[None]:
+        """Its front door listening at its address, for the block."""
+        port = int(self.address.rsplit(":", 1)[1])
+        with serve_tls(_health_only(self.secret), port=port, credentials=self.credentials):
+            yield
+
+
+def _register_unreached(join: httpx.Client, base_model: str) -> Unreached:
     secret = secrets.token_urlsafe(24)
     credentials = tls.self_signed_certificate(["127.0.0.1"])
     address = f"https://127.0.0.1:{_free_port()}"  # nothing listens there yet
@@ -120,9 +135,20 @@ def test_an_unreachable_worker_says_where_it_was_tried_and_is_routed_to_once_rea
         secret=secret,
         port=8100,
         certificate=credentials[0],
-        base_model=UNREACHABLE_BASE_MODEL,
+        base_model=base_model,
         advertise_url=address,
     )
+    return Unreached(answer=answer, address=address, secret=secret, credentials=credentials)
+
+
+def test_an_unreachable_worker_says_where_it_was_tried_and_is_routed_to_once_reached(
+    join: httpx.Client,
+    db_sessions: sessionmaker[Session],
+    control_plane: ControlPlane,
+    api_key: Callable[..., ApiKey],
+) -> None:
+    unreached = _register_unreached(join, UNREACHABLE_BASE_MODEL)
+    answer, address = unreached.answer, unreached.address
     assert answer["reachable"] is False and answer["endpoint"] == address
     assert address in answer["message"] and "--advertise-url" in answer["message"]
     row = _row(db_sessions, answer["worker_id"])
@@ -144,8 +170,7 @@ def test_an_unreachable_worker_says_where_it_was_tried_and_is_routed_to_once_rea
         assert "skytrain workers list" in serving["message"]
 
         # The front door comes up there: the next heartbeat reaches it, and it serves.
-        port = int(address.rsplit(":", 1)[1])
-        with serve_tls(_health_only(secret), port=port, credentials=credentials):
+        with unreached.front_door_up():
             assert join.post("/heartbeat", json={"status": "ready"}).status_code == 200
         row = _row(db_sessions, answer["worker_id"])
         assert (row.status, row.status_message) == ("ready", None)
@@ -223,17 +248,8 @@ def test_a_join_token_worker_that_cannot_be_reached_gets_no_model_and_no_job(
     reach: until the control plane reaches it, no tenant's model is placed on it and it
     leases no job (what it trained could not be served). Once reached, it gets both."""
     base_model = f"tests/unreached-{secrets.token_hex(4)}"
-    secret = secrets.token_urlsafe(24)
-    credentials = tls.self_signed_certificate(["127.0.0.1"])
-    address = f"https://127.0.0.1:{_free_port()}"  # nothing listens there yet
-    answer = _register(
-        join,
-        secret=secret,
-        port=8100,
-        certificate=credentials[0],
-        base_model=base_model,
-        advertise_url=address,
-    )
+    unreached = _register_unreached(join, base_model)
+    answer = unreached.answer
     assert answer["reachable"] is False
     key = api_key()
     with httpx.Client(base_url=control_plane.url, headers=key.headers, timeout=60) as user:
@@ -262,8 +278,7 @@ def test_a_join_token_worker_that_cannot_be_reached_gets_no_model_and_no_job(
         serving = user.get(f"/v1/models/{model['id']}").json()["serving"]
         assert serving["state"] == "unreachable" and "127.0.0.1" not in serving["message"]
 
-        port = int(address.rsplit(":", 1)[1])
-        with serve_tls(_health_only(secret), port=port, credentials=credentials):
+        with unreached.front_door_up():
             assert join.post("/heartbeat", json={"status": "ready"}).status_code == 200
         assert place() == answer["worker_id"]
         leased = join.post("/jobs/lease")

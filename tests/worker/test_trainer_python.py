@@ -16,12 +16,12 @@ from safetensors.torch import load_file
 
 from skytrain_backend.protocol import ModelConfig, SFTTrainConfig
 from skytrain_backend.trainer import Trainer
-from skytrain_backend.worker.options import AgentOptions
 from skytrain_backend.worker.sharded import ShardedTrainer, sharded_trainer
 from skytrain_backend.worker.sizing import cuda_gpus
 from skytrain_backend.worker.trainer_python import trainer_python
 from tests.trainer.test_distributed import ADAPTER, _assert_same_metrics, _assert_same_to_noise
 from tests.trainer.test_resume import _answers
+from tests.worker.support import agent_options
 
 
 def _fake_venv(directory: Path) -> Path:
@@ -81,15 +81,8 @@ def test_a_trainer_process_under_another_interpreter_trains_as_in_process(
     one = Trainer.load(str(tiny_model_path), model_config=lora, device="cpu")
     expected_metrics = list(one.run(one.prepare_sft(trajectories, config)))
     one.save(tmp_path / "one")
-    options = AgentOptions(
-        base_model=str(tiny_model_path),
-        served_model_name="tiny",
-        work_dir=tmp_path / "worker",
-        port=0,
-        certificate="",
-        engine_secret="",
-        device="cpu",
-        trainer_python=str(python),
+    options = agent_options(
+        tiny_model_path, tmp_path / "worker", device="cpu", trainer_python=str(python)
     )
     trainer = sharded_trainer(options, "model-1", lora, None, env={})
     assert isinstance(trainer, ShardedTrainer) and trainer.python == str(python)
@@ -115,15 +108,7 @@ def test_a_job_on_this_gpu_trains_in_the_unsloth_environment(
         pytest.skip("SKYTRAIN_UNSLOTH_PYTHON is not set: scripts/gpu-check.sh builds it")
     python = trainer_python(named, cuda=cuda_gpus() is not None, trainer_shards=1, device=None)
     assert python == named
-    options = AgentOptions(
-        base_model=str(tiny_model_path),
-        served_model_name="tiny",
-        work_dir=tmp_path / "worker",
-        port=0,
-        certificate="",
-        engine_secret="",
-        trainer_python=python,
-    )
+    options = agent_options(tiny_model_path, tmp_path / "worker", trainer_python=python)
     trainer = sharded_trainer(options, "model-1", ModelConfig(max_seq_length=64), None, env={})
     config = SFTTrainConfig(learning_rate=5e-2, batch_size=3, num_epochs=1, seed=4)
     metrics = list(trainer.run(trainer.prepare_sft(_answers(3), config)))
