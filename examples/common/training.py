@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import skytrain
-from examples.common.episode import Episode
+from skytrain_backend.games.episode import Episode
 
 ScenarioT = TypeVar("ScenarioT")
 EVAL_SEED_OFFSET = 1_000_000

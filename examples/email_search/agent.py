@@ -15,13 +15,13 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from examples.common.episode import Episode, Message, Scalar
 from examples.email_search.inbox import (
     EmailScenario,
     Question,
     check_inbox_size,
     generate_scenario,
 )
+from skytrain_backend.games.episode import Episode, Message, Scalar
 
 SYSTEM_PROMPT = (
     "You answer questions about the user's inbox. Find the email with search_emails, read it "

@@ -6,7 +6,7 @@ import functools
 
 import skytrain
 from examples.common import training
-from examples.game_2048.agent import Game2048Episode, Scenario
+from skytrain_backend.games.game_2048.agent import Game2048Episode, Scenario
 
 PROJECT = "2048"
 SEED_BASE_MODEL = "Qwen/Qwen2.5-3B-Instruct"

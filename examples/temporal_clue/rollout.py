@@ -6,7 +6,7 @@ import functools
 
 import skytrain
 from examples.common import training
-from examples.temporal_clue.agent import Scenario, TemporalClueEpisode
+from skytrain_backend.games.temporal_clue.agent import Scenario, TemporalClueEpisode
 
 PROJECT = "temporal-clue"
 SEED_BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"

@@ -6,7 +6,7 @@ import functools
 
 import skytrain
 from examples.common import training
-from examples.tic_tac_toe.agent import Scenario, TicTacToeEpisode
+from skytrain_backend.games.tic_tac_toe.agent import Scenario, TicTacToeEpisode
 
 PROJECT = "tic-tac-toe"
 SEED_BASE_MODEL = "Qwen/Qwen2.5-3B-Instruct"

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from examples.common import training
 from examples.tic_tac_toe import rollout
-from examples.tic_tac_toe.env import OPPONENTS
+from skytrain_backend.games.tic_tac_toe.env import OPPONENTS
 
 
 def main(argv: Sequence[str] | None = None) -> None:

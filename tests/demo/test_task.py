@@ -99,17 +99,15 @@ ROWS = [
         step=0,
         train_reward=None,
         eval_reward=0.15,
-        eval_one_word=0.1,
-        eval_correct=0.2,
         seconds=20.0,
+        eval_metrics={"one_word": 0.1, "correct": 0.2},
     ),
     StepRow(
         step=1,
         train_reward=0.2,
         eval_reward=0.45,
-        eval_one_word=0.4,
-        eval_correct=0.3,
         seconds=41.0,
+        eval_metrics={"one_word": 0.4, "correct": 0.3},
     ),
 ]
 

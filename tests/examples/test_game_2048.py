@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from examples.common.episode import choice_message
-from examples.game_2048.agent import Game2048Episode, Scenario, parse_move
-from examples.game_2048.env import (
+from skytrain_backend.games.episode import choice_message
+from skytrain_backend.games.game_2048.agent import Game2048Episode, Scenario, parse_move
+from skytrain_backend.games.game_2048.env import (
     INVALID_MOVE_REWARD,
     WIN_REWARD,
     Game2048,

@@ -16,12 +16,12 @@ from examples.common.training import SmokeRun
 from examples.email_search import rollout as email_search
 from examples.email_search.agent import ANSWER_CALL_REWARD, CITED_REWARD, CORRECT_REWARD
 from examples.game_2048 import rollout as game_2048
-from examples.game_2048.env import INVALID_MOVE_REWARD as GAME_INVALID
-from examples.game_2048.env import WIN_REWARD as GAME_WIN
 from examples.temporal_clue import rollout as temporal_clue
 from examples.tic_tac_toe import rollout as tic_tac_toe
-from examples.tic_tac_toe.env import score_outcome
 from examples.tic_tac_toe.train import main as tic_tac_toe_main
+from skytrain_backend.games.game_2048.env import INVALID_MOVE_REWARD as GAME_INVALID
+from skytrain_backend.games.game_2048.env import WIN_REWARD as GAME_WIN
+from skytrain_backend.games.tic_tac_toe.env import score_outcome
 from tests.fixtures.service import Service, start_service, stop_service
 
 pytestmark = [pytest.mark.e2e]

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from examples.temporal_clue.agent import (
+from skytrain_backend.games.temporal_clue.agent import (
     Scenario,
     TemporalClueEpisode,
     parse_answer,
     score_answer,
 )
-from examples.temporal_clue.puzzle import (
+from skytrain_backend.games.temporal_clue.puzzle import (
     Cast,
     HappenedAfter,
     HappenedBefore,

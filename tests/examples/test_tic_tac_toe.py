@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from examples.tic_tac_toe.agent import Scenario, TicTacToeEpisode, parse_move
-from examples.tic_tac_toe.env import (
+from skytrain_backend.games.tic_tac_toe.agent import Scenario, TicTacToeEpisode, parse_move
+from skytrain_backend.games.tic_tac_toe.env import (
     DRAW_REWARD,
     INVALID_MOVE_REWARD,
     LOSS_REWARD,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 
 import typer
@@ -9,19 +10,45 @@ import typer
 from skytrain_backend.cli._common import _fail, _interruptible, app
 
 
+class Task(enum.StrEnum):
+    """The names of ``skytrain_backend.demo.tasks.TASKS`` (kept here so that ``--help`` needs
+    no import of the demo; a test checks that the two agree)."""
+
+    one_word = "one-word"
+    tic_tac_toe = "tic-tac-toe"
+    game_2048 = "2048"
+    temporal_clue = "temporal-clue"
+
+
 @app.command()
 def demo(
+    task: Task = typer.Option(
+        Task.one_word,
+        help=(
+            "What the model learns. one-word: answer a question with one word. The seed's "
+            "games, as in examples/ (same prompts, rules, formats), trained on a shaped reward "
+            "because the game's own is too sparse for a 135M model (the game's own shows as "
+            "the 'score' column): tic-tac-toe against a random opponent (each move: legal, "
+            "taking a win or blocking one; plus the outcome), 2048 for 8 moves (each move: "
+            "valid, merging tiles), temporal-clue (the answer format, plus the share right). "
+            "A move the game cannot read still ends it, with credit for how near it came to "
+            "the format (tags, a cell or direction, at most three words)."
+        ),
+        case_sensitive=False,
+    ),
     steps: int = typer.Option(12, min=1, help="GRPO training steps."),
-    groups_per_step: int = typer.Option(8, min=1, help="Training questions per step."),
+    groups_per_step: int = typer.Option(
+        8, min=1, help="Training questions (or games, puzzles) per step."
+    ),
     rollouts_per_group: int = typer.Option(
-        4, min=2, help="Answers sampled per question (GRPO compares them)."
+        4, min=2, help="Rollouts sampled per question or game (GRPO compares them)."
     ),
     learning_rate: float = typer.Option(5e-4, help="Learning rate of the LoRA update."),
     seed: int = typer.Option(
-        0, help="Seed of the question order, of every sampled answer and of training."
+        0, help="Seed of the question (game) order, of every sampled answer and of training."
     ),
     eval_questions: int = typer.Option(
-        16, min=1, max=16, help="Held-out questions evaluated after each step."
+        16, min=1, max=16, help="Held-out questions (games, puzzles) evaluated after each step."
     ),
     output_dir: Path | None = typer.Option(
         None, help="Where the plot and table go. [default: HOME/runs/<time>]"
@@ -38,12 +65,14 @@ def demo(
 ) -> None:
     """Train SmolLM2-135M-Instruct with GRPO here, then plot its reward per step.
 
-    An embedded control plane and a local worker; the task: answer with one word. Prints a
-    table, writes a PNG of the rewards, and stops everything at the end or on Ctrl-C.
+    An embedded control plane and a local worker; the task (--task): answer with one word, or
+    play one of the seed's games. Prints a table, writes a PNG of the rewards, and stops
+    everything at the end or on Ctrl-C.
     """
     import skytrain
     from skytrain_backend.config import get_settings
     from skytrain_backend.demo import DemoOptions, LoopOptions, run_demo
+    from skytrain_backend.demo.tasks import get_task
     from skytrain_backend.errors import SkytrainError
 
     _interruptible()
@@ -58,6 +87,7 @@ def demo(
             seed=seed,
             eval_questions=eval_questions,
         ),
+        task=get_task(task.value),
         base_model=base_model,
         home=home.expanduser().resolve(),
         output_dir=output_dir.expanduser().resolve() if output_dir else None,

@@ -6,31 +6,46 @@ import csv
 from collections.abc import Sequence
 from pathlib import Path
 
+from skytrain_backend.demo.tasks import TASKS, Column
 from skytrain_backend.demo.training import StepRow
 
-HEADER = (
-    f"{'step':>4}  {'train reward':>12}  {'eval reward':>11}  "
-    f"{'eval one-word':>13}  {'eval correct':>12}  {'seconds':>7}"
-)
+ONE_WORD_COLUMNS = TASKS["one-word"].columns
 
 
-def format_row(row: StepRow) -> str:
+def header(columns: Sequence[Column] = ONE_WORD_COLUMNS) -> str:
+    """The table's header: the rewards, one column per task metric, the step's seconds."""
+    extra = "".join(f"  {'eval ' + column.header:>13}" for column in columns)
+    return f"{'step':>4}  {'train reward':>12}  {'eval reward':>11}{extra}  {'seconds':>7}"
+
+
+# The one-word task's header (the demo's default task).
+HEADER = header()
+
+
+def format_row(row: StepRow, columns: Sequence[Column] = ONE_WORD_COLUMNS) -> str:
     train = "-" if row.train_reward is None else f"{row.train_reward:.3f}"
-    return (
-        f"{row.step:>4}  {train:>12}  {row.eval_reward:>11.3f}  "
-        f"{row.eval_one_word:>13.0%}  {row.eval_correct:>12.0%}  {row.seconds:>7.0f}"
-    )
+    extra = "".join(f"  {column.format(row.eval_metrics[column.key]):>13}" for column in columns)
+    return f"{row.step:>4}  {train:>12}  {row.eval_reward:>11.3f}{extra}  {row.seconds:>7.0f}"
 
 
-def table(rows: Sequence[StepRow]) -> str:
-    return "\n".join([HEADER, *(format_row(row) for row in rows)])
+def table(rows: Sequence[StepRow], columns: Sequence[Column] = ONE_WORD_COLUMNS) -> str:
+    return "\n".join([header(columns), *(format_row(row, columns) for row in rows)])
 
 
-def write_csv(rows: Sequence[StepRow], path: Path) -> None:
+def write_csv(
+    rows: Sequence[StepRow], path: Path, columns: Sequence[Column] = ONE_WORD_COLUMNS
+) -> None:
+    """One line per step; a task metric ``key`` is the column ``eval_<key>``."""
     with open(path, "w", newline="") as handle:
         writer = csv.writer(handle)
         writer.writerow(
-            ["step", "train_reward", "eval_reward", "eval_one_word", "eval_correct", "seconds"]
+            [
+                "step",
+                "train_reward",
+                "eval_reward",
+                *(f"eval_{column.key}" for column in columns),
+                "seconds",
+            ]
         )
         for row in rows:
             writer.writerow(
@@ -38,8 +53,7 @@ def write_csv(rows: Sequence[StepRow], path: Path) -> None:
                     row.step,
                     "" if row.train_reward is None else f"{row.train_reward:.4f}",
                     f"{row.eval_reward:.4f}",
-                    f"{row.eval_one_word:.4f}",
-                    f"{row.eval_correct:.4f}",
+                    *(f"{row.eval_metrics[column.key]:.4f}" for column in columns),
                     f"{row.seconds:.1f}",
                 ]
             )

@@ -8,14 +8,16 @@ import time
 from dataclasses import dataclass, replace
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import httpx
 
 import skytrain
 from skytrain_backend import hub
 from skytrain_backend.base_models import is_hub_id
-from skytrain_backend.demo import report, task
+from skytrain_backend.demo import report
 from skytrain_backend.demo.service import EmbeddedService, embedded_service, free_port
+from skytrain_backend.demo.tasks import DemoTask
 from skytrain_backend.demo.training import LoopOptions, StepRow, train
 
 PROJECT = "demo"
@@ -24,6 +26,7 @@ PROJECT = "demo"
 @dataclass(frozen=True)
 class DemoOptions:
     loop: LoopOptions
+    task: DemoTask[Any]
     base_model: str
     home: Path
     output_dir: Path | None
@@ -75,7 +78,8 @@ async def _train_model(
     service: EmbeddedService, options: DemoOptions
 ) -> tuple[list[StepRow], float]:
     """Register the model (waiting for its worker), then train it: rows and training time."""
-    loop = options.loop
+    loop, task = options.loop, options.task
+    columns = task.columns
     # One model per run, named after its base model: a new run starts from the base again.
     name = f"{Path(options.base_model).name.lower()}-{datetime.now():%Y%m%d-%H%M%S}"
     async with skytrain.Backend(base_url=service.url, api_key=service.api_key) as backend:
@@ -88,13 +92,15 @@ async def _train_model(
         say(f"==> registering {PROJECT}/{name} on {options.base_model}; a worker starts for it")
         await model.register(backend)
         say(
-            f"==> training: {loop.steps} steps of {loop.groups_per_step} questions x "
-            f"{loop.rollouts_per_group} answers; eval on {loop.eval_questions} held-out "
-            f"questions x {loop.eval_samples} after each step. Task: '{task.INSTRUCTION}'"
+            f"==> training: {loop.steps} steps of {loop.groups_per_step} {task.unit} x "
+            f"{loop.rollouts_per_group} rollouts; eval on {loop.eval_questions} held-out "
+            f"{task.unit} x {loop.eval_samples} after each step. Task: {task.summary}"
         )
-        say(report.HEADER)
+        say(report.header(columns))
         started = time.monotonic()
-        rows = await train(model, loop, on_row=lambda row: say(report.format_row(row)))
+        rows = await train(
+            task, model, loop, on_row=lambda row: say(report.format_row(row, columns))
+        )
         seconds = time.monotonic() - started
         # Keep the latest and the best checkpoint by held-out reward; the rest only take disk.
         await model.delete_checkpoints(best_checkpoint_metric="val/reward")
@@ -135,21 +141,26 @@ def run_demo(options: DemoOptions) -> DemoResult:
     )
     output_dir.mkdir(parents=True, exist_ok=True)
     plot_path, csv_path = output_dir / "rewards.png", output_dir / "rewards.csv"
-    report.write_csv(rows, csv_path)
+    columns = options.task.columns
+    report.write_csv(rows, csv_path, columns)
     report.plot(
         rows,
         plot_path,
-        title=f"GRPO on {Path(options.base_model).name}: '{task.INSTRUCTION}'",
+        title=f"GRPO on {Path(options.base_model).name}: {options.task.summary}",
     )
     first, last = rows[0], rows[-1]
     say("")
-    say(report.table(rows))
+    say(report.table(rows, columns))
     say("")
     say(
         f"held-out eval reward: {first.eval_reward:.3f} at step {first.step} -> "
-        f"{last.eval_reward:.3f} at step {last.step} "
-        f"(one-word answers {first.eval_one_word:.0%} -> {last.eval_one_word:.0%}); "
-        f"training took {training_seconds / 60:.1f} min"
+        f"{last.eval_reward:.3f} at step {last.step} ("
+        + ", ".join(
+            f"{column.header} {column.format(first.eval_metrics[column.key])} -> "
+            f"{column.format(last.eval_metrics[column.key])}"
+            for column in columns
+        )
+        + f"); training took {training_seconds / 60:.1f} min"
     )
     say(f"plot: {plot_path}")
     say(f"table: {csv_path}")

@@ -1,11 +1,11 @@
 """The demo's RL loop, written against the SDK alone, as a user would write it.
 
-Each step samples ``rollouts_per_group`` answers to each of ``groups_per_step`` training
-questions through the model's OpenAI endpoint, scores them, trains one GRPO step on them, and
-evaluates the new checkpoint on the held-out questions (logged with ``split="val"``). Every
-answer is sampled with a seed derived from the run's ``--seed``, so a run repeats itself on
-one machine (up to the floating-point noise of batching), and every step is evaluated on the
-same seeds.
+Each step samples ``rollouts_per_group`` rollouts of each of ``groups_per_step`` training
+scenarios of the task (questions, games, puzzles: ``tasks``) through the model's OpenAI
+endpoint, scores them, trains one GRPO step on them, and evaluates the new checkpoint on the
+held-out scenarios (logged with ``split="val"``). Every completion is sampled with a seed
+derived from the run's ``--seed``, so a run repeats itself on one machine (up to the
+floating-point noise of batching), and every step is evaluated on the same seeds.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import skytrain
-from skytrain_backend.demo import task
+from skytrain_backend.demo.tasks import DemoTask, sampling_seed
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,6 @@ class LoopOptions:
     eval_questions: int
     # Tuned with the task (see README, "The demo"); not worth a command-line option each.
     eval_samples: int = 2
-    max_tokens: int = 16
     temperature: float = 1.0
 
 
@@ -43,42 +43,9 @@ class StepRow:
     step: int
     train_reward: float | None
     eval_reward: float
-    eval_one_word: float
-    eval_correct: float
     seconds: float
-
-
-def sampling_seed(*parts: object) -> int:
-    """A seed for one sampled answer, the same in every run for the same ``parts`` (a string
-    seeds ``random`` through SHA-512, whatever the interpreter's hash seed)."""
-    return random.Random("/".join(map(str, parts))).getrandbits(31)
-
-
-async def rollout(
-    model: skytrain.Model,
-    question: task.Question,
-    *,
-    max_tokens: int,
-    temperature: float,
-    seed: int,
-) -> skytrain.Trajectory:
-    """One answer to ``question`` from the model's endpoint, sampled with ``seed``, scored."""
-    messages = question.messages()
-    completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(),
-        messages=messages,  # type: ignore[arg-type]
-        max_tokens=max_tokens,
-        temperature=temperature,
-        seed=seed,
-    )
-    choice = completion.choices[0]
-    result = task.score(question, choice.message.content or "", finish_reason=choice.finish_reason)
-    return skytrain.Trajectory(
-        messages_and_choices=[*messages, choice],
-        reward=result.reward,
-        metrics=result.metrics(),
-        metadata={"question": question.text},
-    )
+    # The mean of each of the task's columns (``DemoTask.columns``) over the held-out rollouts.
+    eval_metrics: dict[str, float] = field(default_factory=dict)
 
 
 def _mean(groups: Sequence[skytrain.TrajectoryGroup], metric: str | None = None) -> float:
@@ -89,39 +56,39 @@ def _mean(groups: Sequence[skytrain.TrajectoryGroup], metric: str | None = None)
 
 
 async def _gather(
+    task: DemoTask[Any],
     model: skytrain.Model,
-    questions: Sequence[task.Question],
+    scenarios: Sequence[Any],
     *,
-    per_question: int,
+    per_scenario: int,
     options: LoopOptions,
     seeds: str,
     desc: str,
 ) -> list[skytrain.TrajectoryGroup]:
-    """``per_question`` answers to each question, the j-th answer to a question sampled with
-    the seed of (the run's seed, ``seeds``, the question, j)."""
+    """``per_scenario`` rollouts of each scenario, the j-th one sampled with the seed of (the
+    run's seed, ``seeds``, the scenario, j)."""
     return await skytrain.gather_trajectory_groups(
         (
             skytrain.TrajectoryGroup(
-                rollout(
+                task.rollout(
                     model,
-                    question,
-                    max_tokens=options.max_tokens,
+                    scenario,
                     temperature=options.temperature,
-                    seed=sampling_seed(options.seed, seeds, question.text, j),
+                    seed=sampling_seed(options.seed, seeds, task.label(scenario), j),
                 )
-                for j in range(per_question)
+                for j in range(per_scenario)
             )
-            for question in questions
+            for scenario in scenarios
         ),
         pbar_desc=desc,
     )
 
 
 def training_batches(
-    questions: Sequence[task.Question], *, steps: int, per_step: int, seed: int
-) -> list[list[task.Question]]:
-    """The questions of each step: the training set shuffled by ``seed``, taken in turn."""
-    order = list(questions)
+    scenarios: Sequence[Any], *, steps: int, per_step: int, seed: int
+) -> list[list[Any]]:
+    """The scenarios of each step: the training set shuffled by ``seed``, taken in turn."""
+    order = list(scenarios)
     random.Random(seed).shuffle(order)
     return [
         [order[(step * per_step + i) % len(order)] for i in range(per_step)]
@@ -130,13 +97,14 @@ def training_batches(
 
 
 async def train(
+    task: DemoTask[Any],
     model: skytrain.TrainableModel,
     options: LoopOptions,
     *,
     on_row: Callable[[StepRow], None],
 ) -> list[StepRow]:
     """Evaluate the base model, then train and evaluate ``options.steps`` times."""
-    train_questions, held_out = task.split_questions()
+    train_scenarios, held_out = task.split()
     held_out = held_out[: options.eval_questions]
     config = skytrain.TrainConfig(learning_rate=options.learning_rate, seed=options.seed)
     rows: list[StepRow] = []
@@ -145,9 +113,10 @@ async def train(
         # Every step is evaluated with the same seeds, so two steps' rewards differ by what the
         # model learned, not by the luck of their samples.
         groups = await _gather(
+            task,
             model,
             held_out,
-            per_question=options.eval_samples,
+            per_scenario=options.eval_samples,
             options=options,
             seeds="eval",
             desc=f"step {step} eval",
@@ -158,9 +127,8 @@ async def train(
                 step=step,
                 train_reward=train_reward,
                 eval_reward=_mean(groups),
-                eval_one_word=_mean(groups, "one_word"),
-                eval_correct=_mean(groups, "correct"),
                 seconds=time.monotonic() - started,
+                eval_metrics={column.key: _mean(groups, column.key) for column in task.columns},
             )
         )
         on_row(rows[-1])
@@ -168,15 +136,16 @@ async def train(
     first_step = await model.get_step()
     await evaluate(first_step, time.monotonic(), None)
     batches = training_batches(
-        train_questions, steps=options.steps, per_step=options.groups_per_step, seed=options.seed
+        train_scenarios, steps=options.steps, per_step=options.groups_per_step, seed=options.seed
     )
-    for questions in batches:
+    for scenarios in batches:
         started = time.monotonic()
         step = rows[-1].step + 1
         groups = await _gather(
+            task,
             model,
-            questions,
-            per_question=options.rollouts_per_group,
+            scenarios,
+            per_scenario=options.rollouts_per_group,
             options=options,
             seeds=f"step {step}",
             desc=f"step {step} rollouts",

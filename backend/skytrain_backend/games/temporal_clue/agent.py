@@ -8,8 +8,8 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from examples.common.episode import Episode, Message, Scalar, last_tag
-from examples.temporal_clue.puzzle import (
+from skytrain_backend.games.episode import Episode, Message, Scalar, last_tag
+from skytrain_backend.games.temporal_clue.puzzle import (
     QUESTIONS,
     Puzzle,
     Solution,

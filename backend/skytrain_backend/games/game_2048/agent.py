@@ -7,8 +7,14 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from examples.common.episode import Episode, Message, Scalar, last_tag
-from examples.game_2048.env import DIRECTIONS, Game2048, check_size, check_target, score_game
+from skytrain_backend.games.episode import Episode, Message, Scalar, last_tag
+from skytrain_backend.games.game_2048.env import (
+    DIRECTIONS,
+    Game2048,
+    check_size,
+    check_target,
+    score_game,
+)
 
 SYSTEM_PROMPT = (
     "You play 2048. A move slides every tile left, right, up or down; two equal tiles that "

@@ -84,6 +84,11 @@ def _play(board: Board, index: int, mark: str) -> Board:
     return (*board[:index], mark, *board[index + 1 :])
 
 
+def winning_moves(board: Board, mark: str) -> list[int]:
+    """The free cells where ``mark`` would complete a line now."""
+    return [move for move in legal_moves(board) if winner(_play(board, move, mark)) == mark]
+
+
 def best_moves(board: Board, mark: str) -> list[int]:
     """Every move that keeps the best value minimax can reach for ``mark``."""
     values = {

@@ -7,8 +7,8 @@ from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from examples.common.episode import Episode, Message, Scalar, last_tag
-from examples.tic_tac_toe.env import (
+from skytrain_backend.games.episode import Episode, Message, Scalar, last_tag
+from skytrain_backend.games.tic_tac_toe.env import (
     TicTacToe,
     check_opponent,
     is_draw,
