@@ -6,7 +6,8 @@ import functools
 
 import skytrain
 from examples.common import training
-from skytrain_backend.games.game_2048.agent import Game2048Episode, Scenario
+from skytrain_backend.games.game_2048.play import Game2048Episode
+from skytrain_backend.games.game_2048.play import Game2048Scenario as Scenario
 
 PROJECT = "2048"
 SEED_BASE_MODEL = "Qwen/Qwen2.5-3B-Instruct"

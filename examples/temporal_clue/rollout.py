@@ -6,7 +6,12 @@ import functools
 
 import skytrain
 from examples.common import training
-from skytrain_backend.games.temporal_clue.agent import Scenario, TemporalClueEpisode
+from skytrain_backend.games.temporal_clue.play import (
+    TemporalClueEpisode,
+)
+from skytrain_backend.games.temporal_clue.play import (
+    TemporalClueScenario as Scenario,
+)
 
 PROJECT = "temporal-clue"
 SEED_BASE_MODEL = "Qwen/Qwen2.5-7B-Instruct"

@@ -6,7 +6,8 @@ import functools
 
 import skytrain
 from examples.common import training
-from skytrain_backend.games.tic_tac_toe.agent import Scenario, TicTacToeEpisode
+from skytrain_backend.games.tic_tac_toe.play import TicTacToeEpisode
+from skytrain_backend.games.tic_tac_toe.play import TicTacToeScenario as Scenario
 
 PROJECT = "tic-tac-toe"
 SEED_BASE_MODEL = "Qwen/Qwen2.5-3B-Instruct"

@@ -28,11 +28,11 @@ from skytrain_backend.demo.tasks import (
     ShapedTicTacToeEpisode,
     format_credit,
 )
-from skytrain_backend.games.game_2048.agent import Scenario as GameScenario
 from skytrain_backend.games.game_2048.env import DIRECTIONS, slide
-from skytrain_backend.games.temporal_clue.agent import Scenario as ClueScenario
-from skytrain_backend.games.tic_tac_toe.agent import Scenario as TicTacToeScenario
+from skytrain_backend.games.game_2048.play import Game2048Scenario as GameScenario
+from skytrain_backend.games.temporal_clue.play import TemporalClueScenario as ClueScenario
 from skytrain_backend.games.tic_tac_toe.env import EMPTY_BOARD, winning_moves
+from skytrain_backend.games.tic_tac_toe.play import TicTacToeScenario
 from tests.demo.support import assert_nothing_left, start_demo
 from tests.examples.choices import text_choice
 

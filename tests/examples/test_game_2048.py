@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from skytrain_backend.games.episode import choice_message
-from skytrain_backend.games.game_2048.agent import Game2048Episode, Scenario, parse_move
 from skytrain_backend.games.game_2048.env import (
     INVALID_MOVE_REWARD,
     WIN_REWARD,
@@ -13,6 +12,13 @@ from skytrain_backend.games.game_2048.env import (
     score_game,
     slide,
     slide_row_left,
+)
+from skytrain_backend.games.game_2048.play import (
+    Game2048Episode,
+    parse_move,
+)
+from skytrain_backend.games.game_2048.play import (
+    Game2048Scenario as Scenario,
 )
 from tests.examples.choices import text_choice
 

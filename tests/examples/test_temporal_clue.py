@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from skytrain_backend.games.temporal_clue.agent import (
-    Scenario,
+from skytrain_backend.games.temporal_clue.play import (
     TemporalClueEpisode,
     parse_answer,
     score_answer,
+)
+from skytrain_backend.games.temporal_clue.play import (
+    TemporalClueScenario as Scenario,
 )
 from skytrain_backend.games.temporal_clue.puzzle import (
     Cast,

@@ -6,7 +6,6 @@ import random
 
 import pytest
 
-from skytrain_backend.games.tic_tac_toe.agent import Scenario, TicTacToeEpisode, parse_move
 from skytrain_backend.games.tic_tac_toe.env import (
     DRAW_REWARD,
     INVALID_MOVE_REWARD,
@@ -20,6 +19,13 @@ from skytrain_backend.games.tic_tac_toe.env import (
     parse_cell,
     score_outcome,
     winner,
+)
+from skytrain_backend.games.tic_tac_toe.play import (
+    TicTacToeEpisode,
+    parse_move,
+)
+from skytrain_backend.games.tic_tac_toe.play import (
+    TicTacToeScenario as Scenario,
 )
 from tests.examples.choices import text_choice
 

@@ -11,8 +11,8 @@ from examples.email_search.agent import Scenario as EmailScenario
 from examples.game_2048.rollout import task as game_task
 from examples.game_2048.train import main as game_main
 from examples.temporal_clue.train import main as clue_main
-from skytrain_backend.games.game_2048.agent import Game2048Episode
-from skytrain_backend.games.game_2048.agent import Scenario as GameScenario
+from skytrain_backend.games.game_2048.play import Game2048Episode
+from skytrain_backend.games.game_2048.play import Game2048Scenario as GameScenario
 from skytrain_backend.protocol import Choice as WireChoice
 from skytrain_backend.protocol import TrajectoryGroup as WireGroup
 from tests.examples.choices import text_choice, tool_choice

@@ -24,7 +24,10 @@ ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "operators.md"
 SKYTRAIN = str(Path(sys.executable).parent / "skytrain")
 # Variables the guide names that are not server settings: the SDK's, sky/*.yaml's install spec.
-NOT_SETTINGS = {"SKYTRAIN_API_KEY", "SKYTRAIN_BASE_URL"}
+# The SDK's variables, and the rendezvous port every node of a multi-node worker reads from
+# its environment (worker.sharded.Rendezvous: followers run without the control plane's
+# settings).
+NOT_SETTINGS = {"SKYTRAIN_API_KEY", "SKYTRAIN_BASE_URL", "SKYTRAIN_TRAINER_MASTER_PORT"}
 
 
 def _shell_blocks(section: str | None = None) -> list[str]:

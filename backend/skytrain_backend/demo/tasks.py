@@ -39,11 +39,11 @@ from openai.types.chat.chat_completion import Choice
 import skytrain
 from skytrain_backend.demo import task as one_word
 from skytrain_backend.games.episode import Episode, Message, Scalar
-from skytrain_backend.games.game_2048 import agent as game_2048
+from skytrain_backend.games.game_2048 import play as game_2048
 from skytrain_backend.games.game_2048.env import slide
-from skytrain_backend.games.temporal_clue import agent as temporal_clue
+from skytrain_backend.games.temporal_clue import play as temporal_clue
 from skytrain_backend.games.temporal_clue.puzzle import QUESTIONS
-from skytrain_backend.games.tic_tac_toe import agent as tic_tac_toe
+from skytrain_backend.games.tic_tac_toe import play as tic_tac_toe
 from skytrain_backend.games.tic_tac_toe.env import (
     legal_moves,
     score_outcome,
@@ -201,7 +201,7 @@ class GameTask(DemoTask[ScenarioT]):
 class ShapedTicTacToeEpisode(tic_tac_toe.TicTacToeEpisode):
     """The example's game, rewarded for each move's quality as well as for the outcome."""
 
-    def __init__(self, scenario: tic_tac_toe.Scenario) -> None:
+    def __init__(self, scenario: tic_tac_toe.TicTacToeScenario) -> None:
         super().__init__(scenario)
         self.move_quality: list[float] = []
 
@@ -236,18 +236,18 @@ class ShapedTicTacToeEpisode(tic_tac_toe.TicTacToeEpisode):
         }
 
 
-class TicTacToeTask(GameTask[tic_tac_toe.Scenario]):
+class TicTacToeTask(GameTask[tic_tac_toe.TicTacToeScenario]):
     name = "tic-tac-toe"
     summary = "tic-tac-toe against a random opponent"
     unit = "games"
     columns = (Column("legal", "legal"), Column("win", "won"), Column("score", "score", False))
     max_tokens = 24
 
-    def scenario(self, seed: int) -> tic_tac_toe.Scenario:
+    def scenario(self, seed: int) -> tic_tac_toe.TicTacToeScenario:
         # As in the example: on even seeds the agent moves first.
-        return tic_tac_toe.Scenario(seed=seed, agent_first=seed % 2 == 0)
+        return tic_tac_toe.TicTacToeScenario(seed=seed, agent_first=seed % 2 == 0)
 
-    def episode(self, scenario: tic_tac_toe.Scenario) -> Episode:
+    def episode(self, scenario: tic_tac_toe.TicTacToeScenario) -> Episode:
         return ShapedTicTacToeEpisode(scenario)
 
 
@@ -255,7 +255,7 @@ class Shaped2048Episode(game_2048.Game2048Episode):
     """The example's game, cut to ``GAME_2048_TURNS`` moves, rewarded for each valid move and
     more for each that merges tiles."""
 
-    def __init__(self, scenario: game_2048.Scenario) -> None:
+    def __init__(self, scenario: game_2048.Game2048Scenario) -> None:
         super().__init__(scenario, max_turns=GAME_2048_TURNS)
         self.move_quality: list[float] = []
 
@@ -283,7 +283,7 @@ class Shaped2048Episode(game_2048.Game2048Episode):
         }
 
 
-class Game2048Task(GameTask[game_2048.Scenario]):
+class Game2048Task(GameTask[game_2048.Game2048Scenario]):
     name = "2048"
     summary = f"2048, {GAME_2048_TURNS} moves a game"
     unit = "games"
@@ -294,17 +294,17 @@ class Game2048Task(GameTask[game_2048.Scenario]):
     )
     max_tokens = 16
 
-    def scenario(self, seed: int) -> game_2048.Scenario:
-        return game_2048.Scenario(seed=seed)
+    def scenario(self, seed: int) -> game_2048.Game2048Scenario:
+        return game_2048.Game2048Scenario(seed=seed)
 
-    def episode(self, scenario: game_2048.Scenario) -> Episode:
+    def episode(self, scenario: game_2048.Game2048Scenario) -> Episode:
         return Shaped2048Episode(scenario)
 
 
 class ShapedTemporalClueEpisode(temporal_clue.TemporalClueEpisode):
     """The example's puzzle, rewarded for answering in the format as well as for being right."""
 
-    def __init__(self, scenario: temporal_clue.Scenario) -> None:
+    def __init__(self, scenario: temporal_clue.TemporalClueScenario) -> None:
         super().__init__(scenario)
         self.given = 0
         self.format = 0.0
@@ -338,17 +338,17 @@ class ShapedTemporalClueEpisode(temporal_clue.TemporalClueEpisode):
         }
 
 
-class TemporalClueTask(GameTask[temporal_clue.Scenario]):
+class TemporalClueTask(GameTask[temporal_clue.TemporalClueScenario]):
     name = "temporal-clue"
     summary = "Temporal Clue puzzles (3 suspects, weapons, rooms; 4 hours)"
     unit = "puzzles"
     columns = (Column("format", "format"), Column("score", "score", False))
     max_tokens = 128
 
-    def scenario(self, seed: int) -> temporal_clue.Scenario:
-        return temporal_clue.Scenario(seed=seed)
+    def scenario(self, seed: int) -> temporal_clue.TemporalClueScenario:
+        return temporal_clue.TemporalClueScenario(seed=seed)
 
-    def episode(self, scenario: temporal_clue.Scenario) -> Episode:
+    def episode(self, scenario: temporal_clue.TemporalClueScenario) -> Episode:
         return ShapedTemporalClueEpisode(scenario)
 
 

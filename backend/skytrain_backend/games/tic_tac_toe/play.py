@@ -25,7 +25,7 @@ SYSTEM_PROMPT = (
 
 
 @dataclass(frozen=True)
-class Scenario:
+class TicTacToeScenario:
     """One game: the seed fixes the opponent's choices; the agent moves first or second."""
 
     seed: int
@@ -45,7 +45,7 @@ def parse_move(text: str) -> int | None:
 class TicTacToeEpisode(Episode):
     """A game of tic-tac-toe as a conversation; a missing, unknown or taken cell ends it."""
 
-    def __init__(self, scenario: Scenario, *, max_turns: int = 5) -> None:
+    def __init__(self, scenario: TicTacToeScenario, *, max_turns: int = 5) -> None:
         self.scenario = scenario
         self.game = TicTacToe.new(
             scenario.seed, agent_first=scenario.agent_first, opponent=scenario.opponent

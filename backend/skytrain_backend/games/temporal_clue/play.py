@@ -25,7 +25,7 @@ _ANSWER_LINE = re.compile(r"^\s*(suspect|weapon|room|time)\s*:\s*(.+?)\s*$", re.
 
 
 @dataclass(frozen=True)
-class Scenario:
+class TemporalClueScenario:
     """One puzzle: its seed and its size."""
 
     seed: int
@@ -83,7 +83,7 @@ def score_answer(answer: dict[str, str], solution: Solution) -> dict[str, bool]:
 class TemporalClueEpisode(Episode):
     """One puzzle, one answer: the reward is the fraction of the four questions answered right."""
 
-    def __init__(self, scenario: Scenario, *, max_turns: int = 1) -> None:
+    def __init__(self, scenario: TemporalClueScenario, *, max_turns: int = 1) -> None:
         self.scenario = scenario
         self.puzzle = scenario.puzzle()
         self.correct = dict.fromkeys(QUESTIONS, False)

@@ -24,7 +24,7 @@ SYSTEM_PROMPT = (
 
 
 @dataclass(frozen=True)
-class Scenario:
+class Game2048Scenario:
     """One game to play: the seed fixes the spawned tiles, ``target`` the winning tile."""
 
     seed: int
@@ -52,7 +52,7 @@ class Game2048Episode(Episode):
     repeating itself until the turn limit.
     """
 
-    def __init__(self, scenario: Scenario, *, max_turns: int = 40) -> None:
+    def __init__(self, scenario: Game2048Scenario, *, max_turns: int = 40) -> None:
         self.scenario = scenario
         self.game = Game2048.new(scenario.seed, size=scenario.size, target=scenario.target)
         self.invalid_move = False
