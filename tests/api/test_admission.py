@@ -28,6 +28,8 @@ from skytrain_backend.api.admission import rest_admission
 from skytrain_backend.api.admission.fairness import FairLimiter
 from skytrain_backend.db import tenants
 from skytrain_backend.db import workers as worker_rows
+from skytrain_backend.ranges import MAX_WAIT_S
+from tests.api.support import queued_job_events
 from tests.fixtures.services import ApiKey, ControlPlane
 
 BURST = 1024
@@ -92,29 +94,55 @@ def test_a_tinker_burst_from_one_tenant_gets_429s_while_another_tenant_is_served
     api_key: Callable[..., ApiKey],
     db_sessions: sessionmaker[Session],
 ) -> None:
+    """The bursting tenant's two places are held by long-polls, so every request of its burst
+    waits its turn (SKYTRAIN_REST_ADMISSION_WAIT_S) and is refused, however fast the machine
+    would have served them one after the other; the other tenant is served throughout."""
     bursting, other = api_key(), api_key()
     _limit_rest_requests(db_sessions, bursting, 2)
+    bearer = {"Authorization": f"Bearer {bursting.key}"}
+    with httpx.Client(base_url=control_plane.url, headers=bearer, timeout=60) as http:
+        events = queued_job_events(http)
 
     async def scenario() -> tuple[Counter[int], list[int]]:
-        burst = asyncio.create_task(
-            _burst(
-                control_plane.url,
-                "/api/v1/training_runs",
-                lambda: _tinker_headers(bursting),
-                source="127.0.0.3",
-            )
-        )
-        statuses = []
         async with httpx.AsyncClient(
-            base_url=control_plane.url, headers=_tinker_headers(other), timeout=60
-        ) as theirs:
-            while not burst.done():
-                statuses.append((await theirs.get("/api/v1/training_runs")).status_code)
-        return await burst, statuses
+            base_url=control_plane.url, headers=bearer, timeout=None
+        ) as holder:
+            holding = [
+                asyncio.create_task(holder.get(events, params={"wait_s": MAX_WAIT_S}))
+                for _ in range(2)
+            ]
+            await _until_both_places_are_held(control_plane.url, bursting)
+            burst = asyncio.create_task(
+                _burst(
+                    control_plane.url,
+                    "/api/v1/training_runs",
+                    lambda: _tinker_headers(bursting),
+                    source="127.0.0.3",
+                )
+            )
+            statuses = []
+            async with httpx.AsyncClient(
+                base_url=control_plane.url, headers=_tinker_headers(other), timeout=60
+            ) as theirs:
+                while not burst.done():
+                    statuses.append((await theirs.get("/api/v1/training_runs")).status_code)
+            for task in holding:
+                task.cancel()
+            await asyncio.gather(*holding, return_exceptions=True)
+            return await burst, statuses
 
     burst, others = asyncio.run(scenario())
     assert burst[429] > 0 and set(burst) <= {200, 429}, burst
     assert others and set(others) == {200}, Counter(others)
+
+
+async def _until_both_places_are_held(url: str, key: ApiKey) -> None:
+    """Until a request of ``key``'s tenant is refused: its two long-polls hold its places."""
+    async with httpx.AsyncClient(base_url=url, headers=_tinker_headers(key), timeout=60) as http:
+        for _ in range(600):  # a bound for a stuck server, not a timing
+            if (await http.get("/api/v1/training_runs")).status_code == 429:
+                return
+        raise AssertionError("the long-polls never held both places")
 
 
 def test_a_big_body_burst_is_refused_by_its_cost_before_the_bodies_are_read(
