@@ -26,7 +26,7 @@ class _ServingAnswer(TypedDict):
 class _ReplicaAnswer(TypedDict):
     worker_id: str
     role: Literal["home", "replica"]
-    status: Literal["serving", "draining"]
+    status: Literal["serving", "sleeping", "starting", "unreachable", "draining"]
 
 
 class _ModelAnswer(TypedDict):

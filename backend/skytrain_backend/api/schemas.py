@@ -47,6 +47,7 @@ from skytrain_backend.ranges import (
     Step,
     StrictInt,
 )
+from skytrain_backend.scheduler.replicas import ReplicaStatus
 from skytrain_backend.scheduler.serving import ServingState
 
 Split = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=SPLIT_PATTERN)]
@@ -142,18 +143,12 @@ class ServingPublic(BaseModel):
     step: int | None = None
 
 
-# serving: its worker answers requests; sleeping: its engine sleeps while the worker trains;
-# starting: its worker is not up yet; unreachable: its worker stopped answering; draining: it
-# gets no new request and goes once those in flight are answered.
-ReplicaStatus = Literal["serving", "sleeping", "starting", "unreachable", "draining"]
-
-
 class ReplicaPublic(BaseModel):
     """A worker serving the model: its ``home`` (which trains it) or a ``replica``."""
 
     worker_id: str
     role: Literal["home", "replica"]
-    status: ReplicaStatus
+    status: ReplicaStatus  # what each means: scheduler.replicas.ReplicaStatus
 
 
 class ModelReplicasUpdate(BaseModel):

@@ -102,7 +102,7 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
 
     from sqlalchemy import select
 
-    from skytrain_backend.db.models import Checkpoint, ModelReplica, Tenant, TrainingJob
+    from skytrain_backend.db.models import Checkpoint, Tenant, TrainingJob
     from skytrain_backend.scheduler import replicas
 
     with _session() as session:
@@ -142,18 +142,10 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
             )
         ]
         config = row.config or {}
-        placed = [
-            [row.worker_id, "home", "serving"] if row.worker_id else None,
-            *(
-                [replica.worker_id, "replica", replica.status]
-                for replica in session.scalars(
-                    select(ModelReplica)
-                    .where(ModelReplica.model_id == row.id)
-                    .order_by(ModelReplica.created_at)
-                )
-            ),
+        replica_rows = [
+            [item.worker_id, item.role, item.status]
+            for item in replicas.placed_on(session, model=row)
         ]
-        replica_rows = [item for item in placed if item is not None]
         events = [
             [_ago(event.created_at), event.kind, str(event.replicas), event.reason]
             for event in replicas.events(session, model_id=row.id, limit=20)

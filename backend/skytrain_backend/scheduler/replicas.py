@@ -32,6 +32,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Literal
 
 from sqlalchemy import delete, func, select, update
 from sqlalchemy.orm import Session
@@ -43,6 +44,7 @@ from skytrain_backend.observability import metrics as observed
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import placement, ranks
 from skytrain_backend.scheduler.demand import DemandMeter
+from skytrain_backend.scheduler.serving import ROUTABLE_WORKER_STATUSES
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,50 @@ class ScalePolicy:
     scale_out_in_flight: float
     scale_in_in_flight: float
     cooldown_s: float
+
+
+# serving: its worker answers requests; sleeping: its engine sleeps while the worker trains;
+# starting: its worker is not up yet; draining: it gets no new request and goes once those in
+# flight are answered (the replica, or its whole worker); unreachable: its worker stopped
+# answering or has ended.
+ReplicaStatus = Literal["serving", "sleeping", "starting", "unreachable", "draining"]
+
+
+def _status(worker_status: str | None, *, draining: bool = False) -> ReplicaStatus:
+    if draining or worker_status == "draining":
+        return "draining"
+    if worker_status in ROUTABLE_WORKER_STATUSES:
+        return "serving"
+    if worker_status == "sleeping":
+        return "sleeping"
+    return "starting" if worker_status in ("provisioning", "starting") else "unreachable"
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A worker holding the model: its ``home`` (which trains it) or a ``replica``, with what
+    it can do now."""
+
+    worker_id: str
+    role: Literal["home", "replica"]
+    status: ReplicaStatus
+
+
+def placed_on(session: Session, *, model: Model) -> list[Placed]:
+    """The model's home, then its replicas in the order they were added."""
+    found = []
+    if model.worker_id:
+        home = session.get(Worker, model.worker_id)
+        found.append(Placed(model.worker_id, "home", _status(home.status if home else None)))
+    for replica, worker_status in session.execute(
+        select(ModelReplica, Worker.status)
+        .join(Worker, Worker.id == ModelReplica.worker_id)
+        .where(ModelReplica.model_id == model.id)
+        .order_by(ModelReplica.created_at, ModelReplica.id)
+    ):
+        status = _status(worker_status, draining=replica.status == "draining")
+        found.append(Placed(replica.worker_id, "replica", status))
+    return found
 
 
 def replica_workers(session: Session, *, model_id: str, status: str | None = None) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from fastapi import APIRouter, Response, status
-from sqlalchemy import select
 
 from skytrain_backend.api.admission.model_rules import check_new_model
 from skytrain_backend.api.deps import (
@@ -26,49 +25,24 @@ from skytrain_backend.api.schemas import (
     ModelReplicasUpdate,
     ModelsPublic,
     ReplicaPublic,
-    ReplicaStatus,
     ServingPublic,
 )
 from skytrain_backend.db import registry, tenants
-from skytrain_backend.db.models import Model, ModelReplica, Worker
+from skytrain_backend.db.models import Model
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import placement, replicas
-from skytrain_backend.scheduler.serving import (
-    ROUTABLE_WORKER_STATUSES,
-    ServingStatus,
-    serving_status,
-)
+from skytrain_backend.scheduler.serving import ServingStatus, serving_status
 from skytrain_backend.storage import keys
 
 router = APIRouter(prefix="/models", tags=["models"], route_class=SessionRoute)
 
 
-def _replica_status(worker_status: str | None, *, draining: bool = False) -> ReplicaStatus:
-    if draining:
-        return "draining"
-    if worker_status in ROUTABLE_WORKER_STATUSES:
-        return "serving"
-    if worker_status == "sleeping":
-        return "sleeping"
-    return "starting" if worker_status in ("provisioning", "starting") else "unreachable"
-
-
 def replicas_public(session: SessionDep, *, model: Model) -> list[ReplicaPublic]:
-    """The model's home and replicas on live workers, each as its worker can answer now."""
-    found = []
-    if model.worker_id:
-        home = session.get(Worker, model.worker_id)
-        status = _replica_status(home.status if home else None)
-        found.append(ReplicaPublic(worker_id=model.worker_id, role="home", status=status))
-    for replica, worker_status in session.execute(
-        select(ModelReplica, Worker.status)
-        .join(Worker, Worker.id == ModelReplica.worker_id)
-        .where(ModelReplica.model_id == model.id)
-        .order_by(ModelReplica.created_at, ModelReplica.id)
-    ):
-        status = _replica_status(worker_status, draining=replica.status == "draining")
-        found.append(ReplicaPublic(worker_id=replica.worker_id, role="replica", status=status))
-    return found
+    """The model's home and replicas, each as its worker can answer now."""
+    return [
+        ReplicaPublic(worker_id=item.worker_id, role=item.role, status=item.status)
+        for item in replicas.placed_on(session, model=model)
+    ]
 
 
 def model_public(
