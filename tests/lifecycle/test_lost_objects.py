@@ -131,7 +131,7 @@ def test_storage_check_lists_a_pending_jobs_and_an_uploaded_files_lost_objects(
     (line,) = [line for line in checked.stdout.splitlines() if job_id in line]
     assert "job input" in line and "missing" in line
     (line,) = [line for line in checked.stdout.splitlines() if file_id in line]
-    assert "file" in line and "missing" in line
+    assert line.split()[1:4] == ["file", "-", "missing"], line  # kind, model, state
 
 
 def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loading_it(

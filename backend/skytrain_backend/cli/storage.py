@@ -29,8 +29,8 @@ def storage_check(
 ) -> None:
     """List every row whose object is missing from the store or not the size recorded: each
     file of a live checkpoint (or, for rows committed before files were recorded, their
-    total), logged batches and the inputs of unfinished jobs. Reads one listing per model;
-    with --read, also each checkpoint file (``corrupt``: not the SHA-256 committed). Exits 1
+    total), logged batches, the inputs of unfinished jobs and uploaded files (missing only).
+    Reads one listing per model and one per tenant with files; with --read, also each checkpoint file (``corrupt``: not the SHA-256 committed). Exits 1
     when it finds any, so a cron job or a health check can alert on it.
 
     Also recounts each tenant's stored bytes (the running total its storage quota is checked

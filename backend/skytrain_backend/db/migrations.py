@@ -25,10 +25,10 @@ _PACKAGE_DIR = Path(__file__).resolve().parents[1]
 class _RevisionsRun(logging.Filter):
     """Alembic names its dialect ("Context impl ...", "Will assume ... DDL") each time it
     opens a context, so every start and every schema check logged it. Only the revisions an
-    upgrade or downgrade runs are news."""
+    upgrade or downgrade runs are news (and anything above INFO)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage().startswith("Running ")
+        return record.levelno > logging.INFO or record.getMessage().startswith("Running ")
 
 
 logging.getLogger("alembic.runtime.migration").addFilter(_RevisionsRun())

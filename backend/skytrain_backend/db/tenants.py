@@ -245,7 +245,8 @@ def reserve_storage(
         return QuotaExceeded(
             f"{what} takes {adding} bytes and your tenant holds {used} of the "
             f"{limits.max_storage_bytes} its storage quota allows (max_storage_bytes): delete "
-            "checkpoints (DELETE /v1/models/{id}/checkpoints) or models you no longer need, or "
+            "checkpoints (DELETE /v1/models/{id}/checkpoints), uploaded files "
+            "(DELETE /v1/files/{id}) or models you no longer need, or "
             "ask the operator to raise it (`skytrain tenants limits TENANT --max-storage-bytes N`)",
             limit="max_storage_bytes",
         )

@@ -180,7 +180,8 @@ class RLTrainConfig(BaseModel):
     scale_rewards: bool = True
     # Groups sampled more than this many steps before the model's current step (their
     # choices' skytrain_step) are refused when the job is queued (None: any lag is trained,
-    # the sampled logprobs being the old policy).
+    # the sampled logprobs being the old policy). Checked against the step when queued: a
+    # job queued behind others trains further behind (its off_policy_steps metrics say so).
     max_off_policy_steps: int | None = Field(default=None, ge=0, le=MAX_STEP)
     allow_training_without_logprobs: bool = False
     # Tokens the sampler gave no logprob for (allow_training_without_logprobs): their old
