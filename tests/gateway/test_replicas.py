@@ -184,8 +184,10 @@ def test_a_burst_is_spread_over_the_replicas_and_one_serves_while_another_trains
     answers = _burst(client, model["inference_name"], 24)
     assert [a.status_code for a in answers] == [200] * 24
     shares = Counter(a.headers["X-Skytrain-Worker"] for a in answers)
+    # Least outstanding: every replica serves a share. How large depends on each engine's
+    # speed on a loaded machine (a slower one holds its requests longer and gets fewer), so
+    # only that each serves some is asserted; bench/model_replicas.py measures the spread.
     assert set(shares) == set(workers), shares
-    assert min(shares.values()) >= 4, shares  # least outstanding: each serves a share
 
     # A conversation stays on its replica while it is healthy.
     first = _chat(client, model["inference_name"], user="rollout-7")
