@@ -9,6 +9,7 @@ test looks at are this control plane's only."""
 from __future__ import annotations
 
 import hashlib
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,6 +39,8 @@ from tests.lifecycle.conftest import copies_watched
 pytestmark = pytest.mark.postgres
 
 PROTOBUF = "application/x-protobuf"
+# How long a table must stay held to count as held by the watched request (see ``_held``).
+HELD_FOR_S = 3.0
 
 
 @dataclass
@@ -65,23 +68,32 @@ def plane(make_settings: MakeSettings) -> Iterator[Plane]:
 
 
 def _run(plane: Plane) -> str:
-    """A new training run (no worker needed to queue its operations): its id."""
-    session_id, _ = create_run(plane.sdk)
+    """A new training run (no worker needed to queue its operations): its id. Its base model
+    is its own, so that the running scheduler places no other test's run on its worker."""
+    session_id, _ = create_run(plane.sdk, base_model=f"tests-org/tiny-{uuid.uuid4().hex[:8]}")
     return f"{session_id}:train:0"
 
 
 def _held(plane: Plane, *tables: str) -> list[str]:
-    """Which of ``tables`` a transaction holds now: a table read by an open transaction
-    cannot be locked exclusively by another."""
-    held = []
-    with plane.sessions() as session:
-        for table in tables:
-            try:
-                session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
-            except OperationalError:
-                held.append(table)
-            session.rollback()
-    return held
+    """Which of ``tables`` the request being watched holds: a table read by an open
+    transaction cannot be locked exclusively by another. The request's thread waits in the
+    watch meanwhile, so what its own transaction holds stays held; what the scheduler's pass
+    holds at that moment is let go within its pass, so a table is only counted when it stays
+    held for ``HELD_FOR_S``."""
+    held = set(tables)
+    deadline = time.monotonic() + HELD_FOR_S
+    while held and time.monotonic() < deadline:
+        with plane.sessions() as session:
+            for table in sorted(held):
+                try:
+                    session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
+                    held.discard(table)
+                except OperationalError:
+                    pass
+                session.rollback()
+        if held:
+            time.sleep(0.1)
+    return [table for table in tables if table in held]
 
 
 class _WatchedStore(LocalObjectStore):
