@@ -3,7 +3,9 @@
 Every process skytrain starts (a local worker, a worker's engine, the demo's control plane,
 a test's control plane) is a ``ChildProcess``:
 
-- it runs in a process group of its own, so stopping it stops whatever it started too;
+- it runs in a process group of its own, so stopping it stops whatever it started too
+  (and what left the group: torchrun starts each rank in a session of its own, so the
+  processes it started when asked to stop are killed by pid at the end);
 - on Linux it gets SIGKILL when its parent dies (``PR_SET_PDEATHSIG``), however the parent
   ends; each generation sets the same for its own children, so a killed control plane takes
   its workers and their engines with it. (The signal follows the *thread* that started the
@@ -133,10 +135,21 @@ class ChildProcess:
         The group is signalled even when the child itself has exited: what it started may
         not have.
         """
+        family = _descendants(self.pid)
         _signal_group(self.pid, signal.SIGTERM)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(timeout=grace_s)
+        self.kill(family)
+
+    def kill(self, family: Sequence[psutil.Process] | None = None) -> None:
+        """SIGKILL the group and every process the child started (``family``: as found now),
+        at once; reaps the child."""
+        family = _descendants(self.pid) if family is None else family
         _signal_group(self.pid, signal.SIGKILL)
+        for process in family:
+            # psutil checks the pid still names the process it found: no stranger is killed.
+            with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+                process.kill()
         self.popen.wait()
 
 
@@ -152,6 +165,14 @@ def stop_process(identity: ProcessIdentity, grace_s: float = 15.0) -> bool:
     if identity.is_running():
         _signal_group(identity.pid, signal.SIGKILL)
     return True
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    """The processes ``pid`` started, and theirs, whichever group or session they are in."""
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        return []
 
 
 def _signal_group(pid: int, signum: int) -> None:

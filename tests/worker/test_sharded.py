@@ -5,14 +5,17 @@ tests/trainer/test_distributed.py."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 from skytrain_backend.errors import ConfigurationError, TrainingError
 from skytrain_backend.protocol import ModelConfig, SFTTrainConfig, Trajectory
 from skytrain_backend.worker.sharded import Rendezvous, ShardedTrainer, torchrun_command
+from tests.trainer.test_resume import _answers
 
 
 def test_one_node_meets_at_a_local_rendezvous() -> None:
@@ -72,3 +75,47 @@ def test_a_failed_run_is_a_training_error_without_this_machines_paths(tmp_path: 
     spec = json.loads((tmp_path / "runs" / "run-1" / "job.json").read_text())
     assert spec["kind"] == "sft" and spec["control_dir"].endswith("control")
     assert "Error" in (tmp_path / "runs" / "run-1" / "output.log").read_text()
+
+
+# Every Python process that imports it (torchrun's agent and its ranks) sleeps at exit: a
+# teardown that never ends, injected into the real processes.
+HANG_AT_EXIT = "import atexit, time\natexit.register(time.sleep, 3600)\n"
+
+
+@pytest.mark.slow
+def test_ranks_hung_after_their_last_word_are_stopped_and_the_job_keeps_its_output(
+    tiny_model_path: Path, tmp_path: Path
+) -> None:
+    """A real one-process SFT job whose processes hang at exit once rank 0 said it saved:
+    the worker stops them after the grace (the port they hold is the next job's) and the
+    checkpoint they wrote is the job's."""
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    (hang / "sitecustomize.py").write_text(HANG_AT_EXIT)
+    trainer = ShardedTrainer(
+        str(tiny_model_path),
+        model_config=ModelConfig(max_seq_length=64),
+        adapter_dir=None,
+        rendezvous=Rendezvous(gpus_per_node=1),
+        work_dir=tmp_path / "runs",
+        device="cpu",
+        env={
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(hang), os.environ.get("PYTHONPATH")])),
+        },
+        exit_grace_s=1.0,
+    )
+    plan = trainer.prepare_sft(_answers(2), SFTTrainConfig(batch_size=2, seed=1))
+    metrics = list(trainer.run(plan))
+    assert len(metrics) == plan.num_gradient_steps == 1 and plan.finished
+    # torchrun's agent and its ranks (each in a session of its own) are all gone.
+    assert trainer._process is not None and trainer._process.poll() is not None
+    assert not [p for p in psutil.process_iter(["cmdline"]) if _runs_in(p, tmp_path)]
+    trainer.save(tmp_path / "checkpoint")
+    assert (tmp_path / "checkpoint" / "adapter_model.safetensors").is_file()
+    assert trainer.step == 1
+
+
+def _runs_in(process: psutil.Process, directory: Path) -> bool:
+    """Whether ``process`` was started on a job under ``directory``."""
+    return any(str(directory) in part for part in process.info["cmdline"] or [])

@@ -27,7 +27,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, cast
 
+from skytrain_backend.child_processes import ChildProcess
 from skytrain_backend.errors import ConfigurationError, TrainingError
 from skytrain_backend.protocol import (
     ModelConfig,
@@ -61,6 +61,9 @@ ERROR_TAIL_LINES = 40
 EVENT_POLL_S = 0.1
 # How long the ranks of a released trainer get to end before they are killed.
 STOP_TIMEOUT_S = 30.0
+# How long the ranks may take to exit once they said they saved or stopped (process groups'
+# teardown); past it they are stopped: their output is written and the port must be free.
+EXIT_GRACE_S = 120.0
 
 
 class PreparedPlan(TypedDict):
@@ -193,8 +196,10 @@ class ShardedTrainer:
         options: Mapping[str, Any] | None = None,
         env: Mapping[str, str] | None = None,
         python: str | None = None,
+        exit_grace_s: float = EXIT_GRACE_S,
     ) -> None:
         self.base_model, self.model_config = base_model, model_config
+        self.exit_grace_s = exit_grace_s
         # The interpreter the ranks run under (the Unsloth trainer's environment, or this one).
         self.python = python
         self.adapter_dir, self.rendezvous = adapter_dir, rendezvous
@@ -206,7 +211,7 @@ class ShardedTrainer:
         self.step = json.loads(state.read_text()).get("step", 0) if state and state.is_file() else 0
         self.events: list[dict[str, Any]] = []
         self.released = False
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: ChildProcess | None = None
         self._runs = 0
         self._record("loaded", processes=rendezvous.world_size, step=self.step)
 
@@ -285,13 +290,7 @@ class ShardedTrainer:
             spec.data_path.parent / "job.json", self.rendezvous, python=self.python
         )
         with (spec.data_path.parent / "output.log").open("wb") as log:
-            self._process = subprocess.Popen(
-                command,
-                env={**os.environ, **self.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+            self._process = ChildProcess.start(command, env={**os.environ, **self.env}, stdout=log)
         for event in self._events(plan):
             if event["event"] == "step":
                 self._record("gradient_step", loss=event["metrics"].get("loss"))
@@ -327,7 +326,7 @@ class ShardedTrainer:
                     # The ranks' last word: wait for them to exit before the caller hears
                     # it (a caller stops asking at this event, so nothing after the yield
                     # runs; the next job's torchrun would find this one's port still held).
-                    self._wait()
+                    self._wait_after_last_word()
                     yield event
                     return
                 yield event
@@ -348,6 +347,29 @@ class ShardedTrainer:
             raise TrainingError(
                 f"the sharded trainer ({self.rendezvous.world_size} processes) failed with exit "
                 f"code {code}: the worker's log has its output"
+            )
+
+    def _wait_after_last_word(self) -> None:
+        """The ranks said they saved or stopped: their output is written. Processes that do
+        not exit within ``exit_grace_s`` (a hung teardown) are killed (nothing of theirs is
+        left to keep, and torchrun's agent may take a SIGTERM for more waiting), and a
+        non-zero exit now is logged, not the job's failure."""
+        assert self._process is not None
+        try:
+            code = self._process.wait(timeout_s=self.exit_grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning(
+                "the sharded trainer's processes had not exited %.0f s after writing the job's "
+                "output: killing them",
+                self.exit_grace_s,
+            )
+            self._process.kill()
+            return
+        if code != 0:
+            logger.warning(
+                "the sharded trainer's processes exited with code %d after writing the job's "
+                "output: the output is kept",
+                code,
             )
 
     def save_progress(self, plan: ShardedPlan, directory: Path) -> None:
@@ -380,12 +402,7 @@ class ShardedTrainer:
             return
         self.released = True
         if self._process is not None and self._process.poll() is None:
-            os.killpg(self._process.pid, signal.SIGTERM)
-            try:
-                self._process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                os.killpg(self._process.pid, signal.SIGKILL)
-                self._process.wait()
+            self._process.stop(grace_s=STOP_TIMEOUT_S)
         self._record("released")
 
     def offload(self) -> None:
