@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
@@ -161,6 +161,10 @@ class Backend:
 
     async def _get_model(self, model_id: str) -> _ModelAnswer:
         return await self._get(f"/v1/models/{model_id}")
+
+    async def _update_model(self, model_id: str, body: Mapping[str, object]) -> _ModelAnswer:
+        """Change a model's settings (those in ``body``)."""
+        return await self._patch(f"/v1/models/{model_id}", json=body)
 
     async def _log(self, model_id: str, body: _LogBody) -> None:
         await self._post(f"/v1/models/{model_id}/log", json=body)

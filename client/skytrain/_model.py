@@ -258,8 +258,7 @@ class TrainableModel(Model):
             for key, value in (("min_replicas", min_replicas), ("max_replicas", max_replicas))
             if value is not None
         }
-        answer: _ModelAnswer = await backend._patch(f"/v1/models/{model_id}", json=body)
-        return answer
+        return await backend._update_model(model_id, body)
 
     # --- training ---------------------------------------------------------------------------
 

@@ -178,3 +178,18 @@ async def _queued_job(
         if page["data"]:
             return str(page["data"][0]["id"])
         await asyncio.sleep(0.05)
+
+
+async def test_set_replicas_changes_the_models_bounds_and_refuses_more_than_its_quota(
+    registered: Registered,
+) -> None:
+    model = registered[1]
+    answer = await model.set_replicas(max_replicas=2)
+    assert (answer["config"]["min_replicas"], answer["config"]["max_replicas"]) == (1, 2)
+    with pytest.raises(skytrain.InvalidRequestError, match="max_workers"):
+        await model.set_replicas(max_replicas=64)
+    with pytest.raises(skytrain.InvalidRequestError, match="min_replicas"):
+        await model.set_replicas(min_replicas=3)
+    # Nothing of the refused calls was stored.
+    answer = await model.set_replicas()
+    assert (answer["config"]["min_replicas"], answer["config"]["max_replicas"]) == (1, 2)
