@@ -187,6 +187,28 @@ class JobEventReport(JobAttempt):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+TrainerEventName = Literal[
+    "loaded", "gradient_step", "saved", "saved_progress", "released", "offloaded", "reloaded"
+]
+
+
+class TrainerEventData(TypedDict, total=False):
+    """What a trainer's timeline entry says besides its name and time."""
+
+    device: str  # loaded, in one process
+    processes: int  # loaded, sharded
+    step: int  # loaded, saved
+    loss: float | None  # gradient_step
+    steps_done: int  # saved_progress
+
+
+class TrainerEvent(TrainerEventData):
+    """One entry of a trainer's timeline (``trainer.events``), sent in ``job_timeline``."""
+
+    event: TrainerEventName
+    at: float  # unix time
+
+
 class ListedFile(TypedDict):
     """A file as the control plane lists it to a worker (a checkpoint's, a saved state's),
     with its SHA-256 where it was committed with one."""

@@ -39,7 +39,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Self, Unpack
 
 import torch
 
@@ -48,6 +48,9 @@ from skytrain_backend.protocol import (
     ModelConfig,
     RLTrainConfig,
     SFTTrainConfig,
+    TrainerEvent,
+    TrainerEventData,
+    TrainerEventName,
     Trajectory,
     TrajectoryGroup,
 )
@@ -127,7 +130,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=0.0)
         # What happened to this trainer, with Unix times: {"event", "at", ...}. The worker
         # reports it with each job (its timeline: loaded, steps, saved, released).
-        self.events: list[dict[str, Any]] = []
+        self.events: list[TrainerEvent] = []
         self.released = False
 
     @classmethod
@@ -204,8 +207,8 @@ class Trainer:
         trainer._record("loaded", device=str(torch_device), step=trainer.step)
         return trainer
 
-    def _record(self, event: str, **data: Any) -> None:
-        self.events.append({"event": event, "at": time.time(), **data})
+    def _record(self, event: TrainerEventName, **data: Unpack[TrainerEventData]) -> None:
+        self.events.append(TrainerEvent(event=event, at=time.time(), **data))
 
     def _record_step(self, metrics: Metrics) -> None:
         self._record("gradient_step", loss=metrics.get("loss"))

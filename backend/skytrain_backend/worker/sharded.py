@@ -33,7 +33,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, cast
+from typing import TYPE_CHECKING, Any, Literal, NotRequired, TypedDict, Unpack, cast
 
 from skytrain_backend.child_processes import ChildProcess
 from skytrain_backend.errors import ConfigurationError, TrainingError
@@ -41,6 +41,9 @@ from skytrain_backend.protocol import (
     ModelConfig,
     RLTrainConfig,
     SFTTrainConfig,
+    TrainerEvent,
+    TrainerEventData,
+    TrainerEventName,
     Trajectory,
     TrajectoryGroup,
 )
@@ -209,14 +212,14 @@ class ShardedTrainer:
         self.max_row_tokens = options.get("max_row_tokens")
         state = adapter_dir / TRAINER_STATE if adapter_dir is not None else None
         self.step = json.loads(state.read_text()).get("step", 0) if state and state.is_file() else 0
-        self.events: list[dict[str, Any]] = []
+        self.events: list[TrainerEvent] = []
         self.released = False
         self._process: ChildProcess | None = None
         self._runs = 0
         self._record("loaded", processes=rendezvous.world_size, step=self.step)
 
-    def _record(self, event: str, **data: Any) -> None:
-        self.events.append({"event": event, "at": time.time(), **data})
+    def _record(self, event: TrainerEventName, **data: Unpack[TrainerEventData]) -> None:
+        self.events.append(TrainerEvent(event=event, at=time.time(), **data))
 
     # --- preparing ---------------------------------------------------------------------------
 
