@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
@@ -96,6 +97,47 @@ def test_objects_no_row_refers_to_are_collected_after_the_grace_period(
     assert deleted >= len(collected)  # other tests' leftovers in the shared store may go too
     with db_sessions() as session:
         assert session.get_one(TrainingJob, job_id).status == "running"  # rows untouched
+
+
+def test_hub_configs_of_base_models_no_model_names_are_collected(
+    db_sessions: sessionmaker[Session], api_key: Callable[..., ApiKey], tmp_path: Path
+) -> None:
+    """Any tenant may name any Hub repository: the store keeps the configs of base models
+    that models name, and the sweep deletes the others once past the grace period."""
+    store = LocalObjectStore(tmp_path / "objects")  # its own: the sweep lists all configs
+    endpoint = "https://hub.example"
+    used, unused = f"org/used-{new_id()}", f"org/unused-{new_id()}"
+    with db_sessions() as session:
+        tenant = session.get_one(Tenant, api_key().tenant_id)
+        add_model(session, new_id(), base_model=used, tenant=tenant.name, project="p")
+        session.commit()
+    for base_model in (used, unused):
+        key = object_keys.hub_config_key(endpoint=endpoint, base_model=base_model)
+        store.put_bytes(key, b'{"model_type": "llama"}')
+
+    def configs() -> list[str]:
+        return sorted(info.key for info in store.list(object_keys.HUB_CONFIGS_PREFIX))
+
+    everything = configs()
+    later = utcnow() + timedelta(minutes=1)
+    with db_sessions() as session:
+        recent = utcnow() - timedelta(hours=1)
+        assert (
+            garbage.collect_garbage(
+                session, store=store, written_before=recent, hub_endpoint=endpoint
+            )
+            == 0
+        )
+        # Without the Hub's address the sweep cannot tell which config is whose: all kept.
+        assert garbage.collect_garbage(session, store=store, written_before=later) == 0
+        assert configs() == everything
+        assert (
+            garbage.collect_garbage(
+                session, store=store, written_before=later, hub_endpoint=endpoint
+            )
+            == 1
+        )
+    assert configs() == [object_keys.hub_config_key(endpoint=endpoint, base_model=used)]
 
 
 def test_a_write_that_a_stopped_process_never_finished_is_removed_once_stale(

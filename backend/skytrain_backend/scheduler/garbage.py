@@ -12,6 +12,10 @@
   does not resume from, a Tinker operation's body whose row never came), or what a failed
   delete left. The grace period spares objects whose row is about to be committed. Uploaded
   files (``tenants/{id}/files/``) have no rows and are kept.
+- Base models' configs read from the Hub (``hub/configs/``, ``scheduler.model_configs``):
+  any tenant may name any Hub repository, so the store keeps the configs of the base models
+  that models name, and the sweep deletes the others once past the grace period (one a
+  later model names again is read from the Hub again).
 - Writes that never finished (``abort_stale_uploads``): an S3 multipart upload or a local
   temporary file that a process killed mid-write left, once a day old (no request's upload
   runs that long). S3 would otherwise keep, and bill, their parts for ever.
@@ -110,9 +114,16 @@ class _ModelRows:
     tinker_ops: set[str] = field(default_factory=set)
 
 
-def collect_garbage(session: Session, *, store: ObjectStore, written_before: datetime) -> int:
+def collect_garbage(
+    session: Session,
+    *,
+    store: ObjectStore,
+    written_before: datetime,
+    hub_endpoint: str | None = None,
+) -> int:
     """Delete the objects under models that no row refers to and that were last written
-    before ``written_before``; how many were deleted."""
+    before ``written_before``, and with ``hub_endpoint`` (the Hub the configs were read
+    from) the Hub configs of base models no model names; how many were deleted."""
     known: dict[tuple[str, str], _ModelRows] = {}
     deleted = 0
     for info in store.list("tenants/"):
@@ -135,9 +146,33 @@ def collect_garbage(session: Session, *, store: ObjectStore, written_before: dat
             logger.warning("could not delete unreferenced object %s: %s", info.key, exc.message)
             continue
         deleted += 1
+    if hub_endpoint is not None:
+        deleted += _collect_hub_configs(
+            session, store=store, written_before=written_before, endpoint=hub_endpoint
+        )
     session.rollback()
     if deleted:
         logger.info("deleted %d objects no row referred to", deleted)
+    return deleted
+
+
+def _collect_hub_configs(
+    session: Session, *, store: ObjectStore, written_before: datetime, endpoint: str
+) -> int:
+    named = {
+        keys.hub_config_key(endpoint=endpoint, base_model=base_model)
+        for base_model in session.scalars(select(Model.base_model).distinct())
+    }
+    deleted = 0
+    for info in store.list(keys.HUB_CONFIGS_PREFIX):
+        if info.modified >= written_before or info.key in named:
+            continue
+        try:
+            store.delete(info.key)
+        except StorageError as exc:
+            logger.warning("could not delete unused Hub config %s: %s", info.key, exc.message)
+            continue
+        deleted += 1
     return deleted
 
 

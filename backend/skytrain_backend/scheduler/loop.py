@@ -40,7 +40,7 @@ from skytrain_backend.provision.base import ClusterInfo, Provider, WorkerLaunch
 from skytrain_backend.scheduler import garbage, placement, queue, ranks, replicas, scale_in
 from skytrain_backend.scheduler.demand import DemandMeter
 from skytrain_backend.scheduler.leader import Leadership, SoleLeadership, process_name
-from skytrain_backend.scheduler.model_configs import ModelConfigs
+from skytrain_backend.scheduler.model_configs import ModelConfigs, hub_endpoint
 from skytrain_backend.scheduler.placement import LaunchBackoff
 from skytrain_backend.scheduler.tinker import runs as tinker_runs
 from skytrain_backend.storage import ObjectStore
@@ -258,6 +258,7 @@ class Scheduler:
                     session,
                     store=self.store,
                     written_before=utcnow() - timedelta(seconds=s.garbage_grace_s),
+                    hub_endpoint=hub_endpoint(s),
                 )
             if self.store is not None and time.monotonic() >= self._next_upload_sweep:
                 self._next_upload_sweep = time.monotonic() + s.garbage_interval_s

@@ -17,6 +17,8 @@ the launch back-off spaces out: ``SKYTRAIN_WORKER_LAUNCH_BACKOFF_S``).
 What this process keeps is bounded, whatever base-model strings tenants send: the
 ``KNOWN_CONFIGS`` most recently used configs and the ``KNOWN_FAILURES`` latest failures
 (each configs up to 1 MiB, ``MAX_CONFIG_BYTES``); the rest are read again from the store.
+The store keeps the configs of base models that models name: the scheduler's garbage sweep
+deletes the others (``garbage.collect_garbage``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ KNOWN_CONFIGS = 256
 KNOWN_FAILURES = 1024
 
 
+def hub_endpoint(settings: Settings) -> str:
+    """The Hub this control plane reads configs from (what their store keys are made of)."""
+    return (settings.hf_endpoint or PUBLIC_HUB).rstrip("/")
+
+
 class ModelConfigs:
     """The control plane's source of base models' config.json (one per process, shared by
     the routes and the scheduler)."""
@@ -59,7 +66,7 @@ class ModelConfigs:
     def __init__(self, settings: Settings, store: ObjectStore | None) -> None:
         self._settings = settings
         self._store = store
-        self._endpoint = (settings.hf_endpoint or PUBLIC_HUB).rstrip("/")
+        self._endpoint = hub_endpoint(settings)
         self._lock = threading.Lock()
         self._known: LRUCache[str, JSONObject] = LRUCache(maxsize=KNOWN_CONFIGS)
         self._failed: TTLCache[str, tuple[float, str]] = TTLCache(

@@ -81,8 +81,11 @@ def tinker_op_key(*, tenant_id: str, model_id: str, seq_id: int, name: str) -> s
     return f"{model_prefix(tenant_id=tenant_id, model_id=model_id)}tinker/ops/{seq_id}/{name}"
 
 
+HUB_CONFIGS_PREFIX = "hub/configs/"
+
+
 def hub_config_key(*, endpoint: str, base_model: str) -> str:
     """Where the control plane keeps a base model's config.json read from the Hub at
     ``endpoint``: named by a digest, so neither the id nor the Hub's address is in the key."""
     digest = hashlib.sha256(f"{endpoint}\n{base_model}".encode()).hexdigest()
-    return f"hub/configs/{digest}.json"
+    return f"{HUB_CONFIGS_PREFIX}{digest}.json"
