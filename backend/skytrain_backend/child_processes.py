@@ -77,6 +77,16 @@ def _die_with_parent() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def die_with_parent() -> None:
+    """For a process another program started (torchrun's ranks, each in a session of its
+    own): get SIGKILL when the parent dies, as a ``ChildProcess`` does; exit at once if it
+    has already died (the process was handed to init or a subreaper meanwhile)."""
+    parent = os.getppid()
+    _die_with_parent()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 class ChildProcess:
     """A started child process; see the module docstring."""
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -114,6 +115,31 @@ def test_ranks_hung_after_their_last_word_are_stopped_and_the_job_keeps_its_outp
     trainer.save(tmp_path / "checkpoint")
     assert (tmp_path / "checkpoint" / "adapter_model.safetensors").is_file()
     assert trainer.step == 1
+
+
+@pytest.mark.slow
+def test_ranks_die_with_their_torchrun(tiny_model_path: Path, tmp_path: Path) -> None:
+    """torchrun starts each rank in a session of its own: a worker killed (its torchrun
+    killed with it) must not leave the ranks waiting between two steps for ever."""
+    trainer = ShardedTrainer(
+        str(tiny_model_path),
+        model_config=ModelConfig(max_seq_length=64),
+        adapter_dir=None,
+        rendezvous=Rendezvous(gpus_per_node=1),
+        work_dir=tmp_path / "runs",
+        device="cpu",
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    plan = trainer.prepare_sft(_answers(2), SFTTrainConfig(batch_size=1, seed=1))
+    next(trainer.run(plan))  # the ranks now wait for the word to take step 2
+    assert trainer._process is not None
+    ranks = psutil.Process(trainer._process.pid).children(recursive=True)
+    assert ranks
+    os.kill(trainer._process.pid, signal.SIGKILL)
+    _, alive = psutil.wait_procs(ranks, timeout=60)
+    for rank in alive:  # a failed run's leftovers
+        rank.kill()
+    assert alive == []
 
 
 def _runs_in(process: psutil.Process, directory: Path) -> bool:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from skytrain_backend.child_processes import die_with_parent
 from skytrain_backend.protocol import (
     ModelConfig,
     RLTrainConfig,
@@ -211,6 +212,10 @@ USAGE = "usage: python -m skytrain_backend.trainer.job SPEC.json | --follow DIRE
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torchrun starts each rank in a session of its own and ties it to nothing: a worker
+    # killed (and its torchrun with it) would leave the ranks waiting for its word for ever,
+    # holding their GPU.
+    die_with_parent()
     args = sys.argv[1:] if argv is None else argv
     if len(args) not in (1, 2) or (len(args) == 2) != (args[0] == "--follow"):
         print(USAGE, file=sys.stderr)
