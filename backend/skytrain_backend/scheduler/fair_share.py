@@ -17,6 +17,12 @@ models want them (a tenant wanting fewer than an equal share keeps all it wants)
 moves a slot back and forth: after a move the tenant that gave one up holds at least as many
 as the one that took it.
 
+A replica (``replicas.py``: a model's second or later worker) is the cheapest slot: before any
+model loses its place, a replica on those workers drains (one at a time, whoever's it is; the
+tenant holding most slots first), and its slot goes to the waiting model once the requests in
+flight on it are answered. Replicas count as slots held, and no replica is added while a
+model waits for a slot on workers of its base model (``replicas.scale``).
+
 The model taken off its worker is still active: it waits for a slot like any other, and says
 so (``wait_status``). No torch and no provider here; ``placement`` makes the move.
 """
@@ -28,11 +34,19 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
-from sqlalchemy import ColumnElement, exists, func, select
+from sqlalchemy import ColumnElement, exists, func, select, union_all
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tinker_rows
-from skytrain_backend.db.models import Model, TinkerRun, TrainingJob, Worker, utcnow
+from skytrain_backend.db.models import (
+    Model,
+    ModelEvent,
+    ModelReplica,
+    TinkerRun,
+    TrainingJob,
+    Worker,
+    utcnow,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,15 +80,72 @@ def _no_job_needs_the_worker() -> ColumnElement[bool]:
 
 
 def slots_held(session: Session, *, worker_ids: Collection[str]) -> dict[str, int]:
-    """How many models each tenant has placed on ``worker_ids``."""
+    """How many slots each tenant holds on ``worker_ids``: its models placed there and their
+    replicas."""
     if not worker_ids:
         return {}
-    rows = session.execute(
-        select(Model.tenant_id, func.count(Model.id))
-        .where(Model.worker_id.in_(worker_ids))
-        .group_by(Model.tenant_id)
+    homes = select(Model.tenant_id.label("tenant_id")).where(Model.worker_id.in_(worker_ids))
+    copies = (
+        select(Model.tenant_id.label("tenant_id"))
+        .join(ModelReplica, ModelReplica.model_id == Model.id)
+        .where(ModelReplica.worker_id.in_(worker_ids))
     )
+    held = union_all(homes, copies).subquery()
+    rows = session.execute(select(held.c.tenant_id, func.count()).group_by(held.c.tenant_id))
     return {str(tenant_id): int(count) for tenant_id, count in rows}
+
+
+def replica_draining_on(session: Session, *, worker_ids: Collection[str]) -> bool:
+    """Whether a replica drains on one of ``worker_ids`` (a slot is coming free there)."""
+    draining = select(ModelReplica.id).where(
+        ModelReplica.worker_id.in_(worker_ids), ModelReplica.status == "draining"
+    )
+    return session.scalar(draining.limit(1)) is not None
+
+
+def replica_to_drain(session: Session, *, worker_ids: Collection[str]) -> ModelReplica | None:
+    """The replica on ``worker_ids`` that drains so that a waiting model gets its slot: of
+    the tenant holding most slots there, its newest; None while one already drains there
+    (its slot is coming) or when there is none."""
+    if not worker_ids or replica_draining_on(session, worker_ids=worker_ids):
+        return None
+    rows = session.execute(
+        select(ModelReplica, Model.tenant_id)
+        .join(Model, Model.id == ModelReplica.model_id)
+        .where(ModelReplica.worker_id.in_(worker_ids), ModelReplica.status == "serving")
+    ).all()
+    if not rows:
+        return None
+    held = slots_held(session, worker_ids=worker_ids)
+    return max(rows, key=lambda row: (held.get(row[1], 0), row[0].created_at))[0]
+
+
+def drain_replica_for(session: Session, *, model: Model, replica: ModelReplica) -> None:
+    """Drain ``replica`` so that ``model``, waiting, gets its slot (committed, with an event
+    on the replica's model)."""
+    replica.status = "draining"
+    left = session.scalar(
+        select(func.count(ModelReplica.id)).where(
+            ModelReplica.model_id == replica.model_id, ModelReplica.status == "serving"
+        )
+    )
+    session.add(
+        ModelEvent(
+            model_id=replica.model_id,
+            kind="scale_in",
+            reason=f"fair share: another model waits for a slot on worker {replica.worker_id}; "
+            "a replica is the first slot to go (it drains, its requests in flight answered)",
+            replicas=1 + int(left or 0),  # the home and the replicas still serving
+            worker_id=replica.worker_id,
+        )
+    )
+    session.commit()
+    logger.info(
+        "replica of model %s on worker %s drains: model %s waits for a slot (fair share)",
+        replica.model_id,
+        replica.worker_id,
+        model.id,
+    )
 
 
 def _over_share(held: dict[str, int], *, tenant_id: str) -> list[str]:
@@ -121,7 +192,17 @@ def take_slot(
     """Place ``model`` (unplaced, active) on the worker of the model ``victim`` names among
     ``workers``, which loses its place; whether it was. ``locks`` lock the worker's row, then
     a model's, each True if the row did not change since the pass read it (``placement``'s
-    order and checks): nothing is written when one did."""
+    order and checks): nothing is written when one did.
+
+    A replica on ``workers`` goes first (``replica_to_drain``): it drains, and the model is
+    placed in its slot by a later pass; while one drains there, nothing else moves."""
+    worker_ids = [w.id for w in workers]
+    if replica_draining_on(session, worker_ids=worker_ids):
+        return False
+    replica = replica_to_drain(session, worker_ids=worker_ids)
+    if replica is not None:
+        drain_replica_for(session, model=model, replica=replica)
+        return False
     loser = victim(session, tenant_id=model.tenant_id, worker_ids=[w.id for w in workers])
     worker = next((w for w in workers if loser is not None and w.id == loser.worker_id), None)
     if loser is None or worker is None:
@@ -156,6 +237,16 @@ def take_slot(
 def wait_status(session: Session, *, model: Model, worker_ids: Collection[str]) -> SlotWait:
     """What a model waiting for a slot on the full ``worker_ids`` is told."""
     base = model.base_model
+    if (
+        replica_draining_on(session, worker_ids=worker_ids)
+        or replica_to_drain(session, worker_ids=worker_ids) is not None
+    ):
+        return SlotWait(
+            message=f"every slot on the workers for {base} is taken, one of them by a "
+            "replica (a model's second or later worker): the replica drains, and this model "
+            "takes its slot once the requests in flight there are answered",
+            retry_after_s=TAKE_RETRY_AFTER_S,
+        )
     if victim(session, tenant_id=model.tenant_id, worker_ids=worker_ids) is not None:
         return SlotWait(
             message=f"every slot on the workers for {base} is taken, and another tenant's "

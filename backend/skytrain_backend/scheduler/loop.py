@@ -229,14 +229,19 @@ class Scheduler:
                 launch=(lambda base: self._launch(session, base)) if self.provider else None,
                 limits=tenants.limits_by_id(session, s),
             )
-            # Replicas follow each placed model's demand (after placement: homes first).
+            # Replicas follow each placed model's demand (after placement: homes first, and
+            # none added where a model still waits for a slot).
+            limits = tenants.limits_by_id(session, s)
             replicas.scale(
                 session,
                 demand=self.demand,
                 policy=self._replica_policy,
-                limits=tenants.limits_by_id(session, s),
+                limits=limits,
                 max_workers=s.max_workers,
                 launch=(lambda base: self._launch(session, base)) if self.provider else None,
+                waiting=placement.bases_waiting_for_a_slot(
+                    session, idle_timeout_s=s.resolved_model_idle_timeout_s, limits=limits
+                ),
             )
             # At max_workers, a model that needs a worker does not wait for idle ones to time
             # out: they stop now, and a later pass launches its worker in their place.

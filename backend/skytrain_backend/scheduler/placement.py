@@ -199,6 +199,18 @@ def active_models_without_worker(session: Session, *, idle_timeout_s: float) -> 
     )
 
 
+def bases_waiting_for_a_slot(
+    session: Session, *, idle_timeout_s: float, limits: Callable[[str], TenantLimits]
+) -> set[str]:
+    """The base models that an active model waits for a slot on, its quota allowing it one
+    (replicas leave those workers' room to it: ``replicas.scale``)."""
+    return {
+        model.base_model
+        for model in active_models_without_worker(session, idle_timeout_s=idle_timeout_s)
+        if quota_wait(session, model=model, limits=limits(model.tenant_id)) is None
+    }
+
+
 def tenant_placements(session: Session, *, tenant_id: str) -> dict[str, int]:
     """The live workers holding the tenant's models, with how many of them each holds (a
     model's replicas count as placed models too: ``replicas.py``)."""
@@ -265,13 +277,14 @@ def place_models(
     launched: set[str] = set()
     held_back: list[str] = []
     for model in active_models_without_worker(session, idle_timeout_s=idle_timeout_s):
+        # A replica that becomes the home takes no new slot: before the quota's check.
+        if _promote_replica(session, model):
+            continue
         quota = limits(model.tenant_id)
         held = tenant_placements(session, tenant_id=model.tenant_id)
         if sum(held.values()) >= quota.max_placed_models:
             if _unplace(session, model):
                 _hold_idle_clock(session, model, idle_timeout_s=idle_timeout_s)
-            continue
-        if _promote_replica(session, model):
             continue
         at_worker_quota = len(held) >= quota.max_workers
         worker = worker_with_room(

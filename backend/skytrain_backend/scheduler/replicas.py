@@ -20,8 +20,12 @@ Each pass, for each placed model (``scale``):
 - A replica goes to a live worker of the base model that loads the model's LoRA rank and has
   room (its ``max_models``), the one holding the fewest models first; only when none has room
   is a worker launched (once at a time per base model, within the control plane's and the
-  tenant's ``max_workers``). No model is ever taken off a worker for a replica: one tenant's
-  scale-out never evicts another tenant's model.
+  tenant's ``max_workers``). A replica is a placed model for the tenant's
+  ``max_placed_models``. No model is ever taken off a worker for a replica, and no replica is
+  added while a model waits for a slot on the workers of its base model: one tenant's
+  scale-out never evicts another tenant's model nor keeps it waiting. The other way round, a
+  model waiting for a slot on full workers takes a replica's first: the replica drains
+  (``fair_share.take_slot``).
 - Every decision is a ``model_events`` row with its reason (``skytrain models show``,
   ``GET /v1/models/{id}/events``); a wait (no room, a quota) is written once, not per pass.
 """
@@ -29,7 +33,7 @@ Each pass, for each placed model (``scale``):
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -137,14 +141,15 @@ def record(
     logger.info("model %s: %s (%d replicas): %s", model.id, kind, replicas, reason)
 
 
-def _record_wait(session: Session, *, model: Model, reason: str, replicas: int) -> None:
-    """A wait is written once: not again while the model's last event says the same."""
+def _record_wait(session: Session, *, model: Model, reason: str, cause: str, replicas: int) -> None:
+    """A wait (``reason``, then ``cause``) is written once: not again while the model's last
+    event is a wait for the same cause (the reason's figures change pass by pass)."""
     last = session.scalar(
         select(ModelEvent).where(ModelEvent.model_id == model.id).order_by(ModelEvent.id.desc())
     )
-    if last is not None and last.kind == "held" and last.reason == reason:
+    if last is not None and last.kind == "held" and last.reason.endswith(cause):
         return
-    record(session, model=model, kind="held", reason=reason, replicas=replicas)
+    record(session, model=model, kind="held", reason=f"{reason}{cause}", replicas=replicas)
     session.commit()
 
 
@@ -165,8 +170,11 @@ def scale(
     limits: Callable[[str], TenantLimits],
     max_workers: int,
     launch: Callable[[str], None] | None,
+    waiting: Collection[str] = (),
 ) -> None:
-    """One pass of the replica policy over every placed model (see the module's doc)."""
+    """One pass of the replica policy over every placed model (see the module's doc);
+    ``waiting``: the base models that a model waits for a slot on (no replica is added on
+    their workers meanwhile)."""
     live = select(Worker.id).where(placement.placeable())
     homed = list(
         session.scalars(select(Model).where(Model.worker_id.in_(live)).order_by(Model.created_at))
@@ -189,6 +197,7 @@ def scale(
                 max_workers=max_workers,
                 launch=launch,
                 launched=launched,
+                waiting=waiting,
                 kind="scale_out",
                 reason=f"{count} of min_replicas={config.min_replicas} replicas",
             )
@@ -207,6 +216,7 @@ def scale(
                 max_workers=max_workers,
                 launch=launch,
                 launched=launched,
+                waiting=waiting,
                 kind="scale_out",
                 reason=f"{said}: {per_replica:.1f} per replica over {count}, above "
                 f"{policy.scale_out_in_flight:g}",
@@ -264,11 +274,6 @@ def _drain(session: Session, *, model: Model, worker_id: str, count: int, reason
     session.commit()
 
 
-def tenant_workers(session: Session, *, tenant_id: str) -> set[str]:
-    """The live workers holding any of the tenant's models, as home or replica."""
-    return set(placement.tenant_placements(session, tenant_id=tenant_id))
-
-
 def _add(
     session: Session,
     *,
@@ -278,19 +283,43 @@ def _add(
     max_workers: int,
     launch: Callable[[str], None] | None,
     launched: set[str],
+    waiting: Collection[str],
     kind: str,
     reason: str,
 ) -> None:
-    """Put one more replica of the model on a worker with room, or launch one for it."""
-    held = tenant_workers(session, tenant_id=model.tenant_id)
+    """Put one more replica of the model on a worker with room, or launch one for it; not
+    past the tenant's ``max_placed_models`` (a replica is a placed model), and not while a
+    model waits for a slot on the workers of its base model (``waiting``: models first)."""
+    placed = placement.tenant_placements(session, tenant_id=model.tenant_id)
+    if sum(placed.values()) >= quota.max_placed_models:
+        _record_wait(
+            session,
+            model=model,
+            reason=reason,
+            cause=f", but your tenant has {sum(placed.values())} models and replicas on "
+            f"workers, the most its quota allows (max_placed_models={quota.max_placed_models})",
+            replicas=count,
+        )
+        return
+    if model.base_model in waiting:
+        _record_wait(
+            session,
+            model=model,
+            reason=reason,
+            cause=f", but a model waits for a slot on the workers of {model.base_model}: "
+            "models are placed before replicas are added",
+            replicas=count,
+        )
+        return
+    held = set(placed)
     taken = {model.worker_id, *replica_workers(session, model_id=model.id)}
     at_quota = len(held) >= quota.max_workers
     rank = ranks.model_lora_rank(model)
     fitting = placement.fitting_workers(
         session, base_model=model.base_model, lora_rank=rank, among=held if at_quota else None
     )
-    for worker, placed in fitting:
-        if worker.id in taken or placed >= int((worker.capacity or {}).get("max_models", 1)):
+    for worker, holds in fitting:
+        if worker.id in taken or holds >= int((worker.capacity or {}).get("max_models", 1)):
             continue
         session.add(ModelReplica(model_id=model.id, worker_id=worker.id))
         record(
@@ -307,8 +336,9 @@ def _add(
         _record_wait(
             session,
             model=model,
-            reason=f"{reason}, but no worker of the {len(held)} your tenant's models occupy "
-            f"has room for another replica (max_workers={quota.max_workers})",
+            reason=reason,
+            cause=f", but no worker of the {len(held)} your tenant's models occupy has room "
+            f"for another replica (max_workers={quota.max_workers})",
             replicas=count,
         )
         return
@@ -323,7 +353,8 @@ def _add(
         _record_wait(
             session,
             model=model,
-            reason=f"{reason}: waiting for a worker for {base} that is starting",
+            reason=reason,
+            cause=f": waiting for a worker for {base} that is starting",
             replicas=count,
         )
         return
@@ -331,7 +362,8 @@ def _add(
         _record_wait(
             session,
             model=model,
-            reason=f"{reason}, but no worker of {base} has room and none can be launched now",
+            reason=reason,
+            cause=f", but no worker of {base} has room and none can be launched now",
             replicas=count,
         )
         return
@@ -339,8 +371,9 @@ def _add(
         _record_wait(
             session,
             model=model,
-            reason=f"{reason}, but no worker of {base} has room and the control plane runs "
-            f"the most workers it may (max_workers={max_workers})",
+            reason=reason,
+            cause=f", but no worker of {base} has room and the control plane runs the most "
+            f"workers it may (max_workers={max_workers})",
             replicas=count,
         )
         return
