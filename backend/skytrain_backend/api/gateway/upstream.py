@@ -234,8 +234,25 @@ class Engines:
                     return await client.post(url, body=data, headers=headers)
                 except STALE_CONNECTION_ERRORS as exc:
                     if isinstance(exc, aiohttp.ClientConnectorError):
-                        raise
-                    return await client.post(url, body=data, headers=headers)
+                        raise  # never sent: Unavailable below, another replica may take it
+                    # Most likely a kept-alive connection the engine had closed: once more.
+                    try:
+                        return await client.post(url, body=data, headers=headers)
+                    except aiohttp.ClientError as again:
+                        # The first try may have reached the engine (and stopped it): the
+                        # request goes to no other replica, a prompt that stops engines
+                        # stops one at the most.
+                        logger.warning(
+                            "the engine of worker %s at %s closed the connection, then: %s: %s",
+                            route.worker_id,
+                            route.engine_endpoint,
+                            type(again).__name__,
+                            again,
+                        )
+                        raise EngineError(
+                            f"the engine of worker {route.worker_id} closed the connection "
+                            "without answering; it may have restarted: retry shortly"
+                        ) from again
         except TimeoutError as exc:
             raise EngineError(
                 f"the engine of worker {route.worker_id} did not answer in time "
