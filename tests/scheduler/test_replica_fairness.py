@@ -1,7 +1,8 @@
 """Replicas are the cheapest slots: a model waiting for a slot on full workers takes a
 replica's (it drains first), no replica is added while a model waits for one, a replica is a
 placed model for ``max_placed_models``, and a model whose home went away is served from its
-replica even at that quota. Scheduler passes on real rows; SQLite (the same queries run on
+replica even at that quota; replicas above a lowered quota drain. Scheduler passes on real
+rows; SQLite (the same queries run on
 PostgreSQL in the e2e replica tests)."""
 
 from __future__ import annotations
@@ -120,3 +121,21 @@ def test_a_replica_is_a_placed_model_and_a_lost_home_is_its_replicas_at_the_quot
         # And the quota's second placed model is a replica on the worker left.
         (spare,) = set(workers) - {home, replica}
         assert replicas.replica_workers(session, model_id=first) == [spare]
+
+
+def test_replicas_above_a_lowered_quota_drain(db_sessions: sessionmaker[Session]) -> None:
+    base = f"tests/fair-{uuid.uuid4().hex[:8]}"
+    with db_sessions() as session:
+        for _ in range(3):
+            add_ready_worker(session, base_model=base, max_models=1)
+        model = _model(session, "m", base=base, tenant="fair-dave", min_replicas=3)
+        for _ in range(3):
+            _pass(session)
+        assert len(_slots(session, model)) == 3
+        # The operator lowers the tenant's max_workers to 2: the newest replica drains (and,
+        # nothing in flight on it, goes), and none is added back.
+        lowered = dataclasses.replace(LIMITS, max_workers=2)
+        for _ in range(3):
+            _pass(session, lowered)
+        assert len(_slots(session, model)) == 2
+        assert replicas.replica_workers(session, model_id=model, status="draining") == []

@@ -10,7 +10,8 @@ Each pass, for each placed model (``scale``):
 - A replica whose worker went away is gone (``placement.worker_gone`` deletes its row).
 - A ``draining`` replica (taken away) is deleted once the gateway has no request in flight on
   it: scale-in never drops a request.
-- Below ``min_replicas`` (capped by the tenant's ``max_workers``): a replica is added.
+- Below ``min_replicas`` (capped by the tenant's ``max_workers``): a replica is added; above
+  ``max_replicas`` or ``max_workers`` (lowered since), the newest drains.
 - Demand is the model's requests in flight, averaged over ``replica_window_s``
   (``demand.DemandMeter``). Above ``replica_scale_out_in_flight`` per replica, a replica is
   added, up to ``max_replicas`` (capped by the tenant's ``max_workers``). When the average
@@ -188,6 +189,17 @@ def scale(
         count = 1 + len(serving)
         cap = min(config.max_replicas, quota.max_workers)
         floor = min(config.min_replicas, cap)
+        if count > cap and serving:
+            # max_replicas or the tenant's max_workers lowered since (a PATCH, the operator).
+            _drain(
+                session,
+                model=model,
+                worker_id=serving[-1],
+                count=count,
+                reason=f"{count} replicas, more than max_replicas={config.max_replicas} and "
+                f"your tenant's max_workers={quota.max_workers} allow",
+            )
+            continue
         if count < floor:
             _add(
                 session,
