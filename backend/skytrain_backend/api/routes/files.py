@@ -54,8 +54,12 @@ def upload_file(
     settings: SettingsDep,
 ) -> FilePublic:
     """Upload JSONL, one trajectory per line; every line is validated before it is stored,
-    and its bytes count in your storage quota (403 past it) until you delete it."""
-    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
+    and its bytes count in your storage quota (403 past it, before anything is stored) until
+    you delete it."""
+    limits = tenants.limits_of(tenant, settings)
+    budget = tenants.storage_budget(session, tenant_id=tenant.id, limits=limits, what="this file")
+    session.commit()  # ends the read: no transaction is held while the file is read
+    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request, budget=budget)
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()
@@ -65,7 +69,7 @@ def upload_file(
                 session,
                 file_id=file_id,
                 tenant_id=tenant.id,
-                limits=tenants.limits_of(tenant, settings),
+                limits=limits,
                 num_trajectories=batch.num_trajectories,
                 size_bytes=batch.num_bytes,
             )
