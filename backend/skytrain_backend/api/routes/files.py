@@ -3,6 +3,7 @@ held in the tenant's storage quota until deleted."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Iterator
 from typing import Annotated
@@ -63,6 +64,8 @@ def upload_file(
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()
+        with batch.spool.view() as stored:
+            sha256 = hashlib.sha256(stored).hexdigest()  # for `skytrain storage check --read`
 
         def insert(_uri: str) -> FilePublic:
             row = uploaded_files.add_file(
@@ -72,6 +75,7 @@ def upload_file(
                 limits=limits,
                 num_trajectories=batch.num_trajectories,
                 size_bytes=batch.num_bytes,
+                sha256=sha256,
             )
             return _public(row)
 
