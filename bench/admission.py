@@ -11,7 +11,9 @@ then a pause of 20 ms):
 4. while --loops loops send random API keys from another client address (127.0.0.3).
 
 Printed: B's p50 and max in each phase, how many of its requests were answered (one at a time:
-a stall shows as few requests and a large max), and what the bursts got (statuses, answers/s).
+a stall shows as few requests and a large max), what the bursts got (statuses, answers/s), and
+the server's own figures over the phase from its metrics listener: the CPU seconds it used and
+the cyclic garbage collector's collections of each generation (young, middle, full).
 The bursts run in a process of their own, so B's requests do not queue behind their answers in
 its event loop; the server, the database and both clients share the machine's cores. Run it with
 another checkout's venv (`/path/to/other/.venv/bin/python bench/admission.py`) to measure that
@@ -37,7 +39,10 @@ from multiprocessing.queues import Queue
 from pathlib import Path
 
 import aiohttp
+import httpx
 import load
+import machine
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -127,7 +132,28 @@ def _phase(
     return b, burst
 
 
-def _line(label: str, b: Outcomes, burst: Outcomes, seconds: float) -> None:
+def _server_figures(metrics_url: str) -> dict[str, float]:
+    """The server process's CPU seconds and its collector's collections per generation."""
+    figures: dict[str, float] = {}
+    text = httpx.get(metrics_url, timeout=30).text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "process_cpu_seconds_total":
+                figures["cpu"] = sample.value
+            elif sample.name == "python_gc_collections_total":
+                figures[f"gc{sample.labels['generation']}"] = sample.value
+    return figures
+
+
+def _server_line(before: dict[str, float], after: dict[str, float]) -> str:
+    spent = {key: after[key] - before.get(key, 0.0) for key in after}
+    return (
+        f"server CPU {spent['cpu']:5.1f} s, collections {spent['gc0']:.0f} / {spent['gc1']:.0f}"
+        f" / {spent['gc2']:.0f}"
+    )
+
+
+def _line(label: str, b: Outcomes, burst: Outcomes, seconds: float, server: str) -> None:
     answers = (
         f"burst {burst.answered / seconds:5.0f} answers/s, statuses {dict(burst.statuses)}"
         f"{', failures ' + str(dict(burst.failures)) if burst.failures else ''}"
@@ -136,7 +162,8 @@ def _line(label: str, b: Outcomes, burst: Outcomes, seconds: float) -> None:
     )
     print(
         f"  {label:<34} B p50 {b.percentile_ms(0.5):7.1f} ms  max {1000 * max(b.latencies_s):7.1f}"
-        f" ms  ({b.answered} requests, statuses {dict(b.statuses)})  {answers}"
+        f" ms  ({b.answered} requests, statuses {dict(b.statuses)})  {answers}\n"
+        f"  {'':<34} {server}"
     )
 
 
@@ -147,7 +174,12 @@ def _tinker(key: str) -> Headers:
 
 def _run(label: str, env: dict[str, str], *, loops: int, seconds: float) -> None:
     with tempfile.TemporaryDirectory() as scratch:
-        service: Service = start_service({"SKYTRAIN_PROVIDER": "none", **env}, Path(scratch) / "h")
+        metrics_port = machine.free_port()
+        service: Service = start_service(
+            {"SKYTRAIN_PROVIDER": "none", "SKYTRAIN_METRICS_PORT": str(metrics_port), **env},
+            Path(scratch) / "h",
+        )
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
         try:
             b_key = service.key("b")
             keys = [service.key(f"burst{index}") for index in range(8)]
@@ -171,8 +203,10 @@ def _run(label: str, env: dict[str, str], *, loops: int, seconds: float) -> None
                 ),
             ]
             for name, bursts in phases:
+                before = _server_figures(metrics_url)
                 b, burst = _phase(service.url, b_key, bursts, seconds)
-                _line(name, b, burst, seconds)
+                server = _server_line(before, _server_figures(metrics_url))
+                _line(name, b, burst, seconds, server)
         finally:
             stop_service(service)
 

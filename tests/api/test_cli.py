@@ -164,3 +164,33 @@ def test_help_lists_the_commands() -> None:
     )
     assert "--tenant" in create.stdout
     assert "shown only once" in " ".join(create.stdout.split())
+
+
+def test_serve_takes_its_startup_heap_out_of_the_collectors_scans(tmp_path: Path) -> None:
+    """`serve` freezes what startup made before it takes requests: under bursts the cyclic
+    collector's full collections, each walking the whole heap of imported modules and the
+    app, took most of the server's time (bench/admission.py). Run in a process of its own, as
+    `serve` runs: the freeze is process-wide."""
+    code = (
+        "import gc\n"
+        "from skytrain_backend.app import create_app\n"
+        "from skytrain_backend.cli.control import freeze_startup_heap\n"
+        "create_app()\n"
+        "gc.collect()\n"
+        "tracked = len(gc.get_objects())\n"
+        "freeze_startup_heap()\n"
+        "print(tracked, gc.get_freeze_count(), len(gc.get_objects()), gc.get_threshold()[0])\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    tracked, frozen, still_scanned, young_threshold = map(int, result.stdout.split())
+    assert tracked > 50_000  # the imported modules and the app
+    assert frozen >= tracked
+    assert still_scanned < tracked // 100
+    assert young_threshold > 700  # CPython's default: a young collection every 700 allocations

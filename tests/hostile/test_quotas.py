@@ -16,10 +16,12 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 from tinker._client import AsyncTinker
@@ -32,7 +34,8 @@ from skytrain_backend.config import Settings, get_settings
 from skytrain_backend.db import api_keys, tenants
 from skytrain_backend.db.models import Model, TinkerRequest, TinkerSession
 from skytrain_backend.db.session import create_db_engine, session_factory
-from skytrain_backend.storage import keys, open_object_store
+from skytrain_backend.storage import ObjectWriter, keys, open_object_store
+from skytrain_backend.storage.local import LocalObjectStore
 from tests.api import support
 from tests.fixtures.services import MakeSettings
 from tests.gateway.conftest import serve_in_thread
@@ -47,6 +50,7 @@ class Plane:
     url: str
     settings: Settings
     sessions: sessionmaker[Session]
+    app: FastAPI
 
 
 @pytest.fixture(
@@ -60,8 +64,9 @@ def plane(
     home = tmp_path_factory.mktemp(f"quotas-{request.param}")
     settings = make_settings(database=request.param, home=home, model_cache_dir=home / "models")
     engine = create_db_engine(settings.resolved_database_url)
-    with serve_in_thread(create_app(settings)) as url:
-        yield Plane(url=url, settings=settings, sessions=session_factory(engine))
+    app = create_app(settings)
+    with serve_in_thread(app) as url:
+        yield Plane(url=url, settings=settings, sessions=session_factory(engine), app=app)
     engine.dispose()
 
 
@@ -500,6 +505,77 @@ def test_uploaded_files_count_in_the_storage_quota_and_deleting_one_frees_it(
             json={"model_id": model["id"], "training_data_url": uploaded["uri"]},
         )
         assert job.status_code == 404, job.text
+
+
+class _WriteWatchedStore(LocalObjectStore):
+    """The control plane's own store (its directory), noting each write begun in it (a put or
+    a writer opened): an observer of what reaches the store, not a fake."""
+
+    def __init__(self, root: Path, writes: list[str]) -> None:
+        super().__init__(root)
+        self._writes = writes
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._writes.append(key)
+        super().put_bytes(key, data)
+
+    def put_stream(self, key: str, stream: BinaryIO) -> None:
+        self._writes.append(key)
+        super().put_stream(key, stream)
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        self._writes.append(key)
+        return super().open_writer(key)
+
+
+def test_uploads_past_the_storage_quota_are_refused_before_they_reach_the_store(
+    plane: Plane, tenant: Callable[..., Who]
+) -> None:
+    """At its quota, a tenant's file, batch and jobs are refused without a write to the store
+    (a write then a delete each, before); near it, a file too big is refused as it is read."""
+    who = tenant(max_storage_bytes=30_000)
+    line = (json.dumps(support.sft_trajectory()) + "\n").encode()
+    writes: list[str] = []
+    with who.rest() as http:
+        model = _model(http)
+        assert http.post("/v1/files", files={"file": ("a.jsonl", line * 4)}).status_code == 201
+        held = who.stored_bytes()
+        real = plane.app.state.store
+        plane.app.state.store = _WriteWatchedStore(real.root, writes)
+        try:
+            too_big = http.post("/v1/files", files={"file": ("b.jsonl", line * 400)})
+            with plane.sessions() as session:
+                values = {"max_storage_bytes": held}
+                tenants.set_limits(session, tenant_name=who.name, values=values, reset=[])
+            at_quota = [
+                http.post("/v1/files", files={"file": ("c.jsonl", line)}),
+                http.post(
+                    f"/v1/models/{model['id']}/log", json={"trajectory_groups": [support.group()]}
+                ),
+                http.post(
+                    "/v1/training-jobs",
+                    json={"model_id": model["id"], "trajectory_groups": [support.group()]},
+                ),
+                http.post(
+                    "/v1/sft-training-jobs",
+                    json={"model_id": model["id"], "trajectories": [support.sft_trajectory()]},
+                ),
+            ]
+        finally:
+            plane.app.state.store = real
+    assert too_big.status_code == 403, too_big.text
+    assert too_big.json()["error"]["type"] == "quota_exceeded"
+    assert "this file takes at least" in too_big.json()["error"]["message"]
+    assert f"holds {held} of the 30000" in too_big.json()["error"]["message"]
+    for refused in at_quota:
+        assert refused.status_code == 403, refused.text
+        error = refused.json()["error"]
+        assert error["type"] == "quota_exceeded"
+        assert f"holds {held} of the {held} its storage quota allows" in error["message"]
+        assert "(max_storage_bytes)" in error["message"]
+    assert writes == []
+    assert who.stored_bytes() == held
+    assert len(who.objects()) == 1
 
 
 def _skytrain(who: Who, *args: str) -> str:

@@ -186,3 +186,39 @@ def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loadi
     assert checked.exit_code == 1, checked.stdout
     (line,) = [line for line in checked.stdout.splitlines() if checkpoint_id in line]
     assert "corrupt" in line
+
+
+def test_storage_check_lists_an_uploaded_file_cut_short_or_changed_after_its_upload(
+    who: Callable[[], Who],
+    lifecycle_store: LocalObjectStore,
+    lifecycle_settings: Settings,
+) -> None:
+    alice = who()
+    uploaded = [
+        alice.http.post(
+            "/v1/files", files={"file": (name, json.dumps(sft_trajectory()).encode())}
+        ).json()
+        for name in ("short.jsonl", "changed.jsonl")
+    ]
+    short, changed = (file["id"] for file in uploaded)
+    assert short not in run_cli(lifecycle_settings, "storage", "check", "--read").stdout
+    short_key, changed_key = (
+        keys.file_key(tenant_id=alice.tenant_id, file_id=file_id) for file_id in (short, changed)
+    )
+    whole = lifecycle_store.get_bytes(short_key)
+    lifecycle_store.put_bytes(short_key, whole[:10])
+    # Changed in place, the same size: only reading it back tells.
+    same_size = lifecycle_store.get_bytes(changed_key).replace(b'"4"', b'"5"')
+    lifecycle_store.put_bytes(changed_key, same_size)
+
+    checked = run_cli(lifecycle_settings, "storage", "check")
+    assert checked.exit_code == 1, checked.stdout
+    (line,) = [line for line in checked.stdout.splitlines() if short in line]
+    # kind, model, state, bytes recorded, bytes found
+    assert line.split()[1:7] == ["file", "-", "wrong", "size", str(len(whole)), "10"], line
+    assert changed not in checked.stdout
+
+    read = run_cli(lifecycle_settings, "storage", "check", "--read")
+    assert read.exit_code == 1, read.stdout
+    (line,) = [line for line in read.stdout.splitlines() if changed in line]
+    assert line.split()[1:4] == ["file", "-", "corrupt"], line

@@ -19,7 +19,8 @@ def storage_check(
     read: bool = typer.Option(
         False,
         "--read",
-        help="Also read every checkpoint file back and check its SHA-256 (slow: every byte).",
+        help="Also read every checkpoint file and uploaded file back and check its SHA-256 "
+        "(slow: every byte).",
     ),
     fix_usage: bool = typer.Option(
         False,
@@ -29,9 +30,10 @@ def storage_check(
 ) -> None:
     """List every row whose object is missing from the store or not the size recorded: each
     file of a live checkpoint (or, for rows committed before files were recorded, their
-    total), logged batches, the inputs of unfinished jobs and uploaded files (missing only).
-    Reads one listing per model and one per tenant with files; with --read, also each checkpoint file (``corrupt``: not the SHA-256 committed). Exits 1
-    when it finds any, so a cron job or a health check can alert on it.
+    total), logged batches, the inputs of unfinished jobs and uploaded files. Reads one
+    listing per model and one per tenant with files; with --read, also each checkpoint file
+    and uploaded file (``corrupt``: not the SHA-256 recorded). Exits 1 when it finds any, so a
+    cron job or a health check can alert on it.
 
     Also recounts each tenant's stored bytes (the running total its storage quota is checked
     against) from its rows and lists the tenants whose total differs; --fix-usage sets them

@@ -277,6 +277,9 @@ class UploadedFile(Base):
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     num_trajectories: Mapped[int]
     size_bytes: Mapped[int] = mapped_column(BigInteger)
+    # The SHA-256 of its bytes, hex (``storage check --read``); None for files uploaded before
+    # it was recorded (i38v).
+    sha256: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = _created_at()
 
 

@@ -240,27 +240,60 @@ def reserve_storage(
     row, however many the tenant holds) and add them to the total; the caller inserts the row
     that holds them and commits in the same transaction. ``QuotaExceeded`` (403) when they do
     not fit."""
-
-    def refusal(used: int) -> QuotaExceeded:
-        return QuotaExceeded(
-            f"{what} takes {adding} bytes and your tenant holds {used} of the "
-            f"{limits.max_storage_bytes} its storage quota allows (max_storage_bytes): delete "
-            "checkpoints (DELETE /v1/models/{id}/checkpoints), uploaded files "
-            "(DELETE /v1/files/{id}) or models you no longer need, or "
-            "ask the operator to raise it (`skytrain tenants limits TENANT --max-storage-bytes N`)",
-            limit="max_storage_bytes",
-        )
-
     enforce_quota(
         session,
         tenant_id=tenant_id,
         used=select(Tenant.storage_bytes).where(Tenant.id == tenant_id),
         adding=adding,
         allowed=limits.max_storage_bytes,
-        refusal=refusal,
+        refusal=lambda used: _storage_refusal(
+            limits=limits, what=what, takes=f"{adding} bytes", used=used
+        ),
     )
     if adding:
         _add_storage(session, tenant_id=tenant_id, delta=adding)
+
+
+def _storage_refusal(*, limits: TenantLimits, what: str, takes: str, used: int) -> QuotaExceeded:
+    return QuotaExceeded(
+        f"{what} takes {takes} and your tenant holds {used} of the "
+        f"{limits.max_storage_bytes} its storage quota allows (max_storage_bytes): delete "
+        "checkpoints (DELETE /v1/models/{id}/checkpoints), uploaded files "
+        "(DELETE /v1/files/{id}) or models you no longer need, or "
+        "ask the operator to raise it (`skytrain tenants limits TENANT --max-storage-bytes N`)",
+        limit="max_storage_bytes",
+    )
+
+
+@dataclass(frozen=True)
+class StorageBudget:
+    """The bytes a tenant held when an upload began, against its ``max_storage_bytes``: the
+    upload checks its size as it grows (``check``) and is refused as soon as it cannot fit,
+    before any of it is written to the store. Read without the tenant's lock, so it only
+    spares the store: ``reserve_storage``, in the transaction that records the upload, is
+    what holds when uploads race."""
+
+    used: int
+    limits: TenantLimits
+    what: str
+
+    def check(self, size: int) -> None:
+        """``QuotaExceeded`` (403) if an upload of at least ``size`` bytes cannot fit."""
+        if self.used + size > self.limits.max_storage_bytes:
+            takes = f"at least {size} byte{'s' if size > 1 else ''}"
+            raise _storage_refusal(limits=self.limits, what=self.what, takes=takes, used=self.used)
+
+
+def storage_budget(
+    session: Session, *, tenant_id: str, limits: TenantLimits, what: str
+) -> StorageBudget:
+    """What the tenant may still store (``what``: "this file", ...), for an upload to check
+    before its bytes reach the store; ``QuotaExceeded`` at once for a tenant already at its
+    quota (an upload holds at least one byte)."""
+    used = int(session.scalar(select(Tenant.storage_bytes).where(Tenant.id == tenant_id)) or 0)
+    budget = StorageBudget(used=used, limits=limits, what=what)
+    budget.check(1)
+    return budget
 
 
 @dataclass(frozen=True)

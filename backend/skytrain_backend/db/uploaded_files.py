@@ -20,14 +20,20 @@ def add_file(
     limits: tenants.TenantLimits,
     num_trajectories: int,
     size_bytes: int,
+    sha256: str,
 ) -> UploadedFile:
-    """Record a file whose object is written, its bytes taken from the tenant's storage quota
-    (``QuotaExceeded`` when they do not fit); the caller commits."""
+    """Record a file whose object is written (``size_bytes`` of SHA-256 ``sha256``), its bytes
+    taken from the tenant's storage quota (``QuotaExceeded`` when they do not fit); the caller
+    commits."""
     tenants.reserve_storage(
         session, tenant_id=tenant_id, limits=limits, adding=size_bytes, what="this file"
     )
     row = UploadedFile(
-        id=file_id, tenant_id=tenant_id, num_trajectories=num_trajectories, size_bytes=size_bytes
+        id=file_id,
+        tenant_id=tenant_id,
+        num_trajectories=num_trajectories,
+        size_bytes=size_bytes,
+        sha256=sha256,
     )
     session.add(row)
     session.flush()

@@ -8,8 +8,8 @@ would otherwise go unnoticed until a model failed to load.
 - ``checkpoint_files``: the files of a checkpoint as a reader gets them, or ``ObjectDamaged``
   naming the checkpoint when what the store holds is not what was committed.
 - ``check_storage``: every row of the database checked against the store, for the operator
-  (``skytrain storage check``). One listing per model prefix; with ``read``, each recorded
-  checkpoint file read back and hashed.
+  (``skytrain storage check``). One listing per model prefix and per tenant with files; with
+  ``read``, each recorded checkpoint file and uploaded file read back and hashed.
 """
 
 from __future__ import annotations
@@ -111,8 +111,9 @@ def checkpoint_files(
 def check_storage(session: Session, *, store: ObjectStore, read: bool = False) -> Iterator[Problem]:
     """Every live checkpoint, logged batch and unfinished job's input whose object is
     missing or not the size recorded, model by model, then every uploaded file whose object is
-    missing, tenant by tenant; with ``read``, also every checkpoint file whose SHA-256 is not
-    the one committed (each file read back). No transaction is open while the store works."""
+    missing or not the size recorded, tenant by tenant; with ``read``, also every checkpoint
+    file and uploaded file whose SHA-256 is not the one recorded (each read back). No
+    transaction is open while the store works."""
     models = session.execute(select(Model.id, Model.tenant_id).order_by(Model.created_at)).all()
     for model_id, tenant_id in models:
         checkpoints = [
@@ -157,20 +158,32 @@ def check_storage(session: Session, *, store: ObjectStore, read: bool = False) -
             key = keys.job_input_key(tenant_id=tenant_id, model_id=model_id, job_id=job_id)
             if key not in stored:
                 yield Problem("job input", job_id, model_id, key, "missing")
-    yield from _uploaded_files(session, store=store)
+    yield from _uploaded_files(session, store=store, read=read)
 
 
-def _uploaded_files(session: Session, *, store: ObjectStore) -> Iterator[Problem]:
-    files: defaultdict[str, list[str]] = defaultdict(list)
-    for file_id, tenant_id in session.execute(select(UploadedFile.id, UploadedFile.tenant_id)):
-        files[tenant_id].append(file_id)
+def _uploaded_files(session: Session, *, store: ObjectStore, read: bool) -> Iterator[Problem]:
+    """Each uploaded file whose object is missing or not the size recorded; with ``read``, also
+    each one whose bytes are not the SHA-256 recorded at upload (where one was)."""
+    files: defaultdict[str, list[tuple[str, int, str | None]]] = defaultdict(list)
+    for file_id, tenant_id, size_bytes, sha256 in session.execute(
+        select(
+            UploadedFile.id, UploadedFile.tenant_id, UploadedFile.size_bytes, UploadedFile.sha256
+        )
+    ):
+        files[tenant_id].append((file_id, size_bytes, sha256))
     session.rollback()
-    for tenant_id, file_ids in files.items():
-        stored = {info.key for info in store.list(keys.files_prefix(tenant_id))}
-        for file_id in file_ids:
+    for tenant_id, rows in files.items():
+        stored = {info.key: info.size for info in store.list(keys.files_prefix(tenant_id))}
+        for file_id, size_bytes, sha256 in rows:
             key = keys.file_key(tenant_id=tenant_id, file_id=file_id)
-            if key not in stored:
-                yield Problem("file", file_id, "", key, "missing")
+            size = stored.get(key)
+            problem = Problem("file", file_id, "", key, "", size_bytes, size)
+            if size is None:
+                yield replace(problem, state="missing")
+            elif size != size_bytes:
+                yield replace(problem, state="wrong size")
+            elif read and sha256 is not None and store.digest(key).sha256 != sha256:
+                yield replace(problem, state="corrupt")
 
 
 def _checkpoint(

@@ -27,6 +27,7 @@ from skytrain_backend.api.ingest.body import (
     check_count,
     parse_trajectory,
 )
+from skytrain_backend.db.tenants import StorageBudget
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import (
     TrajectoryGroup,
@@ -49,10 +50,15 @@ class IngestBatch:
     straight to the store as they are made (on S3, past 16 MiB compressed, a multipart upload
     in a thread, beside the validation), and nothing is visible at the key until
     ``store_then_commit`` commits it. ``close`` drops whatever was not committed.
+
+    With a ``budget`` (the tenant's storage quota as the upload began), a batch that grows
+    past what the tenant may still store is refused (403) before its line is written: a
+    tenant at its quota costs the store nothing.
     """
 
-    def __init__(self, *, limit: int) -> None:
+    def __init__(self, *, limit: int, budget: StorageBudget | None = None) -> None:
         self.limit = limit
+        self.budget = budget
         self.spool = Spool()
         self.writer: ObjectWriter | None = None
         self.num_items = 0
@@ -84,6 +90,8 @@ class IngestBatch:
             line = item.model_dump_json().encode() + b"\n"
         else:
             line = _ENCODER.encode(item) + b"\n"
+        if self.budget is not None:
+            self.budget.check(self.num_bytes + len(line))
         self.num_bytes += len(line)
         self.output.write(line)
 

@@ -3,6 +3,7 @@ held in the tenant's storage quota until deleted."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterable, Iterator
 from typing import Annotated
@@ -54,20 +55,27 @@ def upload_file(
     settings: SettingsDep,
 ) -> FilePublic:
     """Upload JSONL, one trajectory per line; every line is validated before it is stored,
-    and its bytes count in your storage quota (403 past it) until you delete it."""
-    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
+    and its bytes count in your storage quota (403 past it, before anything is stored) until
+    you delete it."""
+    limits = tenants.limits_of(tenant, settings)
+    budget = tenants.storage_budget(session, tenant_id=tenant.id, limits=limits, what="this file")
+    session.commit()  # ends the read: no transaction is held while the file is read
+    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request, budget=budget)
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()
+        with batch.spool.view() as stored:
+            sha256 = hashlib.sha256(stored).hexdigest()  # for `skytrain storage check --read`
 
         def insert(_uri: str) -> FilePublic:
             row = uploaded_files.add_file(
                 session,
                 file_id=file_id,
                 tenant_id=tenant.id,
-                limits=tenants.limits_of(tenant, settings),
+                limits=limits,
                 num_trajectories=batch.num_trajectories,
                 size_bytes=batch.num_bytes,
+                sha256=sha256,
             )
             return _public(row)
 

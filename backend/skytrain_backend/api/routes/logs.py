@@ -68,6 +68,7 @@ def _log(
     store: ObjectStore,
     settings: Settings,
 ) -> TrajectoryBatchPublic:
+    limits = tenants.limits_of(tenant, settings)
     batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
     summary = ingest.Summary()
     try:
@@ -76,6 +77,9 @@ def _log(
                 buffer, schema=LogCreate, list_field="trajectory_groups"
             )
             model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
+            batch.budget = tenants.storage_budget(
+                session, tenant_id=tenant.id, limits=limits, what="this batch"
+            )
             session.commit()  # ends the read: no connection is held while the batch streams
             batch_id = new_id()
             key = keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch_id)
@@ -95,7 +99,7 @@ def _log(
             tenants.reserve_storage(
                 session,
                 tenant_id=tenant.id,
-                limits=tenants.limits_of(tenant, settings),
+                limits=limits,
                 adding=batch.num_bytes,
                 what="this batch",
             )

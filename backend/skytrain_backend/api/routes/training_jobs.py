@@ -48,7 +48,7 @@ from skytrain_backend.api.schemas import (
 from skytrain_backend.config import Settings
 from skytrain_backend.db import checkpoints, jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
-from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_storage
+from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_storage, storage_budget
 from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.observability import logs, metrics
 from skytrain_backend.protocol import (
@@ -384,6 +384,7 @@ def _queue_job(
     scheduler: Scheduler,
 ) -> TrainingJobPublic:
     """Validate the body, stream its batch to the store and record the job ``queued``."""
+    limits = limits_of(tenant, settings)
     batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
     try:
         with body.view() as buffer:
@@ -391,6 +392,9 @@ def _queue_job(
             model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
             _check_servable(session, model=model, settings=settings)
             config = job.config(request, items, session=session, model=model)
+            batch.budget = storage_budget(
+                session, tenant_id=tenant.id, limits=limits, what="this job's trajectories"
+            )
             session.commit()  # ends the read: no connection is held while the batch streams
             job_id = new_id()
             batch.stream_to(store, _input_key(model, job_id))
@@ -407,7 +411,7 @@ def _queue_job(
             max_attempts=settings.job_max_attempts,
             scheduler=scheduler,
             job_id=job_id,
-            limits=limits_of(tenant, settings),
+            limits=limits,
             max_workers=settings.launched_workers_limit,
         )
         public.too_long = job.too_long()
