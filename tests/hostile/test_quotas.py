@@ -499,6 +499,15 @@ def test_uploaded_files_count_in_the_storage_quota_and_deleting_one_frees_it(
         assert http.get("/v1/files").json()["data"] == []
         again = http.delete(f"/v1/files/{uploaded['id']}")
         assert again.status_code == 404 and uploaded["id"] in again.text
+        # A file uploaded before files had rows (migration i38u): no row, but the tenant's.
+        with who.plane.sessions() as session:
+            tenant_id = tenants.get_tenant_by_name(session, name=who.name).id
+        store = open_object_store(who.plane.settings.resolved_object_store_url, who.plane.settings)
+        legacy = uuid.uuid4().hex
+        store.put_bytes(keys.file_key(tenant_id=tenant_id, file_id=legacy), line)
+        assert http.delete(f"/v1/files/{legacy}").status_code == 204
+        assert [key for key in who.objects() if "/files/" in key] == []
+        assert http.delete(f"/v1/files/{legacy}").status_code == 404
         model = _model(http)
         job = http.post(
             "/v1/sft-training-jobs",
