@@ -42,7 +42,8 @@ from skytrain_backend.api.admission.tenant_load import TenantLoads
 from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.longpoll import Waiting
 from skytrain_backend.config import Settings
-from skytrain_backend.db.models import Tenant
+from skytrain_backend.db import workers
+from skytrain_backend.db.models import Tenant, Worker
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.db.pages import PageRequest
 from skytrain_backend.errors import AuthenticationFailed
@@ -152,44 +153,25 @@ class SessionRoute(APIRoute):
         super().__init__(path, _closing_sessions(endpoint), **kwargs)
 
 
-async def get_store(request: Request) -> ObjectStore:
-    store: ObjectStore = request.app.state.store
-    return store
+def app_state(name: str) -> Callable[[Request], Any]:
+    """A dependency that hands a route ``app.state.<name>``, one the lifespan put there."""
 
+    async def get(request: Request) -> Any:
+        return getattr(request.app.state, name)
 
-async def get_scheduler(request: Request) -> Scheduler:
-    scheduler: Scheduler = request.app.state.scheduler
-    return scheduler
-
-
-async def get_notifier(request: Request) -> Notifier:
-    notifier: Notifier = request.app.state.notifier
-    return notifier
-
-
-async def get_waiting(request: Request) -> Waiting:
-    waiting: Waiting = request.app.state.waiting
-    return waiting
-
-
-async def get_gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
-
-
-async def get_worker_package(request: Request) -> WorkerPackage:
-    worker_package: WorkerPackage = request.app.state.worker_package
-    return worker_package
+    return get
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
-StoreDep = Annotated[ObjectStore, Depends(get_store)]
-SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
-NotifierDep = Annotated[Notifier, Depends(get_notifier)]
-WaitingDep = Annotated[Waiting, Depends(get_waiting)]
-GatewayDep = Annotated[Gateway, Depends(get_gateway)]
-PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
+StoreDep = Annotated[ObjectStore, Depends(app_state("store"))]
+SchedulerDep = Annotated[Scheduler, Depends(app_state("scheduler"))]
+NotifierDep = Annotated[Notifier, Depends(app_state("notifier"))]
+WaitingDep = Annotated[Waiting, Depends(app_state("waiting"))]
+GatewayDep = Annotated[Gateway, Depends(app_state("gateway"))]
+PackageDep = Annotated[WorkerPackage, Depends(app_state("worker_package"))]
+AuthenticatorDep = Annotated[Authenticator, Depends(app_state("authenticator"))]
+RestLoadsDep = Annotated[TenantLoads, Depends(app_state("rest_loads"))]
 
 
 # The bearer key as sent; routes that authenticate in their own session (the inference
@@ -197,18 +179,23 @@ PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
 CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-async def get_authenticator(request: Request) -> Authenticator:
-    authenticator: Authenticator = request.app.state.authenticator
-    return authenticator
+# A worker's token (``swt-...``) or an operator's join token (``swj-...``), as sent.
+WorkerCredentialsDep = Annotated[
+    HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))
+]
 
 
-async def get_rest_loads(request: Request) -> TenantLoads:
-    loads: TenantLoads = request.app.state.rest_loads
-    return loads
+async def get_worker(session: SessionDep, credentials: WorkerCredentialsDep) -> Worker:
+    """The token's worker, attached to the request's session (the route changes it), whose
+    connection went back to the pool in the lookup's thread."""
+    if credentials is None:
+        raise AuthenticationFailed("no worker token: send 'Authorization: Bearer swt-...'")
+    return await in_thread(
+        session, workers.authenticate_worker, session, token=credentials.credentials
+    )
 
 
-AuthenticatorDep = Annotated[Authenticator, Depends(get_authenticator)]
-RestLoadsDep = Annotated[TenantLoads, Depends(get_rest_loads)]
+WorkerDep = Annotated[Worker, Depends(get_worker)]
 
 
 @asynccontextmanager

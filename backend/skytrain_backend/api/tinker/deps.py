@@ -5,21 +5,16 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Path, Request
+from fastapi import Depends, Path
 from sqlalchemy.orm import Session
 
+from skytrain_backend.api.deps import app_state
 from skytrain_backend.api.tinker.service import TinkerService
 from skytrain_backend.db import tinker_rows
 from skytrain_backend.db.models import Tenant, TinkerRun
 from skytrain_backend.ranges import NO_NUL_PATTERN
 
-
-async def get_tinker(request: Request) -> TinkerService:
-    tinker: TinkerService = request.app.state.tinker
-    return tinker
-
-
-TinkerDep = Annotated[TinkerService, Depends(get_tinker)]
+TinkerDep = Annotated[TinkerService, Depends(app_state("tinker"))]
 
 # An id in the path: refused (400) before it reaches SQL if it holds NUL or is too long.
 PathId = Annotated[str, Path(min_length=1, max_length=256, pattern=NO_NUL_PATTERN)]

@@ -22,10 +22,10 @@ from skytrain_backend.api.deps import (
     SettingsDep,
     StoreDep,
     WaitS,
+    WorkerDep,
     in_thread,
 )
 from skytrain_backend.api.longpoll import long_poll
-from skytrain_backend.api.routes.worker import WorkerDep
 from skytrain_backend.api.tinker.deps import TinkerDep
 from skytrain_backend.db import notify
 from skytrain_backend.db.models import Model, Worker
