@@ -26,6 +26,7 @@ import inspect
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 import anyio
@@ -198,52 +199,60 @@ async def get_worker(session: SessionDep, credentials: WorkerCredentialsDep) -> 
 WorkerDep = Annotated[Worker, Depends(get_worker)]
 
 
-@asynccontextmanager
-async def _admitted_here(
-    request: Request,
-    key: str,
-    *,
-    authenticator: Authenticator,
-    loads: TenantLoads,
-    settings: Settings,
-) -> AsyncIterator[Tenant]:
-    """The key's tenant, its request counted in (``rest_admission.admit``) while the block
-    runs: for a request ``RestAdmission`` did not admit."""
-    tenant, release = await rest_admission.admit(
-        key,
-        authenticator=authenticator,
-        loads=loads,
-        settings=settings,
-        client=rest_admission.client_address(request.scope),
-    )
-    try:
-        yield tenant
-    finally:
-        release()
+@dataclass(frozen=True)
+class _Admission:
+    """What admits a request that ``RestAdmission`` did not admit before routing."""
+
+    request: Request
+    authenticator: Authenticator
+    loads: TenantLoads
+    settings: Settings
+
+    @asynccontextmanager
+    async def tenant(
+        self, key: str | None, *, missing: str, prefix: str = ""
+    ) -> AsyncIterator[Tenant]:
+        """The key's tenant (``prefix`` taken off the key), its request counted in
+        (``rest_admission.admit``) while the block runs; AuthenticationFailed(``missing``)
+        with no key."""
+        tenant = rest_admission.admitted(self.request.scope)
+        if tenant is not None:
+            yield tenant
+            return
+        if not key:
+            raise AuthenticationFailed(missing)
+        tenant, release = await rest_admission.admit(
+            key.removeprefix(prefix),
+            authenticator=self.authenticator,
+            loads=self.loads,
+            settings=self.settings,
+            client=rest_admission.client_address(self.request.scope),
+        )
+        try:
+            yield tenant
+        finally:
+            release()
 
 
-async def get_tenant(
+async def _admission(
     request: Request,
-    credentials: CredentialsDep,
     authenticator: AuthenticatorDep,
     loads: RestLoadsDep,
     settings: SettingsDep,
+) -> _Admission:
+    return _Admission(request, authenticator, loads, settings)
+
+
+_AdmissionDep = Annotated[_Admission, Depends(_admission)]
+
+
+async def get_tenant(
+    admission: _AdmissionDep, credentials: CredentialsDep
 ) -> AsyncIterator[Tenant]:
     """The key's tenant, its request counted against its REST requests until answered: by
     ``RestAdmission`` before routing (every ``/v1`` route), else here."""
-    tenant = rest_admission.admitted(request.scope)
-    if tenant is not None:
-        yield tenant
-        return
-    if credentials is None:
-        raise AuthenticationFailed(NO_KEY)
-    async with _admitted_here(
-        request,
-        credentials.credentials,
-        authenticator=authenticator,
-        loads=loads,
-        settings=settings,
-    ) as tenant:
+    key = credentials.credentials if credentials else None
+    async with admission.tenant(key, missing=NO_KEY) as tenant:
         yield tenant
 
 
@@ -251,32 +260,18 @@ TenantDep = Annotated[Tenant, Depends(get_tenant)]
 
 
 async def get_tinker_tenant(
-    request: Request,
+    admission: _AdmissionDep,
     credentials: CredentialsDep,
-    authenticator: AuthenticatorDep,
-    loads: RestLoadsDep,
-    settings: SettingsDep,
     x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> AsyncIterator[Tenant]:
     """The tenant of the Tinker SDK's key ("tml-" + a skytrain key, sent as X-API-Key; or a
     bearer key), admitted as ``get_tenant`` admits a REST request."""
-    tenant = rest_admission.admitted(request.scope)
-    if tenant is not None:
-        yield tenant
-        return
+    missing = (
+        "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
+        "(`skytrain keys create --tenant NAME --tinker` prints it)"
+    )
     key = x_api_key or (credentials.credentials if credentials else None)
-    if not key:
-        raise AuthenticationFailed(
-            "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
-            "(`skytrain keys create --tenant NAME --tinker` prints it)"
-        )
-    async with _admitted_here(
-        request,
-        key.removeprefix(TINKER_KEY_PREFIX),
-        authenticator=authenticator,
-        loads=loads,
-        settings=settings,
-    ) as tenant:
+    async with admission.tenant(key, missing=missing, prefix=TINKER_KEY_PREFIX) as tenant:
         yield tenant
 
 
