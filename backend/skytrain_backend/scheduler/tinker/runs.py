@@ -313,10 +313,7 @@ def submit(
     )
     if refused is not None:
         row.params = {**params, REFUSED: True}
-        row.status = "failed"
-        row.error = refused
-        row.error_category = "user"
-        row.finished_at = utcnow()
+        fail_operation(row, refused, category="user")
     elif body is not None:
         # The body (up to the request limit) goes to the store with no transaction open and
         # no connection held; the run is checked again after. An object whose row never
@@ -366,6 +363,17 @@ def _params(operation: TinkerOperation) -> dict[str, object]:
     if operation.params is None:
         return {}
     return operation.params.model_dump(mode="json", exclude_none=True)
+
+
+def fail_operation(row: TinkerRequest, error: str, *, category: str) -> None:
+    """Mark an operation failed with ``error`` (``category``: whose fault, "user" or "server"),
+    unless it is finished already."""
+    if row.status in FINISHED:
+        return
+    row.status = "failed"
+    row.error = error
+    row.error_category = category
+    row.finished_at = utcnow()
 
 
 def was_refused(row: TinkerRequest) -> bool:
