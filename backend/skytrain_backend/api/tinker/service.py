@@ -142,11 +142,10 @@ class TinkerService:
     def submit(
         self,
         session: Session,
-        store: ObjectStore,
-        *,
         run: TinkerRun,
         seq_id: int | None,
         operation: TinkerOperation,
+        *,
         refused: str | None = None,
         body: bytes | None = None,
     ) -> schemas.UntypedAPIFuture:
@@ -154,7 +153,7 @@ class TinkerService:
         failed, ``refused`` saying why), its future answered, the run's worker told."""
         row = runs.submit(
             session,
-            store=store,
+            store=self._store,
             limits=limits_of(session.get_one(Tenant, run.tenant_id), self.settings),
             run=run,
             seq_id=seq_id,
