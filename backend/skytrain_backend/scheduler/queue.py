@@ -436,6 +436,13 @@ def complete_job(
     staged = keys.model_prefix(tenant_id=tenant_id, model_id=model_id) + f"jobs/{job.id}/"
     attempt_prefix = _staged_prefix(job, tenant_id=tenant_id, attempt=attempt)
     session.rollback()  # the row lock and the connection go back before the store works
+
+    def fail_commit(error: str) -> None:
+        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+        _fail_commit(
+            session, store=store, job=job, step=step, prefixes=(prefix, staged), error=error
+        )
+
     try:
         check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
         total = copy_staged(
@@ -450,17 +457,11 @@ def complete_job(
             f"{job_id}; nothing was committed: retry ({exc.message})"
         ) from exc
     except StorageError as exc:
-        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
-        logger.error("committing step %d of job %s failed: %s", step, job.id, exc.message)
-        _fail_commit(
-            session,
-            store=store,
-            job=job,
-            step=step,
-            prefixes=(prefix, staged),
-            error=f"the object store failed while saving the checkpoint of step {step}, so "
+        logger.error("committing step %d of job %s failed: %s", step, job_id, exc.message)
+        fail_commit(
+            f"the object store failed while saving the checkpoint of step {step}, so "
             "nothing was committed: submit the job again (the operator's log has the store's "
-            "error)",
+            "error)"
         )
         raise StorageError(
             f"the object store failed while committing step {step} of job {job_id}; the job "
@@ -479,15 +480,7 @@ def complete_job(
             what=f"the checkpoint of step {step} of job {job_id}",
         )
     except QuotaExceeded as exc:
-        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
-        _fail_commit(
-            session,
-            store=store,
-            job=job,
-            step=step,
-            prefixes=(prefix, staged),
-            error=f"nothing was committed: {exc.message}; then submit the job again",
-        )
+        fail_commit(f"nothing was committed: {exc.message}; then submit the job again")
         raise
     # The lease is checked again: a worker whose lease was lost while the files were copied
     # commits nothing (LeaseLost); what it copied lies in its own directory, for the sweep.
