@@ -400,15 +400,7 @@ def complete(
     checkpoint = metrics.timed_phase(
         "commit",
         lambda: queue.complete_job(
-            session,
-            store=store,
-            worker=worker,
-            job_id=job_id,
-            attempt=body.attempt,
-            step=body.step,
-            metrics=body.metrics,
-            files=body.files,
-            settings=settings,
+            session, body, store=store, worker=worker, job_id=job_id, settings=settings
         ),
     )
     metrics.record_job_completion(body.metrics)
@@ -419,15 +411,7 @@ def complete(
 def fail(
     job_id: str, body: JobFailure, worker: WorkerDep, session: SessionDep, scheduler: SchedulerDep
 ) -> JobFailed:
-    job = queue.fail_job(
-        session,
-        worker=worker,
-        job_id=job_id,
-        attempt=body.attempt,
-        error_message=body.error_message,
-        retryable=body.retryable,
-        cancelled=body.cancelled,
-    )
+    job = queue.fail_job(session, body, worker=worker, job_id=job_id)
     scheduler.wake()
     return JobFailed(status=job.status)
 
@@ -443,15 +427,7 @@ def preempt(
 ) -> JobPreempted:
     """Hand back a job asked to yield, its state saved in the attempt's staged files: it is
     queued again behind the job it yielded to, and resumes from that state."""
-    job = queue.preempt_job(
-        session,
-        store=store,
-        worker=worker,
-        job_id=job_id,
-        attempt=body.attempt,
-        steps_done=body.steps_done,
-        files=body.files,
-    )
+    job = queue.preempt_job(session, body, store=store, worker=worker, job_id=job_id)
     scheduler.wake()
     return JobPreempted(status=job.status)
 
