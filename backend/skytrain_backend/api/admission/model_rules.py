@@ -31,25 +31,28 @@ from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, ModelConfigUnavailable
 from skytrain_backend.json_types import JSONObject
 from skytrain_backend.planning import choose_worker_gpu, experts, find_model_config
+from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.provision.base import Provider
 from skytrain_backend.scheduler import placement, ranks
+from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.model_configs import ModelConfigs
 
 
 def check_new_model(
     session: Session,
-    *,
     tenant: Tenant,
-    settings: Settings,
     base_model: str,
-    lora_rank: int,
-    provider: Provider | None,
-    configs: ModelConfigs,
+    config: ModelConfig,
+    *,
+    settings: Settings,
+    scheduler: Scheduler,
     tinker_training: bool = False,
 ) -> TenantLimits:
-    """Refuse (``InvalidRequest``, ``FitsNoGpu``) a base model or LoRA rank the tenant may not
-    use (``tinker_training``: for a Tinker training run); the tenant's limits, whose
-    ``max_models`` the creation then enforces."""
+    """Refuse (``InvalidRequest``, ``FitsNoGpu``) a base model or LoRA rank (``config``'s)
+    the tenant may not use (``tinker_training``: for a Tinker training run), planned for the
+    scheduler's provider with its cache of configs; the tenant's limits, whose ``max_models``
+    the creation then enforces."""
+    lora_rank, provider, configs = config.lora_rank, scheduler.provider, scheduler.configs
     check_base_model(base_model, allowed_dirs=settings.resolved_base_model_dirs)
     ranks.check_lora_rank(
         session,

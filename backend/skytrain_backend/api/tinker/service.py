@@ -185,12 +185,11 @@ class TinkerService:
         )
         limits = check_new_model(
             session,
-            tenant=tenant,
+            tenant,
+            base_model,
+            model_config,
             settings=self.settings,
-            base_model=base_model,
-            lora_rank=model_config.lora_rank,
-            provider=scheduler.provider,
-            configs=scheduler.configs,
+            scheduler=scheduler,
             tinker_training=True,
         )
         metadata_bytes(user_metadata, limits=limits, field="user_metadata")
