@@ -150,18 +150,17 @@ def create_model(
     )
     # An unseeded adapter gets a seed now: a rebuilt state must start from the same weights.
     seed = lora.seed if lora.seed is not None else uuid.uuid4().int % 2**31
-    return tinker.create_run(
-        session,
-        tenant=tenant,
-        scheduler=scheduler,
-        session_id=body.session_id,
-        model_seq_id=body.model_seq_id,
-        base_model=body.base_model,
-        model_config=config,
-        lora=lora,
-        user_metadata=body.user_metadata,
-        creation=CreationOperation(kind="create_model", params=CreationParams(seed=seed)),
+    creation = CreationOperation(kind="create_model", params=CreationParams(seed=seed))
+    new = runs.NewRun(
+        body.session_id,
+        body.model_seq_id,
+        body.base_model,
+        config,
+        lora,
+        body.user_metadata,
+        creation,
     )
+    return tinker.create_run(session, new, tenant=tenant, scheduler=scheduler)
 
 
 @router.post("/get_info")
