@@ -240,10 +240,4 @@ def load_weights(trainer: Trainer, directory: Path, *, with_optimizer: bool) -> 
     )
     optimizer_path = directory / OPTIMIZER_STATE
     if with_optimizer and optimizer_path.is_file():
-        state = torch.load(optimizer_path, map_location=trainer.policy.device, weights_only=True)
-        try:
-            trainer.optimizer.load_state_dict(state)
-        except ValueError as exc:
-            raise TrainingError(
-                f"the optimizer state of this checkpoint does not fit the adapter ({exc})"
-            ) from exc
+        trainer.load_optimizer(optimizer_path)

@@ -268,12 +268,17 @@ class Trainer:
                 "cannot resume where it stopped (a fresh optimizer would take a different "
                 "step): delete that checkpoint to train on from the one before it"
             )
-        state = torch.load(optimizer_path, map_location=self.policy.device, weights_only=True)
+        self.load_optimizer(optimizer_path)
+
+    def load_optimizer(self, path: Path) -> None:
+        """Load the optimizer's state from ``path`` (TrainingError when it does not fit the
+        adapter)."""
+        state = torch.load(path, map_location=self.policy.device, weights_only=True)
         try:
             self.optimizer.load_state_dict(state)
         except ValueError as exc:
             raise TrainingError(
-                f"the optimizer state in {optimizer_path} does not fit this adapter ({exc})"
+                f"the optimizer state in {path.name} does not fit this adapter ({exc})"
             ) from exc
 
     def save(self, directory: Path) -> None:
