@@ -75,15 +75,7 @@ class WorkerAgent:
         self._placements: dict[str, _Placement] = {}
         self._placements_asked_at = 0.0
         self._stopping = asyncio.Event()
-        self._host = EngineHost(
-            control_plane=control_plane,
-            engine=engine,
-            engine_process=engine_process,
-            work_dir=options.work_dir,
-            sleep_during_training=options.sleep_engine_during_training,
-            sleep_wait_s=options.engine_sleep_wait_s,
-            sleep_timeout_s=options.engine_sleep_timeout_s,
-        )
+        self._host = EngineHost(control_plane, engine, engine_process, options)
         self._host.on_asleep = self._send_heartbeat
         self._jobs = JobRunner(
             control_plane=control_plane,
