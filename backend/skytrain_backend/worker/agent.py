@@ -86,16 +86,7 @@ class WorkerAgent:
         )
         self.worker_id: str | None = None
         self._heartbeat_interval_s = 2.0
-        self._tinker = TinkerExecutor(
-            control_plane=control_plane,
-            adapters=self._host,
-            work_dir=options.work_dir,
-            device=options.device,
-            trainer_options=options.trainer_options,
-            trainer_shards=options.trainer_shards,
-            max_runs=options.tinker_max_runs,
-            wait_s=options.job_wait_s,
-        )
+        self._tinker = TinkerExecutor(control_plane, self._host, options)
 
     async def run(self) -> None:
         options = self._options
