@@ -31,13 +31,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import load
 import machine
 
 from skytrain_backend import hub
@@ -70,32 +69,6 @@ def _engine_connections(connections_file: Path) -> int:
     """The TCP connections the engine has accepted so far (``counting_engine.py`` appends a byte
     to the file for each)."""
     return connections_file.stat().st_size
-
-
-@contextmanager
-def _process(
-    argv: list[str], env: dict[str, str], health_url: str, log: Path
-) -> Iterator[subprocess.Popen[bytes]]:
-    with open(log, "wb") as out:
-        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{argv[1:3]} did not start:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(health_url, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        yield process
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 @dataclass(frozen=True)
@@ -262,8 +235,10 @@ def main() -> None:
         engine_argv += ["--api-key", secret, "--max-num-seqs", "64"]
         plane_argv = [SKYTRAIN, "serve", "--port", str(plane_port)]
         with (
-            _process(engine_argv, env, f"{engine_url}/health", home / "engine.log") as engine,
-            _process(plane_argv, env, f"{plane_url}/health", home / "control-plane.log") as plane,
+            load.served(engine_argv, env, f"{engine_url}/health", home / "engine.log") as engine,
+            load.served(
+                plane_argv, env, f"{plane_url}/health", home / "control-plane.log"
+            ) as plane,
         ):
             key = subprocess.run(
                 [SKYTRAIN, "keys", "create", "--tenant", "bench"],

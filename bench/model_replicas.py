@@ -33,11 +33,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import load
 import machine
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
@@ -86,30 +86,6 @@ def _engine_main(port: int, secret: str, latency_s: float, slots: int) -> None:
         )
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
-
-
-@contextmanager
-def _process(argv: list[str], env: dict[str, str], health: str, log: Path) -> Iterator[int]:
-    with open(log, "wb") as out:
-        process = subprocess.Popen(argv, env=env, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            if process.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"{argv[1:3]} did not start:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(health, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield process.pid
-    finally:
-        process.terminate()
-        try:
-            process.wait(30)
-        except subprocess.TimeoutExpired:
-            process.kill()
 
 
 async def _load(
@@ -182,16 +158,18 @@ def main() -> None:
             argv = [sys.executable, __file__, "--engine", str(port), "--secret", secret]
             argv += ["--latency-s", str(args.latency_s), "--slots", str(args.slots)]
             url = f"http://127.0.0.1:{port}"
-            stack.enter_context(_process(argv, env, f"{url}/health", home / f"engine{i}.log"))
+            log = home / f"engine{i}.log"
+            stack.enter_context(load.served(argv, env, f"{url}/health", log, timeout_s=120))
             engine_urls.append(url)
         plane_port = machine.free_port()
         plane = f"http://127.0.0.1:{plane_port}"
         stack.enter_context(
-            _process(
+            load.served(
                 [SKYTRAIN, "serve", "--port", str(plane_port)],
                 env,
                 f"{plane}/health",
                 home / "control-plane.log",
+                timeout_s=120,
             )
         )
         key = subprocess.run(

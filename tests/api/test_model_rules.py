@@ -3,6 +3,8 @@ with no database connection held: a slow Hub must not hold a connection per requ
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -31,16 +33,23 @@ class _Configs:
         raise ModelConfigUnavailable("the Hub is down")
 
 
-@pytest.mark.parametrize("check", ["check_fits_a_gpu", "check_one_device_trains", "check_dense"])
+@pytest.mark.parametrize(
+    "check",
+    [
+        functools.partial(model_rules.check_fits_a_gpu, lora_rank=8),
+        functools.partial(model_rules.check_fits_a_gpu, lora_rank=8, one_device=True),
+        model_rules.check_dense,
+    ],
+    ids=["fits_a_gpu", "one_device_trains", "dense"],
+)
 def test_the_base_models_config_is_read_with_no_transaction_open(
-    check: str, settings: Settings, db_sessions: sessionmaker[Session]
+    check: Callable[..., None], settings: Settings, db_sessions: sessionmaker[Session]
 ) -> None:
     with db_sessions() as session:
         configs = _Configs(session)
-        getattr(model_rules, check)(
+        check(
             session,
             base_model="Qwen/Qwen2.5-7B-Instruct",
-            **({} if check == "check_dense" else {"lora_rank": 8}),
             settings=settings,
             provider=_Provider(),
             configs=configs,

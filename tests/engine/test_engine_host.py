@@ -18,6 +18,7 @@ from skytrain_backend.protocol import lora_name
 from skytrain_backend.worker.client import ControlPlaneClient
 from skytrain_backend.worker.engine_host import EngineHost
 from tests.engine.conftest import RunningEngine
+from tests.worker.support import agent_options
 
 
 async def test_a_step_loaded_for_a_commit_outlives_an_answer_read_before_the_commit(
@@ -30,15 +31,8 @@ async def test_a_step_loaded_for_a_commit_outlives_an_answer_read_before_the_com
     name = lora_name(*key)
     async with tiny_engine.client() as engine:
         unused = ControlPlaneClient("http://127.0.0.1:9", "unused")
-        host = EngineHost(
-            control_plane=unused,
-            engine=engine,
-            engine_process=None,
-            work_dir=tmp_path,
-            sleep_during_training=False,
-            sleep_wait_s=1.0,
-            sleep_timeout_s=30.0,
-        )
+        options = agent_options(tiny_model_path, tmp_path, engine_sleep_wait_s=1.0)
+        host = EngineHost(unused, engine, None, options)
         try:
             asked = time.monotonic()  # a heartbeat built now: its answer lists nothing here
             assert await host.serve_checkpoint(*key, make_adapter(tiny_model_path, seed=7))

@@ -15,7 +15,7 @@ from skytrain_backend.db import jobs as job_rows
 from skytrain_backend.db.models import Model, TrainingJob, Worker, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.errors import InvalidRequest
-from skytrain_backend.protocol import CheckpointFile
+from skytrain_backend.protocol import CheckpointFile, JobFailure, JobPreemption
 from skytrain_backend.scheduler import garbage, queue
 from skytrain_backend.storage import ObjectStore
 from skytrain_backend.storage.local import LocalObjectStore
@@ -56,12 +56,9 @@ def _run_next(session: Session, worker: Worker) -> str:
     assert job is not None
     queue.fail_job(
         session,
+        JobFailure(attempt=job.attempts, error_message="done"),
         worker=worker,
         job_id=job.id,
-        attempt=job.attempts,
-        error_message="done",
-        retryable=False,
-        cancelled=False,
     )
     return job.id
 
@@ -159,12 +156,10 @@ def test_a_yielded_job_goes_behind_the_job_it_yielded_to_and_resumes_from_its_st
         def preempt(steps_done: int, attempt: int) -> TrainingJob:
             return queue.preempt_job(
                 session,
+                JobPreemption(attempt=attempt, steps_done=steps_done, files=files),
                 store=store,
                 worker=worker,
                 job_id=long,
-                attempt=attempt,
-                steps_done=steps_done,
-                files=files,
             )
 
         with pytest.raises(InvalidRequest, match="was not asked to yield"):
@@ -174,12 +169,10 @@ def test_a_yielded_job_goes_behind_the_job_it_yielded_to_and_resumes_from_its_st
         with pytest.raises(InvalidRequest, match=r"not in the store as named: \['progress.pt"):
             queue.preempt_job(
                 session,
+                JobPreemption(attempt=1, steps_done=3, files=wrong),
                 store=store,
                 worker=worker,
                 job_id=long,
-                attempt=1,
-                steps_done=3,
-                files=wrong,
             )
         assert session.get_one(TrainingJob, long).status == "running"  # nothing changed
 

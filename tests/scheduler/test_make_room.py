@@ -423,18 +423,17 @@ def _tinker_runs(plane: Plane, *, worker_id: str, count: int) -> list[Run]:
         session.add(row)
         session.commit()
         for seq in range(count):
-            tinker_runs.create_run(
-                session,
-                tenant=owner,
-                tinker_session=row,
+            new = tinker_runs.NewRun(
+                session_id=row.id,
                 model_seq_id=seq,
                 base_model=BASE_A,
                 model_config=tinker_runs.lora_model_config(rank=8, train_attn=True, train_mlp=True),
                 lora=LoraConfig(rank=8),
                 user_metadata={},
                 creation=CreationOperation(kind="create_model", params=CreationParams(seed=seq)),
-                max_attempts=3,
-                max_models=100,
+            )
+            tinker_runs.create_run(
+                session, new, tenant=owner, tinker_session=row, max_attempts=3, max_models=100
             )
         runs = [
             Run(run.id, run.tenant_id, run.model_id, run.job_id)

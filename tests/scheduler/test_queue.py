@@ -28,7 +28,7 @@ from skytrain_backend.db.models import (
 )
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.protocol import StagedFile
+from skytrain_backend.protocol import JobCompletion, JobFailure, StagedFile
 from skytrain_backend.scheduler import placement, queue, scale_in
 from skytrain_backend.scheduler.serving import serving_status
 from skytrain_backend.storage import LocalObjectStore
@@ -112,15 +112,8 @@ def _fail(
     session: Session, worker: Worker, job_id: str, error_message: str, *, cancelled: bool = False
 ) -> None:
     """The worker reports attempt 1 failed for good (or cancelled)."""
-    queue.fail_job(
-        session,
-        worker=worker,
-        job_id=job_id,
-        attempt=1,
-        error_message=error_message,
-        retryable=False,
-        cancelled=cancelled,
-    )
+    report = JobFailure(attempt=1, error_message=error_message, cancelled=cancelled)
+    queue.fail_job(session, report, worker=worker, job_id=job_id)
 
 
 def _complete(
@@ -134,16 +127,9 @@ def _complete(
     metrics: dict[str, float] | None = None,
 ) -> None:
     """The worker reports ``attempt`` trained step 1 with those staged files."""
+    report = JobCompletion(attempt=attempt, step=1, metrics=metrics or {}, files=files)
     queue.complete_job(
-        session,
-        store=store,
-        worker=worker,
-        job_id=job_id,
-        attempt=attempt,
-        step=1,
-        metrics=metrics or {},
-        files=files,
-        settings=Settings(),
+        session, report, store=store, worker=worker, job_id=job_id, settings=Settings()
     )
 
 

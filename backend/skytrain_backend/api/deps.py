@@ -26,6 +26,7 @@ import inspect
 import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
 import anyio
@@ -42,7 +43,8 @@ from skytrain_backend.api.admission.tenant_load import TenantLoads
 from skytrain_backend.api.gateway import Gateway
 from skytrain_backend.api.longpoll import Waiting
 from skytrain_backend.config import Settings
-from skytrain_backend.db.models import Tenant
+from skytrain_backend.db import workers
+from skytrain_backend.db.models import Tenant, Worker
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.db.pages import PageRequest
 from skytrain_backend.errors import AuthenticationFailed
@@ -152,44 +154,25 @@ class SessionRoute(APIRoute):
         super().__init__(path, _closing_sessions(endpoint), **kwargs)
 
 
-async def get_store(request: Request) -> ObjectStore:
-    store: ObjectStore = request.app.state.store
-    return store
+def app_state(name: str) -> Callable[[Request], Any]:
+    """A dependency that hands a route ``app.state.<name>``, one the lifespan put there."""
 
+    async def get(request: Request) -> Any:
+        return getattr(request.app.state, name)
 
-async def get_scheduler(request: Request) -> Scheduler:
-    scheduler: Scheduler = request.app.state.scheduler
-    return scheduler
-
-
-async def get_notifier(request: Request) -> Notifier:
-    notifier: Notifier = request.app.state.notifier
-    return notifier
-
-
-async def get_waiting(request: Request) -> Waiting:
-    waiting: Waiting = request.app.state.waiting
-    return waiting
-
-
-async def get_gateway(request: Request) -> Gateway:
-    gateway: Gateway = request.app.state.gateway
-    return gateway
-
-
-async def get_worker_package(request: Request) -> WorkerPackage:
-    worker_package: WorkerPackage = request.app.state.worker_package
-    return worker_package
+    return get
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
-StoreDep = Annotated[ObjectStore, Depends(get_store)]
-SchedulerDep = Annotated[Scheduler, Depends(get_scheduler)]
-NotifierDep = Annotated[Notifier, Depends(get_notifier)]
-WaitingDep = Annotated[Waiting, Depends(get_waiting)]
-GatewayDep = Annotated[Gateway, Depends(get_gateway)]
-PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
+StoreDep = Annotated[ObjectStore, Depends(app_state("store"))]
+SchedulerDep = Annotated[Scheduler, Depends(app_state("scheduler"))]
+NotifierDep = Annotated[Notifier, Depends(app_state("notifier"))]
+WaitingDep = Annotated[Waiting, Depends(app_state("waiting"))]
+GatewayDep = Annotated[Gateway, Depends(app_state("gateway"))]
+PackageDep = Annotated[WorkerPackage, Depends(app_state("worker_package"))]
+AuthenticatorDep = Annotated[Authenticator, Depends(app_state("authenticator"))]
+RestLoadsDep = Annotated[TenantLoads, Depends(app_state("rest_loads"))]
 
 
 # The bearer key as sent; routes that authenticate in their own session (the inference
@@ -197,66 +180,79 @@ PackageDep = Annotated[WorkerPackage, Depends(get_worker_package)]
 CredentialsDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 
 
-async def get_authenticator(request: Request) -> Authenticator:
-    authenticator: Authenticator = request.app.state.authenticator
-    return authenticator
+# A worker's token (``swt-...``) or an operator's join token (``swj-...``), as sent.
+WorkerCredentialsDep = Annotated[
+    HTTPAuthorizationCredentials | None, Depends(HTTPBearer(auto_error=False))
+]
 
 
-async def get_rest_loads(request: Request) -> TenantLoads:
-    loads: TenantLoads = request.app.state.rest_loads
-    return loads
-
-
-AuthenticatorDep = Annotated[Authenticator, Depends(get_authenticator)]
-RestLoadsDep = Annotated[TenantLoads, Depends(get_rest_loads)]
-
-
-@asynccontextmanager
-async def _admitted_here(
-    request: Request,
-    key: str,
-    *,
-    authenticator: Authenticator,
-    loads: TenantLoads,
-    settings: Settings,
-) -> AsyncIterator[Tenant]:
-    """The key's tenant, its request counted in (``rest_admission.admit``) while the block
-    runs: for a request ``RestAdmission`` did not admit."""
-    tenant, release = await rest_admission.admit(
-        key,
-        authenticator=authenticator,
-        loads=loads,
-        settings=settings,
-        client=rest_admission.client_address(request.scope),
+async def get_worker(session: SessionDep, credentials: WorkerCredentialsDep) -> Worker:
+    """The token's worker, attached to the request's session (the route changes it), whose
+    connection went back to the pool in the lookup's thread."""
+    if credentials is None:
+        raise AuthenticationFailed("no worker token: send 'Authorization: Bearer swt-...'")
+    return await in_thread(
+        session, workers.authenticate_worker, session, token=credentials.credentials
     )
-    try:
-        yield tenant
-    finally:
-        release()
 
 
-async def get_tenant(
+WorkerDep = Annotated[Worker, Depends(get_worker)]
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """What admits a request that ``RestAdmission`` did not admit before routing."""
+
+    request: Request
+    authenticator: Authenticator
+    loads: TenantLoads
+    settings: Settings
+
+    @asynccontextmanager
+    async def tenant(
+        self, key: str | None, *, missing: str, prefix: str = ""
+    ) -> AsyncIterator[Tenant]:
+        """The key's tenant (``prefix`` taken off the key), its request counted in
+        (``rest_admission.admit``) while the block runs; AuthenticationFailed(``missing``)
+        with no key."""
+        tenant = rest_admission.admitted(self.request.scope)
+        if tenant is not None:
+            yield tenant
+            return
+        if not key:
+            raise AuthenticationFailed(missing)
+        tenant, release = await rest_admission.admit(
+            key.removeprefix(prefix),
+            authenticator=self.authenticator,
+            loads=self.loads,
+            settings=self.settings,
+            client=rest_admission.client_address(self.request.scope),
+        )
+        try:
+            yield tenant
+        finally:
+            release()
+
+
+async def _admission(
     request: Request,
-    credentials: CredentialsDep,
     authenticator: AuthenticatorDep,
     loads: RestLoadsDep,
     settings: SettingsDep,
+) -> _Admission:
+    return _Admission(request, authenticator, loads, settings)
+
+
+_AdmissionDep = Annotated[_Admission, Depends(_admission)]
+
+
+async def get_tenant(
+    admission: _AdmissionDep, credentials: CredentialsDep
 ) -> AsyncIterator[Tenant]:
     """The key's tenant, its request counted against its REST requests until answered: by
     ``RestAdmission`` before routing (every ``/v1`` route), else here."""
-    tenant = rest_admission.admitted(request.scope)
-    if tenant is not None:
-        yield tenant
-        return
-    if credentials is None:
-        raise AuthenticationFailed(NO_KEY)
-    async with _admitted_here(
-        request,
-        credentials.credentials,
-        authenticator=authenticator,
-        loads=loads,
-        settings=settings,
-    ) as tenant:
+    key = credentials.credentials if credentials else None
+    async with admission.tenant(key, missing=NO_KEY) as tenant:
         yield tenant
 
 
@@ -264,32 +260,18 @@ TenantDep = Annotated[Tenant, Depends(get_tenant)]
 
 
 async def get_tinker_tenant(
-    request: Request,
+    admission: _AdmissionDep,
     credentials: CredentialsDep,
-    authenticator: AuthenticatorDep,
-    loads: RestLoadsDep,
-    settings: SettingsDep,
     x_api_key: Annotated[str | None, Header(include_in_schema=False)] = None,
 ) -> AsyncIterator[Tenant]:
     """The tenant of the Tinker SDK's key ("tml-" + a skytrain key, sent as X-API-Key; or a
     bearer key), admitted as ``get_tenant`` admits a REST request."""
-    tenant = rest_admission.admitted(request.scope)
-    if tenant is not None:
-        yield tenant
-        return
+    missing = (
+        "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
+        "(`skytrain keys create --tenant NAME --tinker` prints it)"
+    )
     key = x_api_key or (credentials.credentials if credentials else None)
-    if not key:
-        raise AuthenticationFailed(
-            "no API key: set TINKER_API_KEY to 'tml-' followed by a skytrain key "
-            "(`skytrain keys create --tenant NAME --tinker` prints it)"
-        )
-    async with _admitted_here(
-        request,
-        key.removeprefix(TINKER_KEY_PREFIX),
-        authenticator=authenticator,
-        loads=loads,
-        settings=settings,
-    ) as tenant:
+    async with admission.tenant(key, missing=missing, prefix=TINKER_KEY_PREFIX) as tenant:
         yield tenant
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from sqlalchemy.orm import Session
 
     from skytrain_backend.config import Settings
+    from skytrain_backend.db.models import Worker
     from skytrain_backend.storage import ObjectStore
 
 # Help as Markdown: a docstring's paragraphs reflow to the terminal's width. Typer's "rich" mode
@@ -150,6 +151,17 @@ def _ago(moment: datetime | None) -> str:
         if seconds >= size:
             return f"{seconds // size}{unit} ago"
     return f"{seconds}s ago"
+
+
+def _worker_cells(session: Session, row: Worker) -> list[str]:
+    """The cells every list of workers starts with: id, provider, status, base model and
+    the number of models placed on it."""
+    from sqlalchemy import func, select
+
+    from skytrain_backend.db.models import Model
+
+    placed = session.scalar(select(func.count(Model.id)).where(Model.worker_id == row.id))
+    return [row.id, row.provider, row.status, row.base_model, str(placed)]
 
 
 def _table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]]) -> None:

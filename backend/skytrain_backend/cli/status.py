@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from skytrain_backend.cli._common import _ago, _session, _table, app
+from skytrain_backend.cli._common import _ago, _session, _table, _worker_cells, app
 
 if TYPE_CHECKING:
     from sqlalchemy.orm import Session
@@ -53,17 +53,7 @@ def status() -> None:
         _control_planes(session)
         rows = []
         for row in workers.list_workers(session, include_ended=False):
-            placed = session.scalar(select(func.count(Model.id)).where(Model.worker_id == row.id))
-            rows.append(
-                [
-                    row.id,
-                    row.provider,
-                    row.status,
-                    row.base_model,
-                    str(placed),
-                    _ago(row.last_heartbeat_at),
-                ]
-            )
+            rows.append([*_worker_cells(session, row), _ago(row.last_heartbeat_at)])
         _table("workers", ["id", "provider", "status", "base model", "models", "heartbeat"], rows)
         queued, oldest = session.execute(
             select(func.count(TrainingJob.id), func.min(TrainingJob.created_at)).where(

@@ -20,6 +20,7 @@ from skytrain_backend.cli._common import (
     _session,
     _table,
     _when,
+    _worker_cells,
     app,
 )
 
@@ -121,16 +122,12 @@ def workers_list(
     reaches them at, last heartbeat, and the reason for the status. A base model whose last
     worker failed to start shows that worker too: why it failed (SkyPilot's job state and
     log for a failed setup) and when the next is launched."""
-    from sqlalchemy import func, select
-
     from skytrain_backend.db import workers
-    from skytrain_backend.db.models import Model
     from skytrain_backend.scheduler import placement
 
     with _session() as session:
         rows, held = [], []
         for row in workers.list_workers(session, include_ended=all_):
-            placed = session.scalar(select(func.count(Model.id)).where(Model.worker_id == row.id))
             reason = row.status_message or ""
             hold = placement.launch_hold(session, base_model=row.base_model)
             if hold is not None and hold.worker.id == row.id:
@@ -141,11 +138,7 @@ def workers_list(
                 reason = f"failed launches: {hold.failures} in a row (why: below)"
             rows.append(
                 [
-                    row.id,
-                    row.provider,
-                    row.status,
-                    row.base_model,
-                    str(placed),
+                    *_worker_cells(session, row),
                     row.engine_endpoint or "",
                     _ago(row.last_heartbeat_at),
                     reason,

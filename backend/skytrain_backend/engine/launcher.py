@@ -42,12 +42,7 @@ def hf_command(options: EngineOptions) -> EngineCommand:
         "hf",
         "--model",
         options.model,
-        "--served-model-name",
-        options.name,
-        "--host",
-        options.host,
-        "--port",
-        str(options.port),
+        *options.listen_args,
         "--dtype",
         options.dtype,
     ]

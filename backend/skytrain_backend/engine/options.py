@@ -44,6 +44,11 @@ class EngineOptions:
         return self.served_model_name or self.model
 
     @property
+    def listen_args(self) -> list[str]:
+        """The flags both engines' servers take for their name and address."""
+        return ["--served-model-name", self.name, "--host", self.host, "--port", str(self.port)]
+
+    @property
     def base_url(self) -> str:
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self.port}"

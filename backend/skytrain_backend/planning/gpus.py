@@ -90,3 +90,8 @@ def gpu_from_device(name: str, memory_bytes: int) -> GpuType:
     """The GPU a worker finds itself on, from CUDA's device name and total memory."""
     memory_mib = memory_bytes // MIB
     return GpuType(name=name, memory_mib=memory_mib, usd_per_hour=0.0, smi_memory_mib=memory_mib)
+
+
+def gib(value: float) -> str:
+    """A number of bytes in GiB, as the plans print it."""
+    return f"{value / GIB:.2f} GiB"

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from skytrain_backend.planning.gpus import GIB
+from skytrain_backend.planning.gpus import GIB, gib
 from skytrain_backend.planning.shapes import ModelShape
 
 HOST_BASE_GIB = 10.0
@@ -27,10 +27,6 @@ HOST_PER_GPU_PROCESS_GIB = 2.0
 # Disk beside the checkpoint: the vLLM image unpacked, packages, adapters, logs.
 DISK_BASE_GB = 60
 GB = 1000**3
-
-
-def _gib(value: float) -> str:
-    return f"{value / GIB:.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -59,16 +55,16 @@ def host_needs(
     processes = (HOST_BASE_GIB + HOST_PER_GPU_PROCESS_GIB * vllm_gpus) * GIB
     memory_gb = math.ceil((pinned_bytes + parked + loading + processes) / GB)
     memory_how = (
-        f"vLLM's weights and LoRA slots pinned while asleep {_gib(pinned_bytes)}"
+        f"vLLM's weights and LoRA slots pinned while asleep {gib(pinned_bytes)}"
         + (
             f" + {parked_trainers} Tinker runs' trainers parked between operations "
-            f"({_gib(trainer_bytes)} each: bf16 base and LoRA states) {_gib(parked)}"
+            f"({gib(trainer_bytes)} each: bf16 base and LoRA states) {gib(parked)}"
             if parked
             else ""
         )
         + (
             f" + the base as the first of {trainer_shards} trainer processes loads it "
-            f"{_gib(loading)}"
+            f"{gib(loading)}"
             if loading
             else ""
         )

@@ -41,7 +41,7 @@ from typing import Any
 
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.planning import experts
-from skytrain_backend.planning.gpus import GIB, GpuType
+from skytrain_backend.planning.gpus import GIB, GpuType, gib
 from skytrain_backend.planning.host import host_needs
 from skytrain_backend.planning.shapes import SERVE_DTYPE_BYTES, ModelShape, activation_bytes
 
@@ -160,10 +160,6 @@ class WorkerPlan:
         if self.max_row_tokens is not None:
             envs["SKYTRAIN_TRAINER_MAX_ROW_TOKENS"] = str(self.max_row_tokens)
         return envs
-
-
-def _gib(value: float) -> str:
-    return f"{value / GIB:.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -308,7 +304,7 @@ class _Planner:
         self.row(
             "gpu",
             f"{gpu.name} x {self.count}" + (f" x {self.nodes} nodes" if self.nodes > 1 else ""),
-            _gib(gpu.memory_bytes),
+            gib(gpu.memory_bytes),
             f"each, as CUDA reports it (nvidia-smi: {gpu.smi_memory_mib} MiB)",
         )
         self.row(
@@ -363,28 +359,28 @@ class _Planner:
         self.row(
             "serve",
             "vLLM's share",
-            _gib(s.budget),
-            f"gpu_memory_utilization {self.util} x {_gib(self.gpu.memory_bytes)}",
+            gib(s.budget),
+            f"gpu_memory_utilization {self.util} x {gib(self.gpu.memory_bytes)}",
         )
         self.row(
             "serve",
             "outside vLLM",
-            _gib(self.gpu.memory_bytes * (1 - self.util)),
+            gib(self.gpu.memory_bytes * (1 - self.util)),
             f"the rest of the GPU: the worker's CUDA context and allocator ({RESERVED_GIB:g} GiB "
             "planned); it must be free when vLLM starts",
         )
-        self.row("serve", "weights", _gib(s.weights), f"parameters{per} x {SERVE_DTYPE_BYTES} B")
+        self.row("serve", "weights", gib(s.weights), f"parameters{per} x {SERVE_DTYPE_BYTES} B")
         self.row(
             "serve",
             "LoRA slots",
-            _gib(s.lora),
+            gib(s.lora),
             f"{self.max_loras} adapters x rank {self.rank_slot} (--max-lora-rank) x every "
             f"linear layer's input + output{per} x {SERVE_DTYPE_BYTES} B",
         )
         self.row(
             "serve",
             "vLLM overhead",
-            _gib(s.overhead),
+            gib(s.overhead),
             f"outside torch {NON_TORCH_GIB:g} GiB"
             + (f" + NCCL {NCCL_GIB:g} GiB" if s.tp > 1 else "")
             + f", CUDA graphs {CUDA_GRAPHS_GIB:g} GiB, profiling pass of {batched} tokens "
@@ -394,7 +390,7 @@ class _Planner:
         self.row(
             "serve",
             "KV cache",
-            _gib(max(0.0, s.kv_bytes)),
+            gib(max(0.0, s.kv_bytes)),
             f"{s.kv_tokens} tokens of {s.kv_per_token // 1024} KiB "
             f"(2 x {shape.num_layers} layers x {kv_heads} KV heads x {shape.head_dim} x "
             f"{SERVE_DTYPE_BYTES} B)",
@@ -407,17 +403,17 @@ class _Planner:
             split = f" (split {s.tp} ways)" if s.tp > 1 else ""
             return None, (
                 f"{self.model} does not fit {self.where} for serving: "
-                f"weights {_gib(s.weights)}, LoRA slots {_gib(s.lora)} and vLLM's overhead "
-                f"{_gib(s.overhead)} make {_gib(fixed)} per GPU{split}, more than vLLM's "
-                f"{_gib(s.budget)} of each {self.gpu.name}: use a GPU with more memory, more "
+                f"weights {gib(s.weights)}, LoRA slots {gib(s.lora)} and vLLM's overhead "
+                f"{gib(s.overhead)} make {gib(fixed)} per GPU{split}, more than vLLM's "
+                f"{gib(s.budget)} of each {self.gpu.name}: use a GPU with more memory, more "
                 "GPUs, or fewer or smaller LoRA slots"
             )
         if self.context is not None:
             if s.kv_tokens < self.context:
                 return None, (
                     f"a context of {self.context} tokens needs "
-                    f"{_gib(self.context * s.kv_per_token)} of KV cache, and "
-                    f"{self.where} leaves {_gib(s.kv_bytes)} "
+                    f"{gib(self.context * s.kv_per_token)} of KV cache, and "
+                    f"{self.where} leaves {gib(s.kv_bytes)} "
                     f"({s.kv_tokens} tokens) after the weights: ask for a context of at most "
                     f"{s.kv_tokens // CONTEXT_STEP * CONTEXT_STEP}, or a larger GPU"
                 )
@@ -428,7 +424,7 @@ class _Planner:
         )
         if length < min(MIN_CONTEXT, self.wanted_context):
             return None, (
-                f"{self.model} on {self.where} leaves {_gib(s.kv_bytes)} of "
+                f"{self.model} on {self.where} leaves {gib(s.kv_bytes)} of "
                 f"KV cache ({s.kv_tokens} tokens): fewer than {CONCURRENT_SEQUENCES} sequences "
                 f"of {MIN_CONTEXT} tokens; use a GPU with more memory or more GPUs"
             )
@@ -484,9 +480,9 @@ class _Planner:
         self.row(
             "train",
             "kept aside",
-            _gib(gpu.memory_bytes - free_per_gpu),
+            gib(gpu.memory_bytes - free_per_gpu),
             f"vLLM asleep at level {SLEEP_LEVEL} (weights to host, KV cache dropped) keeps "
-            f"memory outside torch and its CUDA graphs {_gib(asleep)}; the trainer's CUDA "
+            f"memory outside torch and its CUDA graphs {gib(asleep)}; the trainer's CUDA "
             f"context {TRAINER_CONTEXT_GIB:g} GiB; {ALLOCATOR_SLACK:.0%} of the GPU left to the "
             "allocator",
         )
@@ -494,24 +490,24 @@ class _Planner:
             self.row(
                 "train",
                 "base weights",
-                _gib((weights - whole) / trainer_gpus + whole + 2 * layer),
-                f"decoder layers x 2 B (bf16) = {_gib(weights - whole)} over {trainer_gpus} "
+                gib((weights - whole) / trainer_gpus + whole + 2 * layer),
+                f"decoder layers x 2 B (bf16) = {gib(weights - whole)} over {trainer_gpus} "
                 f"shards (FSDP2), + embeddings, output layer and final norm whole on each "
-                f"{_gib(whole)}, + 2 layers gathered at a time {_gib(2 * layer)}",
+                f"{gib(whole)}, + 2 layers gathered at a time {gib(2 * layer)}",
             )
         else:
-            self.row("train", "base weights", _gib(weights), "parameters x 2 B (bf16)")
+            self.row("train", "base weights", gib(weights), "parameters x 2 B (bf16)")
         self.row(
             "train",
             "LoRA states",
-            _gib(lora),
+            gib(lora),
             f"{lora_params / 1e6:.1f} M parameters (rank {self.lora_rank}) x "
             f"{LORA_TRAINING_BYTES_PER_PARAMETER} B (fp32 weights, gradients, Adam's moments)",
         )
         self.row(
             "train",
             "room for activations",
-            _gib(max(0.0, room)),
+            gib(max(0.0, room)),
             "each GPU less what is kept aside, its weights and the LoRA states"
             + (f" (each of {trainer_gpus} trainer processes)" if trainer_gpus > 1 else ""),
         )
@@ -528,10 +524,10 @@ class _Planner:
             return self.refuse(
                 s,
                 f"{self.model} does not fit {self.where} for training: base weights "
-                f"{_gib(weights)}"
+                f"{gib(weights)}"
                 + (f" over {trainer_gpus} shards" if trainer_gpus > 1 else "")
-                + f" and LoRA states {_gib(lora)} leave {_gib(max(0.0, room))} a GPU, "
-                f"and a row of {MIN_ROW_TOKENS} tokens needs {_gib(needed)} of activations even "
+                + f" and LoRA states {gib(lora)} leave {gib(max(0.0, room))} a GPU, "
+                f"and a row of {MIN_ROW_TOKENS} tokens needs {gib(needed)} of activations even "
                 "with gradient checkpointing: use a GPU with more memory, more GPUs, or a "
                 "smaller LoRA rank",
                 max_model_len=max_model_len,

@@ -20,6 +20,22 @@ from dataclasses import dataclass, field
 KEPT_S = 3600.0
 
 
+def release_once(lock: threading.Lock, release: Callable[[], None]) -> Callable[[], None]:
+    """A function that runs ``release`` under ``lock`` the first time it is called, and does
+    nothing after: a count taken in, counted out once however often its end is called."""
+    done = False
+
+    def end() -> None:
+        nonlocal done
+        with lock:
+            if done:
+                return
+            done = True
+            release()
+
+    return end
+
+
 @dataclass
 class _ModelDemand:
     in_flight: int = 0
@@ -47,22 +63,16 @@ class DemandMeter:
             self._change(model_id, +1)
             key = (model_id, worker_id)
             self._per_worker[key] = self._per_worker.get(key, 0) + 1
-        done = False
 
-        def end() -> None:
-            nonlocal done
-            with self._lock:
-                if done:
-                    return
-                done = True
-                self._change(model_id, -1)
-                left = self._per_worker[key] - 1
-                if left:
-                    self._per_worker[key] = left
-                else:
-                    del self._per_worker[key]
+        def count_out() -> None:
+            self._change(model_id, -1)
+            left = self._per_worker[key] - 1
+            if left:
+                self._per_worker[key] = left
+            else:
+                del self._per_worker[key]
 
-        return end
+        return release_once(self._lock, count_out)
 
     def _change(self, model_id: str, delta: int) -> None:
         now = self._clock()

@@ -65,7 +65,9 @@ from skytrain_backend.errors import (
 from skytrain_backend.observability import metrics as observed
 from skytrain_backend.protocol import (
     TERMINAL_JOB_STATUSES,
-    CheckpointFile,
+    JobCompletion,
+    JobFailure,
+    JobPreemption,
     LeasedJob,
     ModelConfig,
     StagedFile,
@@ -326,22 +328,16 @@ def saved_state_prefix(job: TrainingJob, *, tenant_id: str) -> str:
 
 
 def preempt_job(
-    session: Session,
-    *,
-    store: ObjectStore,
-    worker: Worker,
-    job_id: str,
-    attempt: int,
-    steps_done: int,
-    files: list[CheckpointFile],
+    session: Session, report: JobPreemption, *, store: ObjectStore, worker: Worker, job_id: str
 ) -> TrainingJob:
     """Take back a job that yielded at a step boundary with its state in the attempt's
-    staged ``files``: queued again behind the job it yielded to, its attempt not counted as
+    staged files (``report``): queued again behind the job it yielded to, its attempt not counted as
     a failure, resumed from that state by its next attempt.
 
     Only a job asked to yield may: a worker cannot keep a job going for ever by handing it
     back. Its state must be further on than the one it resumed from, and every file must be
     in the store as named; otherwise nothing changes (InvalidRequest)."""
+    attempt, steps_done, files = report.attempt, report.steps_done, report.files
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
     if not job.yield_requested:
         # Not a 409: that tells a worker its lease is lost.
@@ -399,17 +395,15 @@ def _woke(worker: Worker) -> None:
 
 def complete_job(
     session: Session,
+    report: JobCompletion,
     *,
     store: ObjectStore,
     worker: Worker,
     job_id: str,
-    attempt: int,
-    step: int,
-    metrics: dict[str, float],
-    files: Sequence[StagedFile],
     settings: Settings,
 ) -> Checkpoint:
-    """Commit the attempt's checkpoint and finish the job, once.
+    """Commit the attempt's checkpoint (``report``: its step, metrics and staged files) and
+    finish the job, once.
 
     Three phases, so that no transaction (nor the job's row lock) is held while the store
     works: a short transaction checks the lease and the step; then, with no connection held,
@@ -423,6 +417,7 @@ def complete_job(
     attempt that lost its lease while copying, and is still copying when another attempt
     commits the step, writes beside the committed files, never over them (the garbage sweep
     takes what it wrote)."""
+    attempt, step, metrics, files = report.attempt, report.step, report.metrics, report.files
     job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
     model = session.get_one(Model, job.model_id)
     _check_next_step(session, job=job, step=step)
@@ -436,6 +431,13 @@ def complete_job(
     staged = keys.model_prefix(tenant_id=tenant_id, model_id=model_id) + f"jobs/{job.id}/"
     attempt_prefix = _staged_prefix(job, tenant_id=tenant_id, attempt=attempt)
     session.rollback()  # the row lock and the connection go back before the store works
+
+    def fail_commit(error: str) -> None:
+        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
+        _fail_commit(
+            session, store=store, job=job, step=step, prefixes=(prefix, staged), error=error
+        )
+
     try:
         check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
         total = copy_staged(
@@ -450,17 +452,11 @@ def complete_job(
             f"{job_id}; nothing was committed: retry ({exc.message})"
         ) from exc
     except StorageError as exc:
-        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
-        logger.error("committing step %d of job %s failed: %s", step, job.id, exc.message)
-        _fail_commit(
-            session,
-            store=store,
-            job=job,
-            step=step,
-            prefixes=(prefix, staged),
-            error=f"the object store failed while saving the checkpoint of step {step}, so "
+        logger.error("committing step %d of job %s failed: %s", step, job_id, exc.message)
+        fail_commit(
+            f"the object store failed while saving the checkpoint of step {step}, so "
             "nothing was committed: submit the job again (the operator's log has the store's "
-            "error)",
+            "error)"
         )
         raise StorageError(
             f"the object store failed while committing step {step} of job {job_id}; the job "
@@ -479,15 +475,7 @@ def complete_job(
             what=f"the checkpoint of step {step} of job {job_id}",
         )
     except QuotaExceeded as exc:
-        job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
-        _fail_commit(
-            session,
-            store=store,
-            job=job,
-            step=step,
-            prefixes=(prefix, staged),
-            error=f"nothing was committed: {exc.message}; then submit the job again",
-        )
+        fail_commit(f"nothing was committed: {exc.message}; then submit the job again")
         raise
     # The lease is checked again: a worker whose lease was lost while the files were copied
     # commits nothing (LeaseLost); what it copied lies in its own directory, for the sweep.
@@ -609,23 +597,16 @@ def _delete_quietly(store: ObjectStore, prefix: str) -> None:
         logger.warning("could not delete %s (left to the sweep): %s", prefix, exc.message)
 
 
-def fail_job(
-    session: Session,
-    *,
-    worker: Worker,
-    job_id: str,
-    attempt: int,
-    error_message: str,
-    retryable: bool,
-    cancelled: bool,
-) -> TrainingJob:
-    job = leased_job(session, worker=worker, job_id=job_id, attempt=attempt)
-    if cancelled:
+def fail_job(session: Session, report: JobFailure, *, worker: Worker, job_id: str) -> TrainingJob:
+    """End the attempt the worker reports failed: cancelled, queued again while a retry may
+    fix it and attempts are left, else failed with its message."""
+    job = leased_job(session, worker=worker, job_id=job_id, attempt=report.attempt)
+    if report.cancelled:
         _finish(session, job, status="cancelled", error="the job was cancelled")
-    elif retryable and _failed_attempts(job) < job.max_attempts:
+    elif report.retryable and _failed_attempts(job) < job.max_attempts:
         _requeue(job)
     else:
-        _finish(session, job, status="failed", error=error_message)
+        _finish(session, job, status="failed", error=report.error_message)
     session.commit()
     return job
 

@@ -80,8 +80,24 @@ class WarmupRow:
     rate_count: int
 
 
+@dataclass(kw_only=True)
+class _Plan:
+    """Where a plan of either kind stands: the steps it has done and their metrics."""
+
+    position: Position = field(default_factory=Position, repr=False)
+
+    @property
+    def steps_done(self) -> int:
+        return self.position.steps_done
+
+    @property
+    def step_metrics(self) -> list[Metrics]:
+        """The metrics of every step done, those done before a resume included."""
+        return self.position.metrics
+
+
 @dataclass
-class RLPlan:
+class RLPlan(_Plan):
     """An RL job ready to run: the rows of each optimizer step and what is known of them."""
 
     kind: ClassVar[Literal["rl"]] = "rl"
@@ -97,7 +113,6 @@ class RLPlan:
     started: bool = field(default=False, repr=False)
     # The differences gathered so far while the first step has rows left to read.
     agreement: Agreement | None = field(default=None, repr=False)
-    position: Position = field(default_factory=Position, repr=False)
     # ART's steps: per step, ART's count for the learning-rate multiplier (``art_layout``);
     # None: each step's number of trajectories.
     rate_counts: list[int] | None = None
@@ -126,15 +141,6 @@ class RLPlan:
         return float(count) ** power
 
     @property
-    def steps_done(self) -> int:
-        return self.position.steps_done
-
-    @property
-    def step_metrics(self) -> list[Metrics]:
-        """The metrics of every step done, those done before a resume included."""
-        return self.position.metrics
-
-    @property
     def agreement_pending(self) -> bool:
         """True until the first step's forward pass has read the old logprobs of its rows:
         the ``logprob_agreement/*`` metrics and ``warning`` are known only then."""
@@ -142,7 +148,7 @@ class RLPlan:
 
 
 @dataclass
-class SFTPlan:
+class SFTPlan(_Plan):
     """An SFT job ready to run: its optimizer steps' batches, made as the run reaches them
     (each epoch's shuffle when it starts), so a long run holds one step's data at a time."""
 
@@ -156,20 +162,10 @@ class SFTPlan:
     # SFT has no sampler to compare with; the field lets the worker treat both plans alike.
     warning: str | None = None
     started: bool = field(default=False, repr=False)
-    position: Position = field(default_factory=Position, repr=False)
 
     @property
     def num_gradient_steps(self) -> int:
         return self.num_steps
-
-    @property
-    def steps_done(self) -> int:
-        return self.position.steps_done
-
-    @property
-    def step_metrics(self) -> list[Metrics]:
-        """The metrics of every step done, those done before a resume included."""
-        return self.position.metrics
 
     @property
     def agreement_pending(self) -> bool:

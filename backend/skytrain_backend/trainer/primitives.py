@@ -200,22 +200,14 @@ def has_gradients(trainer: Trainer) -> bool:
 
 def adam_step(trainer: Trainer, params: AdamParams) -> dict[str, float]:
     """Apply the accumulated gradients with AdamW, then clear them; ``trainer.step`` + 1."""
-    parameters = trainer.policy.trainable_parameters()
-    max_norm = params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(parameters, max_norm))
-    if not math.isfinite(grad_norm):
-        trainer.optimizer.zero_grad(set_to_none=True)
-        raise TrainingError(
-            f"the gradient norm is {grad_norm}: the gradients were dropped and the weights left "
-            "unchanged; check the batch for extreme logprobs or advantages"
-        )
-    for group in trainer.optimizer.param_groups:
-        group["lr"] = params.learning_rate
-        group["betas"] = (params.beta1, params.beta2)
-        group["eps"] = params.eps
-        group["weight_decay"] = params.weight_decay
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad(set_to_none=True)
+    grad_norm = trainer.optimizer_step(
+        learning_rate=params.learning_rate,
+        weight_decay=params.weight_decay,
+        max_grad_norm=params.grad_clip_norm if params.grad_clip_norm > 0 else math.inf,
+        adam_beta1=params.beta1,
+        adam_beta2=params.beta2,
+        eps=params.eps,
+    )
     trainer.step += 1
     return {"grad_norm": grad_norm, "learning_rate": params.learning_rate}
 
@@ -248,10 +240,4 @@ def load_weights(trainer: Trainer, directory: Path, *, with_optimizer: bool) -> 
     )
     optimizer_path = directory / OPTIMIZER_STATE
     if with_optimizer and optimizer_path.is_file():
-        state = torch.load(optimizer_path, map_location=trainer.policy.device, weights_only=True)
-        try:
-            trainer.optimizer.load_state_dict(state)
-        except ValueError as exc:
-            raise TrainingError(
-                f"the optimizer state of this checkpoint does not fit the adapter ({exc})"
-            ) from exc
+        trainer.load_optimizer(optimizer_path)

@@ -268,12 +268,17 @@ class Trainer:
                 "cannot resume where it stopped (a fresh optimizer would take a different "
                 "step): delete that checkpoint to train on from the one before it"
             )
-        state = torch.load(optimizer_path, map_location=self.policy.device, weights_only=True)
+        self.load_optimizer(optimizer_path)
+
+    def load_optimizer(self, path: Path) -> None:
+        """Load the optimizer's state from ``path`` (TrainingError when it does not fit the
+        adapter)."""
+        state = torch.load(path, map_location=self.policy.device, weights_only=True)
         try:
             self.optimizer.load_state_dict(state)
         except ValueError as exc:
             raise TrainingError(
-                f"the optimizer state in {optimizer_path} does not fit this adapter ({exc})"
+                f"the optimizer state in {path.name} does not fit this adapter ({exc})"
             ) from exc
 
     def save(self, directory: Path) -> None:
@@ -396,7 +401,12 @@ class Trainer:
         weight_decay: float,
         max_grad_norm: float,
         adam_beta2: float = 0.999,
+        adam_beta1: float | None = None,
+        eps: float | None = None,
     ) -> float:
+        """Clip the accumulated gradients to ``max_grad_norm`` and apply them with AdamW
+        (``adam_beta1`` and ``eps``: None keeps the optimizer's), then clear them; the
+        gradient norm. TrainingError, the gradients dropped, when it is not finite."""
         parameters = self.policy.trainable_parameters()
         # Each rank holds its rows' share of the gradient: the sum is the whole step's.
         self.shards.sum_gradients(parameters)
@@ -404,13 +414,17 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             raise TrainingError(
-                f"the gradient norm is {grad_norm}: the adapter was left unchanged; lower the "
-                "learning rate or check the batch for extreme logprobs"
+                f"the gradient norm is {grad_norm}: the gradients were dropped and the adapter "
+                "left unchanged; lower the learning rate or check the batch for extreme "
+                "logprobs or advantages"
             )
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
             group["weight_decay"] = weight_decay
-            group["betas"] = (group["betas"][0], adam_beta2)
+            beta1 = group["betas"][0] if adam_beta1 is None else adam_beta1
+            group["betas"] = (beta1, adam_beta2)
+            if eps is not None:
+                group["eps"] = eps
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm

@@ -75,15 +75,7 @@ class WorkerAgent:
         self._placements: dict[str, _Placement] = {}
         self._placements_asked_at = 0.0
         self._stopping = asyncio.Event()
-        self._host = EngineHost(
-            control_plane=control_plane,
-            engine=engine,
-            engine_process=engine_process,
-            work_dir=options.work_dir,
-            sleep_during_training=options.sleep_engine_during_training,
-            sleep_wait_s=options.engine_sleep_wait_s,
-            sleep_timeout_s=options.engine_sleep_timeout_s,
-        )
+        self._host = EngineHost(control_plane, engine, engine_process, options)
         self._host.on_asleep = self._send_heartbeat
         self._jobs = JobRunner(
             control_plane=control_plane,
@@ -94,16 +86,7 @@ class WorkerAgent:
         )
         self.worker_id: str | None = None
         self._heartbeat_interval_s = 2.0
-        self._tinker = TinkerExecutor(
-            control_plane=control_plane,
-            adapters=self._host,
-            work_dir=options.work_dir,
-            device=options.device,
-            trainer_options=options.trainer_options,
-            trainer_shards=options.trainer_shards,
-            max_runs=options.tinker_max_runs,
-            wait_s=options.job_wait_s,
-        )
+        self._tinker = TinkerExecutor(control_plane, self._host, options)
 
     async def run(self) -> None:
         options = self._options

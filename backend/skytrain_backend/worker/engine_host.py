@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 from skytrain_backend.errors import EngineTimeout, SkytrainError
 from skytrain_backend.protocol import lora_name
 from skytrain_backend.worker.client import ControlPlaneClient
+from skytrain_backend.worker.options import AgentOptions
 
 if TYPE_CHECKING:
     from skytrain_backend.engine.client import EngineClient
@@ -50,22 +51,20 @@ class EngineHost:
 
     def __init__(
         self,
-        *,
         control_plane: ControlPlaneClient,
         engine: EngineClient,
         engine_process: SupervisedEngine | None,
-        work_dir: Path,
-        sleep_during_training: bool,
-        sleep_wait_s: float,
-        sleep_timeout_s: float,
+        options: AgentOptions,
     ) -> None:
+        """``options``: the agent's; the work directory, and whether and how long the engine
+        sleeps while training (``sleep_engine_during_training``, ``engine_sleep_*_s``)."""
         self._cp = control_plane
         self.engine = engine
         self._process = engine_process
-        self._work_dir = work_dir
-        self._sleep_during_training = sleep_during_training
-        self._sleep_wait_s = sleep_wait_s
-        self._sleep_timeout_s = sleep_timeout_s
+        self._work_dir = options.work_dir
+        self._sleep_during_training = options.sleep_engine_during_training
+        self._sleep_wait_s = options.engine_sleep_wait_s
+        self._sleep_timeout_s = options.engine_sleep_timeout_s
         # (model id, step) -> the local directory its adapter was loaded from. Steps loaded
         # for a commit are in it too; the heartbeat reports them, and the control plane routes
         # to committed steps only (see worker/jobs.py).

@@ -58,7 +58,7 @@ from skytrain_backend.worker.client import (
     staged_file,
     until_stopped,
 )
-from skytrain_backend.worker.sizing import TrainerSizing
+from skytrain_backend.worker.options import AgentOptions
 
 if TYPE_CHECKING:
     from skytrain_backend.trainer import Trainer
@@ -113,31 +113,24 @@ class _Run:
 
 class TinkerExecutor:
     def __init__(
-        self,
-        *,
-        control_plane: ControlPlaneClient,
-        adapters: AdapterHost,
-        work_dir: Path,
-        device: str | None,
-        max_runs: int,
-        trainer_options: TrainerSizing | None = None,
-        trainer_shards: int = 1,
-        lease_s: float = 60.0,
-        wait_s: float = 30.0,
+        self, control_plane: ControlPlaneClient, adapters: AdapterHost, options: AgentOptions
     ) -> None:
+        """``options``: the agent's; its work directory, device, trainer sizing (as for the
+        worker's jobs), runs held at once (``tinker_max_runs``) and lease wait."""
         self._cp = control_plane
         self._adapters = adapters
-        self._work_dir = work_dir
-        self._device = device
+        self._work_dir = options.work_dir
+        self._device = options.device
         # Trainer.load's memory-plan keywords, as for the worker's jobs.
-        self._trainer_options = trainer_options or TrainerSizing()
+        self._trainer_options = options.trainer_options
         # More than 1: the memory plan shards this worker's trainer (worker.sharded), which
         # Tinker's one-process trainer cannot be: its runs are refused rather than loaded
         # whole onto one device that cannot hold them.
-        self._trainer_shards = trainer_shards
-        self._max_runs = max_runs
-        self.lease_s = lease_s
-        self._wait_s = wait_s
+        self._trainer_shards = options.trainer_shards
+        self._max_runs = options.tinker_max_runs
+        # The control plane's, once the worker registers (as the job runner's).
+        self.lease_s = 60.0
+        self._wait_s = options.job_wait_s
         # By job and attempt: a run taken back and leased again may meet its old attempt here.
         self._runs: dict[tuple[str, int], _Run] = {}
         # Set when a run ends: the executor, full, may lease another.

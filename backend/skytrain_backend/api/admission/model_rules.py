@@ -12,7 +12,7 @@ and ART's client) and the Tinker protocol's training runs (``create_model``,
   ``check_fits_a_gpu``: the memory plan's reasons otherwise);
 - for a Tinker training run, one device trains it: Tinker runs use a one-process trainer, so a
   base model the memory plan shards over several GPUs is refused up front
-  (``check_one_device_trains``; the worker refuses such a run too);
+  (``check_fits_a_gpu(one_device=True)``; the worker refuses such a run too);
 - the tenant owns fewer models than its ``max_models`` quota: checked where the model row is
   inserted (``registry.check_model_quota``), so asking for one that exists is never refused.
 
@@ -31,25 +31,28 @@ from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, ModelConfigUnavailable
 from skytrain_backend.json_types import JSONObject
 from skytrain_backend.planning import choose_worker_gpu, experts, find_model_config
+from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.provision.base import Provider
 from skytrain_backend.scheduler import placement, ranks
+from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.model_configs import ModelConfigs
 
 
 def check_new_model(
     session: Session,
-    *,
     tenant: Tenant,
-    settings: Settings,
     base_model: str,
-    lora_rank: int,
-    provider: Provider | None,
-    configs: ModelConfigs,
+    config: ModelConfig,
+    *,
+    settings: Settings,
+    scheduler: Scheduler,
     tinker_training: bool = False,
 ) -> TenantLimits:
-    """Refuse (``InvalidRequest``, ``FitsNoGpu``) a base model or LoRA rank the tenant may not
-    use (``tinker_training``: for a Tinker training run); the tenant's limits, whose
-    ``max_models`` the creation then enforces."""
+    """Refuse (``InvalidRequest``, ``FitsNoGpu``) a base model or LoRA rank (``config``'s)
+    the tenant may not use (``tinker_training``: for a Tinker training run), planned for the
+    scheduler's provider with its cache of configs; the tenant's limits, whose ``max_models``
+    the creation then enforces."""
+    lora_rank, provider, configs = config.lora_rank, scheduler.provider, scheduler.configs
     check_base_model(base_model, allowed_dirs=settings.resolved_base_model_dirs)
     ranks.check_lora_rank(
         session,
@@ -61,6 +64,12 @@ def check_new_model(
     check_dense(
         session, base_model=base_model, settings=settings, provider=provider, configs=configs
     )
+    if tinker_training and settings.worker_tinker_max_runs == 0:
+        raise InvalidRequest(
+            "this deployment runs no Tinker training runs (its workers hold none: "
+            "SKYTRAIN_WORKER_TINKER_MAX_RUNS is 0); train with skytrain's training jobs "
+            "(REST, SDK or ART's client), or ask the operator to allow Tinker runs"
+        )
     check_fits_a_gpu(
         session,
         base_model=base_model,
@@ -68,22 +77,8 @@ def check_new_model(
         settings=settings,
         provider=provider,
         configs=configs,
+        one_device=tinker_training,
     )
-    if tinker_training:
-        if settings.worker_tinker_max_runs == 0:
-            raise InvalidRequest(
-                "this deployment runs no Tinker training runs (its workers hold none: "
-                "SKYTRAIN_WORKER_TINKER_MAX_RUNS is 0); train with skytrain's training jobs "
-                "(REST, SDK or ART's client), or ask the operator to allow Tinker runs"
-            )
-        check_one_device_trains(
-            session,
-            base_model=base_model,
-            lora_rank=lora_rank,
-            settings=settings,
-            provider=provider,
-            configs=configs,
-        )
     return tenants.limits_of(tenant, settings)
 
 
@@ -95,21 +90,36 @@ def check_fits_a_gpu(
     settings: Settings,
     provider: Provider | None,
     configs: ModelConfigs,
+    one_device: bool = False,
 ) -> None:
     """Refuse (FitsNoGpu, 400, with each GPU's reason) a base model that fits none of the
     GPUs the provider's workers may get at ``lora_rank`` (the new model's), by its
-    config.json (read from the Hub when this control plane has none: ``model_configs``).
+    config.json (read from the Hub when this control plane has none: ``model_configs``);
+    with ``one_device`` (a Tinker training run: its trainer is one process on one device),
+    refuse too one whose plan shards the trainer over several GPUs.
 
     A config the Hub does not give passes: the model is created, and its status says why
     no worker is launched for it (``placement.NOT_LAUNCHED``), until the config can be read. An
     unknown GPU passes (the worker plans for itself), and so does a base model a registered
-    worker already serves.
+    worker already serves (it planned for its own GPUs: the worker refuses then, if it must).
     """
-    planned = _plan_inputs(session, base_model=base_model, provider=provider, configs=configs)
-    if planned is not None:
-        accelerators, config = planned
-        choose_worker_gpu(
-            base_model, accelerators, settings=settings, lora_rank=lora_rank, config=config
+    accelerators = provider.accelerator_choices() if provider is not None else None
+    if not accelerators or placement.served_by_a_registered_worker(session, base_model=base_model):
+        return
+    try:
+        config = _base_config(session, base_model, accelerators, settings=settings, configs=configs)
+    except ModelConfigUnavailable:
+        return
+    choice = choose_worker_gpu(
+        base_model, accelerators, settings=settings, lora_rank=lora_rank, config=config
+    )
+    plan = choice.plan if choice is not None else None
+    if one_device and plan is not None and plan.trainer_shards > 1:
+        raise InvalidRequest(
+            f"{base_model} trains sharded over {plan.trainer_shards} GPUs ({plan.gpu}), and "
+            "Tinker training runs train on one GPU for now: train it with skytrain's training "
+            "jobs (REST, SDK or ART's client), or choose a base model one GPU trains "
+            "(sampling it through Tinker works)"
         )
 
 
@@ -126,14 +136,8 @@ def check_dense(
     so a local control plane never waits on the Hub; a config that cannot be had passes
     here, and the plan (``WorkerPlan``) or the worker refuses the model once it is read."""
     accelerators = provider.accelerator_choices() if provider is not None else None
-    if accelerators:
-        session.commit()  # no connection held while the Hub answers (``_plan_inputs``)
     try:
-        config = (
-            configs.get(base_model)
-            if accelerators
-            else find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
-        )
+        config = _base_config(session, base_model, accelerators, settings=settings, configs=configs)
     except ModelConfigUnavailable:
         return
     reason = experts.check_config(base_model, config)
@@ -141,51 +145,20 @@ def check_dense(
         raise InvalidRequest(reason)
 
 
-def check_one_device_trains(
+def _base_config(
     session: Session,
-    *,
     base_model: str,
-    lora_rank: int,
+    accelerators: list[str] | None,
+    *,
     settings: Settings,
-    provider: Provider | None,
     configs: ModelConfigs,
-) -> None:
-    """Refuse a Tinker training run on a base model whose workers' memory plan shards the
-    trainer: Tinker's trainer is one process on one device. Passes when the plan is unknown
-    here (no GPUs configured, no config.json) or a registered worker serves the base model
-    (it planned for its own GPUs): the worker refuses then, if it must."""
-    planned = _plan_inputs(session, base_model=base_model, provider=provider, configs=configs)
-    if planned is None:
-        return
-    accelerators, config = planned
-    choice = choose_worker_gpu(
-        base_model, accelerators, settings=settings, lora_rank=lora_rank, config=config
-    )
-    plan = choice.plan if choice is not None else None
-    if plan is not None and plan.trainer_shards > 1:
-        raise InvalidRequest(
-            f"{base_model} trains sharded over {plan.trainer_shards} GPUs ({plan.gpu}), and "
-            "Tinker training runs train on one GPU for now: train it with skytrain's training "
-            "jobs (REST, SDK or ART's client), or choose a base model one GPU trains "
-            "(sampling it through Tinker works)"
-        )
-
-
-def _plan_inputs(
-    session: Session, *, base_model: str, provider: Provider | None, configs: ModelConfigs
-) -> tuple[list[str], JSONObject | None] | None:
-    """The GPUs the provider's workers may get and the base model's config.json; None when
-    the plan is not checked here: no GPUs configured, a registered worker serves the base
-    model (it planned for its own GPUs), or the config cannot be read now.
-
-    Reading the config may wait on the object store or the Hub (up to
-    ``SKYTRAIN_HUB_TIMEOUT_S``): the session's transaction ends first (its rows stay
-    readable), so no database connection is held meanwhile."""
-    accelerators = provider.accelerator_choices() if provider is not None else None
-    if not accelerators or placement.served_by_a_registered_worker(session, base_model=base_model):
-        return None
-    session.commit()
-    try:
-        return accelerators, configs.get(base_model)
-    except ModelConfigUnavailable:
-        return None
+) -> JSONObject | None:
+    """The base model's config.json (ModelConfigUnavailable when it cannot be had now): from
+    ``configs`` (the object store, else the Hub, up to ``SKYTRAIN_HUB_TIMEOUT_S``) when the
+    provider has GPUs to plan for, the session's transaction ended first (its rows stay
+    readable) so that no database connection is held meanwhile; else from this machine's
+    copies only, so that a local control plane never waits on the Hub."""
+    if accelerators:
+        session.commit()
+        return configs.get(base_model)
+    return find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)

@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection
 
-from skytrain_backend.scheduler.demand import DemandMeter
+from skytrain_backend.scheduler.demand import DemandMeter, release_once
 from skytrain_backend.scheduler.routing import EngineRoute
 
 # How long a replica that could not be reached is left out of its model's choices.
@@ -89,19 +89,18 @@ class Balancer:
         with self._lock:
             self._outstanding[worker_id] = self._outstanding.get(worker_id, 0) + 1
         end_demand = self.demand.begin(route.model_id, worker_id)
-        done = False
+
+        def count_out() -> None:
+            left = self._outstanding[worker_id] - 1
+            if left:
+                self._outstanding[worker_id] = left
+            else:
+                del self._outstanding[worker_id]
+
+        counted_out = release_once(self._lock, count_out)
 
         def end() -> None:
-            nonlocal done
-            with self._lock:
-                if done:
-                    return
-                done = True
-                left = self._outstanding[worker_id] - 1
-                if left:
-                    self._outstanding[worker_id] = left
-                else:
-                    del self._outstanding[worker_id]
+            counted_out()
             end_demand()
 
         return end

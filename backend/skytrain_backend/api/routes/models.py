@@ -89,13 +89,7 @@ def create_model(
     config = body.config or ModelConfig()
     replicas.check_bounds(config, limits=tenants.limits_of(tenant, settings))
     limits = check_new_model(
-        session,
-        tenant=tenant,
-        settings=settings,
-        base_model=body.base_model,
-        lora_rank=config.lora_rank,
-        provider=scheduler.provider,
-        configs=scheduler.configs,
+        session, tenant, body.base_model, config, settings=settings, scheduler=scheduler
     )
     model, created = registry.create_model(
         session,

@@ -13,9 +13,8 @@ import tempfile
 from datetime import timedelta
 from typing import Annotated, BinaryIO, cast
 
-from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.responses import FileResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy import or_, select
 from starlette.concurrency import run_in_threadpool
 
@@ -30,6 +29,8 @@ from skytrain_backend.api.deps import (
     SettingsDep,
     StoreDep,
     WaitS,
+    WorkerCredentialsDep,
+    WorkerDep,
     in_thread,
 )
 from skytrain_backend.api.longpoll import long_poll
@@ -72,28 +73,11 @@ router = APIRouter(
     prefix="/worker", tags=["workers"], include_in_schema=False, route_class=SessionRoute
 )
 
-_bearer = HTTPBearer(auto_error=False)
 # How long a step a request was pinned to stays loaded on the model's worker.
 PIN_TTL = timedelta(minutes=10)
 HEARTBEAT_INTERVAL_S = 2.0
 # Checkpoint uploads larger than this spill to a temporary file on their way to the store.
 SPOOL_IN_MEMORY_BYTES = 16 * 1024 * 1024
-
-
-async def get_worker(
-    session: SessionDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Worker:
-    """The token's worker, attached to the request's session (the route changes it), whose
-    connection went back to the pool in the lookup's thread."""
-    if credentials is None:
-        raise AuthenticationFailed("no worker token: send 'Authorization: Bearer swt-...'")
-    return await in_thread(
-        session, workers.authenticate_worker, session, token=credentials.credentials
-    )
-
-
-WorkerDep = Annotated[Worker, Depends(get_worker)]
 
 
 def _endpoint(worker: Worker | None, body: WorkerRegistration, request: Request) -> str:
@@ -122,7 +106,7 @@ def unreachable_message(endpoint: str, problem: str) -> str:
 @router.get("/check", status_code=204, responses={204: {"description": "It may"}})
 def check(
     session: SessionDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    credentials: WorkerCredentialsDep,
     base_model: Annotated[str, Query(min_length=1, max_length=512)],
 ) -> Response:
     """Whether this token may register a worker for ``base_model``: 204, or the refusal
@@ -155,7 +139,7 @@ def register(
     session: SessionDep,
     settings: SettingsDep,
     scheduler: SchedulerDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    credentials: WorkerCredentialsDep,
 ) -> WorkerRegistered:
     """Register with a worker token, or join with an operator's join token (``swj-...``).
 
@@ -416,15 +400,7 @@ def complete(
     checkpoint = metrics.timed_phase(
         "commit",
         lambda: queue.complete_job(
-            session,
-            store=store,
-            worker=worker,
-            job_id=job_id,
-            attempt=body.attempt,
-            step=body.step,
-            metrics=body.metrics,
-            files=body.files,
-            settings=settings,
+            session, body, store=store, worker=worker, job_id=job_id, settings=settings
         ),
     )
     metrics.record_job_completion(body.metrics)
@@ -435,15 +411,7 @@ def complete(
 def fail(
     job_id: str, body: JobFailure, worker: WorkerDep, session: SessionDep, scheduler: SchedulerDep
 ) -> JobFailed:
-    job = queue.fail_job(
-        session,
-        worker=worker,
-        job_id=job_id,
-        attempt=body.attempt,
-        error_message=body.error_message,
-        retryable=body.retryable,
-        cancelled=body.cancelled,
-    )
+    job = queue.fail_job(session, body, worker=worker, job_id=job_id)
     scheduler.wake()
     return JobFailed(status=job.status)
 
@@ -459,15 +427,7 @@ def preempt(
 ) -> JobPreempted:
     """Hand back a job asked to yield, its state saved in the attempt's staged files: it is
     queued again behind the job it yielded to, and resumes from that state."""
-    job = queue.preempt_job(
-        session,
-        store=store,
-        worker=worker,
-        job_id=job_id,
-        attempt=body.attempt,
-        steps_done=body.steps_done,
-        files=body.files,
-    )
+    job = queue.preempt_job(session, body, store=store, worker=worker, job_id=job_id)
     scheduler.wake()
     return JobPreempted(status=job.status)
 
@@ -536,7 +496,7 @@ def checkpoint_file(
 def package(
     session: SessionDep,
     worker_package: PackageDep,
-    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+    credentials: WorkerCredentialsDep,
 ) -> FileResponse:
     """This control plane's own skytrain wheel, for a worker's setup to install.
 

@@ -28,8 +28,7 @@ from skytrain_backend.db.models import (
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.protocol import tinker_api as schemas
-from skytrain_backend.provision.base import Provider
-from skytrain_backend.scheduler.model_configs import ModelConfigs
+from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.tinker import runs
 
 # Included by the main Tinker router (api/tinker/training.py), under its /api/v1 prefix.
@@ -37,24 +36,13 @@ router = APIRouter(tags=["tinker"], route_class=SessionRoute)
 
 
 def _base_model_sampler_model(
-    session: Session,
-    tenant: Tenant,
-    settings: Settings,
-    provider: Provider | None,
-    configs: ModelConfigs,
-    base_model: str,
+    session: Session, tenant: Tenant, settings: Settings, scheduler: Scheduler, base_model: str
 ) -> Model:
     """The tenant's model that stands for ``base_model`` itself (step 0), created once, under
     the rules of any new model."""
     config = ModelConfig()
     limits = check_new_model(
-        session,
-        tenant=tenant,
-        settings=settings,
-        base_model=base_model,
-        lora_rank=config.lora_rank,
-        provider=provider,
-        configs=configs,
+        session, tenant, base_model, config, settings=settings, scheduler=scheduler
     )
     name = "base-" + uuid.uuid5(uuid.NAMESPACE_URL, base_model).hex[:16]
     model = session.scalar(
@@ -95,9 +83,7 @@ def create_sampling_session(
         model = session.get_one(Model, run.model_id)
         step = checkpoint.step
     elif body.base_model is not None:
-        model = _base_model_sampler_model(
-            session, tenant, settings, scheduler.provider, scheduler.configs, body.base_model
-        )
+        model = _base_model_sampler_model(session, tenant, settings, scheduler, body.base_model)
         step = 0
     else:
         raise InvalidRequest("create_sampling_session needs model_path or base_model")

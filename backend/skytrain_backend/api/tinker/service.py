@@ -66,7 +66,6 @@ from skytrain_backend.errors import (
     SkytrainError,
     Unavailable,
 )
-from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.protocol import tinker_api as schemas
 from skytrain_backend.protocol.tinker_ops import (
@@ -142,11 +141,10 @@ class TinkerService:
     def submit(
         self,
         session: Session,
-        store: ObjectStore,
-        *,
         run: TinkerRun,
         seq_id: int | None,
         operation: TinkerOperation,
+        *,
         refused: str | None = None,
         body: bytes | None = None,
     ) -> schemas.UntypedAPIFuture:
@@ -154,7 +152,7 @@ class TinkerService:
         failed, ``refused`` saying why), its future answered, the run's worker told."""
         row = runs.submit(
             session,
-            store=store,
+            store=self._store,
             limits=limits_of(session.get_one(Tenant, run.tenant_id), self.settings),
             run=run,
             seq_id=seq_id,
@@ -166,45 +164,28 @@ class TinkerService:
         return future(row)
 
     def create_run(
-        self,
-        session: Session,
-        *,
-        tenant: Tenant,
-        scheduler: Scheduler,
-        session_id: str,
-        model_seq_id: int,
-        base_model: str,
-        model_config: ModelConfig,
-        lora: schemas.LoraConfig,
-        user_metadata: JSONObject | None,
-        creation: CreationOperation,
+        self, session: Session, new: runs.NewRun, *, tenant: Tenant, scheduler: Scheduler
     ) -> schemas.UntypedAPIFuture:
         """A new training run in the SDK's session: its model checked against the tenant's
-        rules and quota, then created with ``creation`` as its operation 0."""
+        rules and quota, then created with its creation as its operation 0."""
         tinker_session = tinker_rows.open_session(
-            session, tenant_id=tenant.id, session_id=session_id
+            session, tenant_id=tenant.id, session_id=new.session_id
         )
         limits = check_new_model(
             session,
-            tenant=tenant,
+            tenant,
+            new.base_model,
+            new.model_config,
             settings=self.settings,
-            base_model=base_model,
-            lora_rank=model_config.lora_rank,
-            provider=scheduler.provider,
-            configs=scheduler.configs,
+            scheduler=scheduler,
             tinker_training=True,
         )
-        metadata_bytes(user_metadata, limits=limits, field="user_metadata")
+        metadata_bytes(new.user_metadata, limits=limits, field="user_metadata")
         operation = runs.create_run(
             session,
+            new,
             tenant=tenant,
             tinker_session=tinker_session,
-            model_seq_id=model_seq_id,
-            base_model=base_model,
-            model_config=model_config,
-            lora=lora,
-            user_metadata=user_metadata or {},
-            creation=creation,
             max_attempts=self.settings.job_max_attempts,
             max_models=limits.max_models,
         )
@@ -235,18 +216,16 @@ class TinkerService:
             kind="load_create",
             params=CreationParams(path=load.path, source=load.source, optimizer=load.optimizer),
         )
-        return self.create_run(
-            session,
-            tenant=tenant,
-            scheduler=scheduler,
-            session_id=session_id,
-            model_seq_id=model_seq_id,
-            base_model=source_model.base_model,
-            model_config=ModelConfig.model_validate(source_model.config),
-            lora=schemas.LoraConfig.model_validate(source_run.lora_config),
-            user_metadata=body.user_metadata,
-            creation=creation,
+        new = runs.NewRun(
+            session_id,
+            model_seq_id,
+            source_model.base_model,
+            ModelConfig.model_validate(source_model.config),
+            schemas.LoraConfig.model_validate(source_run.lora_config),
+            body.user_metadata,
+            creation,
         )
+        return self.create_run(session, new, tenant=tenant, scheduler=scheduler)
 
     def load_operation(
         self, session: Session, *, tenant: Tenant, run: TinkerRun, body: schemas.LoadWeightsRequest

@@ -23,11 +23,10 @@ from skytrain_backend.api.deps import (
     SessionDep,
     SessionRoute,
     SettingsDep,
-    StoreDep,
     TinkerTenantDep,
 )
 from skytrain_backend.api.tinker import futures, rest_client, sampling
-from skytrain_backend.api.tinker.deps import PathId, TinkerDep, tenant_run
+from skytrain_backend.api.tinker.deps import PathId, TinkerDep, TrainingDep
 from skytrain_backend.api.tinker.service import ADAM_ONLY
 from skytrain_backend.db import tinker_rows
 from skytrain_backend.db.models import Model, Worker
@@ -151,18 +150,17 @@ def create_model(
     )
     # An unseeded adapter gets a seed now: a rebuilt state must start from the same weights.
     seed = lora.seed if lora.seed is not None else uuid.uuid4().int % 2**31
-    return tinker.create_run(
-        session,
-        tenant=tenant,
-        scheduler=scheduler,
-        session_id=body.session_id,
-        model_seq_id=body.model_seq_id,
-        base_model=body.base_model,
-        model_config=config,
-        lora=lora,
-        user_metadata=body.user_metadata,
-        creation=CreationOperation(kind="create_model", params=CreationParams(seed=seed)),
+    creation = CreationOperation(kind="create_model", params=CreationParams(seed=seed))
+    new = runs.NewRun(
+        body.session_id,
+        body.model_seq_id,
+        body.base_model,
+        config,
+        lora,
+        body.user_metadata,
+        creation,
     )
+    return tinker.create_run(session, new, tenant=tenant, scheduler=scheduler)
 
 
 @router.post("/get_info")
@@ -182,11 +180,7 @@ def get_info(
 
 @router.post("/forward_backward")
 async def forward_backward(
-    request: Request,
-    tenant: TinkerTenantDep,
-    session: SessionDep,
-    store: StoreDep,
-    tinker: TinkerDep,
+    request: Request, session: SessionDep, training: TrainingDep
 ) -> schemas.UntypedAPIFuture:
     """A protobuf ``ForwardBackwardRequest`` (``forward`` is the same with ``forward_only``),
     validated in full before it is queued (invalid content: a failed future, see ``submit``)."""
@@ -201,7 +195,7 @@ async def forward_backward(
 
     def queue_it() -> schemas.UntypedAPIFuture:
         message = tinker_protobuf.decode_forward_backward(body)
-        run = tenant_run(session, tenant, message.model_id)
+        run = training.run(session, message.model_id)
         model = session.get_one(Model, run.model_id)
         kind: Literal["forward", "forward_backward"] = (
             "forward" if message.forward_only else "forward_backward"
@@ -211,34 +205,23 @@ async def forward_backward(
             batch = tinker_protobuf.validate_forward_backward(message, max_tokens=max_tokens)
         except InvalidRequest as exc:
             refused = BatchOperation(kind=kind, params=BatchParams(loss_fn=message.loss_fn))
-            return tinker.submit(
-                session,
-                store,
-                run=run,
-                seq_id=message.seq_id,
-                operation=refused,
-                refused=exc.message,
+            return training.tinker.submit(
+                session, run, message.seq_id, refused, refused=exc.message
             )
         params = BatchParams(
             loss_fn=batch.loss_fn, num_datums=len(batch.data), num_tokens=batch.num_tokens
         )
         operation = BatchOperation(kind=kind, params=params)
-        return tinker.submit(
-            session, store, run=run, seq_id=batch.seq_id, operation=operation, body=body
-        )
+        return training.tinker.submit(session, run, batch.seq_id, operation, body=body)
 
     return await run_in_threadpool(queue_it)
 
 
 @router.post("/optim_step")
 def optim_step(
-    body: schemas.OptimStepRequest,
-    tenant: TinkerTenantDep,
-    session: SessionDep,
-    store: StoreDep,
-    tinker: TinkerDep,
+    body: schemas.OptimStepRequest, session: SessionDep, training: TrainingDep
 ) -> schemas.UntypedAPIFuture:
-    run = tenant_run(session, tenant, body.model_id)
+    run = training.run(session, body.model_id)
     operation, refused = OptimOperation(kind="optim_step"), None
     if body.optimizer_params is not None:
         refused = ADAM_ONLY
@@ -248,77 +231,53 @@ def optim_step(
             operation = OptimOperation(kind="optim_step", params=OptimParams(adam=adam))
         except ValidationError as exc:
             refused = format_validation_error(exc, root="adam_params")
-    return tinker.submit(
-        session, store, run=run, seq_id=body.seq_id, operation=operation, refused=refused
-    )
+    return training.tinker.submit(session, run, body.seq_id, operation, refused=refused)
 
 
 @router.post("/save_weights")
 def save_weights(
-    body: schemas.SaveWeightsRequest,
-    tenant: TinkerTenantDep,
-    session: SessionDep,
-    store: StoreDep,
-    tinker: TinkerDep,
+    body: schemas.SaveWeightsRequest, session: SessionDep, training: TrainingDep
 ) -> schemas.UntypedAPIFuture:
-    run = tenant_run(session, tenant, body.model_id)
+    run = training.run(session, body.model_id)
     name = body.path or f"state-{body.seq_id}"
     params = SaveParams(name=name, overwrite=body.overwrite, user_metadata=body.user_metadata)
-    refused = tinker.name_refusal(
+    refused = training.tinker.name_refusal(
         session, run=run, kind="training", name=name, overwrite=body.overwrite
     )
-    return tinker.submit(
-        session,
-        store,
-        run=run,
-        seq_id=body.seq_id,
-        operation=SaveOperation(kind="save_weights", params=params),
-        refused=refused,
-    )
+    operation = SaveOperation(kind="save_weights", params=params)
+    return training.tinker.submit(session, run, body.seq_id, operation, refused=refused)
 
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(
-    body: schemas.SaveWeightsForSamplerRequest,
-    tenant: TinkerTenantDep,
-    session: SessionDep,
-    store: StoreDep,
-    tinker: TinkerDep,
+    body: schemas.SaveWeightsForSamplerRequest, session: SessionDep, training: TrainingDep
 ) -> schemas.UntypedAPIFuture:
-    run = tenant_run(session, tenant, body.model_id)
+    run = training.run(session, body.model_id)
     refused = None
     if body.kind != "snapshot":
         refused = f"sampling client kind {body.kind!r} is not served: skytrain's are snapshots"
     elif body.path is not None:
-        refused = tinker.name_refusal(
+        refused = training.tinker.name_refusal(
             session, run=run, kind="sampler", name=body.path, overwrite=False
         )
     params = SaveParams(name=body.path, user_metadata=body.user_metadata)
-    return tinker.submit(
-        session,
-        store,
-        run=run,
-        seq_id=body.seq_id,
-        operation=SaveOperation(kind="save_weights_for_sampler", params=params),
-        refused=refused,
-    )
+    operation = SaveOperation(kind="save_weights_for_sampler", params=params)
+    return training.tinker.submit(session, run, body.seq_id, operation, refused=refused)
 
 
 @router.post("/load_weights")
 def load_weights(
     body: schemas.LoadWeightsRequest,
-    tenant: TinkerTenantDep,
     session: SessionDep,
-    store: StoreDep,
-    tinker: TinkerDep,
+    training: TrainingDep,
     scheduler: SchedulerDep,
 ) -> schemas.UntypedAPIFuture:
     """Load a checkpoint into a live run (``model_id`` + ``seq_id``), or create a run from one
     (``session_id`` + ``model_seq_id``: ``create_training_client_from_state``)."""
     if body.session_id is not None and body.model_seq_id is not None:
-        return tinker.create_from_state(
+        return training.tinker.create_from_state(
             session,
-            tenant=tenant,
+            tenant=training.tenant,
             scheduler=scheduler,
             body=body,
             session_id=body.session_id,
@@ -328,11 +287,11 @@ def load_weights(
         raise InvalidRequest(
             "load_weights needs model_id and seq_id, or session_id and model_seq_id"
         )
-    run = tenant_run(session, tenant, body.model_id)
-    operation, refused = tinker.load_operation(session, tenant=tenant, run=run, body=body)
-    return tinker.submit(
-        session, store, run=run, seq_id=body.seq_id, operation=operation, refused=refused
+    run = training.run(session, body.model_id)
+    operation, refused = training.tinker.load_operation(
+        session, tenant=training.tenant, run=run, body=body
     )
+    return training.tinker.submit(session, run, body.seq_id, operation, refused=refused)
 
 
 # The sampling, futures and REST-client routes, in modules of their own.

@@ -8,9 +8,10 @@ See ``scheduler.tinker.worker_ops`` for the queue and the rebuild plan.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -22,10 +23,10 @@ from skytrain_backend.api.deps import (
     SettingsDep,
     StoreDep,
     WaitS,
+    WorkerDep,
     in_thread,
 )
 from skytrain_backend.api.longpoll import long_poll
-from skytrain_backend.api.routes.worker import WorkerDep
 from skytrain_backend.api.tinker.deps import TinkerDep
 from skytrain_backend.db import notify
 from skytrain_backend.db.models import Model, Worker
@@ -125,127 +126,81 @@ async def next_operation(
     return found
 
 
+@dataclass(frozen=True)
+class _At:
+    """The operation a route's path names, and the worker asking."""
+
+    worker: Worker
+    job_id: str
+    seq_id: int
+
+    def held(self, attempt: int) -> worker_ops.Held:
+        return worker_ops.Held(self.worker, self.job_id, attempt, self.seq_id)
+
+
+async def _at(job_id: str, seq_id: int, worker: WorkerDep) -> _At:
+    return _At(worker, job_id, seq_id)
+
+
+async def _held(at: Annotated[_At, Depends(_at)], attempt: Attempt) -> worker_ops.Held:
+    return at.held(attempt)
+
+
+At = Annotated[_At, Depends(_at)]
+# The operation as a GET or PUT names it, with its attempt in the query.
+HeldDep = Annotated[worker_ops.Held, Depends(_held)]
+
+
 @router.get("/runs/{job_id}/operations/{seq_id}")
-def operation(
-    job_id: str, seq_id: int, attempt: Attempt, worker: WorkerDep, session: SessionDep
-) -> LeasedOperation:
-    _, found = worker_ops.worker_operation(
-        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
-    )
+def operation(held: HeldDep, session: SessionDep) -> LeasedOperation:
+    _, found = worker_ops.worker_operation(session, held)
     return worker_ops.operation_for_worker(found)
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}/input")
-def operation_input(
-    job_id: str,
-    seq_id: int,
-    attempt: Attempt,
-    worker: WorkerDep,
-    session: SessionDep,
-    store: StoreDep,
-) -> StreamingResponse:
-    run, found = worker_ops.worker_operation(
-        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
-    )
+def operation_input(held: HeldDep, session: SessionDep, store: StoreDep) -> StreamingResponse:
+    run, found = worker_ops.worker_operation(session, held)
     if found.input_uri is None:
-        raise InvalidRequest(f"operation {seq_id} has no input object")
+        raise InvalidRequest(f"operation {held.seq_id} has no input object")
     return StreamingResponse(
-        store.iter_chunks(runs.input_key(run, seq_id)), media_type="application/octet-stream"
+        store.iter_chunks(runs.input_key(run, held.seq_id)), media_type="application/octet-stream"
     )
 
 
 @router.put("/runs/{job_id}/operations/{seq_id}/output", status_code=204)
 async def operation_output(
-    job_id: str,
-    seq_id: int,
-    attempt: Attempt,
-    request: Request,
-    worker: WorkerDep,
-    session: SessionDep,
-    store: StoreDep,
+    held: HeldDep, request: Request, session: SessionDep, store: StoreDep
 ) -> None:
-    run, _ = await in_thread(
-        session,
-        worker_ops.worker_operation,
-        session,
-        worker=worker,
-        job_id=job_id,
-        attempt=attempt,
-        seq_id=seq_id,
-    )
-    key = runs.output_key(run, seq_id)
+    run, _ = await in_thread(session, worker_ops.worker_operation, session, held)
+    key = runs.output_key(run, held.seq_id)
     await run_in_threadpool(store.put_bytes, key, await request.body())
 
 
 @router.post("/runs/{job_id}/operations/{seq_id}/complete", status_code=204)
 def complete(
-    job_id: str,
-    seq_id: int,
-    body: OperationCompletion,
-    worker: WorkerDep,
-    session: SessionDep,
-    store: StoreDep,
-    tinker: TinkerDep,
+    body: OperationCompletion, at: At, session: SessionDep, store: StoreDep, tinker: TinkerDep
 ) -> None:
-    request_id = worker_ops.complete(
-        session,
-        store=store,
-        worker=worker,
-        job_id=job_id,
-        attempt=body.attempt,
-        seq_id=seq_id,
-        result=body.result,
-        has_output=body.has_output,
-    )
+    request_id = worker_ops.complete(session, at.held(body.attempt), body, store=store)
     tinker.notify(f"request:{request_id}")
 
 
 @router.post("/runs/{job_id}/operations/{seq_id}/fail", status_code=204)
-def fail(
-    job_id: str,
-    seq_id: int,
-    body: OperationFailure,
-    worker: WorkerDep,
-    session: SessionDep,
-    tinker: TinkerDep,
-) -> None:
-    request_id = worker_ops.fail(
-        session,
-        worker=worker,
-        job_id=job_id,
-        attempt=body.attempt,
-        seq_id=seq_id,
-        error=body.error,
-        category=body.category,
-    )
+def fail(body: OperationFailure, at: At, session: SessionDep, tinker: TinkerDep) -> None:
+    request_id = worker_ops.fail(session, at.held(body.attempt), body)
     tinker.notify(f"request:{request_id}")
 
 
 @router.post("/runs/{job_id}/operations/{seq_id}/save", status_code=204)
 def save(
-    job_id: str,
-    seq_id: int,
     body: SaveCommit,
-    worker: WorkerDep,
+    at: At,
     session: SessionDep,
     store: StoreDep,
     tinker: TinkerDep,
     settings: SettingsDep,
 ) -> None:
     request_id = worker_ops.commit_save(
-        session,
-        store=store,
-        worker=worker,
-        job_id=job_id,
-        attempt=body.attempt,
-        seq_id=seq_id,
-        files=body.files,
-        step=body.step,
-        reuse_step=body.reuse_step,
-        grads_pending=body.grads_pending,
-        optim_steps=body.optim_steps,
-        served=body.served,
-        settings=settings,
+        session, at.held(body.attempt), body, store=store, settings=settings
     )
     tinker.notify(f"request:{request_id}")
 

@@ -24,7 +24,7 @@ from skytrain_backend.db.models import (
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES
 from skytrain_backend.scheduler.serving import ServingStatus, serving_status
-from skytrain_backend.scheduler.tinker.runs import JOB_KIND, ended_reason, run_job
+from skytrain_backend.scheduler.tinker.runs import JOB_KIND, ended_reason, fail_operation, run_job
 
 # --- futures ------------------------------------------------------------------------------------
 
@@ -60,13 +60,12 @@ def state(
     limits = tenants.limits_of(session.get_one(Tenant, operation.tenant_id), settings)
     if operation.run_id is None:
         if operation.created_at < utcnow() - timedelta(seconds=sample_timeout_s):
-            operation.status = "failed"
-            operation.error = (
+            fail_operation(
+                operation,
                 f"sampling did not finish within {sample_timeout_s:.0f}s "
-                "(SKYTRAIN_TINKER_SAMPLE_TIMEOUT_S): retry, with fewer tokens if it recurs"
+                "(SKYTRAIN_TINKER_SAMPLE_TIMEOUT_S): retry, with fewer tokens if it recurs",
+                category="server",
             )
-            operation.error_category = "server"
-            operation.finished_at = utcnow()
             session.commit()
             return state(
                 session, operation=operation, sample_timeout_s=sample_timeout_s, settings=settings

@@ -174,23 +174,34 @@ def run_id_for(session_id: str, model_seq_id: int) -> str:
     return f"{session_id}:train:{model_seq_id}"
 
 
+@dataclass(frozen=True)
+class NewRun:
+    """A training run as the SDK asks for it: model ``model_seq_id`` of its session
+    ``session_id``, a LoRA adapter of ``base_model`` (``model_config``, the SDK's ``lora``),
+    whose operation 0 is ``creation`` (a fresh adapter, or one loaded from a checkpoint)."""
+
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    model_config: ModelConfig
+    lora: LoraConfig
+    user_metadata: JSONObject | None
+    creation: CreationOperation
+
+
 def create_run(
     session: Session,
+    new: NewRun,
     *,
     tenant: Tenant,
     tinker_session: TinkerSession,
-    model_seq_id: int,
-    base_model: str,
-    model_config: ModelConfig,
-    lora: LoraConfig,
-    user_metadata: JSONObject,
-    creation: CreationOperation,
     max_attempts: int,
     max_models: int,
 ) -> TinkerRequest:
     """The run's model (with its step 0), its job, the run and its creation (operation 0), in
     one transaction; the creation's future. Sending the same creation again returns it; a
     new run is a new model, refused (``QuotaExceeded``) past the tenant's ``max_models``."""
+    model_seq_id, creation = new.model_seq_id, new.creation
     if model_seq_id < 0:
         raise InvalidRequest(f"model_seq_id must be 0 or more, not {model_seq_id}")
     run_id = run_id_for(tinker_session.id, model_seq_id)
@@ -203,8 +214,8 @@ def create_run(
         entity=tenant.name,
         project=PROJECT,
         name=run_id.replace(":", "-"),
-        base_model=base_model,
-        config=model_config.model_dump(mode="json"),
+        base_model=new.base_model,
+        config=new.model_config.model_dump(mode="json"),
         last_active_at=utcnow(),
     )
     session.add(model)
@@ -227,8 +238,8 @@ def create_run(
         session_id=tinker_session.id,
         model_id=model.id,
         job_id=job.id,
-        lora_config=lora.model_dump(mode="json"),
-        user_metadata=user_metadata,
+        lora_config=new.lora.model_dump(mode="json"),
+        user_metadata=new.user_metadata or {},
     )
     session.add(run)
     session.flush()  # rows without relationships: the unit of work does not order them
@@ -313,10 +324,7 @@ def submit(
     )
     if refused is not None:
         row.params = {**params, REFUSED: True}
-        row.status = "failed"
-        row.error = refused
-        row.error_category = "user"
-        row.finished_at = utcnow()
+        fail_operation(row, refused, category="user")
     elif body is not None:
         # The body (up to the request limit) goes to the store with no transaction open and
         # no connection held; the run is checked again after. An object whose row never
@@ -366,6 +374,17 @@ def _params(operation: TinkerOperation) -> dict[str, object]:
     if operation.params is None:
         return {}
     return operation.params.model_dump(mode="json", exclude_none=True)
+
+
+def fail_operation(row: TinkerRequest, error: str, *, category: str) -> None:
+    """Mark an operation failed with ``error`` (``category``: whose fault, "user" or "server"),
+    unless it is finished already."""
+    if row.status in FINISHED:
+        return
+    row.status = "failed"
+    row.error = error
+    row.error_category = category
+    row.finished_at = utcnow()
 
 
 def was_refused(row: TinkerRequest) -> bool:

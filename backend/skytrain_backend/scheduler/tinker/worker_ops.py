@@ -6,8 +6,8 @@ failures and saves. The runs themselves, their queue and their names: ``schedule
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session
@@ -27,7 +27,7 @@ from skytrain_backend.db.models import (
     utcnow,
 )
 from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded
-from skytrain_backend.protocol import ModelConfig, StagedFile
+from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.protocol import tinker_ops as ops
 from skytrain_backend.protocol.tinker_ops import CREATIONS, STATE_CHANGES
 from skytrain_backend.scheduler import queue
@@ -36,6 +36,7 @@ from skytrain_backend.scheduler.tinker.runs import (
     JOB_KIND,
     CheckpointKind,
     TinkerPath,
+    fail_operation,
     output_key,
     stored_operation,
     was_refused,
@@ -44,6 +45,17 @@ from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
 
 # --- what a worker runs -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Held:
+    """Operation ``seq_id`` of the run whose job ``worker`` holds as ``attempt``: what every
+    call of a worker about an operation names."""
+
+    worker: Worker
+    job_id: str
+    attempt: int
+    seq_id: int
 
 
 def lease_run(session: Session, *, worker: Worker, lease_s: float) -> ops.LeasedRun | None:
@@ -191,15 +203,15 @@ def next_operation(
     return operation
 
 
-def worker_operation(
-    session: Session, *, worker: Worker, job_id: str, attempt: int, seq_id: int
-) -> tuple[TinkerRun, TinkerRequest]:
-    run = leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
+def worker_operation(session: Session, held: Held) -> tuple[TinkerRun, TinkerRequest]:
+    run = leased_run(session, worker=held.worker, job_id=held.job_id, attempt=held.attempt)
     operation = session.scalar(
-        select(TinkerRequest).where(TinkerRequest.run_id == run.id, TinkerRequest.seq_id == seq_id)
+        select(TinkerRequest).where(
+            TinkerRequest.run_id == run.id, TinkerRequest.seq_id == held.seq_id
+        )
     )
     if operation is None:
-        raise NotFound(f"run {run.id} has no operation {seq_id}")
+        raise NotFound(f"run {run.id} has no operation {held.seq_id}")
     return run, operation
 
 
@@ -240,35 +252,25 @@ def _finish(operation: TinkerRequest, *, result: dict[str, Any] | None = None) -
 
 
 def complete(
-    session: Session,
-    *,
-    store: ObjectStore,
-    worker: Worker,
-    job_id: str,
-    attempt: int,
-    seq_id: int,
-    result: ops.OperationResult,
-    has_output: bool,
+    session: Session, held: Held, completion: ops.OperationCompletion, *, store: ObjectStore
 ) -> str:
     """Record an operation's result (an output object already uploaded, if ``has_output``);
     the future's id."""
-    run, operation = worker_operation(
-        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
-    )
+    run, operation = worker_operation(session, held)
     if operation.status in FINISHED:
         session.rollback()
         return operation.id
-    if has_output:
-        key = output_key(run, seq_id)
+    if completion.has_output:
+        key = output_key(run, held.seq_id)
         sizes = [info.size for info in store.list(key) if info.key == key]
         if not sizes:
-            raise InvalidRequest(f"operation {seq_id}'s output was not uploaded")
+            raise InvalidRequest(f"operation {held.seq_id}'s output was not uploaded")
         operation.result_uri = store.uri(key)
         # Stored already, by the worker that ran it: counted, not refused (the tenant's next
         # writes are checked against it).
         operation.output_bytes = sizes[0]
         tenants.add_storage(session, tenant_id=run.tenant_id, added=sizes[0])
-    _finish(operation, result=_public_result(run, operation, result))
+    _finish(operation, result=_public_result(run, operation, completion.result))
     session.commit()
     return operation.id
 
@@ -290,44 +292,21 @@ def _public_result(
     return {}
 
 
-def fail(
-    session: Session,
-    *,
-    worker: Worker,
-    job_id: str,
-    attempt: int,
-    seq_id: int,
-    error: str,
-    category: Literal["user", "server"],
-) -> str:
+def fail(session: Session, held: Held, failure: ops.OperationFailure) -> str:
     """An operation the worker could not run (its inputs, or the trainer's refusal); the
     state it leaves is the one before it, so later operations run on. The future's id."""
-    _, operation = worker_operation(
-        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
-    )
-    if operation.status not in FINISHED:
-        operation.status = "failed"
-        operation.error = error
-        operation.error_category = category
-        operation.finished_at = utcnow()
+    _, operation = worker_operation(session, held)
+    fail_operation(operation, failure.error, category=failure.category)
     session.commit()
     return operation.id
 
 
 def commit_save(
     session: Session,
+    held: Held,
+    commit: ops.SaveCommit,
     *,
     store: ObjectStore,
-    worker: Worker,
-    job_id: str,
-    attempt: int,
-    seq_id: int,
-    files: Sequence[StagedFile],
-    step: int,
-    reuse_step: int | None,
-    grads_pending: bool,
-    optim_steps: int,
-    served: bool,
     settings: Settings,
 ) -> str:
     """Commit a save: the staged files as the model's next step (or ``reuse_step``, when the
@@ -340,17 +319,8 @@ def commit_save(
     copied into the attempt's own directory of the step; then a short transaction checks
     all of it again and commits. What a save that lost the race copied is the garbage
     sweep's."""
-    check = functools.partial(
-        _check_save,
-        session,
-        worker=worker,
-        job_id=job_id,
-        attempt=attempt,
-        seq_id=seq_id,
-        step=step,
-        reuse_step=reuse_step,
-        files=files,
-    )
+    check = functools.partial(_check_save, session, held, commit)
+    job_id, attempt, step, files = held.job_id, held.attempt, commit.step, commit.files
     checked = check()
     if isinstance(checked, str):
         return checked
@@ -364,7 +334,7 @@ def commit_save(
     )
     total = 0
     session.rollback()  # the row lock and the connection go back before the store works
-    if reuse_step is None:
+    if commit.reuse_step is None:
         attempt_prefix = f"{staged}attempts/{attempt}/"
         queue.check_staged(store, prefix=attempt_prefix, files=files, job_id=job_id, step=step)
         total = queue.copy_staged(
@@ -374,42 +344,32 @@ def commit_save(
     if isinstance(checked, str):
         return checked
     if total:
-        refused = _reserve_save(
-            session,
-            worker=worker,
-            job_id=job_id,
-            attempt=attempt,
-            seq_id=seq_id,
-            tenant_id=tenant_id,
-            size=total,
-            settings=settings,
-        )
+        refused = _reserve_save(session, held, tenant_id=tenant_id, size=total, settings=settings)
         if refused is not None:
             store.delete_prefix(prefix)
             store.delete_prefix(staged + "attempts/")
             return refused
-    run, operation = worker_operation(
-        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
-    )
+    run, operation = worker_operation(session, held)
     model = session.get_one(Model, model_id)
     params = _save_params(operation)
     name = params.name
     kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
     existing = _named(session, run=run, kind=kind, name=name)
-    if reuse_step is not None:
-        step = reuse_step
+    if commit.reuse_step is not None:
+        step = commit.reuse_step
     else:
         session.add(
             Checkpoint(
                 model_id=model.id,
                 step=step,
                 uri=store.uri(prefix.rstrip("/")),
-                metrics={"tinker/optim_steps": float(optim_steps)},
+                metrics={"tinker/optim_steps": float(commit.optim_steps)},
                 size_bytes=total,
                 files=[item.model_dump() for item in files],
             )
         )
-    if served:
+    if commit.served:
+        worker = held.worker
         others = [item for item in worker.served or [] if item.get("model_id") != model.id]
         worker.served = [*others, {"model_id": model.id, "step": step}]
     result: dict[str, Any]
@@ -435,12 +395,14 @@ def commit_save(
         session.add(sampler)
         session.flush()
         result = {"sampling_session_id": sampler.id, "type": operation.kind}
-    committed = params.model_copy(update={"committed_step": step, "grads_pending": grads_pending})
+    committed = params.model_copy(
+        update={"committed_step": step, "grads_pending": commit.grads_pending}
+    )
     operation.params = {**operation.params, **committed.model_dump(mode="json", exclude_none=True)}
     model.last_active_at = utcnow()
     _finish(operation, result=result)
     session.commit()
-    if reuse_step is None:
+    if commit.reuse_step is None:
         store.delete_prefix(staged + "attempts/")
     return operation.id
 
@@ -453,15 +415,7 @@ def _save_params(row: TinkerRequest) -> ops.SaveParams:
 
 
 def _reserve_save(
-    session: Session,
-    *,
-    worker: Worker,
-    job_id: str,
-    attempt: int,
-    seq_id: int,
-    tenant_id: str,
-    size: int,
-    settings: Settings,
+    session: Session, held: Held, *, tenant_id: str, size: int, settings: Settings
 ) -> str | None:
     """Take a save's ``size`` bytes from the tenant's storage quota, in the transaction that
     commits it (after its checks: the run's rows, then the tenant's, as ``submit`` takes them).
@@ -473,14 +427,8 @@ def _reserve_save(
             session, tenant_id=tenant_id, limits=limits, adding=size, what="this checkpoint"
         )
     except QuotaExceeded as exc:
-        _, operation = worker_operation(
-            session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
-        )
-        if operation.status not in FINISHED:
-            operation.status = "failed"
-            operation.error = f"nothing was saved: {exc.message}"
-            operation.error_category = "user"
-            operation.finished_at = utcnow()
+        _, operation = worker_operation(session, held)
+        fail_operation(operation, f"nothing was saved: {exc.message}", category="user")
         session.commit()
         return operation.id
     return None
@@ -500,24 +448,12 @@ def _named(
     )
 
 
-def _check_save(
-    session: Session,
-    *,
-    worker: Worker,
-    job_id: str,
-    attempt: int,
-    seq_id: int,
-    step: int,
-    reuse_step: int | None,
-    files: Sequence[StagedFile],
-) -> str | tuple[str, str]:
+def _check_save(session: Session, held: Held, commit: ops.SaveCommit) -> str | tuple[str, str]:
     """The checks of a save, run before its files are copied and again as it commits: the
     operation's id when it is over (done already, or failed here on its name: committed),
     else the model's tenant and id. LeaseLost, NotFound or InvalidRequest as the worker
     has it wrong."""
-    run, operation = worker_operation(
-        session, worker=worker, job_id=job_id, attempt=attempt, seq_id=seq_id
-    )
+    run, operation = worker_operation(session, held)
     if operation.status in FINISHED:
         session.rollback()
         return operation.id
@@ -526,26 +462,25 @@ def _check_save(
     kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
     existing = _named(session, run=run, kind=kind, name=params.name)
     if existing is not None and not params.overwrite:
-        operation.status = "failed"
-        operation.error = (
+        fail_operation(
+            operation,
             f"run {run.id} already has a checkpoint named {params.name!r}: choose "
-            "another name, or pass overwrite=True"
+            "another name, or pass overwrite=True",
+            category="user",
         )
-        operation.error_category = "user"
-        operation.finished_at = utcnow()
         session.commit()
         return operation.id
-    if reuse_step is not None:
+    if commit.reuse_step is not None:
         reused = select(Checkpoint.id).where(
             Checkpoint.model_id == model.id,
-            Checkpoint.step == reuse_step,
+            Checkpoint.step == commit.reuse_step,
         )
         if session.scalar(reused) is None:
-            raise InvalidRequest(f"model {model.id} has no step {reuse_step} to reuse")
+            raise InvalidRequest(f"model {model.id} has no step {commit.reuse_step} to reuse")
     else:
-        if not files:
+        if not commit.files:
             raise InvalidRequest("a save needs its checkpoint files")
         expected = registry.next_step(session, model_id=model.id)
-        if step != expected:
-            raise InvalidRequest(f"run {run.id} saves step {expected} next, not step {step}")
+        if commit.step != expected:
+            raise InvalidRequest(f"run {run.id} saves step {expected} next, not step {commit.step}")
     return model.tenant_id, model.id
