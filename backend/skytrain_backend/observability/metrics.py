@@ -145,6 +145,11 @@ OFF_POLICY_STEPS = Histogram(
     ["stat"],
     buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
 )
+OFF_POLICY_REFUSED = Counter(
+    "skytrain_training_groups_refused_off_policy_total",
+    "Groups a job left out when it started because they were sampled more than its "
+    "max_off_policy_steps before the step it trained from (it was queued behind others).",
+)
 
 # --- storage and database ---------------------------------------------------------------------
 
@@ -168,6 +173,7 @@ _KNOWN_PHASES = frozenset(
 )
 _AGREEMENT = {"logprob_agreement/mean_abs_diff": "mean", "logprob_agreement/max_abs_diff": "max"}
 _OFF_POLICY = {"off_policy_steps/mean": "mean", "off_policy_steps/max": "max"}
+_OFF_POLICY_REFUSED = "groups/refused_off_policy"
 _STATEMENTS = frozenset({"select", "insert", "update", "delete"})
 
 
@@ -229,6 +235,8 @@ def record_job_completion(metrics: dict[str, float]) -> None:
             LOGPROB_AGREEMENT.labels(stat=_AGREEMENT[key]).observe(value)
         elif key in _OFF_POLICY and value >= 0:
             OFF_POLICY_STEPS.labels(stat=_OFF_POLICY[key]).observe(value)
+        elif key == _OFF_POLICY_REFUSED and value > 0:
+            OFF_POLICY_REFUSED.inc(value)
 
 
 T = TypeVar("T")

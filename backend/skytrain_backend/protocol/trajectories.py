@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, NamedTuple, NotRequired
+from typing import Annotated, Any, Literal, NamedTuple, NotRequired, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -292,10 +292,29 @@ def sampled_step(group: Any) -> int | None:
     return min(steps) if steps else None
 
 
+G = TypeVar("G")
+
+
+def within_off_policy(
+    groups: Sequence[G], *, base_step: int, limit: int | None
+) -> tuple[list[G], list[int]]:
+    """The groups sampled at most ``limit`` steps before ``base_step`` (all of them when
+    ``limit`` is None, and those that say no step), and the steps of the others."""
+    kept, refused = [], []
+    for group in groups:
+        step = sampled_step(group)
+        if limit is not None and step is not None and base_step - step > limit:
+            refused.append(step)
+        else:
+            kept.append(group)
+    return kept, refused
+
+
 def off_policy_steps(groups: Sequence[Any], *, base_step: int) -> dict[str, float]:
     """How many steps behind ``base_step`` (the step a job trains from) its groups were
-    sampled: ``off_policy_steps/mean`` and ``/max`` over the groups whose choices say their
-    step, and ``groups/off_policy``, how many were behind. Empty when no group says."""
+    sampled: ``off_policy_steps/mean`` and ``/max`` over the groups that say their step
+    (``sampled_step``), and ``groups/off_policy``, how many were behind. Empty when no group
+    says."""
     behind = [max(base_step - step, 0) for step in map(sampled_step, groups) if step is not None]
     if not behind:
         return {}
