@@ -167,9 +167,12 @@ def test_a_job_leaves_out_the_groups_that_grew_too_old_while_it_waited(
 ) -> None:
     """max_off_policy_steps is checked again against the step the job trains from (the API
     checked it against the step when the job was queued): groups now too old are left out and
-    counted; a job with none left fails saying why."""
+    counted; a job with none left fails saying why. ART's initial_policy_version counts where
+    the choices say no step."""
     stale = _sampled_at(_groups(tiny_trainer, [[0.0, 1.0], [1.0, 0.0]]), 0)
-    (art,) = _sampled_at(_groups(tiny_trainer, [[1.0, 0.0]], seed=9), 0)
+    (art,) = _groups(tiny_trainer, [[1.0, 0.0]], seed=9)
+    for trajectory in art.trajectories:
+        trajectory.initial_policy_version = 0
     _train(
         tiny_trainer, _groups(tiny_trainer, [[0.0, 1.0]], seed=7), RLTrainConfig(learning_rate=1e-2)
     )

@@ -248,10 +248,15 @@ class History(_Lenient):
 
 
 class Trajectory(_Lenient):
+    """One scored rollout. ``initial_policy_version`` is ART's: the model's step when the
+    rollout began (ART's ``PipelineTrainer`` writes it), counted as the step that sampled it
+    when its choices do not say theirs (``sampled_step``)."""
+
     messages_and_choices: list[MessageOrChoice] = Field(min_length=1)
     tools: list[JSONObject] | None = None
     additional_histories: list[History] = Field(default_factory=list)
     reward: Reward
+    initial_policy_version: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
     metrics: Metrics = Field(default_factory=dict)
     metadata: JSONObject = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
@@ -280,14 +285,20 @@ class TrajectoryGroup(_Lenient):
 
 def sampled_step(group: Any) -> int | None:
     """The oldest step that sampled a turn of ``group`` (a ``TrajectoryGroup``, or the
-    ingest's Struct of one), from its choices' ``skytrain_step``; None when no choice says.
-    A group is as far off-policy as its oldest turn."""
+    ingest's Struct of one): its choices' ``skytrain_step`` (the gateway's word) and its
+    trajectories' ``initial_policy_version`` (ART's: the step when the rollout began); None
+    when neither says. A group is as far off-policy as its oldest turn."""
     steps = [
         item.skytrain_step
         for trajectory in group.trajectories
         for history in (trajectory, *trajectory.additional_histories)
         for item in history.messages_and_choices
         if isinstance(getattr(item, "skytrain_step", None), int)
+    ]
+    steps += [
+        trajectory.initial_policy_version
+        for trajectory in group.trajectories
+        if isinstance(trajectory.initial_policy_version, int)
     ]
     return min(steps) if steps else None
 
