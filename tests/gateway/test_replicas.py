@@ -49,6 +49,8 @@ def replica_settings(make_settings: MakeSettings) -> Settings:
     return make_settings(
         tenant_max_concurrent_requests=64,
         tenant_max_workers=3,
+        # Each replica is a placed model: the module's models and replicas together.
+        tenant_max_placed_models=16,
         replica_window_s=WINDOW_S,
         replica_scale_out_in_flight=1.5,
         replica_scale_in_in_flight=0.5,

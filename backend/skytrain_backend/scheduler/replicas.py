@@ -20,8 +20,10 @@ Each pass, for each placed model (``scale``):
 - A replica goes to a live worker of the base model that loads the model's LoRA rank and has
   room (its ``max_models``), the one holding the fewest models first; only when none has room
   is a worker launched (once at a time per base model, within the control plane's and the
-  tenant's ``max_workers``). No model is ever taken off a worker for a replica: one tenant's
-  scale-out never evicts another tenant's model.
+  tenant's ``max_workers``). A replica is a placed model of its tenant: it waits while the
+  tenant holds ``max_placed_models`` places, and at the tenant's ``max_workers`` it goes only
+  to a worker the tenant's models already occupy. No model is ever taken off a worker for a
+  replica: one tenant's scale-out never evicts another tenant's model.
 - Every decision is a ``model_events`` row with its reason (``skytrain models show``,
   ``GET /v1/models/{id}/events``); a wait (no room, a quota) is written once, not per pass.
 """
@@ -264,11 +266,6 @@ def _drain(session: Session, *, model: Model, worker_id: str, count: int, reason
     session.commit()
 
 
-def tenant_workers(session: Session, *, tenant_id: str) -> set[str]:
-    """The live workers holding any of the tenant's models, as home or replica."""
-    return set(placement.tenant_placements(session, tenant_id=tenant_id))
-
-
 def _add(
     session: Session,
     *,
@@ -282,7 +279,19 @@ def _add(
     reason: str,
 ) -> None:
     """Put one more replica of the model on a worker with room, or launch one for it."""
-    held = tenant_workers(session, tenant_id=model.tenant_id)
+    placements = placement.tenant_placements(session, tenant_id=model.tenant_id)
+    if sum(placements.values()) >= quota.max_placed_models:
+        # A replica holds a place on a worker as a model does (max_models counts it too).
+        _record_wait(
+            session,
+            model=model,
+            reason=f"{reason}, but your tenant's models and replicas hold "
+            f"{sum(placements.values())} places on workers, the most its quota allows "
+            f"(max_placed_models={quota.max_placed_models})",
+            replicas=count,
+        )
+        return
+    held = set(placements)
     taken = {model.worker_id, *replica_workers(session, model_id=model.id)}
     at_quota = len(held) >= quota.max_workers
     rank = ranks.model_lora_rank(model)
