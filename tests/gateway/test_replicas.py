@@ -239,8 +239,17 @@ def test_replicas_follow_demand_with_events(
                 )
             )
             assert response.status_code == 200
+        # What the policy reads, shown with the replicas: the requests in flight on each.
+        shown = client.get(f"/v1/models/{model['id']}").json()
+        assert shown["demand"]["in_flight"] == 4 and shown["demand"]["window_s"] == WINDOW_S
+        assert sum(item["in_flight"] for item in shown["replicas"]) == 4
         wait_until(
             lambda: len(_serving(client, model["id"])) == 3, what="scale-out to 3", timeout_s=60
+        )
+        shown = client.get(f"/v1/models/{model['id']}").json()
+        assert shown["demand"]["replicas"] == 3
+        assert shown["demand"]["per_replica"] == pytest.approx(
+            shown["demand"]["average_in_flight"] / 3
         )
     # Nothing in flight: scale-in to min_replicas, the replicas drained before they go.
     wait_until(lambda: len(_serving(client, model["id"])) == 1, what="scale-in to 1", timeout_s=60)

@@ -4,7 +4,8 @@ whose clock the test moves (no waiting for a window to pass).
 
 - replicas count against the tenant's quotas (``max_workers``, ``max_placed_models``);
 - one tenant's scale-out never takes another tenant's model off a worker;
-- scale-in never drops a request in flight: a draining replica stays until it has none.
+- scale-in never drops a request in flight: a draining replica stays until it has none;
+- the demand per replica the policy reads is what ``skytrain_model_demand_per_replica`` says.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import dataclasses
 import uuid
 from collections.abc import Callable
 
+from prometheus_client import REGISTRY
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -114,6 +116,8 @@ def test_replicas_count_against_the_tenants_quotas(
         assert _held_on(session, busy.id) == {}  # the free worker would be a third
         held = _last_event(session, busy.id)
         assert held.kind == "held" and "max_workers=2" in held.reason, held.reason
+        demand = REGISTRY.get_sample_value("skytrain_model_demand_per_replica", {"stat": "max"})
+        assert demand == 4.0
 
         # Room on a worker the tenant already occupies: the replica goes there, within
         # max_workers, unless it would be one placed model more than max_placed_models.

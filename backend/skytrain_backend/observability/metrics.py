@@ -78,6 +78,14 @@ REPLICA_DECISIONS = Counter(
     "held, replica_removed, replicas_set, home_moved).",
     ["kind"],
 )
+MODEL_DEMAND_PER_REPLICA = Gauge(
+    "skytrain_model_demand_per_replica",
+    "Requests in flight per serving worker (home and replicas), averaged over "
+    "SKYTRAIN_REPLICA_WINDOW_S, as the replica policy reads it at each scheduling pass: the "
+    "largest (max) and the mean over the placed models (0 when none).",
+    ["stat"],
+    multiprocess_mode="livemostrecent",  # the leader's scheduler sets it
+)
 GATEWAY_REPLICA_RETRIES = Counter(
     "skytrain_gateway_replica_retries_total",
     "Requests sent to another replica of their model because the first could not be reached.",
@@ -211,6 +219,12 @@ def upstream_timer(endpoint: str) -> Iterator[None]:
 
 def replica_decided(kind: str) -> None:
     REPLICA_DECISIONS.labels(kind=kind).inc()
+
+
+def demand_per_replica(values: list[float]) -> None:
+    """Set the gauge from one scheduling pass: each placed model's demand per replica."""
+    MODEL_DEMAND_PER_REPLICA.labels(stat="max").set(max(values, default=0.0))
+    MODEL_DEMAND_PER_REPLICA.labels(stat="mean").set(sum(values) / len(values) if values else 0.0)
 
 
 def replica_retried() -> None:
