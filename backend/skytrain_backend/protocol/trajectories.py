@@ -321,6 +321,16 @@ def within_off_policy(
     return kept, refused
 
 
+def all_off_policy(refused: Sequence[int], *, base_step: int, limit: int | None) -> str:
+    """Why a job whose groups ``within_off_policy`` all refused cannot train."""
+    return (
+        f"every one of the {len(refused)} groups was sampled more than "
+        f"max_off_policy_steps={limit} steps before step {base_step}, the step this job trains "
+        f"from (the newest from step {max(refused)}): the model moved on while the job waited. "
+        "Sample the groups again from the current step, or raise max_off_policy_steps"
+    )
+
+
 def off_policy_steps(groups: Sequence[Any], *, base_step: int) -> dict[str, float]:
     """How many steps behind ``base_step`` (the step a job trains from) its groups were
     sampled: ``off_policy_steps/mean`` and ``/max`` over the groups that say their step

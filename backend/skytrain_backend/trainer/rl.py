@@ -16,6 +16,7 @@ from skytrain_backend.errors import InvalidRequest, TrainingError
 from skytrain_backend.protocol import (
     RLTrainConfig,
     TrajectoryGroup,
+    all_off_policy,
     check_trainable,
     off_policy_steps,
     within_off_policy,
@@ -197,13 +198,7 @@ def _within_off_policy(
     limit = config.max_off_policy_steps
     kept, refused = within_off_policy(groups, base_step=trainer.step, limit=limit)
     if groups and not kept:
-        raise TrainingError(
-            f"every one of the {len(refused)} groups was sampled more than "
-            f"max_off_policy_steps={limit} steps before step {trainer.step}, the step this job "
-            f"trains from (the newest from step {max(refused)}): the model moved on while the "
-            "job waited. Sample the groups again from the current step, or raise "
-            "max_off_policy_steps"
-        )
+        raise TrainingError(all_off_policy(refused, base_step=trainer.step, limit=limit))
     return kept, refused
 
 

@@ -64,6 +64,8 @@ from skytrain_backend.protocol import (
     ModelConfig,
     Trajectory,
     TrajectoryGroup,
+    all_off_policy,
+    within_off_policy,
 )
 from skytrain_backend.worker.client import ControlPlaneClient
 from skytrain_backend.worker.engine_host import EngineHost
@@ -279,6 +281,13 @@ class JobRunner:
             elif job.base_step > 0:
                 base_dir = await self._host.fetch_checkpoint(model_id, job.base_step)
             reference_dir = await self._kl_reference(job)
+        groups: list[TrajectoryGroup] = []
+        if isinstance(job, LeasedRLJob):
+            # Read before the engine sleeps: a job none of whose groups it may train on fails
+            # without a sleep (and its 503s) for nothing.
+            with _timed(times, "prepare"):
+                groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
+            _check_off_policy(groups, job)
         self._check(running, training=True)
 
         await self._host.sleep()
@@ -302,7 +311,6 @@ class JobRunner:
                 )
                 num_trajectories = len(trajectories)
             else:
-                groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
                 plan = await asyncio.to_thread(
                     functools.partial(
                         trainer.prepare_rl,
@@ -559,10 +567,21 @@ async def _both(first: Awaitable[None], second: Awaitable[None]) -> None:
 
 @contextlib.contextmanager
 def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
-    """Record how long the block took as ``times["time/<phase>_s"]``."""
+    """Add how long the block took to ``times["time/<phase>_s"]``."""
     start = time.monotonic()
     yield
-    times[f"time/{phase}_s"] = time.monotonic() - start
+    key = f"time/{phase}_s"
+    times[key] = times.get(key, 0.0) + time.monotonic() - start
+
+
+def _check_off_policy(groups: list[TrajectoryGroup], job: LeasedRLJob) -> None:
+    """``max_off_policy_steps`` against the step the job trains from (the control plane
+    checked it when the job was queued; the model may have moved on since): TrainingError
+    when no group is left (the trainer leaves out the groups too old, and counts them)."""
+    limit = job.config.max_off_policy_steps
+    kept, refused = within_off_policy(groups, base_step=job.base_step, limit=limit)
+    if groups and not kept:
+        raise TrainingError(all_off_policy(refused, base_step=job.base_step, limit=limit))
 
 
 def _files_in(directory: Path) -> list[Path]:
