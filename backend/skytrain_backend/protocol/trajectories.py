@@ -27,7 +27,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
-from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.errors import InvalidRequest, TrainingError
 from skytrain_backend.json_types import JSONObject
 from skytrain_backend.ranges import (
     MAX_STEP,
@@ -310,7 +310,8 @@ def within_off_policy(
     groups: Sequence[G], *, base_step: int, limit: int | None
 ) -> tuple[list[G], list[int]]:
     """The groups sampled at most ``limit`` steps before ``base_step`` (all of them when
-    ``limit`` is None, and those that say no step), and the steps of the others."""
+    ``limit`` is None, and those that say no step), and the steps of the others.
+    TrainingError when there were groups and none is left: the job has nothing to train on."""
     kept, refused = [], []
     for group in groups:
         step = sampled_step(group)
@@ -318,17 +319,15 @@ def within_off_policy(
             refused.append(step)
         else:
             kept.append(group)
+    if refused and not kept:
+        raise TrainingError(
+            f"every one of the {len(refused)} groups was sampled more than "
+            f"max_off_policy_steps={limit} steps before step {base_step}, the step this job "
+            f"trains from (the newest from step {max(refused)}): the model moved on while the "
+            "job waited. Sample the groups again from the current step, or raise "
+            "max_off_policy_steps"
+        )
     return kept, refused
-
-
-def all_off_policy(refused: Sequence[int], *, base_step: int, limit: int | None) -> str:
-    """Why a job whose groups ``within_off_policy`` all refused cannot train."""
-    return (
-        f"every one of the {len(refused)} groups was sampled more than "
-        f"max_off_policy_steps={limit} steps before step {base_step}, the step this job trains "
-        f"from (the newest from step {max(refused)}): the model moved on while the job waited. "
-        "Sample the groups again from the current step, or raise max_off_policy_steps"
-    )
 
 
 def off_policy_steps(groups: Sequence[Any], *, base_step: int) -> dict[str, float]:

@@ -16,7 +16,6 @@ from skytrain_backend.errors import InvalidRequest, TrainingError
 from skytrain_backend.protocol import (
     RLTrainConfig,
     TrajectoryGroup,
-    all_off_policy,
     check_trainable,
     off_policy_steps,
     within_off_policy,
@@ -82,7 +81,13 @@ def prepare(
     worker), loaded as a second adapter; None: the base model is the reference."""
     trainer.check_not_released()
     policy_loss_function(config.loss_fn)  # an unknown loss fails before any work
-    groups, refused = _within_off_policy(trainer, groups, config)
+    # max_off_policy_steps against the step this job trains from: the API checked it against
+    # the model's step when the job was queued, and a job queued behind others starts further
+    # behind. Groups now too old are left out and counted, as ART's pipeline discards stale
+    # groups (TrainingError when none is left).
+    groups, refused = within_off_policy(
+        groups, base_step=trainer.step, limit=config.max_off_policy_steps
+    )
     try:
         check_trainable(
             list(groups),
@@ -186,20 +191,6 @@ def prepare(
     else:
         _finish_agreement(trainer, plan, agreement)
     return plan
-
-
-def _within_off_policy(
-    trainer: TrainerState, groups: Sequence[TrajectoryGroup], config: RLTrainConfig
-) -> tuple[list[TrajectoryGroup], list[int]]:
-    """``max_off_policy_steps`` against the step this job trains from: the API checked it
-    against the model's step when the job was queued, and a job queued behind others starts
-    further behind. Groups now too old are left out (``groups/refused_off_policy`` counts
-    them, as ART's pipeline discards stale groups); TrainingError when none is left."""
-    limit = config.max_off_policy_steps
-    kept, refused = within_off_policy(groups, base_step=trainer.step, limit=limit)
-    if groups and not kept:
-        raise TrainingError(all_off_policy(refused, base_step=trainer.step, limit=limit))
-    return kept, refused
 
 
 def _resumed_plan(

@@ -64,7 +64,6 @@ from skytrain_backend.protocol import (
     ModelConfig,
     Trajectory,
     TrajectoryGroup,
-    all_off_policy,
     within_off_policy,
 )
 from skytrain_backend.worker.client import ControlPlaneClient
@@ -283,11 +282,14 @@ class JobRunner:
             reference_dir = await self._kl_reference(job)
         groups: list[TrajectoryGroup] = []
         if isinstance(job, LeasedRLJob):
-            # Read before the engine sleeps: a job none of whose groups it may train on fails
-            # without a sleep (and its 503s) for nothing.
+            # Read before the engine sleeps: a job none of whose groups may be trained on from
+            # the step it starts at (the model moved on while it was queued) fails without a
+            # sleep (and its 503s) for nothing.
             with _timed(times, "prepare"):
                 groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
-            _check_off_policy(groups, job)
+            within_off_policy(
+                groups, base_step=job.base_step, limit=job.config.max_off_policy_steps
+            )
         self._check(running, training=True)
 
         await self._host.sleep()
@@ -572,16 +574,6 @@ def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
     yield
     key = f"time/{phase}_s"
     times[key] = times.get(key, 0.0) + time.monotonic() - start
-
-
-def _check_off_policy(groups: list[TrajectoryGroup], job: LeasedRLJob) -> None:
-    """``max_off_policy_steps`` against the step the job trains from (the control plane
-    checked it when the job was queued; the model may have moved on since): TrainingError
-    when no group is left (the trainer leaves out the groups too old, and counts them)."""
-    limit = job.config.max_off_policy_steps
-    kept, refused = within_off_policy(groups, base_step=job.base_step, limit=limit)
-    if groups and not kept:
-        raise TrainingError(all_off_policy(refused, base_step=job.base_step, limit=limit))
 
 
 def _files_in(directory: Path) -> list[Path]:
