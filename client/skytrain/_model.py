@@ -251,7 +251,7 @@ class TrainableModel(Model):
         """Change how many workers may serve the model (``max_replicas`` at most the
         tenant's ``max_workers``); the server adds replicas while demand per replica stays
         high and drains them while it stays low. Returns the model as the server shows it
-        (its ``replicas``)."""
+        (its ``replicas``, each with its requests in flight, and its ``demand``)."""
         backend, model_id = self._registered()
         body = {
             key: value

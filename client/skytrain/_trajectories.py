@@ -36,6 +36,7 @@ from pydantic import (
 from pydantic_core import core_schema
 
 from skytrain._progress import _current_tally, _RolloutTally
+from skytrain._types import INT32_MAX
 from skytrain._wire import _JSONObject
 
 Message = ChatCompletionMessageParam
@@ -137,6 +138,9 @@ class Trajectory(BaseModel):
 
     messages_and_choices: _MessagesAndChoicesField
     reward: float = Field(allow_inf_nan=False)
+    # ART's: the model's step when the rollout began. The step a group was sampled from is
+    # the oldest its choices (``skytrain_step``) or this say, for ``max_off_policy_steps``.
+    initial_policy_version: int | None = Field(default=None, ge=0, le=INT32_MAX)
     metrics: Metrics = Field(default_factory=dict)
     metadata: _JSONObject = Field(default_factory=dict)
     tools: _ToolsField | None = None

@@ -27,6 +27,15 @@ class _ReplicaAnswer(TypedDict):
     worker_id: str
     role: Literal["home", "replica"]
     status: Literal["serving", "sleeping", "starting", "unreachable", "draining"]
+    in_flight: NotRequired[int]
+
+
+class _DemandAnswer(TypedDict):
+    in_flight: int
+    average_in_flight: float | None
+    per_replica: float | None
+    replicas: int
+    window_s: float
 
 
 class _ModelAnswer(TypedDict):
@@ -41,6 +50,7 @@ class _ModelAnswer(TypedDict):
     created_at: str
     serving: NotRequired[_ServingAnswer | None]
     replicas: NotRequired[list[_ReplicaAnswer] | None]
+    demand: NotRequired[_DemandAnswer | None]
 
 
 class _ModelCreateBody(TypedDict):

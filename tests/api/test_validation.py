@@ -266,6 +266,25 @@ def test_groups_further_off_policy_than_allowed_are_refused_naming_the_group(
     # Without the option any lag is taken (the sampled logprobs are the old policy).
     assert caller.http.post("/v1/training-jobs", json=body).status_code == 201
 
+    # ART's initial_policy_version (the step when the rollout began, as its PipelineTrainer
+    # writes it) counts too, where the choices say no step.
+    art = group()
+    art["trajectories"][1]["initial_policy_version"] = 0
+    art_body = {"model_id": model_id, "trajectory_groups": [_sampled_at(3), art]}
+    refused(
+        lambda: caller.http.post(
+            "/v1/training-jobs", json={**art_body, "config": {"max_off_policy_steps": 2}}
+        ),
+        400,
+        "trajectory_groups[1] was sampled from step 0, 3 steps before",
+    )
+    art["trajectories"][1]["initial_policy_version"] = -1
+    refused(
+        lambda: caller.http.post("/v1/training-jobs", json=art_body),
+        400,
+        "trajectories[1].initial_policy_version",
+    )
+
 
 def test_bad_sft_data_is_refused(caller: Caller, refused: Refused, model_id: str) -> None:
     no_answer = {"messages_and_choices": [{"role": "user", "content": "hi"}], "reward": 0}

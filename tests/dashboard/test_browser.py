@@ -535,6 +535,8 @@ def test_a_models_replicas_and_its_scale_events_are_shown_with_their_reasons(
         expect(row).to_have_attribute("data-worker-id", home["worker_id"])
         expect(row.locator("td").first).to_have_text("home")
         expect(row.locator(".badge")).to_have_text("serving")
+        expect(row.locator("td.num")).to_have_text("0")  # its requests in flight
+        expect(page.locator(".replica-demand")).to_contain_text("0 requests in flight")
         event = page.locator('table.scale-events tr[data-kind="replicas_set"]').first
         expect(event).to_contain_text("min_replicas=1, max_replicas=2")
     finally:

@@ -139,9 +139,23 @@ def test_a_lora_rank_above_the_workers_limit_is_refused_at_creation(
 def test_a_job_sleeps_the_engine_trains_frees_wakes_then_loads_and_serves_the_step(
     service: Service, tiny_model_path: Path
 ) -> None:
+    """... and a job queued behind it on the same groups (sampled from step 0), allowing no
+    lag (max_off_policy_steps=0), is taken when queued but starts from step 1: none of its
+    groups may be trained on, so it fails saying so, without a sleep of the engine for
+    nothing."""
     model, groups = _served_with_groups(service, tiny_model_path, "in-order", groups=2)
+    config = {"learning_rate": LEARNING_RATE, "packed_sequence_length": SHORT_ROWS}
     with service.http("alice") as http:
-        job, events = _train(http, model, groups, rows=SHORT_ROWS)
+        posted = [
+            http.post(
+                "/v1/training-jobs",
+                json={"model_id": model["id"], "trajectory_groups": groups, "config": limits},
+            )
+            for limits in (config, {**config, "max_off_policy_steps": 0})
+        ]
+        assert [p.status_code for p in posted] == [201, 201], [p.text for p in posted]
+        job, behind = (p.json() for p in posted)
+        events = support.events_until_end(http, job["id"])
         types = [e["type"] for e in events]
         assert types[-1] == "training_ended", events[-1]
         assert types.index("job_timeline") < types.index("training_ended")
@@ -176,6 +190,18 @@ def test_a_job_sleeps_the_engine_trains_frees_wakes_then_loads_and_serves_the_st
         _, headers = support.sample(client, model["inference_name"], "Say hello.", n=1)
         assert headers["x-skytrain-step"] == "1"
         assert _job(http, job["id"])["attempts"] == 1
+
+        events = support.events_until_end(http, behind["id"])
+        assert events[-1]["type"] == "training_failed", events
+        assert "training_started" not in [e["type"] for e in events]
+        message = events[-1]["data"]["error_message"]
+        assert "max_off_policy_steps=0 steps before step 1" in message, message
+        assert (_job(http, behind["id"])["status"], _job(http, behind["id"])["attempts"]) == (
+            "failed",
+            1,
+        )
+        engine = _timeline(events)["engine"]
+        assert [c["call"] for c in engine if c["call"] in ("sleep", "wake_up")] == []
 
 
 def test_a_job_that_runs_out_of_memory_fails_once_and_the_worker_keeps_serving(

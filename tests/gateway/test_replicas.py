@@ -49,6 +49,8 @@ def replica_settings(make_settings: MakeSettings) -> Settings:
     return make_settings(
         tenant_max_concurrent_requests=64,
         tenant_max_workers=3,
+        # Each replica is a placed model: the module's models and replicas together.
+        tenant_max_placed_models=16,
         replica_window_s=WINDOW_S,
         replica_scale_out_in_flight=1.5,
         replica_scale_in_in_flight=0.5,
@@ -237,8 +239,17 @@ def test_replicas_follow_demand_with_events(
                 )
             )
             assert response.status_code == 200
+        # What the policy reads, shown with the replicas: the requests in flight on each.
+        shown = client.get(f"/v1/models/{model['id']}").json()
+        assert shown["demand"]["in_flight"] == 4 and shown["demand"]["window_s"] == WINDOW_S
+        assert sum(item["in_flight"] for item in shown["replicas"]) == 4
         wait_until(
             lambda: len(_serving(client, model["id"])) == 3, what="scale-out to 3", timeout_s=60
+        )
+        shown = client.get(f"/v1/models/{model['id']}").json()
+        assert shown["demand"]["replicas"] == 3
+        assert shown["demand"]["per_replica"] == pytest.approx(
+            shown["demand"]["average_in_flight"] / 3
         )
     # Nothing in flight: scale-in to min_replicas, the replicas drained before they go.
     wait_until(lambda: len(_serving(client, model["id"])) == 1, what="scale-in to 1", timeout_s=60)

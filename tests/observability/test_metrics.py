@@ -13,9 +13,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client import REGISTRY
 
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
+from skytrain_backend.observability import metrics
 from skytrain_backend.observability.listener import MetricsListener, registry_for
 from tests.api.support import group
 from tests.fixtures.services import ApiKey, ControlPlane
@@ -230,3 +232,13 @@ def test_a_long_poll_waits_outside_the_in_flight_gauge_and_the_request_latencies
     assert value(after, f"skytrain_http_requests_total{route}") == 1 + value(
         before, f"skytrain_http_requests_total{route}"
     )
+
+
+def test_groups_a_job_left_out_as_too_far_off_policy_are_counted() -> None:
+    """What the worker reports with a job's result (``groups/refused_off_policy``: groups
+    older than its max_off_policy_steps when it started) becomes a counter."""
+    name = "skytrain_training_groups_refused_off_policy_total"
+    before = REGISTRY.get_sample_value(name) or 0.0
+    metrics.record_job_completion({"groups/refused_off_policy": 2.0, "groups/total": 3.0})
+    metrics.record_job_completion({"groups/refused_off_policy": 0.0})
+    assert REGISTRY.get_sample_value(name) == before + 2.0

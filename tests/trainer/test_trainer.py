@@ -162,6 +162,42 @@ def test_a_job_reports_how_many_steps_behind_its_groups_were_sampled(
     assert "off_policy_steps/max" not in tiny_trainer.prepare_rl(unsaid, RLTrainConfig()).summary
 
 
+def test_a_job_leaves_out_the_groups_that_grew_too_old_while_it_waited(
+    tiny_trainer: Trainer,
+) -> None:
+    """max_off_policy_steps is checked again against the step the job trains from (the API
+    checked it against the step when the job was queued): groups now too old are left out and
+    counted; a job with none left fails saying why. ART's initial_policy_version counts where
+    the choices say no step."""
+    stale = _sampled_at(_groups(tiny_trainer, [[0.0, 1.0], [1.0, 0.0]]), 0)
+    (art,) = _groups(tiny_trainer, [[1.0, 0.0]], seed=9)
+    for trajectory in art.trajectories:
+        trajectory.initial_policy_version = 0
+    _train(
+        tiny_trainer, _groups(tiny_trainer, [[0.0, 1.0]], seed=7), RLTrainConfig(learning_rate=1e-2)
+    )
+    assert tiny_trainer.step == 1  # the model moved on while the job waited
+    fresh = _sampled_at(_groups(tiny_trainer, [[1.0, 0.0]], seed=3), 1)
+    unsaid = _groups(tiny_trainer, [[0.0, 1.0]], seed=5)
+
+    strict = RLTrainConfig(learning_rate=1e-3, max_off_policy_steps=0)
+    plan = tiny_trainer.prepare_rl([*stale, art, *fresh, *unsaid], strict)
+    assert plan.summary["groups/refused_off_policy"] == 3.0
+    assert plan.summary["off_policy_steps/max"] == 0.0  # only what it trains on is measured
+    assert plan.summary["groups/total"] == 2.0
+    lenient = tiny_trainer.prepare_rl(
+        [*stale, art, *fresh], strict.model_copy(update={"max_off_policy_steps": 1})
+    )
+    assert lenient.summary["groups/refused_off_policy"] == 0.0
+    assert lenient.summary["off_policy_steps/max"] == 1.0
+    with pytest.raises(TrainingError, match=r"max_off_policy_steps=0 steps before step 1") as info:
+        tiny_trainer.prepare_rl([*stale, art], strict)
+    assert "every one of the 3 groups" in info.value.message
+    assert (
+        "groups/refused_off_policy" not in tiny_trainer.prepare_rl(stale, RLTrainConfig()).summary
+    )
+
+
 def test_a_plan_runs_once_and_only_on_the_step_it_was_prepared_at(tiny_trainer: Trainer) -> None:
     groups = _groups(tiny_trainer, [[0.0, 1.0]])
     stale = tiny_trainer.prepare_rl(groups, RLTrainConfig())

@@ -115,6 +115,10 @@ class ModelPublic(_Public):
     replicas: list[ReplicaPublic] | None = Field(
         default=None, description="The workers serving it (on GET and create)."
     )
+    demand: DemandPublic | None = Field(
+        default=None,
+        description="Its requests in flight, as the replica policy reads them (on GET).",
+    )
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -149,6 +153,27 @@ class ReplicaPublic(BaseModel):
     worker_id: str
     role: Literal["home", "replica"]
     status: ReplicaStatus  # what each means: scheduler.replicas.ReplicaStatus
+    in_flight: int = Field(
+        default=0, description="The model's requests in flight on this worker now."
+    )
+
+
+class DemandPublic(BaseModel):
+    """The model's demand as the control plane's gateway counts it: what the scheduler adds
+    and removes replicas by (``scheduler.replicas``)."""
+
+    in_flight: int = Field(description="Requests in flight now, on all its workers.")
+    average_in_flight: float | None = Field(
+        description="Requests in flight averaged over window_s (null until the control plane "
+        "has run that long)."
+    )
+    per_replica: float | None = Field(
+        description="average_in_flight per serving worker: the scheduler adds a replica above "
+        "SKYTRAIN_REPLICA_SCALE_OUT_IN_FLIGHT, and drains one when one fewer would stay below "
+        "SKYTRAIN_REPLICA_SCALE_IN_IN_FLIGHT."
+    )
+    replicas: int = Field(description="Workers serving it: its home and replicas not draining.")
+    window_s: float
 
 
 class ModelReplicasUpdate(BaseModel):

@@ -78,6 +78,14 @@ REPLICA_DECISIONS = Counter(
     "held, replica_removed, replicas_set, home_moved).",
     ["kind"],
 )
+MODEL_DEMAND_PER_REPLICA = Gauge(
+    "skytrain_model_demand_per_replica",
+    "Requests in flight per serving worker (home and replicas), averaged over "
+    "SKYTRAIN_REPLICA_WINDOW_S, as the replica policy reads it at each scheduling pass: the "
+    "largest (max) and the mean over the placed models (0 when none).",
+    ["stat"],
+    multiprocess_mode="livemostrecent",  # the leader's scheduler sets it
+)
 GATEWAY_REPLICA_RETRIES = Counter(
     "skytrain_gateway_replica_retries_total",
     "Requests sent to another replica of their model because the first could not be reached.",
@@ -145,6 +153,11 @@ OFF_POLICY_STEPS = Histogram(
     ["stat"],
     buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
 )
+OFF_POLICY_REFUSED = Counter(
+    "skytrain_training_groups_refused_off_policy_total",
+    "Groups a job left out when it started because they were sampled more than its "
+    "max_off_policy_steps before the step it trained from (it was queued behind others).",
+)
 
 # --- storage and database ---------------------------------------------------------------------
 
@@ -168,6 +181,7 @@ _KNOWN_PHASES = frozenset(
 )
 _AGREEMENT = {"logprob_agreement/mean_abs_diff": "mean", "logprob_agreement/max_abs_diff": "max"}
 _OFF_POLICY = {"off_policy_steps/mean": "mean", "off_policy_steps/max": "max"}
+_OFF_POLICY_REFUSED = "groups/refused_off_policy"
 _STATEMENTS = frozenset({"select", "insert", "update", "delete"})
 
 
@@ -207,6 +221,12 @@ def replica_decided(kind: str) -> None:
     REPLICA_DECISIONS.labels(kind=kind).inc()
 
 
+def demand_per_replica(values: list[float]) -> None:
+    """Set the gauge from one scheduling pass: each placed model's demand per replica."""
+    MODEL_DEMAND_PER_REPLICA.labels(stat="max").set(max(values, default=0.0))
+    MODEL_DEMAND_PER_REPLICA.labels(stat="mean").set(sum(values) / len(values) if values else 0.0)
+
+
 def replica_retried() -> None:
     GATEWAY_REPLICA_RETRIES.inc()
 
@@ -229,6 +249,8 @@ def record_job_completion(metrics: dict[str, float]) -> None:
             LOGPROB_AGREEMENT.labels(stat=_AGREEMENT[key]).observe(value)
         elif key in _OFF_POLICY and value >= 0:
             OFF_POLICY_STEPS.labels(stat=_OFF_POLICY[key]).observe(value)
+        elif key == _OFF_POLICY_REFUSED and value > 0:
+            OFF_POLICY_REFUSED.inc(value)
 
 
 T = TypeVar("T")

@@ -68,6 +68,7 @@ from skytrain_backend.protocol.trajectories import (
     sampled_step,
     sampled_turn,
     token_id_digits,
+    within_off_policy,
 )
 from skytrain_backend.protocol.trajectories import (
     _message_or_choice as _message_or_choice,
@@ -194,4 +195,5 @@ __all__ = [
     "sampled_step",
     "sampled_turn",
     "token_id_digits",
+    "within_off_policy",
 ]

@@ -179,9 +179,11 @@ class RLTrainConfig(BaseModel):
     kl_penalty_step_lag: int | None = Field(default=None, ge=1, le=MAX_STEP)
     scale_rewards: bool = True
     # Groups sampled more than this many steps before the model's current step (their
-    # choices' skytrain_step) are refused when the job is queued (None: any lag is trained,
-    # the sampled logprobs being the old policy). Checked against the step when queued: a
-    # job queued behind others trains further behind (its off_policy_steps metrics say so).
+    # choices' skytrain_step, or ART's initial_policy_version: sampled_step) are refused when
+    # the job is queued (400; None: any lag is trained, the sampled logprobs being the old
+    # policy). Checked again when the job starts, against the step it trains from: a job
+    # queued behind others leaves out the groups now too old (groups/refused_off_policy),
+    # and fails when none is left.
     max_off_policy_steps: int | None = Field(default=None, ge=0, le=MAX_STEP)
     allow_training_without_logprobs: bool = False
     # Tokens the sampler gave no logprob for (allow_training_without_logprobs): their old

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Sequence
-from typing import Annotated, Any, Literal, NamedTuple, NotRequired
+from typing import Annotated, Any, Literal, NamedTuple, NotRequired, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -27,7 +27,7 @@ from pydantic import (
 )
 from typing_extensions import TypedDict
 
-from skytrain_backend.errors import InvalidRequest
+from skytrain_backend.errors import InvalidRequest, TrainingError
 from skytrain_backend.json_types import JSONObject
 from skytrain_backend.ranges import (
     MAX_STEP,
@@ -248,10 +248,15 @@ class History(_Lenient):
 
 
 class Trajectory(_Lenient):
+    """One scored rollout. ``initial_policy_version`` is ART's: the model's step when the
+    rollout began (ART's ``PipelineTrainer`` writes it), counted as the step that sampled it
+    when its choices do not say theirs (``sampled_step``)."""
+
     messages_and_choices: list[MessageOrChoice] = Field(min_length=1)
     tools: list[JSONObject] | None = None
     additional_histories: list[History] = Field(default_factory=list)
     reward: Reward
+    initial_policy_version: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
     metrics: Metrics = Field(default_factory=dict)
     metadata: JSONObject = Field(default_factory=dict)
     logs: list[str] = Field(default_factory=list)
@@ -280,8 +285,9 @@ class TrajectoryGroup(_Lenient):
 
 def sampled_step(group: Any) -> int | None:
     """The oldest step that sampled a turn of ``group`` (a ``TrajectoryGroup``, or the
-    ingest's Struct of one), from its choices' ``skytrain_step``; None when no choice says.
-    A group is as far off-policy as its oldest turn."""
+    ingest's Struct of one): its choices' ``skytrain_step`` (the gateway's word) and its
+    trajectories' ``initial_policy_version`` (ART's: the step when the rollout began); None
+    when neither says. A group is as far off-policy as its oldest turn."""
     steps = [
         item.skytrain_step
         for trajectory in group.trajectories
@@ -289,13 +295,46 @@ def sampled_step(group: Any) -> int | None:
         for item in history.messages_and_choices
         if isinstance(getattr(item, "skytrain_step", None), int)
     ]
+    steps += [
+        trajectory.initial_policy_version
+        for trajectory in group.trajectories
+        if isinstance(trajectory.initial_policy_version, int)
+    ]
     return min(steps) if steps else None
+
+
+G = TypeVar("G")
+
+
+def within_off_policy(
+    groups: Sequence[G], *, base_step: int, limit: int | None
+) -> tuple[list[G], list[int]]:
+    """The groups sampled at most ``limit`` steps before ``base_step`` (all of them when
+    ``limit`` is None, and those that say no step), and the steps of the others.
+    TrainingError when there were groups and none is left: the job has nothing to train on."""
+    kept, refused = [], []
+    for group in groups:
+        step = sampled_step(group)
+        if limit is not None and step is not None and base_step - step > limit:
+            refused.append(step)
+        else:
+            kept.append(group)
+    if refused and not kept:
+        raise TrainingError(
+            f"every one of the {len(refused)} groups was sampled more than "
+            f"max_off_policy_steps={limit} steps before step {base_step}, the step this job "
+            f"trains from (the newest from step {max(refused)}): the model moved on while the "
+            "job waited. Sample the groups again from the current step, or raise "
+            "max_off_policy_steps"
+        )
+    return kept, refused
 
 
 def off_policy_steps(groups: Sequence[Any], *, base_step: int) -> dict[str, float]:
     """How many steps behind ``base_step`` (the step a job trains from) its groups were
-    sampled: ``off_policy_steps/mean`` and ``/max`` over the groups whose choices say their
-    step, and ``groups/off_policy``, how many were behind. Empty when no group says."""
+    sampled: ``off_policy_steps/mean`` and ``/max`` over the groups that say their step
+    (``sampled_step``), and ``groups/off_policy``, how many were behind. Empty when no group
+    says."""
     behind = [max(base_step - step, 0) for step in map(sampled_step, groups) if step is not None]
     if not behind:
         return {}

@@ -21,12 +21,15 @@ Each pass, for each placed model (``scale``):
 - A replica goes to a live worker of the base model that loads the model's LoRA rank and has
   room (its ``max_models``), the one holding the fewest models first; only when none has room
   is a worker launched (once at a time per base model, within the control plane's and the
-  tenant's ``max_workers``). A replica is a placed model for the tenant's
-  ``max_placed_models``. No model is ever taken off a worker for a replica, and no replica is
-  added while a model waits for a slot on the workers of its base model: one tenant's
-  scale-out never evicts another tenant's model nor keeps it waiting. The other way round, a
-  model waiting for a slot on full workers takes a replica's first: the replica drains
-  (``fair_share.take_slot``).
+  tenant's ``max_workers``). A replica is a placed model of its tenant: it waits while the
+  tenant holds ``max_placed_models`` places, and at the tenant's ``max_workers`` it goes only
+  to a worker the tenant's models already occupy. No model is ever taken off a worker for a
+  replica, and no replica is added while a model waits for a slot on the workers of its base
+  model: one tenant's scale-out never evicts another tenant's model nor keeps it waiting. The
+  other way round, a model waiting for a slot on full workers takes a replica's first: the
+  replica drains (``fair_share.take_slot``).
+- The demand per replica is the model's (``Demand``: ``GET /v1/models/{id}`` shows it) and,
+  over the placed models, ``skytrain_model_demand_per_replica{stat="max"|"mean"}``.
 - Every decision is a ``model_events`` row with its reason (``skytrain models show``,
   ``GET /v1/models/{id}/events``); a wait (no room, a quota) is written once, not per pass.
 """
@@ -65,6 +68,40 @@ class ScalePolicy:
     scale_out_in_flight: float
     scale_in_in_flight: float
     cooldown_s: float
+
+
+@dataclass(frozen=True)
+class Demand:
+    """A model's demand as this control plane's gateway counts it (what the policy reads):
+    its requests in flight now, their average over ``window_s`` (None until this process has
+    counted that long) and the workers serving it (home and replicas not draining)."""
+
+    in_flight: int
+    average: float | None
+    replicas: int
+    window_s: float
+
+    @property
+    def per_replica(self) -> float | None:
+        if self.average is None or not self.replicas:
+            return None
+        return self.average / self.replicas
+
+
+def serving_count(session: Session, *, model: Model) -> int:
+    """The workers serving the model: its home (asleep while it trains, still counted: it
+    serves again after the job) and its replicas not draining."""
+    serving = replica_workers(session, model_id=model.id, status="serving")
+    return (1 if model.worker_id else 0) + len(serving)
+
+
+def demand_of(session: Session, *, model: Model, demand: DemandMeter, window_s: float) -> Demand:
+    return Demand(
+        in_flight=demand.in_flight(model.id),
+        average=demand.average(model.id, window_s=window_s),
+        replicas=serving_count(session, model=model),
+        window_s=window_s,
+    )
 
 
 # serving: its worker answers requests; sleeping: its engine sleeps while the worker trains;
@@ -181,6 +218,7 @@ def scale(
         session.scalars(select(Model).where(Model.worker_id.in_(live)).order_by(Model.created_at))
     )
     launched: set[str] = set()
+    per_replica_demands: list[float] = []
     for model in homed:
         _finish_draining(session, model=model, demand=demand)
         config = ModelConfig.model_validate(model.config or {})
@@ -189,6 +227,9 @@ def scale(
         count = 1 + len(serving)
         cap = min(config.max_replicas, quota.max_workers)
         floor = min(config.min_replicas, cap)
+        average = demand.average(model.id, window_s=policy.window_s)
+        if average is not None:
+            per_replica_demands.append(average / count)
         if count > cap and serving:
             # max_replicas or the tenant's max_workers lowered since (a PATCH, the operator).
             _drain(
@@ -214,7 +255,6 @@ def scale(
                 reason=f"{count} of min_replicas={config.min_replicas} replicas",
             )
             continue
-        average = demand.average(model.id, window_s=policy.window_s)
         if average is None or _cooling(session, model_id=model.id, cooldown_s=policy.cooldown_s):
             continue
         per_replica = average / count
@@ -242,6 +282,7 @@ def scale(
                 reason=f"{said}: {average / (count - 1):.1f} per replica over {count - 1} would "
                 f"be below {policy.scale_in_in_flight:g}",
             )
+    observed.demand_per_replica(per_replica_demands)
 
 
 def _finish_draining(session: Session, *, model: Model, demand: DemandMeter) -> None:
@@ -440,7 +481,7 @@ def set_bounds(
     check_bounds(config, limits=limits)
     model.config = config.model_dump(mode="json")
     serving = replica_workers(session, model_id=model.id, status="serving")
-    count = (1 if model.worker_id else 0) + len(serving)
+    count = serving_count(session, model=model)
     record(
         session,
         model=model,

@@ -18,6 +18,7 @@ from skytrain_backend.protocol import (
     TrajectoryGroup,
     check_trainable,
     off_policy_steps,
+    within_off_policy,
 )
 from skytrain_backend.trainer.loss import (
     art_kl_advantages,
@@ -80,6 +81,13 @@ def prepare(
     worker), loaded as a second adapter; None: the base model is the reference."""
     trainer.check_not_released()
     policy_loss_function(config.loss_fn)  # an unknown loss fails before any work
+    # max_off_policy_steps against the step this job trains from: the API checked it against
+    # the model's step when the job was queued, and a job queued behind others starts further
+    # behind. Groups now too old are left out and counted, as ART's pipeline discards stale
+    # groups (TrainingError when none is left).
+    groups, refused = within_off_policy(
+        groups, base_step=trainer.step, limit=config.max_off_policy_steps
+    )
     try:
         check_trainable(
             list(groups),
@@ -150,6 +158,8 @@ def prepare(
         | {"train/num_gradient_steps": float(len(steps))}
         | off_policy_steps(groups, base_step=trainer.step)
     )
+    if config.max_off_policy_steps is not None:
+        summary["groups/refused_off_policy"] = float(len(refused))
     if resume_from is not None:
         return _resumed_plan(trainer, config, steps, summary, Path(resume_from), rate_counts)
     # Dropout would make the first step's forward pass differ from the old policy's; ART's

@@ -64,6 +64,7 @@ from skytrain_backend.protocol import (
     ModelConfig,
     Trajectory,
     TrajectoryGroup,
+    within_off_policy,
 )
 from skytrain_backend.worker.client import ControlPlaneClient
 from skytrain_backend.worker.engine_host import EngineHost
@@ -279,6 +280,16 @@ class JobRunner:
             elif job.base_step > 0:
                 base_dir = await self._host.fetch_checkpoint(model_id, job.base_step)
             reference_dir = await self._kl_reference(job)
+        groups: list[TrajectoryGroup] = []
+        if isinstance(job, LeasedRLJob):
+            # Read before the engine sleeps: a job none of whose groups may be trained on from
+            # the step it starts at (the model moved on while it was queued) fails without a
+            # sleep (and its 503s) for nothing.
+            with _timed(times, "prepare"):
+                groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
+            within_off_policy(
+                groups, base_step=job.base_step, limit=job.config.max_off_policy_steps
+            )
         self._check(running, training=True)
 
         await self._host.sleep()
@@ -302,7 +313,6 @@ class JobRunner:
                 )
                 num_trajectories = len(trajectories)
             else:
-                groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
                 plan = await asyncio.to_thread(
                     functools.partial(
                         trainer.prepare_rl,
@@ -559,10 +569,11 @@ async def _both(first: Awaitable[None], second: Awaitable[None]) -> None:
 
 @contextlib.contextmanager
 def _timed(times: dict[str, float], phase: str) -> Iterator[None]:
-    """Record how long the block took as ``times["time/<phase>_s"]``."""
+    """Add how long the block took to ``times["time/<phase>_s"]``."""
     start = time.monotonic()
     yield
-    times[f"time/{phase}_s"] = time.monotonic() - start
+    key = f"time/{phase}_s"
+    times[key] = times.get(key, 0.0) + time.monotonic() - start
 
 
 def _files_in(directory: Path) -> list[Path]:

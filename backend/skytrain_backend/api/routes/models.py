@@ -18,6 +18,7 @@ from skytrain_backend.api.deps import (
     TenantDep,
 )
 from skytrain_backend.api.schemas import (
+    DemandPublic,
     ModelCreate,
     ModelEventPublic,
     ModelEventsPublic,
@@ -31,18 +32,40 @@ from skytrain_backend.db import registry, tenants
 from skytrain_backend.db.models import Model
 from skytrain_backend.protocol import ModelConfig
 from skytrain_backend.scheduler import placement, replicas
+from skytrain_backend.scheduler.demand import DemandMeter
 from skytrain_backend.scheduler.serving import ServingStatus, serving_status
 from skytrain_backend.storage import keys
 
 router = APIRouter(prefix="/models", tags=["models"], route_class=SessionRoute)
 
 
-def replicas_public(session: SessionDep, *, model: Model) -> list[ReplicaPublic]:
-    """The model's home and replicas, each as its worker can answer now."""
+def replicas_public(
+    session: SessionDep, *, model: Model, demand: DemandMeter
+) -> list[ReplicaPublic]:
+    """The model's home and replicas, each as its worker can answer now, with the model's
+    requests in flight on it."""
     return [
-        ReplicaPublic(worker_id=item.worker_id, role=item.role, status=item.status)
+        ReplicaPublic(
+            worker_id=item.worker_id,
+            role=item.role,
+            status=item.status,
+            in_flight=demand.in_flight(model.id, item.worker_id),
+        )
         for item in replicas.placed_on(session, model=model)
     ]
+
+
+def demand_public(
+    session: SessionDep, *, model: Model, demand: DemandMeter, window_s: float
+) -> DemandPublic:
+    found = replicas.demand_of(session, model=model, demand=demand, window_s=window_s)
+    return DemandPublic(
+        in_flight=found.in_flight,
+        average_in_flight=found.average,
+        per_replica=found.per_replica,
+        replicas=found.replicas,
+        window_s=found.window_s,
+    )
 
 
 def model_public(
@@ -51,6 +74,7 @@ def model_public(
     latest_step: int,
     serving: ServingStatus | None = None,
     replicas: list[ReplicaPublic] | None = None,
+    demand: DemandPublic | None = None,
 ) -> ModelPublic:
     return ModelPublic(
         id=model.id,
@@ -66,6 +90,7 @@ def model_public(
         last_active_at=model.last_active_at,
         serving=ServingPublic(**serving.public()) if serving else None,
         replicas=replicas,
+        demand=demand,
     )
 
 
@@ -112,7 +137,7 @@ def create_model(
         serving=serving_status(
             session, model=model, limits=limits, max_workers=settings.launched_workers_limit
         ),
-        replicas=replicas_public(session, model=model),
+        replicas=replicas_public(session, model=model, demand=scheduler.demand),
     )
 
 
@@ -142,7 +167,11 @@ def list_models(
 
 @router.get("/{model_id}", response_model=ModelPublic)
 def get_model(
-    model_id: ModelId, session: SessionDep, tenant: TenantDep, settings: SettingsDep
+    model_id: ModelId,
+    session: SessionDep,
+    tenant: TenantDep,
+    scheduler: SchedulerDep,
+    settings: SettingsDep,
 ) -> ModelPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     return model_public(
@@ -155,7 +184,10 @@ def get_model(
             max_workers=settings.launched_workers_limit,
             idle_timeout_s=settings.resolved_model_idle_timeout_s,
         ),
-        replicas=replicas_public(session, model=model),
+        replicas=replicas_public(session, model=model, demand=scheduler.demand),
+        demand=demand_public(
+            session, model=model, demand=scheduler.demand, window_s=settings.replica_window_s
+        ),
     )
 
 
@@ -181,7 +213,7 @@ def update_model(
         limits=tenants.limits_of(tenant, settings),
     )
     scheduler.wake()
-    return get_model(model_id, session, tenant, settings)
+    return get_model(model_id, session, tenant, scheduler, settings)
 
 
 @router.get("/{model_id}/events", response_model=ModelEventsPublic)

@@ -11,6 +11,7 @@ function replicaRow(replica) {
     h("th", { scope: "row" }, replica.worker_id),
     h("td", null, replica.role),
     h("td", null, badge(replica.status)),
+    h("td", { class: "num" }, String(replica.in_flight ?? 0)),
   );
 }
 
@@ -37,10 +38,23 @@ export function replicaCount(model) {
   return `${serving} serving (min ${config.min_replicas ?? 1}, max ${config.max_replicas ?? 1})`;
 }
 
+// "3 requests in flight; 1.2 per replica over the last 30 s": the demand the scheduler adds and
+// removes replicas by (GET /v1/models/{id}'s demand, as this control plane counts it).
+export function replicaDemand(model) {
+  const demand = model.demand;
+  if (!demand) return "";
+  const window = `${Math.round(demand.window_s)} s`;
+  const perReplica = demand.per_replica === null
+    ? `averaged over ${window} once the control plane has run that long`
+    : `${demand.per_replica.toFixed(1)} per replica over the last ${window}`;
+  return `${demand.in_flight} requests in flight; ${perReplica}`;
+}
+
 export async function replicasTab(container, context, model) {
   const { signal } = context;
   replace(container, loading("replicas"));
   const count = h("p", { class: "replica-count" });
+  const demand = h("p", { class: "replica-demand muted" });
   const replicas = h("tbody");
   const events = h("tbody");
   const eventsTable = h("table", { class: "scale-events" },
@@ -52,6 +66,7 @@ export async function replicasTab(container, context, model) {
   async function draw(current) {
     const page = await get(`/v1/models/${encodeURIComponent(current.id)}/events`, { signal });
     replace(count, replicaCount(current));
+    replace(demand, replicaDemand(current));
     replace(replicas, (current.replicas || []).map(replicaRow));
     replace(events, page.data.map(eventRow));
     eventsTable.hidden = page.data.length === 0;
@@ -61,7 +76,8 @@ export async function replicasTab(container, context, model) {
   replace(
     container,
     count,
-    h("table", { class: "replicas" }, headings(["worker", "role", "status"]), replicas),
+    demand,
+    h("table", { class: "replicas" }, headings(["worker", "role", "status", "in flight"]), replicas),
     h("h2", null, "Scale events"),
     noEvents,
     eventsTable,
