@@ -158,7 +158,8 @@ def test_one_tenants_scale_out_never_evicts_another_tenants_model(
             )
 
         scale(max_workers=MAX_WORKERS)
-        assert launched == [base]
+        # (Other tests' models in this database may want workers of their own bases.)
+        assert [launch for launch in launched if launch == base] == [base]
         assert _last_event(session, wanting.id).kind == "launch"
         session.expire_all()
         assert session.get_one(Model, other.id).worker_id == theirs.id
@@ -168,7 +169,7 @@ def test_one_tenants_scale_out_never_evicts_another_tenants_model(
         # from B.
         launched.clear()
         scale(max_workers=1)
-        assert launched == []
+        assert base not in launched
         held = _last_event(session, wanting.id)
         assert held.kind == "held" and "max_workers=1" in held.reason, held.reason
         session.expire_all()
