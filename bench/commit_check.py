@@ -61,7 +61,9 @@ def main() -> None:
         )
         with SeaweedFS.start(Path(home) / "seaweedfs") as seaweedfs:
             bucket = seaweedfs.make_bucket()
-            settings = Settings(s3_endpoint_url=seaweedfs.endpoint, s3_region=REGION)
+            settings = Settings(
+                storage={"s3_endpoint_url": seaweedfs.endpoint, "s3_region": REGION}
+            )
             s3 = open_object_store(f"s3://{bucket}/bench", settings)
             results["s3 (SeaweedFS, loopback)"] = _measure(s3, data, args.rounds)
     for name, (digests, copies) in results.items():

@@ -173,7 +173,9 @@ def main() -> None:
             model_id = http.post(
                 "/v1/models", json={"project": "bench", "name": "long-run", "base_model": "x/y"}
             ).json()["id"]
-            engine = create_db_engine(Settings(home=home).resolved_database_url)
+            engine = create_db_engine(
+                Settings(storage={"home": home}).storage.resolved_database_url
+            )
             _history(session_factory(engine), model_id=model_id, steps=args.steps, rng=rng)
             engine.dispose()
             batch = _large_batch(args.groups, args.group_size, args.tokens, rng)

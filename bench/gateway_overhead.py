@@ -185,7 +185,7 @@ async def _measure(
 
 def _prepare(settings: Settings, *, key_tenant: str, engine_url: str, secret: str) -> None:
     """Place the bench model on a ready worker row pointing at the engine."""
-    engine = create_db_engine(settings.resolved_database_url)
+    engine = create_db_engine(settings.storage.resolved_database_url)
     with session_factory(engine)() as session:
         worker = Worker(
             provider="manual",
@@ -253,7 +253,12 @@ def main() -> None:
                 headers={"Authorization": f"Bearer {key}"},
             )
             created.raise_for_status()
-            _prepare(Settings(home=home), key_tenant="bench", engine_url=engine_url, secret=secret)
+            _prepare(
+                Settings(storage={"home": home}),
+                key_tenant="bench",
+                engine_url=engine_url,
+                secret=secret,
+            )
 
             print(f"hardware: {_hardware()}")
             print(f"1-min load average before: {os.getloadavg()[0]:.1f}")

@@ -179,7 +179,9 @@ def main() -> None:
             capture_output=True,
             text=True,
         ).stdout.strip()
-        db = session_factory(create_db_engine(Settings(home=home).resolved_database_url))
+        db = session_factory(
+            create_db_engine(Settings(storage={"home": home}).storage.resolved_database_url)
+        )
         with db() as session:
             for url in engine_urls:
                 session.add(

@@ -103,7 +103,7 @@ def _run(label: str, url: str, *, rows: list[int], repeats: int) -> None:
     migrations.upgrade_url(url)
     engine = create_db_engine(url)
     sessions = session_factory(engine)
-    limits = tenants.TenantLimits.defaults(Settings(database_url=url))
+    limits = tenants.TenantLimits.defaults(Settings(storage={"database_url": url}))
     print(f"\n{label}")
     with sessions() as session:
         tenant = Tenant(name=f"bench-{uuid.uuid4().hex[:8]}", limits={})

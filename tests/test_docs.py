@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from skytrain_backend.config import Settings
+from skytrain_backend.config import variables
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -14,11 +14,5 @@ def test_every_setting_is_in_the_operator_guides_configuration_tables() -> None:
     tables = guide[guide.index("## Configuration") :].split("\n## ")[0]
     # A setting read under another library's own name (PROMETHEUS_MULTIPROC_DIR) is
     # documented under that name.
-    names = [
-        field.validation_alias
-        if isinstance(field.validation_alias, str)
-        else f"SKYTRAIN_{name.upper()}"
-        for name, field in Settings.model_fields.items()
-    ]
-    missing = [name for name in names if f"`{name}`" not in tables]
+    missing = [name for name in variables() if f"`{name}`" not in tables]
     assert not missing, f"settings missing from docs/operators.md: {missing}"

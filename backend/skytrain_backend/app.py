@@ -62,46 +62,51 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.threads
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.server.threads
         engine = create_db_engine(
-            settings.resolved_database_url,
-            pool_size=settings.db_pool_size,
-            max_connections=settings.threads + OWN_DB_THREADS,
+            settings.storage.resolved_database_url,
+            pool_size=settings.storage.db_pool_size,
+            max_connections=settings.server.threads + OWN_DB_THREADS,
         )
         metrics.instrument_engine(engine)
         try:
             await run_in_threadpool(
-                migrations.prepare_schema, engine, auto_migrate=settings.should_auto_migrate
+                migrations.prepare_schema, engine, auto_migrate=settings.storage.should_auto_migrate
             )
             app.state.settings = settings
             app.state.sessionmaker = session_factory(engine)
             app.state.authenticator = Authenticator(
                 sessions=app.state.sessionmaker,
-                ttl_s=settings.gateway_route_cache_ttl_s,
-                failure_ttl_s=settings.auth_failure_cache_ttl_s,
-                failures_per_minute=settings.auth_failures_per_minute,
+                ttl_s=settings.gateway.route_cache_ttl_s,
+                failure_ttl_s=settings.admission.auth_failure_cache_ttl_s,
+                failures_per_minute=settings.admission.auth_failures_per_minute,
             )
             app.state.rest_loads = TenantLoads(
                 sessions=app.state.sessionmaker,
-                shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
+                shared=make_url(settings.storage.resolved_database_url).get_backend_name()
+                == "postgresql",
             )
             # The routes' threads, taken in turns by tenant (api/admission/fairness.py).
-            app.state.route_turns = FairLimiter(total=settings.threads, per_key=settings.threads)
+            app.state.route_turns = FairLimiter(
+                total=settings.server.threads, per_key=settings.server.threads
+            )
             # Worker tokens' requests, counted in this process only.
             app.state.worker_loads = TenantLoads(sessions=app.state.sessionmaker, shared=False)
             # Wakes long-polls (job leases, event followers) when what they wait for commits.
-            app.state.notifier = Notifier(settings.resolved_database_url)
+            app.state.notifier = Notifier(settings.storage.resolved_database_url)
             app.state.notifier.install(app.state.sessionmaker)
             await app.state.notifier.start()
             app.state.waiting = Waiting()
             try:
-                app.state.store = open_object_store(settings.resolved_object_store_url, settings)
+                app.state.store = open_object_store(
+                    settings.storage.resolved_object_store_url, settings
+                )
                 metrics.instrument_store(app.state.store)
                 app.state.scheduler = Scheduler(
                     settings=settings,
                     sessions=app.state.sessionmaker,
                     provider=open_provider(settings, app.state.sessionmaker),
-                    leadership=open_leadership(settings.resolved_database_url),
+                    leadership=open_leadership(settings.storage.resolved_database_url),
                     store=app.state.store,
                 )
                 app.state.gateway = Gateway(

@@ -3,6 +3,13 @@
 Every variable has the prefix ``SKYTRAIN_`` (``SKYTRAIN_DATABASE_URL``...). With nothing set,
 skytrain runs embedded: SQLite and a local object directory under ``SKYTRAIN_HOME``
 (``~/.skytrain``), the ``local`` provider starting workers on this machine.
+
+``Settings`` holds one group per concern (``settings.gateway.default_max_tokens``,
+``settings.storage.home``); each group is a pydantic-settings class that reads its own
+variables, so the variables' names stay flat (``SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS``,
+``SKYTRAIN_HOME``): the group's prefix and the field's name, or the field's
+``validation_alias`` where the name is not the prefix's (``SKYTRAIN_ENGINE`` for
+``engine.kind``). ``variables()`` lists them all.
 """
 
 from __future__ import annotations
@@ -12,19 +19,25 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ProviderName = Literal["local", "skypilot", "none"]
 EngineKind = Literal["auto", "vllm", "hf"]
 
 
-class Settings(BaseSettings):
-    """Configuration of the control plane, the worker and the demo."""
+class _SettingsGroup(BaseSettings):
+    """The settings of one concern. Each field is read from its environment variable: the
+    group's ``env_prefix`` and the field's name, or the field's ``validation_alias``; keyword
+    arguments name the field."""
 
-    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_", extra="forbid", validate_by_name=True)
 
-    # --- where state lives -------------------------------------------------------------------
+
+class StorageSettings(_SettingsGroup):
+    """Where state lives: the home, the database, the object store, the model cache."""
+
     home: Path = Field(
         default=Path("~/.skytrain"),
         description="Directory for the embedded database, objects, worker logs and model cache.",
@@ -33,6 +46,18 @@ class Settings(BaseSettings):
         default=None,
         description="SQLAlchemy URL (postgresql+psycopg://... in production). "
         "Default: SQLite at $SKYTRAIN_HOME/skytrain.db.",
+    )
+    auto_migrate: bool | None = Field(
+        default=None,
+        description="Upgrade the schema at start-up. Default: on for SQLite, off otherwise "
+        "(run `skytrain db upgrade`).",
+    )
+    db_pool_size: int = Field(
+        default=5,
+        ge=1,
+        le=1000,
+        description="Database connections each process keeps open between requests; more are "
+        "opened up to the thread count (SKYTRAIN_THREADS) under load, and closed after.",
     )
     object_store_url: str | None = Field(
         default=None,
@@ -46,15 +71,53 @@ class Settings(BaseSettings):
         default=None,
         description="Converted local copies of base models. Default: $SKYTRAIN_HOME/models.",
     )
-    auto_migrate: bool | None = Field(
+    base_model_dirs: str | None = Field(
         default=None,
-        description="Upgrade the schema at start-up. Default: on for SQLite, off otherwise "
-        "(run `skytrain db upgrade`).",
+        description="Directories, separated by ':', under which tenants may name a base model "
+        "by its path; '' for none (Hugging Face ids only). Default: the model cache.",
     )
 
-    # --- the HTTP server ---------------------------------------------------------------------
+    @field_validator("home", "model_cache_dir", mode="after")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'skytrain.db'}"
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.resolved_database_url.startswith("sqlite")
+
+    @property
+    def should_auto_migrate(self) -> bool:
+        return self.is_sqlite if self.auto_migrate is None else self.auto_migrate
+
+    @property
+    def resolved_object_store_url(self) -> str:
+        return self.object_store_url or (self.home / "objects").as_uri()
+
+    @property
+    def resolved_model_cache_dir(self) -> Path:
+        return self.model_cache_dir or self.home / "models"
+
+    @property
+    def resolved_base_model_dirs(self) -> list[Path]:
+        if self.base_model_dirs is None:
+            return [self.resolved_model_cache_dir]
+        return [Path(part).expanduser() for part in self.base_model_dirs.split(":") if part]
+
+
+class ServerSettings(_SettingsGroup):
+    """`skytrain serve`: where it listens, its connections and the requests it takes."""
+
     host: str = Field(default="127.0.0.1", description="Address `skytrain serve` listens on.")
     port: int = Field(default=8000, description="Port `skytrain serve` listens on.")
+    public_url: str | None = Field(
+        default=None,
+        description="URL workers use to reach the control plane. Default: http://HOST:PORT.",
+    )
     keep_alive_s: int = Field(
         default=75,
         ge=1,
@@ -86,6 +149,52 @@ class Settings(BaseSettings):
     max_requests_per_connection: int = Field(
         default=1000, ge=1, description="Requests one connection carries before it closes."
     )
+    request_body_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Longest a client may take to send a request body before it gets 408 "
+        "(checkpoint uploads from workers excepted).",
+    )
+    max_request_bytes: int = Field(
+        default=64 * 1024 * 1024, gt=0, description="Largest request body accepted."
+    )
+    max_inference_request_bytes: int = Field(
+        default=4 * 1024 * 1024,
+        gt=0,
+        description="Largest body of an inference request (chat completions, completions): "
+        "the prompt's size, before a worker tokenizes it.",
+    )
+    max_trajectories_per_request: int = Field(
+        default=100_000, gt=0, description="Most trajectories in one training job or log call."
+    )
+    threads: int = Field(
+        default=40,
+        ge=1,
+        le=1000,
+        description="Worker threads that run the routes' blocking work (database queries, "
+        "object-store calls) at once, per process. The database pool opens up to this many "
+        "connections plus those of the control plane's own threads (long-poll checks, "
+        "admission counting, the gateway's routing, authentication, the scheduler), so every "
+        "thread can hold one at once; on PostgreSQL, max_connections must allow that for "
+        "every replica.",
+    )
+
+    @property
+    def resolved_public_url(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"
+
+
+class ObservabilitySettings(_SettingsGroup):
+    """Logs and the Prometheus metrics listener."""
+
+    log_format: Literal["text", "json"] = Field(
+        default="text",
+        description="Log lines on stderr: text, or json (one object a line: time, level, "
+        "logger, message, request_id, tenant_id, model_id, job_id, worker_id).",
+    )
     metrics_port: int = Field(
         default=0,
         ge=0,
@@ -107,82 +216,11 @@ class Settings(BaseSettings):
         "server processes, a directory (emptied before start) where each writes its values "
         "for the listener to add up.",
     )
-    log_format: Literal["text", "json"] = Field(
-        default="text",
-        description="Log lines on stderr: text, or json (one object a line: time, level, "
-        "logger, message, request_id, tenant_id, model_id, job_id, worker_id).",
-    )
-    public_url: str | None = Field(
-        default=None,
-        description="URL workers use to reach the control plane. Default: http://HOST:PORT.",
-    )
-    max_request_bytes: int = Field(
-        default=64 * 1024 * 1024, gt=0, description="Largest request body accepted."
-    )
-    max_inference_request_bytes: int = Field(
-        default=4 * 1024 * 1024,
-        gt=0,
-        description="Largest body of an inference request (chat completions, completions): "
-        "the prompt's size, before a worker tokenizes it.",
-    )
-    max_trajectories_per_request: int = Field(
-        default=100_000, gt=0, description="Most trajectories in one training job or log call."
-    )
-    request_body_timeout_s: float = Field(
-        default=120.0,
-        gt=0,
-        description="Longest a client may take to send a request body before it gets 408 "
-        "(checkpoint uploads from workers excepted).",
-    )
-    threads: int = Field(
-        default=40,
-        ge=1,
-        le=1000,
-        description="Worker threads that run the routes' blocking work (database queries, "
-        "object-store calls) at once, per process. The database pool opens up to this many "
-        "connections plus those of the control plane's own threads (long-poll checks, "
-        "admission counting, the gateway's routing, authentication, the scheduler), so every "
-        "thread can hold one at once; on PostgreSQL, max_connections must allow that for "
-        "every replica.",
-    )
-    db_pool_size: int = Field(
-        default=5,
-        ge=1,
-        le=1000,
-        description="Database connections each process keeps open between requests; more are "
-        "opened up to the thread count (SKYTRAIN_THREADS) under load, and closed after.",
-    )
-    base_model_dirs: str | None = Field(
-        default=None,
-        description="Directories, separated by ':', under which tenants may name a base model "
-        "by its path; '' for none (Hugging Face ids only). Default: the model cache.",
-    )
-    gateway_loading_wait_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="How long an inference request waits for its checkpoint to load onto "
-        "the worker before answering 503.",
-    )
-    gateway_route_cache_ttl_s: float = Field(
-        default=1.0,
-        ge=0,
-        le=60,
-        description="How long the gateway reuses a resolved route (key, model -> worker, "
-        "step); changes made through this process empty it at once, changes made through "
-        "another control plane on the same database are seen within this time. 0: no cache.",
-    )
-    # --- per-tenant limits and quotas: defaults, which `skytrain tenants limits` overrides ---
-    tenant_max_concurrent_requests: int = Field(
-        default=256, gt=0, description="Inference requests in flight per tenant before 429."
-    )
-    tenant_max_concurrent_rest_requests: int = Field(
-        default=32,
-        gt=0,
-        description="REST requests (everything under /v1 but inference and the workers' "
-        "routes; long-polls while they wait) in flight per tenant, across every control-plane "
-        "process on the database, before 429: keep it below SKYTRAIN_THREADS so one tenant "
-        "cannot occupy every thread of a process.",
-    )
+
+
+class AdmissionSettings(_SettingsGroup):
+    """Admission of REST and worker requests, and of failed authentications."""
+
     rest_admission_wait_s: float = Field(
         default=2.0,
         ge=0,
@@ -211,26 +249,96 @@ class Settings(BaseSettings):
         le=600,
         description="How long a key or worker token that failed is refused without a lookup.",
     )
-    tenant_max_sequences_in_flight: int = Field(
+
+
+class TenantLimitSettings(_SettingsGroup):
+    """Every tenant's limits and quotas, unless `skytrain tenants limits` sets its own
+    (``db.tenants.TenantLimits``: the same names)."""
+
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_TENANT_")
+
+    max_concurrent_requests: int = Field(
+        default=256, gt=0, description="Inference requests in flight per tenant before 429."
+    )
+    max_concurrent_rest_requests: int = Field(
+        default=32,
+        gt=0,
+        description="REST requests (everything under /v1 but inference and the workers' "
+        "routes; long-polls while they wait) in flight per tenant, across every control-plane "
+        "process on the database, before 429: keep it below SKYTRAIN_THREADS so one tenant "
+        "cannot occupy every thread of a process.",
+    )
+    max_sequences_in_flight: int = Field(
         default=256,
         gt=0,
         description="Sequences being generated per tenant (n of each request in flight, times "
         "its prompts) before 429.",
     )
-    tenant_max_tokens_in_flight: int = Field(
+    max_tokens_in_flight: int = Field(
         default=1_048_576,
         gt=0,
         description="Tokens per tenant in flight before 429: each request counts its body's "
         "bytes (an upper bound of its prompt tokens) plus n x max_tokens.",
     )
-    tenant_max_waiting_polls: int = Field(
+    max_waiting_polls: int = Field(
         default=32,
         gt=0,
         description="Long-polls (a job's events followed with wait_s > 0) a tenant may have "
         "waiting at once in one control-plane process; past them a follow is answered at once, "
         "without waiting.",
     )
-    gateway_default_max_tokens: int = Field(
+    max_models: int = Field(
+        default=100, ge=0, description="Models a tenant may own; creating one more is a 403."
+    )
+    max_storage_bytes: int = Field(
+        default=100 * 1024**3,
+        ge=0,
+        description="Bytes a tenant may hold: checkpoints, trajectory batches (logged and jobs' "
+        "inputs), Tinker sessions' metadata and queued operations' payloads. A request that "
+        "would store more is a 403; deleting checkpoints or models frees their bytes.",
+    )
+    max_metadata_bytes: int = Field(
+        default=64 * 1024,
+        ge=0,
+        description="Bytes (as JSON) of one user_metadata a tenant sends (Tinker sessions, "
+        "training runs); a larger one is a 413.",
+    )
+    max_sessions: int = Field(
+        default=256,
+        ge=0,
+        description="Tinker sessions (ServiceClients) a tenant may have open at once; one more "
+        "is a 403. A session ends when its client closes, or SKYTRAIN_TINKER_SESSION_TIMEOUT_S "
+        "after its last heartbeat.",
+    )
+    max_queued_jobs: int = Field(
+        default=256,
+        ge=0,
+        description="RL and SFT training jobs a tenant may have queued or running at once; one "
+        "more is a 429 until one ends.",
+    )
+    max_queued_operations: int = Field(
+        default=256,
+        ge=0,
+        description="Operations (forward_backward, optim_step, saves...) queued and not done "
+        "per Tinker training run; one more is a 429 until the worker has done some.",
+    )
+    max_placed_models: int = Field(
+        default=8,
+        ge=0,
+        description="A tenant's models placed on workers at once; the next one waits (its "
+        "requests get 429) until one goes idle.",
+    )
+    max_workers: int = Field(
+        default=2, ge=0, description="Workers a tenant's models may occupy at once."
+    )
+
+
+class GatewaySettings(_SettingsGroup):
+    """The inference gateway."""
+
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_GATEWAY_")
+
+    default_max_tokens: int = Field(
         default=2048,
         gt=0,
         description="The max_tokens the gateway gives a completion request that sets none "
@@ -238,52 +346,25 @@ class Settings(BaseSettings):
         "per sequence towards its tenant's tokens in flight. A prompt that leaves less room is "
         "refused by the engine, naming the room left.",
     )
-    tenant_max_models: int = Field(
-        default=100, ge=0, description="Models a tenant may own; creating one more is a 403."
-    )
-    tenant_max_storage_bytes: int = Field(
-        default=100 * 1024**3,
+    loading_wait_s: float = Field(
+        default=30.0,
         ge=0,
-        description="Bytes a tenant may hold: checkpoints, trajectory batches (logged and jobs' "
-        "inputs), Tinker sessions' metadata and queued operations' payloads. A request that "
-        "would store more is a 403; deleting checkpoints or models frees their bytes.",
+        description="How long an inference request waits for its checkpoint to load onto "
+        "the worker before answering 503.",
     )
-    tenant_max_metadata_bytes: int = Field(
-        default=64 * 1024,
+    route_cache_ttl_s: float = Field(
+        default=1.0,
         ge=0,
-        description="Bytes (as JSON) of one user_metadata a tenant sends (Tinker sessions, "
-        "training runs); a larger one is a 413.",
-    )
-    tenant_max_sessions: int = Field(
-        default=256,
-        ge=0,
-        description="Tinker sessions (ServiceClients) a tenant may have open at once; one more "
-        "is a 403. A session ends when its client closes, or SKYTRAIN_TINKER_SESSION_TIMEOUT_S "
-        "after its last heartbeat.",
-    )
-    tenant_max_queued_jobs: int = Field(
-        default=256,
-        ge=0,
-        description="RL and SFT training jobs a tenant may have queued or running at once; one "
-        "more is a 429 until one ends.",
-    )
-    tenant_max_queued_operations: int = Field(
-        default=256,
-        ge=0,
-        description="Operations (forward_backward, optim_step, saves...) queued and not done "
-        "per Tinker training run; one more is a 429 until the worker has done some.",
-    )
-    tenant_max_placed_models: int = Field(
-        default=8,
-        ge=0,
-        description="A tenant's models placed on workers at once; the next one waits (its "
-        "requests get 429) until one goes idle.",
-    )
-    tenant_max_workers: int = Field(
-        default=2, ge=0, description="Workers a tenant's models may occupy at once."
+        le=60,
+        description="How long the gateway reuses a resolved route (key, model -> worker, "
+        "step); changes made through this process empty it at once, changes made through "
+        "another control plane on the same database are seen within this time. 0: no cache.",
     )
 
-    # --- scheduling and provisioning ---------------------------------------------------------
+
+class SchedulerSettings(_SettingsGroup):
+    """Scheduling and provisioning: workers, placement, replicas, jobs, clean-up."""
+
     provider: ProviderName = Field(
         default="local", description="How workers are started: local | skypilot | none."
     )
@@ -389,268 +470,6 @@ class Settings(BaseSettings):
         "about to refer to a newer one).",
     )
 
-    # --- the Tinker protocol -----------------------------------------------------------------
-    tinker_session_timeout_s: float = Field(
-        default=60.0,
-        gt=0,
-        description="A Tinker SDK session that stopped heartbeating this long ends: its "
-        "training runs close and their trainers leave their workers. The SDK heartbeats "
-        "every 10 s (recorded at most every 10 s): keep it well above 20 s.",
-    )
-    tinker_sample_timeout_s: float = Field(
-        default=900.0, gt=0, description="A Tinker sampling request not answered by then fails."
-    )
-
-    # --- the skypilot provider ---------------------------------------------------------------
-    skypilot_worker_yaml: Path | None = Field(
-        default=None,
-        description="SkyPilot task workers are launched from. Default: skytrain's sky/worker.yaml.",
-    )
-    skypilot_accelerators: str | None = Field(
-        default=None,
-        description="Accelerators a worker may get ('L4:1,A10G:1,H100:8'); the provider asks "
-        "for the cheapest the memory plan fits the base model on (`skytrain workers plan`). "
-        "'none' for CPU-only workers. Default: the task's list.",
-    )
-    skypilot_infra: str | None = Field(
-        default=None,
-        description="Where workers run: a cloud, cloud/region or k8s/context "
-        "('aws/us-east-1'). Default: any enabled cloud.",
-    )
-    skypilot_num_nodes: int = Field(
-        default=1,
-        ge=1,
-        le=64,
-        description="Nodes of one worker (a SkyPilot task's num_nodes), for base models larger "
-        "than a node: vLLM's pipeline parallelism across them over Ray, the trainer's torchrun "
-        "ranks on all of them. 1: a worker is one node.",
-    )
-    skypilot_disk_size_gb: int | None = Field(
-        default=None, ge=1, description="Disk of a worker, in GB. Default: the task's."
-    )
-    skypilot_use_spot: bool = Field(
-        default=False, description="Use spot instances (a preempted worker is replaced)."
-    )
-    skypilot_autostop_minutes: int = Field(
-        default=10, ge=0, description="Tear a worker's cluster down once idle this long."
-    )
-    skypilot_worker_port: int = Field(
-        default=8100,
-        ge=1,
-        le=65535,
-        description="Port SkyPilot opens for a worker's front door (HTTPS, engine secret).",
-    )
-    skypilot_cluster_prefix: str = Field(
-        default="skytrain-",
-        pattern=r"^[a-z][a-z0-9-]*-$",
-        description="Cluster names start with it; clusters with it that no worker owns are "
-        "stopped. One per control plane sharing a SkyPilot API server.",
-    )
-    skypilot_status_interval_s: float = Field(
-        default=20.0, ge=0, description="Least time between two `sky status` queries."
-    )
-    hf_token: SecretStr | None = Field(
-        default=None,
-        validation_alias=AliasChoices("SKYTRAIN_HF_TOKEN", "HF_TOKEN", "hf_token"),
-        description="Hugging Face token (else HF_TOKEN) for gated base models: the control "
-        "plane reads their config.json with it; workers get it as a secret.",
-    )
-    hf_endpoint: str | None = Field(
-        default=None,
-        validation_alias=AliasChoices("SKYTRAIN_HF_ENDPOINT", "HF_ENDPOINT", "hf_endpoint"),
-        pattern=r"^https?://[^\s]+$",
-        description="The Hub (else HF_ENDPOINT; default https://huggingface.co) base models' "
-        "config.json is read from.",
-    )
-    hub_timeout_s: float = Field(
-        default=10.0,
-        gt=0,
-        le=300,
-        description="Longest a model's creation or a launch waits for a base model's "
-        "config.json from the Hub (the fetch goes on in the background).",
-    )
-
-    # --- workers and engines -----------------------------------------------------------------
-    engine: EngineKind = Field(
-        default="auto", description="Inference engine: auto (vLLM with CUDA, else hf) | vllm | hf."
-    )
-    engine_startup_timeout_s: float = Field(
-        default=900.0, gt=0, description="How long a worker waits for its engine's /health."
-    )
-    engine_sleep_wait_s: float = Field(
-        default=300.0,
-        ge=0,
-        description="Worker: how long the engine's sleep before a job waits for requests in "
-        "flight to finish; those still running then are aborted (their clients get an "
-        "error to retry) so that no request holds training up for longer.",
-    )
-    engine_sleep_timeout_s: float = Field(
-        default=600.0,
-        gt=0,
-        description="Worker: how long putting the engine to sleep (once its requests in flight "
-        "ended) or waking it may take: vLLM moves its weights between the GPU and host memory "
-        "(seconds for a 7B, a minute or two for a 70B). Past it the job fails with a message "
-        "naming this setting.",
-    )
-    engine_max_model_len: int | None = Field(
-        default=None,
-        ge=16,
-        le=1024 * 1024,
-        description="Context length served (vLLM's --max-model-len). Default: the memory "
-        "plan's on CUDA (`skytrain workers plan`), the model's own otherwise.",
-    )
-    engine_max_loras: int = Field(
-        default=4, ge=1, description="vLLM: adapters resident on the GPU at once (--max-loras)."
-    )
-    engine_max_lora_rank: int = Field(
-        default=64,
-        ge=1,
-        description="Largest LoRA rank a worker's engine loads (vLLM's --max-lora-rank); "
-        "models of a higher rank are refused at creation.",
-    )
-    engine_gpu_memory_utilization: float | None = Field(
-        default=None,
-        gt=0,
-        le=1,
-        description="vLLM: share of GPU memory it takes. Default: the memory plan's on CUDA "
-        "(0.92 on most GPUs), 0.8 otherwise.",
-    )
-    engine_tensor_parallel_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=16,
-        description="vLLM: GPUs one model is split across. Default: the memory plan's on CUDA "
-        "(every GPU of the node that splits its heads evenly), 1 otherwise.",
-    )
-    engine_pipeline_parallel_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=64,
-        description="vLLM: nodes one model is split across by layers (a multi-node worker; "
-        "vLLM then runs over Ray, which sky/worker.yaml starts). Default: 1.",
-    )
-    vllm_python: str | None = Field(
-        default=None,
-        description="vLLM: the Python interpreter that runs it, for a vLLM installed in an "
-        "environment of its own (scripts/test-vllm.sh's CPU build). Default: this one.",
-    )
-    unsloth_python: str | None = Field(
-        default=None,
-        description="Worker: the Python interpreter of the Unsloth trainer's own environment "
-        "(scripts/unsloth-constraints.txt; sky/worker.yaml builds ~/skytrain-unsloth on a "
-        "one-GPU node). Used on CUDA when the trainer runs on one GPU; otherwise, or when it "
-        "is missing, the trainer is torch + peft in the worker's own process. Default: "
-        "~/skytrain-unsloth/bin/python where it exists.",
-    )
-    control_plane_url: str | None = Field(
-        default=None, description="Worker: URL of the control plane it joins."
-    )
-    worker_token: str | None = Field(
-        default=None, description="Worker: the token it registers with (swt-...)."
-    )
-    worker_base_model: str | None = Field(
-        default=None, description="Worker: the base model its engine serves."
-    )
-    worker_id: str | None = Field(
-        default=None,
-        max_length=64,
-        description="Worker and its engine: the id the control plane gave the worker when it "
-        "launched it, on every log line from the first (a worker that joins with a join token "
-        "learns its id when it registers).",
-    )
-    engine_secret: str | None = Field(
-        default=None,
-        description="Worker: the secret its front door requires on every request (the "
-        "control plane sends it). Default: a fresh random one.",
-    )
-    worker_max_models: int = Field(
-        default=8, ge=1, description="Worker: most models (LoRA adapters) placed on one worker."
-    )
-    worker_host: str = Field(
-        default="0.0.0.0",
-        description="Worker: address its front door (HTTPS, engine secret) listens on.",
-    )
-    worker_port: int = Field(
-        default=8100, ge=0, le=65535, description="Worker: its front door's port; 0: a free one."
-    )
-    worker_sleep_engine: bool | None = Field(
-        default=None,
-        description="Worker: put the engine to sleep while a job trains. Default: on with "
-        "vLLM where it has sleep mode (it shares the GPU with the trainer), off with the CPU "
-        "engine and vLLM's CPU build.",
-    )
-    trainer_gradient_checkpointing: bool | None = Field(
-        default=None,
-        description="Worker: gradient checkpointing for models whose config leaves it unset. "
-        "Default: the memory plan's on CUDA (on unless the longest row fits without), off "
-        "on CPU.",
-    )
-    trainer_max_row_tokens: int | None = Field(
-        default=None,
-        ge=16,
-        le=1024 * 1024,
-        description="Worker: the longest row the trainer packs; longer sequences are cut to it "
-        "(counted as truncated tokens). Default: the memory plan's on CUDA, no limit on CPU.",
-    )
-    trainer_device_map: Literal["cuda:0", "auto", "fsdp"] | None = Field(
-        default=None,
-        description="Worker: where the trainer's weights go on CUDA: cuda:0 (one GPU), auto "
-        "(spread over the node's GPUs, layer by layer) or fsdp (trainer_shards processes, the "
-        "base sharded over their GPUs). Default: the memory plan's.",
-    )
-    trainer_shards: int | None = Field(
-        default=None,
-        ge=1,
-        le=1024,
-        description="Worker: trainer processes (torchrun ranks, one a GPU, across the task's "
-        "nodes) the base model is sharded over with FSDP2; 1: the trainer in the worker's own "
-        "process. Default: the memory plan's.",
-    )
-    trainer_memory_limit_mb: int | None = Field(
-        default=None,
-        ge=1,
-        description="Worker: most memory one training step's activations may take; a job "
-        "whose step needs more fails as out of memory. Default: the GPU's free memory on "
-        "CUDA, no limit on CPU.",
-    )
-    worker_wheel: Path | None = Field(
-        default=None,
-        description="The skytrain wheel workers install (served to them at "
-        "/v1/worker/package); it must be this version. Default: built from this installation.",
-    )
-    worker_tinker_max_runs: int = Field(
-        default=2,
-        ge=0,
-        le=64,
-        description="Worker: most Tinker training runs it holds in memory at once (each keeps "
-        "a trainer, parked whole in host memory between operations); more wait in the queue. "
-        "The memory plan counts each in the host memory a worker asks for (about 17 GB for a "
-        "7B). 0: no Tinker training runs (creating one is refused), nothing parked.",
-    )
-
-    @field_validator("home", "model_cache_dir", "worker_wheel", mode="after")
-    @classmethod
-    def _expand(cls, value: Path | None) -> Path | None:
-        return value.expanduser() if value is not None else None
-
-    @property
-    def resolved_database_url(self) -> str:
-        return self.database_url or f"sqlite:///{self.home / 'skytrain.db'}"
-
-    @property
-    def resolved_object_store_url(self) -> str:
-        return self.object_store_url or (self.home / "objects").as_uri()
-
-    @property
-    def resolved_model_cache_dir(self) -> Path:
-        return self.model_cache_dir or self.home / "models"
-
-    @property
-    def resolved_base_model_dirs(self) -> list[Path]:
-        if self.base_model_dirs is None:
-            return [self.resolved_model_cache_dir]
-        return [Path(part).expanduser() for part in self.base_model_dirs.split(":") if part]
-
     @property
     def resolved_model_idle_timeout_s(self) -> float:
         """How long a model keeps its place unused: a worker is never stopped for idleness
@@ -663,20 +482,335 @@ class Settings(BaseSettings):
         every worker is started by hand)."""
         return None if self.provider == "none" else self.max_workers
 
-    @property
-    def resolved_public_url(self) -> str:
-        if self.public_url:
-            return self.public_url.rstrip("/")
-        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        return f"http://{host}:{self.port}"
 
-    @property
-    def is_sqlite(self) -> bool:
-        return self.resolved_database_url.startswith("sqlite")
+class TinkerSettings(_SettingsGroup):
+    """The Tinker protocol."""
 
-    @property
-    def should_auto_migrate(self) -> bool:
-        return self.is_sqlite if self.auto_migrate is None else self.auto_migrate
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_TINKER_")
+
+    session_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A Tinker SDK session that stopped heartbeating this long ends: its "
+        "training runs close and their trainers leave their workers. The SDK heartbeats "
+        "every 10 s (recorded at most every 10 s): keep it well above 20 s.",
+    )
+    sample_timeout_s: float = Field(
+        default=900.0, gt=0, description="A Tinker sampling request not answered by then fails."
+    )
+
+
+class SkyPilotSettings(_SettingsGroup):
+    """The `skypilot` provider."""
+
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_SKYPILOT_")
+
+    worker_yaml: Path | None = Field(
+        default=None,
+        description="SkyPilot task workers are launched from. Default: skytrain's sky/worker.yaml.",
+    )
+    accelerators: str | None = Field(
+        default=None,
+        description="Accelerators a worker may get ('L4:1,A10G:1,H100:8'); the provider asks "
+        "for the cheapest the memory plan fits the base model on (`skytrain workers plan`). "
+        "'none' for CPU-only workers. Default: the task's list.",
+    )
+    infra: str | None = Field(
+        default=None,
+        description="Where workers run: a cloud, cloud/region or k8s/context "
+        "('aws/us-east-1'). Default: any enabled cloud.",
+    )
+    num_nodes: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Nodes of one worker (a SkyPilot task's num_nodes), for base models larger "
+        "than a node: vLLM's pipeline parallelism across them over Ray, the trainer's torchrun "
+        "ranks on all of them. 1: a worker is one node.",
+    )
+    disk_size_gb: int | None = Field(
+        default=None, ge=1, description="Disk of a worker, in GB. Default: the task's."
+    )
+    use_spot: bool = Field(
+        default=False, description="Use spot instances (a preempted worker is replaced)."
+    )
+    autostop_minutes: int = Field(
+        default=10, ge=0, description="Tear a worker's cluster down once idle this long."
+    )
+    worker_port: int = Field(
+        default=8100,
+        ge=1,
+        le=65535,
+        description="Port SkyPilot opens for a worker's front door (HTTPS, engine secret).",
+    )
+    cluster_prefix: str = Field(
+        default="skytrain-",
+        pattern=r"^[a-z][a-z0-9-]*-$",
+        description="Cluster names start with it; clusters with it that no worker owns are "
+        "stopped. One per control plane sharing a SkyPilot API server.",
+    )
+    status_interval_s: float = Field(
+        default=20.0, ge=0, description="Least time between two `sky status` queries."
+    )
+
+
+class HubSettings(_SettingsGroup):
+    """The Hugging Face Hub base models' config.json is read from."""
+
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_HUB_")
+
+    token: SecretStr | None = Field(
+        default=None,
+        validation_alias=AliasChoices("SKYTRAIN_HF_TOKEN", "HF_TOKEN"),
+        description="Hugging Face token (else HF_TOKEN) for gated base models: the control "
+        "plane reads their config.json with it; workers get it as a secret.",
+    )
+    endpoint: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("SKYTRAIN_HF_ENDPOINT", "HF_ENDPOINT"),
+        pattern=r"^https?://[^\s]+$",
+        description="The Hub (else HF_ENDPOINT; default https://huggingface.co) base models' "
+        "config.json is read from.",
+    )
+    timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Longest a model's creation or a launch waits for a base model's "
+        "config.json from the Hub (the fetch goes on in the background).",
+    )
+
+
+class EngineSettings(_SettingsGroup):
+    """A worker's inference engine (the control plane plans workers with them too)."""
+
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_ENGINE_")
+
+    kind: EngineKind = Field(
+        validation_alias="SKYTRAIN_ENGINE",
+        default="auto",
+        description="Inference engine: auto (vLLM with CUDA, else hf) | vllm | hf.",
+    )
+    startup_timeout_s: float = Field(
+        default=900.0, gt=0, description="How long a worker waits for its engine's /health."
+    )
+    sleep_wait_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Worker: how long the engine's sleep before a job waits for requests in "
+        "flight to finish; those still running then are aborted (their clients get an "
+        "error to retry) so that no request holds training up for longer.",
+    )
+    sleep_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        description="Worker: how long putting the engine to sleep (once its requests in flight "
+        "ended) or waking it may take: vLLM moves its weights between the GPU and host memory "
+        "(seconds for a 7B, a minute or two for a 70B). Past it the job fails with a message "
+        "naming this setting.",
+    )
+    max_model_len: int | None = Field(
+        default=None,
+        ge=16,
+        le=1024 * 1024,
+        description="Context length served (vLLM's --max-model-len). Default: the memory "
+        "plan's on CUDA (`skytrain workers plan`), the model's own otherwise.",
+    )
+    max_loras: int = Field(
+        default=4, ge=1, description="vLLM: adapters resident on the GPU at once (--max-loras)."
+    )
+    max_lora_rank: int = Field(
+        default=64,
+        ge=1,
+        description="Largest LoRA rank a worker's engine loads (vLLM's --max-lora-rank); "
+        "models of a higher rank are refused at creation.",
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="vLLM: share of GPU memory it takes. Default: the memory plan's on CUDA "
+        "(0.92 on most GPUs), 0.8 otherwise.",
+    )
+    tensor_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=16,
+        description="vLLM: GPUs one model is split across. Default: the memory plan's on CUDA "
+        "(every GPU of the node that splits its heads evenly), 1 otherwise.",
+    )
+    pipeline_parallel_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="vLLM: nodes one model is split across by layers (a multi-node worker; "
+        "vLLM then runs over Ray, which sky/worker.yaml starts). Default: 1.",
+    )
+    secret: str | None = Field(
+        default=None,
+        description="Worker: the secret its front door requires on every request (the "
+        "control plane sends it). Default: a fresh random one.",
+    )
+    vllm_python: str | None = Field(
+        validation_alias="SKYTRAIN_VLLM_PYTHON",
+        default=None,
+        description="vLLM: the Python interpreter that runs it, for a vLLM installed in an "
+        "environment of its own (scripts/test-vllm.sh's CPU build). Default: this one.",
+    )
+
+
+class WorkerSettings(_SettingsGroup):
+    """A worker: how it joins, what it holds; what the control plane gives the workers it starts."""
+
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_WORKER_")
+
+    control_plane_url: str | None = Field(
+        validation_alias="SKYTRAIN_CONTROL_PLANE_URL",
+        default=None,
+        description="Worker: URL of the control plane it joins.",
+    )
+    token: str | None = Field(
+        default=None, description="Worker: the token it registers with (swt-...)."
+    )
+    base_model: str | None = Field(
+        default=None, description="Worker: the base model its engine serves."
+    )
+    id: str | None = Field(
+        default=None,
+        max_length=64,
+        description="Worker and its engine: the id the control plane gave the worker when it "
+        "launched it, on every log line from the first (a worker that joins with a join token "
+        "learns its id when it registers).",
+    )
+    max_models: int = Field(
+        default=8, ge=1, description="Worker: most models (LoRA adapters) placed on one worker."
+    )
+    host: str = Field(
+        default="0.0.0.0",
+        description="Worker: address its front door (HTTPS, engine secret) listens on.",
+    )
+    port: int = Field(
+        default=8100, ge=0, le=65535, description="Worker: its front door's port; 0: a free one."
+    )
+    sleep_engine: bool | None = Field(
+        default=None,
+        description="Worker: put the engine to sleep while a job trains. Default: on with "
+        "vLLM where it has sleep mode (it shares the GPU with the trainer), off with the CPU "
+        "engine and vLLM's CPU build.",
+    )
+    tinker_max_runs: int = Field(
+        default=2,
+        ge=0,
+        le=64,
+        description="Worker: most Tinker training runs it holds in memory at once (each keeps "
+        "a trainer, parked whole in host memory between operations); more wait in the queue. "
+        "The memory plan counts each in the host memory a worker asks for (about 17 GB for a "
+        "7B). 0: no Tinker training runs (creating one is refused), nothing parked.",
+    )
+    wheel: Path | None = Field(
+        default=None,
+        description="The skytrain wheel workers install (served to them at "
+        "/v1/worker/package); it must be this version. Default: built from this installation.",
+    )
+    unsloth_python: str | None = Field(
+        validation_alias="SKYTRAIN_UNSLOTH_PYTHON",
+        default=None,
+        description="Worker: the Python interpreter of the Unsloth trainer's own environment "
+        "(scripts/unsloth-constraints.txt; sky/worker.yaml builds ~/skytrain-unsloth on a "
+        "one-GPU node). Used on CUDA when the trainer runs on one GPU; otherwise, or when it "
+        "is missing, the trainer is torch + peft in the worker's own process. Default: "
+        "~/skytrain-unsloth/bin/python where it exists.",
+    )
+
+    @field_validator("wheel", mode="after")
+    @classmethod
+    def _expand(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
+
+
+class TrainerSettings(_SettingsGroup):
+    """A worker's trainer."""
+
+    model_config = SettingsConfigDict(env_prefix="SKYTRAIN_TRAINER_")
+
+    gradient_checkpointing: bool | None = Field(
+        default=None,
+        description="Worker: gradient checkpointing for models whose config leaves it unset. "
+        "Default: the memory plan's on CUDA (on unless the longest row fits without), off "
+        "on CPU.",
+    )
+    max_row_tokens: int | None = Field(
+        default=None,
+        ge=16,
+        le=1024 * 1024,
+        description="Worker: the longest row the trainer packs; longer sequences are cut to it "
+        "(counted as truncated tokens). Default: the memory plan's on CUDA, no limit on CPU.",
+    )
+    device_map: Literal["cuda:0", "auto", "fsdp"] | None = Field(
+        default=None,
+        description="Worker: where the trainer's weights go on CUDA: cuda:0 (one GPU), auto "
+        "(spread over the node's GPUs, layer by layer) or fsdp (trainer_shards processes, the "
+        "base sharded over their GPUs). Default: the memory plan's.",
+    )
+    shards: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Worker: trainer processes (torchrun ranks, one a GPU, across the task's "
+        "nodes) the base model is sharded over with FSDP2; 1: the trainer in the worker's own "
+        "process. Default: the memory plan's.",
+    )
+    memory_limit_mb: int | None = Field(
+        default=None,
+        ge=1,
+        description="Worker: most memory one training step's activations may take; a job "
+        "whose step needs more fails as out of memory. Default: the GPU's free memory on "
+        "CUDA, no limit on CPU.",
+    )
+
+
+class Settings(BaseModel):
+    """Configuration of the control plane, the worker and the demo, by concern.
+
+    ``Settings()`` reads every group from the environment. A group given as keyword arguments
+    (``Settings(gateway={"default_max_tokens": 64})``) takes those fields from them and the
+    rest from the environment, as ``GatewaySettings(default_max_tokens=64)`` would."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    storage: StorageSettings = Field(default_factory=StorageSettings)
+    server: ServerSettings = Field(default_factory=ServerSettings)
+    observability: ObservabilitySettings = Field(default_factory=ObservabilitySettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    tenant_limits: TenantLimitSettings = Field(default_factory=TenantLimitSettings)
+    gateway: GatewaySettings = Field(default_factory=GatewaySettings)
+    scheduler: SchedulerSettings = Field(default_factory=SchedulerSettings)
+    tinker: TinkerSettings = Field(default_factory=TinkerSettings)
+    skypilot: SkyPilotSettings = Field(default_factory=SkyPilotSettings)
+    hub: HubSettings = Field(default_factory=HubSettings)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+    worker: WorkerSettings = Field(default_factory=WorkerSettings)
+    trainer: TrainerSettings = Field(default_factory=TrainerSettings)
+
+
+def variables() -> dict[str, tuple[str, str]]:
+    """Every setting's environment variable, with its group and field:
+    ``{"SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS": ("gateway", "default_max_tokens"), ...}``. A
+    setting with fallbacks (``HF_TOKEN``) is listed under its first name."""
+    found: dict[str, tuple[str, str]] = {}
+    for group, holder in Settings.model_fields.items():
+        cls = holder.default_factory
+        assert isinstance(cls, type) and issubclass(cls, _SettingsGroup)
+        for name, field in cls.model_fields.items():
+            found[_variable(cls.model_config.get("env_prefix", ""), name, field)] = (group, name)
+    return found
+
+
+def _variable(prefix: str, name: str, field: FieldInfo) -> str:
+    alias = field.validation_alias
+    if isinstance(alias, AliasChoices):
+        alias = alias.choices[0]
+    return alias if isinstance(alias, str) else f"{prefix}{name}".upper()
 
 
 def subprocess_env(extra: dict[str, str]) -> dict[str, str]:

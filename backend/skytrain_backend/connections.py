@@ -71,14 +71,14 @@ class ConnectionLimits:
     @classmethod
     def from_settings(cls, settings: Settings) -> ConnectionLimits:
         bound = _files_share()
-        total = min(settings.max_connections or bound, bound)
-        per_client = min(settings.max_connections_per_client or max(total // 2, 1), total)
+        total = min(settings.server.max_connections or bound, bound)
+        per_client = min(settings.server.max_connections_per_client or max(total // 2, 1), total)
         return cls(
             max_connections=total,
             max_per_client=per_client,
-            header_timeout_s=settings.header_timeout_s,
-            body_timeout_s=settings.request_body_timeout_s,
-            max_requests=settings.max_requests_per_connection,
+            header_timeout_s=settings.server.header_timeout_s,
+            body_timeout_s=settings.server.request_body_timeout_s,
+            max_requests=settings.server.max_requests_per_connection,
         )
 
     @classmethod
@@ -89,8 +89,8 @@ class ConnectionLimits:
         plane's gateway, may hold them all (the secret turns everyone else away)."""
         limits = cls.from_settings(settings)
         total = max(_files_share() // 2, 1)
-        if settings.max_connections:
-            total = min(settings.max_connections, total)
+        if settings.server.max_connections:
+            total = min(settings.server.max_connections, total)
         return dataclasses.replace(limits, max_connections=total, max_per_client=total)
 
 

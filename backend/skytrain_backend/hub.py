@@ -94,7 +94,7 @@ SMOLLM2_CHAT_TEMPLATE = """\
 def default_cache_dir() -> Path:
     from skytrain_backend.config import get_settings
 
-    return get_settings().resolved_model_cache_dir
+    return get_settings().storage.resolved_model_cache_dir
 
 
 def cache_path(model: str, cache_dir: Path | None = None) -> Path:

@@ -155,7 +155,7 @@ def test_a_big_body_burst_is_refused_by_its_cost_before_the_bodies_are_read(
     # None of the bodies is ever sent: a refusal comes before the body is read.
     key = api_key()
     _limit_rest_requests(db_sessions, key, 2)
-    size = control_plane.settings.max_request_bytes
+    size = control_plane.settings.server.max_request_bytes
     host, port = control_plane.url.removeprefix("http://").split(":")
     head = (
         f"POST /api/v1/create_session HTTP/1.1\r\nHost: {host}\r\nX-API-Key: tml-{key.key}\r\n"
@@ -281,7 +281,7 @@ def test_many_tenants_behind_one_address_are_not_refused_for_lookups_in_flight(
     # A NAT or a proxy: more tenants than the address's failure budget (60 a minute), each
     # sending its first request at once, none of their keys cached. None fails, so none is
     # refused for failures.
-    keys = [api_key() for _ in range(2 * control_plane.settings.auth_failures_per_minute)]
+    keys = [api_key() for _ in range(2 * control_plane.settings.admission.auth_failures_per_minute)]
 
     async def scenario() -> Counter[int]:
         connector = aiohttp.TCPConnector(limit=0, local_addr=("127.0.0.6", 0))

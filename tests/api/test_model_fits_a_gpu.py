@@ -25,11 +25,11 @@ MODELS = Path(__file__).resolve().parents[1] / "planning" / "models"
 @pytest.fixture(scope="module")
 def http(make_settings: MakeSettings) -> Iterator[httpx.Client]:
     settings = make_settings(
-        provider="skypilot",
-        model_cache_dir=MODELS,
-        skypilot_accelerators="L4:1, A10G:1",
-        public_url="https://skytrain.example.com",
-        max_workers=0,  # the test is about creation: no launch
+        # the test is about creation: no launch
+        scheduler={"provider": "skypilot", "max_workers": 0},
+        storage={"model_cache_dir": MODELS},
+        skypilot={"accelerators": "L4:1, A10G:1"},
+        server={"public_url": "https://skytrain.example.com"},
     )
     headers = {"Authorization": f"Bearer {create_key(settings, 'acme')}"}
     with pytest.MonkeyPatch.context() as patch:

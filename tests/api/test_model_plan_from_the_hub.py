@@ -43,24 +43,28 @@ def start_control_plane(
     make_settings: MakeSettings, tmp_path: Path
 ) -> Iterator[Callable[..., Plane]]:
     """Starts the real app (its scheduler running) on a fresh home with an empty model cache
-    and ``accelerators``, reading the Hub at ``hub``."""
+    and ``accelerators``, reading the Hub at ``hub``; more keywords are scheduler settings."""
     with ExitStack() as stack:
 
         def start(
-            *, accelerators: str, hub: str, hub_timeout_s: float = 30.0, **more: object
+            *,
+            accelerators: str,
+            hub: str,
+            hub_timeout_s: float = 30.0,
+            hf_token: str | None = None,
+            **scheduler: object,
         ) -> Plane:
             settings = make_settings(
-                home=tmp_path,
-                provider="skypilot",
-                model_cache_dir=tmp_path / "empty-model-cache",
-                skypilot_accelerators=accelerators,
-                skypilot_status_interval_s=0,
-                hf_endpoint=hub,
-                hub_timeout_s=hub_timeout_s,
-                worker_launch_backoff_s=0,
-                worker_launch_max_failures=1000,
-                public_url="https://skytrain.example.com",
-                **more,
+                storage={"home": tmp_path, "model_cache_dir": tmp_path / "empty-model-cache"},
+                scheduler={
+                    "provider": "skypilot",
+                    "worker_launch_backoff_s": 0,
+                    "worker_launch_max_failures": 1000,
+                    **scheduler,
+                },
+                skypilot={"accelerators": accelerators, "status_interval_s": 0},
+                hub={"endpoint": hub, "timeout_s": hub_timeout_s, "token": hf_token},
+                server={"public_url": "https://skytrain.example.com"},
             )
             headers = {"Authorization": f"Bearer {create_key(settings, 'acme')}"}
             fake = FakeSky()
@@ -124,7 +128,7 @@ def test_a_32b_model_launches_on_the_gpu_it_fits_at_once(
     assert int(resources.memory.rstrip("+")) > 32  # the plan's host memory, not the task's
     assert ("GET", f"/{QWEN_32B}/resolve/main/config.json") in loopback_hub.requests
     # Kept in the object store, for every control plane sharing it.
-    store = open_object_store(plane.settings.resolved_object_store_url, plane.settings)
+    store = open_object_store(plane.settings.storage.resolved_object_store_url, plane.settings)
     key = keys.hub_config_key(endpoint=loopback_hub.url, base_model=QWEN_32B)
     assert b'"hidden_size": 5120' in store.get_bytes(key)
 

@@ -120,7 +120,7 @@ def test_requests_past_the_cap_wait_in_order_of_arrival_for_room(
 def test_a_tenant_at_its_cap_through_one_control_plane_is_refused_through_another(
     make_settings: MakeSettings, tmp_path: Path
 ) -> None:
-    database_url = make_settings(database="postgres").resolved_database_url
+    database_url = make_settings(database="postgres").storage.resolved_database_url
     env = {"SKYTRAIN_DATABASE_URL": database_url, "SKYTRAIN_PROVIDER": "none"}
     first = start_service(env, tmp_path / "first")
     second = start_service(env, tmp_path / "second")

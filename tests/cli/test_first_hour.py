@@ -64,7 +64,7 @@ def test_jobs_list_filters_by_a_known_status(
     make_settings: MakeSettings,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", make_settings().resolved_database_url)
+    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", make_settings().storage.resolved_database_url)
     code, output = cli("jobs", "list", "--status", "queued")
     assert code == 0, output
     assert "training jobs" in output
@@ -76,7 +76,7 @@ def test_db_current_exits_non_zero_while_the_schema_is_outdated(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv(
-        "SKYTRAIN_DATABASE_URL", make_settings(database="postgres").resolved_database_url
+        "SKYTRAIN_DATABASE_URL", make_settings(database="postgres").storage.resolved_database_url
     )
     assert cli("db", "current")[0] == 0
     assert cli("db", "downgrade", "-1")[0] == 0

@@ -66,9 +66,9 @@ def _local_worker(db_sessions: sessionmaker[Session]) -> str:
 def _follow(settings: Settings, worker_id: str, *args: str) -> subprocess.Popen[str]:
     env = {
         **os.environ,
-        "SKYTRAIN_HOME": str(settings.home),
-        "SKYTRAIN_DATABASE_URL": settings.resolved_database_url,
-        "SKYTRAIN_OBJECT_STORE_URL": settings.resolved_object_store_url,
+        "SKYTRAIN_HOME": str(settings.storage.home),
+        "SKYTRAIN_DATABASE_URL": settings.storage.resolved_database_url,
+        "SKYTRAIN_OBJECT_STORE_URL": settings.storage.resolved_object_store_url,
     }
     return subprocess.Popen(
         [SKYTRAIN, "logs", worker_id, "-f", *args],
@@ -92,7 +92,7 @@ def test_logs_follow_prints_new_lines_as_written_until_ctrl_c(
     settings: Settings, db_sessions: sessionmaker[Session]
 ) -> None:
     worker_id = _local_worker(db_sessions)
-    log = worker_log_path(settings.home / "workers", worker_id)
+    log = worker_log_path(settings.storage.home / "workers", worker_id)
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("old line 1\nold line 2\nold line 3\n")
     follower = _follow(settings, worker_id, "-n", "2")
@@ -120,7 +120,7 @@ def test_logs_follow_waits_for_a_log_not_written_yet_and_prints_all_of_it(
     """A local worker just launched has no log yet: the command says it waits, then prints
     the whole file once it appears (all of it is new, whatever -n says)."""
     worker_id = _local_worker(db_sessions)
-    log = worker_log_path(settings.home / "workers", worker_id)
+    log = worker_log_path(settings.storage.home / "workers", worker_id)
     follower = _follow(settings, worker_id, "-n", "1")
     printed, errors = _Lines(follower.stdout), _Lines(follower.stderr)
     try:
@@ -141,8 +141,8 @@ def test_logs_follow_of_a_manual_worker_without_a_log_here_says_so(
         worker_id = add_ready_worker(
             session, base_model="tiny/llama", max_models=1, provider="manual"
         ).id
-    monkeypatch.setenv("SKYTRAIN_HOME", str(settings.home))
-    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", settings.resolved_database_url)
+    monkeypatch.setenv("SKYTRAIN_HOME", str(settings.storage.home))
+    monkeypatch.setenv("SKYTRAIN_DATABASE_URL", settings.storage.resolved_database_url)
     get_settings.cache_clear()
     try:
         result = CliRunner().invoke(app, ["logs", worker_id, "-f"])

@@ -761,8 +761,8 @@ def trained_step(
 def store_proxy(control_plane: ControlPlane, proxy: FaultProxy) -> Iterator[FaultProxy | None]:
     """On S3, a fault proxy in front of the object store, which the control plane's presigned
     redirects are sent through; None where the control plane serves the bytes itself."""
-    endpoint = control_plane.settings.s3_endpoint_url
-    if not control_plane.settings.resolved_object_store_url.startswith("s3://"):
+    endpoint = control_plane.settings.storage.s3_endpoint_url
+    if not control_plane.settings.storage.resolved_object_store_url.startswith("s3://"):
         yield None
         return
     assert endpoint is not None

@@ -21,7 +21,7 @@ def test_the_embedded_server_allows_the_model_cache_and_the_demos_model_director
     for name, value in env.items():
         if name.startswith("SKYTRAIN_"):
             monkeypatch.setenv(name, value)
-    allowed = Settings().resolved_base_model_dirs
+    allowed = Settings().storage.resolved_base_model_dirs
     assert allowed == [cache, models]
     assert check_base_model(str(models / "my-model"), allowed_dirs=allowed)
     with pytest.raises(InvalidRequest):

@@ -106,7 +106,7 @@ def test_the_worker_task_installs_the_control_planes_wheel_joins_and_serves(
                 "WORKER_EXTRAS": "worker",
             },
         )
-        settings = Settings(home=tmp_path, skypilot_worker_port=port)
+        settings = Settings(storage={"home": tmp_path}, skypilot={"worker_port": port})
         task = worker_task(
             launch, settings=settings, task_config=load_task_config(default_worker_yaml())
         )

@@ -130,7 +130,7 @@ def smollm2_engine(
 
 def vllm_python() -> str:
     """The interpreter with vLLM: $SKYTRAIN_VLLM_PYTHON (scripts/test-vllm.sh sets it) or this."""
-    python = get_settings().vllm_python
+    python = get_settings().engine.vllm_python
     if python:
         return python
     if importlib.util.find_spec("vllm") is None:

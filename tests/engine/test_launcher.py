@@ -79,7 +79,7 @@ def test_where_vllm_has_no_sleep_mode_it_is_not_asked_for_and_the_command_says_s
 
 
 def test_vllm_runs_from_the_interpreter_the_settings_name(tmp_path: Path) -> None:
-    settings = Settings(vllm_python="/opt/vllm-env/bin/python")
+    settings = Settings(engine={"vllm_python": "/opt/vllm-env/bin/python"})
     options = EngineOptions.from_settings(settings, model=str(tmp_path), port=1)
     assert vllm_command(options).argv[:3] == [
         "/opt/vllm-env/bin/python",
@@ -132,11 +132,13 @@ def test_hf_command_runs_skytrain_engine_serve_with_the_key_in_the_environment()
 
 def test_engine_options_take_the_engine_settings() -> None:
     settings = Settings(
-        engine_max_loras=7,
-        engine_max_lora_rank=16,
-        engine_gpu_memory_utilization=0.5,
-        engine_tensor_parallel_size=4,
-        engine_max_model_len=2048,
+        engine={
+            "max_loras": 7,
+            "max_lora_rank": 16,
+            "gpu_memory_utilization": 0.5,
+            "tensor_parallel_size": 4,
+            "max_model_len": 2048,
+        }
     )
     options = EngineOptions.from_settings(settings, model="m", port=1, served_model_name=None)
     assert (options.max_loras, options.max_lora_rank, options.max_model_len) == (7, 16, 2048)
@@ -285,7 +287,7 @@ async def test_for_engine_starts_a_working_cpu_engine(
 def test_a_model_split_across_nodes_runs_pipeline_stages_over_ray(tmp_path: Path) -> None:
     """vLLM's documented multi-node layout: tensor parallelism within a node, pipeline
     stages across nodes, on a Ray cluster; one node asks for neither."""
-    settings = Settings(home=tmp_path, engine_pipeline_parallel_size=2)
+    settings = Settings(storage={"home": tmp_path}, engine={"pipeline_parallel_size": 2})
     options = EngineOptions.from_settings(settings, model="m", port=8000, tensor_parallel_size=8)
     argv = vllm_command(options).argv
     assert _flag(argv, "--tensor-parallel-size") == "8"

@@ -78,10 +78,12 @@ def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = 6
 def gateway_settings(request: pytest.FixtureRequest, make_settings: MakeSettings) -> Settings:
     return make_settings(
         database=request.param,
-        tenant_max_concurrent_requests=TENANT_LIMIT,
-        gateway_loading_wait_s=LOADING_WAIT_S,
-        # Far longer than any test: every change a test makes must empty the route cache.
-        gateway_route_cache_ttl_s=ROUTE_CACHE_TTL_S,
+        tenant_limits={"max_concurrent_requests": TENANT_LIMIT},
+        gateway={
+            "loading_wait_s": LOADING_WAIT_S,
+            # Far longer than any test: every change a test makes must empty the route cache.
+            "route_cache_ttl_s": ROUTE_CACHE_TTL_S,
+        },
     )
 
 

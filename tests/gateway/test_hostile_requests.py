@@ -51,5 +51,5 @@ def test_a_request_without_max_tokens_gets_the_default_not_the_whole_context(
     response = alice.http.post("/v1/chat/completions", json=body)
 
     assert response.status_code == 200, response.text
-    default = gateway_settings.gateway_default_max_tokens
+    default = gateway_settings.gateway.default_max_tokens
     assert response.json()["usage"]["completion_tokens"] == default

@@ -65,7 +65,7 @@ def test_a_tenant_at_its_limit_through_one_control_plane_is_refused_through_anot
     make_settings: MakeSettings, engine: Engine, tmp_path: Path
 ) -> None:
     """Two `skytrain serve` processes on one PostgreSQL count a tenant's requests together."""
-    database_url = make_settings(database="postgres").resolved_database_url
+    database_url = make_settings(database="postgres").storage.resolved_database_url
     env = {
         "SKYTRAIN_DATABASE_URL": database_url,
         "SKYTRAIN_PROVIDER": "none",

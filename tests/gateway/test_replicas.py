@@ -47,14 +47,18 @@ WINDOW_S = 1.5
 @pytest.fixture(scope="module")
 def replica_settings(make_settings: MakeSettings) -> Settings:
     return make_settings(
-        tenant_max_concurrent_requests=64,
-        tenant_max_workers=3,
-        # Each replica is a placed model: the module's models and replicas together.
-        tenant_max_placed_models=16,
-        replica_window_s=WINDOW_S,
-        replica_scale_out_in_flight=1.5,
-        replica_scale_in_in_flight=0.5,
-        replica_cooldown_s=0.0,
+        tenant_limits={
+            "max_concurrent_requests": 64,
+            "max_workers": 3,
+            # Each replica is a placed model: the module's models and replicas together.
+            "max_placed_models": 16,
+        },
+        scheduler={
+            "replica_window_s": WINDOW_S,
+            "replica_scale_out_in_flight": 1.5,
+            "replica_scale_in_in_flight": 0.5,
+            "replica_cooldown_s": 0.0,
+        },
     )
 
 
@@ -71,7 +75,7 @@ def url(app: FastAPI) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def db(replica_settings: Settings) -> Iterator[sessionmaker[Session]]:
-    engine = create_db_engine(replica_settings.resolved_database_url)
+    engine = create_db_engine(replica_settings.storage.resolved_database_url)
     yield session_factory(engine)
     engine.dispose()
 

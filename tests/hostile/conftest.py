@@ -30,12 +30,16 @@ def settings(
     (home / "allowed-models").mkdir()
     return make_settings(
         database=request.param,
-        home=home,
-        max_request_bytes=1024 * 1024,
-        max_inference_request_bytes=INFERENCE_LIMIT,
-        max_trajectories_per_request=500,
-        model_cache_dir=model_cache_dir(),
-        base_model_dirs=f"{model_cache_dir()}:{home / 'allowed-models'}",
+        storage={
+            "home": home,
+            "model_cache_dir": model_cache_dir(),
+            "base_model_dirs": f"{model_cache_dir()}:{home / 'allowed-models'}",
+        },
+        server={
+            "max_request_bytes": 1024 * 1024,
+            "max_inference_request_bytes": INFERENCE_LIMIT,
+            "max_trajectories_per_request": 500,
+        },
     )
 
 

@@ -46,8 +46,10 @@ def service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Service]
 
 def _key(service: Service, tenant: str) -> str:
     """A new key for ``tenant``, made in the service's database (quicker than the CLI)."""
-    settings = Settings(home=service.home, database_url=service.env.get("SKYTRAIN_DATABASE_URL"))
-    engine = create_db_engine(settings.resolved_database_url)
+    settings = Settings(
+        storage={"home": service.home, "database_url": service.env.get("SKYTRAIN_DATABASE_URL")}
+    )
+    engine = create_db_engine(settings.storage.resolved_database_url)
     try:
         with session_factory(engine)() as session:
             return api_keys.create_key(session, tenant_name=tenant)[1]

@@ -116,7 +116,9 @@ def test_an_inference_body_over_its_limit_gets_413_naming_the_setting(caller: Ca
 @pytest.fixture
 def impatient_url(control_plane: ControlPlane) -> Iterator[str]:
     """A second control plane on the same database that waits 1 s for a body."""
-    settings = control_plane.settings.model_copy(update={"request_body_timeout_s": 1.0})
+    settings = control_plane.settings
+    server = settings.server.model_copy(update={"request_body_timeout_s": 1.0})
+    settings = settings.model_copy(update={"server": server})
     with serve_in_thread(create_app(settings)) as url:
         yield url
 
@@ -163,7 +165,7 @@ def test_a_batch_over_the_trajectory_limit_is_refused_holding_one_group_in_memor
 def test_base_models_are_hub_ids_or_paths_inside_the_allowed_directories(
     caller: Caller, control_plane: ControlPlane, stored: Callable[[Caller], Any]
 ) -> None:
-    allowed = control_plane.settings.home / "allowed-models"
+    allowed = control_plane.settings.storage.home / "allowed-models"
     (allowed / "my-model").mkdir(exist_ok=True)
     escape = allowed / "escape"
     if not escape.is_symlink():
@@ -235,7 +237,7 @@ def test_storage_failures_name_no_paths_or_tenant_ids(
     missing = caller.http.get(f"/v1/models/{model_id}/logs/{batch_id}")
     assert missing.status_code == 404
     # A file where the store needs a directory: every write under the model fails.
-    root = Path(urlsplit(control_plane.settings.resolved_object_store_url).path)
+    root = Path(urlsplit(control_plane.settings.storage.resolved_object_store_url).path)
     blocker = root / keys.model_prefix(tenant_id=tenant_id, model_id=model_id) / "logs"
     shutil.rmtree(blocker, ignore_errors=True)
     blocker.parent.mkdir(parents=True, exist_ok=True)

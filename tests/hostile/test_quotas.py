@@ -62,8 +62,10 @@ def plane(
     make_settings: MakeSettings,
 ) -> Iterator[Plane]:
     home = tmp_path_factory.mktemp(f"quotas-{request.param}")
-    settings = make_settings(database=request.param, home=home, model_cache_dir=home / "models")
-    engine = create_db_engine(settings.resolved_database_url)
+    settings = make_settings(
+        database=request.param, storage={"home": home, "model_cache_dir": home / "models"}
+    )
+    engine = create_db_engine(settings.storage.resolved_database_url)
     app = create_app(settings)
     with serve_in_thread(app) as url:
         yield Plane(url=url, settings=settings, sessions=session_factory(engine), app=app)
@@ -102,7 +104,7 @@ class Who:
         with self.plane.sessions() as session:
             tenant_id = tenants.get_tenant_by_name(session, name=self.name).id
         store = open_object_store(
-            self.plane.settings.resolved_object_store_url, self.plane.settings
+            self.plane.settings.storage.resolved_object_store_url, self.plane.settings
         )
         return [info.key for info in store.list(keys.tenant_prefix(tenant_id))]
 
@@ -301,7 +303,7 @@ def test_a_60_mb_user_metadata_is_refused_with_its_limit_and_nothing_stored(
     tenant: Callable[..., Who],
 ) -> None:
     who = tenant()
-    limit = who.plane.settings.tenant_max_metadata_bytes
+    limit = who.plane.settings.tenant_limits.max_metadata_bytes
 
     async def attempt() -> None:
         async with who.tinker(max_retries=0) as client:
@@ -502,7 +504,9 @@ def test_uploaded_files_count_in_the_storage_quota_and_deleting_one_frees_it(
         # A file uploaded before files had rows (migration i38u): no row, but the tenant's.
         with who.plane.sessions() as session:
             tenant_id = tenants.get_tenant_by_name(session, name=who.name).id
-        store = open_object_store(who.plane.settings.resolved_object_store_url, who.plane.settings)
+        store = open_object_store(
+            who.plane.settings.storage.resolved_object_store_url, who.plane.settings
+        )
         legacy = uuid.uuid4().hex
         store.put_bytes(keys.file_key(tenant_id=tenant_id, file_id=legacy), line)
         assert http.delete(f"/v1/files/{legacy}").status_code == 204
@@ -590,8 +594,8 @@ def test_uploads_past_the_storage_quota_are_refused_before_they_reach_the_store(
 def _skytrain(who: Who, *args: str) -> str:
     """`skytrain ARGS` as the operator runs it on the control plane's database."""
     env = {
-        "SKYTRAIN_HOME": str(who.plane.settings.home),
-        "SKYTRAIN_DATABASE_URL": who.plane.settings.resolved_database_url,
+        "SKYTRAIN_HOME": str(who.plane.settings.storage.home),
+        "SKYTRAIN_DATABASE_URL": who.plane.settings.storage.resolved_database_url,
     }
     get_settings.cache_clear()
     try:

@@ -50,7 +50,7 @@ SWEEP_INTERVAL_S = 0.5
     scope="session", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
 )
 def lifecycle_settings(request: pytest.FixtureRequest, make_settings: MakeSettings) -> Settings:
-    return make_settings(database=request.param, sweep_interval_s=SWEEP_INTERVAL_S)
+    return make_settings(database=request.param, scheduler={"sweep_interval_s": SWEEP_INTERVAL_S})
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +72,7 @@ def lifecycle_db(lifecycle_settings: Settings) -> Iterator[sessionmaker[Session]
 
 @pytest.fixture(scope="session")
 def lifecycle_store(lifecycle_settings: Settings) -> LocalObjectStore:
-    return LocalObjectStore(lifecycle_settings.home / "objects")
+    return LocalObjectStore(lifecycle_settings.storage.home / "objects")
 
 
 def new_base_model() -> str:

@@ -116,7 +116,7 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
     lifecycle_app: FastAPI,
     lifecycle_db: sessionmaker[Session],
 ) -> None:
-    if lifecycle_settings.resolved_database_url.startswith("sqlite"):
+    if lifecycle_settings.storage.resolved_database_url.startswith("sqlite"):
         pytest.skip("row locks are PostgreSQL's: SQLite has none to hold")
     alice, model_id, worker = on_worker
     job_id = leased_job(alice, worker, model_id)

@@ -92,9 +92,10 @@ class Plane:
 @pytest.fixture
 def plane(make_settings: MakeSettings, private_postgres: PostgresServer) -> Iterator[Plane]:
     settings = make_settings(
-        database_url=private_postgres.url, worker_heartbeat_timeout_s=3600, job_lease_s=3600
+        storage={"database_url": private_postgres.url},
+        scheduler={"worker_heartbeat_timeout_s": 3600, "job_lease_s": 3600},
     )
-    engine = create_db_engine(settings.resolved_database_url)
+    engine = create_db_engine(settings.storage.resolved_database_url)
     sessions = session_factory(engine)
     with sessions() as session:
         row, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")

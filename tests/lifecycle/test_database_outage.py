@@ -45,8 +45,8 @@ def _request(method: str, path: str, token: str, body: bytes = b"") -> bytes:
 def test_requests_during_an_outage_get_503_and_keep_their_connection(
     make_settings: MakeSettings, private_postgres: PostgresServer
 ) -> None:
-    settings = make_settings(database_url=private_postgres.url)
-    engine = create_db_engine(settings.resolved_database_url)
+    settings = make_settings(storage={"database_url": private_postgres.url})
+    engine = create_db_engine(settings.storage.resolved_database_url)
     with session_factory(engine)() as session:
         _, key = api_keys.create_key(session, tenant_name="alice")
     engine.dispose()

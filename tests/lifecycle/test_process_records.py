@@ -27,12 +27,12 @@ SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def local_settings(request: pytest.FixtureRequest, make_settings: MakeSettings) -> Settings:
     """A control plane with the local provider (it starts no worker: no model is active)."""
-    return make_settings(database=request.param, provider="local")
+    return make_settings(database=request.param, scheduler={"provider": "local"})
 
 
 @pytest.fixture
 def sessions(local_settings: Settings) -> Iterator[sessionmaker[Session]]:
-    engine = create_db_engine(local_settings.resolved_database_url)
+    engine = create_db_engine(local_settings.storage.resolved_database_url)
     yield session_factory(engine)
     engine.dispose()
 

@@ -85,7 +85,7 @@ def test_one_tenants_fourteen_models_do_not_fill_every_worker(
         what="the quiet tenant's model being placed",
         timeout_s=30,
     )
-    limit = lifecycle_settings.tenant_max_placed_models
+    limit = lifecycle_settings.tenant_limits.max_placed_models
     busy_placed = placed([m["id"] for m in busy_models])
     assert sum(worker is not None for worker in busy_placed) == limit
 

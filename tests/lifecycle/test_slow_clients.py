@@ -84,9 +84,9 @@ def test_thousands_of_slow_connections_are_closed_while_another_client_is_served
 def test_the_connection_caps_follow_the_open_file_limit() -> None:
     with open_files_limit(1_024):
         default = ConnectionLimits.from_settings(Settings())
-        over = ConnectionLimits.from_settings(Settings(max_connections=100_000))
+        over = ConnectionLimits.from_settings(Settings(server={"max_connections": 100_000}))
         set_ = ConnectionLimits.from_settings(
-            Settings(max_connections=100, max_connections_per_client=500)
+            Settings(server={"max_connections": 100, "max_connections_per_client": 500})
         )
     assert (default.max_connections, default.max_per_client) == (768, 384)
     assert (over.max_connections, over.max_per_client) == (768, 384)  # held to the files

@@ -71,13 +71,14 @@ def plane(private_seaweedfs: SeaweedFS, make_settings: MakeSettings) -> Iterator
     bucket = private_seaweedfs.make_bucket()
     # S3 on the test's own server, which the tests stop and start again.
     settings = make_settings(
-        object_store_url=f"s3://{bucket}/skytrain",
-        s3_endpoint_url=private_seaweedfs.endpoint,
+        storage={
+            "object_store_url": f"s3://{bucket}/skytrain",
+            "s3_endpoint_url": private_seaweedfs.endpoint,
+        },
         # The worker of these tests is the test itself, which neither heartbeats nor renews.
-        worker_heartbeat_timeout_s=3600,
-        job_lease_s=3600,
+        scheduler={"worker_heartbeat_timeout_s": 3600, "job_lease_s": 3600},
     )
-    engine = create_db_engine(settings.resolved_database_url)
+    engine = create_db_engine(settings.storage.resolved_database_url)
     sessions = session_factory(engine)
     with sessions() as session:
         row, key = api_keys.create_key(session, tenant_name="alice")
@@ -90,7 +91,7 @@ def plane(private_seaweedfs: SeaweedFS, make_settings: MakeSettings) -> Iterator
             url=url,
             tenant_id=row.tenant_id,
             sessions=sessions,
-            store=open_object_store(settings.resolved_object_store_url, settings),
+            store=open_object_store(settings.storage.resolved_object_store_url, settings),
             s3=private_seaweedfs,
             bucket=bucket,
         )

@@ -54,7 +54,7 @@ class Plane:
 @pytest.fixture(scope="module")
 def plane(make_settings: MakeSettings) -> Iterator[Plane]:
     settings = make_settings(database="postgres")
-    engine = create_db_engine(settings.resolved_database_url)
+    engine = create_db_engine(settings.storage.resolved_database_url)
     sessions = session_factory(engine)
     with sessions() as session:
         _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
@@ -63,7 +63,7 @@ def plane(make_settings: MakeSettings) -> Iterator[Plane]:
         serve_in_thread(app) as url,
         httpx.Client(base_url=url, headers={"X-API-Key": "tml-" + key}, timeout=60) as sdk,
     ):
-        yield Plane(app, sdk, sessions, LocalObjectStore(settings.home / "objects"))
+        yield Plane(app, sdk, sessions, LocalObjectStore(settings.storage.home / "objects"))
     engine.dispose()
 
 

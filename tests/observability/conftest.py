@@ -21,7 +21,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def listener(control_plane: ControlPlane) -> Iterator[MetricsListener]:
     """What `skytrain serve` starts with SKYTRAIN_METRICS_PORT set, on the same settings."""
-    settings = control_plane.settings.model_copy(update={"metrics_port": free_port()})
+    settings = control_plane.settings
+    observability = settings.observability.model_copy(update={"metrics_port": free_port()})
+    settings = settings.model_copy(update={"observability": observability})
     started = start_metrics_listener(settings)
     assert started is not None
     yield started

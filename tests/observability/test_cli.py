@@ -68,9 +68,9 @@ def test_status_shows_the_control_plane_workers_queue_and_errors(
 def test_status_names_the_leading_control_plane_on_postgresql(
     make_settings: MakeSettings, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url = make_settings(database="postgres").resolved_database_url
+    url = make_settings(database="postgres").storage.resolved_database_url
     # Another deployment in another schema of the same database, with its own leader.
-    elsewhere = make_settings(database="postgres").resolved_database_url
+    elsewhere = make_settings(database="postgres").storage.resolved_database_url
     monkeypatch.setenv("SKYTRAIN_DATABASE_URL", url)
     get_settings.cache_clear()
     leader, follower = open_leadership(url), open_leadership(url)

@@ -30,7 +30,7 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def session(request: pytest.FixtureRequest, make_settings: MakeSettings) -> Iterator[Session]:
-    engine = create_db_engine(make_settings(database=request.param).resolved_database_url)
+    engine = create_db_engine(make_settings(database=request.param).storage.resolved_database_url)
     with session_factory(engine)() as opened:
         yield opened
     engine.dispose()

@@ -40,15 +40,17 @@ SETUP_LOG = (
 @pytest.fixture
 def control_plane(make_settings: MakeSettings) -> Iterator[ControlPlane]:
     settings = make_settings(
-        provider="skypilot",
-        public_url="https://skytrain.example.com",
-        skypilot_status_interval_s=0,
-        worker_register_deadline_s=DEADLINE_S,
-        worker_launch_backoff_s=100,
-        worker_launch_backoff_max_s=250,
-        worker_launch_max_failures=4,
+        scheduler={
+            "provider": "skypilot",
+            "worker_register_deadline_s": DEADLINE_S,
+            "worker_launch_backoff_s": 100,
+            "worker_launch_backoff_max_s": 250,
+            "worker_launch_max_failures": 4,
+        },
+        server={"public_url": "https://skytrain.example.com"},
+        skypilot={"status_interval_s": 0},
     )
-    engine = create_db_engine(settings.resolved_database_url)
+    engine = create_db_engine(settings.storage.resolved_database_url)
     fake = FakeSky()
     plane = ControlPlane(settings, session_factory(engine), fake, scheduler=None)  # type: ignore[arg-type]
     plane.restart()

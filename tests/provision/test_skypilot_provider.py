@@ -36,7 +36,7 @@ class Clock:
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(home=tmp_path, skypilot_status_interval_s=0)
+    return Settings(storage={"home": tmp_path}, skypilot={"status_interval_s": 0})
 
 
 @pytest.fixture
@@ -90,7 +90,7 @@ def test_launch_passes_one_cluster_per_worker_with_autodown(
     ]
     for call in fake.launches:
         assert call.down is True
-        assert call.idle_minutes_to_autostop == settings.skypilot_autostop_minutes
+        assert call.idle_minutes_to_autostop == settings.skypilot.autostop_minutes
 
 
 def test_generated_task_carries_the_worker_envs_and_secrets(
@@ -114,13 +114,15 @@ def test_generated_task_carries_the_worker_envs_and_secrets(
 
 def test_settings_override_the_task_resources(tmp_path: Path, fake: FakeSky) -> None:
     settings = Settings(
-        home=tmp_path,
-        skypilot_accelerators="H100:1, A100-80GB:1",
-        skypilot_infra="aws/us-east-1",
-        skypilot_disk_size_gb=512,
-        skypilot_use_spot=True,
-        skypilot_worker_port=9000,
-        hf_token="hf_secret_token",
+        storage={"home": tmp_path},
+        skypilot={
+            "accelerators": "H100:1, A100-80GB:1",
+            "infra": "aws/us-east-1",
+            "disk_size_gb": 512,
+            "use_spot": True,
+            "worker_port": 9000,
+        },
+        hub={"token": "hf_secret_token"},
     )
     provider = SkyPilotProvider(settings, sky_api=fake)
     provider.launch(_launch())
@@ -242,7 +244,7 @@ def test_failure_is_written_to_the_worker_log(
     fake.fail_next_launch = exceptions.NoCloudAccessError("Cloud access is not set up.")
     provider.launch(_launch())
     fake.settle()
-    log = worker_log_path(settings.home / "workers", "a" * 32).read_text()
+    log = worker_log_path(settings.storage.home / "workers", "a" * 32).read_text()
     assert "[fake sky] request" in log
     assert "NoCloudAccessError: Cloud access is not set up." in log
 
@@ -311,7 +313,7 @@ def test_unknown_clusters_with_the_prefix_are_reported(
 
 def test_status_is_asked_at_most_once_per_interval(tmp_path: Path, fake: FakeSky) -> None:
     clock = Clock()
-    settings = Settings(home=tmp_path, skypilot_status_interval_s=30)
+    settings = Settings(storage={"home": tmp_path}, skypilot={"status_interval_s": 30})
     provider = SkyPilotProvider(settings, sky_api=fake, clock=clock)
     fake.add_cluster("skytrain-" + "c" * 32, sky.ClusterStatus.UP)
     first = provider.poll()
@@ -328,7 +330,7 @@ def test_status_is_asked_at_most_once_per_interval(tmp_path: Path, fake: FakeSky
 def test_a_finished_launch_is_looked_at_without_waiting_for_the_interval(
     tmp_path: Path, fake: FakeSky
 ) -> None:
-    settings = Settings(home=tmp_path, skypilot_status_interval_s=3600)
+    settings = Settings(storage={"home": tmp_path}, skypilot={"status_interval_s": 3600})
     provider = SkyPilotProvider(settings, sky_api=fake, clock=Clock())
     provider.poll()
     provider.launch(_launch())
@@ -339,7 +341,7 @@ def test_a_finished_launch_is_looked_at_without_waiting_for_the_interval(
 def test_a_worker_task_skypilot_rejects_fails_at_start_up(tmp_path: Path, fake: FakeSky) -> None:
     broken = tmp_path / "worker.yaml"
     broken.write_text("resources:\n  accelerators: [L4:1]\n  disk_sise: 100\nrun: echo\n")
-    settings = Settings(home=tmp_path, skypilot_worker_yaml=broken)
+    settings = Settings(storage={"home": tmp_path}, skypilot={"worker_yaml": broken})
     limit = getattr(sys, "tracebacklimit", None)
     with pytest.raises(ConfigurationError, match="SkyPilot rejects the worker task") as raised:
         SkyPilotProvider(settings, sky_api=fake)
@@ -350,7 +352,7 @@ def test_a_worker_task_skypilot_rejects_fails_at_start_up(tmp_path: Path, fake: 
 
 
 def test_accelerators_setting_must_name_some(tmp_path: Path, fake: FakeSky) -> None:
-    settings = Settings(home=tmp_path, skypilot_accelerators=" , ")
+    settings = Settings(storage={"home": tmp_path}, skypilot={"accelerators": " , "})
     with pytest.raises(ConfigurationError, match="list them"):
         SkyPilotProvider(settings, sky_api=fake)
 
@@ -383,15 +385,14 @@ def test_a_failing_sky_check_is_a_warning_naming_its_reason(
 PLANNED_MODELS = Path(__file__).resolve().parents[1] / "planning" / "models"
 
 
-def _planned(tmp_path: Path, fake: FakeSky, **settings: object) -> SkyPilotProvider:
-    """A provider on a control plane whose model cache holds real models' config.json."""
-    values: dict[str, object] = {
-        "home": tmp_path,
-        "model_cache_dir": PLANNED_MODELS,
-        "skypilot_accelerators": "H100:1, A10G:1, L4:1",
-    }
-    values.update(settings)
-    return SkyPilotProvider(Settings(**values), sky_api=fake)  # type: ignore[arg-type]
+def _planned(tmp_path: Path, fake: FakeSky, **skypilot: object) -> SkyPilotProvider:
+    """A provider on a control plane whose model cache holds real models' config.json, with
+    ``skypilot`` settings of the test's."""
+    settings = Settings(
+        storage={"home": tmp_path, "model_cache_dir": PLANNED_MODELS},
+        skypilot={"accelerators": "H100:1, A10G:1, L4:1", **skypilot},
+    )
+    return SkyPilotProvider(settings, sky_api=fake)  # type: ignore[arg-type]
 
 
 def test_a_worker_gets_the_cheapest_gpu_the_plan_fits_with_its_host_memory_and_disk(
@@ -402,9 +403,9 @@ def test_a_worker_gets_the_cheapest_gpu_the_plan_fits_with_its_host_memory_and_d
     fake.settle()
     task = fake.launches[0].task
     # A launch that names no rank is planned at the largest a worker loads.
-    settings = Settings(model_cache_dir=PLANNED_MODELS)
+    settings = Settings(storage={"model_cache_dir": PLANNED_MODELS})
     choice = choose_worker_gpu(
-        BASE_MODEL, ["L4:1"], settings=settings, lora_rank=settings.engine_max_lora_rank
+        BASE_MODEL, ["L4:1"], settings=settings, lora_rank=settings.engine.max_lora_rank
     )
     assert choice is not None and choice.plan is not None
     plan = choice.plan
@@ -423,7 +424,7 @@ def test_a_worker_gets_the_cheapest_gpu_the_plan_fits_with_its_host_memory_and_d
 def test_a_model_larger_than_one_gpu_gets_a_node_and_tensor_parallelism(
     tmp_path: Path, fake: FakeSky
 ) -> None:
-    provider = _planned(tmp_path, fake, skypilot_accelerators="L4:1, H100:8, H200:1")
+    provider = _planned(tmp_path, fake, accelerators="L4:1, H100:8, H200:1")
     provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct"))
     fake.settle()
     task = fake.launches[0].task
@@ -448,7 +449,7 @@ def test_a_model_that_fits_no_configured_gpu_is_never_launched(
 
 
 def test_the_operators_settings_win_over_the_plan(tmp_path: Path, fake: FakeSky) -> None:
-    provider = _planned(tmp_path, fake, skypilot_disk_size_gb=500)
+    provider = _planned(tmp_path, fake, disk_size_gb=500)
     provider.launch(_launch(envs={"SKYTRAIN_ENGINE_MAX_MODEL_LEN": "4096"}))
     fake.settle()
     task = fake.launches[0].task
@@ -459,7 +460,7 @@ def test_the_operators_settings_win_over_the_plan(tmp_path: Path, fake: FakeSky)
 def test_without_the_models_config_every_configured_gpu_is_offered(
     tmp_path: Path, fake: FakeSky
 ) -> None:
-    provider = _planned(tmp_path, fake, skypilot_accelerators="L4:1, A10G:1")
+    provider = _planned(tmp_path, fake, accelerators="L4:1, A10G:1")
     # No copy of this model's config.json on the control plane's machine.
     provider.launch(_launch(base_model="example-org/unpublished-model"))
     fake.settle()
@@ -474,7 +475,7 @@ def test_a_worker_of_several_nodes_gets_num_nodes_and_splits_the_model_across_th
     """A base model larger than a node: SkyPilot's num_nodes, planned for the nodes (vLLM's
     tensor parallelism within each node and pipeline stages across them, the trainer's ranks
     on every GPU of every node); the cheapest accelerator whose nodes fit it."""
-    provider = _planned(tmp_path, fake, skypilot_accelerators="L4:4, A100:4", skypilot_num_nodes=2)
+    provider = _planned(tmp_path, fake, accelerators="L4:4, A100:4", num_nodes=2)
     provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct", lora_rank=8))
     fake.settle()
     task = fake.launches[0].task
@@ -493,7 +494,7 @@ def test_a_worker_of_several_nodes_gets_num_nodes_and_splits_the_model_across_th
 def test_a_model_no_shape_fits_on_its_nodes_is_refused_before_any_launch(
     tmp_path: Path, fake: FakeSky
 ) -> None:
-    provider = _planned(tmp_path, fake, skypilot_accelerators="L4:1, A10G:1", skypilot_num_nodes=2)
+    provider = _planned(tmp_path, fake, accelerators="L4:1, A10G:1", num_nodes=2)
     with pytest.raises(FitsNoGpu, match="does not fit 2 nodes of 1 x L4"):
         provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct", lora_rank=8))
     fake.settle()
@@ -505,5 +506,5 @@ def test_a_worker_of_several_nodes_needs_one_gpu_count_to_split_by(
 ) -> None:
     """Refused when the control plane starts, before any launch."""
     with pytest.raises(ConfigurationError, match="all with the same count a node"):
-        _planned(tmp_path, fake, skypilot_accelerators="H100:8, H200:4", skypilot_num_nodes=2)
+        _planned(tmp_path, fake, accelerators="H100:8, H200:4", num_nodes=2)
     assert fake.launches == []

@@ -66,12 +66,11 @@ def control_plane(
 ) -> Iterator[ControlPlane]:
     settings = make_settings(
         database=request.param,
-        provider="skypilot",
-        public_url="https://skytrain.example.com",
-        skypilot_status_interval_s=0,
-        worker_idle_timeout_s=600,
+        scheduler={"provider": "skypilot", "worker_idle_timeout_s": 600},
+        server={"public_url": "https://skytrain.example.com"},
+        skypilot={"status_interval_s": 0},
     )
-    engine = create_db_engine(settings.resolved_database_url)
+    engine = create_db_engine(settings.storage.resolved_database_url)
     sessions = session_factory(engine)
     fake = FakeSky()
     plane = ControlPlane(settings, sessions, fake, scheduler=None)  # type: ignore[arg-type]
@@ -305,10 +304,12 @@ def test_a_base_model_that_fits_no_configured_gpu_fails_its_worker_with_the_plan
     """The model was stored before the accelerators changed (creation refuses it now): its
     launch never reaches SkyPilot, and `skytrain workers list` says why."""
     plane = control_plane
-    plane.settings = plane.settings.model_copy(
+    models = Path(__file__).resolve().parents[1] / "planning" / "models"
+    settings = plane.settings
+    plane.settings = settings.model_copy(
         update={
-            "model_cache_dir": Path(__file__).resolve().parents[1] / "planning" / "models",
-            "skypilot_accelerators": "L4:1, A10G:1",
+            "storage": settings.storage.model_copy(update={"model_cache_dir": models}),
+            "skypilot": settings.skypilot.model_copy(update={"accelerators": "L4:1, A10G:1"}),
         }
     )
     plane.restart()

@@ -29,7 +29,7 @@ LEASE_S = 60.0
 def sessions(
     request: pytest.FixtureRequest, make_settings: MakeSettings
 ) -> Iterator[sessionmaker[Session]]:
-    engine = create_db_engine(make_settings(database=request.param).resolved_database_url)
+    engine = create_db_engine(make_settings(database=request.param).storage.resolved_database_url)
     yield session_factory(engine)
     engine.dispose()
 

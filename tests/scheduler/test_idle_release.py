@@ -35,7 +35,7 @@ SLOTS = 8  # the default of both a worker's max_models and a tenant's max_placed
 
 @pytest.fixture(scope="module")
 def plane(make_settings: MakeSettings) -> Iterator[ServedPlane]:
-    with served_plane(make_settings(model_idle_timeout_s=IDLE_S)) as plane:
+    with served_plane(make_settings(scheduler={"model_idle_timeout_s": IDLE_S})) as plane:
         yield plane
 
 
@@ -60,13 +60,13 @@ class Site:
 def patient_plane(make_settings: MakeSettings) -> Iterator[ServedPlane]:
     """A control plane whose models go idle only when a test says so (``_gone_idle``): its
     idle timeout is longer than any test, however slow the machine."""
-    with served_plane(make_settings(model_idle_timeout_s=3600)) as plane:
+    with served_plane(make_settings(scheduler={"model_idle_timeout_s": 3600})) as plane:
         yield plane
 
 
 def _gone_idle(plane: ServedPlane, *model_ids: str) -> None:
     """The models were last used two idle timeouts ago (as if time had passed)."""
-    long_ago = utcnow() - timedelta(seconds=2 * plane.settings.model_idle_timeout_s)
+    long_ago = utcnow() - timedelta(seconds=2 * plane.settings.scheduler.model_idle_timeout_s)
     with plane.sessions() as session:
         session.execute(
             update(Model).where(Model.id.in_(model_ids)).values(last_active_at=long_ago)

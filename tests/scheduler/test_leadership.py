@@ -75,14 +75,16 @@ def _stop(scheduler: Scheduler) -> None:
 def cluster(make_settings: MakeSettings) -> Iterator[Cluster]:
     settings = make_settings(
         database="postgres",
-        provider="skypilot",
-        public_url="https://skytrain.example.com",
-        skypilot_status_interval_s=0,
-        worker_idle_timeout_s=600,
-        worker_heartbeat_timeout_s=45,
-        max_workers=4,
+        scheduler={
+            "provider": "skypilot",
+            "worker_idle_timeout_s": 600,
+            "worker_heartbeat_timeout_s": 45,
+            "max_workers": 4,
+        },
+        server={"public_url": "https://skytrain.example.com"},
+        skypilot={"status_interval_s": 0},
     )
-    url = settings.resolved_database_url
+    url = settings.storage.resolved_database_url
     engine = create_db_engine(url)
     yield Cluster(url, session_factory(engine), FakeSky(), settings)
     engine.dispose()
@@ -283,7 +285,7 @@ def test_a_leader_whose_connection_breaks_steps_down(
 def test_control_planes_in_different_schemas_do_not_contend(
     cluster: Cluster, make_settings: MakeSettings
 ) -> None:
-    other_url = make_settings(database="postgres").resolved_database_url
+    other_url = make_settings(database="postgres").storage.resolved_database_url
     here, there = AdvisoryLockLeadership(cluster.url), AdvisoryLockLeadership(other_url)
     try:
         assert here.hold() and there.hold()
@@ -294,7 +296,7 @@ def test_control_planes_in_different_schemas_do_not_contend(
 
 def test_on_sqlite_the_single_process_leads(make_settings: MakeSettings) -> None:
     settings = make_settings()
-    url = settings.resolved_database_url
+    url = settings.storage.resolved_database_url
     assert isinstance(open_leadership(url), SoleLeadership)
     engine = create_db_engine(url)
     scheduler = Scheduler(

@@ -81,18 +81,20 @@ def make_plane(
 ) -> Iterator[Callable[[int], Plane]]:
     """Control planes (their scheduler and the skypilot provider) on one database, each running
     at most ``max_workers`` workers."""
-    database_url = make_settings(database=request.param).resolved_database_url
+    database_url = make_settings(database=request.param).storage.resolved_database_url
     engine = create_db_engine(database_url)
     fakes: list[FakeSky] = []
 
     def make(max_workers: int) -> Plane:
         settings = make_settings(
-            database_url=database_url,
-            provider="skypilot",
-            public_url="https://skytrain.example.com",
-            skypilot_status_interval_s=0,
-            max_workers=max_workers,
-            worker_idle_timeout_s=1800,
+            storage={"database_url": database_url},
+            scheduler={
+                "provider": "skypilot",
+                "max_workers": max_workers,
+                "worker_idle_timeout_s": 1800,
+            },
+            server={"public_url": "https://skytrain.example.com"},
+            skypilot={"status_interval_s": 0},
         )
         fake = FakeSky()
         fakes.append(fake)
@@ -169,7 +171,7 @@ def _serving(plane: Plane, model_id: str) -> tuple[str, str]:
             session,
             model=session.get_one(Model, model_id),
             limits=tenants.TenantLimits.defaults(plane.settings),
-            max_workers=plane.settings.max_workers,
+            max_workers=plane.settings.scheduler.max_workers,
         )
         return status.state, status.message
 
@@ -519,7 +521,7 @@ def test_a_tinker_run_whose_worker_holds_its_job_keeps_its_slot(
     operation, a result, a renewal): while it holds it, the run is not taken off (its job row
     is skipped, not waited for), and the next pass takes the slot once it is let go."""
     plane = make_plane(1)
-    if plane.settings.resolved_database_url.startswith("sqlite"):
+    if plane.settings.storage.resolved_database_url.startswith("sqlite"):
         pytest.skip("SQLite has no row locks: its writers take turns")
     worker_id = _worker(plane, BASE_A)
     runs = _tinker_runs(plane, worker_id=worker_id, count=2)

@@ -18,13 +18,15 @@ QWEN_7B = "Qwen/Qwen2.5-7B-Instruct"
 
 
 def _configs(settings: Settings) -> ModelConfigs:
-    return ModelConfigs(settings, open_object_store(settings.resolved_object_store_url, settings))
+    return ModelConfigs(
+        settings, open_object_store(settings.storage.resolved_object_store_url, settings)
+    )
 
 
 def test_a_config_read_from_the_hub_serves_every_control_plane_sharing_the_store(
     make_settings: MakeSettings, loopback_hub: LoopbackHub
 ) -> None:
-    settings = make_settings(hf_endpoint=loopback_hub.url)
+    settings = make_settings(hub={"endpoint": loopback_hub.url})
     first = _configs(settings).get(QWEN_7B)
     assert first is not None and first["hidden_size"] == 3584
     asked = len(loopback_hub.requests)
@@ -37,7 +39,7 @@ def test_a_config_read_from_the_hub_serves_every_control_plane_sharing_the_store
 def test_a_failure_is_not_asked_again_at_once_unless_fresh(
     make_settings: MakeSettings, loopback_hub: LoopbackHub
 ) -> None:
-    configs = _configs(make_settings(hf_endpoint=loopback_hub.url))
+    configs = _configs(make_settings(hub={"endpoint": loopback_hub.url}))
     with pytest.raises(ModelConfigUnavailable, match="nobody/no-such-model is not on the"):
         configs.get("nobody/no-such-model")
     asked = len(loopback_hub.requests)
@@ -57,7 +59,7 @@ def test_what_one_process_keeps_is_bounded_whatever_base_models_tenants_name(
     so the test asks the Hub a few times, not a thousand.)"""
     monkeypatch.setattr(model_configs, "KNOWN_FAILURES", 3)
     monkeypatch.setattr(model_configs, "KNOWN_CONFIGS", 1)
-    configs = _configs(make_settings(hf_endpoint=loopback_hub.url))
+    configs = _configs(make_settings(hub={"endpoint": loopback_hub.url}))
     for index in range(5):
         with pytest.raises(ModelConfigUnavailable):
             configs.get(f"nobody/no-such-model-{index}")

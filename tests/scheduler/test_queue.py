@@ -36,7 +36,9 @@ from skytrain_backend.storage import keys as object_keys
 from tests.fixtures.rows import add_model, add_ready_worker, add_rl_job
 
 LEASE_S = 60.0
-NO_QUOTA = TenantLimits.defaults(Settings(tenant_max_placed_models=100, tenant_max_workers=100))
+NO_QUOTA = TenantLimits.defaults(
+    Settings(tenant_limits={"max_placed_models": 100, "max_workers": 100})
+)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -25,7 +25,7 @@ IDLE_S = 600.0
 POLICY = replicas.ScalePolicy(
     window_s=60, scale_out_in_flight=2, scale_in_in_flight=0.5, cooldown_s=0
 )
-LIMITS = TenantLimits.defaults(Settings(tenant_max_placed_models=8, tenant_max_workers=8))
+LIMITS = TenantLimits.defaults(Settings(tenant_limits={"max_placed_models": 8, "max_workers": 8}))
 
 
 def _pass(session: Session, limits: TenantLimits = LIMITS) -> None:

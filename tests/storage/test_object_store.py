@@ -21,7 +21,7 @@ from tests.fixtures.services import MakeSettings
 @pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
 def store(request: pytest.FixtureRequest, make_settings: MakeSettings) -> ObjectStore:
     settings = make_settings(store=request.param)
-    return open_object_store(settings.resolved_object_store_url, settings)
+    return open_object_store(settings.storage.resolved_object_store_url, settings)
 
 
 def test_bytes_round_trip_and_uri(store: ObjectStore) -> None:
@@ -250,7 +250,7 @@ def test_a_store_that_cannot_be_reached_is_unavailable_not_failed(tmp_path: Path
 
 
 def test_open_object_store_picks_by_scheme(tmp_path: Path) -> None:
-    settings = Settings(home=tmp_path, s3_endpoint_url="http://127.0.0.1:9")
+    settings = Settings(storage={"home": tmp_path, "s3_endpoint_url": "http://127.0.0.1:9"})
     assert isinstance(open_object_store(tmp_path.as_uri(), settings), LocalObjectStore)
     s3 = open_object_store("s3://bucket/some/prefix/", settings)
     assert isinstance(s3, S3ObjectStore)

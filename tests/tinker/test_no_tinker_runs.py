@@ -26,7 +26,7 @@ QWEN_7B = "Qwen/Qwen2.5-7B-Instruct"
 
 def test_no_tinker_runs_asks_for_no_parked_trainers() -> None:
     def asked(runs: int) -> int:
-        settings = Settings(model_cache_dir=MODELS, worker_tinker_max_runs=runs)
+        settings = Settings(storage={"model_cache_dir": MODELS}, worker={"tinker_max_runs": runs})
         choice = choose_worker_gpu(QWEN_7B, ["L4:1"], settings=settings, lora_rank=8)
         assert choice is not None and choice.plan is not None
         assert choice.plan.host_memory_gb is not None
@@ -45,8 +45,8 @@ def test_no_tinker_runs_asks_for_no_parked_trainers() -> None:
 def test_creating_a_tinker_training_run_is_refused_when_workers_hold_none(
     make_settings: MakeSettings,
 ) -> None:
-    settings = make_settings(worker_tinker_max_runs=0)
-    engine = create_db_engine(settings.resolved_database_url)
+    settings = make_settings(worker={"tinker_max_runs": 0})
+    engine = create_db_engine(settings.storage.resolved_database_url)
     with session_factory(engine)() as session:
         _, key = api_keys.create_key(session, tenant_name="acme")
     try:

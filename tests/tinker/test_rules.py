@@ -31,7 +31,9 @@ def plane(
 ) -> Iterator[ServedPlane]:
     home = tmp_path_factory.mktemp("tinker-rules")
     # Its own model cache, whatever SKYTRAIN_MODEL_CACHE_DIR says: the allowed directories.
-    with served_plane(make_settings(home=home, model_cache_dir=home / "models")) as plane:
+    with served_plane(
+        make_settings(storage={"home": home, "model_cache_dir": home / "models"})
+    ) as plane:
         yield plane
 
 
@@ -114,7 +116,7 @@ def test_tinker_refuses_a_lora_rank_no_worker_loads(
     plane: ServedPlane, tenant: Callable[..., Tenant]
 ) -> None:
     who = tenant()
-    limit = plane.settings.engine_max_lora_rank
+    limit = plane.settings.engine.max_lora_rank
     with pytest.raises(tinker.BadRequestError, match=f"lora_rank {limit * 2} is above {limit}"):
         who.service.create_lora_training_client(base_model=HUB_MODEL, rank=limit * 2).result(
             timeout=60

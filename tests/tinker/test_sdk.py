@@ -121,7 +121,7 @@ def test_cross_entropy_steps_lower_the_loss_and_saves_are_ordinary_checkpoints(
     with tinker_service.http("alice") as http:
         quotas = {q["name"]: q["used"] for q in http.get("/v1/usage").json()["quotas"]}
     url = tinker_service.env.get("SKYTRAIN_DATABASE_URL") or (
-        Settings(home=tinker_service.home).resolved_database_url
+        Settings(storage={"home": tinker_service.home}).storage.resolved_database_url
     )
     engine = create_db_engine(url)
     try:

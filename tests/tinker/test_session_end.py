@@ -27,8 +27,8 @@ SESSION_TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def plane(make_settings: MakeSettings) -> Iterator[tuple[str, str]]:
     """The control plane's URL, and a Tinker key of a tenant of its."""
-    settings = make_settings(tinker_session_timeout_s=SESSION_TIMEOUT_S)
-    engine = create_db_engine(settings.resolved_database_url)
+    settings = make_settings(tinker={"session_timeout_s": SESSION_TIMEOUT_S})
+    engine = create_db_engine(settings.storage.resolved_database_url)
     with session_factory(engine)() as session:
         _, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
     engine.dispose()

@@ -46,13 +46,13 @@ class Client:
 @pytest.fixture(scope="module")
 def client(make_settings: MakeSettings) -> Iterator[Client]:
     settings = make_settings(
-        provider="skypilot",
-        model_cache_dir=MODELS,
-        skypilot_accelerators="A100-80GB:2",
-        public_url="https://skytrain.example.com",
-        max_workers=0,  # the test is about creation: no launch
+        # the test is about creation: no launch
+        scheduler={"provider": "skypilot", "max_workers": 0},
+        storage={"model_cache_dir": MODELS},
+        skypilot={"accelerators": "A100-80GB:2"},
+        server={"public_url": "https://skytrain.example.com"},
     )
-    engine = create_db_engine(settings.resolved_database_url)
+    engine = create_db_engine(settings.storage.resolved_database_url)
     sessions = session_factory(engine)
     with sessions() as session:
         _, key = api_keys.create_key(session, tenant_name="acme")

@@ -80,9 +80,11 @@ class Gateway:
     def serve(self, model_path: Path, base_model: str) -> str:
         """A model of ``base_model`` served by a new engine of ``model_path``; its name."""
         engine = self.stack.enter_context(
-            run_engine(model_path, self.settings.home / f"{base_model.replace('/', '-')}.log")
+            run_engine(
+                model_path, self.settings.storage.home / f"{base_model.replace('/', '-')}.log"
+            )
         )
-        sessions = session_factory(create_db_engine(self.settings.resolved_database_url))
+        sessions = session_factory(create_db_engine(self.settings.storage.resolved_database_url))
         worker_id = add_engine_worker(sessions, engine, base_model=base_model)
         response = self.client.post(
             "/models",
@@ -106,7 +108,7 @@ def gateway(make_settings: MakeSettings) -> Iterator[Gateway]:
     settings = make_settings()
     with ExitStack() as stack:
         url = stack.enter_context(serve_in_thread(create_app(settings)))
-        sessions = session_factory(create_db_engine(settings.resolved_database_url))
+        sessions = session_factory(create_db_engine(settings.storage.resolved_database_url))
         with sessions() as session:
             _, key = api_keys.create_key(session, tenant_name="agreement")
         client = stack.enter_context(

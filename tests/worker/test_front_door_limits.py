@@ -29,7 +29,7 @@ def _answer(connection: ssl.SSLSocket) -> bytes:
 
 
 def test_the_front_door_cuts_slow_headers_and_refuses_connections_past_its_cap() -> None:
-    settings = Settings(header_timeout_s=1, max_connections=2)
+    settings = Settings(server={"header_timeout_s": 1, "max_connections": 2})
     limits = ConnectionLimits.for_front_door(settings)
     # Its one client (the control plane's gateway) may hold every connection.
     assert (limits.max_connections, limits.max_per_client) == (2, 2)

@@ -90,7 +90,7 @@ def test_a_worker_for_a_mixture_of_experts_stops_before_loading_anything(
     assert "mixture of experts (128 experts a layer)" in message
     assert "the host has" not in message and "control plane" not in message
     config = find_model_config(str(model), cache_dir=MODELS)
-    told = Settings(home=tmp_path, **told_every_setting(gpus=8, device_map="fsdp"))
+    told = Settings(**told_every_setting(gpus=8, device_map="fsdp"), storage={"home": tmp_path})
     with pytest.raises(ConfigurationError, match="is a mixture of experts"):
         size_worker(
             told, base_model=str(model), config=config, gpu=parse_gpu("H100").gpu, gpu_count=8
@@ -100,20 +100,24 @@ def test_a_worker_for_a_mixture_of_experts_stops_before_loading_anything(
 def told_every_setting(*, gpus: int, device_map: str) -> dict[str, Any]:
     """The settings of a worker told every one that its memory plan reads, on ``gpus``."""
     return {
-        "engine_max_model_len": 8192,
-        "engine_gpu_memory_utilization": 0.9,
-        "engine_tensor_parallel_size": gpus,
-        "trainer_gradient_checkpointing": True,
-        "trainer_max_row_tokens": 4096,
-        "trainer_device_map": device_map,
-        "trainer_shards": gpus,
+        "engine": {
+            "max_model_len": 8192,
+            "gpu_memory_utilization": 0.9,
+            "tensor_parallel_size": gpus,
+        },
+        "trainer": {
+            "gradient_checkpointing": True,
+            "max_row_tokens": 4096,
+            "device_map": device_map,
+            "shards": gpus,
+        },
     }
 
 
 def _sizing_7b_on_l4(tmp_path: Path, **settings: Any) -> Any:
     config = find_model_config(QWEN_7B, cache_dir=MODELS)
     sizing = size_worker(
-        Settings(home=tmp_path, **settings),
+        Settings(**settings, storage={"home": tmp_path}),
         base_model=QWEN_7B,
         config=config,
         gpu=parse_gpu("L4").gpu,
@@ -226,7 +230,7 @@ def test_a_worker_of_two_nodes_plans_for_both_and_takes_a_model_one_node_cannot(
     """Qwen2.5-72B on nodes of 4 x A100-40GB: the worker of one node is refused; the head of a
     two-node task (SKYPILOT_NODE_IPS names two) plans for both and shards over all 8 GPUs."""
     config = find_model_config("Qwen/Qwen2.5-72B-Instruct", cache_dir=MODELS)
-    settings = Settings(home=tmp_path, engine_max_lora_rank=8)
+    settings = Settings(storage={"home": tmp_path}, engine={"max_lora_rank": 8})
     a100 = parse_gpu("A100").gpu
     with pytest.raises(ConfigurationError, match="does not fit 4 x A100"):
         size_worker(settings, base_model="m", config=config, gpu=a100, gpu_count=4)

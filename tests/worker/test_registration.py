@@ -266,7 +266,7 @@ def test_a_join_token_worker_that_cannot_be_reached_gets_no_model_and_no_job(
             with db_sessions() as session:
                 placement.place_models(
                     session,
-                    idle_timeout_s=control_plane.settings.resolved_model_idle_timeout_s,
+                    idle_timeout_s=control_plane.settings.scheduler.resolved_model_idle_timeout_s,
                     max_workers=0,
                     launch=None,
                     limits=tenants.limits_by_id(session, control_plane.settings),

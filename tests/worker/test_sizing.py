@@ -31,7 +31,7 @@ def _l4() -> Any:
 
 
 def test_a_worker_not_told_starts_vllm_and_the_trainer_with_the_plan(tmp_path: Path) -> None:
-    settings = Settings(home=tmp_path)
+    settings = Settings(storage={"home": tmp_path})
     sizing = size_worker(settings, base_model=QWEN_7B, config=_config(QWEN_7B), gpu=_l4())
     plan = sizing.plan
     assert plan is not None and plan.fits
@@ -52,10 +52,9 @@ def test_a_worker_not_told_starts_vllm_and_the_trainer_with_the_plan(tmp_path: P
 
 def test_what_the_worker_was_told_wins_over_the_plan(tmp_path: Path) -> None:
     settings = Settings(
-        home=tmp_path,
-        engine_max_model_len=4096,
-        engine_gpu_memory_utilization=0.85,
-        trainer_gradient_checkpointing=False,
+        storage={"home": tmp_path},
+        engine={"max_model_len": 4096, "gpu_memory_utilization": 0.85},
+        trainer={"gradient_checkpointing": False},
     )
     sizing = size_worker(settings, base_model=QWEN_7B, config=_config(QWEN_7B), gpu=_l4())
     assert sizing.engine["max_model_len"] == 4096
@@ -71,12 +70,14 @@ def test_a_model_too_large_for_the_workers_gpu_stops_it_with_the_plans_reason(
 ) -> None:
     config = _config("Qwen/Qwen2.5-32B-Instruct")
     with pytest.raises(ConfigurationError, match="does not fit 1 x L4 for serving") as raised:
-        size_worker(Settings(home=tmp_path), base_model="q32", config=config, gpu=_l4())
+        size_worker(
+            Settings(storage={"home": tmp_path}), base_model="q32", config=config, gpu=_l4()
+        )
     assert raised.value.message.startswith("this worker cannot serve and train q32: ")
 
 
 def test_without_cuda_or_a_config_the_settings_stand_alone(tmp_path: Path) -> None:
-    settings = Settings(home=tmp_path, engine_max_model_len=1024)
+    settings = Settings(storage={"home": tmp_path}, engine={"max_model_len": 1024})
     for sizing in (
         size_worker(settings, base_model=QWEN_7B, config=_config(QWEN_7B), gpu=None),
         size_worker(settings, base_model=QWEN_7B, config=None, gpu=_l4()),
@@ -103,13 +104,17 @@ def test_a_model_no_gpu_of_the_node_holds_for_training_gets_trainer_shards(
     spec = parse_gpu("A100-80GB:2")
     config = _config("Qwen/Qwen2.5-32B-Instruct")
     sizing = size_worker(
-        Settings(home=tmp_path), base_model="q32", config=config, gpu=spec.gpu, gpu_count=2
+        Settings(storage={"home": tmp_path}),
+        base_model="q32",
+        config=config,
+        gpu=spec.gpu,
+        gpu_count=2,
     )
     assert sizing.engine["tensor_parallel_size"] == 2
     assert sizing.trainer_shards == 2
     # Told otherwise, the worker keeps the trainer in its own process.
     told = size_worker(
-        Settings(home=tmp_path, trainer_shards=1),
+        Settings(storage={"home": tmp_path}, trainer={"shards": 1}),
         base_model="q32",
         config=config,
         gpu=spec.gpu,

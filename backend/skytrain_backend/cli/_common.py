@@ -71,7 +71,7 @@ def _database() -> Iterator[Engine]:
     from skytrain_backend.config import get_settings
     from skytrain_backend.db.session import create_db_engine
 
-    url = get_settings().resolved_database_url
+    url = get_settings().storage.resolved_database_url
     engine = create_db_engine(url)
     try:
         yield engine
@@ -94,11 +94,11 @@ def _object_store(settings: Settings) -> ObjectStore:
     from skytrain_backend.errors import SkytrainError
     from skytrain_backend.storage import open_object_store
 
-    shown = settings.resolved_object_store_url
-    if settings.s3_endpoint_url and shown.startswith("s3://"):
-        shown += f" (endpoint {settings.s3_endpoint_url})"
+    shown = settings.storage.resolved_object_store_url
+    if settings.storage.s3_endpoint_url and shown.startswith("s3://"):
+        shown += f" (endpoint {settings.storage.s3_endpoint_url})"
     try:
-        store = open_object_store(settings.resolved_object_store_url, settings)
+        store = open_object_store(settings.storage.resolved_object_store_url, settings)
         store.list("health/")
     except SkytrainError as exc:
         reason = exc.message.strip().splitlines()[0][:300]
@@ -120,7 +120,9 @@ def _session() -> Iterator[Session]:
 
     with _database() as engine:
         try:
-            migrations.prepare_schema(engine, auto_migrate=get_settings().should_auto_migrate)
+            migrations.prepare_schema(
+                engine, auto_migrate=get_settings().storage.should_auto_migrate
+            )
             with session_factory(engine)() as session:
                 yield session
         except SkytrainError as exc:
@@ -279,4 +281,6 @@ def _log_to_stderr() -> None:
     from skytrain_backend.observability.logs import configure_logging
 
     settings = get_settings()
-    configure_logging(settings.log_format, whole_process=True, worker_id=settings.worker_id)
+    configure_logging(
+        settings.observability.log_format, whole_process=True, worker_id=settings.worker.id
+    )

@@ -74,22 +74,28 @@ def serve(
     _interruptible()
     # First: in JSON mode every line from here on is one JSON object, this banner included.
     _log_to_stderr()
+    settings = get_settings()
     overrides = {key: value for key, value in (("host", host), ("port", port)) if value}
-    settings = get_settings().model_copy(update=overrides)
+    server = settings.server.model_copy(update=overrides)
+    settings = settings.model_copy(update={"server": server})
     with _session():  # refuse to start on an outdated schema, with the fix in the message
         pass
     _object_store(settings)  # nor on a store it cannot use
-    database = make_url(settings.resolved_database_url).render_as_string(hide_password=True)
-    store = settings.resolved_object_store_url
-    if settings.s3_endpoint_url and store.startswith("s3://"):
-        store += f" (endpoint {settings.s3_endpoint_url})"
-    typer.echo(f"skytrain {__version__} listening on http://{settings.host}:{settings.port}")
+    database = make_url(settings.storage.resolved_database_url).render_as_string(hide_password=True)
+    store = settings.storage.resolved_object_store_url
+    if settings.storage.s3_endpoint_url and store.startswith("s3://"):
+        store += f" (endpoint {settings.storage.s3_endpoint_url})"
+    typer.echo(
+        f"skytrain {__version__} listening on http://{settings.server.host}:{settings.server.port}"
+    )
     typer.echo(f"  database:     {database}")
     typer.echo(f"  object store: {store}")
-    typer.echo(f"  dashboard:    http://{settings.host}:{settings.port}/ (sign in with an API key)")
+    typer.echo(
+        f"  dashboard:    http://{settings.server.host}:{settings.server.port}/ (sign in with an API key)"
+    )
     metrics = (
-        f"http://{settings.metrics_host}:{settings.metrics_port}/metrics"
-        if settings.metrics_port
+        f"http://{settings.observability.metrics_host}:{settings.observability.metrics_port}/metrics"
+        if settings.observability.metrics_port
         else "off (set SKYTRAIN_METRICS_PORT)"
     )
     typer.echo(f"  metrics:      {metrics}")
@@ -115,17 +121,17 @@ def serve(
         listener = start_metrics_listener(settings)
     except OSError as exc:
         raise _fail(
-            f"the metrics listener cannot listen on {settings.metrics_host}:"
-            f"{settings.metrics_port} ({exc.strerror}): set SKYTRAIN_METRICS_PORT to a free port"
+            f"the metrics listener cannot listen on {settings.observability.metrics_host}:"
+            f"{settings.observability.metrics_port} ({exc.strerror}): set SKYTRAIN_METRICS_PORT to a free port"
         ) from None
     try:
         config = uvicorn.Config(
             application,
-            host=settings.host,
-            port=settings.port,
+            host=settings.server.host,
+            port=settings.server.port,
             # Connections counted and timed before a request is parsed (connections.py).
             http=guarded_protocol(limits),
-            timeout_keep_alive=settings.keep_alive_s,
+            timeout_keep_alive=settings.server.keep_alive_s,
             log_config=None,
             access_log=False,
         )
@@ -147,13 +153,13 @@ def metrics_listener() -> None:
     from skytrain_backend.observability.listener import start_metrics_listener
 
     settings = get_settings()
-    if settings.prometheus_multiproc_dir is None:
+    if settings.observability.prometheus_multiproc_dir is None:
         raise _fail("set PROMETHEUS_MULTIPROC_DIR to the directory the server processes write")
-    if not settings.metrics_port:
+    if not settings.observability.metrics_port:
         raise _fail("set SKYTRAIN_METRICS_PORT to the port to serve the metrics on")
     listener = start_metrics_listener(settings)
     assert listener is not None
-    typer.echo(f"metrics on http://{settings.metrics_host}:{listener.port}/metrics")
+    typer.echo(f"metrics on http://{settings.observability.metrics_host}:{listener.port}/metrics")
     try:
         threading.Event().wait()
     except KeyboardInterrupt:

@@ -92,7 +92,7 @@ def demo(
         home=home.expanduser().resolve(),
         output_dir=output_dir.expanduser().resolve() if output_dir else None,
         port=port,
-        model_cache_dir=get_settings().resolved_model_cache_dir,
+        model_cache_dir=get_settings().storage.resolved_model_cache_dir,
     )
     try:
         run_demo(options)

@@ -235,7 +235,7 @@ def models_delete(
             typer.confirm(f"Delete model {row.id} ({name}) and all its checkpoints?", abort=True)
         try:
             registry.check_deletable(session, model=row)
-            store = open_object_store(settings.resolved_object_store_url, settings)
+            store = open_object_store(settings.storage.resolved_object_store_url, settings)
             store.delete_prefix(keys.model_prefix(tenant_id=row.tenant_id, model_id=row.id))
             registry.delete_model_rows(session, model=row)
         except SkytrainError as exc:

@@ -101,7 +101,7 @@ def worker(
         )
         asyncio.run(run_worker(config, settings))
     except SkytrainError as exc:
-        if settings.log_format == "json":  # the log's last line, as an error
+        if settings.observability.log_format == "json":  # the log's last line, as an error
             log.error("the worker stopped: %s", exc.message)
             raise typer.Exit(code=1) from None
         raise _fail(exc.message) from None
@@ -179,7 +179,7 @@ def workers_retry(
 def _loadable_lora_rank(value: int | None) -> int | None:
     from skytrain_backend.config import get_settings
 
-    largest = get_settings().engine_max_lora_rank
+    largest = get_settings().engine.max_lora_rank
     if value is not None and value > largest:
         raise typer.BadParameter(
             f"{value} is above SKYTRAIN_ENGINE_MAX_LORA_RANK ({largest}), the largest rank a "
@@ -265,15 +265,15 @@ def workers_plan(
     from skytrain_backend.planning.configs import fetch_hub_config
 
     settings = get_settings()
-    config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+    config = find_model_config(base_model, cache_dir=settings.storage.resolved_model_cache_dir)
     if config is None and is_hub_id(base_model):
-        token = settings.hf_token
+        token = settings.hub.token
         try:
             config = fetch_hub_config(
                 base_model,
-                endpoint=settings.hf_endpoint,
+                endpoint=settings.hub.endpoint,
                 token=token.get_secret_value() if token else None,
-                timeout_s=settings.hub_timeout_s,
+                timeout_s=settings.hub.timeout_s,
             )
         except ModelConfigUnavailable as exc:
             raise _fail(exc.message) from None
@@ -283,7 +283,7 @@ def workers_plan(
         shape = ModelShape.from_config(config)
         specs = [
             parse_gpu(item)
-            for item in gpu or (settings.skypilot_accelerators or "").split(",")
+            for item in gpu or (settings.skypilot.accelerators or "").split(",")
             if item.strip() and item.strip().lower() != "none"
         ] or [parse_gpu(gpu_type.name) for gpu_type in GPU_TYPES]
     except UnplannableModel as exc:
@@ -300,12 +300,12 @@ def workers_plan(
             spec.gpu,
             model=base_model,
             gpu_count=spec.count,
-            lora_rank=lora_rank or settings.engine_max_lora_rank,
-            max_loras=max_loras or settings.engine_max_loras,
-            context=context or settings.engine_max_model_len,
-            row_tokens=row_tokens or settings.trainer_max_row_tokens,
-            tinker_runs=settings.worker_tinker_max_runs,
-            nodes=nodes or settings.skypilot_num_nodes,
+            lora_rank=lora_rank or settings.engine.max_lora_rank,
+            max_loras=max_loras or settings.engine.max_loras,
+            context=context or settings.engine.max_model_len,
+            row_tokens=row_tokens or settings.trainer.max_row_tokens,
+            tinker_runs=settings.worker.tinker_max_runs,
+            nodes=nodes or settings.skypilot.num_nodes,
         )
         for spec in specs
         if spec.gpu is not None
@@ -549,7 +549,7 @@ def logs(
         if row is None:
             raise _fail(f"no worker {worker_id!r}: see `skytrain workers list --all`")
         provider, cluster = row.provider, row.cluster_name
-    path = worker_log_path(get_settings().home / "workers", worker_id)
+    path = worker_log_path(get_settings().storage.home / "workers", worker_id)
     if provider == "skypilot" and cluster:
         typer.echo(f"(the worker's own output: `sky logs {cluster}`)", err=True)
     if follow and (provider != "manual" or path.exists()):

@@ -96,7 +96,7 @@ class TenantLimits:
 
     @classmethod
     def defaults(cls, settings: Settings) -> TenantLimits:
-        return cls(**{name: getattr(settings, f"tenant_{name}") for name in cls.names()})
+        return cls(**{name: getattr(settings.tenant_limits, name) for name in cls.names()})
 
 
 def limits_of(tenant: Tenant, settings: Settings) -> TenantLimits:

@@ -64,14 +64,16 @@ def serve(
 
     settings = get_settings()
     try:
-        kind = select_engine(engine or settings.engine, vllm_python=settings.vllm_python)
+        kind = select_engine(
+            engine or settings.engine.kind, vllm_python=settings.engine.vllm_python
+        )
         options = EngineOptions.from_settings(
             settings,
             model=model,
             port=port,
             served_model_name=served_model_name,
             host=host,
-            api_key=api_key or settings.engine_secret,
+            api_key=api_key or settings.engine.secret,
             dtype=dtype,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,

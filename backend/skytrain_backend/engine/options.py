@@ -62,13 +62,13 @@ class EngineOptions:
         A setting or override of None means "not given": the default stays; overrides win.
         """
         values: dict[str, object] = {
-            "max_loras": settings.engine_max_loras,
-            "max_lora_rank": settings.engine_max_lora_rank,
-            "gpu_memory_utilization": settings.engine_gpu_memory_utilization,
-            "tensor_parallel_size": settings.engine_tensor_parallel_size,
-            "pipeline_parallel_size": settings.engine_pipeline_parallel_size,
-            "max_model_len": settings.engine_max_model_len,
-            "vllm_python": settings.vllm_python,
+            "max_loras": settings.engine.max_loras,
+            "max_lora_rank": settings.engine.max_lora_rank,
+            "gpu_memory_utilization": settings.engine.gpu_memory_utilization,
+            "tensor_parallel_size": settings.engine.tensor_parallel_size,
+            "pipeline_parallel_size": settings.engine.pipeline_parallel_size,
+            "max_model_len": settings.engine.max_model_len,
+            "vllm_python": settings.engine.vllm_python,
         }
         values.update({key: value for key, value in overrides.items() if value is not None})
         given = {key: value for key, value in values.items() if value is not None}

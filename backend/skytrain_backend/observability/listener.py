@@ -46,25 +46,27 @@ class MetricsListener:
 
 def registry_for(settings: Settings) -> CollectorRegistry:
     """Where the listener reads the counted series: this process's, or every process's."""
-    if settings.prometheus_multiproc_dir is None:
+    if settings.observability.prometheus_multiproc_dir is None:
         return REGISTRY
     registry = CollectorRegistry()
-    MultiProcessCollector(registry, path=str(settings.prometheus_multiproc_dir))
+    MultiProcessCollector(registry, path=str(settings.observability.prometheus_multiproc_dir))
     return registry
 
 
 def process_ended(settings: Settings) -> None:
     """With ``PROMETHEUS_MULTIPROC_DIR``: this process's live gauges leave the sums (its
     counters stay counted)."""
-    if settings.prometheus_multiproc_dir is not None:
-        mark_process_dead(os.getpid(), str(settings.prometheus_multiproc_dir))
+    if settings.observability.prometheus_multiproc_dir is not None:
+        mark_process_dead(os.getpid(), str(settings.observability.prometheus_multiproc_dir))
 
 
 def start_metrics_listener(settings: Settings) -> MetricsListener | None:
     """Serve ``/metrics`` on the metrics port in a thread; None when the port is unset (0)."""
-    if not settings.metrics_port:
+    if not settings.observability.metrics_port:
         return None
-    engine = create_db_engine(settings.resolved_database_url, pool_size=1, max_connections=2)
+    engine = create_db_engine(
+        settings.storage.resolved_database_url, pool_size=1, max_connections=2
+    )
     registry = registry_for(settings)
     collector = DatabaseCollector(session_factory(engine))
     if registry is REGISTRY:
@@ -73,7 +75,9 @@ def start_metrics_listener(settings: Settings) -> MetricsListener | None:
         registry.register(_Forward())
     registry.register(collector)
     server, thread = start_http_server(
-        settings.metrics_port, addr=settings.metrics_host, registry=registry
+        settings.observability.metrics_port,
+        addr=settings.observability.metrics_host,
+        registry=registry,
     )
     return MetricsListener(server=server, thread=thread, engine=engine)
 

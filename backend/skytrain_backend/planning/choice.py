@@ -87,7 +87,7 @@ def choose_worker_gpu(
     (default: this machine's copy), or None when there is none (or it cannot be counted):
     the worker, which downloads the model, plans for itself."""
     if config is None:
-        config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+        config = find_model_config(base_model, cache_dir=settings.storage.resolved_model_cache_dir)
     if config is None:
         return None
     try:
@@ -98,10 +98,10 @@ def choose_worker_gpu(
         shape,
         accelerators,
         model=base_model,
-        lora_rank=min(lora_rank, settings.engine_max_lora_rank),
-        max_loras=settings.engine_max_loras,
-        context=settings.engine_max_model_len,
-        row_tokens=settings.trainer_max_row_tokens,
-        tinker_runs=settings.worker_tinker_max_runs,
-        nodes=settings.skypilot_num_nodes,
+        lora_rank=min(lora_rank, settings.engine.max_lora_rank),
+        max_loras=settings.engine.max_loras,
+        context=settings.engine.max_model_len,
+        row_tokens=settings.trainer.max_row_tokens,
+        tinker_runs=settings.worker.tinker_max_runs,
+        nodes=settings.skypilot.num_nodes,
     )

@@ -44,7 +44,7 @@ class WorkerPackage:
 
     def __init__(self, settings: Settings) -> None:
         self._settings = settings
-        self._directory = settings.home / "dist"
+        self._directory = settings.storage.home / "dist"
         self._lock = threading.Lock()
         self._path: Path | None = None
 
@@ -55,7 +55,7 @@ class WorkerPackage:
             return self._path
 
     def _locate(self) -> Path:
-        given = self._settings.worker_wheel
+        given = self._settings.worker.wheel
         if given is not None:
             if given.name != WHEEL_NAME or not given.is_file():
                 raise ConfigurationError(

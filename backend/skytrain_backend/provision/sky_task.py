@@ -86,7 +86,7 @@ def configured_accelerators(
 ) -> list[str] | None:
     """The accelerators a worker may get: the launch's, the settings', else the task's; None
     for CPU-only workers."""
-    spec = launch_accelerators or settings.skypilot_accelerators
+    spec = launch_accelerators or settings.skypilot.accelerators
     if spec:
         return accelerator_choices(spec)
     return task_accelerators(task_config)
@@ -144,18 +144,18 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: JSONOb
     choices = configured_accelerators(
         launch.accelerators, settings=settings, task_config=task_config
     )
-    if launch.accelerators or settings.skypilot_accelerators:
+    if launch.accelerators or settings.skypilot.accelerators:
         if choices is None:
             resources.pop("accelerators", None)
         else:
             resources["accelerators"] = choices
-    nodes = settings.skypilot_num_nodes
+    nodes = settings.skypilot.num_nodes
     choice = (
         choose_worker_gpu(
             launch.base_model,
             choices,
             settings=settings,
-            lora_rank=launch.lora_rank or settings.engine_max_lora_rank,
+            lora_rank=launch.lora_rank or settings.engine.max_lora_rank,
             config=launch.base_model_config,
         )
         if choices
@@ -165,30 +165,30 @@ def worker_task(launch: WorkerLaunch, *, settings: Settings, task_config: JSONOb
     if nodes > 1:
         config["num_nodes"] = nodes
         planned = multi_node_envs(choices, nodes=nodes)
-    disk_gb = settings.skypilot_disk_size_gb
+    disk_gb = settings.skypilot.disk_size_gb
     if choice is not None and choice.spec is not None and choice.plan is not None:
         resources["accelerators"] = str(choice.spec)
         resources["memory"] = f"{choice.plan.host_memory_gb}+"
         disk_gb = max(disk_gb or 0, choice.plan.disk_gb or 0)
         planned = choice.plan.worker_envs()
-    if settings.skypilot_infra:
-        resources["infra"] = settings.skypilot_infra
+    if settings.skypilot.infra:
+        resources["infra"] = settings.skypilot.infra
     if disk_gb is not None:
         resources["disk_size"] = disk_gb
-    resources["use_spot"] = settings.skypilot_use_spot
-    resources["ports"] = settings.skypilot_worker_port
+    resources["use_spot"] = settings.skypilot.use_spot
+    resources["ports"] = settings.skypilot.worker_port
     envs = {
         **planned,
         **launch.envs,
         "SKYTRAIN_CONTROL_PLANE_URL": launch.control_plane_url,
         "SKYTRAIN_WORKER_BASE_MODEL": launch.base_model,
         "SKYTRAIN_WORKER_ID": launch.worker_id,  # on its log lines from the first
-        "WORKER_PORT": str(settings.skypilot_worker_port),
+        "WORKER_PORT": str(settings.skypilot.worker_port),
     }
     secrets = {
         "SKYTRAIN_WORKER_TOKEN": launch.join_token,
         "SKYTRAIN_ENGINE_SECRET": launch.engine_secret,
-        "HF_TOKEN": settings.hf_token.get_secret_value() if settings.hf_token else "",
+        "HF_TOKEN": settings.hub.token.get_secret_value() if settings.hub.token else "",
     }
     with tracebacks_kept():
         return sky.Task.from_yaml_config(

@@ -231,9 +231,9 @@ class SkyPilotProvider(Provider):
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._settings = settings
-        self._prefix = settings.skypilot_cluster_prefix
-        self._log_dir = settings.home / "workers"
-        self._task_path = settings.skypilot_worker_yaml or default_worker_yaml()
+        self._prefix = settings.skypilot.cluster_prefix
+        self._log_dir = settings.storage.home / "workers"
+        self._task_path = settings.skypilot.worker_yaml or default_worker_yaml()
         self._task_config = load_task_config(self._task_path)
         self._check_task()
         self._sky: SkyApi = sky_api if sky_api is not None else _SkyPilotSdk()
@@ -338,7 +338,7 @@ class SkyPilotProvider(Provider):
                 request_id = self._sky.launch(
                     task,
                     cluster_name=name,
-                    idle_minutes_to_autostop=self._settings.skypilot_autostop_minutes,
+                    idle_minutes_to_autostop=self._settings.skypilot.autostop_minutes,
                     down=True,
                 )
                 self._sky.stream_and_get(request_id, output_stream=log)
@@ -421,7 +421,7 @@ class SkyPilotProvider(Provider):
                 return None
             if not with_log and now < cluster.next_job_check_at:
                 return cluster.startup
-            cluster.next_job_check_at = now + self._settings.skypilot_status_interval_s
+            cluster.next_job_check_at = now + self._settings.skypilot.status_interval_s
         try:
             statuses = self._sky.get(self._sky.job_status(cluster_name))
         except Exception as exc:
@@ -524,7 +524,7 @@ class SkyPilotProvider(Provider):
         with self._lock:
             if now < self._next_status_at:
                 return None
-            self._next_status_at = now + self._settings.skypilot_status_interval_s
+            self._next_status_at = now + self._settings.skypilot.status_interval_s
         try:
             records = self._sky.get(self._sky.status(refresh=sky.StatusRefreshMode.AUTO))
         except Exception as exc:
@@ -546,7 +546,7 @@ class SkyPilotProvider(Provider):
         <cluster>/<port>`` (a path on an HTTP ingress), which no rewrite makes reachable:
         ``_UnusableEndpoint``.
         """
-        port = self._settings.skypilot_worker_port
+        port = self._settings.skypilot.worker_port
         try:
             endpoints = self._sky.get(self._sky.endpoints(name, port))
         except Exception as exc:

@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# Slices older than this are forgotten (no window is longer: Settings.replica_window_s).
+# Slices older than this are forgotten (no window is longer: settings.scheduler.replica_window_s).
 KEPT_S = 3600.0
 
 

@@ -77,23 +77,23 @@ class Scheduler:
         self._next_garbage = 0.0
         # Not at start: on an S3-compatible store that reports a wrong start time (moto: a
         # fixed one in 2010), a batch streaming in as this process starts would look stale.
-        self._next_upload_sweep = time.monotonic() + settings.garbage_interval_s
+        self._next_upload_sweep = time.monotonic() + settings.scheduler.garbage_interval_s
         self._sessions = sessions
         self._interval_s = interval_s
         self._backoff = LaunchBackoff(
-            base_s=settings.worker_launch_backoff_s,
-            max_s=settings.worker_launch_backoff_max_s,
-            max_failures=settings.worker_launch_max_failures,
+            base_s=settings.scheduler.worker_launch_backoff_s,
+            max_s=settings.scheduler.worker_launch_backoff_max_s,
+            max_failures=settings.scheduler.worker_launch_max_failures,
         )
         self._role_logged = False
         # Requests in flight per model, counted by this process's gateway: the replica
         # policy's demand (replicas.py).
         self.demand = DemandMeter()
         self._replica_policy = replicas.ScalePolicy(
-            window_s=settings.replica_window_s,
-            scale_out_in_flight=settings.replica_scale_out_in_flight,
-            scale_in_in_flight=settings.replica_scale_in_in_flight,
-            cooldown_s=settings.replica_cooldown_s,
+            window_s=settings.scheduler.replica_window_s,
+            scale_out_in_flight=settings.scheduler.replica_scale_out_in_flight,
+            scale_in_in_flight=settings.scheduler.replica_scale_in_in_flight,
+            cooldown_s=settings.scheduler.replica_cooldown_s,
         )
         # Held by a pass: shutting down waits for one still running in its thread.
         self._pass_lock = threading.Lock()
@@ -203,9 +203,9 @@ class Scheduler:
         s = self.settings
         with self._sessions() as session:
             queue.expire_leases(session)
-            tinker_runs.expire_sessions(session, timeout_s=s.tinker_session_timeout_s)
+            tinker_runs.expire_sessions(session, timeout_s=s.tinker.session_timeout_s)
             for worker in worker_rows.silent_workers(
-                session, timeout_s=s.worker_heartbeat_timeout_s
+                session, timeout_s=s.scheduler.worker_heartbeat_timeout_s
             ):
                 drained = worker.status == "draining"
                 self._worker_gone(
@@ -214,18 +214,20 @@ class Scheduler:
                     status="stopped" if drained else "lost",
                     reason="drained"
                     if drained
-                    else f"no heartbeat for {s.worker_heartbeat_timeout_s:.0f}s",
+                    else f"no heartbeat for {s.scheduler.worker_heartbeat_timeout_s:.0f}s",
                 )
-            queue.request_yields(session, slice_s=s.job_time_slice_s)
+            queue.request_yields(session, slice_s=s.scheduler.job_time_slice_s)
             if self.provider is not None:
                 self._reconcile(session, self.provider.poll())
                 self._fail_unregistered(session)
             # Idle models leave first, so the models waiting for their places get them now.
-            placement.release_idle_models(session, idle_timeout_s=s.resolved_model_idle_timeout_s)
+            placement.release_idle_models(
+                session, idle_timeout_s=s.scheduler.resolved_model_idle_timeout_s
+            )
             held_back = placement.place_models(
                 session,
-                idle_timeout_s=s.resolved_model_idle_timeout_s,
-                max_workers=s.max_workers,
+                idle_timeout_s=s.scheduler.resolved_model_idle_timeout_s,
+                max_workers=s.scheduler.max_workers,
                 launch=(lambda base: self._launch(session, base)) if self.provider else None,
                 limits=tenants.limits_by_id(session, s),
             )
@@ -237,10 +239,10 @@ class Scheduler:
                 demand=self.demand,
                 policy=self._replica_policy,
                 limits=limits,
-                max_workers=s.max_workers,
+                max_workers=s.scheduler.max_workers,
                 launch=(lambda base: self._launch(session, base)) if self.provider else None,
                 waiting=placement.bases_waiting_for_a_slot(
-                    session, idle_timeout_s=s.resolved_model_idle_timeout_s, limits=limits
+                    session, idle_timeout_s=s.scheduler.resolved_model_idle_timeout_s, limits=limits
                 ),
             )
             # At max_workers, a model that needs a worker does not wait for idle ones to time
@@ -248,25 +250,27 @@ class Scheduler:
             for worker, reason in scale_in.make_room(
                 session,
                 held_back=held_back,
-                idle_timeout_s=s.resolved_model_idle_timeout_s,
-                max_workers=s.max_workers,
+                idle_timeout_s=s.scheduler.resolved_model_idle_timeout_s,
+                max_workers=s.scheduler.max_workers,
             ):
                 self._stop_drained(session, worker, reason=reason)
-            for worker in scale_in.idle_workers(session, idle_timeout_s=s.worker_idle_timeout_s):
+            for worker in scale_in.idle_workers(
+                session, idle_timeout_s=s.scheduler.worker_idle_timeout_s
+            ):
                 self._stop_idle(session, worker)
             if self.store is not None and time.monotonic() >= self._next_sweep:
-                self._next_sweep = time.monotonic() + s.sweep_interval_s
+                self._next_sweep = time.monotonic() + s.scheduler.sweep_interval_s
                 garbage.purge_deleted_checkpoints(session, store=self.store)
             if self.store is not None and time.monotonic() >= self._next_garbage:
-                self._next_garbage = time.monotonic() + s.garbage_interval_s
+                self._next_garbage = time.monotonic() + s.scheduler.garbage_interval_s
                 garbage.collect_garbage(
                     session,
                     store=self.store,
-                    written_before=utcnow() - timedelta(seconds=s.garbage_grace_s),
+                    written_before=utcnow() - timedelta(seconds=s.scheduler.garbage_grace_s),
                     hub_endpoint=hub_endpoint(s),
                 )
             if self.store is not None and time.monotonic() >= self._next_upload_sweep:
-                self._next_upload_sweep = time.monotonic() + s.garbage_interval_s
+                self._next_upload_sweep = time.monotonic() + s.scheduler.garbage_interval_s
                 garbage.abort_stale_uploads(
                     self.store, started_before=utcnow() - garbage.STALE_UPLOAD_AGE
                 )
@@ -279,7 +283,7 @@ class Scheduler:
             session,
             provider=self.provider.name,
             base_model=base_model,
-            max_models=self.settings.worker_max_models,
+            max_models=self.settings.worker.max_models,
             engine_secret=secret,
             max_lora_rank=lora_rank,
         )
@@ -292,7 +296,7 @@ class Scheduler:
             launch = WorkerLaunch(
                 worker_id=worker.id,
                 base_model=base_model,
-                control_plane_url=self.settings.resolved_public_url,
+                control_plane_url=self.settings.server.resolved_public_url,
                 join_token=token,
                 engine_secret=secret,
                 envs=self._worker_envs(lora_rank),
@@ -327,11 +331,11 @@ class Scheduler:
         if not self.provider.accelerator_choices():
             return None
         waiting = placement.active_models_without_worker(
-            session, idle_timeout_s=self.settings.resolved_model_idle_timeout_s
+            session, idle_timeout_s=self.settings.scheduler.resolved_model_idle_timeout_s
         )
         return ranks.launch_lora_rank(
             (model for model in waiting if model.base_model == base_model),
-            largest=self.settings.engine_max_lora_rank,
+            largest=self.settings.engine.max_lora_rank,
         )
 
     def _worker_envs(self, lora_rank: int | None = None) -> dict[str, str]:
@@ -339,24 +343,24 @@ class Scheduler:
         largest rank it loads (default: SKYTRAIN_ENGINE_MAX_LORA_RANK)."""
         s = self.settings
         envs: dict[str, str | float | bool | None] = {
-            "SKYTRAIN_ENGINE": s.engine,
-            "SKYTRAIN_ENGINE_STARTUP_TIMEOUT_S": s.engine_startup_timeout_s,
-            "SKYTRAIN_ENGINE_MAX_LORAS": s.engine_max_loras,
-            "SKYTRAIN_ENGINE_MAX_LORA_RANK": lora_rank or s.engine_max_lora_rank,
-            "SKYTRAIN_ENGINE_GPU_MEMORY_UTILIZATION": s.engine_gpu_memory_utilization,
-            "SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE": s.engine_tensor_parallel_size,
-            "SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE": s.engine_pipeline_parallel_size,
-            "SKYTRAIN_ENGINE_MAX_MODEL_LEN": s.engine_max_model_len,
-            "SKYTRAIN_ENGINE_SLEEP_WAIT_S": s.engine_sleep_wait_s,
-            "SKYTRAIN_ENGINE_SLEEP_TIMEOUT_S": s.engine_sleep_timeout_s,
-            "SKYTRAIN_WORKER_MAX_MODELS": s.worker_max_models,
-            "SKYTRAIN_WORKER_SLEEP_ENGINE": s.worker_sleep_engine,
-            "SKYTRAIN_TRAINER_MEMORY_LIMIT_MB": s.trainer_memory_limit_mb,
-            "SKYTRAIN_TRAINER_GRADIENT_CHECKPOINTING": s.trainer_gradient_checkpointing,
-            "SKYTRAIN_TRAINER_MAX_ROW_TOKENS": s.trainer_max_row_tokens,
-            "SKYTRAIN_TRAINER_DEVICE_MAP": s.trainer_device_map,
-            "SKYTRAIN_TRAINER_SHARDS": s.trainer_shards,
-            "SKYTRAIN_WORKER_TINKER_MAX_RUNS": s.worker_tinker_max_runs,
+            "SKYTRAIN_ENGINE": s.engine.kind,
+            "SKYTRAIN_ENGINE_STARTUP_TIMEOUT_S": s.engine.startup_timeout_s,
+            "SKYTRAIN_ENGINE_MAX_LORAS": s.engine.max_loras,
+            "SKYTRAIN_ENGINE_MAX_LORA_RANK": lora_rank or s.engine.max_lora_rank,
+            "SKYTRAIN_ENGINE_GPU_MEMORY_UTILIZATION": s.engine.gpu_memory_utilization,
+            "SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE": s.engine.tensor_parallel_size,
+            "SKYTRAIN_ENGINE_PIPELINE_PARALLEL_SIZE": s.engine.pipeline_parallel_size,
+            "SKYTRAIN_ENGINE_MAX_MODEL_LEN": s.engine.max_model_len,
+            "SKYTRAIN_ENGINE_SLEEP_WAIT_S": s.engine.sleep_wait_s,
+            "SKYTRAIN_ENGINE_SLEEP_TIMEOUT_S": s.engine.sleep_timeout_s,
+            "SKYTRAIN_WORKER_MAX_MODELS": s.worker.max_models,
+            "SKYTRAIN_WORKER_SLEEP_ENGINE": s.worker.sleep_engine,
+            "SKYTRAIN_TRAINER_MEMORY_LIMIT_MB": s.trainer.memory_limit_mb,
+            "SKYTRAIN_TRAINER_GRADIENT_CHECKPOINTING": s.trainer.gradient_checkpointing,
+            "SKYTRAIN_TRAINER_MAX_ROW_TOKENS": s.trainer.max_row_tokens,
+            "SKYTRAIN_TRAINER_DEVICE_MAP": s.trainer.device_map,
+            "SKYTRAIN_TRAINER_SHARDS": s.trainer.shards,
+            "SKYTRAIN_WORKER_TINKER_MAX_RUNS": s.worker.tinker_max_runs,
         }
         return {key: str(value) for key, value in envs.items() if value is not None}
 
@@ -413,7 +417,7 @@ class Scheduler:
                 session.commit()
         # Workers the provider lost track of (e.g. the control plane restarted) that never
         # registered are gone; registered ones are judged by their heartbeats.
-        cutoff = utcnow() - timedelta(seconds=self.settings.worker_heartbeat_timeout_s)
+        cutoff = utcnow() - timedelta(seconds=self.settings.scheduler.worker_heartbeat_timeout_s)
         for worker in session.scalars(
             select(Worker).where(
                 Worker.provider == self.provider.name,
@@ -432,7 +436,7 @@ class Scheduler:
     def _fail_unregistered(self, session: Session) -> None:
         """Workers this provider launched that did not register within the deadline."""
         assert self.provider is not None
-        deadline_s = self.settings.worker_register_deadline_s
+        deadline_s = self.settings.scheduler.worker_register_deadline_s
         late = session.scalars(
             select(Worker).where(
                 Worker.provider == self.provider.name,

@@ -56,7 +56,7 @@ KNOWN_FAILURES = 1024
 
 def hub_endpoint(settings: Settings) -> str:
     """The Hub this control plane reads configs from (what their store keys are made of)."""
-    return (settings.hf_endpoint or PUBLIC_HUB).rstrip("/")
+    return (settings.hub.endpoint or PUBLIC_HUB).rstrip("/")
 
 
 class ModelConfigs:
@@ -81,7 +81,9 @@ class ModelConfigs:
 
         ``fresh``: ask the Hub even if it failed less than ``RETRY_AFTER_S`` ago (the
         scheduler, whose launches have their own back-off)."""
-        local = find_model_config(base_model, cache_dir=self._settings.resolved_model_cache_dir)
+        local = find_model_config(
+            base_model, cache_dir=self._settings.storage.resolved_model_cache_dir
+        )
         if local is not None or not is_hub_id(base_model):
             return local
         with self._lock:
@@ -97,11 +99,11 @@ class ModelConfigs:
                 self._known[base_model] = stored
             return stored
         try:
-            return self._fetch(base_model).result(timeout=self._settings.hub_timeout_s)
+            return self._fetch(base_model).result(timeout=self._settings.hub.timeout_s)
         except FutureTimeout:
             raise ModelConfigUnavailable(
                 f"reading base model {base_model}'s {CONFIG_FILE} from the Hugging Face Hub "
-                f"takes longer than {self._settings.hub_timeout_s:g} s: it goes on, and is "
+                f"takes longer than {self._settings.hub.timeout_s:g} s: it goes on, and is "
                 "asked for again before a worker is launched",
                 retry_after_s=RETRY_AFTER_S,
             ) from None
@@ -120,13 +122,13 @@ class ModelConfigs:
         return future
 
     def _run_fetch(self, base_model: str, future: Future[JSONObject]) -> None:
-        token = self._settings.hf_token
+        token = self._settings.hub.token
         try:
             config = fetch_hub_config(
                 base_model,
-                endpoint=self._settings.hf_endpoint,
+                endpoint=self._settings.hub.endpoint,
                 token=token.get_secret_value() if token else None,
-                timeout_s=self._settings.hub_timeout_s,
+                timeout_s=self._settings.hub.timeout_s,
             )
         except ModelConfigUnavailable as exc:
             logger.warning("no %s for %s: %s", CONFIG_FILE, base_model, exc.message)

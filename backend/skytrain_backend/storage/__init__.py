@@ -51,8 +51,8 @@ def open_object_store(url: str, settings: Settings) -> ObjectStore:
         return S3ObjectStore(
             bucket=parsed.netloc,
             prefix=parsed.path,
-            endpoint_url=settings.s3_endpoint_url,
-            region=settings.s3_region,
+            endpoint_url=settings.storage.s3_endpoint_url,
+            region=settings.storage.s3_region,
         )
     raise ConfigurationError(
         f"object store URL {url!r} is not supported: use s3://bucket/prefix or file:///path"

@@ -70,9 +70,9 @@ class WorkerConfig:
     def from_settings(cls, settings: Settings, **overrides: Any) -> WorkerConfig:
         """The settings (``SKYTRAIN_*``), with the CLI's options (None = not given) on top."""
         given = {key: value for key, value in overrides.items() if value is not None}
-        control_plane_url = given.pop("control_plane_url", settings.control_plane_url)
-        token = given.pop("token", settings.worker_token)
-        base_model = given.pop("base_model", settings.worker_base_model)
+        control_plane_url = given.pop("control_plane_url", settings.worker.control_plane_url)
+        token = given.pop("token", settings.worker.token)
+        base_model = given.pop("base_model", settings.worker.base_model)
         missing = [
             flag
             for flag, value in (
@@ -95,19 +95,21 @@ class WorkerConfig:
             "control_plane_url": control_plane_url.rstrip("/"),
             "token": token,
             "base_model": base_model,
-            "engine": settings.engine,
-            "host": settings.worker_host,
-            "port": settings.worker_port,
+            "engine": settings.engine.kind,
+            "host": settings.worker.host,
+            "port": settings.worker.port,
             "advertise_url": None,
             # One directory per worker token: several workers can share a host and a home.
-            "work_dir": settings.home / "worker" / hashlib.sha256(token.encode()).hexdigest()[:12],
+            "work_dir": settings.storage.home
+            / "worker"
+            / hashlib.sha256(token.encode()).hexdigest()[:12],
             "device": None,
-            "engine_secret": settings.engine_secret or secrets.token_urlsafe(24),
-            "startup_timeout_s": settings.engine_startup_timeout_s,
-            "max_models": settings.worker_max_models,
-            "sleep_engine": settings.worker_sleep_engine,
-            "trainer_memory_limit_mb": settings.trainer_memory_limit_mb,
-            "max_request_bytes": settings.max_request_bytes,
+            "engine_secret": settings.engine.secret or secrets.token_urlsafe(24),
+            "startup_timeout_s": settings.engine.startup_timeout_s,
+            "max_models": settings.worker.max_models,
+            "sleep_engine": settings.worker.sleep_engine,
+            "trainer_memory_limit_mb": settings.trainer.memory_limit_mb,
+            "max_request_bytes": settings.server.max_request_bytes,
         }
         values.update(given)
         return cls(**values)
@@ -187,7 +189,7 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     or a drain request."""
     from skytrain_backend.engine.options import select_engine
 
-    kind = select_engine(config.engine, vllm_python=settings.vllm_python)
+    kind = select_engine(config.engine, vllm_python=settings.engine.vllm_python)
     if kind == "vllm":
         import_unsloth_first()
     from skytrain_backend.engine.client import EngineClient
@@ -303,8 +305,8 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             advertise_url=config.advertise_url,
             engine_secret=config.engine_secret,
             sleep_engine_during_training=sleep_engine,
-            engine_sleep_wait_s=settings.engine_sleep_wait_s,
-            engine_sleep_timeout_s=settings.engine_sleep_timeout_s,
+            engine_sleep_wait_s=settings.engine.sleep_wait_s,
+            engine_sleep_timeout_s=settings.engine.sleep_timeout_s,
             device=config.device,
             max_models=config.max_models,
             max_lora_rank=lora_rank_slot(options.max_lora_rank)
@@ -314,12 +316,12 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             trainer_options=sizing.trainer,
             trainer_shards=sizing.trainer_shards,
             trainer_python=trainer_python(
-                settings.unsloth_python,
+                settings.worker.unsloth_python,
                 cuda=cuda_gpus() is not None,
                 trainer_shards=sizing.trainer_shards,
                 device=config.device,
             ),
-            tinker_max_runs=settings.worker_tinker_max_runs,
+            tinker_max_runs=settings.worker.tinker_max_runs,
             hardware=_hardware(),
             version=__version__,
         ),

@@ -111,13 +111,13 @@ class _Knobs:
 def _told(settings: Settings) -> _Knobs:
     """The settings the plan may fill in (None: not given)."""
     return _Knobs(
-        max_model_len=settings.engine_max_model_len,
-        gpu_memory_utilization=settings.engine_gpu_memory_utilization,
-        tensor_parallel_size=settings.engine_tensor_parallel_size,
-        gradient_checkpointing=settings.trainer_gradient_checkpointing,
-        max_row_tokens=settings.trainer_max_row_tokens,
-        device_map=settings.trainer_device_map,
-        shards=settings.trainer_shards,
+        max_model_len=settings.engine.max_model_len,
+        gpu_memory_utilization=settings.engine.gpu_memory_utilization,
+        tensor_parallel_size=settings.engine.tensor_parallel_size,
+        gradient_checkpointing=settings.trainer.gradient_checkpointing,
+        max_row_tokens=settings.trainer.max_row_tokens,
+        device_map=settings.trainer.device_map,
+        shards=settings.trainer.shards,
     )
 
 
@@ -189,11 +189,11 @@ def size_worker(
         gpu,
         model=base_model,
         gpu_count=gpu_count,
-        lora_rank=settings.engine_max_lora_rank,
-        max_loras=settings.engine_max_loras,
-        context=settings.engine_max_model_len,
-        row_tokens=settings.trainer_max_row_tokens,
-        tinker_runs=settings.worker_tinker_max_runs,
+        lora_rank=settings.engine.max_lora_rank,
+        max_loras=settings.engine.max_loras,
+        context=settings.engine.max_model_len,
+        row_tokens=settings.trainer.max_row_tokens,
+        tinker_runs=settings.worker.tinker_max_runs,
         nodes=nodes,
     )
     if told.given():
@@ -233,7 +233,7 @@ def size_this_worker(settings: Settings, *, base_model: str) -> Sizing:
 
 def _without_gpu(settings: Settings, *, base_model: str) -> Sizing:
     sizing = _sizing(_told(settings))
-    config = find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+    config = find_model_config(base_model, cache_dir=settings.storage.resolved_model_cache_dir)
     _refuse_experts(base_model, config)
     try:
         shape = ModelShape.from_config(config) if config is not None else None
@@ -243,8 +243,8 @@ def _without_gpu(settings: Settings, *, base_model: str) -> Sizing:
         return sizing
     needed = cpu_worker_host_bytes(
         shape,
-        lora_rank=settings.engine_max_lora_rank,
-        tinker_runs=settings.worker_tinker_max_runs,
+        lora_rank=settings.engine.max_lora_rank,
+        tinker_runs=settings.worker.tinker_max_runs,
     )
     return dataclasses.replace(sizing, host_memory_bytes=needed)
 

@@ -53,16 +53,19 @@ class RequestLimits:
             await self.app(scope, receive, send)
             return
         if INFERENCE_PATH.match(path):
-            limit, setting = self.settings.max_inference_request_bytes, "INFERENCE_REQUEST_BYTES"
+            limit, setting = (
+                self.settings.server.max_inference_request_bytes,
+                "INFERENCE_REQUEST_BYTES",
+            )
         else:
-            limit, setting = self.settings.max_request_bytes, "REQUEST_BYTES"
+            limit, setting = self.settings.server.max_request_bytes, "REQUEST_BYTES"
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > limit:
             await _too_large(f"declares {int(declared)} bytes", limit, setting)(
                 scope, receive, send
             )
             return
-        await _Limited(self.app, limit, setting, self.settings.request_body_timeout_s)(
+        await _Limited(self.app, limit, setting, self.settings.server.request_body_timeout_s)(
             scope, receive, send
         )
 

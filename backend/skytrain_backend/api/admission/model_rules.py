@@ -53,18 +53,18 @@ def check_new_model(
     scheduler's provider with its cache of configs; the tenant's limits, whose ``max_models``
     the creation then enforces."""
     lora_rank, provider, configs = config.lora_rank, scheduler.provider, scheduler.configs
-    check_base_model(base_model, allowed_dirs=settings.resolved_base_model_dirs)
+    check_base_model(base_model, allowed_dirs=settings.storage.resolved_base_model_dirs)
     ranks.check_lora_rank(
         session,
         base_model=base_model,
         lora_rank=lora_rank,
-        default_limit=settings.engine_max_lora_rank,
+        default_limit=settings.engine.max_lora_rank,
         launches=provider is not None,
     )
     check_dense(
         session, base_model=base_model, settings=settings, provider=provider, configs=configs
     )
-    if tinker_training and settings.worker_tinker_max_runs == 0:
+    if tinker_training and settings.worker.tinker_max_runs == 0:
         raise InvalidRequest(
             "this deployment runs no Tinker training runs (its workers hold none: "
             "SKYTRAIN_WORKER_TINKER_MAX_RUNS is 0); train with skytrain's training jobs "
@@ -161,4 +161,4 @@ def _base_config(
     if accelerators:
         session.commit()
         return configs.get(base_model)
-    return find_model_config(base_model, cache_dir=settings.resolved_model_cache_dir)
+    return find_model_config(base_model, cache_dir=settings.storage.resolved_model_cache_dir)

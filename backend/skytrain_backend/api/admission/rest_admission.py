@@ -100,11 +100,11 @@ async def admit(
     limits = tenants.limits_of(tenant, settings)
     cost = rest_cost(
         body_bytes,
-        bytes_per_request=settings.rest_admission_bytes_per_request,
+        bytes_per_request=settings.admission.rest_admission_bytes_per_request,
         limit=limits.max_concurrent_rest_requests,
     )
     release = await loads.admit(
-        tenant.id, limits=limits, cost=cost, wait_s=settings.rest_admission_wait_s
+        tenant.id, limits=limits, cost=cost, wait_s=settings.admission.rest_admission_wait_s
     )
     return tenant, release
 
@@ -119,7 +119,7 @@ class RestAdmission:
         self.settings = settings
         self.worker_limits = dataclasses.replace(
             tenants.TenantLimits.defaults(settings),
-            max_concurrent_rest_requests=settings.worker_max_concurrent_requests,
+            max_concurrent_rest_requests=settings.admission.worker_max_concurrent_requests,
         )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -138,7 +138,7 @@ class RestAdmission:
             if isinstance(exc, RateLimited) and exc.limit == FAILURES_LIMIT:
                 # An address past its failures waits, as a tenant past its cap does: a client
                 # that ignores Retry-After sends a request per wait and loop, not per answer.
-                await anyio.sleep(self.settings.rest_admission_wait_s)
+                await anyio.sleep(self.settings.admission.rest_admission_wait_s)
             response = skytrain_error_response(exc)
             if isinstance(exc, AuthenticationFailed):
                 response.headers["WWW-Authenticate"] = "Bearer"
@@ -191,8 +191,8 @@ class RestAdmission:
             if upload
             else rest_cost(
                 self._body_bytes(scope),
-                bytes_per_request=self.settings.rest_admission_bytes_per_request,
-                limit=self.settings.worker_max_concurrent_requests,
+                bytes_per_request=self.settings.admission.rest_admission_bytes_per_request,
+                limit=self.settings.admission.worker_max_concurrent_requests,
             )
         )
         loads: TenantLoads = scope["app"].state.worker_loads
@@ -203,12 +203,12 @@ class RestAdmission:
                 holder,
                 limits=self.worker_limits,
                 cost=cost,
-                wait_s=self.settings.rest_admission_wait_s,
+                wait_s=self.settings.admission.rest_admission_wait_s,
             )
         except RateLimited as exc:
             raise RateLimited(
                 f"this worker token's requests in flight are at the "
-                f"{self.settings.worker_max_concurrent_requests} allowed at once "
+                f"{self.settings.admission.worker_max_concurrent_requests} allowed at once "
                 "(SKYTRAIN_WORKER_MAX_CONCURRENT_REQUESTS; a request counts one more per "
                 "started SKYTRAIN_REST_ADMISSION_BYTES_PER_REQUEST of its body): wait for some "
                 "to finish",
@@ -222,7 +222,7 @@ class RestAdmission:
         if declared is not None and declared.isdigit():
             return int(declared)
         if _header(scope, b"transfer-encoding") is not None:
-            return self.settings.max_request_bytes
+            return self.settings.server.max_request_bytes
         return 0
 
 

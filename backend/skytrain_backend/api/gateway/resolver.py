@@ -94,7 +94,7 @@ class Resolver:
         self._on_unplaced = on_unplaced
         self.limiter = FairLimiter(total=RESOLVE_CONCURRENCY, per_key=RESOLVE_PER_KEY)
         # (sha256 of the key, model as sent) -> _Resolved; see api/route_cache.py.
-        self.routes: RouteCache[_Resolved] = RouteCache(ttl_s=settings.gateway_route_cache_ttl_s)
+        self.routes: RouteCache[_Resolved] = RouteCache(ttl_s=settings.gateway.route_cache_ttl_s)
         self._resolving: dict[tuple[bytes, str], asyncio.Event] = {}
 
     async def route(
@@ -142,16 +142,16 @@ class Resolver:
                     session,
                     tenant_id=tenant_id,
                     model=model,
-                    idle_timeout_s=self.settings.resolved_model_idle_timeout_s,
+                    idle_timeout_s=self.settings.scheduler.resolved_model_idle_timeout_s,
                     limits=limits,
-                    max_workers=self.settings.launched_workers_limit,
+                    max_workers=self.settings.scheduler.launched_workers_limit,
                     on_unplaced=self._on_unplaced,
                 )
 
         return await self._waiting_for_load(tenant_id, resolve)
 
     async def _waiting_for_load(self, key: Any, resolve: Callable[[], T]) -> T:
-        deadline = time.monotonic() + self.settings.gateway_loading_wait_s
+        deadline = time.monotonic() + self.settings.gateway.loading_wait_s
         while True:
             try:
                 return await self.limiter.run_sync(key, resolve)
@@ -177,7 +177,7 @@ class Resolver:
         if resolved is None:
             return None, key
         cost = admission.cost(
-            body, size=len(raw), default_max_tokens=self.settings.gateway_default_max_tokens
+            body, size=len(raw), default_max_tokens=self.settings.gateway.default_max_tokens
         )
         admission.check_fits(resolved.limits, cost)
         routed = Routed(
@@ -200,16 +200,16 @@ class Resolver:
             tenant_id, limits = tenant.id, tenants.limits_of(tenant, self.settings)
             body = admission.parse_body(raw, endpoint)
             cost = admission.cost(
-                body, size=len(raw), default_max_tokens=self.settings.gateway_default_max_tokens
+                body, size=len(raw), default_max_tokens=self.settings.gateway.default_max_tokens
             )
             admission.check_fits(limits, cost)
             route = resolve_route(
                 session,
                 tenant_id=tenant_id,
                 model=body["model"],
-                idle_timeout_s=self.settings.resolved_model_idle_timeout_s,
+                idle_timeout_s=self.settings.scheduler.resolved_model_idle_timeout_s,
                 limits=limits,
-                max_workers=self.settings.launched_workers_limit,
+                max_workers=self.settings.scheduler.launched_workers_limit,
                 on_unplaced=self._on_unplaced,
             )
         assert credentials is not None  # authenticate refuses a request without a key

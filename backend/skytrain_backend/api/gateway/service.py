@@ -57,7 +57,8 @@ class Gateway:
         self.resolver = Resolver(settings=settings, sessions=sessions, on_unplaced=on_unplaced)
         self.loads = TenantLoads(
             sessions=sessions,
-            shared=make_url(settings.resolved_database_url).get_backend_name() == "postgresql",
+            shared=make_url(settings.storage.resolved_database_url).get_backend_name()
+            == "postgresql",
         )
 
     async def aclose(self) -> None:
@@ -162,7 +163,7 @@ class Gateway:
         upstream_body = dict(body)
         endpoint.ask_for_logprobs(upstream_body)
         admission.with_default_max_tokens(
-            upstream_body, default_max_tokens=self.settings.gateway_default_max_tokens
+            upstream_body, default_max_tokens=self.settings.gateway.default_max_tokens
         )
         stream = bool(body.get("stream"))
         conversation = conversation_of(body, dict(request.headers))
@@ -212,7 +213,7 @@ class Gateway:
         cost = admission.cost(
             body,
             size=len(json.dumps(body)),
-            default_max_tokens=self.settings.gateway_default_max_tokens,
+            default_max_tokens=self.settings.gateway.default_max_tokens,
         )
         admission.check_fits(limits, cost)
         return await self.loads.admit(tenant_id, limits=limits, cost=cost)
@@ -228,7 +229,7 @@ class Gateway:
         upstream_body = dict(body)
         COMPLETIONS.ask_for_logprobs(upstream_body)
         admission.with_default_max_tokens(
-            upstream_body, default_max_tokens=self.settings.gateway_default_max_tokens
+            upstream_body, default_max_tokens=self.settings.gateway.default_max_tokens
         )
         counted: list[Callable[[], None]] = []
         try:

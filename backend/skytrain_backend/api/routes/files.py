@@ -60,7 +60,7 @@ def upload_file(
     limits = tenants.limits_of(tenant, settings)
     budget = tenants.storage_budget(session, tenant_id=tenant.id, limits=limits, what="this file")
     session.commit()  # ends the read: no transaction is held while the file is read
-    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request, budget=budget)
+    batch = ingest.IngestBatch(limit=settings.server.max_trajectories_per_request, budget=budget)
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()

@@ -69,7 +69,7 @@ def _log(
     settings: Settings,
 ) -> TrajectoryBatchPublic:
     limits = tenants.limits_of(tenant, settings)
-    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
+    batch = ingest.IngestBatch(limit=settings.server.max_trajectories_per_request)
     summary = ingest.Summary()
     try:
         with body.view() as buffer:

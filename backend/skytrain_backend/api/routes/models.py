@@ -135,7 +135,10 @@ def create_model(
         model,
         latest_step=registry.latest_step(session, model_id=model.id),
         serving=serving_status(
-            session, model=model, limits=limits, max_workers=settings.launched_workers_limit
+            session,
+            model=model,
+            limits=limits,
+            max_workers=settings.scheduler.launched_workers_limit,
         ),
         replicas=replicas_public(session, model=model, demand=scheduler.demand),
     )
@@ -181,12 +184,15 @@ def get_model(
             session,
             model=model,
             limits=tenants.limits_of(tenant, settings),
-            max_workers=settings.launched_workers_limit,
-            idle_timeout_s=settings.resolved_model_idle_timeout_s,
+            max_workers=settings.scheduler.launched_workers_limit,
+            idle_timeout_s=settings.scheduler.resolved_model_idle_timeout_s,
         ),
         replicas=replicas_public(session, model=model, demand=scheduler.demand),
         demand=demand_public(
-            session, model=model, demand=scheduler.demand, window_s=settings.replica_window_s
+            session,
+            model=model,
+            demand=scheduler.demand,
+            window_s=settings.scheduler.replica_window_s,
         ),
     )
 

@@ -139,8 +139,8 @@ def _check_servable(session: Session, *, model: Model, settings: Settings) -> No
         session,
         base_model=model.base_model,
         lora_rank=ranks.model_lora_rank(model),
-        default_limit=settings.engine_max_lora_rank,
-        launches=settings.provider != "none",
+        default_limit=settings.engine.max_lora_rank,
+        launches=settings.scheduler.provider != "none",
     )
 
 
@@ -385,7 +385,7 @@ def _queue_job(
 ) -> TrainingJobPublic:
     """Validate the body, stream its batch to the store and record the job ``queued``."""
     limits = limits_of(tenant, settings)
-    batch = ingest.IngestBatch(limit=settings.max_trajectories_per_request)
+    batch = ingest.IngestBatch(limit=settings.server.max_trajectories_per_request)
     try:
         with body.view() as buffer:
             request, items = ingest.split_body(buffer, schema=job.schema, list_field=job.list_field)
@@ -408,11 +408,11 @@ def _queue_job(
             kind=job.kind,
             config=config,
             batch=batch,
-            max_attempts=settings.job_max_attempts,
+            max_attempts=settings.scheduler.job_max_attempts,
             scheduler=scheduler,
             job_id=job_id,
             limits=limits,
-            max_workers=settings.launched_workers_limit,
+            max_workers=settings.scheduler.launched_workers_limit,
         )
         public.too_long = job.too_long()
         return public
@@ -452,7 +452,7 @@ def get_training_job(
         session,
         job,
         limits=limits_of(tenant, settings),
-        max_workers=settings.launched_workers_limit,
+        max_workers=settings.scheduler.launched_workers_limit,
     )
 
 

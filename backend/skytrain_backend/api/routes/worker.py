@@ -190,7 +190,7 @@ def register(
     return WorkerRegistered(
         worker_id=worker.id,
         heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
-        lease_s=settings.job_lease_s,
+        lease_s=settings.scheduler.job_lease_s,
         worker_token=issued,
         endpoint=endpoint,
         reachable=problem is None,
@@ -283,7 +283,7 @@ async def lease(
             current = session.get_one(Worker, worker_id)
             if current.status == "draining":
                 return None
-            job = queue.lease_job(session, worker=current, lease_s=settings.job_lease_s)
+            job = queue.lease_job(session, worker=current, lease_s=settings.scheduler.job_lease_s)
             if job is None:
                 return None
             if job.attempts == 1 and job.preemptions == 0:
@@ -316,7 +316,11 @@ def renew(
     job_id: str, body: JobAttempt, worker: WorkerDep, session: SessionDep, settings: SettingsDep
 ) -> LeaseRenewed:
     job = queue.renew_lease(
-        session, worker=worker, job_id=job_id, attempt=body.attempt, lease_s=settings.job_lease_s
+        session,
+        worker=worker,
+        job_id=job_id,
+        attempt=body.attempt,
+        lease_s=settings.scheduler.job_lease_s,
     )
     return LeaseRenewed(cancel_requested=job.cancel_requested, yield_requested=job.yield_requested)
 

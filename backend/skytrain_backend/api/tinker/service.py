@@ -186,7 +186,7 @@ class TinkerService:
             new,
             tenant=tenant,
             tinker_session=tinker_session,
-            max_attempts=self.settings.job_max_attempts,
+            max_attempts=self.settings.scheduler.job_max_attempts,
             max_models=limits.max_models,
         )
         return future(operation)
@@ -324,7 +324,7 @@ class TinkerService:
                 found = futures.state(
                     session,
                     operation=row,
-                    sample_timeout_s=self.settings.tinker_sample_timeout_s,
+                    sample_timeout_s=self.settings.tinker.sample_timeout_s,
                     settings=self.settings,
                 )
                 if found is None:
@@ -444,7 +444,7 @@ class TinkerService:
         body: dict[str, Any],
         last_n: int | None,
     ) -> None:
-        deadline = time.monotonic() + self.settings.tinker_sample_timeout_s
+        deadline = time.monotonic() + self.settings.tinker.sample_timeout_s
         while True:
             try:
                 answer = await self._gateway.complete_tokens(

@@ -70,7 +70,9 @@ async def lease(
             current = session.get_one(Worker, worker_id)
             if current.status == "draining":
                 return None
-            return worker_ops.lease_run(session, worker=current, lease_s=settings.job_lease_s)
+            return worker_ops.lease_run(
+                session, worker=current, lease_s=settings.scheduler.job_lease_s
+            )
         finally:
             session.rollback()
 

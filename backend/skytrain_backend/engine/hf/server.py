@@ -227,10 +227,10 @@ def serve(
     torch.set_num_threads(threads or default_threads())
     settings = get_settings()
     configure_logging(
-        settings.log_format,
+        settings.observability.log_format,
         level=log_level.upper(),
         whole_process=True,
-        worker_id=settings.worker_id,
+        worker_id=settings.worker.id,
     )
     engine = HFEngine(
         resolve_model(model),

@@ -74,7 +74,7 @@ def state(
             session,
             operation=operation,
             limits=limits,
-            max_workers=settings.launched_workers_limit,
+            max_workers=settings.scheduler.launched_workers_limit,
         )
     run = session.get_one(TinkerRun, operation.run_id)
     job = run_job(session, run=run)
@@ -90,7 +90,7 @@ def state(
         model=session.get_one(Model, run.model_id),
         step=0,
         limits=limits,
-        max_workers=settings.launched_workers_limit,
+        max_workers=settings.scheduler.launched_workers_limit,
     )
     if serving.state == "failed":
         return Failed(
