@@ -55,6 +55,22 @@ def test_an_unknown_task_is_refused_naming_the_choices(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_temperature_of_zero_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    # Greedy sampling makes a group's rollouts identical: GRPO would have nothing to compare.
+    command = [sys.executable, "-m", "skytrain_backend", "demo", "--task", "tic-tac-toe"]
+    result = subprocess.run(
+        [*command, "--temperature", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200", "HOME": str(tmp_path)},
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--temperature" in result.stderr and "not positive" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / ".skytrain").exists()
+
+
 def test_winning_moves_names_the_cells_that_complete_a_line() -> None:
     board = ("X", "X", " ", "O", "O", " ", " ", " ", " ")
     assert winning_moves(board, "X") == [2]

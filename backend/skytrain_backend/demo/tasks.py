@@ -22,6 +22,9 @@ model to find in minutes (SmolLM2-135M never writes a ``<move>`` tag unprompted)
   tags, half the share of the four ``key: value`` lines written), half the share answered
   right (the game's own reward, the ``score`` column).
 
+Each task has its ``Recipe``: what ``skytrain demo --task`` trains it with unless told
+otherwise.
+
 Training scenarios are seeds below ``EVAL_SEED_OFFSET``; the held-out ones start there, as in
 the examples, so the eval plays games training never meets.
 """
@@ -92,8 +95,22 @@ class Column:
         return f"{value:.0%}" if self.percent else f"{value:.3f}"
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What ``skytrain demo --task`` trains a task with unless told otherwise: measured on
+    SmolLM2-135M on 2 CPU cores (bench/README.md)."""
+
+    steps: int = 12
+    groups_per_step: int = 8
+    rollouts_per_group: int = 4
+    learning_rate: float = 5e-4
+    temperature: float = 1.0
+
+
 class DemoTask(abc.ABC, Generic[ScenarioT]):
     """What the demo's loop needs of a task."""
+
+    recipe: Recipe = Recipe()
 
     name: str
     # Shown in the "training:" line and the plot's title.
