@@ -10,8 +10,12 @@ time (setup and worker start excluded), with the machine's CPUs and load. Into
 (``games-TASK-seedN.csv``) and one PNG per task: the held-out reward and score per step, one
 line per seed.
 
+With ``--replot`` it runs nothing and draws the PNGs again from the tables already in
+``--results`` (for seeds run by separate invocations, side by side).
+
 Usage:
     .venv/bin/python bench/games.py --tasks tic-tac-toe --seeds 0 [-- --steps 8]
+    .venv/bin/python bench/games.py --tasks tic-tac-toe --seeds 0 1 2 --replot
 """
 
 from __future__ import annotations
@@ -46,11 +50,15 @@ def run(task: str, seed: int, extra: list[str], root: Path, results: Path) -> li
     if returncode != 0:
         raise SystemExit(f"{task} seed {seed} failed:\n{output[-6000:]}")
     shutil.copy(out / "rewards.csv", results / f"games-{task}-seed{seed}.csv")
-    with open(out / "rewards.csv") as handle:
-        rows = list(csv.DictReader(handle))
+    rows = read_rows(out / "rewards.csv")
     minutes = TRAINING_TIME_RE.search(output)
     rows[-1]["minutes"] = minutes.group(1) if minutes else "nan"
     return rows
+
+
+def read_rows(path: Path) -> list[dict[str, str]]:
+    with open(path) as handle:
+        return list(csv.DictReader(handle))
 
 
 def plot(task: str, runs: dict[int, list[dict[str, str]]], path: Path, subtitle: str) -> None:
@@ -84,11 +92,23 @@ def main() -> None:
     parser.add_argument("--tasks", nargs="+", default=["tic-tac-toe", "2048", "temporal-clue"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--replot", action="store_true", help="only draw the PNGs from the tables in --results"
+    )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="arguments for skytrain demo")
     args = parser.parse_args()
     extra = [arg for arg in args.extra if arg != "--"]
     args.results.mkdir(parents=True, exist_ok=True)
     hardware = f"{machine.cpu_name()}, {os.cpu_count()} CPUs"
+    if args.replot:
+        for task in args.tasks:
+            tables = {
+                seed: read_rows(args.results / f"games-{task}-seed{seed}.csv")
+                for seed in args.seeds
+            }
+            subtitle = f"{hardware}; {' '.join(extra) or 'demo defaults'}"
+            plot(task, tables, args.results / f"games-{task}.png", subtitle)
+        return
     print(f"{hardware}; demo arguments: {' '.join(extra) or '(defaults)'}", flush=True)
     print(
         "task           seed  reward@0  reward@last  score@0  score@last  best score"

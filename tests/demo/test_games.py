@@ -31,7 +31,7 @@ from skytrain_backend.demo.tasks import (
 from skytrain_backend.games.game_2048.env import DIRECTIONS, slide
 from skytrain_backend.games.game_2048.play import Game2048Scenario as GameScenario
 from skytrain_backend.games.temporal_clue.play import TemporalClueScenario as ClueScenario
-from skytrain_backend.games.tic_tac_toe.env import EMPTY_BOARD, winning_moves
+from skytrain_backend.games.tic_tac_toe.env import EMPTY_BOARD, cell_name, winning_moves
 from skytrain_backend.games.tic_tac_toe.play import TicTacToeScenario
 from tests.demo.support import assert_nothing_left, start_demo
 from tests.examples.choices import text_choice
@@ -55,6 +55,22 @@ def test_an_unknown_task_is_refused_naming_the_choices(tmp_path: Path) -> None:
     assert "Traceback" not in result.stderr
 
 
+def test_a_temperature_of_zero_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    # Greedy sampling makes a group's rollouts identical: GRPO would have nothing to compare.
+    command = [sys.executable, "-m", "skytrain_backend", "demo", "--task", "tic-tac-toe"]
+    result = subprocess.run(
+        [*command, "--temperature", "0"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200", "HOME": str(tmp_path)},
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert "--temperature" in result.stderr and "not positive" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / ".skytrain").exists()
+
+
 def test_winning_moves_names_the_cells_that_complete_a_line() -> None:
     board = ("X", "X", " ", "O", "O", " ", " ", " ", " ")
     assert winning_moves(board, "X") == [2]
@@ -76,18 +92,47 @@ def test_format_credit_counts_the_tags_an_accepted_word_and_brevity() -> None:
     assert format_credit("I will play a long and thoughtful game", "move", cell) == 0.0
 
 
+def test_format_credit_with_tag_first_gives_nothing_for_a_bare_word() -> None:
+    cell = re.compile(r"\b[A-C][1-3]\b")
+    assert format_credit("B2", "move", cell, tag_first=True) == 0.0
+    assert format_credit("I take B2 now", "move", cell, tag_first=True) == 0.0
+    assert format_credit("B2 </move>", "move", cell, tag_first=True) == 0.25
+    assert format_credit("<move>B2", "move", cell, tag_first=True) == 0.75
+    assert format_credit("<move>Z9</move>", "move", cell, tag_first=True) == 0.75
+    assert format_credit("<move>B2</move>", "move", cell, tag_first=True) == 1.0
+
+
 def test_tic_tac_toe_an_unreadable_move_ends_the_game_with_its_format_credit() -> None:
     episode = _tic_tac_toe()
-    episode.step(text_choice("I will win"))  # three words, no tag, no cell
+    episode.step(text_choice("B2"))  # a free cell, but without the tags: refused, no credit
     assert episode.done and episode.outcome == "invalid_move"
-    assert episode.move_quality == [pytest.approx(REFUSED_MOVE_WEIGHT * 0.25)]
-    assert episode.reward() == pytest.approx(0.5 * REFUSED_MOVE_WEIGHT * 0.25)
+    assert episode.move_quality == [0.0]
+    assert episode.reward() == 0.0
     assert episode.metrics()["legal"] == 0.0 and episode.metrics()["score"] == -1.0
 
     nearly = _tic_tac_toe()
     nearly.step(text_choice("<move>B2"))  # the opening tag, a cell, short: still refused
     assert nearly.outcome == "invalid_move"
     assert nearly.move_quality == [pytest.approx(REFUSED_MOVE_WEIGHT * 0.75)]
+
+
+def test_tic_tac_toe_each_board_is_followed_by_its_free_cells() -> None:
+    episode = _tic_tac_toe(seed=0)
+    first = episode.messages()[-1]["content"]
+    assert isinstance(first, str)
+    assert first.endswith(
+        "Free cells: A1, B1, C1, A2, B2, C2, A3, B3, C3. Answer with one of them, like "
+        "<move>A1</move>."
+    )
+    episode.step(text_choice("<move>B2</move>"))
+    taken = [i for i, mark in enumerate(episode.game.board) if mark != " "]
+    assert len(taken) == 2  # the agent's B2 and the opponent's reply
+    second = episode.messages()[-1]["content"]
+    assert isinstance(second, str)
+    free = [cell_name(i) for i in range(9) if i not in taken]
+    assert second.endswith(
+        f"Free cells: {', '.join(free)}. Answer with one of them, like <move>{free[0]}</move>."
+    )
 
 
 def test_tic_tac_toe_a_legal_move_then_an_illegal_one_earns_half_the_move_part() -> None:

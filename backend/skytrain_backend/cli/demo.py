@@ -28,22 +28,40 @@ def demo(
             "What the model learns. one-word: answer a question with one word. The seed's "
             "games, as in examples/ (same prompts, rules, formats), trained on a shaped reward "
             "because the game's own is too sparse for a 135M model (the game's own shows as "
-            "the 'score' column): tic-tac-toe against a random opponent (each move: legal, "
-            "taking a win or blocking one; plus the outcome), 2048 for 8 moves (each move: "
+            "the 'score' column): tic-tac-toe against a random opponent, the free cells listed "
+            "after each board (each move: legal, taking a win or blocking one; plus the "
+            "outcome), 2048 for 8 moves (each move: "
             "valid, merging tiles), temporal-clue (the answer format, plus the share right). "
             "A move the game cannot read still ends it, with credit for how near it came to "
-            "the format (tags, a cell or direction, at most three words)."
+            "the format (tags, a cell or direction, at most three words). Each task has its "
+            "own recipe (steps, learning rate, ...): the options below override it."
         ),
         case_sensitive=False,
     ),
-    steps: int = typer.Option(12, min=1, help="GRPO training steps."),
-    groups_per_step: int = typer.Option(
-        8, min=1, help="Training questions (or games, puzzles) per step."
+    steps: int | None = typer.Option(
+        None, min=1, help="GRPO training steps. [default: the task's recipe]"
     ),
-    rollouts_per_group: int = typer.Option(
-        4, min=2, help="Rollouts sampled per question or game (GRPO compares them)."
+    groups_per_step: int | None = typer.Option(
+        None,
+        min=1,
+        help="Training questions (or games, puzzles) per step. [default: the task's recipe]",
     ),
-    learning_rate: float = typer.Option(5e-4, help="Learning rate of the LoRA update."),
+    rollouts_per_group: int | None = typer.Option(
+        None,
+        min=2,
+        help=(
+            "Rollouts sampled per question or game (GRPO compares them). "
+            "[default: the task's recipe]"
+        ),
+    ),
+    learning_rate: float | None = typer.Option(
+        None, help="Learning rate of the LoRA update. [default: the task's recipe]"
+    ),
+    temperature: float | None = typer.Option(
+        None,
+        max=2.0,
+        help="Sampling temperature, above 0 and at most 2. [default: the task's recipe]",
+    ),
     seed: int = typer.Option(
         0, help="Seed of the question (game) order, of every sampled answer and of training."
     ),
@@ -76,18 +94,25 @@ def demo(
     from skytrain_backend.errors import SkytrainError
 
     _interruptible()
-    if not learning_rate > 0:
+    if learning_rate is not None and not learning_rate > 0:
         raise typer.BadParameter(f"{learning_rate} is not positive", param_hint="--learning-rate")
+    if temperature is not None and not temperature > 0:
+        raise typer.BadParameter(f"{temperature} is not positive", param_hint="--temperature")
+    chosen = get_task(task.value)
+    recipe = chosen.recipe
     options = DemoOptions(
         loop=LoopOptions(
-            steps=steps,
-            groups_per_step=groups_per_step,
-            rollouts_per_group=rollouts_per_group,
-            learning_rate=learning_rate,
+            steps=recipe.steps if steps is None else steps,
+            groups_per_step=recipe.groups_per_step if groups_per_step is None else groups_per_step,
+            rollouts_per_group=(
+                recipe.rollouts_per_group if rollouts_per_group is None else rollouts_per_group
+            ),
+            learning_rate=recipe.learning_rate if learning_rate is None else learning_rate,
             seed=seed,
             eval_questions=eval_questions,
+            temperature=recipe.temperature if temperature is None else temperature,
         ),
-        task=get_task(task.value),
+        task=chosen,
         base_model=base_model,
         home=home.expanduser().resolve(),
         output_dir=output_dir.expanduser().resolve() if output_dir else None,

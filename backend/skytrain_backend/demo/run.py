@@ -93,7 +93,8 @@ async def _train_model(
         await model.register(backend)
         say(
             f"==> training: {loop.steps} steps of {loop.groups_per_step} {task.unit} x "
-            f"{loop.rollouts_per_group} rollouts; eval on {loop.eval_questions} held-out "
+            f"{loop.rollouts_per_group} rollouts (temperature {loop.temperature:g}, learning rate "
+            f"{loop.learning_rate:g}); eval on {loop.eval_questions} held-out "
             f"{task.unit} x {loop.eval_samples} after each step. Task: {task.summary}"
         )
         say(report.header(columns))

@@ -13,7 +13,11 @@ model to find in minutes (SmolLM2-135M never writes a ``<move>`` tag unprompted)
 - ``tic-tac-toe``: half the mean quality of the agent's moves (a legal move 1, or 0.5 when it
   misses a win it could take or a block of the opponent's win; a refused one 0.4 x its format
   credit), half the outcome (win 1, draw 0.5, loss or invalid move 0). The game's own score
-  (win 1, draw 0.5, loss 0, invalid move -1) is the ``score`` column.
+  (win 1, draw 0.5, loss 0, invalid move -1) is the ``score`` column. Each board is followed
+  by its free cells and the answer format with the first of them (``FREE_CELLS``), where the
+  example says "Your move."; a refused move's format credit counts the cell and the brevity
+  only beside an opening ``<move>`` tag. The rules and the format the game accepts are
+  unchanged.
 - ``2048``: at most ``GAME_2048_TURNS`` moves; each scores 0.5 when it moves a tile, 1 when it
   also merges tiles, and 0.4 x its format credit otherwise, summed and divided by the turn
   limit. The game's own reward (log of the largest tile and of the board's total, -1 for an
@@ -21,6 +25,9 @@ model to find in minutes (SmolLM2-135M never writes a ``<move>`` tag unprompted)
 - ``temporal-clue``: half the format (a quarter each for the opening and closing ``<answer>``
   tags, half the share of the four ``key: value`` lines written), half the share answered
   right (the game's own reward, the ``score`` column).
+
+Each task has its ``Recipe``: what ``skytrain demo --task`` trains it with unless told
+otherwise.
 
 Training scenarios are seeds below ``EVAL_SEED_OFFSET``; the held-out ones start there, as in
 the examples, so the eval plays games training never meets.
@@ -45,6 +52,7 @@ from skytrain_backend.games.temporal_clue import play as temporal_clue
 from skytrain_backend.games.temporal_clue.puzzle import QUESTIONS
 from skytrain_backend.games.tic_tac_toe import play as tic_tac_toe
 from skytrain_backend.games.tic_tac_toe.env import (
+    cell_name,
     legal_moves,
     score_outcome,
     winning_moves,
@@ -57,19 +65,29 @@ HELD_OUT_SCENARIOS = 16
 GAME_2048_TURNS = 8
 # The most a move the game refused earns, with a perfect format credit: below any legal move.
 REFUSED_MOVE_WEIGHT = 0.4
+# What the demo shows after each tic-tac-toe board instead of the example's "Your move.": the
+# free cells, and the answer format with the first of them (a bare list of cells alone taught
+# SmolLM2 to answer a bare cell, which the game refuses: bench/README.md).
+FREE_CELLS = "Free cells: {free}. Answer with one of them, like <move>{first}</move>."
 _CELL_WORD = re.compile(r"\b[A-C][1-3]\b", re.IGNORECASE)
 _DIRECTION_WORD = re.compile(r"\b(left|right|up|down)\b", re.IGNORECASE)
 
 
-def format_credit(text: str, tag: str, word: re.Pattern[str]) -> float:
+def format_credit(text: str, tag: str, word: re.Pattern[str], *, tag_first: bool = False) -> float:
     """How near an answer came to ``<tag>WORD</tag>``, 0 to 1: a quarter each for the opening
-    tag, the closing tag, a ``word`` anywhere, and at most three words in all."""
+    tag, the closing tag, a ``word`` anywhere, and at most three words in all.
+
+    With ``tag_first`` the word and the brevity count only beside the opening tag, so that a
+    bare word (``B2``), which the game refuses, earns nothing: otherwise it earns half, and
+    SmolLM2, for which a bare word is far likelier than the tags, settles there (bench/README.md).
+    """
     lowered = text.lower()
+    opened = f"<{tag}>" in lowered
     parts = (
-        f"<{tag}>" in lowered,
+        opened,
         f"</{tag}>" in lowered,
-        word.search(text) is not None,
-        0 < len(text.split()) <= 3,
+        word.search(text) is not None and (opened or not tag_first),
+        0 < len(text.split()) <= 3 and (opened or not tag_first),
     )
     return sum(parts) / len(parts)
 
@@ -92,8 +110,22 @@ class Column:
         return f"{value:.0%}" if self.percent else f"{value:.3f}"
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """What ``skytrain demo --task`` trains a task with unless told otherwise: measured on
+    SmolLM2-135M on 2 CPU cores (bench/README.md)."""
+
+    steps: int = 12
+    groups_per_step: int = 8
+    rollouts_per_group: int = 4
+    learning_rate: float = 5e-4
+    temperature: float = 1.0
+
+
 class DemoTask(abc.ABC, Generic[ScenarioT]):
     """What the demo's loop needs of a task."""
+
+    recipe: Recipe = Recipe()
 
     name: str
     # Shown in the "training:" line and the plot's title.
@@ -199,11 +231,16 @@ class GameTask(DemoTask[ScenarioT]):
 
 
 class ShapedTicTacToeEpisode(tic_tac_toe.TicTacToeEpisode):
-    """The example's game, rewarded for each move's quality as well as for the outcome."""
+    """The example's game, rewarded for each move's quality as well as for the outcome; each
+    board is followed by its free cells (``FREE_CELLS``), so a legal move is one to copy."""
 
     def __init__(self, scenario: tic_tac_toe.TicTacToeScenario) -> None:
         super().__init__(scenario)
         self.move_quality: list[float] = []
+
+    def _prompt(self) -> str:
+        free = [cell_name(index) for index in legal_moves(self.game.board)]
+        return f"{self.game.render()}\n{FREE_CELLS.format(free=', '.join(free), first=free[0])}"
 
     def react(self, choice: Choice) -> list[Message]:
         board, mark = self.game.board, self.game.agent_mark
@@ -212,7 +249,7 @@ class ShapedTicTacToeEpisode(tic_tac_toe.TicTacToeEpisode):
         blocks = winning_moves(board, self.game.opponent_mark)
         if move is None or move not in legal_moves(board):
             text = choice.message.content or ""
-            quality = REFUSED_MOVE_WEIGHT * format_credit(text, "move", _CELL_WORD)
+            quality = REFUSED_MOVE_WEIGHT * format_credit(text, "move", _CELL_WORD, tag_first=True)
         elif wins:
             quality = 1.0 if move in wins else 0.5
         elif blocks:
@@ -240,6 +277,8 @@ class TicTacToeTask(GameTask[tic_tac_toe.TicTacToeScenario]):
     name = "tic-tac-toe"
     summary = "tic-tac-toe against a random opponent"
     unit = "games"
+    # Measured on 3 seeds (bench/README.md, "The seed's games").
+    recipe = Recipe(steps=8, learning_rate=2e-3)
     columns = (Column("legal", "legal"), Column("win", "won"), Column("score", "score", False))
     max_tokens = 24
 

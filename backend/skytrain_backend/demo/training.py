@@ -31,9 +31,9 @@ class LoopOptions:
     learning_rate: float
     seed: int
     eval_questions: int
-    # Tuned with the task (see README, "The demo"); not worth a command-line option each.
-    eval_samples: int = 2
     temperature: float = 1.0
+    # Tuned with the task (see README, "The demo"); not worth a command-line option.
+    eval_samples: int = 2
 
 
 @dataclass(frozen=True)
