@@ -14,12 +14,15 @@ import abc
 import re
 from typing import Any, cast
 
-from openai.types.chat import ChatCompletionMessageParam
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionToolParam
 from openai.types.chat.chat_completion import Choice
 
 Message = dict[str, Any]
 MessageOrChoice = Message | Choice
 Scalar = float | int | bool
+JSONValue = str | int | float | bool | None | list["JSONValue"] | dict[str, "JSONValue"]
+# What a trajectory keeps of its rollout (the SDK's ``Trajectory.metadata``): JSON.
+Metadata = dict[str, JSONValue]
 
 TURN_LIMIT = "turn_limit"
 
@@ -52,7 +55,7 @@ class Episode(abc.ABC):
     runs and names why it ended afterwards (``"won"``, ``"invalid_move"``, ``"turn_limit"``...).
     """
 
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatCompletionToolParam] | None = None
 
     def __init__(self, *, system: str, user: str, max_turns: int) -> None:
         if max_turns < 1:
@@ -106,6 +109,6 @@ class Episode(abc.ABC):
         """Numbers worth averaging over rollouts; subclasses add their own."""
         return {"turns": self.turns, "turn_limit": self.outcome == TURN_LIMIT}
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> Metadata:
         """What identifies the rollout (scenario seed, outcome), kept with the trajectory."""
         return {"outcome": self.outcome}

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from skytrain_backend.games.episode import Episode, Message, Scalar, last_tag
+from skytrain_backend.games.episode import Episode, Message, Metadata, Scalar, last_tag
 from skytrain_backend.games.game_2048.env import (
     DIRECTIONS,
     Game2048,
@@ -87,5 +86,5 @@ class Game2048Episode(Episode):
             "invalid_move": self.invalid_move,
         }
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> Metadata:
         return {**super().metadata(), "seed": self.scenario.seed, "target": self.scenario.target}

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from skytrain_backend.games.episode import Episode, Message, Scalar, last_tag
+from skytrain_backend.games.episode import Episode, Message, Metadata, Scalar, last_tag
 from skytrain_backend.games.temporal_clue.puzzle import (
     QUESTIONS,
     Puzzle,
@@ -108,7 +107,7 @@ class TemporalClueEpisode(Episode):
             **{f"correct_{question}": ok for question, ok in self.correct.items()},
         }
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> Metadata:
         return {
             **super().metadata(),
             "seed": self.scenario.seed,

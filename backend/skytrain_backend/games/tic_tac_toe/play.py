@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from openai.types.chat.chat_completion import Choice
 
-from skytrain_backend.games.episode import Episode, Message, Scalar, last_tag
+from skytrain_backend.games.episode import Episode, Message, Metadata, Scalar, last_tag
 from skytrain_backend.games.tic_tac_toe.env import (
     TicTacToe,
     check_opponent,
@@ -92,7 +91,7 @@ class TicTacToeEpisode(Episode):
             "invalid_move": self.outcome == "invalid_move",
         }
 
-    def metadata(self) -> dict[str, Any]:
+    def metadata(self) -> Metadata:
         return {
             **super().metadata(),
             "seed": self.scenario.seed,
