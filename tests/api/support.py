@@ -52,7 +52,7 @@ def trajectory(reward: float = 1.0, **metrics: float) -> dict[str, Any]:
         "tools": None,
         "additional_histories": [],
         "reward": reward,
-        "initial_policy_version": None,  # an ART field skytrain does not know: ignored
+        "initial_policy_version": None,  # ART's: the step it was sampled at (None: unsaid)
         "metrics": metrics,
         "metadata": {"scenario": 1},
         "logs": [],

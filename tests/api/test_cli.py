@@ -191,6 +191,6 @@ def test_serve_takes_its_startup_heap_out_of_the_collectors_scans(tmp_path: Path
     )
     tracked, frozen, still_scanned, young_threshold = map(int, result.stdout.split())
     assert tracked > 50_000  # the imported modules and the app
-    assert frozen >= tracked
+    assert frozen >= tracked * 0.99  # (a few of those may have been freed in between)
     assert still_scanned < tracked // 100
     assert young_threshold > 700  # CPython's default: a young collection every 700 allocations

@@ -37,7 +37,8 @@ def test_log_stores_batch_with_summary_metrics(caller: Caller, object_store: Obj
     assert detail["num_trajectories"] == 4
     rewards = [t["reward"] for g in detail["trajectory_groups"] for t in g["trajectories"]]
     assert rewards == [1.0, 0.0, 0.5, 0.5]
-    assert "initial_policy_version" not in detail["trajectory_groups"][0]["trajectories"][0]
+    # ART's initial_policy_version, sent as None: kept as "not said".
+    assert detail["trajectory_groups"][0]["trajectories"][0]["initial_policy_version"] is None
 
 
 def test_log_merges_split_metrics_into_the_checkpoint_at_that_step(caller: Caller) -> None:

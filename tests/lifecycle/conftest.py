@@ -39,7 +39,7 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Checkpoint, Model
-from skytrain_backend.storage import LocalObjectStore, keys
+from skytrain_backend.storage import LocalObjectStore, ObjectStore, keys
 from tests.api.support import group
 from tests.fixtures.services import MakeSettings, database_sessions, serve_in_thread
 
@@ -244,12 +244,19 @@ def copies_watched(app: FastAPI, watch: Callable[[], None]) -> Iterator[None]:
     """For the block, ``app``'s store runs ``watch`` each time it is about to copy an object:
     the same directory, an observer and not a fake, so that a test sees what the database
     holds while the store works."""
+    with store_replaced(app, _CopyWatchedStore(app.state.store.root, watch)):
+        yield
+
+
+@contextmanager
+def store_replaced(app: FastAPI, store: ObjectStore) -> Iterator[None]:
+    """For the block, ``app`` uses ``store``: its routes and its Tinker service alike."""
     real = app.state.store
-    app.state.store = _CopyWatchedStore(real.root, watch)
+    app.state.store = app.state.tinker.store = store
     try:
         yield
     finally:
-        app.state.store = real
+        app.state.store = app.state.tinker.store = real
 
 
 @contextmanager

@@ -41,6 +41,7 @@ from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.services import MakeSettings
 from tests.fixtures.tinker_http import create_run, forward_backward_body
 from tests.gateway.conftest import serve_in_thread
+from tests.lifecycle.conftest import store_replaced
 
 pytestmark = [pytest.mark.postgres, pytest.mark.slow]
 
@@ -101,13 +102,9 @@ def plane(make_settings: MakeSettings, private_postgres: PostgresServer) -> Iter
         row, key = api_keys.create_key(session, tenant_name=f"t-{uuid.uuid4().hex[:8]}")
     app = create_app(settings)
     with serve_in_thread(app) as url:
-        real = app.state.store
-        store = _StoreThatLosesTheDatabase(real.root, private_postgres)
-        app.state.store = store
-        try:
+        store = _StoreThatLosesTheDatabase(app.state.store.root, private_postgres)
+        with store_replaced(app, store):
             yield Plane(app, url, key, row.tenant_id, sessions, store, private_postgres)
-        finally:
-            app.state.store = real
     engine.dispose()
 
 

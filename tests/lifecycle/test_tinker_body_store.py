@@ -34,7 +34,7 @@ from skytrain_backend.storage import LocalObjectStore, keys
 from tests.fixtures.services import MakeSettings
 from tests.fixtures.tinker_http import create_run, forward_backward_body
 from tests.gateway.conftest import serve_in_thread
-from tests.lifecycle.conftest import copies_watched
+from tests.lifecycle.conftest import copies_watched, store_replaced
 
 pytestmark = pytest.mark.postgres
 
@@ -116,16 +116,12 @@ def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane
     def watch() -> None:
         held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs"))
 
-    real = plane.app.state.store
-    plane.app.state.store = _WatchedStore(real.root, watch)
-    try:
+    with store_replaced(plane.app, _WatchedStore(plane.app.state.store.root, watch)):
         queued = plane.sdk.post(
             "/api/v1/forward_backward",
             content=forward_backward_body(run_id, 1),
             headers={"Content-Type": PROTOBUF},
         )
-    finally:
-        plane.app.state.store = real
     assert queued.status_code == 200, queued.text
     assert held == [[]]  # one put, and no table held meanwhile
     with plane.sessions() as session:

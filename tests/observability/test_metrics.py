@@ -128,7 +128,9 @@ def test_several_processes_add_up_with_prometheus_multiproc_dir(tmp_path: Path) 
     env = {"PROMETHEUS_MULTIPROC_DIR": str(directory), "PYTHONPATH": ":".join(sys.path)}
     for tokens, end in (("3", "ended"), ("4", "running")):
         subprocess.run([sys.executable, "-c", _CHILD, tokens, end], env=env, check=True, timeout=60)
-    settings = Settings.model_validate({"PROMETHEUS_MULTIPROC_DIR": str(directory)})
+    settings = Settings.model_validate(
+        {"observability": {"PROMETHEUS_MULTIPROC_DIR": str(directory)}}
+    )
     registry = registry_for(settings)
     assert registry.get_sample_value("skytrain_gateway_tokens_total", {"direction": "in"}) == 7
     # The process that ended no longer counts among the live gauges.

@@ -124,7 +124,7 @@ class TinkerService:
     ) -> None:
         self.settings = settings
         self.sessions = sessions
-        self._store = store
+        self.store = store
         self._gateway = gateway
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
@@ -152,7 +152,7 @@ class TinkerService:
         failed, ``refused`` saying why), its future answered, the run's worker told."""
         row = runs.submit(
             session,
-            store=self._store,
+            store=self.store,
             limits=limits_of(session.get_one(Tenant, run.tenant_id), self.settings),
             run=run,
             seq_id=seq_id,
