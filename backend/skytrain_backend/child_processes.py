@@ -83,7 +83,9 @@ def die_with_parent() -> None:
     has already died (the process was handed to init or a subreaper meanwhile)."""
     parent = os.getppid()
     _die_with_parent()
-    if os.getppid() != parent:
+    # Handed on already: to another process than the one read just before, or to init
+    # (which starts no such process itself) when the parent died before that read.
+    if os.getppid() != parent or parent == 1:
         os._exit(1)
 
 

@@ -11,11 +11,11 @@ import dataclasses
 import uuid
 from collections.abc import Callable
 
-from sqlalchemy import select
+from sqlalchemy import select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db.models import Model, ModelEvent, Worker, utcnow
+from skytrain_backend.db.models import Model, ModelEvent, ModelReplica, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.scheduler import placement, replicas
 from skytrain_backend.scheduler.demand import DemandMeter
@@ -139,3 +139,53 @@ def test_replicas_above_a_lowered_quota_drain(db_sessions: sessionmaker[Session]
             _pass(session, lowered)
         assert len(_slots(session, model)) == 2
         assert replicas.replica_workers(session, model_id=model, status="draining") == []
+
+
+def test_a_draining_replica_whose_home_went_away_still_goes(
+    db_sessions: sessionmaker[Session],
+) -> None:
+    """Its model has no home (no pass of its own), yet the replica drains out: its slot and
+    fair share's turn on those workers are not held for ever."""
+    base = f"tests/fair-{uuid.uuid4().hex[:8]}"
+    with db_sessions() as session:
+        for _ in range(2):
+            add_ready_worker(session, base_model=base, max_models=1)
+        alice = _model(session, "a", base=base, tenant="fair-erin", min_replicas=2)
+        _pass(session)
+        (replica,) = replicas.replica_workers(session, model_id=alice)
+        session.execute(
+            update(ModelReplica)
+            .where(ModelReplica.model_id == alice)
+            .values(status="draining")  # a scale-in, its request still in flight
+        )
+        home = session.get_one(Worker, session.get_one(Model, alice).worker_id)
+        placement.worker_gone(session, worker=home, status="lost", reason="spot preemption")
+        session.commit()
+        bob = _model(session, "b", base=base, tenant="fair-frank")
+        for _ in range(3):
+            _pass(session)
+        assert replicas.replica_workers(session, model_id=alice, status="draining") == []
+        placed = {session.get_one(Model, m).worker_id for m in (alice, bob)}
+        assert replica in placed
+
+
+def test_a_model_no_worker_could_take_holds_no_replica_back(
+    db_sessions: sessionmaker[Session],
+) -> None:
+    """A model of a rank the workers do not load waits for a worker of its own: the others'
+    replicas still go to the room those workers have."""
+    base = f"tests/fair-{uuid.uuid4().hex[:8]}"
+    with db_sessions() as session:
+        for _ in range(2):
+            worker = add_ready_worker(session, base_model=base, max_models=4)
+            worker.capacity = {**(worker.capacity or {}), "max_lora_rank": 16}
+        session.commit()
+        alice = _model(session, "a", base=base, tenant="fair-gina", min_replicas=2)
+        carol = add_model(session, "c", base_model=base, tenant="fair-hank")
+        carol.config = {**(carol.config or {}), "lora_rank": 64}
+        carol.last_active_at = utcnow()
+        session.commit()
+        for _ in range(3):
+            _pass(session)
+        assert session.get_one(Model, carol.id).worker_id is None
+        assert len(_slots(session, alice)) == 2

@@ -202,13 +202,23 @@ def active_models_without_worker(session: Session, *, idle_timeout_s: float) -> 
 def bases_waiting_for_a_slot(
     session: Session, *, idle_timeout_s: float, limits: Callable[[str], TenantLimits]
 ) -> set[str]:
-    """The base models that an active model waits for a slot on, its quota allowing it one
-    (replicas leave those workers' room to it: ``replicas.scale``)."""
-    return {
-        model.base_model
-        for model in active_models_without_worker(session, idle_timeout_s=idle_timeout_s)
-        if quota_wait(session, model=model, limits=limits(model.tenant_id)) is None
-    }
+    """The base models an active model waits for a slot on: its quota allows it one, and the
+    live workers of its base that load its LoRA rank are all full (replicas leave those
+    workers' room to it: ``replicas.scale``). A model no such worker could take (another
+    rank, none yet) holds no replica back."""
+    waiting: set[str] = set()
+    for model in active_models_without_worker(session, idle_timeout_s=idle_timeout_s):
+        if model.base_model in waiting:
+            continue
+        if quota_wait(session, model=model, limits=limits(model.tenant_id)) is not None:
+            continue
+        fitting = fitting_workers(
+            session, base_model=model.base_model, lora_rank=ranks.model_lora_rank(model)
+        )
+        full = all(count >= int((w.capacity or {}).get("max_models", 1)) for w, count in fitting)
+        if fitting and full:
+            waiting.add(model.base_model)
+    return waiting
 
 
 def tenant_placements(session: Session, *, tenant_id: str) -> dict[str, int]:

@@ -217,6 +217,17 @@ def scale(
     homed = list(
         session.scalars(select(Model).where(Model.worker_id.in_(live)).order_by(Model.created_at))
     )
+    # A model whose home went away while a replica of it drained has no pass of its own
+    # below: its draining replicas still go once nothing is in flight on them (they would
+    # otherwise hold their slot, and fair share's turn on those workers, for ever).
+    homeless = session.scalars(
+        select(Model)
+        .join(ModelReplica, ModelReplica.model_id == Model.id)
+        .where(ModelReplica.status == "draining", Model.id.not_in([m.id for m in homed]))
+        .distinct()
+    )
+    for model in list(homeless):
+        _finish_draining(session, model=model, demand=demand)
     launched: set[str] = set()
     per_replica_demands: list[float] = []
     for model in homed:

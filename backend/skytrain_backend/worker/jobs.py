@@ -281,13 +281,14 @@ class JobRunner:
                 base_dir = await self._host.fetch_checkpoint(model_id, job.base_step)
             reference_dir = await self._kl_reference(job)
         groups: list[TrajectoryGroup] = []
+        trained: list[TrajectoryGroup] = []  # those within max_off_policy_steps
         if isinstance(job, LeasedRLJob):
             # Read before the engine sleeps: a job none of whose groups may be trained on from
             # the step it starts at (the model moved on while it was queued) fails without a
             # sleep (and its 503s) for nothing.
             with _timed(times, "prepare"):
                 groups = await asyncio.to_thread(_read_batch, batch_path, TrajectoryGroup)
-            within_off_policy(
+            trained, _ = within_off_policy(
                 groups, base_step=job.base_step, limit=job.config.max_off_policy_steps
             )
         self._check(running, training=True)
@@ -322,7 +323,7 @@ class JobRunner:
                         reference=reference_dir,
                     )
                 )
-                num_trajectories = sum(len(g.trajectories) for g in groups)
+                num_trajectories = sum(len(g.trajectories) for g in trained)
         # training_started carries the sampler-vs-trainer agreement: sent now when the plan has
         # it, else once the first step (whose forward pass measures it) is done. A resumed job
         # sends training_resumed instead (its agreement was measured before it yielded).
