@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from openai.types.chat import ChatCompletionToolParam
 from openai.types.chat.chat_completion import Choice
 
 from examples.email_search.inbox import (
@@ -28,7 +29,7 @@ SYSTEM_PROMPT = (
     "with read_email, then call answer with the answer and the id of the email it comes from."
 )
 
-TOOLS: list[dict[str, Any]] = [
+TOOLS: list[ChatCompletionToolParam] = [
     {
         "type": "function",
         "function": {
