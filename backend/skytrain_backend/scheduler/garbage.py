@@ -140,12 +140,7 @@ def collect_garbage(
             )
         if _referenced(known[tenant_id, model_id], rest):
             continue
-        try:
-            store.delete(info.key)
-        except StorageError as exc:
-            logger.warning("could not delete unreferenced object %s: %s", info.key, exc.message)
-            continue
-        deleted += 1
+        deleted += _deleted(store, info.key, what="unreferenced object")
     if hub_endpoint is not None:
         deleted += _collect_hub_configs(
             session, store=store, written_before=written_before, endpoint=hub_endpoint
@@ -167,13 +162,18 @@ def _collect_hub_configs(
     for info in store.list(keys.HUB_CONFIGS_PREFIX):
         if info.modified >= written_before or info.key in named:
             continue
-        try:
-            store.delete(info.key)
-        except StorageError as exc:
-            logger.warning("could not delete unused Hub config %s: %s", info.key, exc.message)
-            continue
-        deleted += 1
+        deleted += _deleted(store, info.key, what="unused Hub config")
     return deleted
+
+
+def _deleted(store: ObjectStore, key: str, *, what: str) -> int:
+    """Delete ``key``: 1, or 0 when the store failed (logged; the next sweep tries again)."""
+    try:
+        store.delete(key)
+    except StorageError as exc:
+        logger.warning("could not delete %s %s: %s", what, key, exc.message)
+        return 0
+    return 1
 
 
 def _model_rows(session: Session, *, tenant_id: str, model_id: str) -> _ModelRows:
