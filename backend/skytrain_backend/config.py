@@ -698,6 +698,14 @@ class WorkerSettings(_SettingsGroup):
         "vLLM where it has sleep mode (it shares the GPU with the trainer), off with the CPU "
         "engine and vLLM's CPU build.",
     )
+    unload_wait_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="Worker: how long a model (adapter) no longer placed on it stays loaded "
+        "for the requests in flight for it (sent before a replica was taken away, or by "
+        "another control plane); it is unloaded as soon as they are answered, and at the "
+        "latest after this long (those still running then fail).",
+    )
     tinker_max_runs: int = Field(
         default=2,
         ge=0,

@@ -355,6 +355,7 @@ class Scheduler:
             "SKYTRAIN_ENGINE_SLEEP_TIMEOUT_S": s.engine.sleep_timeout_s,
             "SKYTRAIN_WORKER_MAX_MODELS": s.worker.max_models,
             "SKYTRAIN_WORKER_SLEEP_ENGINE": s.worker.sleep_engine,
+            "SKYTRAIN_WORKER_UNLOAD_WAIT_S": s.worker.unload_wait_s,
             "SKYTRAIN_TRAINER_MEMORY_LIMIT_MB": s.trainer.memory_limit_mb,
             "SKYTRAIN_TRAINER_GRADIENT_CHECKPOINTING": s.trainer.gradient_checkpointing,
             "SKYTRAIN_TRAINER_MAX_ROW_TOKENS": s.trainer.max_row_tokens,

@@ -9,7 +9,9 @@ Each pass, for each placed model (``scale``):
 
 - A replica whose worker went away is gone (``placement.worker_gone`` deletes its row).
 - A ``draining`` replica (taken away) is deleted once the gateway has no request in flight on
-  it: scale-in never drops a request.
+  it: scale-in never drops a request. The worker then unloads the model once its front door has
+  none in flight for it either (another control plane's gateway may still have sent one):
+  ``worker/engine_host.py``.
 - Below ``min_replicas`` (capped by the tenant's ``max_workers``): a replica is added; above
   ``max_replicas`` or ``max_workers`` (lowered since), the newest drains.
 - Demand is the model's requests in flight, averaged over ``replica_window_s``

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -68,14 +69,23 @@ class WorkerAgent:
         engine_process: SupervisedEngine | None,
         options: AgentOptions,
         stats: StatsReader | None = None,
+        requests_in_flight: Callable[[str], int] = lambda name: 0,
     ) -> None:
+        """``requests_in_flight``: the front door's count for a name in the engine (an
+        adapter stays loaded while requests for it are in flight)."""
         self._cp = control_plane
         self._options = options
         self._stats = stats
         self._placements: dict[str, _Placement] = {}
         self._placements_asked_at = 0.0
         self._stopping = asyncio.Event()
-        self._host = EngineHost(control_plane, engine, engine_process, options)
+        self._host = EngineHost(
+            control_plane,
+            engine,
+            engine_process,
+            options,
+            requests_in_flight=requests_in_flight,
+        )
         self._host.on_asleep = self._send_heartbeat
         self._jobs = JobRunner(
             control_plane=control_plane,

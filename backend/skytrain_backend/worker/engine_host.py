@@ -1,9 +1,10 @@
 """The worker's engine as the agent keeps it: alive, awake or asleep, its adapters loaded.
 
 The engine serves the base model and one LoRA adapter per checkpoint placed here (named by
-``lora_name``). ``EngineHost`` loads and unloads them, restarts an engine that died (it comes
-back serving the base model only; the heartbeat loads the adapters again), and gives the
-device to one trainer at a time (``trainer_turn``): an engine that shares the GPU with the
+``lora_name``). ``EngineHost`` loads and unloads them (one no longer placed here once the
+front door has no request in flight for it, or ``unload_wait_s`` after it left), restarts an
+engine that died (it comes back serving the base model only; the heartbeat loads the adapters
+again), and gives the device to one trainer at a time (``trainer_turn``): an engine that shares the GPU with the
 trainer is put to sleep for it, after the control plane is told to stop routing here, and is
 woken after.
 """
@@ -55,9 +56,13 @@ class EngineHost:
         engine: EngineClient,
         engine_process: SupervisedEngine | None,
         options: AgentOptions,
+        *,
+        requests_in_flight: Callable[[str], int] = lambda name: 0,
     ) -> None:
-        """``options``: the agent's; the work directory, and whether and how long the engine
-        sleeps while training (``sleep_engine_during_training``, ``engine_sleep_*_s``)."""
+        """``options``: the agent's; the work directory, whether and how long the engine
+        sleeps while training (``sleep_engine_during_training``, ``engine_sleep_*_s``), and how
+        long an adapter no longer placed here waits for its requests (``unload_wait_s``).
+        ``requests_in_flight``: the front door's count for a name in the engine."""
         self._cp = control_plane
         self.engine = engine
         self._process = engine_process
@@ -65,6 +70,11 @@ class EngineHost:
         self._sleep_during_training = options.sleep_engine_during_training
         self._sleep_wait_s = options.engine_sleep_wait_s
         self._sleep_timeout_s = options.engine_sleep_timeout_s
+        self._requests_in_flight = requests_in_flight
+        self._unload_wait_s = options.unload_wait_s
+        # Steps no longer placed here whose unload waits for their requests in flight: since
+        # when (``time.monotonic()``).
+        self._unload_waits: dict[tuple[str, int], float] = {}
         # (model id, step) -> the local directory its adapter was loaded from. Steps loaded
         # for a commit are in it too; the heartbeat reports them, and the control plane routes
         # to committed steps only (see worker/jobs.py).
@@ -116,6 +126,7 @@ class EngineHost:
         self.served.clear()
         self._unconfirmed.clear()
         self._confirmed_at.clear()
+        self._unload_waits.clear()
         await process.restart()
         self.asleep = False
 
@@ -140,7 +151,8 @@ class EngineHost:
         but not a step loaded for a commit (a job's new step, a Tinker sampler save) that is
         not confirmed yet or was confirmed after ``asked_at`` (``time.monotonic()`` when the
         heartbeat whose answer says ``wanted`` was built: the control plane may have answered
-        before that commit)."""
+        before that commit), and not while requests for it are in flight (``_answering``: a
+        later call unloads it)."""
         if self.asleep:
             return
         for key in sorted(wanted - set(self.served)):
@@ -154,14 +166,48 @@ class EngineHost:
                 logger.info("serving %s step %d", *key)
             except Exception:
                 logger.exception("could not load %s step %d into the engine", *key)
+        for key in set(self._unload_waits) & wanted:
+            del self._unload_waits[key]  # placed here again
         for key in sorted(set(self.served) - wanted):
             if key in self._unconfirmed or self._confirmed_at.get(key, -math.inf) >= asked_at:
                 continue  # loaded for a commit the answer may not know of yet
             async with self._lock:
+                if self._answering(key):
+                    continue
                 with contextlib.suppress(Exception):
                     await self.engine.unload_lora(lora_name(*key))
                 self.served.pop(key, None)
                 self._confirmed_at.pop(key, None)
+                self._unload_waits.pop(key, None)
+
+    def _answering(self, key: tuple[str, int]) -> bool:
+        """Whether a step no longer placed here stays loaded for now: requests for it are in
+        flight through the front door (a control plane's gateway sent them before the step
+        left, or another control plane's still does), for ``unload_wait_s`` at most."""
+        count = self._requests_in_flight(lora_name(*key))
+        if not count:
+            return False
+        now = time.monotonic()
+        if key not in self._unload_waits:
+            self._unload_waits[key] = now
+            logger.info(
+                "%s step %d is no longer placed here; %d requests in flight for it: unloading it "
+                "once they are answered, in %.0fs at most (SKYTRAIN_WORKER_UNLOAD_WAIT_S)",
+                *key,
+                count,
+                self._unload_wait_s,
+            )
+        since = self._unload_waits[key]
+        if now - since < self._unload_wait_s:
+            return True
+        logger.warning(
+            "%s step %d: %d requests still in flight %.0fs after it left this worker "
+            "(SKYTRAIN_WORKER_UNLOAD_WAIT_S): unloading it; they fail",
+            *key,
+            count,
+            now - since,
+        )
+        return False
 
     async def serve_checkpoint(self, model_id: str, step: int, directory: Path) -> bool:
         """Load a checkpoint written on this worker into the engine (the Tinker executor's
@@ -202,6 +248,7 @@ class EngineHost:
             self.served.pop(key, None)
             self._unconfirmed.discard(key)
             self._confirmed_at.pop(key, None)
+            self._unload_waits.pop(key, None)
 
     async def fetch_checkpoint(
         self, model_id: str, step: int, names: tuple[str, ...] | None = None

@@ -11,7 +11,10 @@ alone. The front door listens on the worker's public address and:
 - forwards only what the gateway needs: chat completions, completions, the model list and
   health. Every other path is a 404, with or without the secret;
 - streams the engine's answer back as it comes, and closes the request to the engine as soon
-  as the caller leaves (the engine then stops generating).
+  as the caller leaves (the engine then stops generating);
+- counts the requests in flight for each model (adapter) the engine serves, from the moment
+  their body is read until their answer ends: the agent unloads no adapter that a request
+  is still for (``EngineHost.sync_adapters``), whichever control plane sent it.
 
 The engine is called with its own secret, which never leaves the worker.
 """
@@ -21,9 +24,12 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 
 import httpx
+import msgspec
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -64,6 +70,15 @@ ENGINE_LIMITS = httpx.Limits(
 STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
+class _Addressed(msgspec.Struct):
+    """What the front door reads of an inference request's body: the model it is for."""
+
+    model: str = ""
+
+
+_ADDRESSED = msgspec.json.Decoder(_Addressed)
+
+
 def _error(status: int, type_: str, message: str) -> JSONResponse:
     """An error in the engines' own shape, so the gateway reads it like any engine error."""
     return JSONResponse(
@@ -95,6 +110,12 @@ class FrontDoor:
 
         # Requests being answered now (the engine's batch, as the heartbeat reports it).
         self.in_flight = 0
+        # The same, per model asked for (the engine's name for it: an adapter or the base).
+        self._in_flight_for: Counter[str] = Counter()
+
+    def requests_for(self, model: str) -> int:
+        """Requests in flight for ``model`` (its name in the engine) now."""
+        return self._in_flight_for[model]
 
     async def aclose(self) -> None:
         await self._engine.aclose()
@@ -110,8 +131,7 @@ class FrontDoor:
         counted = scope.get("path") in _INFERENCE_PATHS
         self.in_flight += counted
         try:
-            response = await self._answer(Request(scope, receive))
-            await response(scope, receive, send)
+            await self._serve(Request(scope, receive), send)
         finally:
             self.in_flight -= counted
 
@@ -129,7 +149,22 @@ class FrontDoor:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), self._secret)
 
-    async def _answer(self, request: Request) -> Response:
+    async def _serve(self, request: Request, send: Send) -> None:
+        refusal = self._refusal(request)
+        if refusal is None:
+            body = await self._body(request)
+            if body is not None:
+                with self._counted(_model_of(request.url.path, body)):
+                    response = await self._answer(request, body)
+                    await response(request.scope, request.receive, send)
+                return
+            refusal = _error(
+                413, "payload_too_large", f"the request body is over {self._max_body_bytes} bytes"
+            )
+        await refusal(request.scope, request.receive, send)
+
+    def _refusal(self, request: Request) -> Response | None:
+        """The answer to a request that goes no further than the door, None for the others."""
         if not self._authorized(request):
             return _error(
                 401,
@@ -138,13 +173,22 @@ class FrontDoor:
             )
         if (request.method, request.url.path) not in FORWARDED_ROUTES:
             return _error(404, "not_found_error", f"{request.method} {request.url.path} not found")
-        body = await self._body(request)
-        if body is None:
-            return _error(
-                413,
-                "payload_too_large",
-                f"the request body is over {self._max_body_bytes} bytes",
-            )
+        return None
+
+    @contextmanager
+    def _counted(self, model: str | None) -> Iterator[None]:
+        if model is None:
+            yield
+            return
+        self._in_flight_for[model] += 1
+        try:
+            yield
+        finally:
+            self._in_flight_for[model] -= 1
+            if not self._in_flight_for[model]:
+                del self._in_flight_for[model]
+
+    async def _answer(self, request: Request, body: bytes) -> Response:
         try:
             upstream = await until_disconnected(
                 request.receive,
@@ -211,6 +255,17 @@ async def _relay(upstream: httpx.Response) -> AsyncIterator[bytes]:
         yield f"data: {json.dumps({'error': {'message': message}})}\n\n".encode()
     finally:
         await upstream.aclose()
+
+
+def _model_of(path: str, body: bytes) -> str | None:
+    """The model an inference request is for (None for other routes, or a body that is not
+    a JSON object naming one: the engine answers that with its own 400)."""
+    if path not in _INFERENCE_PATHS:
+        return None
+    try:
+        return _ADDRESSED.decode(body).model or None
+    except msgspec.DecodeError:
+        return None
 
 
 def _forwarded_headers(request: Request) -> dict[str, str]:

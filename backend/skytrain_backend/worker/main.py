@@ -307,6 +307,7 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             sleep_engine_during_training=sleep_engine,
             engine_sleep_wait_s=settings.engine.sleep_wait_s,
             engine_sleep_timeout_s=settings.engine.sleep_timeout_s,
+            unload_wait_s=settings.worker.unload_wait_s,
             device=config.device,
             max_models=config.max_models,
             max_lora_rank=lora_rank_slot(options.max_lora_rank)
@@ -330,6 +331,7 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             engine=engine,
             read_kv_cache=kind == "vllm",
         ),
+        requests_in_flight=front_door.requests_for,
     )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

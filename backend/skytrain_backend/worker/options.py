@@ -25,6 +25,8 @@ class AgentOptions:
     # itself, or a wake-up, may take.
     engine_sleep_wait_s: float = 300.0
     engine_sleep_timeout_s: float = 600.0
+    # How long an adapter no longer placed here stays loaded for its requests in flight.
+    unload_wait_s: float = 300.0
     device: str | None = None
     max_models: int = 8
     # The largest LoRA rank the engine loads (None: any).
