@@ -7,6 +7,9 @@
   ``X-Session-Id`` header) goes to the replica the conversation's last request went to, so a
   multi-turn rollout reuses that engine's prefix cache, while that replica is among the
   route's and healthy; otherwise it is placed as any request and the conversation follows it.
+  Each tenant's conversations are remembered apart, ``AFFINITY_ENTRIES_PER_TENANT`` at most
+  (its least recently used forgotten first): a tenant with many conversations forgets only
+  its own, never another tenant's.
 - **A replica that cannot be reached** (the request never reached it: the connection failed),
   or whose engine refuses it with a 503 before generating (``Gateway._send``), is left
   out for ``DOWN_S`` and the request goes to another replica. Once an engine has
@@ -30,8 +33,8 @@ from skytrain_backend.scheduler.routing import EngineRoute
 
 # How long a replica that could not be reached is left out of its model's choices.
 DOWN_S = 5.0
-# Conversations remembered (least recently used forgotten first).
-AFFINITY_ENTRIES = 100_000
+# Conversations remembered per tenant (its least recently used forgotten first).
+AFFINITY_ENTRIES_PER_TENANT = 10_000
 SESSION_HEADER = "X-Session-Id"
 
 
@@ -40,7 +43,8 @@ class Balancer:
         self.demand = demand
         self._lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
-        self._affinity: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # Per tenant: (model id, conversation) -> the worker its last request went to.
+        self._affinity: dict[str, OrderedDict[tuple[str, str], str]] = {}
         self._down_until: dict[str, float] = {}
         self._turn = itertools.count()
 
@@ -49,9 +53,14 @@ class Balancer:
             return self._outstanding.get(worker_id, 0)
 
     def pick(
-        self, route: EngineRoute, *, conversation: str | None, exclude: Collection[str] = ()
+        self,
+        route: EngineRoute,
+        *,
+        tenant_id: str,
+        conversation: str | None,
+        exclude: Collection[str] = (),
     ) -> EngineRoute | None:
-        """The replica for a request (None: every one was excluded)."""
+        """The replica for a request of ``tenant_id`` (None: every one was excluded)."""
         choices = [choice for choice in route.choices if choice.worker_id not in exclude]
         if not choices:
             return None
@@ -61,11 +70,12 @@ class Balancer:
             # Every replica left out: try them anyway (one may be back).
             choices = healthy or choices
             key = (route.model_id, conversation) if conversation else None
-            if key is not None:
-                held = self._affinity.get(key)
+            remembered = self._affinity.get(tenant_id)
+            if key is not None and remembered is not None:
+                held = remembered.get(key)
                 for choice in choices:
                     if choice.worker_id == held:
-                        self._affinity.move_to_end(key)
+                        remembered.move_to_end(key)
                         return choice
             turn = next(self._turn)
             chosen = min(
@@ -76,10 +86,11 @@ class Balancer:
                 ),
             )[1]
             if key is not None:
-                self._affinity[key] = chosen.worker_id
-                self._affinity.move_to_end(key)
-                while len(self._affinity) > AFFINITY_ENTRIES:
-                    self._affinity.popitem(last=False)
+                remembered = self._affinity.setdefault(tenant_id, OrderedDict())
+                remembered[key] = chosen.worker_id
+                remembered.move_to_end(key)
+                while len(remembered) > AFFINITY_ENTRIES_PER_TENANT:
+                    remembered.popitem(last=False)
             return chosen
 
     def begin(self, route: EngineRoute) -> Callable[[], None]:

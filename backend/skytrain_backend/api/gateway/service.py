@@ -115,7 +115,9 @@ class Gateway:
         (``counted``)."""
         tried: set[str] = set()
         while True:
-            chosen = self.balancer.pick(route, conversation=conversation, exclude=tried)
+            chosen = self.balancer.pick(
+                route, tenant_id=tenant_id, conversation=conversation, exclude=tried
+            )
             assert chosen is not None  # the route's own engine at least, before any is tried
             done = self.balancer.begin(chosen)
             sent = {**body, "model": chosen.engine_model}
