@@ -453,8 +453,15 @@ class SchedulerSettings(_SettingsGroup):
     sweep_interval_s: float = Field(
         default=60.0,
         gt=0,
-        description="How often the scheduler removes objects left behind: files of deleted "
-        "checkpoints the store failed to delete.",
+        description="How often the scheduler removes what is left behind: files of deleted "
+        "checkpoints the store failed to delete, model events past SKYTRAIN_MODEL_EVENTS_KEPT.",
+    )
+    model_events_kept: int = Field(
+        default=200,
+        ge=1,
+        description="The newest events kept for each model (its replicas' scale decisions "
+        "and their reasons: `skytrain models show`, GET /v1/models/{id}/events); older ones "
+        "are deleted at each sweep (SKYTRAIN_SWEEP_INTERVAL_S).",
     )
     garbage_interval_s: float = Field(
         default=3600.0,

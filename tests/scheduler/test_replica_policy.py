@@ -14,6 +14,7 @@ import dataclasses
 import uuid
 from collections.abc import Callable
 
+import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -21,9 +22,10 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.config import Settings
 from skytrain_backend.db.models import Model, ModelEvent, ModelReplica, Worker, utcnow
 from skytrain_backend.db.tenants import TenantLimits
-from skytrain_backend.scheduler import replicas
+from skytrain_backend.scheduler import garbage, replicas
 from skytrain_backend.scheduler.demand import DemandMeter
 from tests.fixtures.rows import add_model, add_ready_worker
+from tests.fixtures.services import EMBEDDED_BACKEND
 
 WINDOW_S = 10.0
 POLICY = replicas.ScalePolicy(
@@ -217,3 +219,42 @@ def test_scale_in_keeps_a_draining_replica_until_its_requests_in_flight_are_answ
         removed = _last_event(session, model.id)
         assert removed.kind == "replica_removed" and removed.worker_id == spare.id
         assert "no request in flight" in removed.reason
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [EMBEDDED_BACKEND, pytest.param("postgres-local", marks=pytest.mark.postgres)],
+    indirect=True,
+)
+def test_pruning_keeps_each_models_newest_events_and_deletes_the_older(
+    db_sessions: sessionmaker[Session], settings: Settings
+) -> None:
+    """Every PATCH and scale decision added a ``model_events`` row for ever; the scheduler's
+    sweep (``garbage.prune_model_events``) now keeps the newest ``model_events_kept`` of each
+    model. A model with fewer keeps all of its own, however many another model has."""
+    base, tenant = _base(), f"events-{uuid.uuid4().hex[:6]}"
+    with db_sessions() as session:
+        worker = add_ready_worker(session, base_model=base)
+        busy = _home(session, base=base, tenant=tenant, worker=worker)
+        quiet = _home(session, base=base, tenant=tenant, worker=worker)
+        for bound in range(1, 13):
+            replicas.set_bounds(
+                session,
+                model=busy,
+                min_replicas=None,
+                max_replicas=bound % 3 + 1,
+                limits=_limits(settings, max_workers=3)(tenant),
+            )
+        for reason in ("first", "second"):
+            replicas.record(session, model=quiet, kind="held", reason=reason, replicas=1)
+        session.commit()
+        newest = [event.id for event in replicas.events(session, model_id=busy.id, limit=5)]
+
+        garbage.prune_model_events(session, keep=5)
+
+        kept = session.scalars(select(ModelEvent.id).where(ModelEvent.model_id == busy.id))
+        assert sorted(kept) == sorted(newest)
+        assert [e.reason for e in replicas.events(session, model_id=quiet.id)] == [
+            "second",
+            "first",
+        ]

@@ -16,6 +16,9 @@
   any tenant may name any Hub repository, so the store keeps the configs of the base models
   that models name, and the sweep deletes the others once past the grace period (one a
   later model names again is read from the Hub again).
+- Model events (``prune_model_events``): each decision about a model's replicas is a row;
+  the newest ``model_events_kept`` of each model stay (what ``skytrain models show`` and
+  ``GET /v1/models/{id}/events`` read), older ones are deleted at each sweep.
 - Writes that never finished (``abort_stale_uploads``): an S3 multipart upload or a local
   temporary file that a process killed mid-write left, once a day old (no request's upload
   runs that long). S3 would otherwise keep, and bill, their parts for ever.
@@ -27,12 +30,13 @@ import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from sqlalchemy import select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import (
     Checkpoint,
     Model,
+    ModelEvent,
     TinkerRequest,
     TinkerRun,
     TrainingJob,
@@ -84,6 +88,27 @@ def purge_deleted_checkpoints(
         purged += 1
     session.rollback()
     return purged
+
+
+def prune_model_events(session: Session, *, keep: int) -> int:
+    """Delete every model's events but its newest ``keep`` (committed); how many went."""
+    ranked = select(
+        ModelEvent.id,
+        func.row_number()
+        .over(partition_by=ModelEvent.model_id, order_by=ModelEvent.id.desc())
+        .label("rank"),
+    ).subquery()
+    older = select(ranked.c.id).where(ranked.c.rank > keep)
+    deleted = session.execute(
+        delete(ModelEvent)
+        .where(ModelEvent.id.in_(older))
+        .execution_options(synchronize_session=False)
+    )
+    pruned = deleted.rowcount  # type: ignore[attr-defined]
+    session.commit()
+    if pruned:
+        logger.info("pruned %d model events (the newest %d of each model are kept)", pruned, keep)
+    return int(pruned or 0)
 
 
 def _step_prefixes(store: ObjectStore, *, tenant_id: str, model_id: str, step: int) -> list[str]:

@@ -258,9 +258,11 @@ class Scheduler:
                 session, idle_timeout_s=s.scheduler.worker_idle_timeout_s
             ):
                 self._stop_idle(session, worker)
-            if self.store is not None and time.monotonic() >= self._next_sweep:
+            if time.monotonic() >= self._next_sweep:
                 self._next_sweep = time.monotonic() + s.scheduler.sweep_interval_s
-                garbage.purge_deleted_checkpoints(session, store=self.store)
+                garbage.prune_model_events(session, keep=s.scheduler.model_events_kept)
+                if self.store is not None:
+                    garbage.purge_deleted_checkpoints(session, store=self.store)
             if self.store is not None and time.monotonic() >= self._next_garbage:
                 self._next_garbage = time.monotonic() + s.scheduler.garbage_interval_s
                 garbage.collect_garbage(
