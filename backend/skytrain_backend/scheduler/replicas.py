@@ -243,18 +243,35 @@ def scale(
         average = demand.average(model.id, window_s=policy.window_s)
         if average is not None:
             per_replica_demands.append(average / count)
+        # Why a replica is added, or the newest drains, this pass (None: neither).
+        adding: str | None = None
+        draining: str | None = None
         if count > cap and serving:
             # max_replicas or the tenant's max_workers lowered since (a PATCH, the operator).
-            _drain(
-                session,
-                model=model,
-                worker_id=serving[-1],
-                count=count,
-                reason=f"{count} replicas, more than max_replicas={config.max_replicas} and "
-                f"your tenant's max_workers={quota.max_workers} allow",
+            draining = (
+                f"{count} replicas, more than max_replicas={config.max_replicas} and "
+                f"your tenant's max_workers={quota.max_workers} allow"
             )
-            continue
-        if count < floor:
+        elif count < floor:
+            adding = f"{count} of min_replicas={config.min_replicas} replicas"
+        elif average is not None and not _cooling(
+            session, model_id=model.id, cooldown_s=policy.cooldown_s
+        ):
+            per_replica = average / count
+            said = f"{average:.1f} requests in flight on average over {policy.window_s:.0f} s"
+            if per_replica > policy.scale_out_in_flight and count < cap:
+                adding = (
+                    f"{said}: {per_replica:.1f} per replica over {count}, above "
+                    f"{policy.scale_out_in_flight:g}"
+                )
+            elif count > floor and serving and average / (count - 1) < policy.scale_in_in_flight:
+                draining = (
+                    f"{said}: {average / (count - 1):.1f} per replica over {count - 1} would "
+                    f"be below {policy.scale_in_in_flight:g}"
+                )
+        if draining is not None:
+            _drain(session, model=model, worker_id=serving[-1], count=count, reason=draining)
+        elif adding is not None:
             _add(
                 session,
                 model=model,
@@ -264,36 +281,7 @@ def scale(
                 launch=launch,
                 launched=launched,
                 waiting=waiting,
-                kind="scale_out",
-                reason=f"{count} of min_replicas={config.min_replicas} replicas",
-            )
-            continue
-        if average is None or _cooling(session, model_id=model.id, cooldown_s=policy.cooldown_s):
-            continue
-        per_replica = average / count
-        said = f"{average:.1f} requests in flight on average over {policy.window_s:.0f} s"
-        if per_replica > policy.scale_out_in_flight and count < cap:
-            _add(
-                session,
-                model=model,
-                count=count,
-                quota=quota,
-                max_workers=max_workers,
-                launch=launch,
-                launched=launched,
-                waiting=waiting,
-                kind="scale_out",
-                reason=f"{said}: {per_replica:.1f} per replica over {count}, above "
-                f"{policy.scale_out_in_flight:g}",
-            )
-        elif count > floor and serving and average / (count - 1) < policy.scale_in_in_flight:
-            _drain(
-                session,
-                model=model,
-                worker_id=serving[-1],
-                count=count,
-                reason=f"{said}: {average / (count - 1):.1f} per replica over {count - 1} would "
-                f"be below {policy.scale_in_in_flight:g}",
+                reason=adding,
             )
     observed.demand_per_replica(per_replica_demands)
 
@@ -350,7 +338,6 @@ def _add(
     launch: Callable[[str], None] | None,
     launched: set[str],
     waiting: Collection[str],
-    kind: str,
     reason: str,
 ) -> None:
     """Put one more replica of the model on a worker with room, or launch one for it; not
@@ -391,7 +378,7 @@ def _add(
         record(
             session,
             model=model,
-            kind=kind,
+            kind="scale_out",
             reason=f"{reason}: replica placed on worker {worker.id}",
             replicas=count + 1,
             worker_id=worker.id,
