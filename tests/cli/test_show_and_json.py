@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +14,20 @@ import httpx
 import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
+from skytrain_backend.app import create_app
 from skytrain_backend.cli._common import _human_size
-from skytrain_backend.db import jobs
-from skytrain_backend.db.models import TrainingJob
-from tests.fixtures.rows import add_rl_job
-from tests.fixtures.services import ApiKey, ControlPlane
+from skytrain_backend.db import api_keys, jobs
+from skytrain_backend.db.models import Model, ModelReplica, TrainingJob, utcnow
+from tests.fixtures.cli import run_cli
+from tests.fixtures.rows import add_ready_worker, add_rl_job
+from tests.fixtures.services import (
+    ApiKey,
+    ControlPlane,
+    MakeSettings,
+    database_sessions,
+    serve_in_thread,
+)
+from tests.gateway.conftest import wait_until
 
 
 @pytest.fixture
@@ -160,3 +170,61 @@ def test_models_replicas_sets_the_bounds_and_show_prints_the_events(
     assert "replica events" in control_plane_cli("models", "show", model["id"])
     refused = control_plane_cli("models", "replicas", model["id"], "--max", "3", code=1)
     assert "max_workers=2" in refused
+
+
+def test_models_show_prints_the_replicas_and_the_demand_per_replica(
+    make_settings: MakeSettings,
+) -> None:
+    """Issue 35: `models show` printed a model's replicas and events, but not the demand the
+    scheduler scales them by (that lived in the leader's memory). Each scheduling pass now
+    writes it on the model's row. A control plane of its own (a short replica window, no
+    scale-out), its scheduler counting requests in flight on the model as its gateway does
+    for each request it sends; the model's home and replica are worker rows."""
+    settings = make_settings(
+        scheduler={
+            "replica_window_s": 0.5,
+            "replica_scale_out_in_flight": 100.0,
+            "replica_cooldown_s": 0.0,
+        }
+    )
+    app = create_app(settings)
+    with database_sessions(settings) as sessions, serve_in_thread(app) as url:
+        with sessions() as session:
+            _, key = api_keys.create_key(session, tenant_name=f"demand-{uuid.uuid4().hex[:6]}")
+        response = httpx.post(
+            f"{url}/v1/models",
+            headers={"Authorization": f"Bearer {key}"},
+            json={"project": "cli", "name": "busy", "base_model": "tiny/demand"},
+        )
+        assert response.status_code == 201, response.text
+        model_id = response.json()["id"]
+        with sessions() as session:
+            home, replica = (add_ready_worker(session, base_model="tiny/demand") for _ in "12")
+            row = session.get_one(Model, model_id)
+            row.worker_id, row.last_active_at = home.id, utcnow()
+            row.config = {**row.config, "max_replicas": 2}
+            session.add(ModelReplica(model_id=model_id, worker_id=replica.id))
+            session.commit()
+        # Three requests in flight on the model: 1.5 per replica once the window is past.
+        ends = [app.state.scheduler.demand.begin(model_id, home.id) for _ in range(3)]
+
+        def written() -> float | None:
+            with sessions() as session:
+                return session.get_one(Model, model_id).demand_per_replica
+
+        wait_until(lambda: written() == 1.5, what="the scheduler's reading on the model")
+        shown = run_cli(settings, "models", "show", model_id)
+        assert shown.exit_code == 0, shown.output
+        assert "demand per replica: 1.5 requests in flight per replica" in shown.output
+        as_json = json.loads(run_cli(settings, "models", "show", model_id, "--json").output)
+        assert as_json["demand_per_replica"] == 1.5
+        assert {(r["worker"], r["role"]) for r in as_json["replicas"]} == {
+            (home.id, "home"),
+            (replica.id, "replica"),
+        }
+        for end in ends:
+            end()
+        wait_until(lambda: written() == 0.0, what="the demand gone with its requests")
+        assert (
+            "demand per replica: 0 requests" in run_cli(settings, "models", "show", model_id).output
+        )

@@ -120,6 +120,9 @@ def test_replicas_count_against_the_tenants_quotas(
         assert held.kind == "held" and "max_workers=2" in held.reason, held.reason
         demand = REGISTRY.get_sample_value("skytrain_model_demand_per_replica", {"stat": "max"})
         assert demand == 4.0
+        # The same figure, on the model's row for readers of the database (`models show`).
+        session.refresh(busy)
+        assert busy.demand_per_replica == 4.0
 
         # Room on a worker the tenant already occupies: the replica goes there, within
         # max_workers, unless it would be one placed model more than max_placed_models.
@@ -132,6 +135,13 @@ def test_replicas_count_against_the_tenants_quotas(
         scale(max_workers=2, max_placed_models=3)
         assert _held_on(session, busy.id) == {second.id: "serving"}
         assert free.id not in _held_on(session, busy.id)
+
+        # A model taken off its worker has no demand per replica.
+        busy.worker_id = None
+        session.commit()
+        scale(max_workers=2, max_placed_models=3)
+        session.refresh(busy)
+        assert busy.demand_per_replica is None
 
 
 def test_one_tenants_scale_out_never_evicts_another_tenants_model(

@@ -96,8 +96,8 @@ def models_list(
 
 @models_app.command("show")
 def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
-    """Show a model: owner, base model, config, where it is served, its checkpoints and its
-    latest training jobs."""
+    """Show a model: owner, base model, config, where it is served, its checkpoints, its
+    latest training jobs, its replicas with the demand per replica, and the replica events."""
     import json
 
     from sqlalchemy import select
@@ -142,6 +142,7 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
             )
         ]
         config = row.config or {}
+        demand = row.demand_per_replica
         replica_rows = [
             [item.worker_id, item.role, item.status]
             for item in replicas.placed_on(session, model=row)
@@ -158,6 +159,7 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
         _print_json(
             {
                 **{key.replace(" ", "_"): value for key, value in fields.items()},
+                "demand_per_replica": demand,
                 "config": config,
                 "checkpoints": _rows(checkpoint_columns, checkpoints),
                 "training_jobs": _rows(job_columns, jobs),
@@ -172,6 +174,8 @@ def models_show(model: str = MODEL_ARGUMENT, json_: bool = JSON_OPTION) -> None:
     _output("checkpoints", checkpoint_columns, checkpoints, as_json=False)
     _output("training jobs", job_columns, jobs, as_json=False)
     _output("replicas", replica_columns, replica_rows, as_json=False)
+    said = "-" if demand is None else f"{demand:g} requests in flight per replica"
+    typer.echo(f"demand per replica: {said} (the scheduler's last pass, over its window)")
     _output("replica events (newest first)", event_columns, events, as_json=False)
 
 

@@ -170,6 +170,10 @@ class Model(Base):
     )
     # Last registration, request or job: the scheduler keeps active models placed.
     last_active_at: Mapped[datetime | None]
+    # Requests in flight per replica, averaged over the replica window, as the scheduler's
+    # last pass read them (``scheduler/replicas.py``); None before a window was counted, or
+    # while the model is not placed.
+    demand_per_replica: Mapped[float | None] = mapped_column(Float)
 
 
 class ModelReplica(Base):

@@ -30,8 +30,9 @@ Each pass, for each placed model (``scale``):
   model: one tenant's scale-out never evicts another tenant's model nor keeps it waiting. The
   other way round, a model waiting for a slot on full workers takes a replica's first: the
   replica drains (``fair_share.take_slot``).
-- The demand per replica is the model's (``Demand``: ``GET /v1/models/{id}`` shows it) and,
-  over the placed models, ``skytrain_model_demand_per_replica{stat="max"|"mean"}``.
+- The demand per replica is the model's (``Demand``: ``GET /v1/models/{id}`` shows it; each
+  pass also writes it to ``Model.demand_per_replica``, which ``skytrain models show`` reads)
+  and, over the placed models, ``skytrain_model_demand_per_replica{stat="max"|"mean"}``.
 - Every decision is a ``model_events`` row with its reason (``skytrain models show``,
   ``GET /v1/models/{id}/events``); a wait (no room, a quota) is written once, not per pass.
 """
@@ -44,7 +45,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import Model, ModelEvent, ModelReplica, Worker, utcnow
@@ -243,6 +244,9 @@ def scale(
         average = demand.average(model.id, window_s=policy.window_s)
         if average is not None:
             per_replica_demands.append(average / count)
+        # For readers of the database (``skytrain models show``); rounded, so that a steady
+        # demand is not written again at every pass.
+        model.demand_per_replica = None if average is None else round(average / count, 1)
         # Why a replica is added, or the newest drains, this pass (None: neither).
         adding: str | None = None
         draining: str | None = None
@@ -284,6 +288,17 @@ def scale(
                 reason=adding,
             )
     observed.demand_per_replica(per_replica_demands)
+    # A model no longer placed has no demand per replica.
+    session.execute(
+        update(Model)
+        .where(
+            Model.demand_per_replica.is_not(None),
+            or_(Model.worker_id.is_(None), Model.worker_id.not_in(live)),
+        )
+        .values(demand_per_replica=None)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
 
 
 def _finish_draining(session: Session, *, model: Model, demand: DemandMeter) -> None:
