@@ -85,6 +85,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 sessions=app.state.sessionmaker,
                 shared=make_url(settings.storage.resolved_database_url).get_backend_name()
                 == "postgresql",
+                process_places=settings.admission.rest_admission_process_places,
             )
             # The routes' threads, taken in turns by tenant (api/admission/fairness.py).
             app.state.route_turns = FairLimiter(

@@ -235,6 +235,16 @@ class AdmissionSettings(_SettingsGroup):
         description="A REST, Tinker or worker request counts 1 plus 1 per started this many "
         "bytes of its declared body (chunked: SKYTRAIN_MAX_REQUEST_BYTES), at most the limit.",
     )
+    rest_admission_process_places: int = Field(
+        default=32,
+        gt=0,
+        le=100_000,
+        description="REST requests in flight in one control-plane process (long-polls while "
+        "they wait excepted) that its tenants share: past them, a tenant holding more than "
+        "its share (these places over the tenants with requests in flight) waits like one "
+        "past its max_concurrent_rest_requests, then gets 429; a tenant with none in flight "
+        "is always let in.",
+    )
     worker_max_concurrent_requests: int = Field(
         default=64, gt=0, description="Requests in flight per worker token, per process."
     )

@@ -115,6 +115,50 @@ def test_requests_past_the_cap_wait_in_order_of_arrival_for_room(
     asyncio.run(scenario())
 
 
+def test_busy_tenants_share_the_process_places_and_a_quiet_one_is_let_in_at_once(
+    settings: Settings, db_sessions: sessionmaker[Session]
+) -> None:
+    limits = tenants.TenantLimits.defaults(settings)  # 32 each: the places bind first
+
+    async def scenario() -> None:
+        loads = TenantLoads(sessions=db_sessions, shared=False, process_places=4)
+        a = [await loads.admit("a", limits=limits, cost=REST_REQUEST) for _ in range(2)]
+        b = [await loads.admit("b", limits=limits, cost=REST_REQUEST) for _ in range(2)]
+        with pytest.raises(RateLimited) as refused:  # the places are full, a holds its share
+            await loads.admit("a", limits=limits, cost=REST_REQUEST)
+        assert refused.value.limit == "rest_admission_process_places"
+        assert "2 tenants share its 4 places" in str(refused.value)
+        assert "SKYTRAIN_REST_ADMISSION_PROCESS_PLACES" in str(refused.value)
+
+        # A tenant with nothing in flight is let in at once, past the places.
+        c = await loads.admit("c", limits=limits, cost=REST_REQUEST)
+
+        # a's next request waits: b's release leaves the places full and a over its share
+        # (4 places over 3 tenants); once b and c are done, it is let in.
+        waiting = asyncio.create_task(loads.admit("a", limits=limits, cost=REST_REQUEST, wait_s=60))
+        await asyncio.sleep(0.05)
+        b[0]()
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        b[1]()
+        c()
+        a.append(await asyncio.wait_for(waiting, 10))
+        assert loads.held("a").rest_requests == 3
+
+        # A long-poll that waits (parked) holds its tenant's own slot, not a place.
+        for admitted in a:
+            admitted.park()
+        b = [await loads.admit("b", limits=limits, cost=REST_REQUEST) for _ in range(4)]
+        assert loads.held("a").rest_requests == 3
+        for admitted in a + b:
+            admitted()
+            admitted()  # twice is once
+        assert loads.held("a").rest_requests == loads.held("b").rest_requests == 0
+        await loads.aclose()
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.postgres
 @pytest.mark.slow
 def test_a_tenant_at_its_cap_through_one_control_plane_is_refused_through_another(

@@ -26,6 +26,7 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
+from skytrain_backend.api.admission.rest_admission import park
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.observability import http as observe_http
 
@@ -82,6 +83,7 @@ async def long_poll(
     hung_up = asyncio.ensure_future(_hung_up(request)) if wait_s > 0 else None
     if wait_s > 0:
         observe_http.mark_long_poll(request.scope)  # its wait is not load, nor its latency
+        park(request.scope)
     try:
         while True:
             # Taken before the check: a change committed during it still wakes the wait.

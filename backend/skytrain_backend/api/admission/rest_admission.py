@@ -47,7 +47,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from skytrain_backend.api.admission import fairness
 from skytrain_backend.api.admission.auth import FAILURES_LIMIT, Authenticator
 from skytrain_backend.api.admission.limits import CHECKPOINT_UPLOAD, INFERENCE_PATH, WORKER_PREFIX
-from skytrain_backend.api.admission.tenant_load import REST_REQUEST, TenantLoads, rest_cost
+from skytrain_backend.api.admission.tenant_load import (
+    REST_REQUEST,
+    Admitted,
+    TenantLoads,
+    rest_cost,
+)
 from skytrain_backend.api.errors import skytrain_error_response
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
@@ -55,6 +60,7 @@ from skytrain_backend.db.models import Tenant
 from skytrain_backend.errors import AuthenticationFailed, RateLimited, SkytrainError
 
 _ADMITTED = "skytrain.admitted_tenant"
+_ADMISSION = "skytrain.admission"
 TINKER_PREFIX = "/api/v1/"
 # The Tinker SDK's keys are "tml-" + a skytrain key, sent as X-API-Key.
 TINKER_KEY_PREFIX = "tml-"
@@ -65,6 +71,15 @@ def admitted(scope: Scope) -> Tenant | None:
     """The tenant this middleware admitted the request for, if it did."""
     tenant: Tenant | None = scope.get(_ADMITTED)
     return tenant
+
+
+def park(scope: Scope) -> None:
+    """The request ``scope`` belongs to waits with nothing to do (a long-poll): it stops
+    counting against its process's shared places (``TenantLoads``), not against its tenant's
+    own limit."""
+    admission: Admitted | None = scope.get(_ADMISSION)
+    if admission is not None:
+        admission.park()
 
 
 def client_address(scope: Scope) -> str | None:
@@ -93,9 +108,9 @@ async def admit(
     settings: Settings,
     body_bytes: int = 0,
     client: str | None = None,
-) -> tuple[Tenant, Callable[[], None]]:
+) -> tuple[Tenant, Admitted]:
     """The key's tenant, one REST request of its (weighted by ``body_bytes``) counted in; and
-    the function that counts it out. ``AuthenticationFailed`` or ``RateLimited`` otherwise."""
+    what counts it out. ``AuthenticationFailed`` or ``RateLimited`` otherwise."""
     tenant = await authenticator.tenant(key, client=client)
     limits = tenants.limits_of(tenant, settings)
     cost = rest_cost(
@@ -176,6 +191,7 @@ class RestAdmission:
             client=client_address(scope),
         )
         scope[_ADMITTED] = tenant
+        scope[_ADMISSION] = release
         fairness.turn_key.set(tenant.id)
         return release
 

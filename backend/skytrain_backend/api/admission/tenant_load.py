@@ -16,6 +16,13 @@ function it returns counts it out.
   held, never the other way round). Rows are leased for ``LEASE_S`` and renewed every
   ``RENEW_S``: the load of a process that was killed is freed within ``LEASE_S``.
 
+The REST requests of one process also share its places (``process_places``): past them, a
+tenant holding more than its share (the places over the tenants with requests in flight) waits
+like a tenant past its own cap, then gets 429; a tenant with nothing in flight is always let
+in. Eight tenants bursting at once then keep as much work in flight as one does, so a ninth's
+request waits behind that, not behind eight times it. A long-poll stops counting against the
+places once it waits (``Admitted.park``): it holds no CPU then.
+
 A tenant cannot tie up what others use: a process sends one admission per tenant at a time to
 the database (the others of that tenant wait in memory, holding nothing), and every admission,
 release and renewal runs on threads of its own (``DB_THREADS``), not the pool the routes share,
@@ -136,12 +143,49 @@ def check_admission(held: Load, *, cost: Load, limits: TenantLimits) -> None:
         )
 
 
-class TenantLoads:
-    """Requests in flight per tenant; across processes when ``shared`` (PostgreSQL)."""
+def check_share(held: int, *, cost: int, total: int, busy: int, places: int) -> None:
+    """Raise ``RateLimited`` if a tenant holding ``held`` of the process's REST places may not
+    take ``cost`` more: the process holds ``total`` and ``busy`` tenants hold some (this one
+    counted). Within the places, or within its share of them, or holding none: it may."""
+    share = max(1, places // busy)
+    if total + cost <= places or held == 0 or held + cost <= share:
+        return
+    raise RateLimited(
+        f"this control-plane process is busy: {busy} tenants share its {places} places for "
+        f"REST requests (SKYTRAIN_REST_ADMISSION_PROCESS_PLACES) and yours hold {held}, over "
+        f"your share of {share}: wait for some to finish, or lower your client's concurrency",
+        limit="rest_admission_process_places",
+    )
 
-    def __init__(self, *, sessions: sessionmaker[Session], shared: bool) -> None:
+
+class Admitted:
+    """One request counted in. Calling it counts it out (safe twice); ``park()`` stops it
+    counting against the process's shared places while it waits with nothing to do."""
+
+    def __init__(self, release: Callable[[], None], park: Callable[[], None]) -> None:
+        self._release = release
+        self.park = park
+
+    def __call__(self) -> None:
+        self._release()
+
+
+class TenantLoads:
+    """Requests in flight per tenant; across processes when ``shared`` (PostgreSQL). With
+    ``process_places``, REST requests also share this process's places (above)."""
+
+    def __init__(
+        self,
+        *,
+        sessions: sessionmaker[Session],
+        shared: bool,
+        process_places: int | None = None,
+    ) -> None:
         self._sessions = sessions
         self._shared = shared
+        self._places = process_places
+        # REST places held in this process per tenant (parked long-polls not counted).
+        self._placed: dict[str, int] = {}
         self.holder = uuid.uuid4().hex
         self._in_flight: dict[str, Load] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -181,12 +225,13 @@ class TenantLoads:
 
     async def admit(
         self, tenant_id: str, *, limits: TenantLimits, cost: Load, wait_s: float = 0.0
-    ) -> Callable[[], None]:
-        """Count a request in; returns the function that counts it out (safe to call twice,
-        from the event loop). A request over a limit in this process waits up to ``wait_s``
-        (holding nothing) for the tenant's requests to finish, in order of arrival."""
+    ) -> Admitted:
+        """Count a request in; returns what counts it out (from the event loop). A request over
+        a limit in this process waits up to ``wait_s`` (holding nothing) for the tenant's
+        requests to finish, in order of arrival."""
         await self._wait_in_turn(tenant_id, limits=limits, cost=cost, wait_s=wait_s)
         self._add(tenant_id, cost)
+        self._place(tenant_id, cost.rest_requests)
         if self._shared:
             self._start_renewing()
             lock = self._admitting.setdefault(tenant_id, asyncio.Lock())
@@ -203,8 +248,16 @@ class TenantLoads:
                         await self._in_thread(tenant_id, self._acquire, tenant_id, limits, cost)
             except BaseException:
                 self._add(tenant_id, Load() - cost)
+                self._place(tenant_id, -cost.rest_requests)
                 raise
         released = False
+        parked = False
+
+        def park() -> None:
+            nonlocal parked
+            if not (parked or released):
+                parked = True
+                self._place(tenant_id, -cost.rest_requests)
 
         def release() -> None:
             nonlocal released
@@ -212,6 +265,8 @@ class TenantLoads:
                 return
             released = True
             self._add(tenant_id, Load() - cost)
+            if not parked:
+                self._place(tenant_id, -cost.rest_requests)
             waiters = self._waiters.get(tenant_id)
             if waiters:
                 waiters[0].set()
@@ -229,7 +284,34 @@ class TenantLoads:
 
                 task.add_done_callback(done)
 
-        return release
+        return Admitted(release, park)
+
+    def _place(self, tenant_id: str, delta: int) -> None:
+        """Count ``delta`` REST places in (or out) for the tenant; places freed wake the first
+        waiter of every other tenant, whose share may now let it in."""
+        if self._places is None or not delta:
+            return
+        held = self._placed.get(tenant_id, 0) + delta
+        if held:
+            self._placed[tenant_id] = held
+        else:
+            self._placed.pop(tenant_id, None)
+        if delta < 0:
+            for waiting_tenant, waiters in self._waiters.items():
+                if waiting_tenant != tenant_id and waiters:
+                    waiters[0].set()
+
+    def _check_places(self, tenant_id: str, cost: Load) -> None:
+        if self._places is None or not cost.rest_requests:
+            return
+        held = self._placed.get(tenant_id, 0)
+        check_share(
+            held,
+            cost=cost.rest_requests,
+            total=sum(self._placed.values()),
+            busy=len(self._placed) + (0 if held else 1),
+            places=self._places,
+        )
 
     async def _wait_in_turn(
         self, tenant_id: str, *, limits: TenantLimits, cost: Load, wait_s: float
@@ -241,6 +323,7 @@ class TenantLoads:
         if not waiters:
             try:
                 check_admission(self.held(tenant_id), cost=cost, limits=limits)
+                self._check_places(tenant_id, cost)
                 return
             except RateLimited:
                 if wait_s <= 0:
@@ -255,6 +338,7 @@ class TenantLoads:
                 if waiters[0] is turn or loop.time() >= deadline:
                     try:
                         check_admission(self.held(tenant_id), cost=cost, limits=limits)
+                        self._check_places(tenant_id, cost)
                         return
                     except RateLimited:
                         if loop.time() >= deadline:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
+from skytrain_backend.api.admission.rest_admission import park
 from skytrain_backend.api.deps import (
     SessionDep,
     SessionRoute,
@@ -69,6 +70,7 @@ def _result(store: Any, session: Session, row: TinkerRequest) -> Response:
 
 @router.post("/retrieve_future")
 async def retrieve_future(
+    request: Request,
     body: schemas.FutureRetrieveRequest,
     tenant: TinkerTenantDep,
     session: SessionDep,
@@ -84,6 +86,8 @@ async def retrieve_future(
     wait_limit = tenants.limits_of(tenant, settings).max_waiting_polls
     session.rollback()
     with waiting.hold(tenant_id, limit=wait_limit) as may_wait:
+        if may_wait:
+            park(request.scope)  # it waits with nothing to do: not load on the process
         answer = await tinker.wait(
             tenant_id=tenant_id,
             request_id=body.request_id,
