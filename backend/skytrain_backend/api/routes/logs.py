@@ -28,6 +28,7 @@ from skytrain_backend.api.schemas import (
     TrajectoryBatchDetail,
     TrajectoryBatchesPublic,
     TrajectoryBatchPublic,
+    page_public,
 )
 from skytrain_backend.db import batches, checkpoints, registry, tenants
 from skytrain_backend.db.models import new_id
@@ -134,12 +135,8 @@ def list_logs(
     step: StepQuery = None,
 ) -> TrajectoryBatchesPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    rows, has_more = batches.list_batches(
-        session, model_id=model.id, split=split, step=step, page=page
-    )
-    return TrajectoryBatchesPublic(
-        data=[TrajectoryBatchPublic.model_validate(row) for row in rows], has_more=has_more
-    )
+    found = batches.list_batches(session, model_id=model.id, split=split, step=step, page=page)
+    return page_public(TrajectoryBatchesPublic, found)
 
 
 @router.get("/logs/{batch_id}", response_model=TrajectoryBatchDetail)

@@ -40,10 +40,10 @@ from skytrain_backend.api.schemas import (
     LongSequencesPublic,
     SFTTrainingJobCreate,
     TrainingJobCreate,
-    TrainingJobEventPublic,
     TrainingJobEventsPublic,
     TrainingJobPublic,
     TrainingJobsPublic,
+    page_public,
 )
 from skytrain_backend.config import Settings
 from skytrain_backend.db import checkpoints, jobs, notify, registry
@@ -384,16 +384,10 @@ def list_training_jobs(
 ) -> TrainingJobsPublic:
     if model_id is not None:
         registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    rows, has_more = jobs.list_jobs(
-        session,
-        tenant_id=tenant.id,
-        model_id=model_id,
-        status=status,
-        page=page,
+    found = jobs.list_jobs(
+        session, tenant_id=tenant.id, model_id=model_id, status=status, page=page
     )
-    return TrainingJobsPublic(
-        data=[TrainingJobPublic.model_validate(row) for row in rows], has_more=has_more
-    )
+    return page_public(TrainingJobsPublic, found)
 
 
 @router.get("/training-jobs/{job_id}", response_model=TrainingJobPublic)
@@ -458,10 +452,7 @@ async def list_training_job_events(
                 TERMINAL_JOB_STATUSES
             ):
                 return None
-            return TrainingJobEventsPublic(
-                data=[TrainingJobEventPublic.model_validate(row) for row in rows],
-                has_more=has_more,
-            )
+            return page_public(TrainingJobEventsPublic, (rows, has_more))
         finally:
             session.rollback()
 
