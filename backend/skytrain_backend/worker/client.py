@@ -172,14 +172,19 @@ class ControlPlaneClient:
     async def lease(self, *, wait_s: float = 0.0) -> LeasedJob | None:
         """A job for this worker: the control plane answers as soon as one is queued, or
         None after ``wait_s`` (a long-poll, so a queued job reaches the worker at once)."""
+        response = await self._lease("/jobs/lease", wait_s=wait_s)
+        return None if response is None else _answer(JobLease, response).job
+
+    async def _lease(self, path: str, *, wait_s: float) -> httpx.Response | None:
+        """The answer of a lease long-poll: None when nothing came within ``wait_s``."""
         response = await self._send(
             "POST",
-            "/jobs/lease",
+            path,
             params={"wait_s": wait_s},
             json={},
             timeout=self._long_poll_timeout(wait_s),
         )
-        return None if response.status_code == 204 else _answer(JobLease, response).job
+        return None if response.status_code == 204 else response
 
     def _long_poll_timeout(self, wait_s: float) -> httpx.Timeout:
         """The client's timeouts, with the read timeout extended by the server's wait."""
@@ -295,14 +300,8 @@ class ControlPlaneClient:
 
     async def tinker_lease(self, *, wait_s: float = 0.0) -> LeasedRun | None:
         """A Tinker run placed on this worker, with its rebuild plan; None after ``wait_s``."""
-        response = await self._send(
-            "POST",
-            "/tinker/lease",
-            params={"wait_s": wait_s},
-            json={},
-            timeout=self._long_poll_timeout(wait_s),
-        )
-        return None if response.status_code == 204 else _answer(TinkerLease, response).run
+        response = await self._lease("/tinker/lease", wait_s=wait_s)
+        return None if response is None else _answer(TinkerLease, response).run
 
     async def tinker_next(
         self, job_id: str, *, attempt: int, seq_id: int, wait_s: float
