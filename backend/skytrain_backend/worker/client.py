@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,6 +68,8 @@ from skytrain_backend.protocol.tinker_ops import (
     TinkerLease,
 )
 from skytrain_backend.protocol.worker import ListedFile
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Answer = TypeVar("Answer", bound=BaseModel)
@@ -198,6 +201,22 @@ class ControlPlaneClient:
             lambda: self._send("POST", f"/jobs/{job_id}/renew", json=body)
         )
         return _answer(LeaseRenewed, response)
+
+    async def renewals(
+        self, job_id: str, *, attempt: int, lease_s: float, what: str
+    ) -> AsyncIterator[LeaseRenewed]:
+        """The lease renewed every third of ``lease_s``, each answer as it comes, for ever: a
+        renewal that fails is logged and tried again at the next; ``LeaseLost`` ends it."""
+        while True:
+            await asyncio.sleep(max(lease_s / 3, 0.5))
+            try:
+                answer = await self.renew(job_id, attempt=attempt)
+            except LeaseLost:
+                raise
+            except Exception:
+                logger.exception("renewing the lease of %s failed", what)
+                continue
+            yield answer
 
     async def event(
         self, job_id: str, *, attempt: int, type: WorkerEventType, data: dict[str, Any]
