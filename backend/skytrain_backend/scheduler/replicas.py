@@ -252,7 +252,30 @@ def scale(
                 f"your tenant's max_workers={quota.max_workers} allow",
             )
             continue
+        # Why the model gets one more replica this pass (None: it does not).
+        grow = None
         if count < floor:
+            grow = f"{count} of min_replicas={config.min_replicas} replicas"
+        elif average is not None and not _cooling(
+            session, model_id=model.id, cooldown_s=policy.cooldown_s
+        ):
+            per_replica = average / count
+            said = f"{average:.1f} requests in flight on average over {policy.window_s:.0f} s"
+            if per_replica > policy.scale_out_in_flight and count < cap:
+                grow = (
+                    f"{said}: {per_replica:.1f} per replica over {count}, above "
+                    f"{policy.scale_out_in_flight:g}"
+                )
+            elif count > floor and serving and average / (count - 1) < policy.scale_in_in_flight:
+                _drain(
+                    session,
+                    model=model,
+                    worker_id=serving[-1],
+                    count=count,
+                    reason=f"{said}: {average / (count - 1):.1f} per replica over {count - 1} "
+                    f"would be below {policy.scale_in_in_flight:g}",
+                )
+        if grow is not None:
             _add(
                 session,
                 model=model,
@@ -263,35 +286,7 @@ def scale(
                 launched=launched,
                 waiting=waiting,
                 kind="scale_out",
-                reason=f"{count} of min_replicas={config.min_replicas} replicas",
-            )
-            continue
-        if average is None or _cooling(session, model_id=model.id, cooldown_s=policy.cooldown_s):
-            continue
-        per_replica = average / count
-        said = f"{average:.1f} requests in flight on average over {policy.window_s:.0f} s"
-        if per_replica > policy.scale_out_in_flight and count < cap:
-            _add(
-                session,
-                model=model,
-                count=count,
-                quota=quota,
-                max_workers=max_workers,
-                launch=launch,
-                launched=launched,
-                waiting=waiting,
-                kind="scale_out",
-                reason=f"{said}: {per_replica:.1f} per replica over {count}, above "
-                f"{policy.scale_out_in_flight:g}",
-            )
-        elif count > floor and serving and average / (count - 1) < policy.scale_in_in_flight:
-            _drain(
-                session,
-                model=model,
-                worker_id=serving[-1],
-                count=count,
-                reason=f"{said}: {average / (count - 1):.1f} per replica over {count - 1} would "
-                f"be below {policy.scale_in_in_flight:g}",
+                reason=grow,
             )
     observed.demand_per_replica(per_replica_demands)
 
