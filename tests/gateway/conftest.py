@@ -4,8 +4,9 @@
   provider ``none`` (nothing launches workers), at most ``TENANT_LIMIT`` requests in flight
   per tenant, a route cache that outlives every test (so each test also checks that the
   changes it makes reach the gateway at once).
-- ``gateway_app`` (session): the control plane app, for what a test reads in this process
-  (``gateway_app.state.gateway``); ``gateway_url``: that app under uvicorn on a free port.
+- ``gateway_plane`` (session): that control plane under uvicorn on a free port (``.url``), its
+  app for what a test reads in this process (``.app.state.gateway``) and a session factory on
+  its database (``.sessions``).
 - ``engine`` (session): ``skytrain engine serve`` with the tiny model, behind a secret
   (``run_engine`` starts another one, for a test of its own).
 - ``engine_worker`` (session): a ready worker row pointing at that engine
@@ -35,15 +36,13 @@ from typing import Any, NamedTuple
 import httpx
 import openai
 import pytest
-from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
 from skytrain_backend.protocol import lora_name
-from tests.fixtures.services import MakeSettings, database_sessions
+from tests.fixtures.services import MakeSettings, ServedPlane, served_plane
 from tests.fixtures.services import serve_in_thread as serve_in_thread
 
 TENANT_LIMIT = 4
@@ -88,20 +87,9 @@ def gateway_settings(request: pytest.FixtureRequest, make_settings: MakeSettings
 
 
 @pytest.fixture(scope="session")
-def gateway_app(gateway_settings: Settings) -> FastAPI:
-    return create_app(gateway_settings)
-
-
-@pytest.fixture(scope="session")
-def gateway_url(gateway_app: FastAPI) -> Iterator[str]:
-    with serve_in_thread(gateway_app) as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def gateway_db(gateway_settings: Settings) -> Iterator[sessionmaker[Session]]:
-    with database_sessions(gateway_settings) as sessions:
-        yield sessions
+def gateway_plane(gateway_settings: Settings) -> Iterator[ServedPlane]:
+    with served_plane(gateway_settings) as plane:
+        yield plane
 
 
 # --- the engine and the worker row standing in for its agent ------------------------------------
@@ -211,8 +199,8 @@ def add_engine_worker(
 
 
 @pytest.fixture(scope="session")
-def engine_worker(gateway_db: sessionmaker[Session], engine: Engine) -> str:
-    return add_engine_worker(gateway_db, engine)
+def engine_worker(gateway_plane: ServedPlane, engine: Engine) -> str:
+    return add_engine_worker(gateway_plane.sessions, engine)
 
 
 def mark_served(
@@ -290,23 +278,23 @@ class Tenant:
 
 
 @pytest.fixture
-def tenant(gateway_url: str, gateway_db: sessionmaker[Session]) -> Iterator[Callable[[], Tenant]]:
+def tenant(gateway_plane: ServedPlane) -> Iterator[Callable[[], Tenant]]:
     """``tenant()``: a new tenant and its clients (closed after the test)."""
     made: list[Tenant] = []
 
     def make() -> Tenant:
         name = f"tenant-{uuid.uuid4().hex[:10]}"
-        with gateway_db() as session:
+        with gateway_plane.sessions() as session:
             _, key = api_keys.create_key(session, tenant_name=name)
         who = Tenant(
             name=name,
             key=key,
-            url=gateway_url,
-            sessions=gateway_db,
+            url=gateway_plane.url,
+            sessions=gateway_plane.sessions,
             http=httpx.Client(
-                base_url=gateway_url, headers={"Authorization": f"Bearer {key}"}, timeout=120
+                base_url=gateway_plane.url, headers={"Authorization": f"Bearer {key}"}, timeout=120
             ),
-            openai=openai.OpenAI(base_url=f"{gateway_url}/v1", api_key=key, max_retries=0),
+            openai=openai.OpenAI(base_url=f"{gateway_plane.url}/v1", api_key=key, max_retries=0),
         )
         made.append(who)
         return who

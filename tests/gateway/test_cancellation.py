@@ -21,11 +21,11 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from skytrain_backend.engine.hf.engine import HFEngine
 from skytrain_backend.engine.hf.server import create_app as create_engine_app
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import (
     TENANT_LIMIT,
     Tenant,
@@ -132,10 +132,10 @@ def watched(tiny_model_path: Path) -> Iterator[Watched]:
 
 @pytest.fixture
 def watched_model(
-    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session], watched: Watched
+    tenant: Callable[[], Tenant], gateway_plane: ServedPlane, watched: Watched
 ) -> tuple[Tenant, str]:
     worker = add_worker(
-        gateway_db,
+        gateway_plane.sessions,
         base_model=BASE_MODEL,
         engine_endpoint=watched.url,
         engine_secret=watched.secret,
@@ -207,14 +207,14 @@ def test_abandoned_request_closes_the_engine_request_while_it_generates(
 @pytest.mark.slow
 def test_engine_dying_mid_stream_ends_it_with_an_error_event(
     tenant: Callable[[], Tenant],
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
     engine_worker: str,
     tiny_model_path: Path,
     tmp_path: Path,
 ) -> None:
     alice = tenant()
     with run_engine(tiny_model_path, tmp_path / "engine.log") as doomed:
-        worker = add_engine_worker(gateway_db, doomed, base_model="tests/doomed-engine")
+        worker = add_engine_worker(gateway_plane.sessions, doomed, base_model="tests/doomed-engine")
         name = alice.create_model(base_model="tests/doomed-engine", worker_id=worker)[
             "inference_name"
         ]

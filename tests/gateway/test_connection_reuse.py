@@ -22,13 +22,13 @@ import anyio
 import httpx
 import pytest
 from fastapi import FastAPI
-from sqlalchemy.orm import Session, sessionmaker
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from skytrain_backend.api.gateway.upstream import EnginePool
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import (
     TENANT_LIMIT,
     Tenant,
@@ -148,13 +148,11 @@ def counting_engine() -> Iterator[tuple[CountingEngine, str]]:
 
 
 @pytest.fixture
-def counting_worker(
-    gateway_db: sessionmaker[Session], counting_engine: tuple[CountingEngine, str]
-) -> str:
+def counting_worker(gateway_plane: ServedPlane, counting_engine: tuple[CountingEngine, str]) -> str:
     """A worker whose engine is ``counting_engine``: its id."""
     engine, url = counting_engine
     return add_worker(
-        gateway_db,
+        gateway_plane.sessions,
         base_model=BASE_MODEL,
         engine_endpoint=url,
         engine_secret=engine.secret,
@@ -239,11 +237,11 @@ class Counted:
 
     caller: Tenant
     model: str
-    gateway_app: FastAPI
+    app: FastAPI
     engine: CountingEngine
 
     def in_flight(self) -> int:
-        return int(self.gateway_app.state.gateway.engines.http.in_flight)
+        return int(self.app.state.gateway.engines.http.in_flight)
 
     def body(self, prompt: str, *, stream: bool) -> dict[str, object]:
         return {
@@ -256,13 +254,13 @@ class Counted:
 @pytest.fixture
 def counted(
     tenant: Callable[[], Tenant],
-    gateway_app: FastAPI,
+    gateway_plane: ServedPlane,
     counting_engine: tuple[CountingEngine, str],
     counting_worker: str,
 ) -> Counted:
     caller = tenant()
     model = caller.create_model(base_model=BASE_MODEL, worker_id=counting_worker)["inference_name"]
-    counted = Counted(caller, model, gateway_app, counting_engine[0])
+    counted = Counted(caller, model, gateway_plane.app, counting_engine[0])
     wait_until(lambda: counted.in_flight() == IDLE, what="the gateway's earlier requests ending")
     return counted
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Worker
 from skytrain_backend.scheduler import placement
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import Tenant, add_engine_worker, run_engine
 
 # What is counted and scheduled does not depend on the database: SQLite only.
@@ -44,18 +44,18 @@ SAMPLES = 5
 
 @pytest.fixture
 def small_batch_worker(
-    tiny_model_path: Path, tmp_path: Path, gateway_db: sessionmaker[Session]
+    tiny_model_path: Path, tmp_path: Path, gateway_plane: ServedPlane
 ) -> Iterator[str]:
     """A worker row for an engine of its own, gone again after the test (the scheduler
     would place other tests' models on it otherwise)."""
     with run_engine(
         tiny_model_path, tmp_path / "engine.log", "--max-num-seqs", str(MAX_NUM_SEQS)
     ) as engine:
-        worker_id = add_engine_worker(gateway_db, engine)
+        worker_id = add_engine_worker(gateway_plane.sessions, engine)
         try:
             yield worker_id
         finally:
-            with gateway_db() as session:
+            with gateway_plane.sessions() as session:
                 worker = session.get_one(Worker, worker_id)
                 placement.worker_gone(session, worker=worker, status="stopped", reason="test")
 
@@ -73,11 +73,11 @@ def _latency(who: Tenant, model: str) -> float:
 def test_a_flood_by_one_tenant_multiplies_anothers_latency_by_a_small_factor_only(
     tenant: Callable[[], Tenant],
     small_batch_worker: str,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
 ) -> None:
     engine_worker = small_batch_worker
     alice, bob = tenant(), tenant()
-    with gateway_db() as session:
+    with gateway_plane.sessions() as session:
         tenants.set_limits(
             session,
             tenant_name=bob.name,

@@ -7,9 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.protocol import TOKEN_ID_PREFIX
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import (
     Engine,
     OnEngine,
@@ -181,14 +181,14 @@ def test_pinned_step_is_served_by_its_adapter_and_step0_by_the_base_model(
     on_engine: OnEngine,
     engine_worker: str,
     engine: Engine,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
     step1_adapter: Path,
 ) -> None:
     alice, model = on_engine
     name = model["inference_name"]
     adapter = load_adapter(engine, model_id=model["id"], step=1, path=step1_adapter)
-    add_checkpoint(gateway_db, model_id=model["id"], step=1)
-    mark_served(gateway_db, worker_id=engine_worker, model_id=model["id"], step=1)
+    add_checkpoint(gateway_plane.sessions, model_id=model["id"], step=1)
+    mark_served(gateway_plane.sessions, worker_id=engine_worker, model_id=model["id"], step=1)
     greedy = {"messages": PROMPT, "max_tokens": 8, "temperature": 0.0}
 
     def ids(model_name: str) -> tuple[list[int], str]:

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend import tls
 from skytrain_backend.worker.frontdoor import FrontDoor
+from tests.fixtures.services import ServedPlane
 from tests.fixtures.tls import TlsServer, serve_tls
 from tests.gateway.conftest import Engine, Tenant, add_worker
 
@@ -157,14 +157,14 @@ def test_a_certificate_other_than_the_pinned_one_is_refused_before_anything_is_s
 @pytest.mark.slow
 def test_the_gateway_refuses_a_worker_whose_certificate_is_not_the_registered_one(
     tenant: Callable[[], Tenant],
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
     front_door: FrontDoorUnderTest,
     engine: Engine,
 ) -> None:
     alice = tenant()
     other, _ = tls.self_signed_certificate(["127.0.0.1"])
     impostor = add_worker(
-        gateway_db,
+        gateway_plane.sessions,
         base_model="tests/impostor",
         engine_endpoint=front_door.server.url,
         engine_secret=front_door.secret,
@@ -179,7 +179,7 @@ def test_the_gateway_refuses_a_worker_whose_certificate_is_not_the_registered_on
     assert str(front_door.server.port) not in message
 
     genuine = add_worker(
-        gateway_db,
+        gateway_plane.sessions,
         base_model="tests/genuine",
         engine_endpoint=front_door.server.url,
         engine_secret=front_door.secret,
@@ -193,11 +193,11 @@ def test_the_gateway_refuses_a_worker_whose_certificate_is_not_the_registered_on
 
 
 def test_the_gateway_sends_nothing_to_a_remote_worker_without_a_certificate(
-    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session], engine: Engine
+    tenant: Callable[[], Tenant], gateway_plane: ServedPlane, engine: Engine
 ) -> None:
     alice = tenant()
     remote = add_worker(
-        gateway_db,
+        gateway_plane.sessions,
         base_model="tests/no-certificate",
         engine_endpoint="http://203.0.113.9:8100",  # TEST-NET-3: never routed anywhere
         engine_secret=engine.secret,

@@ -20,24 +20,20 @@ from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI
 from prometheus_client import REGISTRY
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Checkpoint, Model, ModelReplica, Worker
-from skytrain_backend.db.session import create_db_engine, session_factory
-from tests.fixtures.services import MakeSettings
+from tests.fixtures.services import MakeSettings, ServedPlane, served_plane
 from tests.gateway.conftest import (
     ENGINE_BASE_MODEL,
     LONG_STREAM,
     Engine,
     add_engine_worker,
     run_engine,
-    serve_in_thread,
     wait_until,
 )
 
@@ -63,21 +59,9 @@ def replica_settings(make_settings: MakeSettings) -> Settings:
 
 
 @pytest.fixture(scope="module")
-def app(replica_settings: Settings) -> FastAPI:
-    return create_app(replica_settings)
-
-
-@pytest.fixture(scope="module")
-def url(app: FastAPI) -> Iterator[str]:
-    with serve_in_thread(app) as served:
-        yield served
-
-
-@pytest.fixture(scope="module")
-def db(replica_settings: Settings) -> Iterator[sessionmaker[Session]]:
-    engine = create_db_engine(replica_settings.storage.resolved_database_url)
-    yield session_factory(engine)
-    engine.dispose()
+def plane(replica_settings: Settings) -> Iterator[ServedPlane]:
+    with served_plane(replica_settings) as plane:
+        yield plane
 
 
 @pytest.fixture(scope="module")
@@ -93,16 +77,16 @@ def engines(
 
 
 @pytest.fixture(scope="module")
-def workers(db: sessionmaker[Session], engines: list[Engine], url: str) -> list[str]:
-    return [add_engine_worker(db, engine) for engine in engines]
+def workers(plane: ServedPlane, engines: list[Engine]) -> list[str]:
+    return [add_engine_worker(plane.sessions, engine) for engine in engines]
 
 
 @pytest.fixture(scope="module")
-def client(url: str, db: sessionmaker[Session]) -> Iterator[httpx.Client]:
-    with db() as session:
+def client(plane: ServedPlane) -> Iterator[httpx.Client]:
+    with plane.sessions() as session:
         _, key = api_keys.create_key(session, tenant_name="replicas")
     with httpx.Client(
-        base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120
+        base_url=plane.url, headers={"Authorization": f"Bearer {key}"}, timeout=120
     ) as http:
         yield http
 
@@ -178,7 +162,7 @@ def test_replica_bounds_are_checked(client: httpx.Client, workers: list[str]) ->
 
 
 def test_a_burst_is_spread_over_the_replicas_and_one_serves_while_another_trains(
-    client: httpx.Client, workers: list[str], db: sessionmaker[Session]
+    client: httpx.Client, workers: list[str], plane: ServedPlane
 ) -> None:
     model = _create(client, "burst", min_replicas=3, max_replicas=3)
     wait_until(lambda: len(_serving(client, model["id"])) == 3, what="three replicas placed")
@@ -206,7 +190,7 @@ def test_a_burst_is_spread_over_the_replicas_and_one_serves_while_another_trains
     assert len({a.headers["X-Skytrain-Worker"] for a in by_header}) == 1
 
     # Its home trains (the agent reports its engine asleep): the replicas keep answering.
-    with db() as session:
+    with plane.sessions() as session:
         home_id = session.get_one(Model, model["id"]).worker_id
         session.get_one(Worker, home_id).status = "sleeping"
         session.commit()
@@ -220,7 +204,7 @@ def test_a_burst_is_spread_over_the_replicas_and_one_serves_while_another_trains
         statuses = {item["worker_id"]: item["status"] for item in shown["replicas"]}
         assert statuses == {w: ("sleeping" if w == home_id else "serving") for w in workers}
     finally:
-        with db() as session:
+        with plane.sessions() as session:
             session.get_one(Worker, home_id).status = "ready"
             session.commit()
     client.patch(f"/v1/models/{model['id']}", json={"min_replicas": 1, "max_replicas": 1})
@@ -228,7 +212,7 @@ def test_a_burst_is_spread_over_the_replicas_and_one_serves_while_another_trains
 
 
 def test_replicas_follow_demand_with_events(
-    client: httpx.Client, workers: list[str], db: sessionmaker[Session]
+    client: httpx.Client, workers: list[str], plane: ServedPlane
 ) -> None:
     model = _create(client, "demand", min_replicas=1, max_replicas=3)
     wait_until(lambda: len(_serving(client, model["id"])) == 1, what="the model placed")
@@ -258,7 +242,9 @@ def test_replicas_follow_demand_with_events(
     # Nothing in flight: scale-in to min_replicas, the replicas drained before they go.
     wait_until(lambda: len(_serving(client, model["id"])) == 1, what="scale-in to 1", timeout_s=60)
     wait_until(
-        lambda: _replica_rows(db, model["id"]) == 0, what="drained replicas removed", timeout_s=30
+        lambda: _replica_rows(plane.sessions, model["id"]) == 0,
+        what="drained replicas removed",
+        timeout_s=30,
     )
     kinds = [e["kind"] for e in client.get(f"/v1/models/{model['id']}/events").json()["data"]]
     assert kinds.count("scale_out") == 2 and kinds.count("scale_in") == 2, kinds
@@ -271,13 +257,11 @@ def test_replicas_follow_demand_with_events(
     assert decided is not None and decided >= 2
 
 
-def test_every_replica_is_told_the_new_step_and_a_drained_one_to_unload(
-    url: str, db: sessionmaker[Session]
-) -> None:
+def test_every_replica_is_told_the_new_step_and_a_drained_one_to_unload(plane: ServedPlane) -> None:
     """What the agents are told in their heartbeat answers: the model on both workers, its
     newest step on both, and once drained, on its home only."""
     base = f"tests/hb-{uuid.uuid4().hex[:8]}"
-    with db() as session:
+    with plane.sessions() as session:
         _, key = api_keys.create_key(session, tenant_name=f"hb-{uuid.uuid4().hex[:8]}")
         tokens = [
             worker_rows.create_worker(
@@ -286,10 +270,12 @@ def test_every_replica_is_told_the_new_step_and_a_drained_one_to_unload(
             for _ in range(2)
         ]
         session.commit()
-    user = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
+    user = httpx.Client(base_url=plane.url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
     agents = [
         httpx.Client(
-            base_url=f"{url}/v1/worker", headers={"Authorization": f"Bearer {token}"}, timeout=60
+            base_url=f"{plane.url}/v1/worker",
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60,
         )
         for token in tokens
     ]
@@ -315,7 +301,7 @@ def test_every_replica_is_told_the_new_step_and_a_drained_one_to_unload(
         assert created.status_code == 201, created.text
         model_id = created.json()["id"]
         wait_until(lambda: told() == [{model_id: 0}, {model_id: 0}], what="both told step 0")
-        with db() as session:
+        with plane.sessions() as session:
             session.add(Checkpoint(model_id=model_id, step=1, uri="file:///checkpoints/1"))
             session.commit()
         assert told() == [{model_id: 1}, {model_id: 1}]
@@ -331,17 +317,17 @@ def test_every_replica_is_told_the_new_step_and_a_drained_one_to_unload(
         assert kinds[:3] == ["replica_removed", "scale_in", "replicas_set"], kinds
 
 
-def _replica_rows(db: sessionmaker[Session], model_id: str) -> int:
-    with db() as session:
+def _replica_rows(sessions: sessionmaker[Session], model_id: str) -> int:
+    with sessions() as session:
         return len(session.query(ModelReplica).filter(ModelReplica.model_id == model_id).all())
 
 
 def test_a_replica_killed_mid_burst_costs_no_request_that_had_not_reached_it(
-    client: httpx.Client, workers: list[str], engines: list[Engine], app: FastAPI
+    client: httpx.Client, workers: list[str], engines: list[Engine], plane: ServedPlane
 ) -> None:
     model = _create(client, "kill", min_replicas=3, max_replicas=3)
     wait_until(lambda: len(_serving(client, model["id"])) == 3, what="three replicas placed")
-    balancer = app.state.gateway.balancer
+    balancer = plane.app.state.gateway.balancer
     victim, victim_engine = workers[2], engines[2]
     answers: list[httpx.Response] = []
     in_flight_at_kill: list[int] = []

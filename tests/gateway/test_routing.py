@@ -17,13 +17,13 @@ import openai
 import pytest
 import sqlalchemy
 from sqlalchemy import event
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import api_keys, credentials
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
 from skytrain_backend.errors import Unavailable
 from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.routing import ACTIVITY_RESOLUTION_S, resolve_route
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import (
     ENGINE_SERVED_NAME,
     LOADING_WAIT_S,
@@ -68,10 +68,10 @@ def test_unknown_and_foreign_models_are_not_found(
 
 def test_missing_step_is_not_found_naming_the_latest_step(
     on_engine: OnEngine,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
 ) -> None:
     alice, model = on_engine
-    add_checkpoint(gateway_db, model_id=model["id"], step=1)
+    add_checkpoint(gateway_plane.sessions, model_id=model["id"], step=1)
 
     status, _, message = _error(alice.chat(f"{model['inference_name']}:step7"))
 
@@ -81,11 +81,11 @@ def test_missing_step_is_not_found_naming_the_latest_step(
 
 def test_deleted_step_is_not_found_saying_it_was_deleted(
     on_engine: OnEngine,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
 ) -> None:
     alice, model = on_engine
     for step in (1, 2):
-        add_checkpoint(gateway_db, model_id=model["id"], step=step)
+        add_checkpoint(gateway_plane.sessions, model_id=model["id"], step=step)
     response = alice.http.request(
         "DELETE", f"/v1/models/{model['id']}/checkpoints", json={"steps": [1]}
     )
@@ -117,10 +117,10 @@ def test_model_without_worker_is_unavailable_with_retry_after(
 
 
 def test_model_on_a_starting_worker_is_unavailable_saying_so(
-    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session]
+    tenant: Callable[[], Tenant], gateway_plane: ServedPlane
 ) -> None:
     alice = tenant()
-    worker = add_worker(gateway_db, base_model="tests/starting-base", status="starting")
+    worker = add_worker(gateway_plane.sessions, base_model="tests/starting-base", status="starting")
     name = alice.create_model(base_model="tests/starting-base", worker_id=worker)["inference_name"]
 
     response = alice.chat(name)
@@ -134,10 +134,12 @@ def test_model_on_a_starting_worker_is_unavailable_saying_so(
 @pytest.mark.slow
 def test_step_not_loaded_yet_is_unavailable_saying_it_is_loading(
     on_engine: OnEngine,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
 ) -> None:
     alice, model = on_engine
-    add_checkpoint(gateway_db, model_id=model["id"], step=1)  # committed, not in `served`
+    add_checkpoint(
+        gateway_plane.sessions, model_id=model["id"], step=1
+    )  # committed, not in `served`
 
     for reference in (model["inference_name"], f"{model['inference_name']}:step1"):
         response = alice.chat(reference)
@@ -152,17 +154,17 @@ def test_a_request_waits_for_its_checkpoint_to_finish_loading(
     on_engine: OnEngine,
     engine_worker: str,
     engine: Engine,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
     step1_adapter: Path,
 ) -> None:
     alice, model = on_engine
     load_adapter(engine, model_id=model["id"], step=1, path=step1_adapter)
-    add_checkpoint(gateway_db, model_id=model["id"], step=1)
+    add_checkpoint(gateway_plane.sessions, model_id=model["id"], step=1)
     # The worker's heartbeat reports the step served a moment after the request arrives.
     loaded = threading.Timer(
         LOADING_WAIT_S / 3,
         mark_served,
-        args=(gateway_db,),
+        args=(gateway_plane.sessions,),
         kwargs={"worker_id": engine_worker, "model_id": model["id"], "step": 1},
     )
     loaded.start()
@@ -177,7 +179,7 @@ def test_a_committed_step_is_served_at_once_and_a_deleted_model_not_at_all(
     on_engine: OnEngine,
     engine_worker: str,
     engine: Engine,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
     step1_adapter: Path,
 ) -> None:
     """The route cache (kept far longer than this test) is emptied by the commits that
@@ -186,10 +188,10 @@ def test_a_committed_step_is_served_at_once_and_a_deleted_model_not_at_all(
     name = model["inference_name"]
     assert alice.chat(name).headers.get("x-skytrain-step") == "0"
     load_adapter(engine, model_id=model["id"], step=1, path=step1_adapter)
-    mark_served(gateway_db, worker_id=engine_worker, model_id=model["id"], step=1)
+    mark_served(gateway_plane.sessions, worker_id=engine_worker, model_id=model["id"], step=1)
     assert alice.chat(name).headers.get("x-skytrain-step") == "0"  # not committed yet
 
-    add_checkpoint(gateway_db, model_id=model["id"], step=1)
+    add_checkpoint(gateway_plane.sessions, model_id=model["id"], step=1)
     assert alice.chat(name).headers.get("x-skytrain-step") == "1"
 
     assert alice.http.delete(f"/v1/models/{model['id']}").status_code == 204
@@ -199,24 +201,24 @@ def test_a_committed_step_is_served_at_once_and_a_deleted_model_not_at_all(
 
 
 def test_a_revoked_key_and_a_gone_worker_are_seen_at_once(
-    tenant: Callable[[], Tenant], engine: Engine, gateway_db: sessionmaker[Session]
+    tenant: Callable[[], Tenant], engine: Engine, gateway_plane: ServedPlane
 ) -> None:
     """The other commits that change a cached route (kept far longer than this test) empty
     the cache too: a key revoked, a worker lost."""
     alice, bob = tenant(), tenant()
-    worker_id = add_engine_worker(gateway_db, engine, base_model="tests/lost-worker")
+    worker_id = add_engine_worker(gateway_plane.sessions, engine, base_model="tests/lost-worker")
     alices = alice.create_model(worker_id=worker_id, base_model="tests/lost-worker")
     bobs = bob.create_model(worker_id=worker_id, base_model="tests/lost-worker")
     assert alice.chat(alices["inference_name"]).status_code == 200
     served = bob.chat(bobs["inference_name"])
     assert served.headers.get("x-skytrain-worker") == worker_id
 
-    with gateway_db() as session:
+    with gateway_plane.sessions() as session:
         api_keys.revoke_key(session, id_or_prefix=alice.key[: api_keys.DISPLAY_PREFIX_LENGTH])
     status, _, message = _error(alice.chat(alices["inference_name"]))
     assert status == 401 and "was revoked" in message
 
-    with gateway_db() as session:
+    with gateway_plane.sessions() as session:
         worker = session.get_one(Worker, worker_id)
         placement.worker_gone(session, worker=worker, status="lost", reason="no heartbeat")
     status, _, message = _error(bob.chat(bobs["inference_name"]))
@@ -259,12 +261,12 @@ def test_a_repeated_request_reads_none_of_its_route_again(on_engine: OnEngine) -
 
 
 def test_unreachable_engine_is_unavailable(
-    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session]
+    tenant: Callable[[], Tenant], gateway_plane: ServedPlane
 ) -> None:
     alice = tenant()
     dead = f"http://127.0.0.1:{free_port()}"
     worker = add_worker(
-        gateway_db,
+        gateway_plane.sessions,
         base_model="tests/dead-engine",
         engine_endpoint=dead,
         served_model_name=ENGINE_SERVED_NAME,
@@ -282,11 +284,11 @@ def test_unreachable_engine_is_unavailable(
 
 
 def test_engine_refusing_the_control_planes_secret_is_a_bad_gateway(
-    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session], engine: Engine
+    tenant: Callable[[], Tenant], gateway_plane: ServedPlane, engine: Engine
 ) -> None:
     alice = tenant()
     worker = add_worker(
-        gateway_db,
+        gateway_plane.sessions,
         base_model="tests/stale-secret",
         engine_endpoint=engine.url,
         engine_secret="not-the-engines-secret",
@@ -324,29 +326,29 @@ def test_malformed_requests_are_refused_naming_the_problem(
     assert expected in message
 
 
-def test_requests_need_an_api_key(gateway_url: str) -> None:
-    client = openai.OpenAI(base_url=f"{gateway_url}/v1", api_key="sk-st-wrong", max_retries=0)
+def test_requests_need_an_api_key(gateway_plane: ServedPlane) -> None:
+    client = openai.OpenAI(base_url=f"{gateway_plane.url}/v1", api_key="sk-st-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         client.chat.completions.create(model="a/b/c", messages=[{"role": "user", "content": "x"}])
 
 
 def test_requests_mark_the_model_and_a_pinned_step_active_at_most_every_30s(
     on_engine: OnEngine,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
 ) -> None:
     alice, model = on_engine
     # Older than the marks' resolution, so the next request writes one; far younger than the
     # idle timeout (300 s), so the scheduler running meanwhile does not take the model off as
     # idle and place it again (which writes the mark too).
     long_ago = utcnow() - timedelta(seconds=2 * ACTIVITY_RESOLUTION_S)
-    with gateway_db() as session:
+    with gateway_plane.sessions() as session:
         row = session.get(Model, model["id"])
         assert row is not None
         row.last_active_at = long_ago
         session.commit()
 
     def marks() -> tuple[object, object]:
-        with gateway_db() as session:
+        with gateway_plane.sessions() as session:
             row = session.get(Model, model["id"])
             step0 = session.query(Checkpoint).filter_by(model_id=model["id"], step=0).one()
             assert row is not None
@@ -367,21 +369,21 @@ def test_requests_mark_the_model_and_a_pinned_step_active_at_most_every_30s(
 
 
 def test_request_to_a_worker_marks_it_active(
-    tenant: Callable[[], Tenant], engine: Engine, gateway_db: sessionmaker[Session]
+    tenant: Callable[[], Tenant], engine: Engine, gateway_plane: ServedPlane
 ) -> None:
     alice = tenant()
     model = alice.create_model(base_model="tests/marked-worker")
-    worker_id = add_engine_worker(gateway_db, engine, base_model="tests/marked-worker")
+    worker_id = add_engine_worker(gateway_plane.sessions, engine, base_model="tests/marked-worker")
 
     def placed() -> bool:
-        with gateway_db() as session:
+        with gateway_plane.sessions() as session:
             row = session.get(Model, model["id"])
             return row is not None and row.worker_id == worker_id
 
     # The scheduler places the model on the new worker (marking the worker as it does); from
     # then on only requests mark it.
     wait_until(placed, what="the scheduler placing the model on the worker")
-    with gateway_db() as session:
+    with gateway_plane.sessions() as session:
         worker = session.get(Worker, worker_id)
         assert worker is not None
         worker.last_active_at = utcnow() - timedelta(hours=1)
@@ -390,7 +392,7 @@ def test_request_to_a_worker_marks_it_active(
 
     assert alice.chat(model["inference_name"]).status_code == 200
 
-    with gateway_db() as session:
+    with gateway_plane.sessions() as session:
         worker = session.get(Worker, worker_id)
         assert worker is not None and worker.last_active_at is not None
         assert worker.last_active_at >= before
@@ -399,13 +401,13 @@ def test_request_to_a_worker_marks_it_active(
 def test_checkpoint_missing_from_the_engine_is_unavailable_not_unknown(
     on_engine: OnEngine,
     engine_worker: str,
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
 ) -> None:
     alice, model = on_engine
     # The worker reported step 1 as served, but its engine does not have the adapter (an
     # engine restarted, say): the caller should retry, not conclude the model is gone.
-    add_checkpoint(gateway_db, model_id=model["id"], step=1)
-    mark_served(gateway_db, worker_id=engine_worker, model_id=model["id"], step=1)
+    add_checkpoint(gateway_plane.sessions, model_id=model["id"], step=1)
+    mark_served(gateway_plane.sessions, worker_id=engine_worker, model_id=model["id"], step=1)
 
     response = alice.chat(f"{model['inference_name']}:step1")
 
@@ -436,14 +438,14 @@ def test_sleeping_engine_is_unavailable(
 @pytest.mark.parametrize(("idle_timeout_s", "refreshed"), [(8.0, True), (1800.0, False)])
 def test_unplaced_model_is_marked_within_the_idle_timeout_and_the_scheduler_woken(
     tenant: Callable[[], Tenant],
-    gateway_db: sessionmaker[Session],
+    gateway_plane: ServedPlane,
     idle_timeout_s: float,
     refreshed: bool,
 ) -> None:
     alice = tenant()
     model = alice.create_model(base_model="tests/nobody-serves-this-either")
     five_seconds_ago = utcnow() - timedelta(seconds=5)
-    with gateway_db() as session:
+    with gateway_plane.sessions() as session:
         row = session.get(Model, model["id"])
         assert row is not None
         row.last_active_at = five_seconds_ago
@@ -451,7 +453,7 @@ def test_unplaced_model_is_marked_within_the_idle_timeout_and_the_scheduler_woke
         tenant_id = row.tenant_id
     woken: list[bool] = []
 
-    with gateway_db() as session, pytest.raises(Unavailable):
+    with gateway_plane.sessions() as session, pytest.raises(Unavailable):
         resolve_route(
             session,
             tenant_id=tenant_id,
@@ -461,7 +463,7 @@ def test_unplaced_model_is_marked_within_the_idle_timeout_and_the_scheduler_woke
         )
 
     assert woken == [True]
-    with gateway_db() as session:
+    with gateway_plane.sessions() as session:
         row = session.get(Model, model["id"])
         assert row is not None and row.last_active_at is not None
         # A mark older than a quarter of the idle timeout is refreshed (the scheduler would
@@ -470,7 +472,7 @@ def test_unplaced_model_is_marked_within_the_idle_timeout_and_the_scheduler_woke
 
 
 def test_a_slot_held_beyond_a_fair_share_goes_to_the_waiting_tenant(
-    tenant: Callable[[], Tenant], gateway_db: sessionmaker[Session]
+    tenant: Callable[[], Tenant], gateway_plane: ServedPlane
 ) -> None:
     """A tenant whose models fill a worker no longer keeps every slot by using them: the
     control plane's scheduler gives another tenant's new model the slot of its least recently
@@ -478,15 +480,15 @@ def test_a_slot_held_beyond_a_fair_share_goes_to_the_waiting_tenant(
     starts: this control plane starts none)."""
     alice, bob = tenant(), tenant()
     base = f"tests/fair-{uuid.uuid4().hex[:8]}"
-    worker = add_worker(gateway_db, base_model=base)
-    with gateway_db() as session:
+    worker = add_worker(gateway_plane.sessions, base_model=base)
+    with gateway_plane.sessions() as session:
         session.get_one(Worker, worker).capacity = {"max_models": 2}
         session.commit()
     alices = [alice.create_model(base_model=base, worker_id=worker) for _ in range(2)]
     bobs = bob.create_model(base_model=base)["id"]
 
     def placed(model_id: str) -> str | None:
-        with gateway_db() as session:
+        with gateway_plane.sessions() as session:
             return session.get_one(Model, model_id).worker_id
 
     wait_until(lambda: placed(bobs) == worker, what="bob's model placed by fair share")

@@ -11,6 +11,7 @@ import pytest
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import tenants
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import LONG_STREAM, Tenant, wait_until
 
 # What is counted and scheduled does not depend on the database: SQLite only.
@@ -23,10 +24,10 @@ def _limit(sessions: sessionmaker[Session], who: Tenant, **values: int) -> None:
 
 
 def test_sequences_in_flight_are_counted_per_tenant_and_refused_with_retry_after(
-    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+    tenant: Callable[[], Tenant], engine_worker: str, gateway_plane: ServedPlane
 ) -> None:
     alice, bob = tenant(), tenant()
-    _limit(gateway_db, alice, max_sequences_in_flight=3)
+    _limit(gateway_plane.sessions, alice, max_sequences_in_flight=3)
     name = alice.create_model(worker_id=engine_worker)["inference_name"]
     bobs = bob.create_model(worker_id=engine_worker)["inference_name"]
 
@@ -59,7 +60,7 @@ def test_sequences_in_flight_are_counted_per_tenant_and_refused_with_retry_after
 
 
 def test_a_huge_prompt_is_refused_by_the_gateway_and_the_engine_keeps_serving(
-    tenant: Callable[[], Tenant], engine_worker: str, gateway_db: sessionmaker[Session]
+    tenant: Callable[[], Tenant], engine_worker: str, gateway_plane: ServedPlane
 ) -> None:
     alice, bob = tenant(), tenant()
     name = alice.create_model(worker_id=engine_worker)["inference_name"]
@@ -76,7 +77,7 @@ def test_a_huge_prompt_is_refused_by_the_gateway_and_the_engine_keeps_serving(
     assert bob.chat(bobs).status_code == 200
 
     # Within the body limit but over the tenant's whole token budget: it could never fit.
-    _limit(gateway_db, alice, max_tokens_in_flight=30_000)
+    _limit(gateway_plane.sessions, alice, max_tokens_in_flight=30_000)
     too_long = alice.http.post(
         "/v1/chat/completions",
         json={"model": name, "messages": [{"role": "user", "content": "word " * 8_000}]},

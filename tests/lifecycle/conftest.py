@@ -2,8 +2,8 @@
 
 - ``lifecycle_settings`` (session; SQLite, and PostgreSQL under the ``postgres`` marker): a
   local object store, provider ``none``, and a scheduler that sweeps every half second.
-- ``lifecycle_url``: that control plane (``lifecycle_app``) under uvicorn; ``lifecycle_db`` and
-  ``lifecycle_store`` to check rows and objects.
+- ``lifecycle_plane``: that control plane under uvicorn (``.url``, ``.app``); its
+  ``.sessions`` and ``lifecycle_store`` to check rows and objects.
 - ``who()``: a new tenant with a key and an HTTP client, whose models get a base model of
   the test's own (the running scheduler places models on any ready worker of their base).
 - ``worker_client(...)``: a worker row (placed models, a token) and an HTTP client that
@@ -34,14 +34,13 @@ from fastapi import FastAPI
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from skytrain_backend.app import create_app
 from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Checkpoint, Model
 from skytrain_backend.storage import LocalObjectStore, ObjectStore, keys
 from tests.api.support import group
-from tests.fixtures.services import MakeSettings, database_sessions, serve_in_thread
+from tests.fixtures.services import MakeSettings, ServedPlane, served_plane
 
 SWEEP_INTERVAL_S = 0.5
 
@@ -54,20 +53,9 @@ def lifecycle_settings(request: pytest.FixtureRequest, make_settings: MakeSettin
 
 
 @pytest.fixture(scope="session")
-def lifecycle_app(lifecycle_settings: Settings) -> FastAPI:
-    return create_app(lifecycle_settings)
-
-
-@pytest.fixture(scope="session")
-def lifecycle_url(lifecycle_app: FastAPI) -> Iterator[str]:
-    with serve_in_thread(lifecycle_app) as url:
-        yield url
-
-
-@pytest.fixture(scope="session")
-def lifecycle_db(lifecycle_settings: Settings) -> Iterator[sessionmaker[Session]]:
-    with database_sessions(lifecycle_settings) as sessions:
-        yield sessions
+def lifecycle_plane(lifecycle_settings: Settings) -> Iterator[ServedPlane]:
+    with served_plane(lifecycle_settings) as plane:
+        yield plane
 
 
 @pytest.fixture(scope="session")
@@ -116,16 +104,16 @@ class Who:
 
 
 @pytest.fixture
-def who(lifecycle_url: str, lifecycle_db: sessionmaker[Session]) -> Iterator[Callable[[], Who]]:
+def who(lifecycle_plane: ServedPlane) -> Iterator[Callable[[], Who]]:
     """``who()``: a new tenant with its own key and HTTP client."""
     clients: list[httpx.Client] = []
 
     def make(base_model: str | None = None) -> Who:
         name = f"t-{uuid.uuid4().hex[:10]}"
-        with lifecycle_db() as session:
+        with lifecycle_plane.sessions() as session:
             row, key = api_keys.create_key(session, tenant_name=name)
         http = httpx.Client(
-            base_url=lifecycle_url, headers={"Authorization": f"Bearer {key}"}, timeout=60
+            base_url=lifecycle_plane.url, headers={"Authorization": f"Bearer {key}"}, timeout=60
         )
         clients.append(http)
         return Who(
@@ -172,15 +160,13 @@ class WorkerClient:
 
 
 @pytest.fixture
-def worker_client(
-    lifecycle_url: str, lifecycle_db: sessionmaker[Session]
-) -> Iterator[Callable[..., WorkerClient]]:
+def worker_client(lifecycle_plane: ServedPlane) -> Iterator[Callable[..., WorkerClient]]:
     """``worker_client(*model_ids, base_model=, max_models=8)``: a ready worker row holding
     those models, and a client with its token (what a registered worker agent has)."""
     clients: list[httpx.Client] = []
 
     def make(*model_ids: str, base_model: str | None = None, max_models: int = 8) -> WorkerClient:
-        with lifecycle_db() as session:
+        with lifecycle_plane.sessions() as session:
             models = [session.get_one(Model, model_id) for model_id in model_ids]
             worker, token = worker_rows.create_worker(
                 session,
@@ -194,7 +180,7 @@ def worker_client(
             session.commit()
             worker_id = worker.id
         http = httpx.Client(
-            base_url=f"{lifecycle_url}/v1/worker",
+            base_url=f"{lifecycle_plane.url}/v1/worker",
             headers={"Authorization": f"Bearer {token}"},
             timeout=60,
         )

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import LocalObjectStore, keys
 from tests.api.support import add_checkpoint
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import wait_until
 from tests.lifecycle.conftest import Who, WorkerClient, step_files, undeletable
 
@@ -54,11 +55,11 @@ def _deleted_rows(
 
 def test_a_store_failure_while_deleting_leaves_no_live_checkpoint_without_files(
     who: Callable[[], Who],
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
     lifecycle_store: LocalObjectStore,
 ) -> None:
     alice = who()
-    model = _trained(alice, lifecycle_db, lifecycle_store, 4)
+    model = _trained(alice, lifecycle_plane.sessions, lifecycle_store, 4)
     model_id, name = str(model["id"]), str(model["inference_name"])
     step4 = lifecycle_store.root / keys.checkpoint_prefix(
         tenant_id=alice.tenant_id, model_id=model_id, step=4
@@ -94,12 +95,15 @@ def test_a_store_failure_while_deleting_leaves_no_live_checkpoint_without_files(
         assert _files(lifecycle_store, alice, model_id, 4)  # the store refused
         # The rows were committed before any file was touched: neither points at files, and
         # step 4 waits for the sweep (the old order, files first, left its uri in place).
-        assert _deleted_rows(lifecycle_db, model_id) == {3: (None, False), 4: (None, True)}
+        assert _deleted_rows(lifecycle_plane.sessions, model_id) == {
+            3: (None, False),
+            4: (None, True),
+        }
 
     # Once the store works again, the scheduler's sweep removes what it could not, and only
     # then clears the mark.
     wait_until(
-        lambda: _deleted_rows(lifecycle_db, model_id)[4] == (None, False),
+        lambda: _deleted_rows(lifecycle_plane.sessions, model_id)[4] == (None, False),
         what="the sweep deleting step 4's files",
         timeout_s=30,
     )
@@ -109,11 +113,11 @@ def test_a_store_failure_while_deleting_leaves_no_live_checkpoint_without_files(
 def test_heartbeat_and_next_job_use_the_latest_live_step(
     who: Callable[[], Who],
     worker_client: Callable[..., WorkerClient],
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
     lifecycle_store: LocalObjectStore,
 ) -> None:
     alice = who()
-    model_id = str(_trained(alice, lifecycle_db, lifecycle_store, 2)["id"])
+    model_id = str(_trained(alice, lifecycle_plane.sessions, lifecycle_store, 2)["id"])
     worker = worker_client(model_id)
     deleted = alice.http.request(
         "DELETE", f"/v1/models/{model_id}/checkpoints", json={"steps": [2]}
@@ -141,7 +145,7 @@ def test_heartbeat_and_next_job_use_the_latest_live_step(
 
 def test_step_zero_cannot_be_deleted_while_it_is_the_only_checkpoint(
     who: Callable[[], Who],
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
     lifecycle_store: LocalObjectStore,
 ) -> None:
     alice = who()
@@ -152,7 +156,7 @@ def test_step_zero_cannot_be_deleted_while_it_is_the_only_checkpoint(
     assert "would leave model" in message and "with no checkpoint" in message
     assert alice.http.get(f"/v1/models/{fresh}/checkpoints/0").status_code == 200
 
-    trained = str(_trained(alice, lifecycle_db, lifecycle_store, 1)["id"])
+    trained = str(_trained(alice, lifecycle_plane.sessions, lifecycle_store, 1)["id"])
     both = alice.http.request("DELETE", f"/v1/models/{trained}/checkpoints", json={"steps": [0, 1]})
     assert both.status_code == 409
     listed = alice.http.get(f"/v1/models/{trained}/checkpoints").json()["data"]

@@ -4,10 +4,10 @@ cause, and leaves neither staged files nor half a checkpoint behind."""
 from __future__ import annotations
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db.models import Checkpoint
 from skytrain_backend.storage import LocalObjectStore, keys
+from tests.fixtures.services import ServedPlane
 from tests.lifecycle.conftest import OnWorker, leased_job, undeletable
 
 ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x01" * 512}
@@ -15,7 +15,7 @@ ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x
 
 def test_a_store_failure_during_commit_fails_the_job_with_its_cause_and_no_leftovers(
     on_worker: OnWorker,
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
     lifecycle_store: LocalObjectStore,
 ) -> None:
     alice, model_id, worker = on_worker
@@ -42,7 +42,7 @@ def test_a_store_failure_during_commit_fails_the_job_with_its_cause_and_no_lefto
     assert [info.key for info in lifecycle_store.list(f"{model_prefix}jobs/{job_id}/")] == [
         f"{model_prefix}jobs/{job_id}/input.jsonl"  # the job's input stays with its row
     ]
-    with lifecycle_db() as session:
+    with lifecycle_plane.sessions() as session:
         steps = session.scalars(select(Checkpoint.step).where(Checkpoint.model_id == model_id))
         assert list(steps) == [0]
     # The worker's own report of the failure finds the job already ended.

@@ -15,15 +15,14 @@ from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from fastapi import FastAPI
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
 from skytrain_backend.db.models import TrainingJob, utcnow
 from skytrain_backend.scheduler import garbage, queue
 from skytrain_backend.storage import LocalObjectStore
+from tests.fixtures.services import ServedPlane
 from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, copies_watched, leased_job
 
 ADAPTER = {
@@ -113,8 +112,7 @@ def test_a_completion_without_checksums_is_refused(on_worker: OnWorker) -> None:
 def test_no_row_lock_is_held_while_the_commit_copies_the_files(
     on_worker: OnWorker,
     lifecycle_settings: Settings,
-    lifecycle_app: FastAPI,
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
 ) -> None:
     if lifecycle_settings.storage.resolved_database_url.startswith("sqlite"):
         pytest.skip("row locks are PostgreSQL's: SQLite has none to hold")
@@ -125,7 +123,7 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
 
     def watch() -> None:
         # Another connection asks for the job's row, as a renewal or a cancel would.
-        with lifecycle_db() as session:
+        with lifecycle_plane.sessions() as session:
             try:
                 session.execute(
                     text("SELECT id FROM training_jobs WHERE id = :id FOR UPDATE NOWAIT"),
@@ -136,7 +134,7 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
                 locked.append(True)
             session.rollback()
 
-    with copies_watched(lifecycle_app, watch):
+    with copies_watched(lifecycle_plane.app, watch):
         committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert committed.status_code == 200, committed.text
     assert locked == [False] * len(ADAPTER)
@@ -164,8 +162,7 @@ class _HeldStore(LocalObjectStore):
 
 
 def test_a_stale_attempt_copying_after_the_commit_leaves_the_committed_files(
-    lifecycle_app: FastAPI,
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
     lifecycle_store: LocalObjectStore,
     who: Callable[[], Who],
     worker_client: Callable[..., WorkerClient],
@@ -186,8 +183,8 @@ def test_a_stale_attempt_copying_after_the_commit_leaves_the_committed_files(
     ]
     copying, go = threading.Event(), threading.Event()
     answers: list[int] = []
-    real = lifecycle_app.state.store
-    lifecycle_app.state.store = _HeldStore(real.root, copying, go)
+    real = lifecycle_plane.app.state.store
+    lifecycle_plane.app.state.store = _HeldStore(real.root, copying, go)
     try:
         late = threading.Thread(
             target=lambda: answers.append(
@@ -197,7 +194,7 @@ def test_a_stale_attempt_copying_after_the_commit_leaves_the_committed_files(
         late.start()
         assert copying.wait(60)
         # Attempt 1 is copying; its worker went silent and the lease ran out.
-        with lifecycle_db() as session:
+        with lifecycle_plane.sessions() as session:
             job = session.get_one(TrainingJob, job_id)
             job.lease_expires_at = utcnow() - timedelta(seconds=1)
             session.commit()
@@ -218,7 +215,7 @@ def test_a_stale_attempt_copying_after_the_commit_leaves_the_committed_files(
         late.join(60)
     finally:
         go.set()
-        lifecycle_app.state.store = real
+        lifecycle_plane.app.state.store = real
     assert answers == [409]  # its lease is lost: it commits nothing
     assert _steps(alice, model_id) == [0, 1]
     downloaded = alice.http.get(
@@ -232,7 +229,7 @@ def test_a_stale_attempt_copying_after_the_commit_leaves_the_committed_files(
     loaded = second.http.get(f"/models/{model_id}/checkpoints/1/files/adapter_model.safetensors")
     assert loaded.content == WEIGHTS
     # What attempt 1 copied lies beside the committed files: the sweep takes it, not them.
-    with lifecycle_db() as session:
+    with lifecycle_plane.sessions() as session:
         garbage.collect_garbage(
             session, store=lifecycle_store, written_before=utcnow() + timedelta(minutes=1)
         )
@@ -265,7 +262,7 @@ class _ReadCountingStore(LocalObjectStore):
 
 def test_the_commit_checks_the_digests_recorded_at_staging_without_reading_the_files_back(
     on_worker: OnWorker,
-    lifecycle_app: FastAPI,
+    lifecycle_plane: ServedPlane,
 ) -> None:
     """complete() read every staged byte back to hash it (0.44 s per 64 MiB on SeaweedFS):
     the size and SHA-256 are now recorded as the upload streams through the control plane."""
@@ -273,12 +270,12 @@ def test_the_commit_checks_the_digests_recorded_at_staging_without_reading_the_f
     job_id = leased_job(alice, worker, model_id)
     worker.stage(job_id, ADAPTER)
     reads: list[str] = []
-    real = lifecycle_app.state.store
-    lifecycle_app.state.store = _ReadCountingStore(real.root, reads)
+    real = lifecycle_plane.app.state.store
+    lifecycle_plane.app.state.store = _ReadCountingStore(real.root, reads)
     try:
         committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     finally:
-        lifecycle_app.state.store = real
+        lifecycle_plane.app.state.store = real
     assert committed.status_code == 200, committed.text
     assert [key for key in reads if "/attempts/1/" in key] == []
     assert _steps(alice, model_id) == [0, 1]
@@ -286,7 +283,7 @@ def test_the_commit_checks_the_digests_recorded_at_staging_without_reading_the_f
 
 def test_a_staged_file_removed_while_the_commit_copies_is_a_conflict_that_a_retry_fixes(
     on_worker: OnWorker,
-    lifecycle_app: FastAPI,
+    lifecycle_plane: ServedPlane,
     lifecycle_store: LocalObjectStore,
 ) -> None:
     """The file gone between the check and its copy answered 404, as if the job or the route
@@ -304,7 +301,7 @@ def test_a_staged_file_removed_while_the_commit_copies_is_a_conflict_that_a_retr
         for key in staged:
             lifecycle_store.delete(key)
 
-    with copies_watched(lifecycle_app, remove_the_weights):
+    with copies_watched(lifecycle_plane.app, remove_the_weights):
         refused = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert refused.status_code == 409, refused.text
     message = refused.json()["error"]["message"]

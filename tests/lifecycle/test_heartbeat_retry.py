@@ -10,25 +10,25 @@ first try here fails at the connection, the one fault injected; the control plan
 from __future__ import annotations
 
 import httpx
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Worker
 from skytrain_backend.protocol import Heartbeat
 from skytrain_backend.worker.client import ControlPlaneClient
+from tests.fixtures.services import ServedPlane
 from tests.lifecycle.conftest import new_base_model
 
 
 async def test_a_retried_heartbeat_sends_the_workers_state_at_that_try(
-    lifecycle_url: str, lifecycle_db: sessionmaker[Session]
+    lifecycle_plane: ServedPlane,
 ) -> None:
-    with lifecycle_db() as session:
+    with lifecycle_plane.sessions() as session:
         worker, token = worker_rows.create_worker(
             session, provider="manual", base_model=new_base_model(), max_models=8, status="ready"
         )
         session.commit()
         worker_id = worker.id
-    client = ControlPlaneClient(lifecycle_url, token, retry_for_s=60)
+    client = ControlPlaneClient(lifecycle_plane.url, token, retry_for_s=60)
     tries: list[str] = []
 
     async def away_at_first(request: httpx.Request) -> None:
@@ -47,5 +47,5 @@ async def test_a_retried_heartbeat_sends_the_workers_state_at_that_try(
     finally:
         await client.aclose()
     assert tries == ["refused", "sent"]
-    with lifecycle_db() as session:
+    with lifecycle_plane.sessions() as session:
         assert session.get_one(Worker, worker_id).status == "training"

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from fastapi import FastAPI
 
 from skytrain_backend.db import notify
 from skytrain_backend.worker.client import ControlPlaneClient, until_stopped
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import wait_until
 from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, leased_job
 
@@ -22,9 +22,9 @@ LEASE_WAIT_S = 30
 
 
 @pytest.fixture
-def notifier(lifecycle_app: FastAPI) -> notify.Notifier:
+def notifier(lifecycle_plane: ServedPlane) -> notify.Notifier:
     """The control plane's notifier: its counts say how each long-poll was woken."""
-    notifier: notify.Notifier = lifecycle_app.state.notifier
+    notifier: notify.Notifier = lifecycle_plane.app.state.notifier
     return notifier
 
 
@@ -88,7 +88,7 @@ def test_a_job_wakes_only_the_worker_its_model_is_placed_on(
 
 async def test_a_job_claimed_for_a_worker_that_hung_up_goes_back_to_the_queue_uncounted(
     on_worker: OnWorker,
-    lifecycle_app: FastAPI,
+    lifecycle_plane: ServedPlane,
 ) -> None:
     """The worker hangs up while its lease request claims a job: nobody will read the answer,
     so the job is queued again at once with that attempt uncounted, not held until its lease
@@ -126,7 +126,7 @@ async def test_a_job_claimed_for_a_worker_that_hung_up_goes_back_to_the_queue_un
         "server": ("control-plane", 80),
         "root_path": "",
     }
-    await asyncio.wait_for(lifecycle_app(scope, receive, send), 60)
+    await asyncio.wait_for(lifecycle_plane.app(scope, receive, send), 60)
 
     assert sent[0]["status"] == 204  # what nobody reads: "no job"
     job = alice.http.get(f"/v1/training-jobs/{job_id}").json()
@@ -172,12 +172,12 @@ def test_a_follower_of_a_jobs_events_gets_the_next_event_at_its_notification(
 
 async def test_a_stopping_worker_drops_its_pending_lease_and_the_control_plane_lets_go(
     on_worker: OnWorker,
-    lifecycle_url: str,
+    lifecycle_plane: ServedPlane,
     notifier: notify.Notifier,
 ) -> None:
     alice, model_id, worker = on_worker
     token = worker.http.headers["Authorization"].removeprefix("Bearer ")
-    control_plane = ControlPlaneClient(lifecycle_url, token)
+    control_plane = ControlPlaneClient(lifecycle_plane.url, token)
     stopping = asyncio.Event()
     try:
         async with asyncio.timeout(120):

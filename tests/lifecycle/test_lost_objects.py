@@ -12,7 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
 from skytrain_backend.errors import ObjectDamaged
@@ -20,6 +19,7 @@ from skytrain_backend.storage import LocalObjectStore, keys
 from skytrain_backend.worker.client import ControlPlaneClient
 from tests.api.support import sft_trajectory
 from tests.fixtures.cli import run_cli
+from tests.fixtures.services import ServedPlane
 from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, committed_prefix, leased_job
 
 ADAPTER = {
@@ -75,7 +75,7 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
     loss: str,
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
 ) -> None:
     alice, model_id, worker = on_worker
     checkpoint_id = _committed_step(alice, worker, model_id)
@@ -83,7 +83,9 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
     assert alice.http.get(listing).status_code == 200
     assert checkpoint_id not in run_cli(lifecycle_settings, "storage", "check").stdout
 
-    prefix = committed_prefix(lifecycle_db, tenant_id=alice.tenant_id, model_id=model_id, step=1)
+    prefix = committed_prefix(
+        lifecycle_plane.sessions, tenant_id=alice.tenant_id, model_id=model_id, step=1
+    )
     LOSSES[loss](lifecycle_store, prefix)
 
     listed = alice.http.get(listing)
@@ -136,23 +138,24 @@ def test_storage_check_lists_a_pending_jobs_and_an_uploaded_files_lost_objects(
 
 def test_a_file_changed_in_place_after_its_commit_is_refused_by_the_worker_loading_it(
     on_worker: OnWorker,
-    lifecycle_url: str,
+    lifecycle_plane: ServedPlane,
     lifecycle_store: LocalObjectStore,
     lifecycle_settings: Settings,
     tmp_path: Path,
-    lifecycle_db: sessionmaker[Session],
 ) -> None:
     """The same length, other bytes: no listing can tell, so the worker checks the SHA-256
     committed with the step as it downloads, and `storage check --read` reads it back."""
     alice, model_id, worker = on_worker
     checkpoint_id = _committed_step(alice, worker, model_id)
-    prefix = committed_prefix(lifecycle_db, tenant_id=alice.tenant_id, model_id=model_id, step=1)
+    prefix = committed_prefix(
+        lifecycle_plane.sessions, tenant_id=alice.tenant_id, model_id=model_id, step=1
+    )
     weights = ADAPTER["adapter_model.safetensors"]
     lifecycle_store.put_bytes(prefix + "adapter_model.safetensors", b"\xff" + weights[1:])
     token = worker.http.headers["Authorization"].removeprefix("Bearer ")
 
     async def load() -> None:
-        client = ControlPlaneClient(lifecycle_url, token, retry_for_s=0)
+        client = ControlPlaneClient(lifecycle_plane.url, token, retry_for_s=0)
         try:
             listing = await client.list_checkpoint_files(model_id, 1)
             committed = {item["name"]: item["sha256"] for item in listing}

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
 from skytrain_backend.db.models import Model
 from skytrain_backend.scheduler.loop import Scheduler
 from tests.fixtures.cli import run_cli
+from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import wait_until
 from tests.lifecycle.conftest import Who, WorkerClient, new_base_model
 
@@ -62,7 +62,7 @@ def test_a_tenant_over_its_model_quota_gets_403_and_the_operator_can_change_it(
 def test_one_tenants_fourteen_models_do_not_fill_every_worker(
     who: Callable[..., Who],
     worker_client: Callable[..., WorkerClient],
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
     lifecycle_settings: Settings,
 ) -> None:
     base = new_base_model()
@@ -74,7 +74,7 @@ def test_one_tenants_fourteen_models_do_not_fill_every_worker(
     quiet_model = quiet.create_model()
 
     def placed(model_ids: list[str]) -> list[str | None]:
-        with lifecycle_db() as session:
+        with lifecycle_plane.sessions() as session:
             return [
                 session.scalar(select(Model.worker_id).where(Model.id == model_id))
                 for model_id in model_ids
@@ -106,7 +106,7 @@ def test_one_tenants_fourteen_models_do_not_fill_every_worker(
 def test_a_tenant_at_its_worker_quota_waits_rather_than_spreading(
     who: Callable[..., Who],
     worker_client: Callable[..., WorkerClient],
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
     lifecycle_settings: Settings,
 ) -> None:
     base = new_base_model()
@@ -120,11 +120,11 @@ def test_a_tenant_at_its_worker_quota_waits_rather_than_spreading(
     first, second = alice.create_model(), alice.create_model()
 
     def worker_of(model_id: str) -> str | None:
-        with lifecycle_db() as session:
+        with lifecycle_plane.sessions() as session:
             return session.scalar(select(Model.worker_id).where(Model.id == model_id))
 
     # A scheduling pass of our own, after both models exist (the control plane runs them too).
-    Scheduler(settings=lifecycle_settings, sessions=lifecycle_db, provider=None).tick()
+    Scheduler(settings=lifecycle_settings, sessions=lifecycle_plane.sessions, provider=None).tick()
     assert worker_of(first["id"]) == first_worker.worker_id  # the first worker, now full
     assert worker_of(second["id"]) is None  # the second worker has room, but not for alice
     shown = alice.http.get(f"/v1/models/{second['id']}").json()["serving"]

@@ -18,6 +18,7 @@ from skytrain_backend.protocol import (
     SFTTrainConfig,
 )
 from tests.api.support import group, sft_trajectory
+from tests.fixtures.services import ServedPlane
 from tests.lifecycle.conftest import Who, WorkerClient
 
 
@@ -29,7 +30,7 @@ def _stored_config(db: sessionmaker[Session], job_id: str) -> dict[str, Any]:
 def test_a_leased_job_carries_its_config_typed_by_kind_in_the_old_json_shape(
     who: Callable[[], Who],
     worker_client: Callable[..., WorkerClient],
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
 ) -> None:
     alice = who()
     rl_model, sft_model = (str(alice.create_model()["id"]) for _ in range(2))
@@ -59,7 +60,7 @@ def test_a_leased_job_carries_its_config_typed_by_kind_in_the_old_json_shape(
     for job_id in (rl_job, sft_job):
         # What an older control plane sent (the row's config as stored): an older worker reads
         # the same JSON from this one.
-        stored = _stored_config(lifecycle_db, job_id)
+        stored = _stored_config(lifecycle_plane.sessions, job_id)
         assert by_id[job_id]["job"]["config"] == stored
 
     rl = JobLease.model_validate(by_id[rl_job]).job

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.storage import LocalObjectStore, keys
 from tests.api.support import add_checkpoint
+from tests.fixtures.services import ServedPlane
 from tests.lifecycle.conftest import OnWorker, Who, WorkerClient
 
 ADAPTER = {"adapter_config.json": b'{"r": 8}', "adapter_model.safetensors": b"\x00" * 64}
@@ -24,13 +24,13 @@ def test_a_worker_reading_a_checkpoint_file_by_a_bad_name_gets_a_400(
     raw: str,
     who: Callable[[], Who],
     worker_client: Callable[..., WorkerClient],
-    lifecycle_db: sessionmaker[Session],
+    lifecycle_plane: ServedPlane,
     lifecycle_store: LocalObjectStore,
 ) -> None:
     alice = who()
     model_id = str(alice.create_model()["id"])
     add_checkpoint(
-        lifecycle_db,
+        lifecycle_plane.sessions,
         lifecycle_store,
         tenant_id=alice.tenant_id,
         model_id=model_id,

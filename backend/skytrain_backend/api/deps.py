@@ -47,6 +47,7 @@ from skytrain_backend.db import workers
 from skytrain_backend.db.models import Tenant, Worker
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.db.pages import PageRequest
+from skytrain_backend.db.tenants import TenantLimits, limits_of
 from skytrain_backend.errors import AuthenticationFailed
 from skytrain_backend.provision.package import WorkerPackage
 from skytrain_backend.ranges import (
@@ -257,6 +258,37 @@ async def get_tenant(
 
 
 TenantDep = Annotated[Tenant, Depends(get_tenant)]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """What a route that stores a tenant's upload (a file, a log, a job's batch) works with:
+    the request's session and tenant, the object store, the settings that bound the upload,
+    and the scheduler a new job wakes."""
+
+    session: Session
+    tenant: Tenant
+    store: ObjectStore
+    settings: Settings
+    scheduler: Scheduler
+
+    @property
+    def limits(self) -> TenantLimits:
+        """The tenant's limits: its own where set, else the settings'."""
+        return limits_of(self.tenant, self.settings)
+
+
+async def _upload(
+    session: SessionDep,
+    tenant: TenantDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    scheduler: SchedulerDep,
+) -> Upload:
+    return Upload(session, tenant, store, settings, scheduler)
+
+
+UploadDep = Annotated[Upload, Depends(_upload)]
 
 
 async def get_tinker_tenant(

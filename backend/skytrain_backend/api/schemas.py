@@ -9,8 +9,9 @@ and validate their other fields.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
@@ -58,6 +59,16 @@ MAX_STEPS_PER_DELETE = 10_000
 
 class _Public(BaseModel):
     model_config = ConfigDict(from_attributes=True)
+
+
+PageT = TypeVar("PageT", bound=BaseModel)
+
+
+def page_public(schema: type[PageT], found: tuple[Sequence[Any], bool]) -> PageT:
+    """A query's page ``(rows, has_more)`` as its ``XsPublic``, each row read as its
+    ``XPublic`` from the row's attributes."""
+    rows, has_more = found
+    return schema.model_validate({"data": rows, "has_more": has_more}, from_attributes=True)
 
 
 class HealthPublic(BaseModel):

@@ -112,7 +112,8 @@ def _object_store(settings: Settings) -> ObjectStore:
 
 @contextlib.contextmanager
 def _session() -> Iterator[Session]:
-    """A session on a schema that is current (upgraded first where auto-migration is on)."""
+    """A session on a schema that is current (upgraded first where auto-migration is on); a
+    ``SkytrainError`` raised in the block is the command's error (its message, exit code 1)."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.db import migrations
     from skytrain_backend.db.session import session_factory

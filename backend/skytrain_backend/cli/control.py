@@ -186,13 +186,9 @@ def keys_create(
     """Create an API key and print it (the key alone on stdout). It is shown only once."""
     from skytrain_backend.api.deps import TINKER_KEY_PREFIX
     from skytrain_backend.db import api_keys as keys
-    from skytrain_backend.errors import SkytrainError
 
     with _session() as session:
-        try:
-            row, key = keys.create_key(session, tenant_name=tenant, name=name)
-        except SkytrainError as exc:
-            raise _fail(exc.message) from None
+        row, key = keys.create_key(session, tenant_name=tenant, name=name)
     typer.echo(f"Created key {row.id} ({row.prefix}...) for tenant {tenant!r}.", err=True)
     typer.echo("Store it now: it is not shown again.", err=True)
     typer.echo(TINKER_KEY_PREFIX + key if tinker else key)
@@ -230,13 +226,9 @@ def keys_revoke(
 ) -> None:
     """Revoke a key: requests with it get 401 from now on."""
     from skytrain_backend.db import api_keys as keys
-    from skytrain_backend.errors import SkytrainError
 
     with _session() as session:
-        try:
-            row = keys.revoke_key(session, id_or_prefix=key.removesuffix("..."))
-        except SkytrainError as exc:
-            raise _fail(exc.message) from None
+        row = keys.revoke_key(session, id_or_prefix=key.removesuffix("..."))
     typer.echo(f"Revoked key {row.id} ({row.prefix}...).")
 
 
@@ -332,7 +324,6 @@ def tenants_limits(
     """
     from skytrain_backend.config import get_settings
     from skytrain_backend.db import tenants
-    from skytrain_backend.errors import SkytrainError
 
     given = {
         "max_concurrent_requests": max_concurrent_requests,
@@ -351,18 +342,15 @@ def tenants_limits(
     }
     values = {name: value for name, value in given.items() if value is not None}
     with _session() as session:
-        try:
-            if values or reset:
-                row = tenants.set_limits(
-                    session,
-                    tenant_name=tenant,
-                    values=values,
-                    reset=[r.replace("-", "_") for r in reset],
-                )
-            else:
-                row = tenants.get_tenant_by_name(session, name=tenant)
-        except SkytrainError as exc:
-            raise _fail(exc.message) from None
+        if values or reset:
+            row = tenants.set_limits(
+                session,
+                tenant_name=tenant,
+                values=values,
+                reset=[r.replace("-", "_") for r in reset],
+            )
+        else:
+            row = tenants.get_tenant_by_name(session, name=tenant)
         limits = vars(tenants.limits_of(row, get_settings()))
         own = row.limits or {}
     _output(
@@ -385,13 +373,9 @@ def tenants_show(
     against each limit."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.db import tenants
-    from skytrain_backend.errors import SkytrainError
 
     with _session() as session:
-        try:
-            row = tenants.get_tenant_by_name(session, name=tenant)
-        except SkytrainError as exc:
-            raise _fail(exc.message) from None
+        row = tenants.get_tenant_by_name(session, name=tenant)
         limits = vars(tenants.limits_of(row, get_settings()))
         used = {
             k: str(v) for k, v in tenants.usage_of(session, tenant_id=row.id).by_limit().items()

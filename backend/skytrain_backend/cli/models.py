@@ -228,7 +228,6 @@ def models_delete(
     (a failed delete can be run again). Refused while one of its jobs runs."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.db import registry
-    from skytrain_backend.errors import SkytrainError
     from skytrain_backend.storage import keys, open_object_store
 
     settings = get_settings()
@@ -237,11 +236,8 @@ def models_delete(
         name = f"{row.entity}/{row.project}/{row.name}"
         if not yes:
             typer.confirm(f"Delete model {row.id} ({name}) and all its checkpoints?", abort=True)
-        try:
-            registry.check_deletable(session, model=row)
-            store = open_object_store(settings.storage.resolved_object_store_url, settings)
-            store.delete_prefix(keys.model_prefix(tenant_id=row.tenant_id, model_id=row.id))
-            registry.delete_model_rows(session, model=row)
-        except SkytrainError as exc:
-            raise _fail(exc.message) from None
+        registry.check_deletable(session, model=row)
+        store = open_object_store(settings.storage.resolved_object_store_url, settings)
+        store.delete_prefix(keys.model_prefix(tenant_id=row.tenant_id, model_id=row.id))
+        registry.delete_model_rows(session, model=row)
     typer.echo(f"Deleted model {row.id} ({name}).")

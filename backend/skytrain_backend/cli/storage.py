@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from skytrain_backend.cli._common import MARKUP, _fail, _object_store, _session, _table, app
+from skytrain_backend.cli._common import MARKUP, _object_store, _session, _table, app
 
 storage_app = typer.Typer(
     rich_markup_mode=MARKUP,
@@ -40,17 +40,13 @@ def storage_check(
     to the count (a difference not fixed also exits 1)."""
     from skytrain_backend.config import get_settings
     from skytrain_backend.db import tenants
-    from skytrain_backend.errors import SkytrainError
     from skytrain_backend.scheduler import integrity
 
     settings = get_settings()
     store = _object_store(settings)
     with _session() as session:
-        try:
-            problems = list(integrity.check_storage(session, store=store, read=read))
-            recounts = tenants.recount_storage(session, fix=fix_usage)
-        except SkytrainError as exc:
-            raise _fail(exc.message) from None
+        problems = list(integrity.check_storage(session, store=store, read=read))
+        recounts = tenants.recount_storage(session, fix=fix_usage)
     if recounts:
         _table(
             f"{len(recounts)} tenants whose stored bytes differ from their rows' "

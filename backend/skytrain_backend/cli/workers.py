@@ -361,13 +361,9 @@ def workers_token_create(
 ) -> None:
     """Create a join token and print it (the token alone on stdout). It is shown only once."""
     from skytrain_backend.db import worker_tokens
-    from skytrain_backend.errors import SkytrainError
 
     with _session() as session:
-        try:
-            row, token = worker_tokens.create_join_token(session, name=name, base_model=base_model)
-        except SkytrainError as exc:
-            raise _fail(exc.message) from None
+        row, token = worker_tokens.create_join_token(session, name=name, base_model=base_model)
     scope = f"workers for {base_model!r}" if base_model else "workers of any base model"
     typer.echo(f"Created join token {row.id} ({row.prefix}...) for {scope}.", err=True)
     typer.echo("Store it now: it is not shown again.", err=True)
@@ -403,13 +399,9 @@ def workers_token_revoke(
 ) -> None:
     """Revoke a join token: no new worker joins with it (running workers keep their own)."""
     from skytrain_backend.db import worker_tokens
-    from skytrain_backend.errors import SkytrainError
 
     with _session() as session:
-        try:
-            row = worker_tokens.revoke_join_token(session, id_or_prefix=token.removesuffix("..."))
-        except SkytrainError as exc:
-            raise _fail(exc.message) from None
+        row = worker_tokens.revoke_join_token(session, id_or_prefix=token.removesuffix("..."))
     typer.echo(f"Revoked join token {row.id} ({row.prefix}...).")
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 
 from sqlalchemy import select
@@ -192,17 +192,7 @@ def _routes(model_id: str, workers: list[Worker], *, step: int, pinned: bool) ->
                 engine_model=engine_model_name(worker, model_id=model_id, step=served),
             )
         )
-    first = built[0]
-    return EngineRoute(
-        model_id=first.model_id,
-        step=first.step,
-        worker_id=first.worker_id,
-        engine_endpoint=first.engine_endpoint,
-        engine_secret=first.engine_secret,
-        engine_certificate=first.engine_certificate,
-        engine_model=first.engine_model,
-        replicas=tuple(built),
-    )
+    return replace(built[0], replicas=tuple(built))
 
 
 def _find_model(session: Session, *, tenant_id: str, model: str) -> tuple[Model, int | None]:

@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import hashlib
+import logging
 import os
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -67,6 +68,8 @@ from skytrain_backend.protocol.tinker_ops import (
     TinkerLease,
 )
 from skytrain_backend.protocol.worker import ListedFile
+
+logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 Answer = TypeVar("Answer", bound=BaseModel)
@@ -172,14 +175,19 @@ class ControlPlaneClient:
     async def lease(self, *, wait_s: float = 0.0) -> LeasedJob | None:
         """A job for this worker: the control plane answers as soon as one is queued, or
         None after ``wait_s`` (a long-poll, so a queued job reaches the worker at once)."""
+        response = await self._lease("/jobs/lease", wait_s=wait_s)
+        return None if response is None else _answer(JobLease, response).job
+
+    async def _lease(self, path: str, *, wait_s: float) -> httpx.Response | None:
+        """The answer of a lease long-poll: None when nothing came within ``wait_s``."""
         response = await self._send(
             "POST",
-            "/jobs/lease",
+            path,
             params={"wait_s": wait_s},
             json={},
             timeout=self._long_poll_timeout(wait_s),
         )
-        return None if response.status_code == 204 else _answer(JobLease, response).job
+        return None if response.status_code == 204 else response
 
     def _long_poll_timeout(self, wait_s: float) -> httpx.Timeout:
         """The client's timeouts, with the read timeout extended by the server's wait."""
@@ -193,6 +201,22 @@ class ControlPlaneClient:
             lambda: self._send("POST", f"/jobs/{job_id}/renew", json=body)
         )
         return _answer(LeaseRenewed, response)
+
+    async def renewals(
+        self, job_id: str, *, attempt: int, lease_s: float, what: str
+    ) -> AsyncIterator[LeaseRenewed]:
+        """The lease renewed every third of ``lease_s``, each answer as it comes, for ever: a
+        renewal that fails is logged and tried again at the next; ``LeaseLost`` ends it."""
+        while True:
+            await asyncio.sleep(max(lease_s / 3, 0.5))
+            try:
+                answer = await self.renew(job_id, attempt=attempt)
+            except LeaseLost:
+                raise
+            except Exception:
+                logger.exception("renewing the lease of %s failed", what)
+                continue
+            yield answer
 
     async def event(
         self, job_id: str, *, attempt: int, type: WorkerEventType, data: dict[str, Any]
@@ -295,14 +319,8 @@ class ControlPlaneClient:
 
     async def tinker_lease(self, *, wait_s: float = 0.0) -> LeasedRun | None:
         """A Tinker run placed on this worker, with its rebuild plan; None after ``wait_s``."""
-        response = await self._send(
-            "POST",
-            "/tinker/lease",
-            params={"wait_s": wait_s},
-            json={},
-            timeout=self._long_poll_timeout(wait_s),
-        )
-        return None if response.status_code == 204 else _answer(TinkerLease, response).run
+        response = await self._lease("/tinker/lease", wait_s=wait_s)
+        return None if response is None else _answer(TinkerLease, response).run
 
     async def tinker_next(
         self, job_id: str, *, attempt: int, seq_id: int, wait_s: float

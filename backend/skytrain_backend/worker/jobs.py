@@ -225,17 +225,14 @@ class JobRunner:
             logger.exception("could not report the failure of job %s", running.id)
 
     async def _renew_loop(self, running: _RunningJob) -> None:
-        while True:
-            await asyncio.sleep(max(self.lease_s / 3, 0.5))
-            try:
-                answer = await self._cp.renew(running.id, attempt=running.attempt)
-            except LeaseLost:
-                running.lease_lost = True
-                return
-            except Exception:
-                logger.exception("renewing the lease of job %s failed", running.id)
-                continue
-            running.note(answer)
+        renewals = self._cp.renewals(
+            running.id, attempt=running.attempt, lease_s=self.lease_s, what=f"job {running.id}"
+        )
+        try:
+            async for answer in renewals:
+                running.note(answer)
+        except LeaseLost:
+            running.lease_lost = True
 
     def _check(self, running: _RunningJob, *, training: bool = False) -> None:
         """Raise if the job is no longer this worker's to finish: its lease lost, a cancel,

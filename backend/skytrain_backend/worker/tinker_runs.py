@@ -240,20 +240,17 @@ class TinkerExecutor:
                 logger.exception("could not report the end of Tinker run %s", run.run_id)
 
     async def _renew_loop(self, run: _Run) -> None:
-        while True:
-            await asyncio.sleep(max(self.lease_s / 3, 0.5))
-            try:
-                answer = await self._cp.renew(run.job_id, attempt=run.attempt)
-            except LeaseLost as exc:
-                run.ended = f"lease lost ({exc})"
-                return
-            except Exception:
-                logger.exception("renewing Tinker run %s failed", run.run_id)
-                continue
-            if answer.cancel_requested:
-                run.cancelled = True
-                run.ended = "cancelled"
-                return
+        renewals = self._cp.renewals(
+            run.job_id, attempt=run.attempt, lease_s=self.lease_s, what=f"Tinker run {run.run_id}"
+        )
+        try:
+            async for answer in renewals:
+                if answer.cancel_requested:
+                    run.cancelled = True
+                    run.ended = "cancelled"
+                    return
+        except LeaseLost as exc:
+            run.ended = f"lease lost ({exc})"
 
     async def _next(self, run: _Run) -> LeasedOperation | None:
         return await self._cp.tinker_next(

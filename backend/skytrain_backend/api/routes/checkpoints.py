@@ -25,6 +25,7 @@ from skytrain_backend.api.schemas import (
     CheckpointsDelete,
     CheckpointsDeleted,
     CheckpointsPublic,
+    page_public,
 )
 from skytrain_backend.db import checkpoints, registry
 from skytrain_backend.db.models import Model
@@ -49,15 +50,10 @@ def list_checkpoints(
     ] = False,
 ) -> CheckpointsPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    rows, has_more = checkpoints.list_checkpoints(
-        session,
-        model_id=model.id,
-        page=page,
-        include_deleted=include_deleted,
+    found = checkpoints.list_checkpoints(
+        session, model_id=model.id, page=page, include_deleted=include_deleted
     )
-    return CheckpointsPublic(
-        data=[CheckpointPublic.model_validate(row) for row in rows], has_more=has_more
-    )
+    return page_public(CheckpointsPublic, found)
 
 
 @router.delete("", response_model=CheckpointsDeleted)

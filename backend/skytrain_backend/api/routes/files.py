@@ -15,9 +15,9 @@ from skytrain_backend.api.deps import (
     PageDep,
     SessionDep,
     SessionRoute,
-    SettingsDep,
     StoreDep,
     TenantDep,
+    UploadDep,
 )
 from skytrain_backend.api.schemas import FilePublic, FilesPublic
 from skytrain_backend.db import tenants, uploaded_files
@@ -47,20 +47,16 @@ def _public(row: UploadedFile) -> FilePublic:
 
 
 @router.post("", status_code=201, response_model=FilePublic)
-def upload_file(
-    file: UploadFile,
-    session: SessionDep,
-    tenant: TenantDep,
-    store: StoreDep,
-    settings: SettingsDep,
-) -> FilePublic:
+def upload_file(file: UploadFile, upload: UploadDep) -> FilePublic:
     """Upload JSONL, one trajectory per line; every line is validated before it is stored,
     and its bytes count in your storage quota (403 past it, before anything is stored) until
     you delete it."""
-    limits = tenants.limits_of(tenant, settings)
+    session, tenant, limits = upload.session, upload.tenant, upload.limits
     budget = tenants.storage_budget(session, tenant_id=tenant.id, limits=limits, what="this file")
     session.commit()  # ends the read: no transaction is held while the file is read
-    batch = ingest.IngestBatch(limit=settings.server.max_trajectories_per_request, budget=budget)
+    batch = ingest.IngestBatch(
+        limit=upload.settings.server.max_trajectories_per_request, budget=budget
+    )
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()
@@ -80,7 +76,9 @@ def upload_file(
             return _public(row)
 
         key = keys.file_key(tenant_id=tenant.id, file_id=file_id)
-        return ingest.store_then_commit(store, session, key=key, data=batch.spool, insert=insert)
+        return ingest.store_then_commit(
+            upload.store, session, key=key, data=batch.spool, insert=insert
+        )
     finally:
         batch.close()
 

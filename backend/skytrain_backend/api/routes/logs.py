@@ -5,7 +5,6 @@ from __future__ import annotations
 from itertools import groupby
 
 from fastapi import APIRouter, Request, status
-from sqlalchemy.orm import Session
 
 from skytrain_backend.api import ingest
 from skytrain_backend.api.bulk import LargeBodyRoute, json_body_doc
@@ -14,11 +13,12 @@ from skytrain_backend.api.deps import (
     ModelId,
     PageDep,
     SessionDep,
-    SettingsDep,
     SplitQuery,
     StepQuery,
     StoreDep,
     TenantDep,
+    Upload,
+    UploadDep,
     in_thread,
 )
 from skytrain_backend.api.schemas import (
@@ -28,11 +28,11 @@ from skytrain_backend.api.schemas import (
     TrajectoryBatchDetail,
     TrajectoryBatchesPublic,
     TrajectoryBatchPublic,
+    page_public,
 )
-from skytrain_backend.config import Settings
 from skytrain_backend.db import batches, checkpoints, registry, tenants
-from skytrain_backend.db.models import Tenant, new_id
-from skytrain_backend.storage import ObjectStore, compression, keys
+from skytrain_backend.db.models import new_id
+from skytrain_backend.storage import compression, keys
 
 router = APIRouter(prefix="/models/{model_id}", tags=["logs"], route_class=LargeBodyRoute)
 
@@ -44,32 +44,20 @@ router = APIRouter(prefix="/models/{model_id}", tags=["logs"], route_class=Large
     openapi_extra=json_body_doc(LogCreate),
 )
 async def log_trajectories(
-    model_id: ModelId,
-    request: Request,
-    session: SessionDep,
-    tenant: TenantDep,
-    store: StoreDep,
-    settings: SettingsDep,
+    model_id: ModelId, request: Request, upload: UploadDep
 ) -> TrajectoryBatchPublic:
     """Store a batch at ``step`` (default: the latest) and merge the metrics of the step's
     batches of that split, combined, into the checkpoint at that step as ``{split}/{metric}``."""
     body = await ingest.read_body(request)
     try:
-        return await in_thread(session, _log, body, model_id, session, tenant, store, settings)
+        return await in_thread(upload.session, _log, body, model_id, upload)
     finally:
         body.close()
 
 
-def _log(
-    body: ingest.Spool,
-    model_id: str,
-    session: Session,
-    tenant: Tenant,
-    store: ObjectStore,
-    settings: Settings,
-) -> TrajectoryBatchPublic:
-    limits = tenants.limits_of(tenant, settings)
-    batch = ingest.IngestBatch(limit=settings.server.max_trajectories_per_request)
+def _log(body: ingest.Spool, model_id: str, upload: Upload) -> TrajectoryBatchPublic:
+    session, tenant, limits = upload.session, upload.tenant, upload.limits
+    batch = ingest.IngestBatch(limit=upload.settings.server.max_trajectories_per_request)
     summary = ingest.Summary()
     try:
         with body.view() as buffer:
@@ -83,7 +71,7 @@ def _log(
             session.commit()  # ends the read: no connection is held while the batch streams
             batch_id = new_id()
             key = keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch_id)
-            batch.stream_to(store, key)
+            batch.stream_to(upload.store, key)
             for group in ingest.each_item(
                 items or [], ingest.parse_group, field="trajectory_groups"
             ):
@@ -130,7 +118,9 @@ def _log(
                 )
             return TrajectoryBatchPublic.model_validate(row)
 
-        return ingest.store_then_commit(store, session, key=key, data=batch.output, insert=insert)
+        return ingest.store_then_commit(
+            upload.store, session, key=key, data=batch.output, insert=insert
+        )
     finally:
         batch.close()
 
@@ -145,12 +135,8 @@ def list_logs(
     step: StepQuery = None,
 ) -> TrajectoryBatchesPublic:
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    rows, has_more = batches.list_batches(
-        session, model_id=model.id, split=split, step=step, page=page
-    )
-    return TrajectoryBatchesPublic(
-        data=[TrajectoryBatchPublic.model_validate(row) for row in rows], has_more=has_more
-    )
+    found = batches.list_batches(session, model_id=model.id, split=split, step=step, page=page)
+    return page_public(TrajectoryBatchesPublic, found)
 
 
 @router.get("/logs/{batch_id}", response_model=TrajectoryBatchDetail)

@@ -25,11 +25,11 @@ from skytrain_backend.api.deps import (
     ModelIdQuery,
     NotifierDep,
     PageDep,
-    SchedulerDep,
     SessionDep,
     SettingsDep,
-    StoreDep,
     TenantDep,
+    Upload,
+    UploadDep,
     WaitingDep,
     WaitS,
     in_thread,
@@ -40,10 +40,10 @@ from skytrain_backend.api.schemas import (
     LongSequencesPublic,
     SFTTrainingJobCreate,
     TrainingJobCreate,
-    TrainingJobEventPublic,
     TrainingJobEventsPublic,
     TrainingJobPublic,
     TrainingJobsPublic,
+    page_public,
 )
 from skytrain_backend.config import Settings
 from skytrain_backend.db import checkpoints, jobs, notify, registry
@@ -63,7 +63,6 @@ from skytrain_backend.protocol import (
 )
 from skytrain_backend.ranges import ID_MAX_LENGTH, ID_PATTERN
 from skytrain_backend.scheduler import ranks
-from skytrain_backend.scheduler.loop import Scheduler
 from skytrain_backend.scheduler.serving import job_waiting
 from skytrain_backend.storage import ObjectStore, keys
 
@@ -75,19 +74,16 @@ ART_EVENT_TYPES = frozenset(
 
 
 def _store_job(
+    upload: Upload,
     *,
-    session: Session,
-    store: ObjectStore,
     model: Model,
     kind: JobKind,
     config: RLTrainConfig | SFTTrainConfig,
     batch: ingest.IngestBatch,
-    max_attempts: int,
-    scheduler: Scheduler,
     job_id: str,
-    limits: TenantLimits,
-    max_workers: int | None,
 ) -> TrainingJobPublic:
+    session, limits, scheduling = upload.session, upload.limits, upload.settings.scheduler
+
     def insert(uri: str) -> TrainingJob:
         jobs.reserve_job(session, tenant_id=model.tenant_id, max_queued_jobs=limits.max_queued_jobs)
         reserve_storage(
@@ -108,16 +104,16 @@ def _store_job(
             input_uri=uri,
             num_groups=batch.num_items if kind == "rl" else 0,
             num_trajectories=batch.num_trajectories,
-            max_attempts=max_attempts,
+            max_attempts=scheduling.job_max_attempts,
             input_bytes=batch.num_bytes,
             request_id=logs.current_request_id(),
         )
 
     job = ingest.store_then_commit(
-        store, session, key=_input_key(model, job_id), data=batch.output, insert=insert
+        upload.store, session, key=_input_key(model, job_id), data=batch.output, insert=insert
     )
-    scheduler.wake()
-    return _job_public(session, job, limits=limits, max_workers=max_workers)
+    upload.scheduler.wake()
+    return _job_public(session, job, limits=limits, max_workers=scheduling.launched_workers_limit)
 
 
 def _job_public(
@@ -324,16 +320,9 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
     response_model=TrainingJobPublic,
     openapi_extra=json_body_doc(TrainingJobCreate),
 )
-async def create_training_job(
-    request: Request,
-    session: SessionDep,
-    tenant: TenantDep,
-    store: StoreDep,
-    settings: SettingsDep,
-    scheduler: SchedulerDep,
-) -> TrainingJobPublic:
+async def create_training_job(request: Request, upload: UploadDep) -> TrainingJobPublic:
     """Queue a GRPO step on the trajectory groups (ART's experimental_config is accepted)."""
-    return await _queue(_RLJob(), request, session, tenant, store, settings, scheduler)
+    return await _queue(_RLJob(), request, upload)
 
 
 @router.post(
@@ -342,77 +331,42 @@ async def create_training_job(
     response_model=TrainingJobPublic,
     openapi_extra=json_body_doc(SFTTrainingJobCreate),
 )
-async def create_sft_training_job(
-    request: Request,
-    session: SessionDep,
-    tenant: TenantDep,
-    store: StoreDep,
-    settings: SettingsDep,
-    scheduler: SchedulerDep,
-) -> TrainingJobPublic:
+async def create_sft_training_job(request: Request, upload: UploadDep) -> TrainingJobPublic:
     """Queue supervised fine-tuning on ``trajectories`` or on an uploaded JSONL file."""
-    return await _queue(_SFTJob(), request, session, tenant, store, settings, scheduler)
+    return await _queue(_SFTJob(), request, upload)
 
 
-async def _queue(
-    job: _JobBody[Any, Any],
-    request: Request,
-    session: Session,
-    tenant: Tenant,
-    store: ObjectStore,
-    settings: Settings,
-    scheduler: Scheduler,
-) -> TrainingJobPublic:
+async def _queue(job: _JobBody[Any, Any], request: Request, upload: Upload) -> TrainingJobPublic:
     body = await ingest.read_body(request)
     try:
-        queued = await in_thread(
-            session, _queue_job, job, body, session, tenant, store, settings, scheduler
-        )
+        queued = await in_thread(upload.session, _queue_job, job, body, upload)
     finally:
         body.close()
     logs.set_context(job_id=queued.id)  # the call's access line names the job it made
     return queued
 
 
-def _queue_job(
-    job: _JobBody[Any, Any],
-    body: ingest.Spool,
-    session: Session,
-    tenant: Tenant,
-    store: ObjectStore,
-    settings: Settings,
-    scheduler: Scheduler,
-) -> TrainingJobPublic:
+def _queue_job(job: _JobBody[Any, Any], body: ingest.Spool, upload: Upload) -> TrainingJobPublic:
     """Validate the body, stream its batch to the store and record the job ``queued``."""
-    limits = limits_of(tenant, settings)
-    batch = ingest.IngestBatch(limit=settings.server.max_trajectories_per_request)
+    session, tenant = upload.session, upload.tenant
+    batch = ingest.IngestBatch(limit=upload.settings.server.max_trajectories_per_request)
     try:
         with body.view() as buffer:
             request, items = ingest.split_body(buffer, schema=job.schema, list_field=job.list_field)
             model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
-            _check_servable(session, model=model, settings=settings)
+            _check_servable(session, model=model, settings=upload.settings)
             config = job.config(request, items, session=session, model=model)
             batch.budget = storage_budget(
-                session, tenant_id=tenant.id, limits=limits, what="this job's trajectories"
+                session, tenant_id=tenant.id, limits=upload.limits, what="this job's trajectories"
             )
             session.commit()  # ends the read: no connection is held while the batch streams
             job_id = new_id()
-            batch.stream_to(store, _input_key(model, job_id))
+            batch.stream_to(upload.store, _input_key(model, job_id))
             job.add_items(items, batch, config, model=model)
             del items  # the raw items point into the buffer, which closes with this block
-        job.finish(request, batch, store=store, tenant=tenant)
+        job.finish(request, batch, store=upload.store, tenant=tenant)
         public = _store_job(
-            session=session,
-            store=store,
-            model=model,
-            kind=job.kind,
-            config=config,
-            batch=batch,
-            max_attempts=settings.scheduler.job_max_attempts,
-            scheduler=scheduler,
-            job_id=job_id,
-            limits=limits,
-            max_workers=settings.scheduler.launched_workers_limit,
+            upload, model=model, kind=job.kind, config=config, batch=batch, job_id=job_id
         )
         public.too_long = job.too_long()
         return public
@@ -430,16 +384,10 @@ def list_training_jobs(
 ) -> TrainingJobsPublic:
     if model_id is not None:
         registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-    rows, has_more = jobs.list_jobs(
-        session,
-        tenant_id=tenant.id,
-        model_id=model_id,
-        status=status,
-        page=page,
+    found = jobs.list_jobs(
+        session, tenant_id=tenant.id, model_id=model_id, status=status, page=page
     )
-    return TrainingJobsPublic(
-        data=[TrainingJobPublic.model_validate(row) for row in rows], has_more=has_more
-    )
+    return page_public(TrainingJobsPublic, found)
 
 
 @router.get("/training-jobs/{job_id}", response_model=TrainingJobPublic)
@@ -504,10 +452,7 @@ async def list_training_job_events(
                 TERMINAL_JOB_STATUSES
             ):
                 return None
-            return TrainingJobEventsPublic(
-                data=[TrainingJobEventPublic.model_validate(row) for row in rows],
-                has_more=has_more,
-            )
+            return page_public(TrainingJobEventsPublic, (rows, has_more))
         finally:
             session.rollback()
 

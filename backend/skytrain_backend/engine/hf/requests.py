@@ -67,29 +67,20 @@ class Adapter:
     internal_name: str
 
 
+@dataclass(eq=False)
 class Request:
     """A submitted request as the engine thread sees it."""
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        adapter: str | None,
-        params: SamplingParams,
-        n: int,
-        key: str,
-        loop: asyncio.AbstractEventLoop,
-    ) -> None:
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.adapter = adapter
-        self.params = params
-        self.n = n
-        # Whose turn it takes (see the module docstring), and its sequences admitted so far.
-        self.key = key
-        self.admitted = 0
-        self.queue: asyncio.Queue[SequenceUpdate | RequestFailed] = asyncio.Queue()
-        self.loop = loop
+    request_id: str
+    prompt_token_ids: list[int]
+    adapter: str | None
+    params: SamplingParams
+    n: int
+    # Whose turn it takes (see the module docstring), and its sequences admitted so far.
+    key: str
+    loop: asyncio.AbstractEventLoop
+    admitted: int = 0
+    queue: asyncio.Queue[SequenceUpdate | RequestFailed] = field(default_factory=asyncio.Queue)
 
     def publish(self, item: SequenceUpdate | RequestFailed) -> None:
         publish_all([(self, item)])
@@ -209,22 +200,15 @@ class SequenceState:
         return SequenceUpdate(self.index, token, text, finish_reason, stop_reason)
 
 
+@dataclass(eq=False)
 class Batch:
     """Running sequences, left-padded to a common length; the cache lacks each last token."""
 
-    def __init__(
-        self,
-        sequences: list[SequenceState],
-        cache: DynamicCache,
-        attention_mask_BL: torch.Tensor,
-        next_tokens_B: torch.Tensor,
-        positions_B: torch.Tensor,
-    ) -> None:
-        self.sequences = sequences
-        self.cache = cache
-        self.attention_mask_BL = attention_mask_BL
-        self.next_tokens_B = next_tokens_B
-        self.positions_B = positions_B
+    sequences: list[SequenceState]
+    cache: DynamicCache
+    attention_mask_BL: torch.Tensor
+    next_tokens_B: torch.Tensor
+    positions_B: torch.Tensor
 
     def absorb(self, other: Batch) -> None:
         width, other_width = self.attention_mask_BL.shape[1], other.attention_mask_BL.shape[1]
