@@ -16,7 +16,7 @@ import skytrain
 from skytrain_backend import hub
 from skytrain_backend.base_models import is_hub_id
 from skytrain_backend.demo import report
-from skytrain_backend.demo.service import EmbeddedService, embedded_service, free_port
+from skytrain_backend.demo.service import EmbeddedService, embedded_service
 from skytrain_backend.demo.tasks import DemoTask
 from skytrain_backend.demo.training import LoopOptions, StepRow, train
 
@@ -118,15 +118,14 @@ def run_demo(options: DemoOptions) -> DemoResult:
     if not is_hub_id(options.base_model) and local.is_dir():
         options = replace(options, base_model=str(local.resolve()))
         base_model_dirs.append(local.resolve().parent)
-    port = options.port or free_port()
-    say(f"==> starting the embedded control plane on http://127.0.0.1:{port} (home {options.home})")
+    say(f"==> starting the embedded control plane (home {options.home})")
     with embedded_service(
         options.home,
-        port=port,
+        port=options.port,
         model_cache_dir=options.model_cache_dir,
         base_model_dirs=base_model_dirs,
     ) as service:
-        say(f"    log: {service.log_path}")
+        say(f"    listening on {service.url}; log: {service.log_path}")
         say(f"    dashboard (open it while the demo runs): {dashboard_link(service)}")
         try:
             rows, training_seconds = asyncio.run(_train_model(service, options))

@@ -142,18 +142,59 @@ def _tail(path: Path, lines: int = 20) -> str:
     return ""
 
 
+# Tries at a port chosen here: another process may take it between the check and the bind.
+PORT_TRIES = 3
+
+
+class PortTaken(ConfigurationError):
+    """The server could not bind its port: something took it first."""
+
+
 @contextlib.contextmanager
 def embedded_service(
-    home: Path, *, port: int, model_cache_dir: Path, base_model_dirs: Sequence[Path] = ()
+    home: Path,
+    *,
+    port: int | None,
+    model_cache_dir: Path,
+    base_model_dirs: Sequence[Path] = (),
 ) -> Iterator[EmbeddedService]:
-    """Start ``skytrain serve`` under ``home`` on ``port``; stop it (and its workers) on exit."""
+    """Start ``skytrain serve`` under ``home`` on ``port`` (None: a free one, another if it is
+    taken before the server binds it); stop it (and its workers) on exit."""
     home.mkdir(parents=True, exist_ok=True)
+    for attempt in range(1, PORT_TRIES + 1):
+        try:
+            service = _start(
+                home,
+                port=port or free_port(),
+                model_cache_dir=model_cache_dir,
+                base_model_dirs=base_model_dirs,
+            )
+            break
+        except PortTaken:
+            if port is not None or attempt == PORT_TRIES:
+                raise
+    try:
+        yield service
+    finally:
+        if not service.stop():
+            print(
+                f"warning: the embedded control plane did not stop within "
+                f"{SHUTDOWN_TIMEOUT_S:g} s and was killed; if workers are left, see "
+                f"{home / 'workers'}",
+                file=sys.stderr,
+            )
+
+
+def _start(
+    home: Path, *, port: int, model_cache_dir: Path, base_model_dirs: Sequence[Path]
+) -> EmbeddedService:
     env = service_env(
         home, port=port, model_cache_dir=model_cache_dir, base_model_dirs=base_model_dirs
     )
     api_key = _create_key(env["SKYTRAIN_DATABASE_URL"])
     log_path = home / "serve.log"
     with open(log_path, "ab") as log:
+        start = log.tell()
         # Its own process group: a Ctrl-C in the terminal reaches the demo, which stops the
         # server in order (workers first) instead of everything dying at once.
         process = ChildProcess.start(
@@ -168,12 +209,12 @@ def embedded_service(
     )
     try:
         _wait_for_health(service.url, process, log_path)
-        yield service
-    finally:
-        if not service.stop():
-            print(
-                f"warning: the embedded control plane did not stop within "
-                f"{SHUTDOWN_TIMEOUT_S:g} s and was killed; if workers are left, see "
-                f"{home / 'workers'}",
-                file=sys.stderr,
-            )
+    except ConfigurationError as exc:
+        service.stop()
+        with open(log_path, "rb") as log:
+            log.seek(start)
+            taken = b"address already in use" in log.read().lower()
+        if taken:
+            raise PortTaken(f"port {port} is taken: {exc}") from None
+        raise
+    return service
