@@ -11,6 +11,7 @@ demand is made of real requests held open (long streams), never of numbers writt
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -323,14 +324,28 @@ def _replica_rows(sessions: sessionmaker[Session], model_id: str) -> int:
 
 
 def test_a_replica_killed_mid_burst_costs_no_request_that_had_not_reached_it(
-    client: httpx.Client, workers: list[str], engines: list[Engine], plane: ServedPlane
+    client: httpx.Client,
+    workers: list[str],
+    engines: list[Engine],
+    plane: ServedPlane,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     model = _create(client, "kill", min_replicas=3, max_replicas=3)
     wait_until(lambda: len(_serving(client, model["id"])) == 3, what="three replicas placed")
     balancer = plane.app.state.gateway.balancer
     victim, victim_engine = workers[2], engines[2]
+    # When each request was sent to the victim: only one sent before it died can have reached
+    # it (the burst goes on sending while the test kills it).
+    sent_to_victim: list[float] = []
+    begin = balancer.begin
+
+    def counted_begin(route: Any) -> Any:
+        if route.worker_id == victim:
+            sent_to_victim.append(time.monotonic())
+        return begin(route)
+
+    monkeypatch.setattr(balancer, "begin", counted_begin)
     answers: list[httpx.Response] = []
-    in_flight_at_kill: list[int] = []
     started = threading.Event()
 
     def burst() -> None:
@@ -341,14 +356,17 @@ def test_a_replica_killed_mid_burst_costs_no_request_that_had_not_reached_it(
     runner.start()
     started.wait()
     wait_until(lambda: balancer.outstanding(victim) > 0, what="a request on the victim")
-    in_flight_at_kill.append(balancer.outstanding(victim))
     victim_engine.process.kill()
     victim_engine.process.wait()
+    died_at = time.monotonic()
     runner.join()
     failed = [a for a in answers if a.status_code != 200]
-    # Only requests the killed engine had already taken may fail; every other one was
-    # answered, by another replica when the victim could not be reached.
-    assert len(failed) <= in_flight_at_kill[0], [a.text for a in failed]
+    answered_by_victim = sum(a.headers.get("X-Skytrain-Worker") == victim for a in answers)
+    reached_victim = sum(sent < died_at for sent in sent_to_victim) - answered_by_victim
+    # Only requests the killed engine may have taken may fail; every other one was answered,
+    # by another replica when the victim could not be reached.
+    assert len(failed) <= reached_victim, [a.text for a in failed]
+    assert all(victim in a.text for a in failed), [a.text for a in failed]
     after = _burst(client, model["inference_name"], 6, threads=3)
     assert [a.status_code for a in after] == [200] * 6
     assert victim not in {a.headers["X-Skytrain-Worker"] for a in after}
