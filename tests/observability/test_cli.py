@@ -51,7 +51,9 @@ def test_models_show_and_delete_by_name(
     shown = control_plane_cli("models", "show", model["inference_name"])
     assert model["id"] in shown and key.tenant_name in shown and "tiny/llama" in shown
     assert "Deleted model" in control_plane_cli("models", "delete", model["id"], "--yes")
-    gone = httpx.get(f"{control_plane.url}/v1/models/{model['id']}", headers=key.headers)
+    gone = httpx.get(
+        f"{control_plane.url}/v1/models/{model['id']}", headers=key.headers, timeout=60
+    )
     assert gone.status_code == 404
     assert "no model" in control_plane_cli("models", "show", model["id"], code=1)
 
