@@ -24,11 +24,14 @@ tenant's row (``enforce_quota``): concurrent creates take turns, so none sees a 
 is about to change (64 concurrent creates under ``max_models`` 2 make exactly 2 models).
 Stored bytes are a running total on the tenant's row, changed in the transaction that inserts
 or deletes the rows holding them, so their check reads one row (``reserve_storage``).
+An upload takes its bytes from that total as it streams (``StorageReservation``), before they
+reach the store, and keeps them in the transaction that records its row.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -58,6 +61,8 @@ from skytrain_backend.errors import (
     SkytrainError,
 )
 from skytrain_backend.json_types import JSONObject
+
+logger = logging.getLogger(__name__)
 
 # Limits of requests in flight: zero would refuse every request, so they are at least one.
 _REQUEST_LIMITS = frozenset(
@@ -265,35 +270,97 @@ def _storage_refusal(*, limits: TenantLimits, what: str, takes: str, used: int) 
     )
 
 
-@dataclass(frozen=True)
-class StorageBudget:
-    """The bytes a tenant held when an upload began, against its ``max_storage_bytes``: the
-    upload checks its size as it grows (``check``) and is refused as soon as it cannot fit,
-    before any of it is written to the store. Read without the tenant's lock, so it only
-    spares the store: ``reserve_storage``, in the transaction that records the upload, is
-    what holds when uploads race."""
+# What an upload's reservation takes at least, and then at least a quarter of what it holds:
+# a few locked updates per upload, whatever its size, and at most a quarter of it held more
+# than it needs (given back at its commit).
+RESERVE_STEP_BYTES = 1024 * 1024
 
-    used: int
-    limits: TenantLimits
-    what: str
+
+class StorageReservation:
+    """Bytes of a tenant's ``max_storage_bytes`` taken for one upload as it streams, before they
+    are written to the store (``what``: "this file", ...).
+
+    The upload calls ``check(size)`` with its size so far, the next line included, before it
+    writes that line; when the size passes what is reserved, more is taken from the tenant's
+    running total (``Tenant.storage_bytes``) under its lock, in a transaction of its own, or
+    the upload is refused (``QuotaExceeded``, 403). Concurrent uploads of the tenant take from
+    the same total, so the bytes that reach the store (the parts of an S3 multipart upload
+    included, which are never larger than the lines they compress) never pass the quota.
+    ``commit`` keeps the upload's bytes, in the transaction recording the row that holds
+    them, and gives back the rest; ``release`` gives back everything (an upload refused or
+    failed). A control plane that dies mid-upload leaves its reservation counted until
+    ``skytrain storage check --fix-usage`` recounts the tenant."""
+
+    def __init__(
+        self, session: Session, *, tenant_id: str, limits: TenantLimits, what: str
+    ) -> None:
+        self._session = session
+        self.tenant_id = tenant_id
+        self.limits = limits
+        self.what = what
+        self.size = 0  # the upload's bytes so far
+        self.reserved = 0  # taken from the tenant's total for it
 
     def check(self, size: int) -> None:
-        """``QuotaExceeded`` (403) if an upload of at least ``size`` bytes cannot fit."""
-        if self.used + size > self.limits.max_storage_bytes:
+        """Reserve enough for an upload of ``size`` bytes; ``QuotaExceeded`` if it cannot fit."""
+        self.size = size
+        if size > self.reserved:
+            self._take(size)
+
+    def _take(self, size: int) -> None:
+        session = self._session
+        lock_tenant(session, tenant_id=self.tenant_id)
+        used = int(
+            session.scalar(select(Tenant.storage_bytes).where(Tenant.id == self.tenant_id)) or 0
+        )
+        free = self.limits.max_storage_bytes - used
+        needed = size - self.reserved
+        if needed > free:
+            session.rollback()
             takes = f"at least {size} byte{'s' if size > 1 else ''}"
-            raise _storage_refusal(limits=self.limits, what=self.what, takes=takes, used=self.used)
+            raise _storage_refusal(
+                limits=self.limits, what=self.what, takes=takes, used=used - self.reserved
+            )
+        taken = min(free, max(needed, RESERVE_STEP_BYTES, self.reserved // 4))
+        _add_storage(session, tenant_id=self.tenant_id, delta=taken)
+        session.commit()
+        self.reserved += taken
+
+    def commit(self) -> None:
+        """Commit the caller's transaction (the one that records the upload's row) with the
+        upload's ``size`` kept in the tenant's total and the rest of the reservation given
+        back."""
+        assert self.size <= self.reserved, "check(size) comes before the upload is recorded"
+        release_storage(self._session, tenant_id=self.tenant_id, freed=self.reserved - self.size)
+        self._session.commit()
+        self.reserved = 0
+
+    def release(self) -> None:
+        """Give back whatever is still reserved, in a transaction of its own (a failure is
+        logged: the total stays high until ``skytrain storage check --fix-usage``)."""
+        if not self.reserved:
+            return
+        freed, self.reserved = self.reserved, 0
+        try:
+            self._session.rollback()
+            release_storage(self._session, tenant_id=self.tenant_id, freed=freed)
+            self._session.commit()
+        except Exception:
+            self._session.rollback()
+            logger.exception(
+                "could not give back %s reserved bytes of tenant %s", freed, self.tenant_id
+            )
 
 
-def storage_budget(
+def reserve_as_it_streams(
     session: Session, *, tenant_id: str, limits: TenantLimits, what: str
-) -> StorageBudget:
-    """What the tenant may still store (``what``: "this file", ...), for an upload to check
-    before its bytes reach the store; ``QuotaExceeded`` at once for a tenant already at its
-    quota (an upload holds at least one byte)."""
-    used = int(session.scalar(select(Tenant.storage_bytes).where(Tenant.id == tenant_id)) or 0)
-    budget = StorageBudget(used=used, limits=limits, what=what)
-    budget.check(1)
-    return budget
+) -> StorageReservation:
+    """A ``StorageReservation`` for an upload about to begin; ``QuotaExceeded`` at once for a
+    tenant already at its quota (an upload holds at least one byte), before anything is
+    written to the store."""
+    reservation = StorageReservation(session, tenant_id=tenant_id, limits=limits, what=what)
+    reservation._take(1)
+    return reservation
 
 
 @dataclass(frozen=True)

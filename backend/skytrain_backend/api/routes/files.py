@@ -58,9 +58,12 @@ def upload_file(
     and its bytes count in your storage quota (403 past it, before anything is stored) until
     you delete it."""
     limits = tenants.limits_of(tenant, settings)
-    budget = tenants.storage_budget(session, tenant_id=tenant.id, limits=limits, what="this file")
-    session.commit()  # ends the read: no transaction is held while the file is read
-    batch = ingest.IngestBatch(limit=settings.server.max_trajectories_per_request, budget=budget)
+    reservation = tenants.reserve_as_it_streams(
+        session, tenant_id=tenant.id, limits=limits, what="this file"
+    )
+    batch = ingest.IngestBatch(
+        limit=settings.server.max_trajectories_per_request, reservation=reservation
+    )
     try:
         ingest.parse_trajectory_lines(file.file, batch)
         file_id = new_id()
@@ -72,7 +75,6 @@ def upload_file(
                 session,
                 file_id=file_id,
                 tenant_id=tenant.id,
-                limits=limits,
                 num_trajectories=batch.num_trajectories,
                 size_bytes=batch.num_bytes,
                 sha256=sha256,
@@ -80,7 +82,9 @@ def upload_file(
             return _public(row)
 
         key = keys.file_key(tenant_id=tenant.id, file_id=file_id)
-        return ingest.store_then_commit(store, session, key=key, data=batch.spool, insert=insert)
+        return ingest.store_then_commit(
+            store, session, key=key, data=batch.spool, insert=insert, reservation=reservation
+        )
     finally:
         batch.close()
 

@@ -48,7 +48,7 @@ from skytrain_backend.api.schemas import (
 from skytrain_backend.config import Settings
 from skytrain_backend.db import checkpoints, jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
-from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_storage, storage_budget
+from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_as_it_streams
 from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.observability import logs, metrics
 from skytrain_backend.protocol import (
@@ -90,13 +90,6 @@ def _store_job(
 ) -> TrainingJobPublic:
     def insert(uri: str) -> TrainingJob:
         jobs.reserve_job(session, tenant_id=model.tenant_id, max_queued_jobs=limits.max_queued_jobs)
-        reserve_storage(
-            session,
-            tenant_id=model.tenant_id,
-            limits=limits,
-            adding=batch.num_bytes,
-            what="this job's trajectories",
-        )
         # A job makes its model active: the scheduler places it on a worker if needed.
         model.last_active_at = utcnow()
         return jobs.add_job(
@@ -114,7 +107,12 @@ def _store_job(
         )
 
     job = ingest.store_then_commit(
-        store, session, key=_input_key(model, job_id), data=batch.output, insert=insert
+        store,
+        session,
+        key=_input_key(model, job_id),
+        data=batch.output,
+        insert=insert,
+        reservation=batch.reservation,
     )
     scheduler.wake()
     return _job_public(session, job, limits=limits, max_workers=max_workers)
@@ -392,7 +390,7 @@ def _queue_job(
             model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
             _check_servable(session, model=model, settings=settings)
             config = job.config(request, items, session=session, model=model)
-            batch.budget = storage_budget(
+            batch.reservation = reserve_as_it_streams(
                 session, tenant_id=tenant.id, limits=limits, what="this job's trajectories"
             )
             session.commit()  # ends the read: no connection is held while the batch streams
