@@ -1,7 +1,8 @@
 """A Tinker ``forward_backward`` body (up to the request limit) goes to the object store with
 no database transaction open: nothing of the run's tables is held while the bytes go up, and
 the operation is queued once they are stored. An operation body whose row never came is
-collected by the garbage sweep; one whose row came is kept.
+collected by the garbage sweep; one whose row came is kept. An operation's output that would
+take its tenant past its storage quota is not stored: the operation fails saying so.
 
 PostgreSQL on a schema of the module's own (``make_settings``), so that the table locks the
 test looks at are this control plane's only."""
@@ -25,7 +26,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
-from skytrain_backend.db import api_keys
+from skytrain_backend.db import api_keys, tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Checkpoint, Model, TinkerRequest, TinkerRun, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
@@ -173,6 +174,14 @@ def _save_leased(plane: Plane, run_id: str) -> Iterator[tuple[httpx.Client, str]
         "/api/v1/save_weights", json={"model_id": run_id, "path": "s1", "seq_id": 1}
     )
     assert queued.status_code == 200, queued.text
+    with _leased(plane, run_id) as leased:
+        yield leased
+
+
+@contextmanager
+def _leased(plane: Plane, run_id: str) -> Iterator[tuple[httpx.Client, str]]:
+    """The run leased by a worker holding its model: the worker's client (``/v1/worker``)
+    and the run's job id."""
     with plane.sessions() as session:
         model = session.get_one(Model, session.get_one(TinkerRun, run_id).model_id)
         worker, token = worker_rows.create_worker(
@@ -250,3 +259,82 @@ def test_a_tinker_save_whose_staged_file_differs_commits_nothing(plane: Plane) -
         _stage(http, job_id, SAVED)
         saved = _save(http, job_id, SAVED)
         assert saved.status_code == 204, saved.text
+
+
+def test_an_operation_output_past_the_storage_quota_fails_it_and_stores_nothing(
+    plane: Plane,
+) -> None:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    with plane.sessions() as session:
+        _, key = api_keys.create_key(session, tenant_name=name)
+    headers = {"X-API-Key": "tml-" + key}
+    with httpx.Client(base_url=plane.sdk.base_url, headers=headers, timeout=60) as sdk:
+        session_id, _ = create_run(sdk, base_model=f"tests-org/tiny-{uuid.uuid4().hex[:8]}")
+        run_id = f"{session_id}:train:0"
+        futures = []
+        for seq_id in (1, 2):
+            queued = sdk.post(
+                "/api/v1/forward_backward",
+                content=forward_backward_body(run_id, seq_id),
+                headers={"Content-Type": PROTOBUF},
+            )
+            assert queued.status_code == 200, queued.text
+            futures.append(queued.json()["request_id"])
+        with plane.sessions() as session:
+            tenant = tenants.get_tenant_by_name(session, name=name)
+            held = tenant.storage_bytes
+            values = {"max_storage_bytes": held + 1000}
+            tenants.set_limits(session, tenant_name=name, values=values, reset=[])
+            run = session.get_one(TinkerRun, run_id)
+            outputs = [
+                keys.tinker_op_key(
+                    tenant_id=run.tenant_id, model_id=run.model_id, seq_id=seq_id, name="output.pb"
+                )
+                for seq_id in (1, 2)
+            ]
+
+        def operation(seq_id: int) -> TinkerRequest:
+            with plane.sessions() as session:
+                return session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=seq_id).one()
+
+        with _leased(plane, run_id) as (http, job_id):
+            path = f"/tinker/runs/{job_id}/operations"
+            done = {"attempt": 1, "result": {}, "has_output": True}
+            for seq_id in (0, 1):
+                arrived = http.post(
+                    f"/tinker/runs/{job_id}/next", json={"attempt": 1, "seq_id": seq_id}
+                )
+                assert arrived.status_code == 200, arrived.text
+            created = http.post(f"{path}/0/complete", json={**done, "has_output": False})
+            assert created.status_code == 204, created.text
+            # 2,000 bytes where 1,000 are left: refused, and the operation fails saying so.
+            put = http.put(f"{path}/1/output", params={"attempt": 1}, content=b"x" * 2000)
+            assert put.status_code == 204, put.text
+            assert not plane.store.exists(outputs[0])
+            refused = operation(1)
+            assert refused.status == "failed" and refused.error_category == "user"
+            assert refused.error is not None
+            assert refused.error.startswith("nothing of it was stored (its gradients were")
+            assert (
+                f"takes 2000 bytes and your tenant holds {held} of the {held + 1000}"
+                in refused.error
+            )
+            assert "(max_storage_bytes)" in refused.error
+            assert refused.output_bytes == 0
+            # The worker's completion finds it over: it stays failed, with nothing counted.
+            assert http.post(f"{path}/1/complete", json=done).status_code == 204
+            assert operation(1).status == "failed"
+            future = sdk.post("/api/v1/retrieve_future", json={"request_id": futures[0]})
+            assert "max_storage_bytes" in future.json()["error"]
+
+            # One that fits is stored, counted, and completes.
+            arrived = http.post(f"/tinker/runs/{job_id}/next", json={"attempt": 1, "seq_id": 2})
+            assert arrived.status_code == 200, arrived.text
+            put = http.put(f"{path}/2/output", params={"attempt": 1}, content=b"y" * 600)
+            assert put.status_code == 204, put.text
+            assert http.post(f"{path}/2/complete", json=done).status_code == 204
+        assert plane.store.get_bytes(outputs[1]) == b"y" * 600
+        assert operation(2).status == "succeeded" and operation(2).output_bytes == 600
+        with plane.sessions() as session:
+            assert tenants.get_tenant_by_name(session, name=name).storage_bytes == held + 600
+            assert name not in [item.tenant for item in tenants.recount_storage(session, fix=False)]

@@ -221,15 +221,6 @@ def _add_storage(session: Session, *, tenant_id: str, delta: int) -> None:
     )
 
 
-def add_storage(session: Session, *, tenant_id: str, added: int) -> None:
-    """Add ``added`` bytes to the tenant's running total, unchecked, in the transaction that
-    records the row holding them: for bytes already stored that cannot be refused (a Tinker
-    operation's output, written by the worker that ran it); the tenant's next writes are
-    checked against them."""
-    if added:
-        _add_storage(session, tenant_id=tenant_id, delta=added)
-
-
 def release_storage(session: Session, *, tenant_id: str, freed: int) -> None:
     """Take ``freed`` bytes off the tenant's running total, in the transaction that deletes (or
     empties) the rows that held them; the caller commits."""
