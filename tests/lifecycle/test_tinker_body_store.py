@@ -32,6 +32,7 @@ from skytrain_backend.db.models import Checkpoint, Model, TinkerRequest, TinkerR
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import LocalObjectStore, keys
+from skytrain_backend.storage.base import ObjectInfo
 from tests.fixtures.services import MakeSettings
 from tests.fixtures.tinker_http import create_run, forward_backward_body
 from tests.gateway.conftest import serve_in_thread
@@ -108,6 +109,18 @@ class _WatchedStore(LocalObjectStore):
     def put_bytes(self, key: str, data: bytes) -> None:
         self._watch()
         super().put_bytes(key, data)
+
+
+class _ListWatchedStore(LocalObjectStore):
+    """As ``_WatchedStore``, running ``watch`` before each listing."""
+
+    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+        super().__init__(root)
+        self._watch = watch
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        self._watch()
+        return super().list(prefix)
 
 
 def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane) -> None:
@@ -338,3 +351,38 @@ def test_an_operation_output_past_the_storage_quota_fails_it_and_stores_nothing(
         with plane.sessions() as session:
             assert tenants.get_tenant_by_name(session, name=name).storage_bytes == held + 600
             assert name not in [item.tenant for item in tenants.recount_storage(session, fix=False)]
+
+
+def test_an_operations_output_is_checked_with_no_transaction_open(plane: Plane) -> None:
+    """``complete`` looks the uploaded output up in the store before it locks the run's job:
+    it held that row lock while the store answered."""
+    run_id = _run(plane)
+    queued = plane.sdk.post(
+        "/api/v1/forward_backward",
+        content=forward_backward_body(run_id, 1),
+        headers={"Content-Type": PROTOBUF},
+    )
+    assert queued.status_code == 200, queued.text
+    held: list[list[str]] = []
+
+    def watch() -> None:
+        held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs"))
+
+    with _leased(plane, run_id) as (http, job_id):
+        path = f"/tinker/runs/{job_id}/operations"
+        for seq_id in (0, 1):
+            arrived = http.post(
+                f"/tinker/runs/{job_id}/next", json={"attempt": 1, "seq_id": seq_id}
+            )
+            assert arrived.status_code == 200, arrived.text
+        done = {"attempt": 1, "result": {}, "has_output": False}
+        assert http.post(f"{path}/0/complete", json=done).status_code == 204
+        put = http.put(f"{path}/1/output", params={"attempt": 1}, content=b"z" * 100)
+        assert put.status_code == 204, put.text
+        with store_replaced(plane.app, _ListWatchedStore(plane.app.state.store.root, watch)):
+            completed = http.post(f"{path}/1/complete", json={**done, "has_output": True})
+    assert completed.status_code == 204, completed.text
+    assert held == [[]]  # one listing, and no table held meanwhile
+    with plane.sessions() as session:
+        row = session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=1).one()
+        assert row.status == "succeeded" and row.output_bytes == 100

@@ -254,26 +254,36 @@ def _finish(operation: TinkerRequest, *, result: dict[str, Any] | None = None) -
 def complete(
     session: Session, held: Held, completion: ops.OperationCompletion, *, store: ObjectStore
 ) -> str:
-    """Record an operation's result (an output object already uploaded, if ``has_output``);
-    the future's id."""
+    """Record an operation's result (an output object already uploaded, if ``has_output``,
+    and the size its upload took: checked before anything is recorded); the future's id."""
+    stored = _output_size(session, held, store=store) if completion.has_output else None
     run, operation = worker_operation(session, held)
     if operation.status in FINISHED:
         session.rollback()
         return operation.id
     if completion.has_output:
-        key = output_key(run, held.seq_id)
-        sizes = [info.size for info in store.list(key) if info.key == key]
-        if not sizes:
+        if stored is None:
             raise InvalidRequest(f"operation {held.seq_id}'s output was not uploaded")
-        if sizes[0] != operation.output_bytes:
+        if stored != operation.output_bytes:
             raise InvalidRequest(
-                f"operation {held.seq_id}'s output is stored with {sizes[0]} bytes, not the "
+                f"operation {held.seq_id}'s output is stored with {stored} bytes, not the "
                 f"{operation.output_bytes} uploaded: upload it again"
             )
-        operation.result_uri = store.uri(key)
+        operation.result_uri = store.uri(output_key(run, held.seq_id))
     _finish(operation, result=_public_result(run, operation, completion.result))
     session.commit()
     return operation.id
+
+
+def _output_size(session: Session, held: Held, *, store: ObjectStore) -> int | None:
+    """The size of the output stored for ``held``'s operation (None: none is), read with no
+    transaction open: the run's rows are locked only after the store has answered."""
+    run = session.scalar(select(TinkerRun).where(TinkerRun.job_id == held.job_id))
+    key = None if run is None else output_key(run, held.seq_id)
+    session.rollback()
+    if key is None:
+        return None  # the lease check that follows says why
+    return next((info.size for info in store.list(key) if info.key == key), None)
 
 
 def take_output(
