@@ -21,10 +21,18 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db.models import TrainingJob, utcnow
+from skytrain_backend.db import tenants
+from skytrain_backend.db.models import Tenant, TrainingJob, utcnow
 from skytrain_backend.scheduler import garbage, queue
 from skytrain_backend.storage import LocalObjectStore
-from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, copies_watched, leased_job
+from tests.lifecycle.conftest import (
+    OnWorker,
+    Who,
+    WorkerClient,
+    copies_watched,
+    leased_job,
+    store_replaced,
+)
 
 ADAPTER = {
     "adapter_config.json": b'{"r": 8}',
@@ -140,6 +148,59 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
         committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert committed.status_code == 200, committed.text
     assert locked == [False] * len(ADAPTER)
+
+
+class _DeleteWatchedStore(LocalObjectStore):
+    """The control plane's own store (its directory), which runs ``watch`` before each
+    deletion of a prefix: an observer of the database while the store works, not a fake."""
+
+    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+        super().__init__(root)
+        self._watch = watch
+
+    def delete_prefix(self, prefix: str) -> int:
+        self._watch()
+        return super().delete_prefix(prefix)
+
+
+def test_no_row_lock_is_held_while_a_refused_commit_removes_its_files(
+    on_worker: OnWorker,
+    lifecycle_settings: Settings,
+    lifecycle_app: FastAPI,
+    lifecycle_db: sessionmaker[Session],
+) -> None:
+    """A commit the storage quota refuses fails the job and removes the files it copied and
+    staged: it held the job's row lock while the store deleted them."""
+    if lifecycle_settings.storage.resolved_database_url.startswith("sqlite"):
+        pytest.skip("row locks are PostgreSQL's: SQLite has none to hold")
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
+    worker.stage(job_id, ADAPTER)
+    with lifecycle_db() as session:
+        tenant = session.get_one(Tenant, alice.tenant_id)
+        values = {"max_storage_bytes": tenant.storage_bytes}  # nothing more fits
+        tenants.set_limits(session, tenant_name=tenant.name, values=values, reset=[])
+    locked: list[bool] = []
+
+    def watch() -> None:
+        with lifecycle_db() as session:
+            try:
+                session.execute(
+                    text("SELECT id FROM training_jobs WHERE id = :id FOR UPDATE NOWAIT"),
+                    {"id": job_id},
+                )
+                locked.append(False)
+            except OperationalError:
+                locked.append(True)
+            session.rollback()
+
+    store = _DeleteWatchedStore(lifecycle_app.state.store.root, watch)
+    with store_replaced(lifecycle_app, store):
+        refused = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
+    assert refused.status_code == 403, refused.text
+    assert locked == [False, False]  # the copied files, then the staged ones
+    assert alice.http.get(f"/v1/training-jobs/{job_id}").json()["status"] == "failed"
+    assert _steps(alice, model_id) == [0]
 
 
 class _HeldStore(LocalObjectStore):
