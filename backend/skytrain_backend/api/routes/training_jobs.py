@@ -170,7 +170,13 @@ class _JobBody(Generic[RequestT, ConfigT]):
         return None
 
     def finish(
-        self, request: RequestT, batch: ingest.IngestBatch, *, store: ObjectStore, tenant: Tenant
+        self,
+        request: RequestT,
+        batch: ingest.IngestBatch,
+        *,
+        session: Session,
+        store: ObjectStore,
+        tenant: Tenant,
     ) -> None:
         """What remains once the body's buffer is closed."""
 
@@ -271,6 +277,7 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
         request: TrainingJobCreate,
         batch: ingest.IngestBatch,
         *,
+        session: Session,
         store: ObjectStore,
         tenant: Tenant,
     ) -> None:
@@ -308,11 +315,14 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
         request: SFTTrainingJobCreate,
         batch: ingest.IngestBatch,
         *,
+        session: Session,
         store: ObjectStore,
         tenant: Tenant,
     ) -> None:
         if request.training_data_url is not None:
-            lines = read_uploaded_file(store, tenant_id=tenant.id, url=request.training_data_url)
+            lines = read_uploaded_file(
+                session, store, tenant_id=tenant.id, url=request.training_data_url
+            )
             ingest.parse_trajectory_lines(lines, batch)
 
 
@@ -398,7 +408,7 @@ def _queue_job(
             batch.stream_to(store, _input_key(model, job_id))
             job.add_items(items, batch, config, model=model)
             del items  # the raw items point into the buffer, which closes with this block
-        job.finish(request, batch, store=store, tenant=tenant)
+        job.finish(request, batch, session=session, store=store, tenant=tenant)
         public = _store_job(
             session=session,
             store=store,
