@@ -269,3 +269,24 @@ def test_an_uploaded_file_damaged_after_its_upload_is_reported_by_the_job_readin
     assert listed == []
     prefix = keys.model_prefix(tenant_id=alice.tenant_id, model_id=model_id)
     assert lifecycle_store.list(prefix) == []
+
+
+def test_a_job_input_lost_after_it_was_queued_is_reported_to_the_worker_reading_it(
+    on_worker: OnWorker, lifecycle_store: LocalObjectStore
+) -> None:
+    """A job whose input the store lost answered the worker 404 "the object store lacks an
+    object this needs: retry shortly", as if it might come back."""
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
+    lifecycle_store.delete(
+        keys.job_input_key(tenant_id=alice.tenant_id, model_id=model_id, job_id=job_id)
+    )
+    read = worker.http.get(f"/jobs/{job_id}/input", headers={"Accept-Encoding": "zstd"})
+    _damaged(read.text, read.status_code, lifecycle_store)
+    error = read.json()["error"]
+    assert error["type"] == "object_damaged"
+    assert (
+        f"the input of job {job_id} is gone from the object store since it was queued"
+        in (error["message"])
+    )
+    assert "skytrain storage check" in error["message"]
