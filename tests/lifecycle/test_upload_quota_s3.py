@@ -14,10 +14,12 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
 from skytrain_backend.db import api_keys, tenants
+from skytrain_backend.db.models import UploadReservation
 from skytrain_backend.storage import s3
 from tests.api.support import sft_trajectory
 from tests.fixtures.services import MakeSettings, database_sessions, serve_in_thread
@@ -100,7 +102,8 @@ def test_an_upload_committed_while_another_streams_leaves_no_byte_past_the_quota
     with sessions() as session:
         tenant = tenants.get_tenant_by_name(session, name="alice")
         held = tenants.usage_of(session, tenant_id=tenant.id).storage_bytes
-        # Nothing reserved is left behind: the running total is the sum over the rows.
+        # Nothing reserved is left behind, and the running total is the sum over the rows.
+        assert list(session.scalars(select(UploadReservation))) == []
         assert tenants.recount_storage(session, fix=False) == []
     assert 0 < held <= QUOTA
     store = app.state.store  # the refused upload's parts are aborted, not left in S3
