@@ -118,6 +118,21 @@ def test_a_completion_without_checksums_is_refused(on_worker: OnWorker) -> None:
     assert _steps(alice, model_id) == [0]
 
 
+def _job_row_locked(db: sessionmaker[Session], job_id: str) -> bool:
+    """Whether another connection holds the job's row, asked as a renewal or a cancel would."""
+    with db() as session:
+        try:
+            session.execute(
+                text("SELECT id FROM training_jobs WHERE id = :id FOR UPDATE NOWAIT"),
+                {"id": job_id},
+            )
+            return False
+        except OperationalError:
+            return True
+        finally:
+            session.rollback()
+
+
 def test_no_row_lock_is_held_while_the_commit_copies_the_files(
     on_worker: OnWorker,
     lifecycle_settings: Settings,
@@ -132,17 +147,7 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
     locked: list[bool] = []
 
     def watch() -> None:
-        # Another connection asks for the job's row, as a renewal or a cancel would.
-        with lifecycle_db() as session:
-            try:
-                session.execute(
-                    text("SELECT id FROM training_jobs WHERE id = :id FOR UPDATE NOWAIT"),
-                    {"id": job_id},
-                )
-                locked.append(False)
-            except OperationalError:
-                locked.append(True)
-            session.rollback()
+        locked.append(_job_row_locked(lifecycle_db, job_id))
 
     with copies_watched(lifecycle_app, watch):
         committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
@@ -183,16 +188,7 @@ def test_no_row_lock_is_held_while_a_refused_commit_removes_its_files(
     locked: list[bool] = []
 
     def watch() -> None:
-        with lifecycle_db() as session:
-            try:
-                session.execute(
-                    text("SELECT id FROM training_jobs WHERE id = :id FOR UPDATE NOWAIT"),
-                    {"id": job_id},
-                )
-                locked.append(False)
-            except OperationalError:
-                locked.append(True)
-            session.rollback()
+        locked.append(_job_row_locked(lifecycle_db, job_id))
 
     store = _DeleteWatchedStore(lifecycle_app.state.store.root, watch)
     with store_replaced(lifecycle_app, store):

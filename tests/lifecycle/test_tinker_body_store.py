@@ -76,6 +76,17 @@ def _run(plane: Plane) -> str:
     return f"{session_id}:train:0"
 
 
+def _forward_backward(sdk: httpx.Client, run_id: str, seq_id: int) -> str:
+    """Queue a forward_backward as operation ``seq_id`` of the run: its future's id."""
+    queued = sdk.post(
+        "/api/v1/forward_backward",
+        content=forward_backward_body(run_id, seq_id),
+        headers={"Content-Type": PROTOBUF},
+    )
+    assert queued.status_code == 200, queued.text
+    return str(queued.json()["request_id"])
+
+
 def _held(plane: Plane, *tables: str) -> list[str]:
     """Which of ``tables`` the request being watched holds: a table read by an open
     transaction cannot be locked exclusively by another. The request's thread waits in the
@@ -99,27 +110,23 @@ def _held(plane: Plane, *tables: str) -> list[str]:
 
 
 class _WatchedStore(LocalObjectStore):
-    """The control plane's own store (its directory), which runs ``watch`` before each put:
-    an observer of the database while the store works, not a fake."""
+    """The control plane's own store (its directory), which runs ``watch`` before each put
+    (or, ``listings``, each listing instead): an observer of the database while the store
+    works, not a fake."""
 
-    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+    def __init__(self, root: Path, watch: Callable[[], None], *, listings: bool = False) -> None:
         super().__init__(root)
         self._watch = watch
+        self._listings = listings
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._watch()
+        if not self._listings:
+            self._watch()
         super().put_bytes(key, data)
 
-
-class _ListWatchedStore(LocalObjectStore):
-    """As ``_WatchedStore``, running ``watch`` before each listing."""
-
-    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
-        super().__init__(root)
-        self._watch = watch
-
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        self._watch()
+        if self._listings:
+            self._watch()
         return super().list(prefix)
 
 
@@ -131,12 +138,7 @@ def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane
         held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs"))
 
     with store_replaced(plane.app, _WatchedStore(plane.app.state.store.root, watch)):
-        queued = plane.sdk.post(
-            "/api/v1/forward_backward",
-            content=forward_backward_body(run_id, 1),
-            headers={"Content-Type": PROTOBUF},
-        )
-    assert queued.status_code == 200, queued.text
+        _forward_backward(plane.sdk, run_id, 1)
     assert held == [[]]  # one put, and no table held meanwhile
     with plane.sessions() as session:
         row = session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=1).one()
@@ -145,12 +147,7 @@ def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane
 
 def test_an_operation_body_whose_row_never_came_is_collected(plane: Plane) -> None:
     run_id = _run(plane)
-    queued = plane.sdk.post(
-        "/api/v1/forward_backward",
-        content=forward_backward_body(run_id, 1),
-        headers={"Content-Type": PROTOBUF},
-    )
-    assert queued.status_code == 200, queued.text
+    _forward_backward(plane.sdk, run_id, 1)
     with plane.sessions() as session:
         run = session.get_one(TinkerRun, run_id)
         orphan = keys.tinker_op_key(
@@ -284,15 +281,7 @@ def test_an_operation_output_past_the_storage_quota_fails_it_and_stores_nothing(
     with httpx.Client(base_url=plane.sdk.base_url, headers=headers, timeout=60) as sdk:
         session_id, _ = create_run(sdk, base_model=f"tests-org/tiny-{uuid.uuid4().hex[:8]}")
         run_id = f"{session_id}:train:0"
-        futures = []
-        for seq_id in (1, 2):
-            queued = sdk.post(
-                "/api/v1/forward_backward",
-                content=forward_backward_body(run_id, seq_id),
-                headers={"Content-Type": PROTOBUF},
-            )
-            assert queued.status_code == 200, queued.text
-            futures.append(queued.json()["request_id"])
+        futures = [_forward_backward(sdk, run_id, seq_id) for seq_id in (1, 2)]
         with plane.sessions() as session:
             tenant = tenants.get_tenant_by_name(session, name=name)
             held = tenant.storage_bytes
@@ -357,12 +346,7 @@ def test_an_operations_output_is_checked_with_no_transaction_open(plane: Plane) 
     """``complete`` looks the uploaded output up in the store before it locks the run's job:
     it held that row lock while the store answered."""
     run_id = _run(plane)
-    queued = plane.sdk.post(
-        "/api/v1/forward_backward",
-        content=forward_backward_body(run_id, 1),
-        headers={"Content-Type": PROTOBUF},
-    )
-    assert queued.status_code == 200, queued.text
+    _forward_backward(plane.sdk, run_id, 1)
     held: list[list[str]] = []
 
     def watch() -> None:
@@ -379,7 +363,9 @@ def test_an_operations_output_is_checked_with_no_transaction_open(plane: Plane) 
         assert http.post(f"{path}/0/complete", json=done).status_code == 204
         put = http.put(f"{path}/1/output", params={"attempt": 1}, content=b"z" * 100)
         assert put.status_code == 204, put.text
-        with store_replaced(plane.app, _ListWatchedStore(plane.app.state.store.root, watch)):
+        with store_replaced(
+            plane.app, _WatchedStore(plane.app.state.store.root, watch, listings=True)
+        ):
             completed = http.post(f"{path}/1/complete", json={**done, "has_output": True})
     assert completed.status_code == 204, completed.text
     assert held == [[]]  # one listing, and no table held meanwhile
