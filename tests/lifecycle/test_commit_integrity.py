@@ -17,13 +17,22 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
-from skytrain_backend.db.models import TrainingJob, utcnow
+from skytrain_backend.db import tenants
+from skytrain_backend.db.models import Tenant, TrainingJob, utcnow
 from skytrain_backend.scheduler import garbage, queue
 from skytrain_backend.storage import LocalObjectStore
 from tests.fixtures.services import ServedPlane
-from tests.lifecycle.conftest import OnWorker, Who, WorkerClient, copies_watched, leased_job
+from tests.lifecycle.conftest import (
+    OnWorker,
+    Who,
+    WorkerClient,
+    copies_watched,
+    leased_job,
+    store_replaced,
+)
 
 ADAPTER = {
     "adapter_config.json": b'{"r": 8}',
@@ -109,6 +118,21 @@ def test_a_completion_without_checksums_is_refused(on_worker: OnWorker) -> None:
     assert _steps(alice, model_id) == [0]
 
 
+def _job_row_locked(db: sessionmaker[Session], job_id: str) -> bool:
+    """Whether another connection holds the job's row, asked as a renewal or a cancel would."""
+    with db() as session:
+        try:
+            session.execute(
+                text("SELECT id FROM training_jobs WHERE id = :id FOR UPDATE NOWAIT"),
+                {"id": job_id},
+            )
+            return False
+        except OperationalError:
+            return True
+        finally:
+            session.rollback()
+
+
 def test_no_row_lock_is_held_while_the_commit_copies_the_files(
     on_worker: OnWorker,
     lifecycle_settings: Settings,
@@ -122,22 +146,55 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
     locked: list[bool] = []
 
     def watch() -> None:
-        # Another connection asks for the job's row, as a renewal or a cancel would.
-        with lifecycle_plane.sessions() as session:
-            try:
-                session.execute(
-                    text("SELECT id FROM training_jobs WHERE id = :id FOR UPDATE NOWAIT"),
-                    {"id": job_id},
-                )
-                locked.append(False)
-            except OperationalError:
-                locked.append(True)
-            session.rollback()
+        locked.append(_job_row_locked(lifecycle_plane.sessions, job_id))
 
     with copies_watched(lifecycle_plane.app, watch):
         committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert committed.status_code == 200, committed.text
     assert locked == [False] * len(ADAPTER)
+
+
+class _DeleteWatchedStore(LocalObjectStore):
+    """The control plane's own store (its directory), which runs ``watch`` before each
+    deletion of a prefix: an observer of the database while the store works, not a fake."""
+
+    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+        super().__init__(root)
+        self._watch = watch
+
+    def delete_prefix(self, prefix: str) -> int:
+        self._watch()
+        return super().delete_prefix(prefix)
+
+
+def test_no_row_lock_is_held_while_a_refused_commit_removes_its_files(
+    on_worker: OnWorker,
+    lifecycle_settings: Settings,
+    lifecycle_plane: ServedPlane,
+) -> None:
+    """A commit the storage quota refuses fails the job and removes the files it copied and
+    staged: it held the job's row lock while the store deleted them."""
+    if lifecycle_settings.storage.resolved_database_url.startswith("sqlite"):
+        pytest.skip("row locks are PostgreSQL's: SQLite has none to hold")
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
+    worker.stage(job_id, ADAPTER)
+    with lifecycle_plane.sessions() as session:
+        tenant = session.get_one(Tenant, alice.tenant_id)
+        values = {"max_storage_bytes": tenant.storage_bytes}  # nothing more fits
+        tenants.set_limits(session, tenant_name=tenant.name, values=values, reset=[])
+    locked: list[bool] = []
+
+    def watch() -> None:
+        locked.append(_job_row_locked(lifecycle_plane.sessions, job_id))
+
+    store = _DeleteWatchedStore(lifecycle_plane.app.state.store.root, watch)
+    with store_replaced(lifecycle_plane.app, store):
+        refused = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
+    assert refused.status_code == 403, refused.text
+    assert locked == [False, False]  # the copied files, then the staged ones
+    assert alice.http.get(f"/v1/training-jobs/{job_id}").json()["status"] == "failed"
+    assert _steps(alice, model_id) == [0]
 
 
 class _HeldStore(LocalObjectStore):

@@ -10,6 +10,7 @@ between the write and the commit is the one under test)."""
 from __future__ import annotations
 
 import hashlib
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,20 +24,22 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
-from skytrain_backend.db import api_keys
+from skytrain_backend.db import api_keys, tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import (
     Checkpoint,
     Model,
+    Tenant,
     TinkerRequest,
     TinkerRun,
     TrainingJobEvent,
+    UploadReservation,
     utcnow,
 )
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import LocalObjectStore, keys
-from tests.api.support import group
+from tests.api.support import group, sft_trajectory
 from tests.fixtures.postgres import PostgresServer
 from tests.fixtures.services import MakeSettings
 from tests.fixtures.tinker_http import create_run, forward_backward_body
@@ -228,3 +231,41 @@ def test_a_tinker_body_whose_row_lost_the_database_is_reused_or_collected(
         )
     assert plane.store.exists(body_1)  # its row came: kept
     assert not plane.store.exists(body_2)  # its row never came: collected
+
+
+def test_an_upload_whose_row_lost_the_database_keeps_nothing_and_its_reservation_expires(
+    plane: Plane,
+) -> None:
+    """An uploaded file whose row's commit lost the database: 503, no row, no object, the
+    tenant's total unchanged; the bytes its upload reserved, which could not be given back
+    with the database away, stop counting once the reservation expires."""
+    line = json.dumps(sft_trajectory()).encode() + b"\n"
+    rest = httpx.Client(
+        base_url=plane.url, headers={"Authorization": f"Bearer {plane.key}"}, timeout=60
+    )
+    with rest:
+        plane.lose_the_database_after_the_next_write()
+        try:
+            _database_unavailable(rest.post("/v1/files", files={"file": ("a.jsonl", line)}))
+        finally:
+            plane.database_back()
+        assert rest.get("/v1/files").json()["data"] == []
+        assert plane.store.list(keys.files_prefix(plane.tenant_id)) == []
+        with plane.sessions() as session:
+            assert session.get_one(Tenant, plane.tenant_id).storage_bytes == 0
+            (left,) = session.scalars(select(UploadReservation))  # the one not given back
+            assert left.expires_at <= utcnow() + tenants.RESERVATION_TTL
+            assert left.bytes > 1000  # it would hold all of the quota set below
+            # Its time passes: nothing it held counts any more.
+            left.expires_at = utcnow() - timedelta(seconds=1)
+            values = {"max_storage_bytes": 1000}
+            tenant = session.get_one(Tenant, plane.tenant_id)
+            tenants.set_limits(session, tenant_name=tenant.name, values=values, reset=[])
+
+        uploaded = rest.post("/v1/files", files={"file": ("a.jsonl", line)})
+        assert uploaded.status_code == 201, uploaded.text
+    with plane.sessions() as session:
+        held = session.get_one(Tenant, plane.tenant_id).storage_bytes
+        assert held == uploaded.json()["bytes"] > 0
+        assert list(session.scalars(select(UploadReservation))) == []
+    assert len(plane.store.list(keys.files_prefix(plane.tenant_id))) == 1

@@ -225,3 +225,71 @@ def test_storage_check_lists_an_uploaded_file_cut_short_or_changed_after_its_upl
     assert read.exit_code == 1, read.stdout
     (line,) = [line for line in read.stdout.splitlines() if changed in line]
     assert line.split()[1:4] == ["file", "-", "corrupt"], line
+
+
+def _file_cut_at_a_line(store: LocalObjectStore, key: str) -> None:
+    store.put_bytes(key, store.get_bytes(key).split(b"\n")[0] + b"\n")
+
+
+def _file_changed_in_place(store: LocalObjectStore, key: str) -> None:
+    store.put_bytes(key, store.get_bytes(key).replace(b'"4"', b'"5"'))
+
+
+FILE_LOSSES: dict[str, Callable[[LocalObjectStore, str], None]] = {
+    "deleted": LocalObjectStore.delete,
+    "cut short at a line": _file_cut_at_a_line,
+    "changed in place": _file_changed_in_place,
+}
+
+
+@pytest.mark.parametrize("loss", list(FILE_LOSSES))
+def test_an_uploaded_file_damaged_after_its_upload_is_reported_by_the_job_reading_it(
+    who: Callable[[], Who], lifecycle_store: LocalObjectStore, loss: str
+) -> None:
+    """A file cut short at a line boundary, or changed in place, read as fewer or other
+    trajectories: the SFT job trained on them as if they were what was uploaded."""
+    alice = who()
+    model_id = str(alice.create_model()["id"])
+    lines = b"".join(json.dumps(sft_trajectory(answer)).encode() + b"\n" for answer in "47")
+    uploaded = alice.http.post("/v1/files", files={"file": ("d.jsonl", lines)}).json()
+    key = keys.file_key(tenant_id=alice.tenant_id, file_id=uploaded["id"])
+    FILE_LOSSES[loss](lifecycle_store, key)
+
+    job = alice.http.post(
+        "/v1/sft-training-jobs",
+        json={"model_id": model_id, "training_data_url": uploaded["uri"]},
+    )
+    _damaged(job.text, job.status_code, lifecycle_store)
+    error = job.json()["error"]
+    assert error["type"] == "object_damaged"
+    assert (
+        f"file {uploaded['id']} is damaged in the object store since its upload"
+        in (error["message"])
+    )
+    assert "POST /v1/files" in error["message"]
+    assert "skytrain storage check" in error["message"]
+    listed = alice.http.get("/v1/training-jobs", params={"model_id": model_id}).json()["data"]
+    assert listed == []
+    prefix = keys.model_prefix(tenant_id=alice.tenant_id, model_id=model_id)
+    assert lifecycle_store.list(prefix) == []
+
+
+def test_a_job_input_lost_after_it_was_queued_is_reported_to_the_worker_reading_it(
+    on_worker: OnWorker, lifecycle_store: LocalObjectStore
+) -> None:
+    """A job whose input the store lost answered the worker 404 "the object store lacks an
+    object this needs: retry shortly", as if it might come back."""
+    alice, model_id, worker = on_worker
+    job_id = leased_job(alice, worker, model_id)
+    lifecycle_store.delete(
+        keys.job_input_key(tenant_id=alice.tenant_id, model_id=model_id, job_id=job_id)
+    )
+    read = worker.http.get(f"/jobs/{job_id}/input", headers={"Accept-Encoding": "zstd"})
+    _damaged(read.text, read.status_code, lifecycle_store)
+    error = read.json()["error"]
+    assert error["type"] == "object_damaged"
+    assert (
+        f"the input of job {job_id} is gone from the object store since it was queued"
+        in (error["message"])
+    )
+    assert "skytrain storage check" in error["message"]

@@ -1,7 +1,8 @@
 """A Tinker ``forward_backward`` body (up to the request limit) goes to the object store with
 no database transaction open: nothing of the run's tables is held while the bytes go up, and
 the operation is queued once they are stored. An operation body whose row never came is
-collected by the garbage sweep; one whose row came is kept.
+collected by the garbage sweep; one whose row came is kept. An operation's output that would
+take its tenant past its storage quota is not stored: the operation fails saying so.
 
 PostgreSQL on a schema of the module's own (``make_settings``), so that the table locks the
 test looks at are this control plane's only."""
@@ -25,12 +26,13 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
-from skytrain_backend.db import api_keys
+from skytrain_backend.db import api_keys, tenants
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Checkpoint, Model, TinkerRequest, TinkerRun, utcnow
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import LocalObjectStore, keys
+from skytrain_backend.storage.base import ObjectInfo
 from tests.fixtures.services import MakeSettings
 from tests.fixtures.tinker_http import create_run, forward_backward_body
 from tests.gateway.conftest import serve_in_thread
@@ -74,6 +76,17 @@ def _run(plane: Plane) -> str:
     return f"{session_id}:train:0"
 
 
+def _forward_backward(sdk: httpx.Client, run_id: str, seq_id: int) -> str:
+    """Queue a forward_backward as operation ``seq_id`` of the run: its future's id."""
+    queued = sdk.post(
+        "/api/v1/forward_backward",
+        content=forward_backward_body(run_id, seq_id),
+        headers={"Content-Type": PROTOBUF},
+    )
+    assert queued.status_code == 200, queued.text
+    return str(queued.json()["request_id"])
+
+
 def _held(plane: Plane, *tables: str) -> list[str]:
     """Which of ``tables`` the request being watched holds: a table read by an open
     transaction cannot be locked exclusively by another. The request's thread waits in the
@@ -97,16 +110,24 @@ def _held(plane: Plane, *tables: str) -> list[str]:
 
 
 class _WatchedStore(LocalObjectStore):
-    """The control plane's own store (its directory), which runs ``watch`` before each put:
-    an observer of the database while the store works, not a fake."""
+    """The control plane's own store (its directory), which runs ``watch`` before each put
+    (or, ``listings``, each listing instead): an observer of the database while the store
+    works, not a fake."""
 
-    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+    def __init__(self, root: Path, watch: Callable[[], None], *, listings: bool = False) -> None:
         super().__init__(root)
         self._watch = watch
+        self._listings = listings
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        self._watch()
+        if not self._listings:
+            self._watch()
         super().put_bytes(key, data)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        if self._listings:
+            self._watch()
+        return super().list(prefix)
 
 
 def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane) -> None:
@@ -117,12 +138,7 @@ def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane
         held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs"))
 
     with store_replaced(plane.app, _WatchedStore(plane.app.state.store.root, watch)):
-        queued = plane.sdk.post(
-            "/api/v1/forward_backward",
-            content=forward_backward_body(run_id, 1),
-            headers={"Content-Type": PROTOBUF},
-        )
-    assert queued.status_code == 200, queued.text
+        _forward_backward(plane.sdk, run_id, 1)
     assert held == [[]]  # one put, and no table held meanwhile
     with plane.sessions() as session:
         row = session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=1).one()
@@ -131,12 +147,7 @@ def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane
 
 def test_an_operation_body_whose_row_never_came_is_collected(plane: Plane) -> None:
     run_id = _run(plane)
-    queued = plane.sdk.post(
-        "/api/v1/forward_backward",
-        content=forward_backward_body(run_id, 1),
-        headers={"Content-Type": PROTOBUF},
-    )
-    assert queued.status_code == 200, queued.text
+    _forward_backward(plane.sdk, run_id, 1)
     with plane.sessions() as session:
         run = session.get_one(TinkerRun, run_id)
         orphan = keys.tinker_op_key(
@@ -173,6 +184,14 @@ def _save_leased(plane: Plane, run_id: str) -> Iterator[tuple[httpx.Client, str]
         "/api/v1/save_weights", json={"model_id": run_id, "path": "s1", "seq_id": 1}
     )
     assert queued.status_code == 200, queued.text
+    with _leased(plane, run_id) as leased:
+        yield leased
+
+
+@contextmanager
+def _leased(plane: Plane, run_id: str) -> Iterator[tuple[httpx.Client, str]]:
+    """The run leased by a worker holding its model: the worker's client (``/v1/worker``)
+    and the run's job id."""
     with plane.sessions() as session:
         model = session.get_one(Model, session.get_one(TinkerRun, run_id).model_id)
         worker, token = worker_rows.create_worker(
@@ -250,3 +269,106 @@ def test_a_tinker_save_whose_staged_file_differs_commits_nothing(plane: Plane) -
         _stage(http, job_id, SAVED)
         saved = _save(http, job_id, SAVED)
         assert saved.status_code == 204, saved.text
+
+
+def test_an_operation_output_past_the_storage_quota_fails_it_and_stores_nothing(
+    plane: Plane,
+) -> None:
+    name = f"t-{uuid.uuid4().hex[:8]}"
+    with plane.sessions() as session:
+        _, key = api_keys.create_key(session, tenant_name=name)
+    headers = {"X-API-Key": "tml-" + key}
+    with httpx.Client(base_url=plane.sdk.base_url, headers=headers, timeout=60) as sdk:
+        session_id, _ = create_run(sdk, base_model=f"tests-org/tiny-{uuid.uuid4().hex[:8]}")
+        run_id = f"{session_id}:train:0"
+        futures = [_forward_backward(sdk, run_id, seq_id) for seq_id in (1, 2)]
+        with plane.sessions() as session:
+            tenant = tenants.get_tenant_by_name(session, name=name)
+            held = tenant.storage_bytes
+            values = {"max_storage_bytes": held + 1000}
+            tenants.set_limits(session, tenant_name=name, values=values, reset=[])
+            run = session.get_one(TinkerRun, run_id)
+            outputs = [
+                keys.tinker_op_key(
+                    tenant_id=run.tenant_id, model_id=run.model_id, seq_id=seq_id, name="output.pb"
+                )
+                for seq_id in (1, 2)
+            ]
+
+        def operation(seq_id: int) -> TinkerRequest:
+            with plane.sessions() as session:
+                return session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=seq_id).one()
+
+        with _leased(plane, run_id) as (http, job_id):
+            path = f"/tinker/runs/{job_id}/operations"
+            done = {"attempt": 1, "result": {}, "has_output": True}
+            for seq_id in (0, 1):
+                arrived = http.post(
+                    f"/tinker/runs/{job_id}/next", json={"attempt": 1, "seq_id": seq_id}
+                )
+                assert arrived.status_code == 200, arrived.text
+            created = http.post(f"{path}/0/complete", json={**done, "has_output": False})
+            assert created.status_code == 204, created.text
+            # 2,000 bytes where 1,000 are left: refused, and the operation fails saying so.
+            put = http.put(f"{path}/1/output", params={"attempt": 1}, content=b"x" * 2000)
+            assert put.status_code == 204, put.text
+            assert not plane.store.exists(outputs[0])
+            refused = operation(1)
+            assert refused.status == "failed" and refused.error_category == "user"
+            assert refused.error is not None
+            assert refused.error.startswith("nothing of it was stored (its gradients were")
+            assert (
+                f"takes 2000 bytes and your tenant holds {held} of the {held + 1000}"
+                in refused.error
+            )
+            assert "(max_storage_bytes)" in refused.error
+            assert refused.output_bytes == 0
+            # The worker's completion finds it over: it stays failed, with nothing counted.
+            assert http.post(f"{path}/1/complete", json=done).status_code == 204
+            assert operation(1).status == "failed"
+            future = sdk.post("/api/v1/retrieve_future", json={"request_id": futures[0]})
+            assert "max_storage_bytes" in future.json()["error"]
+
+            # One that fits is stored, counted, and completes.
+            arrived = http.post(f"/tinker/runs/{job_id}/next", json={"attempt": 1, "seq_id": 2})
+            assert arrived.status_code == 200, arrived.text
+            put = http.put(f"{path}/2/output", params={"attempt": 1}, content=b"y" * 600)
+            assert put.status_code == 204, put.text
+            assert http.post(f"{path}/2/complete", json=done).status_code == 204
+        assert plane.store.get_bytes(outputs[1]) == b"y" * 600
+        assert operation(2).status == "succeeded" and operation(2).output_bytes == 600
+        with plane.sessions() as session:
+            assert tenants.get_tenant_by_name(session, name=name).storage_bytes == held + 600
+            assert name not in [item.tenant for item in tenants.recount_storage(session, fix=False)]
+
+
+def test_an_operations_output_is_checked_with_no_transaction_open(plane: Plane) -> None:
+    """``complete`` looks the uploaded output up in the store before it locks the run's job:
+    it held that row lock while the store answered."""
+    run_id = _run(plane)
+    _forward_backward(plane.sdk, run_id, 1)
+    held: list[list[str]] = []
+
+    def watch() -> None:
+        held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs"))
+
+    with _leased(plane, run_id) as (http, job_id):
+        path = f"/tinker/runs/{job_id}/operations"
+        for seq_id in (0, 1):
+            arrived = http.post(
+                f"/tinker/runs/{job_id}/next", json={"attempt": 1, "seq_id": seq_id}
+            )
+            assert arrived.status_code == 200, arrived.text
+        done = {"attempt": 1, "result": {}, "has_output": False}
+        assert http.post(f"{path}/0/complete", json=done).status_code == 204
+        put = http.put(f"{path}/1/output", params={"attempt": 1}, content=b"z" * 100)
+        assert put.status_code == 204, put.text
+        with store_replaced(
+            plane.app, _WatchedStore(plane.app.state.store.root, watch, listings=True)
+        ):
+            completed = http.post(f"{path}/1/complete", json={**done, "has_output": True})
+    assert completed.status_code == 204, completed.text
+    assert held == [[]]  # one listing, and no table held meanwhile
+    with plane.sessions() as session:
+        row = session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=1).one()
+        assert row.status == "succeeded" and row.output_bytes == 100

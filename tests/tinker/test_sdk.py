@@ -368,3 +368,35 @@ def test_values_the_database_cannot_hold_are_refused_naming_the_field(
         assert http.get("/api/v1/samplers/a%00b").status_code == 400
         # Nothing was created: the tenant has no session, hence no runs.
         assert http.get("/api/v1/training_runs").json()["training_runs"] == []
+
+
+@pytest.mark.slow
+def test_a_sample_result_past_the_storage_quota_fails_and_is_not_kept(
+    tinker_client: ClientFactory, tinker_service: Service, base_model: str
+) -> None:
+    """A sample's result, kept in the database, was neither counted nor refused."""
+    tenant = "sample-quota"
+    sampler = tinker_client(tenant).create_sampling_client(base_model=base_model).result(timeout=60)
+
+    def used() -> int:
+        with tinker_service.http(tenant) as http:
+            quotas = {q["name"]: q["used"] for q in http.get("/v1/usage").json()["quotas"]}
+        return int(quotas["max_storage_bytes"])
+
+    def sample() -> types.SampleResponse:
+        return sampler.sample(
+            prompt=types.ModelInput.from_ints([1, 2, 3]),
+            num_samples=2,
+            sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0, seed=3),
+        ).result(timeout=TIMEOUT_S)
+
+    held = used()
+    tinker_service.cli("tenants", "limits", tenant, "--max-storage-bytes", str(held + 10))
+    with pytest.raises(tinker.RequestFailedError, match=r"sample's result takes \d+ bytes"):
+        sample()
+    assert used() == held
+
+    tinker_service.cli("tenants", "limits", tenant, "--max-storage-bytes", str(held + 100_000))
+    assert len(sample().sequences) == 2
+    assert used() > held  # the result kept is counted
+    assert "Every tenant's stored bytes match its rows." in tinker_service.cli("storage", "check")

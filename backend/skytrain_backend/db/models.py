@@ -287,6 +287,19 @@ class UploadedFile(Base):
     created_at: Mapped[datetime] = _created_at()
 
 
+class UploadReservation(Base):
+    """Bytes of a tenant's storage quota taken by an upload in flight, before they reach the
+    store (``db.tenants.StorageReservation``): counted against the quota until the upload
+    commits or fails, or, when no one gives them back, until ``expires_at``."""
+
+    __tablename__ = "upload_reservations"
+
+    id: Mapped[str] = _id_column()
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    expires_at: Mapped[datetime]
+
+
 class TrainingJob(Base):
     """One RL or SFT training request; the scheduler leases queued jobs to workers."""
 

@@ -24,17 +24,21 @@ tenant's row (``enforce_quota``): concurrent creates take turns, so none sees a 
 is about to change (64 concurrent creates under ``max_models`` 2 make exactly 2 models).
 Stored bytes are a running total on the tenant's row, changed in the transaction that inserts
 or deletes the rows holding them, so their check reads one row (``reserve_storage``).
+An upload reserves its bytes as it streams, before they reach the store (``StorageReservation``:
+counted with that total until the transaction that records its row moves them into it).
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
+from datetime import timedelta
 from typing import Any
 
 import msgspec
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from skytrain_backend.config import Settings
@@ -49,6 +53,9 @@ from skytrain_backend.db.models import (
     TrainingJob,
     TrajectoryBatch,
     UploadedFile,
+    UploadReservation,
+    new_id,
+    utcnow,
 )
 from skytrain_backend.errors import (
     InvalidRequest,
@@ -58,6 +65,8 @@ from skytrain_backend.errors import (
     SkytrainError,
 )
 from skytrain_backend.json_types import JSONObject
+
+logger = logging.getLogger(__name__)
 
 # Limits of requests in flight: zero would refuse every request, so they are at least one.
 _REQUEST_LIMITS = frozenset(
@@ -216,15 +225,6 @@ def _add_storage(session: Session, *, tenant_id: str, delta: int) -> None:
     )
 
 
-def add_storage(session: Session, *, tenant_id: str, added: int) -> None:
-    """Add ``added`` bytes to the tenant's running total, unchecked, in the transaction that
-    records the row holding them: for bytes already stored that cannot be refused (a Tinker
-    operation's output, written by the worker that ran it); the tenant's next writes are
-    checked against them."""
-    if added:
-        _add_storage(session, tenant_id=tenant_id, delta=added)
-
-
 def release_storage(session: Session, *, tenant_id: str, freed: int) -> None:
     """Take ``freed`` bytes off the tenant's running total, in the transaction that deletes (or
     empties) the rows that held them; the caller commits."""
@@ -236,14 +236,14 @@ def reserve_storage(
     session: Session, *, tenant_id: str, limits: TenantLimits, adding: int, what: str
 ) -> None:
     """Take ``adding`` bytes (``what``: "this batch", ...) of the tenant's ``max_storage_bytes``
-    under its lock (``enforce_quota``, reading the running total ``Tenant.storage_bytes``: one
-    row, however many the tenant holds) and add them to the total; the caller inserts the row
-    that holds them and commits in the same transaction. ``QuotaExceeded`` (403) when they do
-    not fit."""
+    under its lock (``enforce_quota``, reading the running total ``Tenant.storage_bytes``, one
+    row however many the tenant holds, and what its uploads in flight reserved) and add them
+    to the total; the caller inserts the row that holds them and commits in the same
+    transaction. ``QuotaExceeded`` (403) when they do not fit."""
     enforce_quota(
         session,
         tenant_id=tenant_id,
-        used=select(Tenant.storage_bytes).where(Tenant.id == tenant_id),
+        used=_held(tenant_id=tenant_id),
         adding=adding,
         allowed=limits.max_storage_bytes,
         refusal=lambda used: _storage_refusal(
@@ -265,35 +265,146 @@ def _storage_refusal(*, limits: TenantLimits, what: str, takes: str, used: int) 
     )
 
 
-@dataclass(frozen=True)
-class StorageBudget:
-    """The bytes a tenant held when an upload began, against its ``max_storage_bytes``: the
-    upload checks its size as it grows (``check``) and is refused as soon as it cannot fit,
-    before any of it is written to the store. Read without the tenant's lock, so it only
-    spares the store: ``reserve_storage``, in the transaction that records the upload, is
-    what holds when uploads race."""
+# What an upload's reservation takes at least, and then at least a quarter of what it holds:
+# a few locked updates per upload, whatever its size, and at most a quarter of it held more
+# than it needs (given back at its commit).
+RESERVE_STEP_BYTES = 1024 * 1024
+# How long a reservation counts after it last grew, when no one gives it back (its control
+# plane died mid-upload, or lost its database): longer than any upload takes to stream.
+RESERVATION_TTL = timedelta(minutes=10)
 
-    used: int
-    limits: TenantLimits
-    what: str
+
+def _held(*, tenant_id: str) -> Select[Any]:
+    """The bytes the tenant holds against its ``max_storage_bytes``: its running total and
+    what its uploads in flight have reserved."""
+    reserved = (
+        select(func.coalesce(func.sum(UploadReservation.bytes), 0))
+        .where(UploadReservation.tenant_id == tenant_id, UploadReservation.expires_at > utcnow())
+        .scalar_subquery()
+    )
+    return select(Tenant.storage_bytes + reserved).where(Tenant.id == tenant_id)
+
+
+class StorageReservation:
+    """Bytes of a tenant's ``max_storage_bytes`` taken for one upload as it streams, before they
+    are written to the store (``what``: "this file", ...).
+
+    The upload calls ``check(size)`` with its size so far, the next line included, before it
+    writes that line; when the size passes what is reserved, more is taken under the tenant's
+    lock, in a transaction of its own (an ``UploadReservation`` row, counted against the quota
+    with the tenant's running total), or the upload is refused (``QuotaExceeded``, 403).
+    Concurrent uploads of the tenant take from the same quota, so the bytes that reach the
+    store (the parts of an S3 multipart upload included, which are never larger than the
+    lines they compress) never pass it. ``commit`` moves the upload's size into the running
+    total, in the transaction recording the row that holds it, and drops the reservation;
+    ``release`` drops it (an upload refused or failed). One nobody drops stops counting
+    ``RESERVATION_TTL`` after it last grew."""
+
+    def __init__(
+        self, session: Session, *, tenant_id: str, limits: TenantLimits, what: str
+    ) -> None:
+        self._session = session
+        self.id = new_id()
+        self.tenant_id = tenant_id
+        self.limits = limits
+        self.what = what
+        self.size = 0  # the upload's bytes so far
+        self.reserved = 0  # what its reservation holds
 
     def check(self, size: int) -> None:
-        """``QuotaExceeded`` (403) if an upload of at least ``size`` bytes cannot fit."""
-        if self.used + size > self.limits.max_storage_bytes:
+        """Reserve enough for an upload of ``size`` bytes; ``QuotaExceeded`` if it cannot fit."""
+        self.size = size
+        if size > self.reserved:
+            self._take(size)
+
+    def _take(self, size: int) -> None:
+        session = self._session
+        lock_tenant(session, tenant_id=self.tenant_id)
+        now = utcnow()
+        session.execute(
+            delete(UploadReservation).where(
+                UploadReservation.tenant_id == self.tenant_id, UploadReservation.expires_at <= now
+            )
+        )
+        used = int(session.scalar(_held(tenant_id=self.tenant_id)) or 0)
+        free = self.limits.max_storage_bytes - used
+        needed = size - self.reserved
+        if needed > free:
+            session.rollback()
             takes = f"at least {size} byte{'s' if size > 1 else ''}"
-            raise _storage_refusal(limits=self.limits, what=self.what, takes=takes, used=self.used)
+            raise _storage_refusal(
+                limits=self.limits, what=self.what, takes=takes, used=used - self.reserved
+            )
+        taken = min(free, max(needed, RESERVE_STEP_BYTES, self.reserved // 4))
+        grown = session.execute(
+            update(UploadReservation)
+            .where(UploadReservation.id == self.id)
+            .values(bytes=UploadReservation.bytes + taken, expires_at=now + RESERVATION_TTL)
+            .execution_options(synchronize_session=False)
+        )
+        if grown.rowcount == 0:  # type: ignore[attr-defined]
+            session.add(
+                UploadReservation(
+                    id=self.id,
+                    tenant_id=self.tenant_id,
+                    bytes=self.reserved + taken,
+                    expires_at=now + RESERVATION_TTL,
+                )
+            )
+        session.commit()
+        self.reserved += taken
+
+    def commit(self) -> None:
+        """Commit the caller's transaction (the one that records the upload's row) with the
+        upload's ``size`` added to the tenant's running total and its reservation dropped (a
+        reservation expired meanwhile: the size is taken as any write's is, or refused)."""
+        assert self.size <= self.reserved, "check(size) comes before the upload is recorded"
+        session = self._session
+        dropped = session.execute(
+            delete(UploadReservation).where(UploadReservation.id == self.id)
+        ).rowcount  # type: ignore[attr-defined]
+        if dropped:
+            _add_storage(session, tenant_id=self.tenant_id, delta=self.size)
+        else:
+            reserve_storage(
+                session,
+                tenant_id=self.tenant_id,
+                limits=self.limits,
+                adding=self.size,
+                what=self.what,
+            )
+        session.commit()
+        self.reserved = 0
+
+    def release(self) -> None:
+        """Drop the reservation, in a transaction of its own (one that cannot be dropped now,
+        the database away, expires)."""
+        if not self.reserved:
+            return
+        self.reserved = 0
+        try:
+            self._session.rollback()
+            self._session.execute(delete(UploadReservation).where(UploadReservation.id == self.id))
+            self._session.commit()
+        except Exception:
+            self._session.rollback()
+            logger.warning(
+                "could not drop upload reservation %s of tenant %s: it expires",
+                self.id,
+                self.tenant_id,
+                exc_info=True,
+            )
 
 
-def storage_budget(
+def reserve_as_it_streams(
     session: Session, *, tenant_id: str, limits: TenantLimits, what: str
-) -> StorageBudget:
-    """What the tenant may still store (``what``: "this file", ...), for an upload to check
-    before its bytes reach the store; ``QuotaExceeded`` at once for a tenant already at its
-    quota (an upload holds at least one byte)."""
-    used = int(session.scalar(select(Tenant.storage_bytes).where(Tenant.id == tenant_id)) or 0)
-    budget = StorageBudget(used=used, limits=limits, what=what)
-    budget.check(1)
-    return budget
+) -> StorageReservation:
+    """A ``StorageReservation`` for an upload about to begin; ``QuotaExceeded`` at once for a
+    tenant already at its quota (an upload holds at least one byte), before anything is
+    written to the store."""
+    reservation = StorageReservation(session, tenant_id=tenant_id, limits=limits, what=what)
+    reservation._take(1)
+    return reservation
 
 
 @dataclass(frozen=True)

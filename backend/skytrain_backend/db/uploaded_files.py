@@ -17,17 +17,13 @@ def add_file(
     *,
     file_id: str,
     tenant_id: str,
-    limits: tenants.TenantLimits,
     num_trajectories: int,
     size_bytes: int,
     sha256: str,
 ) -> UploadedFile:
-    """Record a file whose object is written (``size_bytes`` of SHA-256 ``sha256``), its bytes
-    taken from the tenant's storage quota (``QuotaExceeded`` when they do not fit); the caller
-    commits."""
-    tenants.reserve_storage(
-        session, tenant_id=tenant_id, limits=limits, adding=size_bytes, what="this file"
-    )
+    """Record a file whose object is written (``size_bytes`` of SHA-256 ``sha256``); its
+    bytes were taken from the tenant's storage quota as it was read
+    (``tenants.StorageReservation``), which the caller commits with the row."""
     row = UploadedFile(
         id=file_id,
         tenant_id=tenant_id,

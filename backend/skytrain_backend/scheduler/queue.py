@@ -581,13 +581,14 @@ def _fail_commit(
 ) -> None:
     """End a job whose checkpoint could not be committed (the store failed, or it did not fit
     the tenant's storage quota), saying why (``error``). ``prefixes``: the checkpoint's (files
-    copied so far) and the job's (files staged by its attempts); both are deleted, and the
-    sweep collects what the store refuses now."""
+    copied so far) and the job's (files staged by its attempts); both are deleted once the
+    job's end is committed (no row lock is held while the store works), and the sweep
+    collects what the store refuses now."""
+    _finish(session, job, status="failed", error=error)
+    session.commit()
     checkpoint_prefix, job_prefix = prefixes
     _delete_quietly(store, checkpoint_prefix)
     _delete_quietly(store, job_prefix + "attempts/")
-    _finish(session, job, status="failed", error=error)
-    session.commit()
 
 
 def _delete_quietly(store: ObjectStore, prefix: str) -> None:

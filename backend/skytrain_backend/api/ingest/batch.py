@@ -27,7 +27,7 @@ from skytrain_backend.api.ingest.body import (
     check_count,
     parse_trajectory,
 )
-from skytrain_backend.db.tenants import StorageBudget
+from skytrain_backend.db.tenants import StorageReservation
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import (
     TrajectoryGroup,
@@ -51,14 +51,16 @@ class IngestBatch:
     in a thread, beside the validation), and nothing is visible at the key until
     ``store_then_commit`` commits it. ``close`` drops whatever was not committed.
 
-    With a ``budget`` (the tenant's storage quota as the upload began), a batch that grows
-    past what the tenant may still store is refused (403) before its line is written: a
-    tenant at its quota costs the store nothing.
+    With a ``reservation`` (of the tenant's storage quota), each line is reserved before it
+    is written, and a batch that grows past what the tenant may still store is refused (403)
+    before that line reaches the store (or the part of an S3 multipart upload it would go up
+    in): a tenant at its quota costs the store nothing, and concurrent uploads of one tenant
+    together never pass it. ``close`` gives back what a batch not committed had reserved.
     """
 
-    def __init__(self, *, limit: int, budget: StorageBudget | None = None) -> None:
+    def __init__(self, *, limit: int, reservation: StorageReservation | None = None) -> None:
         self.limit = limit
-        self.budget = budget
+        self.reservation = reservation
         self.spool = Spool()
         self.writer: ObjectWriter | None = None
         self.num_items = 0
@@ -90,8 +92,8 @@ class IngestBatch:
             line = item.model_dump_json().encode() + b"\n"
         else:
             line = _ENCODER.encode(item) + b"\n"
-        if self.budget is not None:
-            self.budget.check(self.num_bytes + len(line))
+        if self.reservation is not None:
+            self.reservation.check(self.num_bytes + len(line))
         self.num_bytes += len(line)
         self.output.write(line)
 
@@ -99,6 +101,8 @@ class IngestBatch:
         self.spool.close()
         if self.writer is not None:
             self.writer.abort()  # nothing, once committed
+        if self.reservation is not None:
+            self.reservation.release()  # nothing, once committed
 
 
 def trainable_turns(group: Group, index: int, *, allow_training_without_logprobs: bool) -> int:
@@ -132,9 +136,11 @@ def store_then_commit(
     key: str,
     data: bytes | Spool | ObjectWriter,
     insert: Callable[[str], T],
+    reservation: StorageReservation | None = None,
 ) -> T:
     """Write ``data`` at ``key`` (or commit the writer streaming to it), then run
-    ``insert(uri)`` and commit; undo the write on failure."""
+    ``insert(uri)`` and commit (with the bytes that ``reservation`` took for ``data`` kept in
+    its tenant's total); undo the write on failure."""
     if isinstance(data, bytes):
         store.put_bytes(key, data)
     elif isinstance(data, Spool):
@@ -143,7 +149,10 @@ def store_then_commit(
         data.commit()
     try:
         result = insert(store.uri(key))
-        session.commit()
+        if reservation is None:
+            session.commit()
+        else:
+            reservation.commit()
     except BaseException:
         session.rollback()
         try:

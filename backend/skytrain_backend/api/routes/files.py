@@ -9,6 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import Annotated
 
 from fastapi import APIRouter, Path, Response, UploadFile, status
+from sqlalchemy.orm import Session
 
 from skytrain_backend.api import ingest
 from skytrain_backend.api.deps import (
@@ -22,7 +23,7 @@ from skytrain_backend.api.deps import (
 from skytrain_backend.api.schemas import FilePublic, FilesPublic
 from skytrain_backend.db import tenants, uploaded_files
 from skytrain_backend.db.models import UploadedFile, new_id
-from skytrain_backend.errors import InvalidRequest, NotFound
+from skytrain_backend.errors import InvalidRequest, NotFound, ObjectDamaged
 from skytrain_backend.storage import ObjectStore, keys
 
 router = APIRouter(prefix="/files", tags=["files"], route_class=SessionRoute)
@@ -52,10 +53,11 @@ def upload_file(file: UploadFile, upload: UploadDep) -> FilePublic:
     and its bytes count in your storage quota (403 past it, before anything is stored) until
     you delete it."""
     session, tenant, limits = upload.session, upload.tenant, upload.limits
-    budget = tenants.storage_budget(session, tenant_id=tenant.id, limits=limits, what="this file")
-    session.commit()  # ends the read: no transaction is held while the file is read
+    reservation = tenants.reserve_as_it_streams(
+        session, tenant_id=tenant.id, limits=limits, what="this file"
+    )
     batch = ingest.IngestBatch(
-        limit=upload.settings.server.max_trajectories_per_request, budget=budget
+        limit=upload.settings.server.max_trajectories_per_request, reservation=reservation
     )
     try:
         ingest.parse_trajectory_lines(file.file, batch)
@@ -68,7 +70,6 @@ def upload_file(file: UploadFile, upload: UploadDep) -> FilePublic:
                 session,
                 file_id=file_id,
                 tenant_id=tenant.id,
-                limits=limits,
                 num_trajectories=batch.num_trajectories,
                 size_bytes=batch.num_bytes,
                 sha256=sha256,
@@ -77,7 +78,12 @@ def upload_file(file: UploadFile, upload: UploadDep) -> FilePublic:
 
         key = keys.file_key(tenant_id=tenant.id, file_id=file_id)
         return ingest.store_then_commit(
-            upload.store, session, key=key, data=batch.spool, insert=insert
+            upload.store,
+            session,
+            key=key,
+            data=batch.spool,
+            insert=insert,
+            reservation=reservation,
         )
     finally:
         batch.close()
@@ -113,8 +119,12 @@ def delete_file(
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
-def read_uploaded_file(store: ObjectStore, *, tenant_id: str, url: str) -> Iterator[bytes]:
-    """The lines of a ``skytrain-file://<id>`` file, if the file is the tenant's."""
+def read_uploaded_file(
+    session: Session, store: ObjectStore, *, tenant_id: str, url: str
+) -> Iterator[bytes]:
+    """The lines of a ``skytrain-file://<id>`` file, if the file is the tenant's, as uploaded:
+    a file the store lost, or holds with another size or (once read) SHA-256 than its row
+    records, raises ``ObjectDamaged`` rather than be read as fewer or other trajectories."""
     if not url.startswith(FILE_SCHEME):
         raise InvalidRequest(
             f"training_data_url {url!r} is not supported: skytrain reads skytrain-file://<id> "
@@ -125,10 +135,42 @@ def read_uploaded_file(store: ObjectStore, *, tenant_id: str, url: str) -> Itera
     if not _FILE_ID_RE.match(file_id):
         raise NotFound(f"file {file_id!r} not found: upload it with POST /v1/files")
     try:
-        chunks = store.iter_chunks(keys.file_key(tenant_id=tenant_id, file_id=file_id))
+        row = uploaded_files.get_file(session, tenant_id=tenant_id, file_id=file_id)
+        recorded: tuple[int, str | None] | None = (row.size_bytes, row.sha256)
     except NotFound:
-        raise NotFound(f"file {file_id!r} not found: upload it with POST /v1/files") from None
-    return _lines(chunks)
+        recorded = None  # uploaded before files had rows (i38u): read as it is
+    session.rollback()  # ends the read: no transaction is held while the file is read
+    key = keys.file_key(tenant_id=tenant_id, file_id=file_id)
+    if recorded is None:
+        try:
+            return _lines(store.iter_chunks(key))
+        except NotFound:
+            raise NotFound(f"file {file_id!r} not found: upload it with POST /v1/files") from None
+    size, sha256 = recorded
+    stored = next((info.size for info in store.list(key) if info.key == key), None)
+    if stored is None:
+        raise _damaged(file_id, "it is gone")
+    if stored != size:
+        raise _damaged(file_id, f"it holds {stored} bytes, not the {size} uploaded")
+    return _lines(_checked(store.iter_chunks(key), file_id=file_id, sha256=sha256))
+
+
+def _checked(chunks: Iterable[bytes], *, file_id: str, sha256: str | None) -> Iterator[bytes]:
+    """``chunks``, then ``ObjectDamaged`` if they are not the SHA-256 recorded (where one was)."""
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+        yield chunk
+    if sha256 is not None and digest.hexdigest() != sha256:
+        raise _damaged(file_id, "its bytes are not the ones uploaded: their SHA-256 differs")
+
+
+def _damaged(file_id: str, what: str) -> ObjectDamaged:
+    return ObjectDamaged(
+        f"file {file_id} is damaged in the object store since its upload ({what}): upload "
+        "it again (POST /v1/files) and use the new uri; the operator's `skytrain storage "
+        "check` lists every such file"
+    )
 
 
 def _lines(chunks: Iterable[bytes]) -> Iterator[bytes]:

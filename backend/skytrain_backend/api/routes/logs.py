@@ -65,7 +65,7 @@ def _log(body: ingest.Spool, model_id: str, upload: Upload) -> TrajectoryBatchPu
                 buffer, schema=LogCreate, list_field="trajectory_groups"
             )
             model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
-            batch.budget = tenants.storage_budget(
+            batch.reservation = tenants.reserve_as_it_streams(
                 session, tenant_id=tenant.id, limits=limits, what="this batch"
             )
             session.commit()  # ends the read: no connection is held while the batch streams
@@ -84,13 +84,6 @@ def _log(body: ingest.Spool, model_id: str, upload: Upload) -> TrajectoryBatchPu
         metrics = summary.result()
 
         def insert(uri: str) -> TrajectoryBatchPublic:
-            tenants.reserve_storage(
-                session,
-                tenant_id=tenant.id,
-                limits=limits,
-                adding=batch.num_bytes,
-                what="this batch",
-            )
             row = batches.add_batch(
                 session,
                 batch_id=batch_id,
@@ -119,7 +112,12 @@ def _log(body: ingest.Spool, model_id: str, upload: Upload) -> TrajectoryBatchPu
             return TrajectoryBatchPublic.model_validate(row)
 
         return ingest.store_then_commit(
-            upload.store, session, key=key, data=batch.output, insert=insert
+            upload.store,
+            session,
+            key=key,
+            data=batch.output,
+            insert=insert,
+            reservation=batch.reservation,
         )
     finally:
         batch.close()

@@ -48,7 +48,7 @@ from skytrain_backend.api.schemas import (
 from skytrain_backend.config import Settings
 from skytrain_backend.db import checkpoints, jobs, notify, registry
 from skytrain_backend.db.models import Model, Tenant, TrainingJob, new_id, utcnow
-from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_storage, storage_budget
+from skytrain_backend.db.tenants import TenantLimits, limits_of, reserve_as_it_streams
 from skytrain_backend.errors import InvalidRequest, NotFound
 from skytrain_backend.observability import logs, metrics
 from skytrain_backend.protocol import (
@@ -86,13 +86,6 @@ def _store_job(
 
     def insert(uri: str) -> TrainingJob:
         jobs.reserve_job(session, tenant_id=model.tenant_id, max_queued_jobs=limits.max_queued_jobs)
-        reserve_storage(
-            session,
-            tenant_id=model.tenant_id,
-            limits=limits,
-            adding=batch.num_bytes,
-            what="this job's trajectories",
-        )
         # A job makes its model active: the scheduler places it on a worker if needed.
         model.last_active_at = utcnow()
         return jobs.add_job(
@@ -110,7 +103,12 @@ def _store_job(
         )
 
     job = ingest.store_then_commit(
-        upload.store, session, key=_input_key(model, job_id), data=batch.output, insert=insert
+        upload.store,
+        session,
+        key=_input_key(model, job_id),
+        data=batch.output,
+        insert=insert,
+        reservation=batch.reservation,
     )
     upload.scheduler.wake()
     return _job_public(session, job, limits=limits, max_workers=scheduling.launched_workers_limit)
@@ -168,7 +166,13 @@ class _JobBody(Generic[RequestT, ConfigT]):
         return None
 
     def finish(
-        self, request: RequestT, batch: ingest.IngestBatch, *, store: ObjectStore, tenant: Tenant
+        self,
+        request: RequestT,
+        batch: ingest.IngestBatch,
+        *,
+        session: Session,
+        store: ObjectStore,
+        tenant: Tenant,
     ) -> None:
         """What remains once the body's buffer is closed."""
 
@@ -269,6 +273,7 @@ class _RLJob(_JobBody[TrainingJobCreate, RLTrainConfig]):
         request: TrainingJobCreate,
         batch: ingest.IngestBatch,
         *,
+        session: Session,
         store: ObjectStore,
         tenant: Tenant,
     ) -> None:
@@ -306,11 +311,14 @@ class _SFTJob(_JobBody[SFTTrainingJobCreate, SFTTrainConfig]):
         request: SFTTrainingJobCreate,
         batch: ingest.IngestBatch,
         *,
+        session: Session,
         store: ObjectStore,
         tenant: Tenant,
     ) -> None:
         if request.training_data_url is not None:
-            lines = read_uploaded_file(store, tenant_id=tenant.id, url=request.training_data_url)
+            lines = read_uploaded_file(
+                session, store, tenant_id=tenant.id, url=request.training_data_url
+            )
             ingest.parse_trajectory_lines(lines, batch)
 
 
@@ -356,7 +364,7 @@ def _queue_job(job: _JobBody[Any, Any], body: ingest.Spool, upload: Upload) -> T
             model = registry.get_model(session, tenant_id=tenant.id, model_id=request.model_id)
             _check_servable(session, model=model, settings=upload.settings)
             config = job.config(request, items, session=session, model=model)
-            batch.budget = storage_budget(
+            batch.reservation = reserve_as_it_streams(
                 session, tenant_id=tenant.id, limits=upload.limits, what="this job's trajectories"
             )
             session.commit()  # ends the read: no connection is held while the batch streams
@@ -364,7 +372,7 @@ def _queue_job(job: _JobBody[Any, Any], body: ingest.Spool, upload: Upload) -> T
             batch.stream_to(upload.store, _input_key(model, job_id))
             job.add_items(items, batch, config, model=model)
             del items  # the raw items point into the buffer, which closes with this block
-        job.finish(request, batch, store=upload.store, tenant=tenant)
+        job.finish(request, batch, session=session, store=upload.store, tenant=tenant)
         public = _store_job(
             upload, model=model, kind=job.kind, config=config, batch=batch, job_id=job_id
         )

@@ -44,7 +44,13 @@ from skytrain_backend.db.models import (
     Worker,
     utcnow,
 )
-from skytrain_backend.errors import AuthenticationFailed, InvalidRequest, NotFound
+from skytrain_backend.errors import (
+    AuthenticationFailed,
+    InvalidRequest,
+    NotFound,
+    ObjectDamaged,
+    ObjectMissing,
+)
 from skytrain_backend.observability import metrics
 from skytrain_backend.protocol import (
     Heartbeat,
@@ -337,9 +343,17 @@ def job_input(
     job = _worker_job(session, worker=worker, job_id=job_id)
     model = session.get_one(Model, job.model_id)
     key = keys.job_input_key(tenant_id=model.tenant_id, model_id=model.id, job_id=job.id)
-    chunks, encoded = compression.for_client(
-        store.iter_chunks(key), accept_encoding=accept_encoding
-    )
+    try:
+        chunks, encoded = compression.for_client(
+            store.iter_chunks(key), accept_encoding=accept_encoding
+        )
+    except ObjectMissing:
+        # Written before the job was queued: gone since, it will not come back.
+        raise ObjectDamaged(
+            f"the input of job {job.id} is gone from the object store since it was queued: "
+            "the job cannot run; submit it again. The operator's `skytrain storage check` "
+            "lists every such job"
+        ) from None
     headers = {"Vary": "Accept-Encoding"}  # the answer depends on it
     if encoded:
         headers["Content-Encoding"] = "zstd"

@@ -34,6 +34,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import msgspec
 from pydantic import ValidationError
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -48,7 +49,7 @@ from skytrain_backend.api.tinker.completions import (
     sampling_body,
 )
 from skytrain_backend.config import Settings
-from skytrain_backend.db import tinker_rows
+from skytrain_backend.db import tenants, tinker_rows
 from skytrain_backend.db.models import (
     Model,
     Tenant,
@@ -62,6 +63,7 @@ from skytrain_backend.errors import (
     InvalidRequest,
     NotFound,
     PayloadTooLarge,
+    QuotaExceeded,
     RateLimited,
     SkytrainError,
     Unavailable,
@@ -506,14 +508,39 @@ class TinkerService:
                 if row is None or row.status in runs.FINISHED:
                     return
                 if error is None:
-                    row.status, row.result = "succeeded", result
+                    _keep_result(session, row, result or {}, settings=self.settings)
                 else:
                     row.status, row.error, row.error_category = "failed", error, category
-                row.finished_at = utcnow()
+                    row.finished_at = utcnow()
                 session.commit()
 
         await run_in_threadpool(write)
         self.notify(f"request:{request_id}")
+
+
+def _keep_result(
+    session: Session, row: TinkerRequest, result: dict[str, Any], *, settings: Settings
+) -> None:
+    """Record a sample's ``result`` (kept in its row, as JSON: its bytes counted in the tenant's
+    storage quota, taken under the tenant's lock); one that does not fit is not kept: the
+    request fails with the quota's error instead. The caller commits."""
+    size = len(msgspec.json.encode(result))
+    limits = limits_of(session.get_one(Tenant, row.tenant_id), settings)
+    request_id = row.id
+    try:
+        tenants.reserve_storage(
+            session,
+            tenant_id=row.tenant_id,
+            limits=limits,
+            adding=size,
+            what="this sample's result",
+        )
+    except QuotaExceeded as exc:
+        row = session.get_one(TinkerRequest, request_id)  # the refusal rolled back
+        runs.fail_operation(row, f"nothing of it was kept: {exc.message}", category="user")
+        return
+    row.status, row.result, row.output_bytes = "succeeded", result, size
+    row.finished_at = utcnow()
 
 
 def _load_source(

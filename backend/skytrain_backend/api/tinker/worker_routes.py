@@ -171,11 +171,24 @@ def operation_input(held: HeldDep, session: SessionDep, store: StoreDep) -> Stre
 
 @router.put("/runs/{job_id}/operations/{seq_id}/output", status_code=204)
 async def operation_output(
-    held: HeldDep, request: Request, session: SessionDep, store: StoreDep
+    held: HeldDep,
+    request: Request,
+    session: SessionDep,
+    store: StoreDep,
+    settings: SettingsDep,
+    tinker: TinkerDep,
 ) -> None:
-    run, _ = await in_thread(session, worker_ops.worker_operation, session, held)
-    key = runs.output_key(run, held.seq_id)
-    await run_in_threadpool(store.put_bytes, key, await request.body())
+    """Store the output of the operation the worker ran, its bytes taken from the tenant's
+    storage quota first. An output that does not fit is not stored: the operation is failed
+    with the quota's error instead (the worker's ``complete`` then finds it over)."""
+    body = await request.body()
+    request_id, key = await in_thread(
+        session, worker_ops.take_output, session, held, size=len(body), settings=settings
+    )
+    if key is None:
+        tinker.notify(f"request:{request_id}")
+        return
+    await run_in_threadpool(store.put_bytes, key, body)
 
 
 @router.post("/runs/{job_id}/operations/{seq_id}/complete", status_code=204)

@@ -254,25 +254,73 @@ def _finish(operation: TinkerRequest, *, result: dict[str, Any] | None = None) -
 def complete(
     session: Session, held: Held, completion: ops.OperationCompletion, *, store: ObjectStore
 ) -> str:
-    """Record an operation's result (an output object already uploaded, if ``has_output``);
-    the future's id."""
+    """Record an operation's result (an output object already uploaded, if ``has_output``,
+    and the size its upload took: checked before anything is recorded); the future's id."""
+    stored = _output_size(session, held, store=store) if completion.has_output else None
     run, operation = worker_operation(session, held)
     if operation.status in FINISHED:
         session.rollback()
         return operation.id
     if completion.has_output:
-        key = output_key(run, held.seq_id)
-        sizes = [info.size for info in store.list(key) if info.key == key]
-        if not sizes:
+        if stored is None:
             raise InvalidRequest(f"operation {held.seq_id}'s output was not uploaded")
-        operation.result_uri = store.uri(key)
-        # Stored already, by the worker that ran it: counted, not refused (the tenant's next
-        # writes are checked against it).
-        operation.output_bytes = sizes[0]
-        tenants.add_storage(session, tenant_id=run.tenant_id, added=sizes[0])
+        if stored != operation.output_bytes:
+            raise InvalidRequest(
+                f"operation {held.seq_id}'s output is stored with {stored} bytes, not the "
+                f"{operation.output_bytes} uploaded: upload it again"
+            )
+        operation.result_uri = store.uri(output_key(run, held.seq_id))
     _finish(operation, result=_public_result(run, operation, completion.result))
     session.commit()
     return operation.id
+
+
+def _output_size(session: Session, held: Held, *, store: ObjectStore) -> int | None:
+    """The size of the output stored for ``held``'s operation (None: none is), read with no
+    transaction open: the run's rows are locked only after the store has answered."""
+    run = session.scalar(select(TinkerRun).where(TinkerRun.job_id == held.job_id))
+    key = None if run is None else output_key(run, held.seq_id)
+    session.rollback()
+    if key is None:
+        return None  # the lease check that follows says why
+    return next((info.size for info in store.list(key) if info.key == key), None)
+
+
+def take_output(
+    session: Session, held: Held, *, size: int, settings: Settings
+) -> tuple[str, str | None]:
+    """Take the ``size`` bytes of an operation's output from its tenant's storage quota, before
+    the worker's upload of them is stored: recorded as the operation's ``output_bytes`` in
+    the transaction that takes them (an upload sent again takes only what it adds). Returns
+    the operation's id and the key to store the output at; None for the key when nothing is
+    to be stored: the operation is over already, or the output does not fit, and then the
+    operation is failed saying so (committed)."""
+    run, operation = worker_operation(session, held)
+    if operation.status in FINISHED:
+        session.rollback()
+        return operation.id, None
+    added = size - (operation.output_bytes or 0)
+    if added > 0:
+        limits = tenants.limits_of(session.get_one(Tenant, run.tenant_id), settings)
+        what = f"operation {held.seq_id}'s output ({operation.kind})"
+        try:
+            tenants.reserve_storage(
+                session, tenant_id=run.tenant_id, limits=limits, adding=added, what=what
+            )
+        except QuotaExceeded as exc:
+            _, operation = worker_operation(session, held)
+            ran = " (its gradients were accumulated all the same)"
+            error = (
+                f"nothing of it was stored{ran if operation.kind == 'forward_backward' else ''}: "
+            )
+            fail_operation(operation, error + exc.message, category="user")
+            session.commit()
+            return operation.id, None
+    else:
+        tenants.release_storage(session, tenant_id=run.tenant_id, freed=-added)
+    operation.output_bytes = size
+    session.commit()
+    return operation.id, output_key(run, held.seq_id)
 
 
 def _public_result(
