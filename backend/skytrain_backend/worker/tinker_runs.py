@@ -31,22 +31,22 @@ import logging
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from skytrain_backend.errors import LeaseLost, SkytrainError, TrainingError
-from skytrain_backend.protocol import ModelConfig, StagedFile, tinker_protobuf
+from skytrain_backend.protocol import StagedFile, tinker_protobuf
 from skytrain_backend.protocol.tinker_ops import (
     BatchOperation,
     CreationOperation,
     LeasedOperation,
+    LeasedRun,
     LoadOperation,
     OperationCompletion,
     OperationFailure,
     OperationResult,
     OptimOperation,
-    RebuildPlan,
     RestorePoint,
     SaveCommit,
     SaveOperation,
@@ -91,20 +91,19 @@ class _RunEnded(SkytrainError):
 
 @dataclass
 class _Run:
-    job_id: str
-    attempt: int
-    run_id: str
-    model_id: str
-    base_model: str
-    model_config: ModelConfig
-    next_seq: int
-    latest_step: int
-    plan: RebuildPlan
+    leased: LeasedRun
+    # The next operation to run, and the newest step the model had: saves go above it.
+    next_seq: int = field(init=False)
+    latest_step: int = field(init=False)
     trainer: Trainer | None = None
     # The committed step whose weights the trainer holds, while nothing changed them.
     saved_step: int | None = None
     ended: str | None = None
     cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.next_seq = self.leased.plan.next_seq
+        self.latest_step = self.leased.latest_step
 
     def check(self) -> None:
         if self.ended is not None:
@@ -146,14 +145,14 @@ class TinkerExecutor:
                     await until_stopped(self._room.wait(), stopping)
                     continue
                 try:
-                    leased = await until_stopped(self._lease(), stopping)
+                    run = await until_stopped(self._lease(), stopping)
                 except Exception:
                     logger.exception("leasing a Tinker run failed; retrying")
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stopping.wait(), LEASE_RETRY_S)
                     continue
-                if leased is not None:
-                    task = asyncio.create_task(self._serve(leased), name=f"tinker-{leased.run_id}")
+                if run is not None:
+                    task = asyncio.create_task(self._serve(run), name=f"tinker-{run.leased.run_id}")
                     served.add(task)
                     task.add_done_callback(served.discard)
         finally:
@@ -162,33 +161,24 @@ class TinkerExecutor:
             await asyncio.gather(*served, return_exceptions=True)
 
     async def _lease(self) -> _Run | None:
-        run = await self._cp.tinker_lease(wait_s=self._wait_s)
-        if run is None:
-            return None
-        return _Run(
-            job_id=run.job_id,
-            attempt=run.attempt,
-            run_id=run.run_id,
-            model_id=run.model_id,
-            base_model=run.base_model,
-            model_config=run.model_config_,
-            next_seq=run.plan.next_seq,
-            latest_step=run.latest_step,
-            plan=run.plan,
-        )
+        leased = await self._cp.tinker_lease(wait_s=self._wait_s)
+        return None if leased is None else _Run(leased)
 
     # --- one run --------------------------------------------------------------------------------
 
     async def _serve(self, run: _Run) -> None:
-        self._runs[run.job_id, run.attempt] = run
-        renew = asyncio.create_task(self._renew_loop(run), name=f"renew-{run.job_id}")
+        self._runs[run.leased.job_id, run.leased.attempt] = run
+        renew = asyncio.create_task(self._renew_loop(run), name=f"renew-{run.leased.job_id}")
         logger.info(
-            "Tinker run %s (attempt %d): from operation %d", run.run_id, run.attempt, run.next_seq
+            "Tinker run %s (attempt %d): from operation %d",
+            run.leased.run_id,
+            run.leased.attempt,
+            run.next_seq,
         )
         try:
             if self._trainer_shards > 1:
                 raise _CreationFailed(
-                    f"{run.base_model} needs its training sharded over {self._trainer_shards} "
+                    f"{run.leased.base_model} needs its training sharded over {self._trainer_shards} "
                     "devices on this worker, and Tinker runs train on one device for now; "
                     "train it with skytrain's training jobs (REST, SDK or ART's client), "
                     "which use every shard"
@@ -201,7 +191,7 @@ class TinkerExecutor:
                     await self._execute(run, operation)
                     run.next_seq += 1
         except (LeaseLost, _RunEnded) as exc:
-            logger.info("Tinker run %s let go: %s", run.run_id, exc)
+            logger.info("Tinker run %s let go: %s", run.leased.run_id, exc)
             if run.cancelled:
                 await self._fail_run(run, "the run was cancelled", retryable=False, cancelled=True)
         except _CreationFailed as exc:
@@ -209,7 +199,7 @@ class TinkerExecutor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.exception("Tinker run %s failed; its state is dropped", run.run_id)
+            logger.exception("Tinker run %s failed; its state is dropped", run.leased.run_id)
             # The tenant reads this: the details (paths, addresses) stay in this worker's log.
             await self._fail_run(
                 run,
@@ -221,7 +211,7 @@ class TinkerExecutor:
             with contextlib.suppress(asyncio.CancelledError):
                 await renew
             run.trainer = None
-            self._runs.pop((run.job_id, run.attempt), None)
+            self._runs.pop((run.leased.job_id, run.leased.attempt), None)
             self._room.set()
 
     async def _fail_run(
@@ -230,18 +220,21 @@ class TinkerExecutor:
         with contextlib.suppress(LeaseLost):
             try:
                 await self._cp.fail(
-                    run.job_id,
-                    attempt=run.attempt,
+                    run.leased.job_id,
+                    attempt=run.leased.attempt,
                     error_message=message,
                     retryable=retryable,
                     cancelled=cancelled,
                 )
             except Exception:
-                logger.exception("could not report the end of Tinker run %s", run.run_id)
+                logger.exception("could not report the end of Tinker run %s", run.leased.run_id)
 
     async def _renew_loop(self, run: _Run) -> None:
         renewals = self._cp.renewals(
-            run.job_id, attempt=run.attempt, lease_s=self.lease_s, what=f"Tinker run {run.run_id}"
+            run.leased.job_id,
+            attempt=run.leased.attempt,
+            lease_s=self.lease_s,
+            what=f"Tinker run {run.leased.run_id}",
         )
         try:
             async for answer in renewals:
@@ -254,7 +247,7 @@ class TinkerExecutor:
 
     async def _next(self, run: _Run) -> LeasedOperation | None:
         return await self._cp.tinker_next(
-            run.job_id, attempt=run.attempt, seq_id=run.next_seq, wait_s=NEXT_WAIT_S
+            run.leased.job_id, attempt=run.leased.attempt, seq_id=run.next_seq, wait_s=NEXT_WAIT_S
         )
 
     # --- rebuilding state -----------------------------------------------------------------------
@@ -264,17 +257,21 @@ class TinkerExecutor:
         creation itself is next)."""
         if run.next_seq == 0:
             return
-        restore = run.plan.restore
+        restore = run.leased.plan.restore
         if restore is None:
             raise _CreationFailed("its creation failed")
         await self._build(run, restore)
-        for seq_id in run.plan.replay:
+        for seq_id in run.leased.plan.replay:
             run.check()
-            leased = await self._cp.tinker_operation(run.job_id, seq_id, attempt=run.attempt)
+            leased = await self._cp.tinker_operation(
+                run.leased.job_id, seq_id, attempt=run.leased.attempt
+            )
             with contextlib.suppress(TrainingError):
                 await self._change_state(run, leased.operation, seq_id=seq_id)
         logger.info(
-            "Tinker run %s rebuilt: %d operations replayed", run.run_id, len(run.plan.replay)
+            "Tinker run %s rebuilt: %d operations replayed",
+            run.leased.run_id,
+            len(run.leased.plan.replay),
         )
 
     async def _build(self, run: _Run, restore: RestorePoint) -> None:
@@ -287,8 +284,8 @@ class TinkerExecutor:
 
         def build() -> Trainer:
             trainer = Trainer.load(
-                run.base_model,
-                model_config=run.model_config,
+                run.leased.base_model,
+                model_config=run.leased.model_config_,
                 device=self._device,
                 **self._trainer_options,
             )
@@ -306,7 +303,7 @@ class TinkerExecutor:
     async def _turn(self, run: _Run, what: str) -> AsyncIterator[None]:
         """The device for one operation of ``run``: its trainer on it meanwhile, back in host
         memory after when the engine shares the device."""
-        async with self._adapters.trainer_turn(f"Tinker run {run.run_id}: {what}"):
+        async with self._adapters.trainer_turn(f"Tinker run {run.leased.run_id}: {what}"):
             if run.trainer is not None:
                 await asyncio.to_thread(run.trainer.reload)
             try:
@@ -319,16 +316,16 @@ class TinkerExecutor:
         """A local copy of a checkpoint the run may read."""
         directory = self._work_dir / "checkpoints" / model_id / str(step)
         files = await self._cp.tinker_checkpoint_files(
-            run.job_id, model_id, step, attempt=run.attempt
+            run.leased.job_id, model_id, step, attempt=run.leased.attempt
         )
         for item in files:
             if not (directory / item.name).is_file():
                 await self._cp.tinker_checkpoint_file(
-                    run.job_id,
+                    run.leased.job_id,
                     model_id,
                     step,
                     item.name,
-                    attempt=run.attempt,
+                    attempt=run.leased.attempt,
                     target=directory / item.name,
                 )
         return directory
@@ -343,10 +340,12 @@ class TinkerExecutor:
             try:
                 await self._build(run, operation.params.restore())
             except Exception as exc:
-                logger.exception("Tinker run %s: creating the model failed", run.run_id)
-                message = _creation_error(exc, run.base_model, operation.params.path)
+                logger.exception("Tinker run %s: creating the model failed", run.leased.run_id)
+                message = _creation_error(exc, run.leased.base_model, operation.params.path)
                 await self._cp.tinker_fail(
-                    run.job_id, seq_id, OperationFailure(attempt=run.attempt, error=message)
+                    run.leased.job_id,
+                    seq_id,
+                    OperationFailure(attempt=run.leased.attempt, error=message),
                 )
                 raise _CreationFailed(message) from exc
             await self._complete(run, seq_id, OperationResult())
@@ -358,14 +357,16 @@ class TinkerExecutor:
             result, output = await self._change_state(run, operation, seq_id=seq_id)
         except TrainingError as exc:
             await self._cp.tinker_fail(
-                run.job_id, seq_id, OperationFailure(attempt=run.attempt, error=exc.message)
+                run.leased.job_id,
+                seq_id,
+                OperationFailure(attempt=run.leased.attempt, error=exc.message),
             )
             return
         if output is not None:
             await self._cp.tinker_output(
-                run.job_id,
+                run.leased.job_id,
                 seq_id,
-                attempt=run.attempt,
+                attempt=run.leased.attempt,
                 content=output,
                 media_type=tinker_protobuf.PROTOBUF_MEDIA_TYPE,
             )
@@ -374,8 +375,10 @@ class TinkerExecutor:
     async def _complete(
         self, run: _Run, seq_id: int, result: OperationResult, *, has_output: bool = False
     ) -> None:
-        completion = OperationCompletion(attempt=run.attempt, result=result, has_output=has_output)
-        await self._cp.tinker_complete(run.job_id, seq_id, completion)
+        completion = OperationCompletion(
+            attempt=run.leased.attempt, result=result, has_output=has_output
+        )
+        await self._cp.tinker_complete(run.leased.job_id, seq_id, completion)
 
     async def _change_state(
         self, run: _Run, operation: TinkerOperation, *, seq_id: int
@@ -405,7 +408,7 @@ class TinkerExecutor:
             raise TrainingError(f"a {operation.kind} does not change a run's state")
         body = await self._input(run, seq_id)
         batch = tinker_protobuf.parse_forward_backward(
-            body, max_tokens=run.model_config.max_seq_length
+            body, max_tokens=run.leased.model_config_.max_seq_length
         )
         examples = [
             primitives.Example(
@@ -426,8 +429,10 @@ class TinkerExecutor:
         return OperationResult(), tinker_protobuf.encode_forward_backward_output(logprobs, metrics)
 
     async def _input(self, run: _Run, seq_id: int) -> bytes:
-        target = self._work_dir / "tinker" / run.job_id / f"{seq_id}.pb"
-        await self._cp.tinker_input(run.job_id, seq_id, attempt=run.attempt, target=target)
+        target = self._work_dir / "tinker" / run.leased.job_id / f"{seq_id}.pb"
+        await self._cp.tinker_input(
+            run.leased.job_id, seq_id, attempt=run.leased.attempt, target=target
+        )
         try:
             return target.read_bytes()
         finally:
@@ -448,18 +453,18 @@ class TinkerExecutor:
             step = reuse_step = run.saved_step
         else:
             step = run.latest_step + 1
-            directory = self._work_dir / "checkpoints" / run.model_id / str(step)
+            directory = self._work_dir / "checkpoints" / run.leased.model_id / str(step)
             shutil.rmtree(directory, ignore_errors=True)
             async with self._turn(run, operation.kind):
                 await asyncio.to_thread(trainer.save, directory)
             written = sorted(p for p in directory.iterdir() if p.is_file())
             for file in written:
-                await self._cp.upload_file(run.job_id, file, attempt=run.attempt)
+                await self._cp.upload_file(run.leased.job_id, file, attempt=run.leased.attempt)
             files = await asyncio.to_thread(lambda: [staged_file(file) for file in written])
             if operation.kind == "save_weights_for_sampler":
-                served = await self._adapters.serve_checkpoint(run.model_id, step, directory)
+                served = await self._adapters.serve_checkpoint(run.leased.model_id, step, directory)
         commit = SaveCommit(
-            attempt=run.attempt,
+            attempt=run.leased.attempt,
             files=files,
             step=step,
             reuse_step=reuse_step,
@@ -468,13 +473,13 @@ class TinkerExecutor:
             served=served,
         )
         try:
-            await self._cp.tinker_save(run.job_id, seq_id, commit)
+            await self._cp.tinker_save(run.leased.job_id, seq_id, commit)
         except BaseException:
             if served:  # never committed: served to no one, and its name is free again
-                await self._adapters.unload((run.model_id, step))
+                await self._adapters.unload((run.leased.model_id, step))
             raise
         if served:
-            self._adapters.confirm((run.model_id, step))
+            self._adapters.confirm((run.leased.model_id, step))
         run.latest_step = max(run.latest_step, step)
         run.saved_step = step
 
