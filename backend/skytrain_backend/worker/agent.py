@@ -29,8 +29,6 @@ from skytrain_backend.protocol import (
     Heartbeat,
     ModelConfig,
     ServedCheckpoint,
-    WorkerCapacity,
-    WorkerRegistration,
     WorkerStatus,
 )
 from skytrain_backend.worker.client import LEASE_RETRY_S, ControlPlaneClient, until_stopped
@@ -86,21 +84,7 @@ class WorkerAgent:
 
     async def run(self) -> None:
         options = self._options
-        registered = await self._cp.register(
-            WorkerRegistration(
-                base_model=options.base_model,
-                served_model_name=options.served_model_name,
-                engine_secret=options.engine_secret,
-                port=options.port,
-                certificate=options.certificate,
-                advertise_url=options.advertise_url,
-                capacity=WorkerCapacity(
-                    max_models=options.max_models, max_lora_rank=options.max_lora_rank
-                ),
-                hardware=options.hardware,
-                version=options.version,
-            )
-        )
+        registered = await self._cp.register(options.registration)
         self.worker_id = registered.worker_id
         # On every line from here on, the front door's (other tasks) included.
         logs.set_process_context(worker_id=self.worker_id)

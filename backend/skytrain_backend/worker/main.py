@@ -35,6 +35,7 @@ from skytrain_backend.config import EngineKind, Settings
 from skytrain_backend.connections import ConnectionLimits, guarded_protocol
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.observability.http import Observe
+from skytrain_backend.protocol import WorkerCapacity, WorkerRegistration
 from skytrain_backend.worker.agent import AgentOptions, WorkerAgent
 from skytrain_backend.worker.client import ControlPlaneClient
 from skytrain_backend.worker.engine_host import EngineHost
@@ -294,22 +295,28 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     )
     limit_mb = config.trainer_memory_limit_mb
     agent_options = AgentOptions(
-        base_model=config.base_model,
-        served_model_name=options.name,
+        registration=WorkerRegistration(
+            base_model=config.base_model,
+            served_model_name=options.name,
+            engine_secret=config.engine_secret,
+            port=port,
+            certificate=certificate,
+            advertise_url=config.advertise_url,
+            capacity=WorkerCapacity(
+                max_models=config.max_models,
+                max_lora_rank=lora_rank_slot(options.max_lora_rank)
+                if kind == "vllm"
+                else options.max_lora_rank,
+            ),
+            hardware=_hardware(),
+            version=__version__,
+        ),
         work_dir=config.work_dir,
-        port=port,
-        certificate=certificate,
-        advertise_url=config.advertise_url,
-        engine_secret=config.engine_secret,
         sleep_engine_during_training=sleep_engine,
         engine_sleep_wait_s=settings.engine.sleep_wait_s,
         engine_sleep_timeout_s=settings.engine.sleep_timeout_s,
         unload_wait_s=settings.worker.unload_wait_s,
         device=config.device,
-        max_models=config.max_models,
-        max_lora_rank=lora_rank_slot(options.max_lora_rank)
-        if kind == "vllm"
-        else options.max_lora_rank,
         trainer_memory_limit_bytes=limit_mb * 1024 * 1024 if limit_mb else None,
         trainer_options=sizing.trainer,
         trainer_shards=sizing.trainer_shards,
@@ -320,8 +327,6 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
             device=config.device,
         ),
         tinker_max_runs=settings.worker.tinker_max_runs,
-        hardware=_hardware(),
-        version=__version__,
     )
     agent = WorkerAgent(
         control_plane=control_plane,
