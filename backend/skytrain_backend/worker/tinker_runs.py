@@ -118,18 +118,9 @@ class TinkerExecutor:
         worker's jobs), runs held at once (``tinker_max_runs``) and lease wait."""
         self._cp = control_plane
         self._adapters = adapters
-        self._work_dir = options.work_dir
-        self._device = options.device
-        # Trainer.load's memory-plan keywords, as for the worker's jobs.
-        self._trainer_options = options.trainer_options
-        # More than 1: the memory plan shards this worker's trainer (worker.sharded), which
-        # Tinker's one-process trainer cannot be: its runs are refused rather than loaded
-        # whole onto one device that cannot hold them.
-        self._trainer_shards = options.trainer_shards
-        self._max_runs = options.tinker_max_runs
+        self._options = options
         # The control plane's, once the worker registers (as the job runner's).
         self.lease_s = 60.0
-        self._wait_s = options.job_wait_s
         # By job and attempt: a run taken back and leased again may meet its old attempt here.
         self._runs: dict[tuple[str, int], _Run] = {}
         # Set when a run ends: the executor, full, may lease another.
@@ -140,7 +131,7 @@ class TinkerExecutor:
         served: set[asyncio.Task[None]] = set()
         try:
             while not stopping.is_set():
-                if len(self._runs) >= self._max_runs:
+                if len(self._runs) >= self._options.tinker_max_runs:
                     self._room.clear()
                     await until_stopped(self._room.wait(), stopping)
                     continue
@@ -161,7 +152,7 @@ class TinkerExecutor:
             await asyncio.gather(*served, return_exceptions=True)
 
     async def _lease(self) -> _Run | None:
-        leased = await self._cp.tinker_lease(wait_s=self._wait_s)
+        leased = await self._cp.tinker_lease(wait_s=self._options.job_wait_s)
         return None if leased is None else _Run(leased)
 
     # --- one run --------------------------------------------------------------------------------
@@ -176,9 +167,12 @@ class TinkerExecutor:
             run.next_seq,
         )
         try:
-            if self._trainer_shards > 1:
+            # The memory plan shards this worker's trainer (worker.sharded), which Tinker's
+            # one-process trainer cannot be: its runs are refused rather than loaded whole onto
+            # one device that cannot hold them.
+            if (shards := self._options.trainer_shards) > 1:
                 raise _CreationFailed(
-                    f"{run.leased.base_model} needs its training sharded over {self._trainer_shards} "
+                    f"{run.leased.base_model} needs its training sharded over {shards} "
                     "devices on this worker, and Tinker runs train on one device for now; "
                     "train it with skytrain's training jobs (REST, SDK or ART's client), "
                     "which use every shard"
@@ -286,8 +280,8 @@ class TinkerExecutor:
             trainer = Trainer.load(
                 run.leased.base_model,
                 model_config=run.leased.model_config_,
-                device=self._device,
-                **self._trainer_options,
+                device=self._options.device,
+                **self._options.trainer_options,
             )
             if restore.seed is not None:
                 primitives.reseed_adapter(trainer, restore.seed)
@@ -314,7 +308,7 @@ class TinkerExecutor:
 
     async def _fetch(self, run: _Run, model_id: str, step: int) -> Path:
         """A local copy of a checkpoint the run may read."""
-        directory = self._work_dir / "checkpoints" / model_id / str(step)
+        directory = self._options.work_dir / "checkpoints" / model_id / str(step)
         files = await self._cp.tinker_checkpoint_files(
             run.leased.job_id, model_id, step, attempt=run.leased.attempt
         )
@@ -429,7 +423,7 @@ class TinkerExecutor:
         return OperationResult(), tinker_protobuf.encode_forward_backward_output(logprobs, metrics)
 
     async def _input(self, run: _Run, seq_id: int) -> bytes:
-        target = self._work_dir / "tinker" / run.leased.job_id / f"{seq_id}.pb"
+        target = self._options.work_dir / "tinker" / run.leased.job_id / f"{seq_id}.pb"
         await self._cp.tinker_input(
             run.leased.job_id, seq_id, attempt=run.leased.attempt, target=target
         )
@@ -453,7 +447,7 @@ class TinkerExecutor:
             step = reuse_step = run.saved_step
         else:
             step = run.latest_step + 1
-            directory = self._work_dir / "checkpoints" / run.leased.model_id / str(step)
+            directory = self._options.work_dir / "checkpoints" / run.leased.model_id / str(step)
             shutil.rmtree(directory, ignore_errors=True)
             async with self._turn(run, operation.kind):
                 await asyncio.to_thread(trainer.save, directory)
