@@ -227,6 +227,14 @@ def test_bad_operations_fail_their_futures_and_the_run_goes_on(
         training.forward_backward([outside], "cross_entropy").result(timeout=TIMEOUT_S)
     with pytest.raises(tinker.RequestFailedError, match="learning_rate"):
         training.optim_step(types.AdamParams(learning_rate=-1.0)).result(timeout=TIMEOUT_S)
+    with pytest.raises(tinker.RequestFailedError, match="'no spaces' is not valid"):
+        training.save_state("no spaces").result(timeout=TIMEOUT_S)
+    # A name taken is refused as the second save commits, and as a third is sent.
+    first, second = training.save_state("taken"), training.save_state("taken")
+    assert first.result(timeout=TIMEOUT_S).path.endswith("/weights/taken")
+    for save in (second, training.save_state("taken")):
+        with pytest.raises(tinker.RequestFailedError, match="already has a checkpoint named"):
+            save.result(timeout=TIMEOUT_S)
     # The refused operations left nothing behind: the first real step has nothing pending.
     first = train_step(training)
     assert train_step(training) < first

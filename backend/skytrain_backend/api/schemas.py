@@ -169,7 +169,7 @@ class ReplicaPublic(BaseModel):
     )
 
 
-class DemandPublic(BaseModel):
+class DemandPublic(_Public):
     """The model's demand as the control plane's gateway counts it: what the scheduler adds
     and removes replicas by (``scheduler.replicas``)."""
 

@@ -41,6 +41,13 @@ app = typer.Typer(
 )
 
 
+def command_group(name: str, help: str, *, parent: typer.Typer = app) -> typer.Typer:
+    """The commands ``skytrain [parent] <name> ...``, listed when it is run bare."""
+    group = typer.Typer(rich_markup_mode=MARKUP, help=help, no_args_is_help=True)
+    parent.add_typer(group, name=name)
+    return group
+
+
 def _print_version(value: bool) -> None:
     if value:
         typer.echo(f"skytrain {__version__}")

@@ -10,7 +10,6 @@ import typer
 from skytrain_backend import __version__
 from skytrain_backend.cli._common import (
     JSON_OPTION,
-    MARKUP,
     _database,
     _fail,
     _interruptible,
@@ -20,22 +19,15 @@ from skytrain_backend.cli._common import (
     _session,
     _when,
     app,
+    command_group,
 )
 from skytrain_backend.engine.cli import engine_app
 
 if TYPE_CHECKING:
     from types import FrameType
 
-keys_app = typer.Typer(
-    rich_markup_mode=MARKUP, help="Create, list and revoke API keys.", no_args_is_help=True
-)
-db_app = typer.Typer(
-    rich_markup_mode=MARKUP,
-    help="Upgrade, downgrade or inspect the database schema.",
-    no_args_is_help=True,
-)
-app.add_typer(keys_app, name="keys")
-app.add_typer(db_app, name="db")
+keys_app = command_group("keys", "Create, list and revoke API keys.")
+db_app = command_group("db", "Upgrade, downgrade or inspect the database schema.")
 
 # Allocations between two collections of the youngest generation (CPython's default: 700).
 GC_YOUNG_THRESHOLD = 10_000
@@ -232,12 +224,9 @@ def keys_revoke(
     typer.echo(f"Revoked key {row.id} ({row.prefix}...).")
 
 
-tenants_app = typer.Typer(
-    rich_markup_mode=MARKUP,
-    help="See tenants and set their limits and quotas (defaults: SKYTRAIN_TENANT_*).",
-    no_args_is_help=True,
+tenants_app = command_group(
+    "tenants", "See tenants and set their limits and quotas (defaults: SKYTRAIN_TENANT_*)."
 )
-app.add_typer(tenants_app, name="tenants")
 
 
 @tenants_app.command("list")

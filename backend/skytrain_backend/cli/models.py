@@ -9,7 +9,6 @@ import typer
 
 from skytrain_backend.cli._common import (
     JSON_OPTION,
-    MARKUP,
     _ago,
     _fail,
     _human_size,
@@ -17,7 +16,7 @@ from skytrain_backend.cli._common import (
     _print_json,
     _rows,
     _session,
-    app,
+    command_group,
 )
 
 if TYPE_CHECKING:
@@ -25,10 +24,7 @@ if TYPE_CHECKING:
 
     from skytrain_backend.db.models import Model
 
-models_app = typer.Typer(
-    rich_markup_mode=MARKUP, help="See and delete the models of every tenant.", no_args_is_help=True
-)
-app.add_typer(models_app, name="models")
+models_app = command_group("models", "See and delete the models of every tenant.")
 
 MODEL_ARGUMENT = typer.Argument(..., help="The model's id, or its entity/project/name.")
 

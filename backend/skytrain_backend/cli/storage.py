@@ -4,14 +4,9 @@ from __future__ import annotations
 
 import typer
 
-from skytrain_backend.cli._common import MARKUP, _object_store, _session, _table, app
+from skytrain_backend.cli._common import _object_store, _session, _table, command_group
 
-storage_app = typer.Typer(
-    rich_markup_mode=MARKUP,
-    help="Check the object store against the database.",
-    no_args_is_help=True,
-)
-app.add_typer(storage_app, name="storage")
+storage_app = command_group("storage", "Check the object store against the database.")
 
 
 @storage_app.command("check")

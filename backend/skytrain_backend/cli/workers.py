@@ -9,7 +9,6 @@ import typer
 
 from skytrain_backend.cli._common import (
     JSON_OPTION,
-    MARKUP,
     _ago,
     _fail,
     _follow,
@@ -22,6 +21,7 @@ from skytrain_backend.cli._common import (
     _when,
     _worker_cells,
     app,
+    command_group,
 )
 
 
@@ -35,14 +35,8 @@ class JobStatusChoice(enum.StrEnum):
     cancelled = "cancelled"
 
 
-workers_app = typer.Typer(
-    rich_markup_mode=MARKUP,
-    help="See the workers and manage their join tokens.",
-    no_args_is_help=True,
-)
-jobs_app = typer.Typer(rich_markup_mode=MARKUP, help="See training jobs.", no_args_is_help=True)
-app.add_typer(workers_app, name="workers")
-app.add_typer(jobs_app, name="jobs")
+workers_app = command_group("workers", "See the workers and manage their join tokens.")
+jobs_app = command_group("jobs", "See training jobs.")
 
 
 @app.command()
@@ -344,12 +338,11 @@ def workers_plan(
         )
 
 
-token_app = typer.Typer(
-    rich_markup_mode=MARKUP,
-    help="Join tokens for workers started by hand (`sky launch sky/worker.yaml`).",
-    no_args_is_help=True,
+token_app = command_group(
+    "token",
+    "Join tokens for workers started by hand (`sky launch sky/worker.yaml`).",
+    parent=workers_app,
 )
-workers_app.add_typer(token_app, name="token")
 
 
 @token_app.command("create")

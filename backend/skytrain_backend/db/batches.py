@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
 from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import TrajectoryBatch
-from skytrain_backend.db.pages import PageRequest, list_page
+from skytrain_backend.db.pages import PageRequest, list_page, where_given
 from skytrain_backend.errors import NotFound
 
 
@@ -40,6 +40,17 @@ def add_batch(
     return batch
 
 
+def _model_batches(
+    model_id: str, *, split: str | None, step: int | None
+) -> Select[TrajectoryBatch]:
+    """The model's batches, of one split and at one step when given."""
+    return where_given(
+        select(TrajectoryBatch).where(TrajectoryBatch.model_id == model_id),
+        (TrajectoryBatch.split, split),
+        (TrajectoryBatch.step, step),
+    )
+
+
 def list_batches(
     session: Session,
     *,
@@ -48,15 +59,10 @@ def list_batches(
     step: int | None = None,
     page: PageRequest,
 ) -> tuple[list[TrajectoryBatch], bool]:
-    statement = select(TrajectoryBatch).where(TrajectoryBatch.model_id == model_id)
-    if split is not None:
-        statement = statement.where(TrajectoryBatch.split == split)
-    if step is not None:
-        statement = statement.where(TrajectoryBatch.step == step)
     keys = (TrajectoryBatch.created_at, TrajectoryBatch.id)
     return list_page(
         session,
-        statement,
+        _model_batches(model_id, split=split, step=step),
         keys=keys,
         page=page,
         anchor=select(*keys).where(
@@ -82,11 +88,7 @@ def batches_by_step(
 ) -> list[TrajectoryBatch]:
     """The model's batches (of one split, at one step, when given) in (step, split,
     created_at) order, for metrics history."""
-    statement = select(TrajectoryBatch).where(TrajectoryBatch.model_id == model_id)
-    if split is not None:
-        statement = statement.where(TrajectoryBatch.split == split)
-    if step is not None:
-        statement = statement.where(TrajectoryBatch.step == step)
+    statement = _model_batches(model_id, split=split, step=step)
     return list(
         session.scalars(
             statement.order_by(

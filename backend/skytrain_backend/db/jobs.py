@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Model, TrainingJob, TrainingJobEvent, utcnow
-from skytrain_backend.db.pages import PageRequest, fetch_page, list_page
+from skytrain_backend.db.pages import PageRequest, fetch_page, list_page, where_given
 from skytrain_backend.errors import Conflict, NotFound, RateLimited
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, EventType, JobKind, JobStatus
 
@@ -101,15 +101,12 @@ def list_jobs(
     status: JobStatus | None = None,
     page: PageRequest,
 ) -> tuple[list[TrainingJob], bool]:
-    statement = _tenant_jobs(tenant_id)
-    if model_id is not None:
-        statement = statement.where(TrainingJob.model_id == model_id)
-    if status is not None:
-        statement = statement.where(TrainingJob.status == status)
     keys = (TrainingJob.created_at, TrainingJob.id)
     return list_page(
         session,
-        statement,
+        where_given(
+            _tenant_jobs(tenant_id), (TrainingJob.model_id, model_id), (TrainingJob.status, status)
+        ),
         keys=keys,
         page=page,
         anchor=select(*keys)

@@ -31,6 +31,15 @@ class PageRequest:
     order: Order = "asc"
 
 
+def where_given(statement: Select[T], *matches: tuple[Any, object]) -> Select[T]:
+    """``statement`` keeping the rows whose column equals each ``(column, value)`` given: a
+    listing's optional filters, where a value None filters nothing."""
+    for column, value in matches:
+        if value is not None:
+            statement = statement.where(column == value)
+    return statement
+
+
 def list_page(
     session: Session,
     statement: Select[T],

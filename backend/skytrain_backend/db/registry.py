@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Checkpoint, Entity, Model, Tenant, TrainingJob
-from skytrain_backend.db.pages import PageRequest, list_page
+from skytrain_backend.db.pages import PageRequest, list_page, where_given
 from skytrain_backend.errors import Conflict, NotFound, QuotaExceeded
 
 
@@ -211,13 +211,14 @@ def list_models(
     name: str | None = None,
     page: PageRequest,
 ) -> tuple[list[Model], bool]:
-    statement = select(Model).where(Model.tenant_id == tenant_id)
-    for column, value in ((Model.entity, entity), (Model.project, project), (Model.name, name)):
-        if value is not None:
-            statement = statement.where(column == value)
     return list_page(
         session,
-        statement,
+        where_given(
+            select(Model).where(Model.tenant_id == tenant_id),
+            (Model.entity, entity),
+            (Model.project, project),
+            (Model.name, name),
+        ),
         keys=(Model.created_at, Model.id),
         page=page,
         anchor=select(Model.created_at, Model.id).where(

@@ -14,21 +14,30 @@ its own rows, even late in renewing them.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import operator
+from dataclasses import asdict, astuple, dataclass
 
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 
 @dataclass(frozen=True)
-class Counts:
+class Load:
+    """What a tenant's requests hold while in flight: what a row counts, what admission adds."""
+
     requests: int = 0
     sequences: int = 0
     tokens: int = 0
     rest_requests: int = 0
 
+    def __add__(self, other: Load) -> Load:
+        return Load(*map(operator.add, astuple(self), astuple(other)))
 
-def held(session: Session, *, tenant_id: str, holder: str) -> Counts:
+    def __sub__(self, other: Load) -> Load:
+        return Load(*map(operator.sub, astuple(self), astuple(other)))
+
+
+def held(session: Session, *, tenant_id: str, holder: str) -> Load:
     """The tenant's load over every live row, its own tenant row locked until the
     transaction ends (call ``add`` and commit, or roll back)."""
     session.execute(
@@ -43,10 +52,10 @@ def held(session: Session, *, tenant_id: str, holder: str) -> Counts:
         ),
         {"tenant_id": tenant_id, "holder": holder},
     ).one()
-    return Counts(*(int(value) for value in row))
+    return Load(*(int(value) for value in row))
 
 
-def add(session: Session, *, tenant_id: str, holder: str, delta: Counts, lease_s: float) -> None:
+def add(session: Session, *, tenant_id: str, holder: str, delta: Load, lease_s: float) -> None:
     """Add ``delta`` (negative to release) to the holder's row for the tenant."""
     session.execute(
         text(

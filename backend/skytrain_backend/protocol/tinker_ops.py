@@ -125,6 +125,10 @@ class BatchParams(_Params):
     num_tokens: int | None = Field(default=None, ge=0)
 
 
+# A run's two kinds of named checkpoint: full training state, or weights for sampling.
+CheckpointKind = Literal["training", "sampler"]
+
+
 class SaveParams(_Params):
     """A save's name (None: a sampler save the SDK did not name), and what the control plane
     records once its checkpoint is committed."""
@@ -164,6 +168,12 @@ class OptimOperation(BaseModel):
 class SaveOperation(BaseModel):
     kind: Literal["save_weights", "save_weights_for_sampler"]
     params: SaveParams
+
+    @property
+    def checkpoint_kind(self) -> CheckpointKind:
+        """The checkpoints its name is among (``tinker://<run>/weights/`` or
+        ``.../sampler_weights/``)."""
+        return "training" if self.kind == "save_weights" else "sampler"
 
 
 class LoadOperation(BaseModel):

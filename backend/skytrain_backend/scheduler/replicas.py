@@ -80,15 +80,15 @@ class Demand:
     counted that long) and the workers serving it (home and replicas not draining)."""
 
     in_flight: int
-    average: float | None
+    average_in_flight: float | None
     replicas: int
     window_s: float
 
     @property
     def per_replica(self) -> float | None:
-        if self.average is None or not self.replicas:
+        if self.average_in_flight is None or not self.replicas:
             return None
-        return self.average / self.replicas
+        return self.average_in_flight / self.replicas
 
 
 def serving_count(session: Session, *, model: Model) -> int:
@@ -101,7 +101,7 @@ def serving_count(session: Session, *, model: Model) -> int:
 def demand_of(session: Session, *, model: Model, demand: DemandMeter, window_s: float) -> Demand:
     return Demand(
         in_flight=demand.in_flight(model.id),
-        average=demand.average(model.id, window_s=window_s),
+        average_in_flight=demand.average(model.id, window_s=window_s),
         replicas=serving_count(session, model=model),
         window_s=window_s,
     )

@@ -46,13 +46,9 @@ import torch
 from skytrain_backend.errors import TrainingError
 from skytrain_backend.protocol import (
     ModelConfig,
-    RLTrainConfig,
-    SFTTrainConfig,
     TrainerEvent,
     TrainerEventData,
     TrainerEventName,
-    Trajectory,
-    TrajectoryGroup,
 )
 from skytrain_backend.trainer import rl, sft
 from skytrain_backend.trainer.distributed import SINGLE, Shards
@@ -431,35 +427,10 @@ class Trainer:
 
     # --- the jobs: ``rl`` and ``sft`` -------------------------------------------------------
 
-    def prepare_rl(
-        self,
-        groups: Sequence[TrajectoryGroup],
-        config: RLTrainConfig,
-        *,
-        separate_pass: bool = False,
-        resume_from: Path | None = None,
-        reference: Path | None = None,
-    ) -> RLPlan:
-        """``rl.prepare``: an RL job's plan (TrainingError for input it cannot train on);
-        ``reference``: the KL penalty's reference checkpoint (None: the base model)."""
-        return rl.prepare(
-            self,
-            groups,
-            config,
-            separate_pass=separate_pass,
-            resume_from=resume_from,
-            reference=reference,
-        )
-
-    def prepare_sft(
-        self,
-        trajectories: Sequence[Trajectory],
-        config: SFTTrainConfig,
-        *,
-        resume_from: Path | None = None,
-    ) -> SFTPlan:
-        """``sft.prepare``: an SFT job's plan (TrainingError for input it cannot train on)."""
-        return sft.prepare(self, trajectories, config, resume_from=resume_from)
+    # The plans of the two job kinds (TrainingError for input they cannot train on): RL's
+    # ``reference`` is the KL penalty's reference checkpoint (None: the base model).
+    prepare_rl = rl.prepare
+    prepare_sft = sft.prepare
 
     # --- the loop ----------------------------------------------------------------------------
 

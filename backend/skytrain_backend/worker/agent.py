@@ -22,17 +22,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from skytrain_backend.observability import logs
 from skytrain_backend.protocol import (
     Heartbeat,
     ModelConfig,
     ServedCheckpoint,
-    WorkerCapacity,
-    WorkerRegistration,
     WorkerStatus,
 )
 from skytrain_backend.worker.client import LEASE_RETRY_S, ControlPlaneClient, until_stopped
@@ -41,9 +37,6 @@ from skytrain_backend.worker.jobs import JobRunner
 from skytrain_backend.worker.options import AgentOptions
 from skytrain_backend.worker.stats import StatsReader
 from skytrain_backend.worker.tinker_runs import TinkerExecutor
-
-if TYPE_CHECKING:
-    from skytrain_backend.engine.client import EngineClient
 
 __all__ = ["AgentOptions", "SupervisedEngine", "WorkerAgent"]
 
@@ -65,27 +58,18 @@ class WorkerAgent:
         self,
         *,
         control_plane: ControlPlaneClient,
-        engine: EngineClient,
-        engine_process: SupervisedEngine | None,
+        host: EngineHost,
         options: AgentOptions,
         stats: StatsReader | None = None,
-        requests_in_flight: Callable[[str], int] = lambda name: 0,
     ) -> None:
-        """``requests_in_flight``: the front door's count for a name in the engine (an
-        adapter stays loaded while requests for it are in flight)."""
+        """``host``: the engine this worker serves from, built with the same ``options``."""
         self._cp = control_plane
         self._options = options
         self._stats = stats
         self._placements: dict[str, _Placement] = {}
         self._placements_asked_at = 0.0
         self._stopping = asyncio.Event()
-        self._host = EngineHost(
-            control_plane,
-            engine,
-            engine_process,
-            options,
-            requests_in_flight=requests_in_flight,
-        )
+        self._host = host
         self._host.on_asleep = self._send_heartbeat
         self._jobs = JobRunner(
             control_plane=control_plane,
@@ -100,21 +84,7 @@ class WorkerAgent:
 
     async def run(self) -> None:
         options = self._options
-        registered = await self._cp.register(
-            WorkerRegistration(
-                base_model=options.base_model,
-                served_model_name=options.served_model_name,
-                engine_secret=options.engine_secret,
-                port=options.port,
-                certificate=options.certificate,
-                advertise_url=options.advertise_url,
-                capacity=WorkerCapacity(
-                    max_models=options.max_models, max_lora_rank=options.max_lora_rank
-                ),
-                hardware=options.hardware,
-                version=options.version,
-            )
-        )
+        registered = await self._cp.register(options.registration)
         self.worker_id = registered.worker_id
         # On every line from here on, the front door's (other tasks) included.
         logs.set_process_context(worker_id=self.worker_id)

@@ -66,12 +66,8 @@ class EngineHost:
         self._cp = control_plane
         self.engine = engine
         self._process = engine_process
-        self._work_dir = options.work_dir
-        self._sleep_during_training = options.sleep_engine_during_training
-        self._sleep_wait_s = options.engine_sleep_wait_s
-        self._sleep_timeout_s = options.engine_sleep_timeout_s
+        self._options = options
         self._requests_in_flight = requests_in_flight
-        self._unload_wait_s = options.unload_wait_s
         # Steps no longer placed here whose unload waits for their requests in flight: since
         # when (``time.monotonic()``).
         self._unload_waits: dict[tuple[str, int], float] = {}
@@ -96,7 +92,7 @@ class EngineHost:
     @property
     def trainer_shares_engine_device(self) -> bool:
         """Whether the engine sleeps while a trainer computes (it shares the GPU)."""
-        return self._sleep_during_training
+        return self._options.sleep_engine_during_training
 
     @contextlib.asynccontextmanager
     async def trainer_turn(self, what: str) -> AsyncIterator[None]:
@@ -195,10 +191,10 @@ class EngineHost:
                 "once they are answered, in %.0fs at most (SKYTRAIN_WORKER_UNLOAD_WAIT_S)",
                 *key,
                 count,
-                self._unload_wait_s,
+                self._options.unload_wait_s,
             )
         since = self._unload_waits[key]
-        if now - since < self._unload_wait_s:
+        if now - since < self._options.unload_wait_s:
             return True
         logger.warning(
             "%s step %d: %d requests still in flight %.0fs after it left this worker "
@@ -254,7 +250,7 @@ class EngineHost:
         self, model_id: str, step: int, names: tuple[str, ...] | None = None
     ) -> Path:
         """A local copy of a checkpoint's files (downloaded once, kept in the work dir)."""
-        directory = self._work_dir / "checkpoints" / model_id / str(step)
+        directory = self._options.work_dir / "checkpoints" / model_id / str(step)
         committed: dict[str, str | None] = {}
         if names is None:
             listing = await self._cp.list_checkpoint_files(model_id, step)
@@ -271,10 +267,10 @@ class EngineHost:
     async def sleep(self) -> None:
         """Stop routing here, then sleep the engine once its requests in flight finished, or
         aborted once they had ``engine_sleep_wait_s``."""
-        if not self._sleep_during_training or self.asleep:
+        if not self._options.sleep_engine_during_training or self.asleep:
             return
-        wait_s = self._sleep_wait_s
-        timeout_s = self._sleep_timeout_s
+        wait_s = self._options.engine_sleep_wait_s
+        timeout_s = self._options.engine_sleep_timeout_s
         async with self._lock:
             self.asleep = True
             try:
@@ -303,7 +299,7 @@ class EngineHost:
     async def wake(self) -> None:
         if not self.asleep:
             return
-        timeout_s = self._sleep_timeout_s
+        timeout_s = self._options.engine_sleep_timeout_s
         async with self._lock:
             try:
                 await self.engine.wake_up(timeout_s=timeout_s)

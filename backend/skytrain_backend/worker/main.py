@@ -35,8 +35,10 @@ from skytrain_backend.config import EngineKind, Settings
 from skytrain_backend.connections import ConnectionLimits, guarded_protocol
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.observability.http import Observe
+from skytrain_backend.protocol import WorkerCapacity, WorkerRegistration
 from skytrain_backend.worker.agent import AgentOptions, WorkerAgent
 from skytrain_backend.worker.client import ControlPlaneClient
+from skytrain_backend.worker.engine_host import EngineHost
 from skytrain_backend.worker.frontdoor import FrontDoor
 from skytrain_backend.worker.stats import StatsReader
 
@@ -292,46 +294,55 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
         else config.sleep_engine
     )
     limit_mb = config.trainer_memory_limit_mb
-    agent = WorkerAgent(
-        control_plane=control_plane,
-        engine=engine,
-        engine_process=engine_process,
-        options=AgentOptions(
+    agent_options = AgentOptions(
+        registration=WorkerRegistration(
             base_model=config.base_model,
             served_model_name=options.name,
-            work_dir=config.work_dir,
+            engine_secret=config.engine_secret,
             port=port,
             certificate=certificate,
             advertise_url=config.advertise_url,
-            engine_secret=config.engine_secret,
-            sleep_engine_during_training=sleep_engine,
-            engine_sleep_wait_s=settings.engine.sleep_wait_s,
-            engine_sleep_timeout_s=settings.engine.sleep_timeout_s,
-            unload_wait_s=settings.worker.unload_wait_s,
-            device=config.device,
-            max_models=config.max_models,
-            max_lora_rank=lora_rank_slot(options.max_lora_rank)
-            if kind == "vllm"
-            else options.max_lora_rank,
-            trainer_memory_limit_bytes=limit_mb * 1024 * 1024 if limit_mb else None,
-            trainer_options=sizing.trainer,
-            trainer_shards=sizing.trainer_shards,
-            trainer_python=trainer_python(
-                settings.worker.unsloth_python,
-                cuda=cuda_gpus() is not None,
-                trainer_shards=sizing.trainer_shards,
-                device=config.device,
+            capacity=WorkerCapacity(
+                max_models=config.max_models,
+                max_lora_rank=lora_rank_slot(options.max_lora_rank)
+                if kind == "vllm"
+                else options.max_lora_rank,
             ),
-            tinker_max_runs=settings.worker.tinker_max_runs,
             hardware=_hardware(),
             version=__version__,
         ),
+        work_dir=config.work_dir,
+        sleep_engine_during_training=sleep_engine,
+        engine_sleep_wait_s=settings.engine.sleep_wait_s,
+        engine_sleep_timeout_s=settings.engine.sleep_timeout_s,
+        unload_wait_s=settings.worker.unload_wait_s,
+        device=config.device,
+        trainer_memory_limit_bytes=limit_mb * 1024 * 1024 if limit_mb else None,
+        trainer_options=sizing.trainer,
+        trainer_shards=sizing.trainer_shards,
+        trainer_python=trainer_python(
+            settings.worker.unsloth_python,
+            cuda=cuda_gpus() is not None,
+            trainer_shards=sizing.trainer_shards,
+            device=config.device,
+        ),
+        tinker_max_runs=settings.worker.tinker_max_runs,
+    )
+    agent = WorkerAgent(
+        control_plane=control_plane,
+        host=EngineHost(
+            control_plane,
+            engine,
+            engine_process,
+            agent_options,
+            requests_in_flight=front_door.requests_for,
+        ),
+        options=agent_options,
         stats=StatsReader(
             running_requests=lambda: front_door.in_flight,
             engine=engine,
             read_kv_cache=kind == "vllm",
         ),
-        requests_in_flight=front_door.requests_for,
     )
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

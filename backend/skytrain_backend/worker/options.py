@@ -4,21 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
+from skytrain_backend.protocol import WorkerRegistration
 from skytrain_backend.worker.sizing import TrainerSizing
 
 
 @dataclass
 class AgentOptions:
-    base_model: str
-    served_model_name: str
+    # What the worker registers as: its base model and engine, its front door (port,
+    # certificate, URL when it knows it), its capacity, hardware and version.
+    registration: WorkerRegistration
     work_dir: Path
-    # The front door: its port and certificate, and its URL when the worker knows it.
-    port: int
-    certificate: str
-    engine_secret: str
-    advertise_url: str | None = None
     # Put the engine to sleep while training (an engine sharing the GPU with the trainer).
     sleep_engine_during_training: bool = False
     # How long a sleep waits for requests in flight (then aborts them), and how long the sleep
@@ -28,9 +24,6 @@ class AgentOptions:
     # How long an adapter no longer placed here stays loaded for its requests in flight.
     unload_wait_s: float = 300.0
     device: str | None = None
-    max_models: int = 8
-    # The largest LoRA rank the engine loads (None: any).
-    max_lora_rank: int | None = None
     # Most bytes one training step's activations may take (None: the trainer's default).
     trainer_memory_limit_bytes: int | None = None
     # Trainer.load's memory-plan keywords (gradient_checkpointing, max_row_tokens, spread).
@@ -41,11 +34,13 @@ class AgentOptions:
     # The interpreter of the Unsloth trainer's environment (worker.trainer_python): each job's
     # trainer runs there as a process of its own (worker.sharded, one rank). None: in process.
     trainer_python: str | None = None
-    hardware: dict[str, Any] = field(default_factory=dict)
-    version: str = ""
     # How long one lease request waits on the control plane for a job (a long-poll: a job
     # queued meanwhile is answered at once).
     job_wait_s: float = 30.0
     max_cached_trainers: int = 2
     # Tinker training runs held at once (worker.tinker_runs), beside the job loop.
     tinker_max_runs: int = 2
+
+    @property
+    def base_model(self) -> str:
+        return self.registration.base_model

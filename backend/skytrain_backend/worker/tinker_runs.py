@@ -31,22 +31,22 @@ import logging
 import shutil
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from skytrain_backend.errors import LeaseLost, SkytrainError, TrainingError
-from skytrain_backend.protocol import ModelConfig, StagedFile, tinker_protobuf
+from skytrain_backend.protocol import StagedFile, tinker_protobuf
 from skytrain_backend.protocol.tinker_ops import (
     BatchOperation,
     CreationOperation,
     LeasedOperation,
+    LeasedRun,
     LoadOperation,
     OperationCompletion,
     OperationFailure,
     OperationResult,
     OptimOperation,
-    RebuildPlan,
     RestorePoint,
     SaveCommit,
     SaveOperation,
@@ -91,20 +91,19 @@ class _RunEnded(SkytrainError):
 
 @dataclass
 class _Run:
-    job_id: str
-    attempt: int
-    run_id: str
-    model_id: str
-    base_model: str
-    model_config: ModelConfig
-    next_seq: int
-    latest_step: int
-    plan: RebuildPlan
+    leased: LeasedRun
+    # The next operation to run, and the newest step the model had: saves go above it.
+    next_seq: int = field(init=False)
+    latest_step: int = field(init=False)
     trainer: Trainer | None = None
     # The committed step whose weights the trainer holds, while nothing changed them.
     saved_step: int | None = None
     ended: str | None = None
     cancelled: bool = False
+
+    def __post_init__(self) -> None:
+        self.next_seq = self.leased.plan.next_seq
+        self.latest_step = self.leased.latest_step
 
     def check(self) -> None:
         if self.ended is not None:
@@ -119,18 +118,9 @@ class TinkerExecutor:
         worker's jobs), runs held at once (``tinker_max_runs``) and lease wait."""
         self._cp = control_plane
         self._adapters = adapters
-        self._work_dir = options.work_dir
-        self._device = options.device
-        # Trainer.load's memory-plan keywords, as for the worker's jobs.
-        self._trainer_options = options.trainer_options
-        # More than 1: the memory plan shards this worker's trainer (worker.sharded), which
-        # Tinker's one-process trainer cannot be: its runs are refused rather than loaded
-        # whole onto one device that cannot hold them.
-        self._trainer_shards = options.trainer_shards
-        self._max_runs = options.tinker_max_runs
+        self._options = options
         # The control plane's, once the worker registers (as the job runner's).
         self.lease_s = 60.0
-        self._wait_s = options.job_wait_s
         # By job and attempt: a run taken back and leased again may meet its old attempt here.
         self._runs: dict[tuple[str, int], _Run] = {}
         # Set when a run ends: the executor, full, may lease another.
@@ -141,19 +131,19 @@ class TinkerExecutor:
         served: set[asyncio.Task[None]] = set()
         try:
             while not stopping.is_set():
-                if len(self._runs) >= self._max_runs:
+                if len(self._runs) >= self._options.tinker_max_runs:
                     self._room.clear()
                     await until_stopped(self._room.wait(), stopping)
                     continue
                 try:
-                    leased = await until_stopped(self._lease(), stopping)
+                    run = await until_stopped(self._lease(), stopping)
                 except Exception:
                     logger.exception("leasing a Tinker run failed; retrying")
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(stopping.wait(), LEASE_RETRY_S)
                     continue
-                if leased is not None:
-                    task = asyncio.create_task(self._serve(leased), name=f"tinker-{leased.run_id}")
+                if run is not None:
+                    task = asyncio.create_task(self._serve(run), name=f"tinker-{run.leased.run_id}")
                     served.add(task)
                     task.add_done_callback(served.discard)
         finally:
@@ -162,33 +152,27 @@ class TinkerExecutor:
             await asyncio.gather(*served, return_exceptions=True)
 
     async def _lease(self) -> _Run | None:
-        run = await self._cp.tinker_lease(wait_s=self._wait_s)
-        if run is None:
-            return None
-        return _Run(
-            job_id=run.job_id,
-            attempt=run.attempt,
-            run_id=run.run_id,
-            model_id=run.model_id,
-            base_model=run.base_model,
-            model_config=run.model_config_,
-            next_seq=run.plan.next_seq,
-            latest_step=run.latest_step,
-            plan=run.plan,
-        )
+        leased = await self._cp.tinker_lease(wait_s=self._options.job_wait_s)
+        return None if leased is None else _Run(leased)
 
     # --- one run --------------------------------------------------------------------------------
 
     async def _serve(self, run: _Run) -> None:
-        self._runs[run.job_id, run.attempt] = run
-        renew = asyncio.create_task(self._renew_loop(run), name=f"renew-{run.job_id}")
+        self._runs[run.leased.job_id, run.leased.attempt] = run
+        renew = asyncio.create_task(self._renew_loop(run), name=f"renew-{run.leased.job_id}")
         logger.info(
-            "Tinker run %s (attempt %d): from operation %d", run.run_id, run.attempt, run.next_seq
+            "Tinker run %s (attempt %d): from operation %d",
+            run.leased.run_id,
+            run.leased.attempt,
+            run.next_seq,
         )
         try:
-            if self._trainer_shards > 1:
+            # The memory plan shards this worker's trainer (worker.sharded), which Tinker's
+            # one-process trainer cannot be: its runs are refused rather than loaded whole onto
+            # one device that cannot hold them.
+            if (shards := self._options.trainer_shards) > 1:
                 raise _CreationFailed(
-                    f"{run.base_model} needs its training sharded over {self._trainer_shards} "
+                    f"{run.leased.base_model} needs its training sharded over {shards} "
                     "devices on this worker, and Tinker runs train on one device for now; "
                     "train it with skytrain's training jobs (REST, SDK or ART's client), "
                     "which use every shard"
@@ -201,7 +185,7 @@ class TinkerExecutor:
                     await self._execute(run, operation)
                     run.next_seq += 1
         except (LeaseLost, _RunEnded) as exc:
-            logger.info("Tinker run %s let go: %s", run.run_id, exc)
+            logger.info("Tinker run %s let go: %s", run.leased.run_id, exc)
             if run.cancelled:
                 await self._fail_run(run, "the run was cancelled", retryable=False, cancelled=True)
         except _CreationFailed as exc:
@@ -209,7 +193,7 @@ class TinkerExecutor:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.exception("Tinker run %s failed; its state is dropped", run.run_id)
+            logger.exception("Tinker run %s failed; its state is dropped", run.leased.run_id)
             # The tenant reads this: the details (paths, addresses) stay in this worker's log.
             await self._fail_run(
                 run,
@@ -221,7 +205,7 @@ class TinkerExecutor:
             with contextlib.suppress(asyncio.CancelledError):
                 await renew
             run.trainer = None
-            self._runs.pop((run.job_id, run.attempt), None)
+            self._runs.pop((run.leased.job_id, run.leased.attempt), None)
             self._room.set()
 
     async def _fail_run(
@@ -230,18 +214,21 @@ class TinkerExecutor:
         with contextlib.suppress(LeaseLost):
             try:
                 await self._cp.fail(
-                    run.job_id,
-                    attempt=run.attempt,
+                    run.leased.job_id,
+                    attempt=run.leased.attempt,
                     error_message=message,
                     retryable=retryable,
                     cancelled=cancelled,
                 )
             except Exception:
-                logger.exception("could not report the end of Tinker run %s", run.run_id)
+                logger.exception("could not report the end of Tinker run %s", run.leased.run_id)
 
     async def _renew_loop(self, run: _Run) -> None:
         renewals = self._cp.renewals(
-            run.job_id, attempt=run.attempt, lease_s=self.lease_s, what=f"Tinker run {run.run_id}"
+            run.leased.job_id,
+            attempt=run.leased.attempt,
+            lease_s=self.lease_s,
+            what=f"Tinker run {run.leased.run_id}",
         )
         try:
             async for answer in renewals:
@@ -254,7 +241,7 @@ class TinkerExecutor:
 
     async def _next(self, run: _Run) -> LeasedOperation | None:
         return await self._cp.tinker_next(
-            run.job_id, attempt=run.attempt, seq_id=run.next_seq, wait_s=NEXT_WAIT_S
+            run.leased.job_id, attempt=run.leased.attempt, seq_id=run.next_seq, wait_s=NEXT_WAIT_S
         )
 
     # --- rebuilding state -----------------------------------------------------------------------
@@ -264,17 +251,21 @@ class TinkerExecutor:
         creation itself is next)."""
         if run.next_seq == 0:
             return
-        restore = run.plan.restore
+        restore = run.leased.plan.restore
         if restore is None:
             raise _CreationFailed("its creation failed")
         await self._build(run, restore)
-        for seq_id in run.plan.replay:
+        for seq_id in run.leased.plan.replay:
             run.check()
-            leased = await self._cp.tinker_operation(run.job_id, seq_id, attempt=run.attempt)
+            leased = await self._cp.tinker_operation(
+                run.leased.job_id, seq_id, attempt=run.leased.attempt
+            )
             with contextlib.suppress(TrainingError):
                 await self._change_state(run, leased.operation, seq_id=seq_id)
         logger.info(
-            "Tinker run %s rebuilt: %d operations replayed", run.run_id, len(run.plan.replay)
+            "Tinker run %s rebuilt: %d operations replayed",
+            run.leased.run_id,
+            len(run.leased.plan.replay),
         )
 
     async def _build(self, run: _Run, restore: RestorePoint) -> None:
@@ -287,10 +278,10 @@ class TinkerExecutor:
 
         def build() -> Trainer:
             trainer = Trainer.load(
-                run.base_model,
-                model_config=run.model_config,
-                device=self._device,
-                **self._trainer_options,
+                run.leased.base_model,
+                model_config=run.leased.model_config_,
+                device=self._options.device,
+                **self._options.trainer_options,
             )
             if restore.seed is not None:
                 primitives.reseed_adapter(trainer, restore.seed)
@@ -306,7 +297,7 @@ class TinkerExecutor:
     async def _turn(self, run: _Run, what: str) -> AsyncIterator[None]:
         """The device for one operation of ``run``: its trainer on it meanwhile, back in host
         memory after when the engine shares the device."""
-        async with self._adapters.trainer_turn(f"Tinker run {run.run_id}: {what}"):
+        async with self._adapters.trainer_turn(f"Tinker run {run.leased.run_id}: {what}"):
             if run.trainer is not None:
                 await asyncio.to_thread(run.trainer.reload)
             try:
@@ -317,18 +308,18 @@ class TinkerExecutor:
 
     async def _fetch(self, run: _Run, model_id: str, step: int) -> Path:
         """A local copy of a checkpoint the run may read."""
-        directory = self._work_dir / "checkpoints" / model_id / str(step)
+        directory = self._options.work_dir / "checkpoints" / model_id / str(step)
         files = await self._cp.tinker_checkpoint_files(
-            run.job_id, model_id, step, attempt=run.attempt
+            run.leased.job_id, model_id, step, attempt=run.leased.attempt
         )
         for item in files:
             if not (directory / item.name).is_file():
                 await self._cp.tinker_checkpoint_file(
-                    run.job_id,
+                    run.leased.job_id,
                     model_id,
                     step,
                     item.name,
-                    attempt=run.attempt,
+                    attempt=run.leased.attempt,
                     target=directory / item.name,
                 )
         return directory
@@ -343,10 +334,12 @@ class TinkerExecutor:
             try:
                 await self._build(run, operation.params.restore())
             except Exception as exc:
-                logger.exception("Tinker run %s: creating the model failed", run.run_id)
-                message = _creation_error(exc, run.base_model, operation.params.path)
+                logger.exception("Tinker run %s: creating the model failed", run.leased.run_id)
+                message = _creation_error(exc, run.leased.base_model, operation.params.path)
                 await self._cp.tinker_fail(
-                    run.job_id, seq_id, OperationFailure(attempt=run.attempt, error=message)
+                    run.leased.job_id,
+                    seq_id,
+                    OperationFailure(attempt=run.leased.attempt, error=message),
                 )
                 raise _CreationFailed(message) from exc
             await self._complete(run, seq_id, OperationResult())
@@ -358,14 +351,16 @@ class TinkerExecutor:
             result, output = await self._change_state(run, operation, seq_id=seq_id)
         except TrainingError as exc:
             await self._cp.tinker_fail(
-                run.job_id, seq_id, OperationFailure(attempt=run.attempt, error=exc.message)
+                run.leased.job_id,
+                seq_id,
+                OperationFailure(attempt=run.leased.attempt, error=exc.message),
             )
             return
         if output is not None:
             await self._cp.tinker_output(
-                run.job_id,
+                run.leased.job_id,
                 seq_id,
-                attempt=run.attempt,
+                attempt=run.leased.attempt,
                 content=output,
                 media_type=tinker_protobuf.PROTOBUF_MEDIA_TYPE,
             )
@@ -374,8 +369,10 @@ class TinkerExecutor:
     async def _complete(
         self, run: _Run, seq_id: int, result: OperationResult, *, has_output: bool = False
     ) -> None:
-        completion = OperationCompletion(attempt=run.attempt, result=result, has_output=has_output)
-        await self._cp.tinker_complete(run.job_id, seq_id, completion)
+        completion = OperationCompletion(
+            attempt=run.leased.attempt, result=result, has_output=has_output
+        )
+        await self._cp.tinker_complete(run.leased.job_id, seq_id, completion)
 
     async def _change_state(
         self, run: _Run, operation: TinkerOperation, *, seq_id: int
@@ -405,7 +402,7 @@ class TinkerExecutor:
             raise TrainingError(f"a {operation.kind} does not change a run's state")
         body = await self._input(run, seq_id)
         batch = tinker_protobuf.parse_forward_backward(
-            body, max_tokens=run.model_config.max_seq_length
+            body, max_tokens=run.leased.model_config_.max_seq_length
         )
         examples = [
             primitives.Example(
@@ -426,8 +423,10 @@ class TinkerExecutor:
         return OperationResult(), tinker_protobuf.encode_forward_backward_output(logprobs, metrics)
 
     async def _input(self, run: _Run, seq_id: int) -> bytes:
-        target = self._work_dir / "tinker" / run.job_id / f"{seq_id}.pb"
-        await self._cp.tinker_input(run.job_id, seq_id, attempt=run.attempt, target=target)
+        target = self._options.work_dir / "tinker" / run.leased.job_id / f"{seq_id}.pb"
+        await self._cp.tinker_input(
+            run.leased.job_id, seq_id, attempt=run.leased.attempt, target=target
+        )
         try:
             return target.read_bytes()
         finally:
@@ -448,18 +447,18 @@ class TinkerExecutor:
             step = reuse_step = run.saved_step
         else:
             step = run.latest_step + 1
-            directory = self._work_dir / "checkpoints" / run.model_id / str(step)
+            directory = self._options.work_dir / "checkpoints" / run.leased.model_id / str(step)
             shutil.rmtree(directory, ignore_errors=True)
             async with self._turn(run, operation.kind):
                 await asyncio.to_thread(trainer.save, directory)
             written = sorted(p for p in directory.iterdir() if p.is_file())
             for file in written:
-                await self._cp.upload_file(run.job_id, file, attempt=run.attempt)
+                await self._cp.upload_file(run.leased.job_id, file, attempt=run.leased.attempt)
             files = await asyncio.to_thread(lambda: [staged_file(file) for file in written])
             if operation.kind == "save_weights_for_sampler":
-                served = await self._adapters.serve_checkpoint(run.model_id, step, directory)
+                served = await self._adapters.serve_checkpoint(run.leased.model_id, step, directory)
         commit = SaveCommit(
-            attempt=run.attempt,
+            attempt=run.leased.attempt,
             files=files,
             step=step,
             reuse_step=reuse_step,
@@ -468,13 +467,13 @@ class TinkerExecutor:
             served=served,
         )
         try:
-            await self._cp.tinker_save(run.job_id, seq_id, commit)
+            await self._cp.tinker_save(run.leased.job_id, seq_id, commit)
         except BaseException:
             if served:  # never committed: served to no one, and its name is free again
-                await self._adapters.unload((run.model_id, step))
+                await self._adapters.unload((run.leased.model_id, step))
             raise
         if served:
-            self._adapters.confirm((run.model_id, step))
+            self._adapters.confirm((run.leased.model_id, step))
         run.latest_step = max(run.latest_step, step)
         run.saved_step = step
 

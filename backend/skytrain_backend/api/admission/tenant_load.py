@@ -1,12 +1,12 @@
 """Each tenant's requests in flight, counted against its limits (``db.tenants``).
 
-An inference request holds a ``Load`` (one request, its sequences, its tokens) from admission
-until its answer ends; a REST request (``api/admission/rest_admission.py``) holds one REST request
-until the app has answered it. The gateway and the REST routes each count with a ``TenantLoads`` of
-their own. ``TenantLoads.admit`` counts a request in, or raises ``RateLimited`` naming the limit it
-would pass (after waiting, in order of arrival and holding nothing, up to its ``wait_s`` for the
-tenant's requests in this process to make room: the REST routes wait, the gateway does not); the
-function it returns counts it out.
+An inference request holds a ``Load`` (``db.tenant_loads``: one request, its sequences, its tokens)
+from admission until its answer ends; a REST request (``api/admission/rest_admission.py``) holds
+one REST request until the app has answered it. The gateway and the REST routes each count with a
+``TenantLoads`` of their own. ``TenantLoads.admit`` counts a request in, or raises ``RateLimited``
+naming the limit it would pass (after waiting, in order of arrival and holding nothing, up to its
+``wait_s`` for the tenant's requests in this process to make room: the REST routes wait, the
+gateway does not); the function it returns counts it out.
 
 - One process (SQLite, the embedded default): counted in memory.
 - PostgreSQL: counted in memory too (a process over a limit on its own refuses at once), and
@@ -38,7 +38,6 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
 
 import anyio
 from sqlalchemy.exc import SQLAlchemyError
@@ -47,6 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from skytrain_backend.api.admission.fairness import FairLimiter
 from skytrain_backend.api.errors import database_outage
 from skytrain_backend.db import tenant_loads
+from skytrain_backend.db.tenant_loads import Load
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import RateLimited, Unavailable
 
@@ -56,35 +56,6 @@ LEASE_S = 15.0
 RENEW_S = 5.0
 # Threads (and so database connections) the database counting uses at most, per process.
 DB_THREADS = 4
-
-
-@dataclass(frozen=True)
-class Load:
-    """What requests hold while in flight."""
-
-    requests: int = 0
-    sequences: int = 0
-    tokens: int = 0
-    rest_requests: int = 0
-
-    def __add__(self, other: Load) -> Load:
-        return Load(
-            self.requests + other.requests,
-            self.sequences + other.sequences,
-            self.tokens + other.tokens,
-            self.rest_requests + other.rest_requests,
-        )
-
-    def __sub__(self, other: Load) -> Load:
-        return Load(
-            self.requests - other.requests,
-            self.sequences - other.sequences,
-            self.tokens - other.tokens,
-            self.rest_requests - other.rest_requests,
-        )
-
-    def counts(self) -> tenant_loads.Counts:
-        return tenant_loads.Counts(self.requests, self.sequences, self.tokens, self.rest_requests)
 
 
 # What one REST request without a body holds.
@@ -363,13 +334,13 @@ class TenantLoads:
     def _acquire(self, tenant_id: str, limits: TenantLimits, cost: Load) -> None:
         try:
             with self._sessions() as session:
-                counts = tenant_loads.held(session, tenant_id=tenant_id, holder=self.holder)
-                check_admission(Load(*astuple(counts)), cost=cost, limits=limits)
+                held = tenant_loads.held(session, tenant_id=tenant_id, holder=self.holder)
+                check_admission(held, cost=cost, limits=limits)
                 tenant_loads.add(
                     session,
                     tenant_id=tenant_id,
                     holder=self.holder,
-                    delta=cost.counts(),
+                    delta=cost,
                     lease_s=LEASE_S,
                 )
                 session.commit()
@@ -385,7 +356,7 @@ class TenantLoads:
             ) from exc
 
     async def _release(self, tenant_id: str, cost: Load) -> None:
-        delta = (Load() - cost).counts()
+        delta = Load() - cost
 
         def write() -> None:
             with self._sessions() as session:
@@ -424,7 +395,7 @@ class TenantLoads:
                         session,
                         tenant_id=tenant_id,
                         holder=self.holder,
-                        delta=delta.counts(),
+                        delta=delta,
                         lease_s=LEASE_S,
                     )
                 tenant_loads.renew(session, holder=self.holder, lease_s=LEASE_S)

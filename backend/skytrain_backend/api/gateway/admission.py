@@ -19,8 +19,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from skytrain_backend.api.admission.tenant_load import Load
 from skytrain_backend.api.schemas import ChatCompletionCreate, CompletionCreate
+from skytrain_backend.db.tenant_loads import Load
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest
 from skytrain_backend.protocol import format_validation_error

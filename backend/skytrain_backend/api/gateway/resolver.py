@@ -29,13 +29,13 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.api.admission.auth import authenticate
 from skytrain_backend.api.admission.fairness import FairLimiter
-from skytrain_backend.api.admission.tenant_load import Load
 from skytrain_backend.api.gateway import admission
 from skytrain_backend.api.gateway.admission import Endpoint
 from skytrain_backend.api.route_cache import RouteCache
 from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Tenant
+from skytrain_backend.db.tenant_loads import Load
 from skytrain_backend.db.tenants import TenantLimits
 from skytrain_backend.errors import InvalidRequest, Unavailable
 from skytrain_backend.scheduler.routing import EngineRoute, resolve_route

@@ -55,19 +55,6 @@ def replicas_public(
     ]
 
 
-def demand_public(
-    session: SessionDep, *, model: Model, demand: DemandMeter, window_s: float
-) -> DemandPublic:
-    found = replicas.demand_of(session, model=model, demand=demand, window_s=window_s)
-    return DemandPublic(
-        in_flight=found.in_flight,
-        average_in_flight=found.average,
-        per_replica=found.per_replica,
-        replicas=found.replicas,
-        window_s=found.window_s,
-    )
-
-
 def model_public(
     model: Model,
     *,
@@ -188,11 +175,13 @@ def get_model(
             idle_timeout_s=settings.scheduler.resolved_model_idle_timeout_s,
         ),
         replicas=replicas_public(session, model=model, demand=scheduler.demand),
-        demand=demand_public(
-            session,
-            model=model,
-            demand=scheduler.demand,
-            window_s=settings.scheduler.replica_window_s,
+        demand=DemandPublic.model_validate(
+            replicas.demand_of(
+                session,
+                model=model,
+                demand=scheduler.demand,
+                window_s=settings.scheduler.replica_window_s,
+            )
         ),
     )
 

@@ -36,7 +36,6 @@ from typing import Any, TypeVar
 
 import msgspec
 from pydantic import ValidationError
-from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.concurrency import run_in_threadpool
 
@@ -53,7 +52,6 @@ from skytrain_backend.db import tenants, tinker_rows
 from skytrain_backend.db.models import (
     Model,
     Tenant,
-    TinkerCheckpoint,
     TinkerRequest,
     TinkerRun,
     utcnow,
@@ -75,6 +73,7 @@ from skytrain_backend.protocol.tinker_ops import (
     CreationParams,
     LoadOperation,
     LoadParams,
+    SaveOperation,
     TinkerOperation,
 )
 from skytrain_backend.scheduler.loop import Scheduler
@@ -248,33 +247,24 @@ class TinkerService:
             )
         return operation, None
 
-    def name_refusal(
+    def submit_save(
         self,
         session: Session,
-        *,
         run: TinkerRun,
-        kind: runs.CheckpointKind,
-        name: str,
-        overwrite: bool,
-    ) -> str | None:
-        """Why ``name`` cannot name a new save of ``run`` (None: it can)."""
-        try:
-            runs.check_name(name)
-        except InvalidRequest as exc:
-            return exc.message
-        taken = session.scalar(
-            select(TinkerCheckpoint.id).where(
-                TinkerCheckpoint.run_id == run.id,
-                TinkerCheckpoint.kind == kind,
-                TinkerCheckpoint.name == name,
-            )
-        )
-        if taken is not None and not overwrite:
-            return (
-                f"run {run.id} already has a checkpoint named {name!r}: choose another name, or "
-                "pass overwrite=True"
-            )
-        return None
+        seq_id: int | None,
+        save: SaveOperation,
+        *,
+        refused: str | None = None,
+    ) -> schemas.UntypedAPIFuture:
+        """``submit`` a save, refused also when its name is not one a checkpoint can have, or
+        names one of ``run``'s already that it does not overwrite."""
+        if refused is None and save.params.name is not None:
+            try:
+                runs.check_name(save.params.name)
+                refused = runs.name_refusal(session, run=run, save=save)
+            except InvalidRequest as exc:
+                refused = exc.message
+        return self.submit(session, run, seq_id, save, refused=refused)
 
     # --- waiting --------------------------------------------------------------------------------
 

@@ -238,31 +238,31 @@ def optim_step(
 def save_weights(
     body: schemas.SaveWeightsRequest, session: SessionDep, training: TrainingDep
 ) -> schemas.UntypedAPIFuture:
-    run = training.run(session, body.model_id)
     name = body.path or f"state-{body.seq_id}"
     params = SaveParams(name=name, overwrite=body.overwrite, user_metadata=body.user_metadata)
-    refused = training.tinker.name_refusal(
-        session, run=run, kind="training", name=name, overwrite=body.overwrite
+    return training.tinker.submit_save(
+        session,
+        training.run(session, body.model_id),
+        body.seq_id,
+        SaveOperation(kind="save_weights", params=params),
     )
-    operation = SaveOperation(kind="save_weights", params=params)
-    return training.tinker.submit(session, run, body.seq_id, operation, refused=refused)
 
 
 @router.post("/save_weights_for_sampler")
 def save_weights_for_sampler(
     body: schemas.SaveWeightsForSamplerRequest, session: SessionDep, training: TrainingDep
 ) -> schemas.UntypedAPIFuture:
-    run = training.run(session, body.model_id)
     refused = None
     if body.kind != "snapshot":
         refused = f"sampling client kind {body.kind!r} is not served: skytrain's are snapshots"
-    elif body.path is not None:
-        refused = training.tinker.name_refusal(
-            session, run=run, kind="sampler", name=body.path, overwrite=False
-        )
     params = SaveParams(name=body.path, user_metadata=body.user_metadata)
-    operation = SaveOperation(kind="save_weights_for_sampler", params=params)
-    return training.tinker.submit(session, run, body.seq_id, operation, refused=refused)
+    return training.tinker.submit_save(
+        session,
+        training.run(session, body.model_id),
+        body.seq_id,
+        SaveOperation(kind="save_weights_for_sampler", params=params),
+        refused=refused,
+    )
 
 
 @router.post("/load_weights")

@@ -220,32 +220,27 @@ def save(
     tinker.notify(f"request:{request_id}")
 
 
-def _readable(
-    session: SessionDep, *, worker: WorkerDep, job_id: str, attempt: int, model_id: str, step: int
-) -> tuple[Model, str]:
-    run = worker_ops.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
-    checkpoint = worker_ops.readable_checkpoint(session, run=run, model_id=model_id, step=step)
-    model = session.get_one(Model, model_id)
-    expected = integrity.committed(checkpoint)
-    prefix = integrity.files_prefix(
-        tenant_id=model.tenant_id, model_id=model.id, step=step, expected=expected
-    )
-    return model, prefix
+async def _readable_prefix(
+    job_id: str, model_id: str, step: int, attempt: Attempt, worker: WorkerDep, session: SessionDep
+) -> str:
+    def find() -> str:
+        run = worker_ops.leased_run(session, worker=worker, job_id=job_id, attempt=attempt)
+        checkpoint = worker_ops.readable_checkpoint(session, run=run, model_id=model_id, step=step)
+        model = session.get_one(Model, model_id)
+        expected = integrity.committed(checkpoint)
+        return integrity.files_prefix(
+            tenant_id=model.tenant_id, model_id=model.id, step=step, expected=expected
+        )
+
+    return await in_thread(session, find)
+
+
+# The store prefix of the checkpoint a GET names, which the worker's leased run may read.
+ReadablePrefix = Annotated[str, Depends(_readable_prefix)]
 
 
 @router.get("/runs/{job_id}/checkpoints/{model_id}/{step}/files")
-def checkpoint_files(
-    job_id: str,
-    model_id: str,
-    step: int,
-    attempt: Attempt,
-    worker: WorkerDep,
-    session: SessionDep,
-    store: StoreDep,
-) -> CheckpointFileList:
-    _, prefix = _readable(
-        session, worker=worker, job_id=job_id, attempt=attempt, model_id=model_id, step=step
-    )
+def checkpoint_files(prefix: ReadablePrefix, store: StoreDep) -> CheckpointFileList:
     return CheckpointFileList(
         data=[
             CheckpointFileInfo(name=info.key.removeprefix(prefix), size=info.size)
@@ -255,17 +250,5 @@ def checkpoint_files(
 
 
 @router.get("/runs/{job_id}/checkpoints/{model_id}/{step}/files/{name}")
-def checkpoint_file(
-    job_id: str,
-    model_id: str,
-    step: int,
-    name: str,
-    attempt: Attempt,
-    worker: WorkerDep,
-    session: SessionDep,
-    store: StoreDep,
-) -> StreamingResponse:
-    _, prefix = _readable(
-        session, worker=worker, job_id=job_id, attempt=attempt, model_id=model_id, step=step
-    )
+def checkpoint_file(name: str, prefix: ReadablePrefix, store: StoreDep) -> StreamingResponse:
     return stored_files.download(store, prefix, name)

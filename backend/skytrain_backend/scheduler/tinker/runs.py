@@ -32,7 +32,6 @@ import logging
 import re
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
 
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import func, select
@@ -59,7 +58,12 @@ from skytrain_backend.errors import InvalidRequest, NotFound, QuotaExceeded, Rat
 from skytrain_backend.json_types import JSONObject
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, ModelConfig, format_validation_error
 from skytrain_backend.protocol.tinker_api import LoraConfig
-from skytrain_backend.protocol.tinker_ops import CreationOperation, TinkerOperation
+from skytrain_backend.protocol.tinker_ops import (
+    CheckpointKind,
+    CreationOperation,
+    SaveOperation,
+    TinkerOperation,
+)
 from skytrain_backend.storage import keys
 from skytrain_backend.storage.base import ObjectStore
 
@@ -78,7 +82,6 @@ QUEUE_FULL_RETRY_S = 5.0
 INPUT_OBJECT = "input.pb"
 OUTPUT_OBJECT = "output.pb"
 
-CheckpointKind = Literal["training", "sampler"]
 _SEGMENTS: dict[str, CheckpointKind] = {"weights": "training", "sampler_weights": "sampler"}
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -116,6 +119,32 @@ def check_name(name: str) -> str:
             f"checkpoint name {name!r} is not valid: use 1-128 letters, digits, '.', '_' or '-'"
         )
     return name
+
+
+def named_checkpoint(
+    session: Session, *, run: TinkerRun, save: SaveOperation
+) -> TinkerCheckpoint | None:
+    """The checkpoint of ``run`` the save's name already names (None: none, or no name)."""
+    if save.params.name is None:
+        return None
+    return session.scalar(
+        select(TinkerCheckpoint).where(
+            TinkerCheckpoint.run_id == run.id,
+            TinkerCheckpoint.kind == save.checkpoint_kind,
+            TinkerCheckpoint.name == save.params.name,
+        )
+    )
+
+
+def name_refusal(session: Session, *, run: TinkerRun, save: SaveOperation) -> str | None:
+    """Why the save's name cannot name a new checkpoint of ``run``: it names one already and
+    the save does not overwrite it (None: it can)."""
+    if named_checkpoint(session, run=run, save=save) is None or save.params.overwrite:
+        return None
+    return (
+        f"run {run.id} already has a checkpoint named {save.params.name!r}: choose another "
+        "name, or pass overwrite=True"
+    )
 
 
 def resolve_path(session: Session, *, tenant_id: str, path: str) -> tuple[TinkerRun, Checkpoint]:

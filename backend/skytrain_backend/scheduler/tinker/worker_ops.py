@@ -34,9 +34,10 @@ from skytrain_backend.scheduler import queue
 from skytrain_backend.scheduler.tinker.runs import (
     FINISHED,
     JOB_KIND,
-    CheckpointKind,
     TinkerPath,
     fail_operation,
+    name_refusal,
+    named_checkpoint,
     output_key,
     stored_operation,
     was_refused,
@@ -399,10 +400,9 @@ def commit_save(
             return refused
     run, operation = worker_operation(session, held)
     model = session.get_one(Model, model_id)
-    params = _save_params(operation)
-    name = params.name
-    kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
-    existing = _named(session, run=run, kind=kind, name=name)
+    save = _save(operation)
+    params, name, kind = save.params, save.params.name, save.checkpoint_kind
+    existing = named_checkpoint(session, run=run, save=save)
     if commit.reuse_step is not None:
         step = commit.reuse_step
     else:
@@ -455,11 +455,11 @@ def commit_save(
     return operation.id
 
 
-def _save_params(row: TinkerRequest) -> ops.SaveParams:
+def _save(row: TinkerRequest) -> ops.SaveOperation:
     save = stored_operation(row)
     if not isinstance(save, ops.SaveOperation):
         raise InvalidRequest(f"operation {row.seq_id} is a {row.kind}, not a save")
-    return save.params
+    return save
 
 
 def _reserve_save(
@@ -482,20 +482,6 @@ def _reserve_save(
     return None
 
 
-def _named(
-    session: Session, *, run: TinkerRun, kind: CheckpointKind, name: str | None
-) -> TinkerCheckpoint | None:
-    if name is None:
-        return None
-    return session.scalar(
-        select(TinkerCheckpoint).where(
-            TinkerCheckpoint.run_id == run.id,
-            TinkerCheckpoint.kind == kind,
-            TinkerCheckpoint.name == name,
-        )
-    )
-
-
 def _check_save(session: Session, held: Held, commit: ops.SaveCommit) -> str | tuple[str, str]:
     """The checks of a save, run before its files are copied and again as it commits: the
     operation's id when it is over (done already, or failed here on its name: committed),
@@ -506,16 +492,9 @@ def _check_save(session: Session, held: Held, commit: ops.SaveCommit) -> str | t
         session.rollback()
         return operation.id
     model = session.get_one(Model, run.model_id)
-    params = _save_params(operation)
-    kind: CheckpointKind = "training" if operation.kind == "save_weights" else "sampler"
-    existing = _named(session, run=run, kind=kind, name=params.name)
-    if existing is not None and not params.overwrite:
-        fail_operation(
-            operation,
-            f"run {run.id} already has a checkpoint named {params.name!r}: choose "
-            "another name, or pass overwrite=True",
-            category="user",
-        )
+    refused = name_refusal(session, run=run, save=_save(operation))
+    if refused is not None:
+        fail_operation(operation, refused, category="user")
         session.commit()
         return operation.id
     if commit.reuse_step is not None:
