@@ -12,7 +12,8 @@ Invalidation. Every commit in this process that changes a row a route is made of
 tenant, a model, a checkpoint, a worker) empties every cache in the process at once, before
 the commit returns: a step committed, a checkpoint or model deleted, a key revoked, a worker
 gone or loading something else. Activity marks (``last_active_at``, ``last_requested_at``,
-heartbeats, ``last_used_at``) change nothing a route holds and do not count. A resolution that
+heartbeats, ``last_used_at``) and the demand per replica the scheduler notes change nothing a
+route holds and do not count. A resolution that
 was running while the cache was emptied is not kept (it may have read the old rows).
 
 Across processes on one database (other replicas, and the CLI: ``skytrain keys revoke``) a
@@ -34,10 +35,18 @@ from sqlalchemy.orm import ORMExecuteState, Session, UOWTransaction
 
 from skytrain_backend.db.models import ApiKey, Checkpoint, Model, ModelReplica, Tenant, Worker
 
-# Rows routes are made of, and their columns whose changes do not alter a route.
+# Rows routes are made of, and their columns whose changes do not alter a route (activity
+# marks, and the demand the scheduler writes for `skytrain models show`).
 _WATCHED: tuple[type[Any], ...] = (ApiKey, Tenant, Model, ModelReplica, Checkpoint, Worker)
 _ACTIVITY_MARKS = frozenset(
-    {"last_active_at", "last_requested_at", "last_heartbeat_at", "last_used_at", "updated_at"}
+    {
+        "last_active_at",
+        "last_requested_at",
+        "last_heartbeat_at",
+        "last_used_at",
+        "updated_at",
+        "demand_per_replica",
+    }
 )
 _CHANGED = "skytrain_route_change"
 

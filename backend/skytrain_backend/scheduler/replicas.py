@@ -288,16 +288,15 @@ def scale(
                 reason=adding,
             )
     observed.demand_per_replica(per_replica_demands)
-    # A model no longer placed has no demand per replica.
-    session.execute(
-        update(Model)
-        .where(
-            Model.demand_per_replica.is_not(None),
-            or_(Model.worker_id.is_(None), Model.worker_id.not_in(live)),
-        )
-        .values(demand_per_replica=None)
-        .execution_options(synchronize_session=False)
+    # A model no longer placed has no demand per replica. Set row by row, not by a bulk
+    # UPDATE: the gateway's route cache is emptied by any bulk update of models
+    # (``api/route_cache.py``), and this runs every pass.
+    unplaced = select(Model).where(
+        Model.demand_per_replica.is_not(None),
+        or_(Model.worker_id.is_(None), Model.worker_id.not_in(live)),
     )
+    for unplaced_model in session.scalars(unplaced):
+        unplaced_model.demand_per_replica = None
     session.commit()
 
 
