@@ -85,10 +85,13 @@ def test_a_waiting_model_takes_a_replicas_slot_and_no_replica_comes_back(
         held = session.scalars(
             select(ModelEvent.reason).where(ModelEvent.model_id == alice, ModelEvent.kind == "held")
         ).all()
-        # min_replicas wants a second worker, and says why it has none: first bob's model
-        # waiting, then no room; each once, not once per pass.
-        assert len(held) == 2
-        assert "a model waits for a slot" in held[0] and "no worker" in held[1]
+        # min_replicas wants a second worker, and says why it has none: bob's model waiting,
+        # then no room (one run under load also said the tenant's max_workers, a cause of its
+        # own); each cause once, not once per pass.
+        waits = [reason for reason in held if "a model waits for a slot" in reason]
+        assert len(waits) == 1 and held.index(waits[0]) < len(held) - 1
+        assert all("no worker" in reason for reason in held if reason not in waits)
+        assert len(held) == len(set(held)) <= 3
 
 
 def test_a_replica_is_a_placed_model_and_a_lost_home_is_its_replicas_at_the_quota(
