@@ -127,7 +127,7 @@ def test_busy_tenants_share_the_process_places_and_a_quiet_one_is_let_in_at_once
         with pytest.raises(RateLimited) as refused:  # the places are full, a holds its share
             await loads.admit("a", limits=limits, cost=REST_REQUEST)
         assert refused.value.limit == "rest_admission_process_places"
-        assert "2 tenants share its 4 places" in str(refused.value)
+        assert "its 4 places" in str(refused.value) and "yours hold 2" in str(refused.value)
         assert "SKYTRAIN_REST_ADMISSION_PROCESS_PLACES" in str(refused.value)
 
         # A tenant with nothing in flight is let in at once, past the places.
@@ -145,15 +145,28 @@ def test_busy_tenants_share_the_process_places_and_a_quiet_one_is_let_in_at_once
         a.append(await asyncio.wait_for(waiting, 10))
         assert loads.held("a").rest_requests == 3
 
-        # A long-poll that waits (parked) holds its tenant's own slot, not a place.
-        for admitted in a:
-            admitted.park()
-        b = [await loads.admit("b", limits=limits, cost=REST_REQUEST) for _ in range(4)]
-        assert loads.held("a").rest_requests == 3
+        # A long-poll that waits (parked) holds its tenant's own slot, not a place; its own
+        # tenant's next request, waiting on its share, is let in at once.
+        waiting = asyncio.create_task(loads.admit("a", limits=limits, cost=REST_REQUEST, wait_s=60))
+        b = [await loads.admit("b", limits=limits, cost=REST_REQUEST) for _ in range(2)]
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # a holds 3 of 4 places, over its share of 2
+        a[0].park(True)
+        a[1].park(True)
+        a.append(await asyncio.wait_for(waiting, 1))
+        assert loads.held("a").rest_requests == 4
+        a[0].park(False)  # woken with work to do: it counts again, unchecked
         for admitted in a + b:
             admitted()
             admitted()  # twice is once
         assert loads.held("a").rest_requests == loads.held("b").rest_requests == 0
+        # Every place is free again: a fresh tenant gets exactly the 4, then its share.
+        d = [await loads.admit("d", limits=limits, cost=REST_REQUEST) for _ in range(4)]
+        e = await loads.admit("e", limits=limits, cost=REST_REQUEST)
+        with pytest.raises(RateLimited):
+            await loads.admit("d", limits=limits, cost=REST_REQUEST)
+        for admitted in [*d, e]:
+            admitted()
         await loads.aclose()
 
     asyncio.run(scenario())

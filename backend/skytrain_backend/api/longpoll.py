@@ -26,7 +26,7 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
-from skytrain_backend.api.admission.rest_admission import park
+from skytrain_backend.api.admission.rest_admission import parked
 from skytrain_backend.db.notify import Notifier
 from skytrain_backend.observability import http as observe_http
 
@@ -83,7 +83,6 @@ async def long_poll(
     hung_up = asyncio.ensure_future(_hung_up(request)) if wait_s > 0 else None
     if wait_s > 0:
         observe_http.mark_long_poll(request.scope)  # its wait is not load, nor its latency
-        park(request.scope)
     try:
         while True:
             # Taken before the check: a change committed during it still wakes the wait.
@@ -100,7 +99,8 @@ async def long_poll(
             if hung_up is None or hung_up.done():
                 return found
             waiting = asyncio.ensure_future(notifier.wait(ticket, remaining))
-            await asyncio.wait({waiting, hung_up}, return_when=asyncio.FIRST_COMPLETED)
+            with parked(request.scope):  # no work while it waits: not load on the process
+                await asyncio.wait({waiting, hung_up}, return_when=asyncio.FIRST_COMPLETED)
             if hung_up.done():  # even if woken too: nobody would read what a check claims
                 waiting.cancel()
                 return None

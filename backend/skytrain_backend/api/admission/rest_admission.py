@@ -36,10 +36,11 @@ a key is refused there, with the message of its protocol).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import ipaddress
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import anyio
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -73,13 +74,20 @@ def admitted(scope: Scope) -> Tenant | None:
     return tenant
 
 
-def park(scope: Scope) -> None:
-    """The request ``scope`` belongs to waits with nothing to do (a long-poll): it stops
-    counting against its process's shared places (``TenantLoads``), not against its tenant's
-    own limit."""
+@contextlib.contextmanager
+def parked(scope: Scope) -> Iterator[None]:
+    """While the block runs, the request ``scope`` belongs to waits with nothing to do (a
+    long-poll between its checks): it does not count against its process's shared places
+    (``TenantLoads``), only against its tenant's own limit."""
     admission: Admitted | None = scope.get(_ADMISSION)
-    if admission is not None:
-        admission.park()
+    if admission is None:
+        yield
+        return
+    admission.park(True)
+    try:
+        yield
+    finally:
+        admission.park(False)
 
 
 def client_address(scope: Scope) -> str | None:

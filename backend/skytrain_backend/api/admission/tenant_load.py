@@ -20,8 +20,8 @@ The REST requests of one process also share its places (``process_places``): pas
 tenant holding more than its share (the places over the tenants with requests in flight) waits
 like a tenant past its own cap, then gets 429; a tenant with nothing in flight is always let
 in. Eight tenants bursting at once then keep as much work in flight as one does, so a ninth's
-request waits behind that, not behind eight times it. A long-poll stops counting against the
-places once it waits (``Admitted.park``): it holds no CPU then.
+request waits behind that, not behind eight times it. A long-poll does not count against the
+places while it waits (``Admitted.park``): it holds no CPU then; its checks and its answer do.
 
 A tenant cannot tie up what others use: a process sends one admission per tenant at a time to
 the database (the others of that tenant wait in memory, holding nothing), and every admission,
@@ -122,18 +122,20 @@ def check_share(held: int, *, cost: int, total: int, busy: int, places: int) -> 
     if total + cost <= places or held == 0 or held + cost <= share:
         return
     raise RateLimited(
-        f"this control-plane process is busy: {busy} tenants share its {places} places for "
-        f"REST requests (SKYTRAIN_REST_ADMISSION_PROCESS_PLACES) and yours hold {held}, over "
-        f"your share of {share}: wait for some to finish, or lower your client's concurrency",
+        f"this control-plane process is busy: its {places} places for REST requests "
+        f"(SKYTRAIN_REST_ADMISSION_PROCESS_PLACES) are shared by the tenants using it, and "
+        f"yours hold {held} of them, your share while others use it: wait for some to finish, "
+        "or lower your client's concurrency",
         limit="rest_admission_process_places",
     )
 
 
 class Admitted:
-    """One request counted in. Calling it counts it out (safe twice); ``park()`` stops it
-    counting against the process's shared places while it waits with nothing to do."""
+    """One request counted in. Calling it counts it out (safe twice); ``park(True)`` stops it
+    counting against the process's shared places while it waits with nothing to do,
+    ``park(False)`` counts it in again (without a check: it was admitted) once it has work."""
 
-    def __init__(self, release: Callable[[], None], park: Callable[[], None]) -> None:
+    def __init__(self, release: Callable[[], None], park: Callable[[bool], None]) -> None:
         self._release = release
         self.park = park
 
@@ -224,11 +226,12 @@ class TenantLoads:
         released = False
         parked = False
 
-        def park() -> None:
+        def park(waiting: bool) -> None:
             nonlocal parked
-            if not (parked or released):
-                parked = True
-                self._place(tenant_id, -cost.rest_requests)
+            if released or parked == waiting:
+                return
+            parked = waiting
+            self._place(tenant_id, -cost.rest_requests if waiting else cost.rest_requests)
 
         def release() -> None:
             nonlocal released
@@ -259,7 +262,7 @@ class TenantLoads:
 
     def _place(self, tenant_id: str, delta: int) -> None:
         """Count ``delta`` REST places in (or out) for the tenant; places freed wake the first
-        waiter of every other tenant, whose share may now let it in."""
+        waiter of every tenant, whose share may now let it in."""
         if self._places is None or not delta:
             return
         held = self._placed.get(tenant_id, 0) + delta
@@ -268,8 +271,8 @@ class TenantLoads:
         else:
             self._placed.pop(tenant_id, None)
         if delta < 0:
-            for waiting_tenant, waiters in self._waiters.items():
-                if waiting_tenant != tenant_id and waiters:
+            for waiters in self._waiters.values():
+                if waiters:
                     waiters[0].set()
 
     def _check_places(self, tenant_id: str, cost: Load) -> None:

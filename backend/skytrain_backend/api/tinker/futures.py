@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy.orm import Session
 
-from skytrain_backend.api.admission.rest_admission import park
+from skytrain_backend.api.admission.rest_admission import parked
 from skytrain_backend.api.deps import (
     SessionDep,
     SessionRoute,
@@ -86,13 +86,12 @@ async def retrieve_future(
     wait_limit = tenants.limits_of(tenant, settings).max_waiting_polls
     session.rollback()
     with waiting.hold(tenant_id, limit=wait_limit) as may_wait:
-        if may_wait:
-            park(request.scope)  # it waits with nothing to do: not load on the process
         answer = await tinker.wait(
             tenant_id=tenant_id,
             request_id=body.request_id,
             on_done=lambda session, row: _result(store, session, row),
             wait_s=RETRIEVE_WAIT_S if may_wait else 0.0,
+            idle=lambda: parked(request.scope),
         )
     if isinstance(answer, Response):
         return answer

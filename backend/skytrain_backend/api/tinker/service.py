@@ -32,6 +32,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, TypeVar
 
 import msgspec
@@ -277,10 +278,17 @@ class TinkerService:
             event.set()
 
     async def watch(
-        self, key: str, look: Callable[[], tuple[bool, T]], *, turn: str, timeout_s: float
+        self,
+        key: str,
+        look: Callable[[], tuple[bool, T]],
+        *,
+        turn: str,
+        timeout_s: float,
+        idle: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> T:
         """``look()`` (in a thread, in the turn of ``turn``: a tenant, a worker) until it says
-        it is done or ``timeout_s`` passed; the last answer."""
+        it is done or ``timeout_s`` passed; the last answer. Each wait between two looks runs
+        in ``idle()``."""
         deadline = time.monotonic() + timeout_s
         while True:
             event = asyncio.Event()
@@ -290,7 +298,7 @@ class TinkerService:
                 remaining = deadline - time.monotonic()
                 if done or remaining <= 0:
                     return answer
-                with contextlib.suppress(TimeoutError):
+                with idle(), contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(event.wait(), min(remaining, FALLBACK_POLL_S))
             finally:
                 waiting = self._waiting.get(key)
@@ -306,9 +314,10 @@ class TinkerService:
         request_id: str,
         on_done: Callable[[Session, TinkerRequest], Any],
         wait_s: float = RETRIEVE_WAIT_S,
+        idle: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext,
     ) -> Any:
         """``on_done(session, row)`` once the future succeeded; else its failure, or its
-        pending state after ``wait_s``."""
+        pending state after ``wait_s``; each wait between two looks in ``idle()``."""
 
         def look() -> tuple[bool, Any]:
             with self.sessions() as session:
@@ -323,7 +332,9 @@ class TinkerService:
                     return True, on_done(session, row)
                 return isinstance(found, futures.Failed), found
 
-        return await self.watch(f"request:{request_id}", look, turn=tenant_id, timeout_s=wait_s)
+        return await self.watch(
+            f"request:{request_id}", look, turn=tenant_id, timeout_s=wait_s, idle=idle
+        )
 
     # --- sampling -------------------------------------------------------------------------------
 
