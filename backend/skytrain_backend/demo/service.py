@@ -88,7 +88,7 @@ def service_env(
     return subprocess_env(
         {
             "SKYTRAIN_HOME": str(home),
-            "SKYTRAIN_DATABASE_URL": f"sqlite:///{home / 'skytrain.db'}",
+            "SKYTRAIN_DATABASE_URL": _database_url(home),
             "SKYTRAIN_OBJECT_STORE_URL": (home / "objects").as_uri(),
             "SKYTRAIN_MODEL_CACHE_DIR": str(model_cache_dir),
             "SKYTRAIN_BASE_MODEL_DIRS": ":".join(map(str, [model_cache_dir, *base_model_dirs])),
@@ -101,6 +101,10 @@ def service_env(
             "PYTHONUNBUFFERED": "1",
         }
     )
+
+
+def _database_url(home: Path) -> str:
+    return f"sqlite:///{home / 'skytrain.db'}"
 
 
 def _create_key(database_url: str) -> str:
@@ -126,7 +130,8 @@ def _wait_for_health(url: str, process: ChildProcess, log_path: Path) -> None:
                 f"its log is {log_path}:\n{_tail(log_path)}"
             )
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            # Answered while the child still runs: not by whatever else took the port first.
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200 and process.poll() is None:
                 return
         if time.monotonic() > deadline:
             raise ConfigurationError(
@@ -161,11 +166,13 @@ def embedded_service(
     """Start ``skytrain serve`` under ``home`` on ``port`` (None: a free one, another if it is
     taken before the server binds it); stop it (and its workers) on exit."""
     home.mkdir(parents=True, exist_ok=True)
+    api_key = _create_key(_database_url(home))
     for attempt in range(1, PORT_TRIES + 1):
         try:
             service = _start(
                 home,
                 port=port or free_port(),
+                api_key=api_key,
                 model_cache_dir=model_cache_dir,
                 base_model_dirs=base_model_dirs,
             )
@@ -186,12 +193,16 @@ def embedded_service(
 
 
 def _start(
-    home: Path, *, port: int, model_cache_dir: Path, base_model_dirs: Sequence[Path]
+    home: Path,
+    *,
+    port: int,
+    api_key: str,
+    model_cache_dir: Path,
+    base_model_dirs: Sequence[Path],
 ) -> EmbeddedService:
     env = service_env(
         home, port=port, model_cache_dir=model_cache_dir, base_model_dirs=base_model_dirs
     )
-    api_key = _create_key(env["SKYTRAIN_DATABASE_URL"])
     log_path = home / "serve.log"
     with open(log_path, "ab") as log:
         start = log.tell()
@@ -216,5 +227,8 @@ def _start(
             taken = b"address already in use" in log.read().lower()
         if taken:
             raise PortTaken(f"port {port} is taken: {exc}") from None
+        raise
+    except BaseException:  # Ctrl-C while it starts: it runs in a process group of its own
+        service.stop()
         raise
     return service
