@@ -37,18 +37,25 @@ def test_one_tenants_many_conversations_never_evict_another_tenants_affinity(
     its replica's prefix cache). Each tenant's entries now evict only its own."""
     monkeypatch.setattr(balance, "AFFINITY_ENTRIES_PER_TENANT", 8)
     balancer = Balancer(DemandMeter())
-    alice = _route("model-a", ("w1", "w2"))
-    bob = _route("model-b", ("w1", "w2"))
+    workers = ("w1", "w2", "w3")
+    alice, bob = _route("model-a", workers), _route("model-b", workers)
     kept = balancer.pick(alice, tenant_id="alice", conversation="u:chat-1")
-    assert kept is not None
-    # Alice's replica is now the busier one: a request with no affinity would go elsewhere.
-    busy = balancer.begin(kept)
-    for user in range(50):
+    first = balancer.pick(bob, tenant_id="bob", conversation="u:bot-0")
+    assert kept is not None and first is not None
+    # Both replicas are now busy: a request with no affinity goes to an idle one.
+    ends = [balancer.begin(_route("other", (w,))) for w in (kept.worker_id, first.worker_id)]
+    for user in range(1, 50):
         balancer.pick(bob, tenant_id="bob", conversation=f"u:bot-{user}")
+        ends.append(balancer.begin(_route("other", (first.worker_id,))))  # stays the busiest
     again = balancer.pick(alice, tenant_id="alice", conversation="u:chat-1")
     assert again is not None and again.worker_id == kept.worker_id
     # A tenant's own conversations do evict its oldest: Bob's first is forgotten, and placed
-    # as any request (on the idle replica, whichever it was on before).
-    first = balancer.pick(bob, tenant_id="bob", conversation="u:bot-0")
-    assert first is not None and first.worker_id != kept.worker_id
-    busy()
+    # as any request, away from its busy replica.
+    forgotten = balancer.pick(bob, tenant_id="bob", conversation="u:bot-0")
+    assert forgotten is not None and forgotten.worker_id != first.worker_id
+    recent = balancer.pick(bob, tenant_id="bob", conversation="u:bot-49")
+    remembered = balancer.pick(bob, tenant_id="bob", conversation="u:bot-49")
+    assert recent is not None and remembered is not None
+    assert remembered.worker_id == recent.worker_id
+    for end in ends:
+        end()
