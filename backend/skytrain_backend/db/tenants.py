@@ -269,8 +269,9 @@ def _storage_refusal(*, limits: TenantLimits, what: str, takes: str, used: int) 
 # a few locked updates per upload, whatever its size, and at most a quarter of it held more
 # than it needs (given back at its commit).
 RESERVE_STEP_BYTES = 1024 * 1024
-# How long a reservation counts after it last grew, when no one gives it back (its control
-# plane died mid-upload, or lost its database): longer than any upload takes to stream.
+# How long a reservation counts after it last grew or was renewed, when no one gives it back
+# (its control plane died mid-upload, or lost its database); a live upload renews it as it
+# streams, so only a write to the store stalled this long lets it expire.
 RESERVATION_TTL = timedelta(minutes=10)
 
 
@@ -298,7 +299,8 @@ class StorageReservation:
     lines they compress) never pass it. ``commit`` moves the upload's size into the running
     total, in the transaction recording the row that holds it, and drops the reservation;
     ``release`` drops it (an upload refused or failed). One nobody drops stops counting
-    ``RESERVATION_TTL`` after it last grew."""
+    ``RESERVATION_TTL`` after it last grew or was renewed; an upload whose reservation expired
+    has its whole size checked again at its next ``check`` or its ``commit``."""
 
     def __init__(
         self, session: Session, *, tenant_id: str, limits: TenantLimits, what: str
@@ -310,17 +312,28 @@ class StorageReservation:
         self.what = what
         self.size = 0  # the upload's bytes so far
         self.reserved = 0  # what its reservation holds
+        self._renew_at = utcnow()  # when its reservation's expiry is pushed back
 
     def check(self, size: int) -> None:
-        """Reserve enough for an upload of ``size`` bytes; ``QuotaExceeded`` if it cannot fit."""
+        """Reserve enough for an upload of ``size`` bytes; ``QuotaExceeded`` if it cannot fit.
+        Once half of ``RESERVATION_TTL`` has passed since the reservation last grew, it is
+        renewed (or, expired meanwhile, taken again in full), so a live upload keeps it."""
         self.size = size
-        if size > self.reserved:
+        if size > self.reserved or utcnow() >= self._renew_at:
             self._take(size)
 
     def _take(self, size: int) -> None:
         session = self._session
         lock_tenant(session, tenant_id=self.tenant_id)
         now = utcnow()
+        if self.reserved and not session.scalar(
+            select(UploadReservation.id).where(
+                UploadReservation.id == self.id, UploadReservation.expires_at > now
+            )
+        ):
+            # Expired (the upload stalled): what it held may be another upload's by now, so
+            # the whole size is checked again.
+            self.reserved = 0
         session.execute(
             delete(UploadReservation).where(
                 UploadReservation.tenant_id == self.tenant_id, UploadReservation.expires_at <= now
@@ -335,7 +348,9 @@ class StorageReservation:
             raise _storage_refusal(
                 limits=self.limits, what=self.what, takes=takes, used=used - self.reserved
             )
-        taken = min(free, max(needed, RESERVE_STEP_BYTES, self.reserved // 4))
+        taken = 0  # a renewal
+        if needed > 0:
+            taken = min(free, max(needed, RESERVE_STEP_BYTES, self.reserved // 4))
         grown = session.execute(
             update(UploadReservation)
             .where(UploadReservation.id == self.id)
@@ -353,19 +368,23 @@ class StorageReservation:
             )
         session.commit()
         self.reserved += taken
+        self._renew_at = now + RESERVATION_TTL / 2
 
     def commit(self) -> None:
         """Commit the caller's transaction (the one that records the upload's row) with the
         upload's ``size`` added to the tenant's running total and its reservation dropped (a
-        reservation expired meanwhile: the size is taken as any write's is, or refused)."""
+        reservation expired meanwhile, what it held perhaps another's by now: the size is taken
+        as any write's is, or refused)."""
         assert self.size <= self.reserved, "check(size) comes before the upload is recorded"
         session = self._session
+        mine = UploadReservation.id == self.id
         dropped = session.execute(
-            delete(UploadReservation).where(UploadReservation.id == self.id)
+            delete(UploadReservation).where(mine, UploadReservation.expires_at > utcnow())
         ).rowcount  # type: ignore[attr-defined]
         if dropped:
             _add_storage(session, tenant_id=self.tenant_id, delta=self.size)
         else:
+            session.execute(delete(UploadReservation).where(mine))
             reserve_storage(
                 session,
                 tenant_id=self.tenant_id,
