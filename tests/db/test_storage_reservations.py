@@ -1,6 +1,6 @@
 """Upload reservations of a tenant's storage quota (issue 38) on both databases: a reservation
-that expired is checked again in full when its upload resumes or commits, and a live upload's
-reservation never expires."""
+that expired is checked again in full when its upload resumes or commits, a live upload's
+reservation never expires, and uploads near the quota take only what they need of it."""
 
 from __future__ import annotations
 
@@ -127,9 +127,32 @@ def test_a_live_uploads_reservation_is_renewed_and_never_expires(
         clock.ahead = timedelta(minutes=minutes)
         a.check(8 * MiB)  # a line within what it holds
     b = alice.upload("upload B")
-    with pytest.raises(QuotaExceeded, match="max_storage_bytes"):
+    with pytest.raises(QuotaExceeded, match="reserved by your uploads in flight"):
         b.check(8 * MiB)
     b.release()
     a.commit()
     assert alice.stored() == 8 * MiB
+    assert alice.reserved() == []
+
+
+def test_concurrent_small_uploads_near_the_quota_take_only_what_they_need(
+    make_tenant: Callable[[int], QuotaTenant],
+) -> None:
+    """With 1.5 MiB free, three 2 KB uploads in flight all fit (the first two used to take it
+    all); one that does not fit is told what is stored and what the others reserved."""
+    alice = make_tenant(MiB * 3 // 2)
+    uploads = [alice.upload(f"upload {name}") for name in "ABC"]
+    for upload in uploads:
+        upload.check(2048)
+    reserved = sum(alice.reserved())
+    big = alice.upload("this file")
+    with pytest.raises(QuotaExceeded) as refused:
+        big.check(MiB)
+    big.release()
+    message = refused.value.message
+    assert f"0 stored, {reserved} reserved by your uploads in flight" in message, message
+    assert "max_storage_bytes" in message
+    for upload in uploads:
+        upload.commit()
+    assert alice.stored() == 3 * 2048
     assert alice.reserved() == []
