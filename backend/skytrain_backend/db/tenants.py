@@ -236,53 +236,87 @@ def reserve_storage(
     session: Session, *, tenant_id: str, limits: TenantLimits, adding: int, what: str
 ) -> None:
     """Take ``adding`` bytes (``what``: "this batch", ...) of the tenant's ``max_storage_bytes``
-    under its lock (``enforce_quota``, reading the running total ``Tenant.storage_bytes``, one
-    row however many the tenant holds, and what its uploads in flight reserved) and add them
-    to the total; the caller inserts the row that holds them and commits in the same
-    transaction. ``QuotaExceeded`` (403) when they do not fit."""
-    enforce_quota(
+    under its lock (``lock_tenant``; ``_check_storage`` reads the running total
+    ``Tenant.storage_bytes``, one row however many the tenant holds, and what its uploads in
+    flight reserved) and add them to the total; the caller inserts the row that holds them and
+    commits in the same transaction. ``QuotaExceeded`` (403) when they do not fit."""
+    lock_tenant(session, tenant_id=tenant_id)
+    _check_storage(
         session,
         tenant_id=tenant_id,
-        used=_held(tenant_id=tenant_id),
+        limits=limits,
         adding=adding,
-        allowed=limits.max_storage_bytes,
-        refusal=lambda used: _storage_refusal(
-            limits=limits, what=what, takes=f"{adding} bytes", used=used
-        ),
+        what=what,
+        takes=f"{adding} bytes",
     )
     if adding:
         _add_storage(session, tenant_id=tenant_id, delta=adding)
 
 
-def _storage_refusal(*, limits: TenantLimits, what: str, takes: str, used: int) -> QuotaExceeded:
+def _check_storage(
+    session: Session,
+    *,
+    tenant_id: str,
+    limits: TenantLimits,
+    adding: int,
+    what: str,
+    takes: str,
+    own: int = 0,
+) -> int:
+    """What the tenant, locked, may still store (its quota less its running total and what its
+    uploads in flight reserved, ``own`` of it the caller's); ``QuotaExceeded`` (the transaction
+    rolled back, its lock released) if ``adding`` more does not fit."""
+    reserved = (
+        select(func.coalesce(func.sum(UploadReservation.bytes), 0))
+        .where(UploadReservation.tenant_id == tenant_id, UploadReservation.expires_at > utcnow())
+        .scalar_subquery()
+    )
+    row = session.execute(
+        select(Tenant.storage_bytes, reserved).where(Tenant.id == tenant_id)
+    ).one()
+    stored, reserved_bytes = int(row[0]), int(row[1])
+    free = limits.max_storage_bytes - stored - reserved_bytes
+    if adding > free:
+        session.rollback()
+        raise _storage_refusal(
+            limits=limits, what=what, takes=takes, stored=stored, others=reserved_bytes - own
+        )
+    return free
+
+
+def _storage_refusal(
+    *, limits: TenantLimits, what: str, takes: str, stored: int, others: int
+) -> QuotaExceeded:
+    """The 403 of a write that does not fit: what the tenant has stored and, apart, what its
+    other uploads in flight reserved (given back as they end, what they do not use)."""
+    quota = f"of the {limits.max_storage_bytes} its storage quota allows (max_storage_bytes)"
+    advice = (
+        "delete checkpoints (DELETE /v1/models/{id}/checkpoints), uploaded files "
+        "(DELETE /v1/files/{id}) or models you no longer need, or ask the operator to raise "
+        "it (`skytrain tenants limits TENANT --max-storage-bytes N`)"
+    )
+    if not others:
+        return QuotaExceeded(
+            f"{what} takes {takes} and your tenant holds {stored} {quota}: {advice}",
+            limit="max_storage_bytes",
+        )
     return QuotaExceeded(
-        f"{what} takes {takes} and your tenant holds {used} of the "
-        f"{limits.max_storage_bytes} its storage quota allows (max_storage_bytes): delete "
-        "checkpoints (DELETE /v1/models/{id}/checkpoints), uploaded files "
-        "(DELETE /v1/files/{id}) or models you no longer need, or "
-        "ask the operator to raise it (`skytrain tenants limits TENANT --max-storage-bytes N`)",
+        f"{what} takes {takes} and your tenant has {stored} stored, {others} reserved by your "
+        f"uploads in flight, {quota}: retry once those uploads end (what they do not use is "
+        f"given back), {advice}",
         limit="max_storage_bytes",
     )
 
 
 # What an upload's reservation takes at least, and then at least a quarter of what it holds:
 # a few locked updates per upload, whatever its size, and at most a quarter of it held more
-# than it needs (given back at its commit).
+# than it needs (given back at its commit). With less than a step free, it takes only what
+# its next line needs, so as not to refuse the tenant's other uploads what they need.
 RESERVE_STEP_BYTES = 1024 * 1024
-# How long a reservation counts after it last grew, when no one gives it back (its control
-# plane died mid-upload, or lost its database): longer than any upload takes to stream.
+# How long a reservation counts after it last grew or was renewed, when no one gives it back
+# (its control plane died mid-upload, or lost its database); a live upload renews it as it
+# streams, so only a write to the store stalled this long lets it expire.
 RESERVATION_TTL = timedelta(minutes=10)
-
-
-def _held(*, tenant_id: str) -> Select[Any]:
-    """The bytes the tenant holds against its ``max_storage_bytes``: its running total and
-    what its uploads in flight have reserved."""
-    reserved = (
-        select(func.coalesce(func.sum(UploadReservation.bytes), 0))
-        .where(UploadReservation.tenant_id == tenant_id, UploadReservation.expires_at > utcnow())
-        .scalar_subquery()
-    )
-    return select(Tenant.storage_bytes + reserved).where(Tenant.id == tenant_id)
 
 
 class StorageReservation:
@@ -298,7 +332,8 @@ class StorageReservation:
     lines they compress) never pass it. ``commit`` moves the upload's size into the running
     total, in the transaction recording the row that holds it, and drops the reservation;
     ``release`` drops it (an upload refused or failed). One nobody drops stops counting
-    ``RESERVATION_TTL`` after it last grew."""
+    ``RESERVATION_TTL`` after it last grew or was renewed; an upload whose reservation expired
+    has its whole size checked again at its next ``check`` or its ``commit``."""
 
     def __init__(
         self, session: Session, *, tenant_id: str, limits: TenantLimits, what: str
@@ -310,32 +345,50 @@ class StorageReservation:
         self.what = what
         self.size = 0  # the upload's bytes so far
         self.reserved = 0  # what its reservation holds
+        self._renew_at = utcnow()  # when its reservation's expiry is pushed back
 
     def check(self, size: int) -> None:
-        """Reserve enough for an upload of ``size`` bytes; ``QuotaExceeded`` if it cannot fit."""
+        """Reserve enough for an upload of ``size`` bytes; ``QuotaExceeded`` if it cannot fit.
+        Once half of ``RESERVATION_TTL`` has passed since the reservation last grew, it is
+        renewed (or, expired meanwhile, taken again in full), so a live upload keeps it."""
         self.size = size
-        if size > self.reserved:
+        if size > self.reserved or utcnow() >= self._renew_at:
             self._take(size)
 
     def _take(self, size: int) -> None:
         session = self._session
         lock_tenant(session, tenant_id=self.tenant_id)
         now = utcnow()
+        if self.reserved and not session.scalar(
+            select(UploadReservation.id).where(
+                UploadReservation.id == self.id, UploadReservation.expires_at > now
+            )
+        ):
+            # Expired (the upload stalled): what it held may be another upload's by now, so
+            # the whole size is checked again.
+            self.reserved = 0
         session.execute(
             delete(UploadReservation).where(
                 UploadReservation.tenant_id == self.tenant_id, UploadReservation.expires_at <= now
             )
         )
-        used = int(session.scalar(_held(tenant_id=self.tenant_id)) or 0)
-        free = self.limits.max_storage_bytes - used
         needed = size - self.reserved
-        if needed > free:
-            session.rollback()
-            takes = f"at least {size} byte{'s' if size > 1 else ''}"
-            raise _storage_refusal(
-                limits=self.limits, what=self.what, takes=takes, used=used - self.reserved
+        taken = 0  # a renewal: what it holds is not checked again
+        if needed > 0:
+            free = _check_storage(
+                session,
+                tenant_id=self.tenant_id,
+                limits=self.limits,
+                adding=needed,
+                what=self.what,
+                takes=f"at least {size} byte{'s' if size > 1 else ''}",
+                own=self.reserved,
             )
-        taken = min(free, max(needed, RESERVE_STEP_BYTES, self.reserved // 4))
+            # A step ahead, so that an upload takes the lock a few times whatever its size;
+            # with less than a step free, only what it needs, leaving the rest to the
+            # tenant's other uploads.
+            ahead = max(needed, RESERVE_STEP_BYTES, self.reserved // 4)
+            taken = min(free, ahead) if free >= RESERVE_STEP_BYTES else needed
         grown = session.execute(
             update(UploadReservation)
             .where(UploadReservation.id == self.id)
@@ -353,19 +406,23 @@ class StorageReservation:
             )
         session.commit()
         self.reserved += taken
+        self._renew_at = now + RESERVATION_TTL / 2
 
     def commit(self) -> None:
         """Commit the caller's transaction (the one that records the upload's row) with the
         upload's ``size`` added to the tenant's running total and its reservation dropped (a
-        reservation expired meanwhile: the size is taken as any write's is, or refused)."""
+        reservation expired meanwhile, what it held perhaps another's by now: the size is taken
+        as any write's is, or refused)."""
         assert self.size <= self.reserved, "check(size) comes before the upload is recorded"
         session = self._session
+        mine = UploadReservation.id == self.id
         dropped = session.execute(
-            delete(UploadReservation).where(UploadReservation.id == self.id)
+            delete(UploadReservation).where(mine, UploadReservation.expires_at > utcnow())
         ).rowcount  # type: ignore[attr-defined]
         if dropped:
             _add_storage(session, tenant_id=self.tenant_id, delta=self.size)
         else:
+            session.execute(delete(UploadReservation).where(mine))
             reserve_storage(
                 session,
                 tenant_id=self.tenant_id,
