@@ -220,15 +220,12 @@ def _start(
     )
     try:
         _wait_for_health(service.url, process, log_path)
-    except ConfigurationError as exc:
+    except BaseException as exc:  # a Ctrl-C too: it runs in a process group of its own
         service.stop()
-        with open(log_path, "rb") as log:
-            log.seek(start)
-            taken = b"address already in use" in log.read().lower()
-        if taken:
-            raise PortTaken(f"port {port} is taken: {exc}") from None
-        raise
-    except BaseException:  # Ctrl-C while it starts: it runs in a process group of its own
-        service.stop()
+        if isinstance(exc, ConfigurationError):
+            with open(log_path, "rb") as log:
+                log.seek(start)
+                if b"address already in use" in log.read().lower():
+                    raise PortTaken(f"port {port} is taken: {exc}") from None
         raise
     return service
