@@ -242,11 +242,12 @@ def scale(
         cap = min(config.max_replicas, quota.max_workers)
         floor = min(config.min_replicas, cap)
         average = demand.average(model.id, window_s=policy.window_s)
-        if average is not None:
-            per_replica_demands.append(average / count)
+        per_replica = None if average is None else average / count
+        if per_replica is not None:
+            per_replica_demands.append(per_replica)
         # For readers of the database (``skytrain models show``); rounded, so that a steady
         # demand is not written again at every pass.
-        model.demand_per_replica = None if average is None else round(average / count, 1)
+        model.demand_per_replica = None if per_replica is None else round(per_replica, 1)
         # Why a replica is added, or the newest drains, this pass (None: neither).
         adding: str | None = None
         draining: str | None = None
@@ -258,10 +259,11 @@ def scale(
             )
         elif count < floor:
             adding = f"{count} of min_replicas={config.min_replicas} replicas"
-        elif average is not None and not _cooling(
-            session, model_id=model.id, cooldown_s=policy.cooldown_s
+        elif (
+            average is not None
+            and per_replica is not None
+            and not _cooling(session, model_id=model.id, cooldown_s=policy.cooldown_s)
         ):
-            per_replica = average / count
             said = f"{average:.1f} requests in flight on average over {policy.window_s:.0f} s"
             if per_replica > policy.scale_out_in_flight and count < cap:
                 adding = (
