@@ -10,7 +10,8 @@
   calls the worker routes as the worker agent does; ``on_worker``: ``who()`` with a model
   placed on a ``worker_client``; ``leased_job(who, worker, model_id)``: a job queued by one
   and leased by the other.
-- ``copies_watched(app, watch)``: the app's store runs ``watch`` before each copy.
+- ``store_watched(app, watch, on=method)``: the app's store runs ``watch`` before each call of
+  ``method`` (``held_tables`` says what the watched request holds then, on PostgreSQL).
 - ``undeletable(directory)``: entries of a real directory of the store cannot be removed,
   even by root (the immutable attribute as root, no write permission otherwise): the store
   fails for real.
@@ -21,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,7 +33,8 @@ from typing import Any, NamedTuple
 import httpx
 import pytest
 from fastapi import FastAPI
-from sqlalchemy import select
+from sqlalchemy import select, text
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.config import Settings
@@ -39,6 +42,7 @@ from skytrain_backend.db import api_keys
 from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.models import Checkpoint, Model
 from skytrain_backend.storage import LocalObjectStore, ObjectStore, keys
+from skytrain_backend.storage.base import CHUNK_BYTES, ObjectInfo
 from tests.api.support import group
 from tests.fixtures.services import MakeSettings, ServedPlane, served_plane
 
@@ -215,22 +219,81 @@ def on_worker(who: Callable[[], Who], worker_client: Callable[..., WorkerClient]
     return OnWorker(alice, model_id, worker_client(model_id))
 
 
-class _CopyWatchedStore(LocalObjectStore):
-    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
+# How long a table must stay held to count as held by the watched request (``held_tables``).
+HELD_FOR_S = 3.0
+
+
+def held_tables(sessions: sessionmaker[Session], *tables: str) -> list[str]:
+    """Which of ``tables`` (PostgreSQL) the request being watched holds: a table read by an
+    open transaction cannot be locked exclusively by another. The request's thread waits in
+    the watch meanwhile, so what its own transaction holds stays held; what the scheduler's
+    pass holds at that moment is let go within its pass, so a table is only counted when it
+    stays held for ``HELD_FOR_S``."""
+    held = set(tables)
+    deadline = time.monotonic() + HELD_FOR_S
+    while held and time.monotonic() < deadline:
+        with sessions() as session:
+            for table in sorted(held):
+                try:
+                    session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
+                    held.discard(table)
+                except OperationalError:
+                    pass
+                session.rollback()
+        if held:
+            time.sleep(0.1)
+    return [table for table in tables if table in held]
+
+
+class WatchedStore(LocalObjectStore):
+    """The control plane's own store (its directory), which runs ``watch`` before each call of
+    its method ``on`` (for ``iter_chunks``, before the first chunk is read: while the answer
+    streams): an observer of the database while the store works, not a fake."""
+
+    def __init__(self, root: Path, watch: Callable[[], None], *, on: str) -> None:
         super().__init__(root)
         self._watch = watch
+        self._on = on
+
+    def _watched(self, method: str) -> None:
+        if method == self._on:
+            self._watch()
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        self._watched("put_bytes")
+        super().put_bytes(key, data)
+
+    def get_bytes(self, key: str) -> bytes:
+        self._watched("get_bytes")
+        return super().get_bytes(key)
+
+    def iter_chunks(self, key: str, *, chunk_size: int = CHUNK_BYTES) -> Iterator[bytes]:
+        chunks = super().iter_chunks(key, chunk_size=chunk_size)
+
+        def watched() -> Iterator[bytes]:
+            self._watched("iter_chunks")
+            yield from chunks
+
+        return watched()
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        self._watched("list")
+        return super().list(prefix)
 
     def copy(self, source_key: str, dest_key: str) -> int:
-        self._watch()
+        self._watched("copy")
         return super().copy(source_key, dest_key)
+
+    def delete_prefix(self, prefix: str) -> int:
+        self._watched("delete_prefix")
+        return super().delete_prefix(prefix)
 
 
 @contextmanager
-def copies_watched(app: FastAPI, watch: Callable[[], None]) -> Iterator[None]:
-    """For the block, ``app``'s store runs ``watch`` each time it is about to copy an object:
-    the same directory, an observer and not a fake, so that a test sees what the database
-    holds while the store works."""
-    with store_replaced(app, _CopyWatchedStore(app.state.store.root, watch)):
+def store_watched(app: FastAPI, watch: Callable[[], None], *, on: str) -> Iterator[None]:
+    """For the block, ``app``'s store runs ``watch`` each time its method ``on`` is called
+    (``WatchedStore``), so that a test sees what the database holds while the store works."""
+    with store_replaced(app, WatchedStore(app.state.store.root, watch, on=on)):
         yield
 
 

@@ -29,9 +29,8 @@ from tests.lifecycle.conftest import (
     OnWorker,
     Who,
     WorkerClient,
-    copies_watched,
     leased_job,
-    store_replaced,
+    store_watched,
 )
 
 ADAPTER = {
@@ -148,23 +147,10 @@ def test_no_row_lock_is_held_while_the_commit_copies_the_files(
     def watch() -> None:
         locked.append(_job_row_locked(lifecycle_plane.sessions, job_id))
 
-    with copies_watched(lifecycle_plane.app, watch):
+    with store_watched(lifecycle_plane.app, watch, on="copy"):
         committed = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert committed.status_code == 200, committed.text
     assert locked == [False] * len(ADAPTER)
-
-
-class _DeleteWatchedStore(LocalObjectStore):
-    """The control plane's own store (its directory), which runs ``watch`` before each
-    deletion of a prefix: an observer of the database while the store works, not a fake."""
-
-    def __init__(self, root: Path, watch: Callable[[], None]) -> None:
-        super().__init__(root)
-        self._watch = watch
-
-    def delete_prefix(self, prefix: str) -> int:
-        self._watch()
-        return super().delete_prefix(prefix)
 
 
 def test_no_row_lock_is_held_while_a_refused_commit_removes_its_files(
@@ -188,8 +174,7 @@ def test_no_row_lock_is_held_while_a_refused_commit_removes_its_files(
     def watch() -> None:
         locked.append(_job_row_locked(lifecycle_plane.sessions, job_id))
 
-    store = _DeleteWatchedStore(lifecycle_plane.app.state.store.root, watch)
-    with store_replaced(lifecycle_plane.app, store):
+    with store_watched(lifecycle_plane.app, watch, on="delete_prefix"):
         refused = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert refused.status_code == 403, refused.text
     assert locked == [False, False]  # the copied files, then the staged ones
@@ -358,7 +343,7 @@ def test_a_staged_file_removed_while_the_commit_copies_is_a_conflict_that_a_retr
         for key in staged:
             lifecycle_store.delete(key)
 
-    with copies_watched(lifecycle_plane.app, remove_the_weights):
+    with store_watched(lifecycle_plane.app, remove_the_weights, on="copy"):
         refused = worker.http.post(f"/jobs/{job_id}/complete", json=_completion())
     assert refused.status_code == 409, refused.text
     message = refused.json()["error"]["message"]

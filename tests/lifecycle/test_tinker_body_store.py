@@ -2,7 +2,9 @@
 no database transaction open: nothing of the run's tables is held while the bytes go up, and
 the operation is queued once they are stored. An operation body whose row never came is
 collected by the garbage sweep; one whose row came is kept. An operation's output that would
-take its tenant past its storage quota is not stored: the operation fails saying so.
+take its tenant past its storage quota is not stored: the operation fails saying so. Reading
+an operation's output, a logged batch, or deleting a model's objects holds no transaction
+either.
 
 PostgreSQL on a schema of the module's own (``make_settings``), so that the table locks the
 test looks at are this control plane's only."""
@@ -10,19 +12,15 @@ test looks at are this control plane's only."""
 from __future__ import annotations
 
 import hashlib
-import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 
 import httpx
 import pytest
 from fastapi import FastAPI
-from sqlalchemy import text
-from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.app import create_app
@@ -32,23 +30,22 @@ from skytrain_backend.db.models import Checkpoint, Model, TinkerRequest, TinkerR
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.scheduler import garbage
 from skytrain_backend.storage import LocalObjectStore, keys
-from skytrain_backend.storage.base import ObjectInfo
+from tests.api.support import group
 from tests.fixtures.services import MakeSettings
 from tests.fixtures.tinker_http import create_run, forward_backward_body
 from tests.gateway.conftest import serve_in_thread
-from tests.lifecycle.conftest import copies_watched, store_replaced
+from tests.lifecycle.conftest import held_tables, store_watched
 
 pytestmark = pytest.mark.postgres
 
 PROTOBUF = "application/x-protobuf"
-# How long a table must stay held to count as held by the watched request (see ``_held``).
-HELD_FOR_S = 3.0
 
 
 @dataclass
 class Plane:
     app: FastAPI
     sdk: httpx.Client
+    rest: httpx.Client
     sessions: sessionmaker[Session]
     store: LocalObjectStore
 
@@ -64,8 +61,10 @@ def plane(make_settings: MakeSettings) -> Iterator[Plane]:
     with (
         serve_in_thread(app) as url,
         httpx.Client(base_url=url, headers={"X-API-Key": "tml-" + key}, timeout=60) as sdk,
+        httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as rest,
     ):
-        yield Plane(app, sdk, sessions, LocalObjectStore(settings.storage.home / "objects"))
+        store = LocalObjectStore(settings.storage.home / "objects")
+        yield Plane(app, sdk, rest, sessions, store)
     engine.dispose()
 
 
@@ -87,57 +86,14 @@ def _forward_backward(sdk: httpx.Client, run_id: str, seq_id: int) -> str:
     return str(queued.json()["request_id"])
 
 
-def _held(plane: Plane, *tables: str) -> list[str]:
-    """Which of ``tables`` the request being watched holds: a table read by an open
-    transaction cannot be locked exclusively by another. The request's thread waits in the
-    watch meanwhile, so what its own transaction holds stays held; what the scheduler's pass
-    holds at that moment is let go within its pass, so a table is only counted when it stays
-    held for ``HELD_FOR_S``."""
-    held = set(tables)
-    deadline = time.monotonic() + HELD_FOR_S
-    while held and time.monotonic() < deadline:
-        with plane.sessions() as session:
-            for table in sorted(held):
-                try:
-                    session.execute(text(f"LOCK TABLE {table} IN ACCESS EXCLUSIVE MODE NOWAIT"))
-                    held.discard(table)
-                except OperationalError:
-                    pass
-                session.rollback()
-        if held:
-            time.sleep(0.1)
-    return [table for table in tables if table in held]
-
-
-class _WatchedStore(LocalObjectStore):
-    """The control plane's own store (its directory), which runs ``watch`` before each put
-    (or, ``listings``, each listing instead): an observer of the database while the store
-    works, not a fake."""
-
-    def __init__(self, root: Path, watch: Callable[[], None], *, listings: bool = False) -> None:
-        super().__init__(root)
-        self._watch = watch
-        self._listings = listings
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        if not self._listings:
-            self._watch()
-        super().put_bytes(key, data)
-
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        if self._listings:
-            self._watch()
-        return super().list(prefix)
-
-
 def test_a_forward_backward_body_is_stored_with_no_transaction_open(plane: Plane) -> None:
     run_id = _run(plane)
     held: list[list[str]] = []
 
     def watch() -> None:
-        held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs"))
+        held.append(held_tables(plane.sessions, "tinker_requests", "tinker_runs", "training_jobs"))
 
-    with store_replaced(plane.app, _WatchedStore(plane.app.state.store.root, watch)):
+    with store_watched(plane.app, watch, on="put_bytes"):
         _forward_backward(plane.sdk, run_id, 1)
     assert held == [[]]  # one put, and no table held meanwhile
     with plane.sessions() as session:
@@ -226,11 +182,15 @@ def test_a_tinker_save_copies_its_files_with_no_transaction_open(plane: Plane) -
     held: list[list[str]] = []
 
     def watch() -> None:
-        held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs", "checkpoints"))
+        held.append(
+            held_tables(
+                plane.sessions, "tinker_requests", "tinker_runs", "training_jobs", "checkpoints"
+            )
+        )
 
     with _save_leased(plane, run_id) as (http, job_id):
         _stage(http, job_id, SAVED)
-        with copies_watched(plane.app, watch):
+        with store_watched(plane.app, watch, on="copy"):
             saved = _save(http, job_id, SAVED)
     assert saved.status_code == 204, saved.text
     assert held == [[], []]  # one copy per file, and no table held meanwhile
@@ -342,16 +302,13 @@ def test_an_operation_output_past_the_storage_quota_fails_it_and_stores_nothing(
             assert name not in [item.tenant for item in tenants.recount_storage(session, fix=False)]
 
 
-def test_an_operations_output_is_checked_with_no_transaction_open(plane: Plane) -> None:
-    """``complete`` looks the uploaded output up in the store before it locks the run's job:
-    it held that row lock while the store answered."""
+def _output_completed(
+    plane: Plane, watched: Callable[[], AbstractContextManager[None]] = nullcontext
+) -> str:
+    """A forward_backward (operation 1 of a new run) completed by its worker with an uploaded
+    output of 100 bytes, the ``complete`` call made within ``watched()``: its future's id."""
     run_id = _run(plane)
-    _forward_backward(plane.sdk, run_id, 1)
-    held: list[list[str]] = []
-
-    def watch() -> None:
-        held.append(_held(plane, "tinker_requests", "tinker_runs", "training_jobs"))
-
+    future_id = _forward_backward(plane.sdk, run_id, 1)
     with _leased(plane, run_id) as (http, job_id):
         path = f"/tinker/runs/{job_id}/operations"
         for seq_id in (0, 1):
@@ -363,12 +320,72 @@ def test_an_operations_output_is_checked_with_no_transaction_open(plane: Plane) 
         assert http.post(f"{path}/0/complete", json=done).status_code == 204
         put = http.put(f"{path}/1/output", params={"attempt": 1}, content=b"z" * 100)
         assert put.status_code == 204, put.text
-        with store_replaced(
-            plane.app, _WatchedStore(plane.app.state.store.root, watch, listings=True)
-        ):
+        with watched():
             completed = http.post(f"{path}/1/complete", json={**done, "has_output": True})
     assert completed.status_code == 204, completed.text
-    assert held == [[]]  # one listing, and no table held meanwhile
     with plane.sessions() as session:
         row = session.query(TinkerRequest).filter_by(run_id=run_id, seq_id=1).one()
         assert row.status == "succeeded" and row.output_bytes == 100
+    return future_id
+
+
+def test_an_operations_output_is_checked_with_no_transaction_open(plane: Plane) -> None:
+    """``complete`` looks the uploaded output up in the store before it locks the run's job:
+    it held that row lock while the store answered."""
+    held: list[list[str]] = []
+
+    def watch() -> None:
+        held.append(held_tables(plane.sessions, "tinker_requests", "tinker_runs", "training_jobs"))
+
+    _output_completed(plane, lambda: store_watched(plane.app, watch, on="list"))
+    assert held == [[]]  # one listing, and no table held meanwhile
+
+
+def test_an_operations_output_is_read_with_no_transaction_open(plane: Plane) -> None:
+    """The future's answer is read from the store after the run's row was looked up: that
+    read transaction stayed open while the store answered."""
+    future_id = _output_completed(plane)
+    held: list[list[str]] = []
+
+    def watch() -> None:
+        held.append(held_tables(plane.sessions, "tinker_requests", "tinker_runs"))
+
+    with store_watched(plane.app, watch, on="get_bytes"):
+        answer = plane.sdk.post("/api/v1/retrieve_future", json={"request_id": future_id})
+    assert answer.status_code == 200, answer.text
+    assert answer.content == b"z" * 100
+    assert held == [[]]
+
+
+def _logged_model(plane: Plane) -> tuple[str, str]:
+    """A REST model of its own with one logged batch: their ids."""
+    model = plane.rest.post(
+        "/v1/models",
+        json={"project": "p", "name": uuid.uuid4().hex[:8], "base_model": "tests-org/tiny"},
+    )
+    assert model.status_code == 201, model.text
+    model_id = str(model.json()["id"])
+    logged = plane.rest.post(f"/v1/models/{model_id}/log", json={"trajectory_groups": [group()]})
+    assert logged.status_code == 201, logged.text
+    return model_id, str(logged.json()["id"])
+
+
+def test_a_logged_batch_is_read_and_a_model_deleted_with_no_transaction_open(
+    plane: Plane,
+) -> None:
+    model_id, batch_id = _logged_model(plane)
+    held: list[list[str]] = []
+
+    def watch() -> None:
+        held.append(held_tables(plane.sessions, "models", "trajectory_batches"))
+
+    with store_watched(plane.app, watch, on="get_bytes"):
+        read = plane.rest.get(f"/v1/models/{model_id}/logs/{batch_id}")
+    assert read.status_code == 200, read.text
+    assert read.json()["num_trajectories"] == 2
+    with store_watched(plane.app, watch, on="delete_prefix"):
+        deleted = plane.rest.delete(f"/v1/models/{model_id}")
+    assert deleted.status_code == 204, deleted.text
+    assert held == [[], []]
+    assert plane.rest.get(f"/v1/models/{model_id}").status_code == 404
+    assert not [info.key for info in plane.store.list() if f"/{model_id}/" in info.key]

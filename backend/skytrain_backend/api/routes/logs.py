@@ -144,6 +144,7 @@ def get_log(
     """The batch with its trajectory groups, as stored."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     batch = batches.get_batch(session, model_id=model.id, batch_id=batch_id)
+    session.commit()  # no transaction open while the store reads
     data = store.get_bytes(keys.log_key(tenant_id=tenant.id, model_id=model.id, batch_id=batch.id))
     return TrajectoryBatchDetail(
         **TrajectoryBatchPublic.model_validate(batch).model_dump(),

@@ -232,5 +232,6 @@ def delete_model(
     """Delete the model's objects, then its rows (so a failed delete can simply be retried)."""
     model = registry.get_model(session, tenant_id=tenant.id, model_id=model_id)
     registry.check_deletable(session, model=model)
+    session.commit()  # no transaction open while the store deletes
     store.delete_prefix(keys.model_prefix(tenant_id=tenant.id, model_id=model.id))
     registry.delete_model_rows(session, model=model)

@@ -343,6 +343,7 @@ def job_input(
     job = _worker_job(session, worker=worker, job_id=job_id)
     model = session.get_one(Model, job.model_id)
     key = keys.job_input_key(tenant_id=model.tenant_id, model_id=model.id, job_id=job.id)
+    session.commit()  # no transaction open while the store reads its first chunk
     try:
         chunks, encoded = compression.for_client(
             store.iter_chunks(key), accept_encoding=accept_encoding
@@ -470,7 +471,9 @@ def saved_state_file(
 def _saved_state_prefix(session: SessionDep, *, worker: Worker, job_id: str) -> str:
     job = _worker_job(session, worker=worker, job_id=job_id)
     tenant_id = session.get_one(Model, job.model_id).tenant_id
-    return queue.saved_state_prefix(job, tenant_id=tenant_id)
+    prefix = queue.saved_state_prefix(job, tenant_id=tenant_id)
+    session.commit()  # no transaction open while the store lists
+    return prefix
 
 
 @router.get("/models/{model_id}/checkpoints/{step}/files")

@@ -47,7 +47,9 @@ def _result(store: Any, session: Session, row: TinkerRequest) -> Response:
         assert row.result_uri is not None and row.run_id is not None
         run = session.get_one(TinkerRun, row.run_id)
         assert row.seq_id is not None
-        content = store.get_bytes(runs.output_key(run, row.seq_id))
+        key = runs.output_key(run, row.seq_id)
+        session.commit()  # no transaction open while the store reads
+        content = store.get_bytes(key)
         return Response(content, media_type=tinker_protobuf.PROTOBUF_MEDIA_TYPE)
     if row.kind == "sample":
         result = row.result or {}
