@@ -11,7 +11,8 @@ then a pause of 20 ms):
 4. while --loops loops send random API keys from another client address (127.0.0.3).
 
 Printed: B's p50 and max in each phase, how many of its requests were answered (one at a time:
-a stall shows as few requests and a large max), what the bursts got (statuses, answers/s), and
+a stall shows as few requests and a large max), what the bursts got (statuses, answers/s; with
+several tenants, the fewest and most answers 200 one tenant got: none starved), and
 the server's own figures over the phase from its metrics listener: the CPU seconds it used and
 the cyclic garbage collector's collections of each generation (young, middle, full).
 The bursts run in a process of their own, so B's requests do not queue behind their answers in
@@ -65,16 +66,18 @@ async def _send(http: aiohttp.ClientSession, path: str, headers: Headers, into: 
     into.latencies_s.append(time.monotonic() - started)
 
 
-async def _bursts(url: str, bursts: list[tuple[int, Headers, str]], seconds: float) -> Outcomes:
+async def _bursts(
+    url: str, bursts: list[tuple[int, Headers, str]], seconds: float
+) -> list[Outcomes]:
     """The bursts' loops until ``seconds`` have passed: each burst is (loops, headers,
-    source address)."""
-    outcomes = Outcomes()
+    source address); what each burst got."""
+    outcomes = [Outcomes() for _ in bursts]
     stop = time.monotonic() + seconds
     timeout = aiohttp.ClientTimeout(total=60)
 
-    async def loop(http: aiohttp.ClientSession, headers: Headers) -> None:
+    async def loop(http: aiohttp.ClientSession, headers: Headers, into: Outcomes) -> None:
         while time.monotonic() < stop:
-            await _send(http, "/api/v1/training_runs", headers, outcomes)
+            await _send(http, "/api/v1/training_runs", headers, into)
 
     sessions = [
         aiohttp.ClientSession(
@@ -85,8 +88,8 @@ async def _bursts(url: str, bursts: list[tuple[int, Headers, str]], seconds: flo
     try:
         await asyncio.gather(
             *(
-                loop(http, headers)
-                for http, (loops, headers, _) in zip(sessions, bursts, strict=True)
+                loop(http, headers, into)
+                for http, (loops, headers, _), into in zip(sessions, bursts, outcomes, strict=True)
                 for _ in range(loops)
             )
         )
@@ -97,7 +100,10 @@ async def _bursts(url: str, bursts: list[tuple[int, Headers, str]], seconds: flo
 
 
 def _burst_process(
-    url: str, bursts: list[tuple[int, Headers, str]], seconds: float, results: Queue[Outcomes]
+    url: str,
+    bursts: list[tuple[int, Headers, str]],
+    seconds: float,
+    results: Queue[list[Outcomes]],
 ) -> None:
     results.put(asyncio.run(_bursts(url, bursts, seconds)))
 
@@ -117,13 +123,13 @@ async def _probe(url: str, b_key: str, seconds: float) -> Outcomes:
 
 def _phase(
     url: str, b_key: str, bursts: list[tuple[int, Headers, str]], seconds: float
-) -> tuple[Outcomes, Outcomes]:
-    """B's outcomes, and the bursts' together. The bursts run in a process of their own, so
-    that B's requests do not wait behind their answers in this one's event loop."""
+) -> tuple[Outcomes, list[Outcomes]]:
+    """B's outcomes, and each burst's. The bursts run in a process of their own, so that B's
+    requests do not wait behind their answers in this one's event loop."""
     if not bursts:
-        return asyncio.run(_probe(url, b_key, seconds)), Outcomes()
+        return asyncio.run(_probe(url, b_key, seconds)), []
     context = multiprocessing.get_context("fork")
-    results: Queue[Outcomes] = context.Queue()
+    results: Queue[list[Outcomes]] = context.Queue()
     process = context.Process(target=_burst_process, args=(url, bursts, seconds, results))
     process.start()
     b = asyncio.run(_probe(url, b_key, seconds))
@@ -153,10 +159,16 @@ def _server_line(before: dict[str, float], after: dict[str, float]) -> str:
     )
 
 
-def _line(label: str, b: Outcomes, burst: Outcomes, seconds: float, server: str) -> None:
+def _line(label: str, b: Outcomes, bursts: list[Outcomes], seconds: float, server: str) -> None:
+    burst = Outcomes()
+    for each in bursts:
+        burst.statuses.update(each.statuses)
+        burst.failures.update(each.failures)
+    served = sorted(each.statuses[200] for each in bursts)
     answers = (
         f"burst {burst.answered / seconds:5.0f} answers/s, statuses {dict(burst.statuses)}"
         f"{', failures ' + str(dict(burst.failures)) if burst.failures else ''}"
+        f"{f', 200s per tenant {served[0]}-{served[-1]}' if len(served) > 1 else ''}"
         if burst.answered or burst.failures
         else ""
     )

@@ -50,7 +50,9 @@ from skytrain_backend.storage import open_object_store
 OWN_DB_THREADS = (
     AUTH_THREADS  # key lookups
     + CHECK_THREADS  # long-polls' checks
-    + 2 * tenant_load.DB_THREADS  # admission counting: the gateway's and the REST routes'
+    + tenant_load.DB_THREADS  # admission counting: the gateway's
+    + tenant_load.REST_COUNTING_TURNS  # and the REST routes'
+    + 2  # their releases
     + RESOLVE_CONCURRENCY  # the gateway's routing
     + LOOKUP_CONCURRENCY  # Tinker futures' lookups
     + 2  # the scheduler's pass, and its start and stop
@@ -86,6 +88,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 shared=make_url(settings.storage.resolved_database_url).get_backend_name()
                 == "postgresql",
                 process_places=settings.admission.rest_admission_process_places,
+                counting_turns=tenant_load.REST_COUNTING_TURNS,
             )
             # The routes' threads, taken in turns by tenant (api/admission/fairness.py).
             app.state.route_turns = FairLimiter(

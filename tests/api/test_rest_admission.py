@@ -1,7 +1,8 @@
 """A tenant's REST requests in flight are capped (``max_concurrent_rest_requests``): past the
 cap a request waits for room, in order of arrival, then gets 429 with Retry-After naming the
 limit; other tenants are not affected; a request whose client hung up gives its place back;
-on PostgreSQL the cap holds across control planes."""
+on PostgreSQL the cap holds across control planes, and a process counts its requests in one
+transaction at a time, a tenant with nothing in flight ahead of the bursts waiting."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from sqlalchemy import Connection, create_engine, text
 from sqlalchemy.orm import Session, sessionmaker
 
 from skytrain_backend.api.admission.tenant_load import REST_REQUEST, TenantLoads
@@ -202,3 +204,120 @@ def test_a_tenant_at_its_cap_through_one_control_plane_is_refused_through_anothe
     finally:
         stop_service(second)
         stop_service(first)
+
+
+# Every admission a control plane writes to ``tenant_loads`` (a row made, or its REST requests
+# raised), in the order the database saw them.
+_NOTE_ADMISSIONS = [
+    "CREATE TABLE admissions_seen (n bigserial PRIMARY KEY, tenant_id text NOT NULL)",
+    """CREATE FUNCTION note_admission() RETURNS trigger LANGUAGE plpgsql AS $$
+    BEGIN
+        IF NEW.rest_requests > 0 AND (TG_OP = 'INSERT' OR NEW.rest_requests > OLD.rest_requests)
+        THEN
+            INSERT INTO admissions_seen (tenant_id) VALUES (NEW.tenant_id);
+        END IF;
+        RETURN NEW;
+    END $$""",
+    "CREATE TRIGGER note_admission AFTER INSERT OR UPDATE ON tenant_loads FOR EACH ROW "
+    "EXECUTE FUNCTION note_admission()",
+]
+
+
+def _admission_waits_on_a_lock(connection: Connection) -> bool:
+    waiting = connection.execute(
+        text(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+            "AND query LIKE '%FOR NO KEY UPDATE%'"
+        )
+    ).scalar_one()
+    connection.rollback()  # the activity is read once per transaction
+    return bool(waiting)
+
+
+def _admissions_seen(connection: Connection, *, after: int = 0) -> list[str]:
+    seen = connection.execute(
+        text("SELECT tenant_id FROM admissions_seen WHERE n > :after ORDER BY n"), {"after": after}
+    )
+    connection.rollback()
+    return [tenant_id for (tenant_id,) in seen]
+
+
+@pytest.mark.postgres
+@pytest.mark.slow
+def test_a_tenant_with_nothing_in_flight_is_counted_in_before_the_bursts_waiting(
+    make_settings: MakeSettings, tmp_path: Path
+) -> None:
+    database_url = make_settings(database="postgres").storage.resolved_database_url
+    service = start_service(
+        {"SKYTRAIN_DATABASE_URL": database_url, "SKYTRAIN_PROVIDER": "none"}, tmp_path / "h"
+    )
+    engine = create_engine(database_url)
+    bursts = [f"burst{index}" for index in range(4)]
+    try:
+        keys = {name: service.key(name) for name in ["held_up", "quiet", *bursts]}
+        headers = {name: {"Authorization": f"Bearer {key}"} for name, key in keys.items()}
+        events = {}
+        for name in bursts:
+            with httpx.Client(base_url=service.url, headers=headers[name], timeout=60) as http:
+                events[name] = queued_job_events(http)
+        with engine.begin() as connection:
+            for statement in _NOTE_ADMISSIONS:
+                connection.execute(text(statement))
+            rows = connection.execute(text("SELECT name, id FROM tenants"))
+            ids: dict[str, str] = {name: tenant_id for name, tenant_id in rows}
+
+        async def scenario(locker: Connection, watcher: Connection) -> tuple[list[int], list[str]]:
+            clients = {
+                name: httpx.AsyncClient(base_url=service.url, headers=each, timeout=DEADLINE_S)
+                for name, each in headers.items()
+            }
+            deadline = time.monotonic() + DEADLINE_S
+            # Each bursting tenant has a request admitted and in flight (a long-poll).
+            polls = [
+                asyncio.create_task(clients[name].get(events[name], params={"wait_s": MAX_WAIT_S}))
+                for name in bursts
+            ]
+            try:
+                while len(admitted := _admissions_seen(watcher)) < len(bursts):
+                    assert time.monotonic() < deadline, f"long-polls admitted: {admitted}"
+                    await asyncio.sleep(0.05)
+                # One tenant's admission is held up in the database (its tenant row locked
+                # here), and with it the process's counting.
+                locker.execute(
+                    text("SELECT id FROM tenants WHERE id = :id FOR UPDATE"),
+                    {"id": ids["held_up"]},
+                )
+                sent = [asyncio.create_task(clients["held_up"].get("/v1/models"))]
+                while not _admission_waits_on_a_lock(watcher):
+                    assert time.monotonic() < deadline, "the admission never reached the lock"
+                    await asyncio.sleep(0.05)
+                # The four tenants burst meanwhile, then a quiet tenant sends one request.
+                for name in bursts:
+                    sent += [asyncio.create_task(clients[name].get("/v1/models")) for _ in range(4)]
+                await asyncio.sleep(1)
+                sent.append(asyncio.create_task(clients["quiet"].get("/v1/models")))
+                await asyncio.sleep(0.5)
+                locker.rollback()
+                responses = await asyncio.gather(*sent)
+                return (
+                    [response.status_code for response in responses],
+                    _admissions_seen(watcher)[len(bursts) :],
+                )
+            finally:
+                for poll in polls:
+                    poll.cancel()
+                await asyncio.gather(*polls, return_exceptions=True)
+                for client in clients.values():
+                    await client.aclose()
+
+        with engine.connect() as locker, engine.connect() as watcher:
+            statuses, order = asyncio.run(scenario(locker, watcher))
+        assert statuses == [200] * len(statuses)
+        names = {tenant_id: name for name, tenant_id in ids.items()}
+        # The held-up admission first (none passed it while it held the turn), then the quiet
+        # tenant's, ahead of every burst sent before it.
+        assert [names[tenant_id] for tenant_id in order[:2]] == ["held_up", "quiet"], order
+        assert sorted(names[tenant_id] for tenant_id in order[2:]) == sorted(bursts * 4)
+    finally:
+        engine.dispose()
+        stop_service(service)

@@ -33,13 +33,21 @@ T = TypeVar("T")
 
 class FairLimiter:
     """At most ``total`` calls at once, at most ``per_key`` of them one key's, places given to
-    the waiting key that holds the fewest."""
+    the waiting key that holds the fewest; among those, with ``rank``, to the one it ranks
+    lowest (what the key holds and waits for elsewhere), then to the one waiting longest."""
 
-    def __init__(self, *, total: int, per_key: int) -> None:
+    def __init__(
+        self,
+        *,
+        total: int,
+        per_key: int,
+        rank: Callable[[Hashable], tuple[int, ...]] | None = None,
+    ) -> None:
         if not 1 <= per_key <= total:
             raise ValueError(f"per_key={per_key} must be between 1 and total={total}")
         self.total = total
         self._per_key = per_key
+        self._rank = rank
         self._threads: anyio.CapacityLimiter | None = None  # made on the event loop
         self._in_use = 0
         self._held: dict[Hashable, int] = {}
@@ -84,6 +92,9 @@ class FairLimiter:
     def _may_take(self, key: Hashable) -> bool:
         return self._held.get(key, 0) < self._per_key
 
+    def _order(self, key: Hashable) -> tuple[int, ...]:
+        return self._held.get(key, 0), *(self._rank(key) if self._rank is not None else ())
+
     def _take(self, key: Hashable) -> None:
         self._in_use += 1
         self._held[key] = self._held.get(key, 0) + 1
@@ -102,7 +113,7 @@ class FairLimiter:
             candidates = [key for key in self._waiting if self._may_take(key)]
             if not candidates:
                 return
-            key = min(candidates, key=lambda each: self._held.get(each, 0))
+            key = min(candidates, key=self._order)
             waiting = self._waiting.pop(key)
             granted = waiting.popleft()
             if waiting:

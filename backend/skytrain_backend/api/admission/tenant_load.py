@@ -12,9 +12,10 @@ gateway does not); the function it returns counts it out.
 - PostgreSQL: counted in memory too (a process over a limit on its own refuses at once), and
   in the database across every control-plane process on it (``db.tenant_loads``): a tenant at
   its limit through one process is refused through any other. Each admission is one short
-  transaction, each release one statement (run in a thread; until it has run, the slot stays
-  held, never the other way round). Rows are leased for ``LEASE_S`` and renewed every
-  ``RENEW_S``: the load of a process that was killed is freed within ``LEASE_S``.
+  transaction; releases are written together, those that end while the last ones are being
+  written in the next transaction (until written, the slot stays held, never the other way
+  round). Rows are leased for ``LEASE_S`` and renewed every ``RENEW_S``: the load of a process
+  that was killed is freed within ``LEASE_S``.
 
 The REST requests of one process also share its places (``process_places``): past them, a
 tenant holding more than its share (the places over the tenants with requests in flight) waits
@@ -24,9 +25,18 @@ request waits behind that, not behind eight times it. A long-poll does not count
 places while it waits (``Admitted.park``): it holds no CPU then; its checks and its answer do.
 
 A tenant cannot tie up what others use: a process sends one admission per tenant at a time to
-the database (the others of that tenant wait in memory, holding nothing), and every admission,
-release and renewal runs on threads of its own (``DB_THREADS``), not the pool the routes share,
-taken in turns by tenant (``FairLimiter``).
+the database (the others of that tenant wait in memory, holding nothing), and admissions and
+renewals run on threads of their own, not the pool the routes share, taken in turns
+(``FairLimiter``): the next turn goes to a tenant with no other request waiting to be counted
+in (then the one with the fewest admitted and in flight), bursting tenants in turn. Releases are written on a thread of their own, one transaction at a time. The REST
+routes' counter admits one request at a time (``REST_COUNTING_TURNS``): a tenant's admissions
+are one at a time anyway, so eight tenants bursting at once cost the database, and the cores it
+shares with the process, what one tenant's burst does (one admission and one write of releases
+at a time), and a tenant with nothing in flight waits for at most the admission running. With
+four at a time, eight tenants' bursts kept four admissions and their releases running beside a
+quiet tenant's, which slowed it 8x where one tenant's burst slowed it 2x (bench/README.md). The
+gateway's counter admits ``DB_THREADS`` at a time: inference is admitted per request, at a rate
+one transaction at a time would cap.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ import contextlib
 import functools
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import anyio
 from sqlalchemy.exc import SQLAlchemyError
@@ -54,8 +64,11 @@ logger = logging.getLogger(__name__)
 
 LEASE_S = 15.0
 RENEW_S = 5.0
-# Threads (and so database connections) the database counting uses at most, per process.
+# Admissions (and so threads and database connections) a ``TenantLoads`` counts at once by
+# default (the gateway's); the REST routes' counts one at a time (``REST_COUNTING_TURNS``).
+# Each also writes its releases, one transaction at a time, on a thread of its own.
 DB_THREADS = 4
+REST_COUNTING_TURNS = 1
 
 
 # What one REST request without a body holds.
@@ -153,6 +166,7 @@ class TenantLoads:
         sessions: sessionmaker[Session],
         shared: bool,
         process_places: int | None = None,
+        counting_turns: int = DB_THREADS,
     ) -> None:
         self._sessions = sessions
         self._shared = shared
@@ -165,6 +179,12 @@ class TenantLoads:
         self._renewer: asyncio.Task[None] | None = None
         # Releases the database did not take, written at the next renewal.
         self._unwritten: dict[str, Load] = {}
+        # Releases not written yet, and the task that will write them (all in one transaction,
+        # once the one writing the releases before them has ended).
+        self._unreleased: dict[str, Load] = {}
+        self._writing_releases: asyncio.Task[None] | None = None
+        self._release_turn = asyncio.Lock()
+        self._release_thread: anyio.CapacityLimiter | None = None  # made on the event loop
         self._admitting: dict[str, asyncio.Lock] = {}
         # Releases being written, per tenant: an admission the database refuses waits for them
         # and asks again, so a client's next request after an answer ended is never refused
@@ -172,9 +192,29 @@ class TenantLoads:
         self._releasing: dict[str, set[asyncio.Task[None]]] = {}
         # Requests waiting for room, per tenant, in order of arrival (``admit``'s wait_s).
         self._waiters: dict[str, collections.deque[asyncio.Event]] = {}
-        # Taken in turns by tenant: one tenant's admissions and releases never queue in front
-        # of another's.
-        self._threads = FairLimiter(total=DB_THREADS, per_key=DB_THREADS)
+        # Taken in turns by tenant (``_rank``): one tenant's admissions never queue in front of
+        # another's, and a tenant with no backlog waits for at most the transactions running.
+        self._threads = FairLimiter(total=counting_turns, per_key=counting_turns, rank=self._rank)
+        # Per tenant, requests waiting to be counted in by the database, and those counted in
+        # and not yet out (the turns' rank).
+        self._to_admit: dict[str, int] = {}
+        self._admitted: dict[str, int] = {}
+
+    def _rank(self, key: Hashable) -> tuple[int, int]:
+        """A tenant with no other request waiting to be counted in first, then the one with the
+        fewest admitted. A burst ranks after every quiet tenant however small its backlog, and
+        among bursts the backlog does not count: a larger one never waits longer."""
+        if not isinstance(key, str):
+            return 0, 0  # the renewal
+        return int(self._to_admit.get(key, 0) > 1), self._admitted.get(key, 0)
+
+    @staticmethod
+    def _count(counts: dict[str, int], tenant_id: str, delta: int) -> None:
+        left = counts.get(tenant_id, 0) + delta
+        if left:
+            counts[tenant_id] = left
+        else:
+            del counts[tenant_id]
 
     async def _in_thread(
         self, tenant_id: str | None, function: Callable[..., None], *args: object
@@ -208,6 +248,7 @@ class TenantLoads:
         if self._shared:
             self._start_renewing()
             lock = self._admitting.setdefault(tenant_id, asyncio.Lock())
+            self._count(self._to_admit, tenant_id, 1)
             try:
                 async with lock:
                     try:
@@ -223,6 +264,9 @@ class TenantLoads:
                 self._add(tenant_id, Load() - cost)
                 self._place(tenant_id, -cost.rest_requests)
                 raise
+            finally:
+                self._count(self._to_admit, tenant_id, -1)
+            self._count(self._admitted, tenant_id, 1)
         released = False
         parked = False
 
@@ -245,13 +289,12 @@ class TenantLoads:
             if waiters:
                 waiters[0].set()
             if self._shared:
-                task = asyncio.get_running_loop().create_task(self._release(tenant_id, cost))
-                self._tasks.add(task)
+                self._count(self._admitted, tenant_id, -1)
+                task = self._release_later(tenant_id, cost)
                 releasing = self._releasing.setdefault(tenant_id, set())
                 releasing.add(task)
 
                 def done(task: asyncio.Task[None]) -> None:
-                    self._tasks.discard(task)
                     releasing.discard(task)
                     if not releasing and self._releasing.get(tenant_id) is releasing:
                         del self._releasing[tenant_id]
@@ -358,24 +401,47 @@ class TenantLoads:
                 retry_after_s=2.0,
             ) from exc
 
-    async def _release(self, tenant_id: str, cost: Load) -> None:
-        delta = Load() - cost
+    def _release_later(self, tenant_id: str, cost: Load) -> asyncio.Task[None]:
+        """Count ``cost`` out of the database with the other releases not written yet; the
+        task that writes them."""
+        self._unreleased[tenant_id] = self._unreleased.get(tenant_id, Load()) - cost
+        if self._writing_releases is None:
+            task = asyncio.get_running_loop().create_task(self._write_releases())
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            self._writing_releases = task
+        return self._writing_releases
 
-        def write() -> None:
-            with self._sessions() as session:
-                tenant_loads.add(
-                    session, tenant_id=tenant_id, holder=self.holder, delta=delta, lease_s=LEASE_S
-                )
-                session.commit()
-
-        # Shielded: a release must be written even while the app shuts down.
+    async def _write_releases(self) -> None:
+        # Shielded: releases must be written even while the app shuts down.
         with anyio.CancelScope(shield=True):
-            try:
-                await self._in_thread(tenant_id, write)
-            except SQLAlchemyError as exc:
-                # Written with the next renewal; the slot stays held until then.
-                logger.warning("releasing a request of tenant %s failed: %s", tenant_id, exc)
-                self._unwritten[tenant_id] = self._unwritten.get(tenant_id, Load()) - cost
+            async with self._release_turn:
+                # Those released from now on are written by the next task.
+                deltas, self._unreleased = self._unreleased, {}
+                self._writing_releases = None
+                if self._release_thread is None:
+                    self._release_thread = anyio.CapacityLimiter(1)
+                try:
+                    await anyio.to_thread.run_sync(
+                        functools.partial(self._write, deltas), limiter=self._release_thread
+                    )
+                except SQLAlchemyError as exc:
+                    # Written with the next renewal; the slots stay held until then.
+                    logger.warning("releasing requests of %d tenants failed: %s", len(deltas), exc)
+                    for tenant_id, delta in deltas.items():
+                        self._unwritten[tenant_id] = self._unwritten.get(tenant_id, Load()) + delta
+
+    def _write(self, deltas: dict[str, Load]) -> None:
+        with self._sessions() as session:
+            for tenant_id in sorted(deltas):
+                tenant_loads.add(
+                    session,
+                    tenant_id=tenant_id,
+                    holder=self.holder,
+                    delta=deltas[tenant_id],
+                    lease_s=LEASE_S,
+                )
+            session.commit()
 
     def _start_renewing(self) -> None:
         if self._renewer is None:
