@@ -4,6 +4,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# The whole suite compares skytrain with ART, which runs in an environment of its own
+# (scripts/art-venv.sh). Where it is not built yet (a fresh CI machine: about 3 GB of downloads,
+# mostly waiting on the network), the build starts now, beside the set-up and checks below,
+# rather than in pytest, where two of its processes would wait on it. ART's tests still wait
+# for it to end (the script takes a lock) and run the script again, which rebuilds what
+# failed and shows why.
+if [ $# -eq 0 ]; then
+    ./scripts/art-venv.sh >/dev/null 2>&1 &
+fi
 ./scripts/setup.sh --test
 ./scripts/ensure-postgres.sh
 

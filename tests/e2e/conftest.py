@@ -1,9 +1,10 @@
 """Fixtures for the end-to-end suites: ``skytrain serve`` as a real process with the local
 provider (see ``tests/fixtures/service.py``).
 
-``embedded_service`` is the embedded setup (SQLite + local directory). Storage is not what
-these scenarios test: the RL loop on the production setup (PostgreSQL + S3 through a SeaweedFS
-server), a checkpoint committed to S3 and then served, runs in ``test_replicas.py``.
+``embedded_service`` is the embedded setup (SQLite + local directory), one per test;
+``module_service`` the same, one per module. Storage is not what these scenarios test: the RL
+loop on the production setup (PostgreSQL + S3 through a SeaweedFS server), a checkpoint
+committed to S3 and then served, runs in ``test_replicas.py``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,23 @@ def embedded_service(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator
     yield service
     stop_service(service)
     _show_logs_if_failed(request, service)
+
+
+@pytest.fixture(scope="module")
+def _module_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    service = start_service({}, tmp_path_factory.mktemp("service") / "home")
+    yield service
+    stop_service(service)
+
+
+@pytest.fixture
+def module_service(request: pytest.FixtureRequest, _module_service: Service) -> Iterator[Service]:
+    """``embedded_service`` shared by the tests of a module that ask for it, for scenarios that
+    each register models of their own and only stop workers, which the control plane replaces
+    as it would for any user: starting a control plane and its first worker is most of such a
+    test's time."""
+    yield _module_service
+    _show_logs_if_failed(request, _module_service)
 
 
 def _show_logs_if_failed(request: pytest.FixtureRequest, service: Service) -> None:

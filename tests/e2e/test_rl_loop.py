@@ -1,6 +1,7 @@
 """The RL loop end to end, real processes over real HTTP: a model registered with
 ``skytrain serve`` gets a local worker on demand, the official ``openai`` SDK samples from it,
-a training job runs, and the next request is served by the new checkpoint."""
+a training job runs, and the next request is served by the new checkpoint. The scenarios that
+stop no more than workers share one control plane, each with models of its own."""
 
 from __future__ import annotations
 
@@ -32,17 +33,23 @@ def _register(service: Service, tenant: str, name: str, base_model: Path) -> dic
 
 
 @pytest.mark.slow
-def test_sample_train_and_serve_the_new_step(
-    embedded_service: Service, tiny_model_path: Path
+def test_sample_train_and_serve_the_new_step_of_one_model_only(
+    module_service: Service, tiny_model_path: Path
 ) -> None:
-    service = embedded_service
+    """One tenant's two models of one base model share a worker; the first trains a step,
+    which serves its next requests, while the second still serves its step 0 and another
+    tenant reaches neither (one scenario: each worker start costs the most here)."""
+    service = module_service
     model = _register(service, "alice", "agent", tiny_model_path)
     assert model["serving"]["ready"] is False  # nothing serves it yet: a worker is starting
-    name = model["inference_name"]
+    other = _register(service, "alice", "other", tiny_model_path)
+    name, other_name = model["inference_name"], other["inference_name"]
     client = support.openai_client(service.url, service.key("alice"))
     with service.http("alice") as http:
         serving = support.wait_until_served(http, model["id"])
         assert serving["step"] == 0
+        other_worker = support.wait_until_served(http, other["id"])["worker_id"]
+        assert other_worker == serving["worker_id"]  # one base model, one worker
 
         choices, headers = support.sample(client, name, "Say hello.", n=4)
         assert headers["x-skytrain-step"] == "0"
@@ -50,6 +57,7 @@ def test_sample_train_and_serve_the_new_step(
             tokens = [entry.token for entry in choice.logprobs.content]
             assert tokens and all(token.startswith("token_id:") for token in tokens)
         before = support.greedy(client, name, "Name a fruit.")
+        other_before = support.greedy(client, other_name, "Name a fruit.")
 
         groups = support.sample_groups(client, name, groups=4, n=4)
         job, events = support.train(http, model["id"], groups, learning_rate=LEARNING_RATE)
@@ -62,7 +70,8 @@ def test_sample_train_and_serve_the_new_step(
         # The next request is served by step 1: the gateway says so, and the output changed.
         _, headers = support.sample(client, name, "Say hello.", n=1)
         assert headers["x-skytrain-step"] == "1"
-        assert not support.same_policy(support.greedy(client, name, "Name a fruit."), before)
+        after = support.greedy(client, name, "Name a fruit.")
+        assert not support.same_policy(after, before)
         # Both steps stay addressable.
         assert support.same_policy(support.greedy(client, f"{name}:step0", "Name a fruit."), before)
         assert not support.same_policy(
@@ -74,10 +83,32 @@ def test_sample_train_and_serve_the_new_step(
         ]
         assert steps == [0, 1]
 
+        # The first model's new adapter is not the second's: it still serves its step 0.
+        assert not support.same_policy(after, other_before)
+        assert support.same_policy(
+            support.greedy(client, other_name, "Name a fruit."), other_before
+        )
+        _, headers = support.sample(client, other_name, "Say hello.", n=1)
+        assert headers["x-skytrain-model-id"] == other["id"]
+        assert headers["x-skytrain-step"] == "0"
+
+    intruder = support.openai_client(service.url, service.key("mallory"))
+    with pytest.raises(Exception) as caught:
+        intruder.chat.completions.create(model=name, messages=[{"role": "user", "content": "hi"}])
+    assert getattr(caught.value, "status_code", None) == 404
+    with service.http("mallory") as http:
+        response = http.post(
+            "/v1/training-jobs", json={"model_id": model["id"], "trajectory_groups": groups}
+        )
+        assert response.status_code == 404
+    with service.http("alice") as http:
+        jobs = http.get("/v1/training-jobs", params={"model_id": model["id"]}).json()["data"]
+        assert len(jobs) == 1  # the intruder's attempt left nothing behind
+
 
 @pytest.mark.slow
-def test_a_killed_worker_loses_nothing(embedded_service: Service, tiny_model_path: Path) -> None:
-    service = embedded_service
+def test_a_killed_worker_loses_nothing(module_service: Service, tiny_model_path: Path) -> None:
+    service = module_service
     model = _register(service, "alice", "survivor", tiny_model_path)
     with service.http("alice") as http:
         serving = support.wait_until_served(http, model["id"])
@@ -115,11 +146,11 @@ def test_a_killed_worker_loses_nothing(embedded_service: Service, tiny_model_pat
 
 @pytest.mark.slow
 def test_a_worker_told_to_stop_hands_its_job_back_between_two_steps(
-    embedded_service: Service, tiny_model_path: Path
+    module_service: Service, tiny_model_path: Path
 ) -> None:
     """SIGTERM mid-job (a scale-down, a spot instance's notice): the worker trains no further
     step and hands the job back, and another worker runs it from the start."""
-    service = embedded_service
+    service = module_service
     model = _register(service, "alice", "stopped", tiny_model_path)
     with service.http("alice") as http:
         first_worker = support.wait_until_served(http, model["id"])["worker_id"]
@@ -137,51 +168,6 @@ def test_a_worker_told_to_stop_hands_its_job_back_between_two_steps(
         assert 0 < first_attempt.count("gradient_step") < events[starts[0]]["data"]["num_sequences"]
         assert "training_failed" not in types
         assert support.wait_until_served(http, model["id"], step=1)["worker_id"] != first_worker
-
-
-@pytest.mark.slow
-def test_two_models_share_a_worker_and_tenants_stay_apart(
-    embedded_service: Service, tiny_model_path: Path
-) -> None:
-    service = embedded_service
-    first = _register(service, "alice", "first", tiny_model_path)
-    second = _register(service, "alice", "second", tiny_model_path)
-    client = support.openai_client(service.url, service.key("alice"))
-    with service.http("alice") as http:
-        worker_a = support.wait_until_served(http, first["id"])["worker_id"]
-        worker_b = support.wait_until_served(http, second["id"])["worker_id"]
-        assert worker_a == worker_b  # one base model, one worker
-
-        base_answer = support.greedy(client, second["inference_name"], "Name a fruit.")
-        groups = support.sample_groups(client, first["inference_name"], groups=4, n=4)
-        support.train(http, first["id"], groups, learning_rate=LEARNING_RATE)
-        support.wait_until_served(http, first["id"], step=1)
-
-        # The first model's new adapter is not the second's: it still serves its step 0.
-        assert not support.same_policy(
-            support.greedy(client, first["inference_name"], "Name a fruit."), base_answer
-        )
-        assert support.same_policy(
-            support.greedy(client, second["inference_name"], "Name a fruit."), base_answer
-        )
-        _, headers = support.sample(client, second["inference_name"], "Say hello.", n=1)
-        assert headers["x-skytrain-model-id"] == second["id"]
-        assert headers["x-skytrain-step"] == "0"
-
-    intruder = support.openai_client(service.url, service.key("mallory"))
-    with pytest.raises(Exception) as caught:
-        intruder.chat.completions.create(
-            model=first["inference_name"], messages=[{"role": "user", "content": "hi"}]
-        )
-    assert getattr(caught.value, "status_code", None) == 404
-    with service.http("mallory") as http:
-        response = http.post(
-            "/v1/training-jobs", json={"model_id": first["id"], "trajectory_groups": groups}
-        )
-        assert response.status_code == 404
-    with service.http("alice") as http:
-        jobs = http.get("/v1/training-jobs", params={"model_id": first["id"]}).json()["data"]
-        assert len(jobs) == 1  # the intruder's attempt left nothing behind
 
 
 def _wait_for_event(http, job_id: str, event_type: str, timeout_s: float = 300) -> None:  # type: ignore[no-untyped-def]
