@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from skytrain_backend.config import get_settings
 from skytrain_backend.engine.client import EngineClient
 from skytrain_backend.engine.launcher import EngineProcess
 from skytrain_backend.engine.options import EngineCommand, EngineOptions
+from tests.fixtures.ports import free_port
 
 SKYTRAIN = str(Path(sys.executable).with_name("skytrain"))
 STARTUP_TIMEOUT_S = 300.0
@@ -32,12 +32,6 @@ TINY_MAX_MODEL_LEN = 512
 VLLM_STARTUP_TIMEOUT_S = 900.0
 VLLM_MAX_MODEL_LEN = 1024
 VLLM_API_KEY = "vllm-test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

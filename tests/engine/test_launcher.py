@@ -25,7 +25,7 @@ from skytrain_backend.engine.options import EngineCommand, EngineOptions, select
 from skytrain_backend.engine.vllm import vllm_command, vllm_platform
 from skytrain_backend.errors import ConfigurationError, EngineError
 from skytrain_backend.planning import lora_rank_slot
-from tests.engine.conftest import free_port
+from tests.fixtures.ports import free_port
 
 
 def _flag(argv: list[str], name: str) -> str:
