@@ -15,6 +15,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -32,6 +33,12 @@ TINY_MAX_MODEL_LEN = 512
 VLLM_STARTUP_TIMEOUT_S = 900.0
 VLLM_MAX_MODEL_LEN = 1024
 VLLM_API_KEY = "vllm-test-key"
+
+
+def sampled_ids(choice: Any) -> list[int]:
+    """The token ids of an OpenAI choice asked for with ``return_tokens_as_token_ids`` (its
+    tokens come back as ``"token_id:<id>"``)."""
+    return [int(entry.token.removeprefix("token_id:")) for entry in choice.logprobs.content]
 
 
 @dataclass
