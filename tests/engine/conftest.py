@@ -24,6 +24,7 @@ from skytrain_backend.config import get_settings
 from skytrain_backend.engine.client import EngineClient
 from skytrain_backend.engine.launcher import EngineProcess
 from skytrain_backend.engine.options import EngineCommand, EngineOptions
+from skytrain_backend.protocol import DEFAULT_LORA_TARGET_MODULES
 from tests.fixtures.ports import free_port
 
 SKYTRAIN = str(Path(sys.executable).with_name("skytrain"))
@@ -195,15 +196,7 @@ def save_lora_adapter(
     *,
     seed: int,
     rank: int = 4,
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ),
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGET_MODULES,
     no_op: bool = False,
 ) -> Path:
     """A peft LoRA adapter for ``base_model`` (a directory or a model object), saved to disk.
