@@ -37,7 +37,12 @@ from tests.fixtures.art import (
     ArtModel,
     art_train_request,
 )
-from tests.fixtures.service import Service, start_service, stop_service
+from tests.fixtures.service import (
+    Service,
+    logs_printed_on_failure,
+    start_service,
+    stop_service,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.s3]
 
@@ -82,11 +87,8 @@ def sdk_service(
 
 @pytest.fixture(autouse=True)
 def logs_on_failure(request: pytest.FixtureRequest, sdk_service: Service) -> Iterator[None]:
-    """Print the server's and workers' logs after a failed test (pytest shows them then)."""
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed_before:
-        print(f"--- serve.log\n{sdk_service.log()[-6000:]}\n{sdk_service.worker_logs()}")
+    with logs_printed_on_failure(request, sdk_service):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -24,7 +24,12 @@ from playwright.sync_api import Page, expect
 
 import skytrain
 from tests.dashboard.conftest import run_async
-from tests.fixtures.service import Service, start_service, stop_service
+from tests.fixtures.service import (
+    Service,
+    logs_printed_on_failure,
+    start_service,
+    stop_service,
+)
 
 pytestmark = [pytest.mark.e2e]
 
@@ -197,10 +202,8 @@ def runs(service: Service, tiny_model_path: Path) -> Runs:
 
 @pytest.fixture(autouse=True)
 def logs_on_failure(request: pytest.FixtureRequest, service: Service) -> Iterator[None]:
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed_before:
-        print(f"--- serve.log\n{service.log()[-6000:]}\n{service.worker_logs()}")
+    with logs_printed_on_failure(request, service):
+        yield
 
 
 def goto(page: Page, service: Service, route: str) -> None:
