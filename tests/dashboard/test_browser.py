@@ -446,14 +446,7 @@ def test_a_jobs_events_appear_on_its_page_while_it_runs_and_its_step_on_the_char
 
     groups = run_async(_sample_for(service, runs, groups=2, size=4))
     # Short rows: the batch takes several of them, one gradient step each.
-    config = {**JOB_CONFIG, "packed_sequence_length": 64}
-    with service.http(TENANT) as http:
-        job = http.post(
-            "/v1/training-jobs",
-            json={"model_id": runs.live_id, "trajectory_groups": groups, "config": config},
-        )
-    assert job.status_code == 201, job.text
-    job_id = job.json()["id"]
+    job_id = _queued_job(service, runs, groups, packed_sequence_length=64)
 
     page = open_page(runs.key)
     goto(page, service, f"#/jobs/{job_id}")
@@ -495,14 +488,7 @@ def test_a_failed_jobs_message_is_shown_on_its_page_and_in_the_jobs_tab(
 ) -> None:
     groups = run_async(_sample_for(service, runs, groups=1, size=2))
     # Rows of 16 tokens end inside the chat template's preamble: the trainer refuses the job.
-    config = {**JOB_CONFIG, "packed_sequence_length": 16}
-    with service.http(TENANT) as http:
-        job = http.post(
-            "/v1/training-jobs",
-            json={"model_id": runs.live_id, "trajectory_groups": groups, "config": config},
-        )
-    assert job.status_code == 201, job.text
-    job_id = job.json()["id"]
+    job_id = _queued_job(service, runs, groups, packed_sequence_length=16)
 
     page = open_page(runs.key)
     goto(page, service, f"#/jobs/{job_id}")
@@ -545,6 +531,21 @@ def test_a_models_replicas_and_its_scale_events_are_shown_with_their_reasons(
     finally:
         with service.http(TENANT) as http:
             http.patch(f"/v1/models/{runs.run_id}", json={"max_replicas": 1})
+
+
+def _queued_job(
+    service: Service, runs: Runs, groups: list[Any], *, packed_sequence_length: int
+) -> str:
+    """A job of ``groups`` for the live model, in rows of ``packed_sequence_length`` tokens:
+    its id."""
+    config = {**JOB_CONFIG, "packed_sequence_length": packed_sequence_length}
+    with service.http(TENANT) as http:
+        job = http.post(
+            "/v1/training-jobs",
+            json={"model_id": runs.live_id, "trajectory_groups": groups, "config": config},
+        )
+    assert job.status_code == 201, job.text
+    return str(job.json()["id"])
 
 
 async def _sample_for(service: Service, runs: Runs, *, groups: int, size: int) -> list[Any]:
