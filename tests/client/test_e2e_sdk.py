@@ -665,6 +665,14 @@ async def test_art_serverless_client_flow_against_the_preview_routes(
                 return list(raw.parse().choices), raw.headers["x-skytrain-step"]
             raise AssertionError(f"{artifact} was not served within {WAIT_S} s")
 
+        async def log_val(group: dict[str, Any]) -> None:
+            # ART's log(model, groups, split="val"): the validation reward a checkpoint keeps.
+            await art.post(
+                f"/preview/models/{model.id}/log",
+                cast_to=type(None),
+                body={"model_id": model.id, "trajectory_groups": [group], "split": "val"},
+            )
+
         # ART's _get_step: the newest checkpoint.
         newest = await _art_checkpoints(art, model.id, limit=1, order="desc")
         assert newest[0].step == 0
@@ -673,15 +681,7 @@ async def test_art_serverless_client_flow_against_the_preview_routes(
             choices, served = await sample(0, prompt, n=3)
             assert served == "0"
             groups.append(_art_group(prompt, choices))
-        await art.post(
-            f"/preview/models/{model.id}/log",
-            cast_to=type(None),
-            body={
-                "model_id": model.id,
-                "trajectory_groups": [_art_group(PROMPTS[0], choices, reward=0.2)],
-                "split": "val",
-            },
-        )
+        await log_val(_art_group(PROMPTS[0], choices, reward=0.2))
 
         job = await art.post(
             "/preview/training-jobs",
@@ -700,15 +700,7 @@ async def test_art_serverless_client_flow_against_the_preview_routes(
 
         choices, served = await sample(1, PROMPTS[0], n=1)
         assert served == "1" and choices[0].logprobs is not None
-        await art.post(
-            f"/preview/models/{model.id}/log",
-            cast_to=type(None),
-            body={
-                "model_id": model.id,
-                "trajectory_groups": [_art_group(PROMPTS[0], choices, reward=0.7)],
-                "split": "val",
-            },
-        )
+        await log_val(_art_group(PROMPTS[0], choices, reward=0.7))
 
         # ART's delete_checkpoints: list every checkpoint (a page at a time), keep the latest
         # and the best by val/reward, delete the rest.
