@@ -25,7 +25,6 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 from openai.pagination import AsyncCursorPage
-from openai.types.chat import ChatCompletionMessageParam
 from openai.types.chat.chat_completion import Choice
 
 import skytrain
@@ -37,6 +36,7 @@ from tests.fixtures.art import (
     ArtModel,
     art_train_request,
 )
+from tests.fixtures.rollouts import PROMPTS, letter_share, rollout, sample_groups
 from tests.fixtures.service import (
     Service,
     logs_printed_on_failure,
@@ -48,7 +48,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.s3]
 
 PROJECT = "sdk-e2e"
 TENANT = "sdk"
-PROMPTS = ("Name a fruit.", "Say hello.", "Count to three.")
 # The tiny random model needs a push for a single step to change its outputs visibly.
 TRAIN = skytrain.TrainConfig(learning_rate=5e-3)
 WAIT_S = 300.0  # register() and train() on two shared CPU cores
@@ -117,44 +116,6 @@ async def registered(
 
 
 # --- rollouts and rewards ---------------------------------------------------------------------
-
-
-def letter_share(text: str) -> float:
-    """A reward with spread on the random model's text: the share of letters in it."""
-    return sum(c.isalpha() for c in text) / max(len(text), 1)
-
-
-async def rollout(
-    model: skytrain.Model, prompt: str, *, step: int | None = None, max_tokens: int = 8
-) -> skytrain.Trajectory:
-    """One sampled answer to ``prompt`` from the model's endpoint, scored."""
-    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
-    completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(step),
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=1.0,
-    )
-    choice = completion.choices[0]
-    text = choice.message.content or ""
-    return skytrain.Trajectory(
-        messages_and_choices=[*messages, choice],
-        reward=letter_share(text),
-        metrics={"chars": len(text)},
-        metadata={"prompt": prompt},
-    )
-
-
-async def sample_groups(
-    model: skytrain.TrainableModel, *, groups: int = 2, size: int = 3
-) -> list[skytrain.TrajectoryGroup]:
-    return await skytrain.gather_trajectory_groups(
-        (
-            skytrain.TrajectoryGroup(rollout(model, p) for _ in range(size))
-            for p in PROMPTS[:groups]
-        ),
-        pbar_desc=None,
-    )
 
 
 async def greedy_logprobs(model: skytrain.Model, *, step: int | None = None) -> list[float]:

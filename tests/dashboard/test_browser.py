@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
 from playwright.sync_api import Page, expect
 
 import skytrain
 from tests.dashboard.conftest import run_async
+from tests.fixtures.rollouts import sample_groups
 from tests.fixtures.service import (
     Service,
     logs_printed_on_failure,
@@ -35,7 +35,6 @@ pytestmark = [pytest.mark.e2e]
 
 PROJECT = "dashboard"
 TENANT = "viewer"
-PROMPTS = ("Name a fruit.", "Say hello.", "Count to three.")
 TRAIN = skytrain.TrainConfig(learning_rate=5e-3)
 JOB_CONFIG = {"learning_rate": 5e-3}  # TRAIN, as POST /v1/training-jobs takes it
 WAIT_S = 300.0
@@ -70,36 +69,6 @@ def js_number(value: float) -> str:
     exact = Decimal(float(value))
     rounded = float(exact.quantize(Decimal(1).scaleb(exact.adjusted() - 3), ROUND_HALF_UP))
     return str(int(rounded)) if rounded.is_integer() else repr(rounded)
-
-
-def letter_share(text: str) -> float:
-    return sum(c.isalpha() for c in text) / max(len(text), 1)
-
-
-async def rollout(model: skytrain.Model, prompt: str) -> skytrain.Trajectory:
-    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
-    completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_tokens=8, temperature=1.0
-    )
-    choice = completion.choices[0]
-    text = choice.message.content or ""
-    return skytrain.Trajectory(
-        messages_and_choices=[*messages, choice],
-        reward=letter_share(text),
-        metrics={"chars": len(text)},
-    )
-
-
-async def sample(
-    model: skytrain.Model, *, groups: int, size: int
-) -> list[skytrain.TrajectoryGroup]:
-    return await skytrain.gather_trajectory_groups(
-        (
-            skytrain.TrajectoryGroup(rollout(model, prompt) for _ in range(size))
-            for prompt in PROMPTS[:groups]
-        ),
-        pbar_desc=None,
-    )
 
 
 def tool_conversation(reward: float) -> skytrain.Trajectory:
@@ -141,12 +110,12 @@ async def make_runs(service: Service, key: str, base_model: Path) -> Runs:
         assert run.id is not None
         val_rewards: dict[int, list[float]] = {}
         for step in range(TRAINED_STEPS + 1):
-            val = await sample(run, groups=1, size=3)
+            val = await sample_groups(run, groups=1, size=3)
             await run.log(val, split="val")
             val_rewards[step] = rewards_of(val)
             if step == TRAINED_STEPS:
                 break
-            train = await sample(run, groups=2, size=3)
+            train = await sample_groups(run, groups=2, size=3)
             result = await run.train(train, config=TRAIN, poll_interval=0.5, progress=False)
             assert result.step == step + 1
         tools = skytrain.TrajectoryGroup([tool_conversation(reward) for reward in TOOL_REWARDS])
@@ -557,7 +526,10 @@ async def _sample_for(service: Service, runs: Runs, *, groups: int, size: int) -
         inference_api_key=runs.key,
         inference_model_name=runs.live_inference_name,
     )
-    return [group.model_dump(mode="json") for group in await sample(live, groups=groups, size=size)]
+    return [
+        group.model_dump(mode="json")
+        for group in await sample_groups(live, groups=groups, size=size)
+    ]
 
 
 # --- tenants ----------------------------------------------------------------------------------
