@@ -139,8 +139,10 @@ def add_checkpoint(
     model_id: str,
     step: int,
     files: dict[str, bytes],
+    metrics: dict[str, float] | None = None,
 ) -> None:
-    """Commit a checkpoint the way a worker does: files first, then the row."""
+    """Commit a checkpoint the way a worker does: files first, then the row (its metrics
+    ``{"train/reward": 0.5}`` unless given)."""
     for name, data in files.items():
         store.put_bytes(
             keys.checkpoint_key(tenant_id=tenant_id, model_id=model_id, step=step, file=name), data
@@ -152,7 +154,7 @@ def add_checkpoint(
                 model_id=model_id,
                 step=step,
                 uri=store.uri(prefix.rstrip("/")),
-                metrics={"train/reward": 0.5},
+                metrics={"train/reward": 0.5} if metrics is None else metrics,
                 size_bytes=sum(len(data) for data in files.values()),
             )
         )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import pytest
 from sqlalchemy.engine import make_url
 
 from skytrain_backend.db import migrations
+from tests.fixtures.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -37,16 +37,10 @@ def _run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def _serving(env: dict[str, str]) -> Iterator[tuple[str, Callable[[], str]]]:
     """`skytrain serve` on a free port; yields its URL and a function reading its output."""
-    port = _free_port()
+    port = free_port()
     process = subprocess.Popen(
         [SKYTRAIN, "serve", "--port", str(port)],
         env=env,
@@ -129,7 +123,7 @@ def test_serve_refuses_an_outdated_schema_and_hides_the_password(
     # Trust authentication ignores the password, so a secret can be put in the URL.
     url = make_url(make_postgres_url()).set(password="hunter2-secret")
     env = _env(tmp_path, database_url=url.render_as_string(hide_password=False))
-    refused = _run(env, "serve", "--port", str(_free_port()))
+    refused = _run(env, "serve", "--port", str(free_port()))
     assert refused.returncode == 1
     assert "run `skytrain db upgrade`" in refused.stderr
     assert "Traceback" not in refused.stderr

@@ -29,22 +29,30 @@ def _groups(*trajectories: dict[str, Any]) -> list[dict[str, Any]]:
     return [one]
 
 
-def test_a_job_names_the_trajectories_longer_than_its_row_at_creation(caller: Caller) -> None:
+def _job_on_64_token_rows(
+    caller: Caller, groups: list[dict[str, Any]], config: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A job of ``groups`` for a new model of 64-token rows, as created (201)."""
     model_id = caller.create_model(config={"max_seq_length": 64})["id"]
-    response = caller.http.post(
-        "/v1/training-jobs",
-        json={
-            "model_id": model_id,
-            "trajectory_groups": _groups(
-                _sampled(100),  # 102 tokens
-                _sampled(70, sampled=3),  # 73 tokens
-                _sampled(10),  # fits
-                _sampled(None),  # its length is not known here: not counted
-            ),
-        },
-    )
+    body: dict[str, Any] = {"model_id": model_id, "trajectory_groups": groups}
+    if config is not None:
+        body["config"] = config
+    response = caller.http.post("/v1/training-jobs", json=body)
     assert response.status_code == 201, response.text
-    assert response.json()["too_long"] == {
+    return dict(response.json())
+
+
+def test_a_job_names_the_trajectories_longer_than_its_row_at_creation(caller: Caller) -> None:
+    job = _job_on_64_token_rows(
+        caller,
+        _groups(
+            _sampled(100),  # 102 tokens
+            _sampled(70, sampled=3),  # 73 tokens
+            _sampled(10),  # fits
+            _sampled(None),  # its length is not known here: not counted
+        ),
+    )
+    assert job["too_long"] == {
         "sequences": 2,
         "longest_tokens": 102,
         "row_tokens": 64,
@@ -52,14 +60,9 @@ def test_a_job_names_the_trajectories_longer_than_its_row_at_creation(caller: Ca
 
 
 def test_a_job_whose_rows_hold_its_trajectories_reports_none(caller: Caller) -> None:
-    model_id = caller.create_model(config={"max_seq_length": 64})["id"]
-    response = caller.http.post(
-        "/v1/training-jobs",
-        json={
-            "model_id": model_id,
-            "trajectory_groups": _groups(_sampled(100), _sampled(10)),
-            "config": {"packed_sequence_length": 128},  # the job's own row
-        },
+    job = _job_on_64_token_rows(
+        caller,
+        _groups(_sampled(100), _sampled(10)),
+        {"packed_sequence_length": 128},  # the job's own row
     )
-    assert response.status_code == 201, response.text
-    assert response.json()["too_long"] is None
+    assert job["too_long"] is None

@@ -18,6 +18,7 @@ from skytrain_backend.app import create_app
 from skytrain_backend.cli._common import _human_size
 from skytrain_backend.db import api_keys, jobs
 from skytrain_backend.db.models import Model, ModelReplica, TrainingJob, utcnow
+from tests.fixtures.callers import Caller
 from tests.fixtures.cli import run_cli
 from tests.fixtures.rows import add_ready_worker, add_rl_job
 from tests.fixtures.services import (
@@ -31,20 +32,9 @@ from tests.gateway.conftest import wait_until
 
 
 @pytest.fixture
-def queued_job(
-    control_plane: ControlPlane,
-    api_key: Callable[..., ApiKey],
-    db_sessions: sessionmaker[Session],
-) -> tuple[dict[str, Any], str]:
+def queued_job(caller: Caller, db_sessions: sessionmaker[Session]) -> tuple[dict[str, Any], str]:
     """A model made through the API and a queued job of it (as the API adds one)."""
-    key = api_key()
-    response = httpx.post(
-        f"{control_plane.url}/v1/models",
-        headers=key.headers,
-        json={"project": "cli", "name": "shown", "base_model": "tiny/llama"},
-    )
-    assert response.status_code == 201, response.text
-    model = response.json()
+    model = caller.create_model("shown", project="cli")
     with db_sessions() as session:
         job = add_rl_job(session, model["id"])
         jobs.add_event(session, job_id=job.id, type="training_started", data={"steps": 1})

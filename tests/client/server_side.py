@@ -28,9 +28,10 @@ from starlette.routing import Route
 
 import skytrain
 from skytrain_backend.db import jobs, workers
-from skytrain_backend.db.models import Checkpoint, TrainingJob
+from skytrain_backend.db.models import TrainingJob
 from skytrain_backend.protocol import EventType
 from skytrain_backend.storage import ObjectStore, keys
+from tests.api.support import add_checkpoint
 from tests.client.test_trajectories import make_choice
 from tests.fixtures.services import ApiKey
 from tests.fixtures.tls import serve_tls
@@ -59,24 +60,15 @@ def commit_checkpoint(
     metrics: dict[str, float] | None = None,
 ) -> None:
     """Commit step ``step`` of the model as a worker's completed job does: files, then row."""
-    files = {"adapter_config.json": b'{"r": 8}'} if files is None else files
-    for name, data in files.items():
-        store.put_bytes(
-            keys.checkpoint_key(tenant_id=key.tenant_id, model_id=model_id, step=step, file=name),
-            data,
-        )
-    prefix = keys.checkpoint_prefix(tenant_id=key.tenant_id, model_id=model_id, step=step)
-    with db_sessions() as session:
-        session.add(
-            Checkpoint(
-                model_id=model_id,
-                step=step,
-                uri=store.uri(prefix.rstrip("/")),
-                metrics=metrics or {},
-                size_bytes=sum(len(data) for data in files.values()),
-            )
-        )
-        session.commit()
+    add_checkpoint(
+        db_sessions,
+        store,
+        tenant_id=key.tenant_id,
+        model_id=model_id,
+        step=step,
+        files={"adapter_config.json": b'{"r": 8}'} if files is None else files,
+        metrics=metrics or {},
+    )
 
 
 def stored_files(store: ObjectStore, *, key: ApiKey, model_id: str, step: int) -> list[str]:

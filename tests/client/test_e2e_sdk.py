@@ -25,7 +25,6 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 from openai.pagination import AsyncCursorPage
-from openai.types.chat import ChatCompletionMessageParam
 from openai.types.chat.chat_completion import Choice
 
 import skytrain
@@ -37,13 +36,18 @@ from tests.fixtures.art import (
     ArtModel,
     art_train_request,
 )
-from tests.fixtures.service import Service, start_service, stop_service
+from tests.fixtures.rollouts import PROMPTS, letter_share, rollout, sample_groups
+from tests.fixtures.service import (
+    Service,
+    logs_printed_on_failure,
+    start_service,
+    stop_service,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres, pytest.mark.s3]
 
 PROJECT = "sdk-e2e"
 TENANT = "sdk"
-PROMPTS = ("Name a fruit.", "Say hello.", "Count to three.")
 # The tiny random model needs a push for a single step to change its outputs visibly.
 TRAIN = skytrain.TrainConfig(learning_rate=5e-3)
 WAIT_S = 300.0  # register() and train() on two shared CPU cores
@@ -82,11 +86,8 @@ def sdk_service(
 
 @pytest.fixture(autouse=True)
 def logs_on_failure(request: pytest.FixtureRequest, sdk_service: Service) -> Iterator[None]:
-    """Print the server's and workers' logs after a failed test (pytest shows them then)."""
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed_before:
-        print(f"--- serve.log\n{sdk_service.log()[-6000:]}\n{sdk_service.worker_logs()}")
+    with logs_printed_on_failure(request, sdk_service):
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -115,44 +116,6 @@ async def registered(
 
 
 # --- rollouts and rewards ---------------------------------------------------------------------
-
-
-def letter_share(text: str) -> float:
-    """A reward with spread on the random model's text: the share of letters in it."""
-    return sum(c.isalpha() for c in text) / max(len(text), 1)
-
-
-async def rollout(
-    model: skytrain.Model, prompt: str, *, step: int | None = None, max_tokens: int = 8
-) -> skytrain.Trajectory:
-    """One sampled answer to ``prompt`` from the model's endpoint, scored."""
-    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
-    completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(step),
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=1.0,
-    )
-    choice = completion.choices[0]
-    text = choice.message.content or ""
-    return skytrain.Trajectory(
-        messages_and_choices=[*messages, choice],
-        reward=letter_share(text),
-        metrics={"chars": len(text)},
-        metadata={"prompt": prompt},
-    )
-
-
-async def sample_groups(
-    model: skytrain.TrainableModel, *, groups: int = 2, size: int = 3
-) -> list[skytrain.TrajectoryGroup]:
-    return await skytrain.gather_trajectory_groups(
-        (
-            skytrain.TrajectoryGroup(rollout(model, p) for _ in range(size))
-            for p in PROMPTS[:groups]
-        ),
-        pbar_desc=None,
-    )
 
 
 async def greedy_logprobs(model: skytrain.Model, *, step: int | None = None) -> list[float]:
@@ -663,6 +626,14 @@ async def test_art_serverless_client_flow_against_the_preview_routes(
                 return list(raw.parse().choices), raw.headers["x-skytrain-step"]
             raise AssertionError(f"{artifact} was not served within {WAIT_S} s")
 
+        async def log_val(group: dict[str, Any]) -> None:
+            # ART's log(model, groups, split="val"): the validation reward a checkpoint keeps.
+            await art.post(
+                f"/preview/models/{model.id}/log",
+                cast_to=type(None),
+                body={"model_id": model.id, "trajectory_groups": [group], "split": "val"},
+            )
+
         # ART's _get_step: the newest checkpoint.
         newest = await _art_checkpoints(art, model.id, limit=1, order="desc")
         assert newest[0].step == 0
@@ -671,15 +642,7 @@ async def test_art_serverless_client_flow_against_the_preview_routes(
             choices, served = await sample(0, prompt, n=3)
             assert served == "0"
             groups.append(_art_group(prompt, choices))
-        await art.post(
-            f"/preview/models/{model.id}/log",
-            cast_to=type(None),
-            body={
-                "model_id": model.id,
-                "trajectory_groups": [_art_group(PROMPTS[0], choices, reward=0.2)],
-                "split": "val",
-            },
-        )
+        await log_val(_art_group(PROMPTS[0], choices, reward=0.2))
 
         job = await art.post(
             "/preview/training-jobs",
@@ -698,15 +661,7 @@ async def test_art_serverless_client_flow_against_the_preview_routes(
 
         choices, served = await sample(1, PROMPTS[0], n=1)
         assert served == "1" and choices[0].logprobs is not None
-        await art.post(
-            f"/preview/models/{model.id}/log",
-            cast_to=type(None),
-            body={
-                "model_id": model.id,
-                "trajectory_groups": [_art_group(PROMPTS[0], choices, reward=0.7)],
-                "split": "val",
-            },
-        )
+        await log_val(_art_group(PROMPTS[0], choices, reward=0.7))
 
         # ART's delete_checkpoints: list every checkpoint (a page at a time), keep the latest
         # and the best by val/reward, delete the rest.

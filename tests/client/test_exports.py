@@ -7,12 +7,12 @@ import importlib
 import importlib.resources
 import inspect
 import pkgutil
-import subprocess
 import sys
 
 import pytest
 
 import skytrain
+from tests.fixtures.imports import loaded_by_importing
 
 
 def _private_modules() -> list[str]:
@@ -85,16 +85,8 @@ def test_exception_tree_has_one_root_and_builtin_bases() -> None:
 
 @pytest.mark.slow
 def test_importing_the_sdk_loads_no_torch_and_no_server_code() -> None:
-    code = (
-        "import sys, skytrain; "
-        "heavy = [m for m in ('torch', 'skytrain_backend', 'fastapi', 'sqlalchemy', "
-        "'transformers') if m in sys.modules]; "
-        "print(heavy)"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert result.stdout.strip() == "[]"
+    heavy = {"torch", "skytrain_backend", "fastapi", "sqlalchemy", "transformers"}
+    assert loaded_by_importing("skytrain", watched=heavy) == []
 
 
 def test_package_is_typed() -> None:

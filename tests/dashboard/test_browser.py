@@ -19,18 +19,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from openai.types.chat import ChatCompletionMessageParam
 from playwright.sync_api import Page, expect
 
 import skytrain
 from tests.dashboard.conftest import run_async
-from tests.fixtures.service import Service, start_service, stop_service
+from tests.fixtures.rollouts import sample_groups
+from tests.fixtures.service import (
+    Service,
+    logs_printed_on_failure,
+    start_service,
+    stop_service,
+)
 
 pytestmark = [pytest.mark.e2e]
 
 PROJECT = "dashboard"
 TENANT = "viewer"
-PROMPTS = ("Name a fruit.", "Say hello.", "Count to three.")
 TRAIN = skytrain.TrainConfig(learning_rate=5e-3)
 JOB_CONFIG = {"learning_rate": 5e-3}  # TRAIN, as POST /v1/training-jobs takes it
 WAIT_S = 300.0
@@ -65,36 +69,6 @@ def js_number(value: float) -> str:
     exact = Decimal(float(value))
     rounded = float(exact.quantize(Decimal(1).scaleb(exact.adjusted() - 3), ROUND_HALF_UP))
     return str(int(rounded)) if rounded.is_integer() else repr(rounded)
-
-
-def letter_share(text: str) -> float:
-    return sum(c.isalpha() for c in text) / max(len(text), 1)
-
-
-async def rollout(model: skytrain.Model, prompt: str) -> skytrain.Trajectory:
-    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": prompt}]
-    completion = await model.openai_client().chat.completions.create(
-        model=model.get_inference_name(), messages=messages, max_tokens=8, temperature=1.0
-    )
-    choice = completion.choices[0]
-    text = choice.message.content or ""
-    return skytrain.Trajectory(
-        messages_and_choices=[*messages, choice],
-        reward=letter_share(text),
-        metrics={"chars": len(text)},
-    )
-
-
-async def sample(
-    model: skytrain.Model, *, groups: int, size: int
-) -> list[skytrain.TrajectoryGroup]:
-    return await skytrain.gather_trajectory_groups(
-        (
-            skytrain.TrajectoryGroup(rollout(model, prompt) for _ in range(size))
-            for prompt in PROMPTS[:groups]
-        ),
-        pbar_desc=None,
-    )
 
 
 def tool_conversation(reward: float) -> skytrain.Trajectory:
@@ -136,12 +110,12 @@ async def make_runs(service: Service, key: str, base_model: Path) -> Runs:
         assert run.id is not None
         val_rewards: dict[int, list[float]] = {}
         for step in range(TRAINED_STEPS + 1):
-            val = await sample(run, groups=1, size=3)
+            val = await sample_groups(run, groups=1, size=3)
             await run.log(val, split="val")
             val_rewards[step] = rewards_of(val)
             if step == TRAINED_STEPS:
                 break
-            train = await sample(run, groups=2, size=3)
+            train = await sample_groups(run, groups=2, size=3)
             result = await run.train(train, config=TRAIN, poll_interval=0.5, progress=False)
             assert result.step == step + 1
         tools = skytrain.TrajectoryGroup([tool_conversation(reward) for reward in TOOL_REWARDS])
@@ -197,10 +171,8 @@ def runs(service: Service, tiny_model_path: Path) -> Runs:
 
 @pytest.fixture(autouse=True)
 def logs_on_failure(request: pytest.FixtureRequest, service: Service) -> Iterator[None]:
-    failed_before = request.session.testsfailed
-    yield
-    if request.session.testsfailed > failed_before:
-        print(f"--- serve.log\n{service.log()[-6000:]}\n{service.worker_logs()}")
+    with logs_printed_on_failure(request, service):
+        yield
 
 
 def goto(page: Page, service: Service, route: str) -> None:
@@ -443,14 +415,7 @@ def test_a_jobs_events_appear_on_its_page_while_it_runs_and_its_step_on_the_char
 
     groups = run_async(_sample_for(service, runs, groups=2, size=4))
     # Short rows: the batch takes several of them, one gradient step each.
-    config = {**JOB_CONFIG, "packed_sequence_length": 64}
-    with service.http(TENANT) as http:
-        job = http.post(
-            "/v1/training-jobs",
-            json={"model_id": runs.live_id, "trajectory_groups": groups, "config": config},
-        )
-    assert job.status_code == 201, job.text
-    job_id = job.json()["id"]
+    job_id = _queued_job(service, runs, groups, packed_sequence_length=64)
 
     page = open_page(runs.key)
     goto(page, service, f"#/jobs/{job_id}")
@@ -492,14 +457,7 @@ def test_a_failed_jobs_message_is_shown_on_its_page_and_in_the_jobs_tab(
 ) -> None:
     groups = run_async(_sample_for(service, runs, groups=1, size=2))
     # Rows of 16 tokens end inside the chat template's preamble: the trainer refuses the job.
-    config = {**JOB_CONFIG, "packed_sequence_length": 16}
-    with service.http(TENANT) as http:
-        job = http.post(
-            "/v1/training-jobs",
-            json={"model_id": runs.live_id, "trajectory_groups": groups, "config": config},
-        )
-    assert job.status_code == 201, job.text
-    job_id = job.json()["id"]
+    job_id = _queued_job(service, runs, groups, packed_sequence_length=16)
 
     page = open_page(runs.key)
     goto(page, service, f"#/jobs/{job_id}")
@@ -544,6 +502,21 @@ def test_a_models_replicas_and_its_scale_events_are_shown_with_their_reasons(
             http.patch(f"/v1/models/{runs.run_id}", json={"max_replicas": 1})
 
 
+def _queued_job(
+    service: Service, runs: Runs, groups: list[Any], *, packed_sequence_length: int
+) -> str:
+    """A job of ``groups`` for the live model, in rows of ``packed_sequence_length`` tokens:
+    its id."""
+    config = {**JOB_CONFIG, "packed_sequence_length": packed_sequence_length}
+    with service.http(TENANT) as http:
+        job = http.post(
+            "/v1/training-jobs",
+            json={"model_id": runs.live_id, "trajectory_groups": groups, "config": config},
+        )
+    assert job.status_code == 201, job.text
+    return str(job.json()["id"])
+
+
 async def _sample_for(service: Service, runs: Runs, *, groups: int, size: int) -> list[Any]:
     """Groups sampled from live-run's endpoint, as the JSON a training job takes."""
     live = skytrain.Model(
@@ -553,7 +526,10 @@ async def _sample_for(service: Service, runs: Runs, *, groups: int, size: int) -
         inference_api_key=runs.key,
         inference_model_name=runs.live_inference_name,
     )
-    return [group.model_dump(mode="json") for group in await sample(live, groups=groups, size=size)]
+    return [
+        group.model_dump(mode="json")
+        for group in await sample_groups(live, groups=groups, size=size)
+    ]
 
 
 # --- tenants ----------------------------------------------------------------------------------

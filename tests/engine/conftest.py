@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import socket
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -24,6 +24,8 @@ from skytrain_backend.config import get_settings
 from skytrain_backend.engine.client import EngineClient
 from skytrain_backend.engine.launcher import EngineProcess
 from skytrain_backend.engine.options import EngineCommand, EngineOptions
+from skytrain_backend.protocol import DEFAULT_LORA_TARGET_MODULES
+from tests.fixtures.ports import free_port
 
 SKYTRAIN = str(Path(sys.executable).with_name("skytrain"))
 STARTUP_TIMEOUT_S = 300.0
@@ -34,10 +36,10 @@ VLLM_MAX_MODEL_LEN = 1024
 VLLM_API_KEY = "vllm-test-key"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def sampled_ids(choice: Any) -> list[int]:
+    """The token ids of an OpenAI choice asked for with ``return_tokens_as_token_ids`` (its
+    tokens come back as ``"token_id:<id>"``)."""
+    return [int(entry.token.removeprefix("token_id:")) for entry in choice.logprobs.content]
 
 
 @dataclass
@@ -194,15 +196,7 @@ def save_lora_adapter(
     *,
     seed: int,
     rank: int = 4,
-    target_modules: tuple[str, ...] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ),
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGET_MODULES,
     no_op: bool = False,
 ) -> Path:
     """A peft LoRA adapter for ``base_model`` (a directory or a model object), saved to disk.

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from skytrain_backend.errors import EngineError
-from tests.engine.conftest import TINY_MAX_MODEL_LEN, RunningEngine
+from tests.engine.conftest import TINY_MAX_MODEL_LEN, RunningEngine, sampled_ids
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something."}]
 # The tiny model rarely samples its end-of-turn token; these tests want exact lengths.
@@ -29,10 +29,6 @@ NO_EOS = {"ignore_eos": True}
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(tiny_model_path)
-
-
-def _ids(choice: Any) -> list[int]:
-    return [int(entry.token.removeprefix("token_id:")) for entry in choice.logprobs.content]
 
 
 def _greedy(engine: RunningEngine, content: str, max_tokens: int, model: str | None = None) -> Any:
@@ -59,7 +55,7 @@ def test_a_seed_repeats_n_choices_exactly(tiny_engine: RunningEngine) -> None:
             logprobs=True,
             extra_body={"return_tokens_as_token_ids": True, **NO_EOS},
         )
-        return [_ids(choice) for choice in response.choices]
+        return [sampled_ids(choice) for choice in response.choices]
 
     first = sample()
     assert len({tuple(ids) for ids in first}) == 4
@@ -73,7 +69,8 @@ async def test_requests_decoded_together_get_the_tokens_they_get_alone(
     prompts = [f"Prompt number {i} " + "with more words " * i for i in range(8)]
     lengths = [5 + 3 * i for i in range(8)]
     alone = [
-        _ids(_greedy(tiny_engine, p, n).choices[0]) for p, n in zip(prompts, lengths, strict=True)
+        sampled_ids(_greedy(tiny_engine, p, n).choices[0])
+        for p, n in zip(prompts, lengths, strict=True)
     ]
 
     client = tiny_engine.async_openai()
@@ -88,7 +85,7 @@ async def test_requests_decoded_together_get_the_tokens_they_get_alone(
             logprobs=True,
             extra_body={"return_tokens_as_token_ids": True, **NO_EOS},
         )
-        return _ids(response.choices[0])
+        return sampled_ids(response.choices[0])
 
     together = await asyncio.gather(
         *(one(p, n, 0.05 * (i % 3)) for i, (p, n) in enumerate(zip(prompts, lengths, strict=True)))
@@ -146,7 +143,7 @@ def test_malformed_requests_are_400s_naming_the_problem(
 async def test_sleep_refuses_requests_with_503_and_wake_up_serves_them_again(
     tiny_engine: RunningEngine,
 ) -> None:
-    before = _ids(_greedy(tiny_engine, "Before sleeping.", 6).choices[0])
+    before = sampled_ids(_greedy(tiny_engine, "Before sleeping.", 6).choices[0])
     async with tiny_engine.client() as client:
         await client.sleep()
         try:
@@ -161,7 +158,7 @@ async def test_sleep_refuses_requests_with_503_and_wake_up_serves_them_again(
         finally:
             await client.wake_up()
         assert not await client.is_sleeping()
-    assert _ids(_greedy(tiny_engine, "Before sleeping.", 6).choices[0]) == before
+    assert sampled_ids(_greedy(tiny_engine, "Before sleeping.", 6).choices[0]) == before
 
 
 # Long enough that the stream still runs while the test asks for a sleep and sends another

@@ -27,7 +27,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from skytrain_backend.errors import EngineError
-from tests.engine.conftest import RunningEngine, start_engine
+from tests.engine.conftest import RunningEngine, sampled_ids, start_engine
 from tests.engine.conversations import TOOLS, WEATHER_CONVERSATION
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Say something."}]
@@ -88,10 +88,6 @@ def tokenizer_of(engine: RunningEngine) -> Any:
     return _tokenizer(engine.model_path)
 
 
-def _ids(choice: Any) -> list[int]:
-    return [int(entry.token.removeprefix("token_id:")) for entry in choice.logprobs.content]
-
-
 def _greedy(
     engine: RunningEngine, model: str | None = None, *, content: str = "Say something.", n: int = 8
 ) -> tuple[list[int], list[float]]:
@@ -105,7 +101,7 @@ def _greedy(
         extra_body={**TOKEN_IDS, **NO_EOS},
     )
     content_logprobs = response.choices[0].logprobs.content
-    return _ids(response.choices[0]), [e.logprob for e in content_logprobs]
+    return sampled_ids(response.choices[0]), [e.logprob for e in content_logprobs]
 
 
 def _same(
@@ -160,7 +156,7 @@ def test_logprob_token_ids_decode_to_the_returned_text_and_bytes_are_the_tokens_
         extra_body={**TOKEN_IDS, **NO_EOS},
     )
     [choice] = response.choices
-    ids = _ids(choice)
+    ids = sampled_ids(choice)
     assert len(ids) == 12
     tokenizer = tokenizer_of(engine)
     assert tokenizer.decode(ids, skip_special_tokens=True) == choice.message.content
@@ -241,9 +237,9 @@ def test_n_choices_are_distinct_and_a_seed_repeats_their_draws(engine: RunningEn
 
     first, second = sample(), sample()
     assert [c.index for c in first.choices] == [0, 1, 2, 3]
-    samples = [_ids(c) for c in first.choices]
+    samples = [sampled_ids(c) for c in first.choices]
     assert len({tuple(s) for s in samples}) == 4
-    assert [_ids(c)[:2] for c in second.choices] == [s[:2] for s in samples]
+    assert [sampled_ids(c)[:2] for c in second.choices] == [s[:2] for s in samples]
     assert first.usage.completion_tokens == 32
 
 
@@ -271,9 +267,9 @@ def test_a_stop_string_ends_the_text_before_it_and_is_reported(engine: RunningEn
     assert choice.finish_reason == "stop"
     assert choice.model_extra["stop_reason"] == stop
     assert choice.message.content == text[: text.index(stop)]
-    ids = _ids(choice)
+    ids = sampled_ids(choice)
     assert 0 < len(ids) < 12
-    assert ids == _ids(reference.choices[0])[: len(ids)]  # the tokens sampled up to the stop
+    assert ids == sampled_ids(reference.choices[0])[: len(ids)]  # the tokens sampled up to the stop
 
 
 def test_completions_accept_text_token_ids_and_several_prompts(engine: RunningEngine) -> None:
@@ -337,7 +333,7 @@ def test_return_token_ids_gives_the_prompt_and_sampled_ids(engine: RunningEngine
     )
     assert chat.model_extra["prompt_token_ids"] == prompt  # type: ignore[index]
     for choice in chat.choices:
-        assert choice.model_extra["token_ids"] == _ids(choice)  # type: ignore[index]
+        assert choice.model_extra["token_ids"] == sampled_ids(choice)  # type: ignore[index]
 
     chunks = list(
         engine.openai().chat.completions.create(
@@ -594,7 +590,7 @@ def test_a_greedy_answer_makes_sense_and_its_eos_token_closes_the_logprobs(
     [choice] = response.choices
     assert "Paris" in choice.message.content
     assert choice.finish_reason == "stop"
-    ids = _ids(choice)
+    ids = sampled_ids(choice)
     tokenizer = tokenizer_of(engine)
     # The end-of-turn token that stopped generation is the last sampled token, with its
     # logprob, but its text is not part of the message.
@@ -696,7 +692,7 @@ def test_n_sampled_answers_differ_and_their_ids_decode_to_their_text(
     assert len(set(texts)) == 3
     tokenizer = tokenizer_of(engine)
     for choice in response.choices:
-        ids = _ids(choice)
+        ids = sampled_ids(choice)
         if choice.finish_reason == "stop":
             ids = ids[:-1]
         assert tokenizer.decode(ids) == choice.message.content

@@ -17,10 +17,8 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
-from skytrain_backend import tls
 from skytrain_backend.protocol import lora_name
 from skytrain_backend.worker.client import ControlPlaneClient
 from skytrain_backend.worker.engine_host import EngineHost
@@ -96,12 +94,7 @@ async def test_a_model_taken_off_the_worker_is_unloaded_once_its_requests_in_fli
         with serve_tls(door) as server:
             async with (
                 engine.client() as client,
-                httpx.AsyncClient(
-                    base_url=server.url,
-                    verify=tls.pinned_context(server.certificate),
-                    headers={"Authorization": f"Bearer {secret}"},
-                    timeout=120,
-                ) as http,
+                server.async_client(secret=secret) as http,
             ):
                 host = EngineHost(
                     unused,

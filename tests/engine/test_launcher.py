@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -25,7 +26,7 @@ from skytrain_backend.engine.options import EngineCommand, EngineOptions, select
 from skytrain_backend.engine.vllm import vllm_command, vllm_platform
 from skytrain_backend.errors import ConfigurationError, EngineError
 from skytrain_backend.planning import lora_rank_slot
-from tests.engine.conftest import free_port
+from tests.fixtures.ports import free_port
 
 
 def _flag(argv: list[str], name: str) -> str:
@@ -160,15 +161,24 @@ def test_engine_choice_auto_needs_both_cuda_and_vllm(monkeypatch: pytest.MonkeyP
         select_engine("tgi")
 
 
-def _python(tmp_path: Path, source: str) -> EngineCommand:
+def _scripted_engine(
+    tmp_path: Path, source: str, *, port: int | None = None, **options: Any
+) -> EngineProcess:
+    """An engine process that runs the Python ``source`` in place of an engine, on ``port``
+    (a free one if None), logging to ``tmp_path / "engine.log"``."""
     script = tmp_path / "fake_engine.py"
     script.write_text(textwrap.dedent(source))
-    return EngineCommand(argv=[sys.executable, str(script)])
+    return EngineProcess(
+        EngineCommand(argv=[sys.executable, str(script)]),
+        base_url=f"http://127.0.0.1:{port or free_port()}",
+        log_path=tmp_path / "engine.log",
+        **options,
+    )
 
 
 async def test_waiting_returns_once_the_process_serves_health(tmp_path: Path) -> None:
     port = free_port()
-    command = _python(
+    process = _scripted_engine(
         tmp_path,
         f"""
         import http.server, time
@@ -180,9 +190,7 @@ async def test_waiting_returns_once_the_process_serves_health(tmp_path: Path) ->
                 self.end_headers()
         http.server.HTTPServer(("127.0.0.1", {port}), Health).serve_forever()
         """,
-    )
-    process = EngineProcess(
-        command, base_url=f"http://127.0.0.1:{port}", log_path=tmp_path / "engine.log"
+        port=port,
     )
     process.start()
     try:
@@ -198,7 +206,7 @@ async def test_waiting_returns_once_the_process_serves_health(tmp_path: Path) ->
 async def test_an_engine_that_dies_fails_the_wait_at_once_with_its_last_log_lines(
     tmp_path: Path,
 ) -> None:
-    command = _python(
+    process = _scripted_engine(
         tmp_path,
         """
         import sys
@@ -206,9 +214,6 @@ async def test_an_engine_that_dies_fails_the_wait_at_once_with_its_last_log_line
         print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 GiB", flush=True)
         sys.exit(3)
         """,
-    )
-    process = EngineProcess(
-        command, base_url=f"http://127.0.0.1:{free_port()}", log_path=tmp_path / "engine.log"
     )
     process.start()
     with pytest.raises(EngineError) as raised:
@@ -222,18 +227,13 @@ async def test_an_engine_that_dies_fails_the_wait_at_once_with_its_last_log_line
 async def test_an_engine_that_never_answers_fails_at_the_timeout_and_launch_stops_it(
     tmp_path: Path,
 ) -> None:
-    command = _python(
+    process = _scripted_engine(
         tmp_path,
         """
         import time
         print("stuck compiling kernels", flush=True)
         time.sleep(600)
         """,
-    )
-    process = EngineProcess(
-        command,
-        base_url=f"http://127.0.0.1:{free_port()}",
-        log_path=tmp_path / "engine.log",
         startup_timeout_s=2,
     )
     with pytest.raises(EngineError, match="did not become healthy within 2s") as raised:

@@ -25,10 +25,6 @@ def tokenizer(smollm2_path: Path) -> Any:
     return AutoTokenizer.from_pretrained(smollm2_path)
 
 
-def _ids(choice: Any) -> list[int]:
-    return [int(entry.token.removeprefix("token_id:")) for entry in choice.logprobs.content]
-
-
 def _resident_mib(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

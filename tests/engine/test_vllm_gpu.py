@@ -29,8 +29,8 @@ from skytrain_backend.engine.launcher import EngineProcess
 from skytrain_backend.engine.options import EngineOptions
 from skytrain_backend.protocol import ModelConfig, RLTrainConfig, TrajectoryGroup
 from skytrain_backend.worker.frontdoor import FrontDoor
-from tests.engine.conftest import free_port
 from tests.engine.conversations import TOOLS, WEATHER_CONVERSATION
+from tests.fixtures.ports import free_port
 from tests.fixtures.tls import serve_tls
 
 GIB = 1024**3

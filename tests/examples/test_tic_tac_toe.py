@@ -35,6 +35,15 @@ def board(rows: str) -> tuple[str, ...]:
     return tuple(" " if c == "." else c for c in rows.replace("|", ""))
 
 
+def _answered(rows: str, answer: str, scenario: Scenario | None = None) -> TicTacToeEpisode:
+    """An episode (``Scenario(seed=0)`` unless given) on the board ``rows`` after the agent's
+    ``answer``."""
+    episode = TicTacToeEpisode(scenario or Scenario(seed=0))
+    episode.game.board = board(rows)
+    episode.step(text_choice(answer))
+    return episode
+
+
 @pytest.mark.parametrize(("text", "index"), [("A1", 0), ("b2", 4), (" C3 ", 8), ("C1", 2)])
 def test_parse_cell_reads_column_then_row(text, index):
     assert parse_cell(text) == index
@@ -113,35 +122,28 @@ def test_parse_move_needs_the_move_tag(text, index):
 
 
 def test_winning_move_ends_the_episode_with_a_win():
-    episode = TicTacToeEpisode(Scenario(seed=0))
-    episode.game.board = board("XX.|OO.|...")
-    episode.step(text_choice("<move>C1</move>"))
+    episode = _answered("XX.|OO.|...", "<move>C1</move>")
     assert episode.outcome == "win"
     assert episode.reward() == WIN_REWARD
     assert episode.metrics()["win"] is True
 
 
 def test_missing_the_block_loses_to_minimax():
-    episode = TicTacToeEpisode(Scenario(seed=0, opponent="minimax"))
-    episode.game.board = board("X..|OO.|X..")
-    episode.step(text_choice("<move>B1</move>"))  # leaves C2 open for O
+    minimax = Scenario(seed=0, opponent="minimax")
+    episode = _answered("X..|OO.|X..", "<move>B1</move>", minimax)  # leaves C2 open for O
     assert episode.outcome == "loss"
     assert episode.reward() == LOSS_REWARD
 
 
 def test_last_free_cell_ends_in_a_draw():
-    episode = TicTacToeEpisode(Scenario(seed=0))
-    episode.game.board = board("XOX|XOO|OX.")
-    episode.step(text_choice("<move>C3</move>"))
+    episode = _answered("XOX|XOO|OX.", "<move>C3</move>")
     assert episode.outcome == "draw"
     assert episode.reward() == DRAW_REWARD
 
 
 @pytest.mark.parametrize("answer", ["<move>A1</move>", "<move>Z9</move>", "I pick the centre"])
 def test_taken_unknown_or_missing_cell_is_invalid(answer):
-    episode = TicTacToeEpisode(Scenario(seed=0))
-    episode.game.board = board("X..|.O.|...")
-    episode.step(text_choice(answer))
+    episode = _answered("X..|.O.|...", answer)
     assert episode.outcome == "invalid_move"
     assert episode.reward() == INVALID_MOVE_REWARD
     assert len(episode.messages_and_choices) == 3

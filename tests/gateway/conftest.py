@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import api_keys
 from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
 from skytrain_backend.protocol import lora_name
+from tests.fixtures.ports import free_port
 from tests.fixtures.services import MakeSettings, ServedPlane, served_plane
 from tests.fixtures.services import serve_in_thread as serve_in_thread
 
@@ -51,12 +51,6 @@ LOADING_WAIT_S = 3.0
 ROUTE_CACHE_TTL_S = 60.0
 ENGINE_BASE_MODEL = "tests/tiny-smollm2"
 ENGINE_SERVED_NAME = "tiny-base"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(condition: Callable[[], bool], *, what: str, timeout_s: float = 60.0) -> None:

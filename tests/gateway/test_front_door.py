@@ -46,9 +46,7 @@ class FrontDoorUnderTest:
     def __init__(self, server: TlsServer, secret: str) -> None:
         self.server = server
         self.secret = secret
-        self.http = httpx.Client(
-            base_url=server.url, verify=tls.pinned_context(server.certificate), timeout=120
-        )
+        self.http = server.client()
 
     def call(
         self, method: str, path: str, *, secret: str | None = None, **kwargs: object

@@ -23,6 +23,7 @@ from skytrain_backend.db.models import Checkpoint, Model, Worker, utcnow
 from skytrain_backend.errors import Unavailable
 from skytrain_backend.scheduler import placement
 from skytrain_backend.scheduler.routing import ACTIVITY_RESOLUTION_S, resolve_route
+from tests.fixtures.ports import free_port
 from tests.fixtures.services import ServedPlane
 from tests.gateway.conftest import (
     ENGINE_SERVED_NAME,
@@ -33,7 +34,6 @@ from tests.gateway.conftest import (
     add_checkpoint,
     add_engine_worker,
     add_worker,
-    free_port,
     load_adapter,
     mark_served,
     wait_until,

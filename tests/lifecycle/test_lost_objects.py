@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import pytest
 
 from skytrain_backend.config import Settings
@@ -37,10 +38,12 @@ def _committed_step(alice: Who, worker: WorkerClient, model_id: str) -> str:
     return str(completed.json()["checkpoint_id"])
 
 
-def _damaged(response_text: str, status_code: int, store: LocalObjectStore) -> str:
-    assert status_code == 500, response_text
-    assert str(store.root) not in response_text and "tenants/" not in response_text
-    return response_text
+def _damaged(response: httpx.Response, store: LocalObjectStore) -> str:
+    """A 500 ``object_damaged`` answer naming no path or key of the store: its text."""
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["type"] == "object_damaged"
+    assert str(store.root) not in response.text and "tenants/" not in response.text
+    return response.text
 
 
 def _delete_one(store: LocalObjectStore, prefix: str) -> None:
@@ -88,22 +91,17 @@ def test_a_checkpoint_lost_after_its_commit_is_reported_by_the_next_read(
     )
     LOSSES[loss](lifecycle_store, prefix)
 
-    listed = alice.http.get(listing)
-    error = listed.json()["error"]
-    assert error["type"] == "object_damaged"
-    message = _damaged(listed.text, listed.status_code, lifecycle_store)
+    message = _damaged(alice.http.get(listing), lifecycle_store)
     assert f"step 1 of model {model_id} is damaged in the object store since its commit" in (
         message
     )
     assert LOST_FILE[loss] in message
     assert "skytrain storage check" in message
     downloaded = alice.http.get(f"{listing}/adapter_config.json", params={"redirect": "false"})
-    assert downloaded.json()["error"]["type"] == "object_damaged"
-    _damaged(downloaded.text, downloaded.status_code, lifecycle_store)
+    _damaged(downloaded, lifecycle_store)
     # The worker asked to load the step (it moved, or restarted) is told the same.
     loading = worker.http.get(f"/models/{model_id}/checkpoints/1/files")
-    assert loading.json()["error"]["type"] == "object_damaged"
-    _damaged(loading.text, loading.status_code, lifecycle_store)
+    _damaged(loading, lifecycle_store)
 
     checked = run_cli(lifecycle_settings, "storage", "check")
     assert checked.exit_code == 1, checked.stdout
@@ -259,15 +257,11 @@ def test_an_uploaded_file_damaged_after_its_upload_is_reported_by_the_job_readin
         "/v1/sft-training-jobs",
         json={"model_id": model_id, "training_data_url": uploaded["uri"]},
     )
-    _damaged(job.text, job.status_code, lifecycle_store)
-    error = job.json()["error"]
-    assert error["type"] == "object_damaged"
-    assert (
-        f"file {uploaded['id']} is damaged in the object store since its upload"
-        in (error["message"])
-    )
-    assert "POST /v1/files" in error["message"]
-    assert "skytrain storage check" in error["message"]
+    _damaged(job, lifecycle_store)
+    message = job.json()["error"]["message"]
+    assert f"file {uploaded['id']} is damaged in the object store since its upload" in message
+    assert "POST /v1/files" in message
+    assert "skytrain storage check" in message
     listed = alice.http.get("/v1/training-jobs", params={"model_id": model_id}).json()["data"]
     assert listed == []
     prefix = keys.model_prefix(tenant_id=alice.tenant_id, model_id=model_id)
@@ -285,11 +279,7 @@ def test_a_job_input_lost_after_it_was_queued_is_reported_to_the_worker_reading_
         keys.job_input_key(tenant_id=alice.tenant_id, model_id=model_id, job_id=job_id)
     )
     read = worker.http.get(f"/jobs/{job_id}/input", headers={"Accept-Encoding": "zstd"})
-    _damaged(read.text, read.status_code, lifecycle_store)
-    error = read.json()["error"]
-    assert error["type"] == "object_damaged"
-    assert (
-        f"the input of job {job_id} is gone from the object store since it was queued"
-        in (error["message"])
-    )
-    assert "skytrain storage check" in error["message"]
+    _damaged(read, lifecycle_store)
+    message = read.json()["error"]["message"]
+    assert f"the input of job {job_id} is gone from the object store since it was queued" in message
+    assert "skytrain storage check" in message

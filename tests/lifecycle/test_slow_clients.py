@@ -22,9 +22,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from skytrain_backend.config import Settings
 from skytrain_backend.connections import ConnectionLimits
+from tests.fixtures.ports import free_port
 from tests.fixtures.raw_http import exchange
 from tests.fixtures.service import Service, start_service, stop_service
-from tests.fixtures.service import _free_port as free_port
 from tests.fixtures.slow_clients import (
     OtherClient,
     beside,

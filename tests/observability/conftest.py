@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
 from skytrain_backend.observability.listener import MetricsListener, start_metrics_listener
+from tests.fixtures.ports import free_port
 from tests.fixtures.services import ControlPlane
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -6,31 +6,12 @@ import json
 import logging
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
 from skytrain_backend.observability import logs
 
 
-@pytest.fixture
-def root_logger() -> Iterator[None]:
-    """configure_logging sets the process's root logger up: as it was after the test."""
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
-    uvicorn = {
-        name: (list(logging.getLogger(name).handlers), logging.getLogger(name).propagate)
-        for name in ("uvicorn", "uvicorn.error", "uvicorn.access")
-    }
-    yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
-    for name, (kept, propagate) in uvicorn.items():
-        logging.getLogger(name).handlers[:] = kept
-        logging.getLogger(name).propagate = propagate
-
-
-@pytest.mark.usefixtures("root_logger")
 def test_json_lines_carry_the_bound_context_and_null_for_the_rest(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

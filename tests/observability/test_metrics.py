@@ -19,7 +19,7 @@ from skytrain_backend.config import Settings
 from skytrain_backend.db import tenants
 from skytrain_backend.observability import metrics
 from skytrain_backend.observability.listener import MetricsListener, registry_for
-from tests.api.support import group
+from tests.fixtures.callers import Caller
 from tests.fixtures.services import ApiKey, ControlPlane
 from tests.observability.conftest import scrape, value
 
@@ -138,21 +138,14 @@ def test_several_processes_add_up_with_prometheus_multiproc_dir(tmp_path: Path) 
 
 
 def test_refused_inference_requests_are_counted_by_reason(
-    control_plane: ControlPlane, listener: MetricsListener, api_key: Callable[..., ApiKey]
+    listener: MetricsListener, caller: Caller
 ) -> None:
-    key = api_key()
-    created = httpx.post(
-        f"{control_plane.url}/v1/models",
-        headers=key.headers,
-        json={"project": "p", "name": "unserved", "base_model": "tiny/llama"},
-    )
-    assert created.status_code == 201, created.text
+    unserved = caller.create_model("unserved")
     before = _series_values(scrape(listener), "skytrain_gateway_refusals_total")
-    refused = httpx.post(
-        f"{control_plane.url}/v1/chat/completions",
-        headers=key.headers,
+    refused = caller.http.post(
+        "/v1/chat/completions",
         json={
-            "model": created.json()["inference_name"],
+            "model": unserved["inference_name"],
             "messages": [{"role": "user", "content": "hi"}],
         },
         timeout=120,
@@ -173,58 +166,43 @@ def _series_values(text: str, name: str) -> dict[str, float]:
 
 
 def test_a_queued_job_cancelled_counts_as_one_ended_job(
-    control_plane: ControlPlane, listener: MetricsListener, api_key: Callable[..., ApiKey]
+    listener: MetricsListener, caller: Caller
 ) -> None:
     """Jobs are counted where they end, not only where a worker reports: a queued job the
     user cancels ends in the API, once."""
-    key = api_key()
     series = 'skytrain_training_jobs_ended_total{status="cancelled"}'
     before = value(scrape(listener), series)
-    with httpx.Client(base_url=control_plane.url, headers=key.headers) as http:
-        model = http.post(
-            "/v1/models", json={"project": "p", "name": "m", "base_model": "tiny/llama"}
-        ).json()
-        job = http.post(
-            "/v1/training-jobs", json={"model_id": model["id"], "trajectory_groups": [group()]}
-        )
-        assert job.status_code == 201, job.text
-        assert http.post(f"/v1/training-jobs/{job.json()['id']}/cancel").status_code == 200
-        assert http.post(f"/v1/training-jobs/{job.json()['id']}/cancel").status_code == 409
+    job_id = caller.queue_job()
+    assert caller.http.post(f"/v1/training-jobs/{job_id}/cancel").status_code == 200
+    assert caller.http.post(f"/v1/training-jobs/{job_id}/cancel").status_code == 409
     assert value(scrape(listener), series) == before + 1
 
 
 def test_a_long_poll_waits_outside_the_in_flight_gauge_and_the_request_latencies(
-    control_plane: ControlPlane, listener: MetricsListener, api_key: Callable[..., ApiKey]
+    listener: MetricsListener, caller: Caller
 ) -> None:
     """Issue 36: workers' long-polls (15-30 s by design) counted as requests in flight (2 with
     no traffic) and put the latency panel's p99 at 44 s on an idle system."""
-    key = api_key()
-    with httpx.Client(base_url=control_plane.url, headers=key.headers, timeout=60) as http:
-        model = http.post(
-            "/v1/models", json={"project": "p", "name": "polled", "base_model": "tiny/llama"}
-        ).json()
-        job = http.post(
-            "/v1/training-jobs", json={"model_id": model["id"], "trajectory_groups": [group()]}
-        ).json()
-        # A queued job has no events yet: the next page waits for its first.
-        assert http.get(f"/v1/training-jobs/{job['id']}/events").json()["data"] == []
-        before = scrape(listener)
-        waiting = "skytrain_http_long_polls_waiting"
-        in_flight = "skytrain_http_requests_in_flight"
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            polled = pool.submit(
-                http.get,
-                f"/v1/training-jobs/{job['id']}/events",
-                params={"wait_s": 30},
-            )
-            deadline = time.monotonic() + 30
-            while value(scrape(listener), waiting) < value(before, waiting) + 1:
-                assert time.monotonic() < deadline, "the long-poll never counted as waiting"
-                time.sleep(0.1)
-            assert value(scrape(listener), in_flight) == value(before, in_flight)
-            # An event ends the wait: the cancel.
-            assert http.post(f"/v1/training-jobs/{job['id']}/cancel").status_code == 200
-            assert polled.result().status_code == 200
+    job_id = caller.queue_job()
+    # A queued job has no events yet: the next page waits for its first.
+    assert caller.http.get(f"/v1/training-jobs/{job_id}/events").json()["data"] == []
+    before = scrape(listener)
+    waiting = "skytrain_http_long_polls_waiting"
+    in_flight = "skytrain_http_requests_in_flight"
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        polled = pool.submit(
+            caller.http.get,
+            f"/v1/training-jobs/{job_id}/events",
+            params={"wait_s": 30},
+        )
+        deadline = time.monotonic() + 30
+        while value(scrape(listener), waiting) < value(before, waiting) + 1:
+            assert time.monotonic() < deadline, "the long-poll never counted as waiting"
+            time.sleep(0.1)
+        assert value(scrape(listener), in_flight) == value(before, in_flight)
+        # An event ends the wait: the cancel.
+        assert caller.http.post(f"/v1/training-jobs/{job_id}/cancel").status_code == 200
+        assert polled.result().status_code == 200
     after = scrape(listener)
     assert value(after, waiting) == value(before, waiting)
     route = (

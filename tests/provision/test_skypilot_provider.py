@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sky
@@ -62,6 +63,21 @@ def _launch(worker_id: str = "a" * 32, **extra: object) -> WorkerLaunch:
     return WorkerLaunch(**values)  # type: ignore[arg-type]
 
 
+def _launched_task(provider: SkyPilotProvider, fake: FakeSky, **launch: Any) -> Any:
+    """The SkyPilot task that one launch, settled, handed to SkyPilot."""
+    provider.launch(_launch(**launch))
+    fake.settle()
+    return fake.launches[0].task
+
+
+def _launched_and_up(provider: SkyPilotProvider, fake: FakeSky) -> str:
+    """A cluster launched, settled and reported up by one poll: its name."""
+    name = provider.launch(_launch())
+    fake.settle()
+    provider.poll()
+    return name
+
+
 def test_launch_returns_at_once_and_reports_launching(
     provider: SkyPilotProvider, fake: FakeSky
 ) -> None:
@@ -96,9 +112,7 @@ def test_launch_passes_one_cluster_per_worker_with_autodown(
 def test_generated_task_carries_the_worker_envs_and_secrets(
     provider: SkyPilotProvider, fake: FakeSky
 ) -> None:
-    provider.launch(_launch())
-    fake.settle()
-    task = fake.launches[0].task
+    task = _launched_task(provider, fake)
     assert task.envs["SKYTRAIN_CONTROL_PLANE_URL"] == "https://skytrain.example.com"
     assert task.envs["SKYTRAIN_WORKER_BASE_MODEL"] == BASE_MODEL
     assert task.envs["SKYTRAIN_ENGINE"] == "vllm"
@@ -125,9 +139,7 @@ def test_settings_override_the_task_resources(tmp_path: Path, fake: FakeSky) -> 
         hub={"token": "hf_secret_token"},
     )
     provider = SkyPilotProvider(settings, sky_api=fake)
-    provider.launch(_launch())
-    fake.settle()
-    task = fake.launches[0].task
+    task = _launched_task(provider, fake)
     assert sorted(str(r.accelerators) for r in task.resources) == [
         "{'A100-80GB': 1}",
         "{'H100': 1}",
@@ -263,9 +275,7 @@ def test_preempted_cluster_is_reported_gone_once(provider: SkyPilotProvider, fak
 def test_stopped_cluster_is_reported_gone_and_torn_down(
     provider: SkyPilotProvider, fake: FakeSky
 ) -> None:
-    name = provider.launch(_launch())
-    fake.settle()
-    provider.poll()
+    name = _launched_and_up(provider, fake)
     fake.add_cluster(name, sky.ClusterStatus.STOPPED)
     (info,) = provider.poll()
     assert info.state == "gone"
@@ -278,9 +288,7 @@ def test_stopped_cluster_is_reported_gone_and_torn_down(
 def test_terminate_downs_the_cluster_in_the_background(
     provider: SkyPilotProvider, fake: FakeSky
 ) -> None:
-    name = provider.launch(_launch())
-    fake.settle()
-    provider.poll()
+    name = _launched_and_up(provider, fake)
     provider.terminate(name)
     fake.settle()
     assert fake.downs == [name]
@@ -399,9 +407,7 @@ def test_a_worker_gets_the_cheapest_gpu_the_plan_fits_with_its_host_memory_and_d
     tmp_path: Path, fake: FakeSky
 ) -> None:
     provider = _planned(tmp_path, fake)
-    provider.launch(_launch())
-    fake.settle()
-    task = fake.launches[0].task
+    task = _launched_task(provider, fake)
     # A launch that names no rank is planned at the largest a worker loads.
     settings = Settings(storage={"model_cache_dir": PLANNED_MODELS})
     choice = choose_worker_gpu(
@@ -425,9 +431,7 @@ def test_a_model_larger_than_one_gpu_gets_a_node_and_tensor_parallelism(
     tmp_path: Path, fake: FakeSky
 ) -> None:
     provider = _planned(tmp_path, fake, accelerators="L4:1, H100:8, H200:1")
-    provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct"))
-    fake.settle()
-    task = fake.launches[0].task
+    task = _launched_task(provider, fake, base_model="Qwen/Qwen2.5-72B-Instruct")
     assert [r.accelerators for r in task.resources] == [{"H100": 8}]
     assert int(task.envs["SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE"]) > 1
     # The trainer too: one process a GPU, the base sharded over them (FSDP2).
@@ -450,9 +454,7 @@ def test_a_model_that_fits_no_configured_gpu_is_never_launched(
 
 def test_the_operators_settings_win_over_the_plan(tmp_path: Path, fake: FakeSky) -> None:
     provider = _planned(tmp_path, fake, disk_size_gb=500)
-    provider.launch(_launch(envs={"SKYTRAIN_ENGINE_MAX_MODEL_LEN": "4096"}))
-    fake.settle()
-    task = fake.launches[0].task
+    task = _launched_task(provider, fake, envs={"SKYTRAIN_ENGINE_MAX_MODEL_LEN": "4096"})
     assert task.envs["SKYTRAIN_ENGINE_MAX_MODEL_LEN"] == "4096"
     assert [r.disk_size for r in task.resources] == [500]
 
@@ -462,9 +464,7 @@ def test_without_the_models_config_every_configured_gpu_is_offered(
 ) -> None:
     provider = _planned(tmp_path, fake, accelerators="L4:1, A10G:1")
     # No copy of this model's config.json on the control plane's machine.
-    provider.launch(_launch(base_model="example-org/unpublished-model"))
-    fake.settle()
-    task = fake.launches[0].task
+    task = _launched_task(provider, fake, base_model="example-org/unpublished-model")
     assert sorted(str(r.accelerators) for r in task.resources) == ["{'A10G': 1}", "{'L4': 1}"]
     assert "SKYTRAIN_ENGINE_MAX_MODEL_LEN" not in task.envs  # the worker plans for itself
 
@@ -476,9 +476,7 @@ def test_a_worker_of_several_nodes_gets_num_nodes_and_splits_the_model_across_th
     tensor parallelism within each node and pipeline stages across them, the trainer's ranks
     on every GPU of every node); the cheapest accelerator whose nodes fit it."""
     provider = _planned(tmp_path, fake, accelerators="L4:4, A100:4", num_nodes=2)
-    provider.launch(_launch(base_model="Qwen/Qwen2.5-72B-Instruct", lora_rank=8))
-    fake.settle()
-    task = fake.launches[0].task
+    task = _launched_task(provider, fake, base_model="Qwen/Qwen2.5-72B-Instruct", lora_rank=8)
     assert task.num_nodes == 2
     assert [r.accelerators for r in task.resources] == [{"A100": 4}]
     assert task.envs["SKYTRAIN_ENGINE_TENSOR_PARALLEL_SIZE"] == "4"

@@ -26,6 +26,8 @@ import httpx
 import pytest
 from sky.server.requests.queues import mp_queue
 
+from tests.fixtures.ports import free_port
+
 pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
@@ -34,12 +36,6 @@ BIN = Path(sys.executable).parent
 DEADLINE_S = 300
 # Only what a fresh login shell has: no cloud credentials or SkyPilot settings leak in.
 KEPT_ENV = ("PATH", "LANG", "LC_ALL", "TMPDIR", "TZ")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _is_free(port: int) -> bool:
@@ -113,7 +109,7 @@ def test_no_cloud_access_fails_the_model_and_logs_skypilots_error_for_the_operat
     env: dict[str, str],
 ) -> None:
     key = _skytrain(env, "keys", "create", "--tenant", "acme")
-    port = _free_port()
+    port = free_port()
     log = open(Path(env["HOME"]) / "serve.log", "w+")  # noqa: SIM115 - read after the process
     server = subprocess.Popen(
         [str(BIN / "skytrain"), "serve", "--port", str(port)],

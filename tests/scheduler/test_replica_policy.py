@@ -53,6 +53,26 @@ def _limits(settings: Settings, **quota: int) -> Callable[[str], TenantLimits]:
     return lambda _tenant_id: limits
 
 
+def _scale(
+    session: Session,
+    meter: DemandMeter,
+    limits: Callable[[str], TenantLimits],
+    *,
+    policy: replicas.ScalePolicy = POLICY,
+    max_workers: int = MAX_WORKERS,
+    launch: Callable[[str], None] | None = None,
+) -> None:
+    """One pass of the replica policy over the database."""
+    replicas.scale(
+        session,
+        demand=meter,
+        policy=policy,
+        limits=limits,
+        max_workers=max_workers,
+        launch=launch,
+    )
+
+
 def _base() -> str:
     return f"tests/replica-policy-{uuid.uuid4().hex[:8]}"
 
@@ -104,17 +124,7 @@ def test_replicas_count_against_the_tenants_quotas(
         _home(session, base=base, tenant=tenant, worker=second)
         _busy(meter, clock, busy.id, first.id, 4)  # 4 per replica, above 1.5
 
-        def scale(**quota: int) -> None:
-            replicas.scale(
-                session,
-                demand=meter,
-                policy=POLICY,
-                limits=_limits(settings, **quota),
-                max_workers=MAX_WORKERS,
-                launch=None,
-            )
-
-        scale(max_workers=2, max_placed_models=10)
+        _scale(session, meter, _limits(settings, max_workers=2, max_placed_models=10))
         assert _held_on(session, busy.id) == {}  # the free worker would be a third
         held = _last_event(session, busy.id)
         assert held.kind == "held" and "max_workers=2" in held.reason, held.reason
@@ -128,18 +138,18 @@ def test_replicas_count_against_the_tenants_quotas(
         # max_workers, unless it would be one placed model more than max_placed_models.
         session.get_one(Worker, second.id).capacity = {"max_models": 2}
         session.commit()
-        scale(max_workers=2, max_placed_models=2)
+        _scale(session, meter, _limits(settings, max_workers=2, max_placed_models=2))
         assert _held_on(session, busy.id) == {}
         held = _last_event(session, busy.id)
         assert held.kind == "held" and "max_placed_models=2" in held.reason, held.reason
-        scale(max_workers=2, max_placed_models=3)
+        _scale(session, meter, _limits(settings, max_workers=2, max_placed_models=3))
         assert _held_on(session, busy.id) == {second.id: "serving"}
         assert free.id not in _held_on(session, busy.id)
 
         # A model taken off its worker has no demand per replica.
         busy.worker_id = None
         session.commit()
-        scale(max_workers=2, max_placed_models=3)
+        _scale(session, meter, _limits(settings, max_workers=2, max_placed_models=3))
         session.refresh(busy)
         assert busy.demand_per_replica is None
 
@@ -158,18 +168,8 @@ def test_one_tenants_scale_out_never_evicts_another_tenants_model(
         other = _home(session, base=base, tenant=f"b-{uuid.uuid4().hex[:6]}", worker=theirs)
         _busy(meter, clock, wanting.id, mine.id, 4)
         launched: list[str] = []
-
-        def scale(max_workers: int) -> None:
-            replicas.scale(
-                session,
-                demand=meter,
-                policy=POLICY,
-                limits=_limits(settings, max_workers=3),
-                max_workers=max_workers,
-                launch=launched.append,
-            )
-
-        scale(max_workers=MAX_WORKERS)
+        limits = _limits(settings, max_workers=3)
+        _scale(session, meter, limits, launch=launched.append)
         # (Other tests' models in this database may want workers of their own bases.)
         assert [launch for launch in launched if launch == base] == [base]
         assert _last_event(session, wanting.id).kind == "launch"
@@ -180,7 +180,7 @@ def test_one_tenants_scale_out_never_evicts_another_tenants_model(
         # At the control plane's max_workers nothing is launched, and still nothing is taken
         # from B.
         launched.clear()
-        scale(max_workers=1)
+        _scale(session, meter, limits, max_workers=1, launch=launched.append)
         assert base not in launched
         held = _last_event(session, wanting.id)
         assert held.kind == "held" and "max_workers=1" in held.reason, held.reason
@@ -205,26 +205,18 @@ def test_scale_in_keeps_a_draining_replica_until_its_requests_in_flight_are_answ
         answered = meter.begin(model.id, spare.id)  # one request, streaming on the replica
         clock.now += WINDOW_S  # 1 in flight over 2 replicas: 1 per replica over one would be
         policy = dataclasses.replace(POLICY, scale_in_in_flight=2.0)  # below 2
-
-        def scale() -> None:
-            replicas.scale(
-                session,
-                demand=meter,
-                policy=policy,
-                limits=_limits(settings, max_workers=3),
-                max_workers=MAX_WORKERS,
-                launch=None,
-            )
-
-        scale()
+        limits = _limits(settings, max_workers=3)
+        _scale(session, meter, limits, policy=policy)
         assert _held_on(session, model.id) == {spare.id: "draining"}
         assert replicas.replica_workers(session, model_id=model.id, status="serving") == []
         assert _last_event(session, model.id).kind == "scale_in"
         clock.now += 1.0
-        scale()  # the request is still in flight: the replica stays, draining
+        _scale(
+            session, meter, limits, policy=policy
+        )  # the request is still in flight: the replica stays, draining
         assert _held_on(session, model.id) == {spare.id: "draining"}
         answered()
-        scale()
+        _scale(session, meter, limits, policy=policy)
         assert _held_on(session, model.id) == {}
         removed = _last_event(session, model.id)
         assert removed.kind == "replica_removed" and removed.worker_id == spare.id

@@ -27,6 +27,7 @@ from skytrain_backend.db import workers as worker_rows
 from skytrain_backend.db.session import create_db_engine, session_factory
 from skytrain_backend.provision import skypilot
 from tests.fixtures.services import MakeSettings
+from tests.fixtures.tinker_http import ask_for_run
 from tests.gateway.conftest import serve_in_thread
 from tests.provision.fake_sky import FakeSky
 
@@ -101,16 +102,7 @@ def test_a_base_model_one_gpu_trains_is_not_refused(client: Client) -> None:
 
 
 def _create_model(client: Client, base_model: str) -> httpx.Response:
-    session_id = client.sdk.post("/api/v1/create_session", json={}).json()["session_id"]
-    return client.sdk.post(
-        "/api/v1/create_model",
-        json={
-            "session_id": session_id,
-            "model_seq_id": 0,
-            "base_model": base_model,
-            "lora_config": {"rank": 8},
-        },
-    )
+    return ask_for_run(client.sdk, base_model)[1]
 
 
 def test_a_base_model_a_registered_worker_serves_is_left_to_that_worker(client: Client) -> None:

@@ -21,7 +21,8 @@ from skytrain_backend.trainer.job import JobSpec
 from skytrain_backend.trainer.trainer import OPTIMIZER_STATE
 from skytrain_backend.worker.sharded import Rendezvous, ShardedTrainer, torchrun_command
 from tests.fixtures.ports import port_outside_the_ephemeral_range
-from tests.trainer.test_resume import _answers, _groups
+from tests.fixtures.sampling import sampled_groups
+from tests.trainer.test_resume import QUESTIONS, _answers
 
 pytestmark = pytest.mark.distributed
 
@@ -129,7 +130,9 @@ def _assert_same_metrics(one: list[dict[str, float]], two: list[dict[str, float]
 def test_an_rl_job_on_two_processes_updates_as_one(tiny_model_path: Path, tmp_path: Path) -> None:
     sampler = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
     # 3 + 2 + 3 + 2 trajectories in 2 steps: a step of 5 rows gives one rank a padding row.
-    groups = _groups(sampler, [[0.0, 1.0, 0.5], [1.0, 0.0], [0.2, 0.9, 0.4], [0.7, 0.1]])
+    groups = sampled_groups(
+        sampler, [[0.0, 1.0, 0.5], [1.0, 0.0], [0.2, 0.9, 0.4], [0.7, 0.1]], questions=QUESTIONS
+    )
     config = RLTrainConfig(learning_rate=5e-2, num_gradient_steps=2, seed=3)
     one = Trainer.load(str(tiny_model_path), model_config=ModelConfig(), device="cpu")
     one_plan = one.prepare_rl(groups, config)

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from skytrain_backend.protocol import (
+    DEFAULT_LORA_TARGET_MODULES,
     ModelConfig,
     RLTrainConfig,
     SFTTrainConfig,
@@ -107,18 +108,7 @@ def _grpo(
 @pytest.mark.slow
 def test_grpo_raises_the_reward_of_the_tiny_model(tiny_model_path: Path) -> None:
     # lm_head is adapted too: a random model's output layer is where a vocabulary is learned.
-    model_config = ModelConfig(
-        lora_target_modules=[
-            "q_proj",
-            "k_proj",
-            "v_proj",
-            "o_proj",
-            "gate_proj",
-            "up_proj",
-            "down_proj",
-            "lm_head",
-        ]
-    )
+    model_config = ModelConfig(lora_target_modules=[*DEFAULT_LORA_TARGET_MODULES, "lm_head"])
     trainer = Trainer.load(str(tiny_model_path), model_config=model_config, device="cpu")
     tokenizer = trainer.policy.tokenizer
     end = end_of_turn_token_id(tokenizer)

@@ -18,10 +18,9 @@ from skytrain_backend.protocol import (
     RLTrainConfig,
     SFTTrainConfig,
     Trajectory,
-    TrajectoryGroup,
 )
 from skytrain_backend.trainer import RLPlan, SFTPlan, Trainer
-from tests.fixtures.sampling import sample_choices
+from tests.fixtures.sampling import sampled_groups
 
 Plan = RLPlan | SFTPlan
 Prepare = Callable[[Trainer, Path | None], Plan]
@@ -139,29 +138,8 @@ def test_an_sft_job_resumed_on_another_trainer_ends_exactly_as_one_never_stopped
     assert [m["learning_rate"] for m in resumed_plan.step_metrics] == learning_rates
 
 
-def _groups(trainer: Trainer, rewards: list[list[float]]) -> list[TrajectoryGroup]:
-    groups = []
-    for index, group_rewards in enumerate(rewards):
-        prompt = [{"role": "user", "content": f"Say something about {index}."}]
-        choices = sample_choices(
-            trainer.policy.model,
-            trainer.policy.tokenizer,
-            prompt,
-            n=len(group_rewards),
-            max_new_tokens=8,
-            seed=index,
-        )
-        groups.append(
-            TrajectoryGroup.model_validate(
-                {
-                    "trajectories": [
-                        {"messages_and_choices": [*prompt, choice], "reward": reward}
-                        for reward, choice in zip(group_rewards, choices, strict=True)
-                    ]
-                }
-            )
-        )
-    return groups
+# A question of its own for each of a job's (at most four) groups.
+QUESTIONS = [f"Say something about {index}." for index in range(4)]
 
 
 @pytest.mark.parametrize(
@@ -184,7 +162,9 @@ def test_a_multi_step_rl_job_resumed_on_another_trainer_ends_exactly_as_one_neve
     sampler = _load(tiny_model_path, ModelConfig())
     # Missing sampler logprobs are filled in by the trainer's read: the saved state carries
     # them, and only them could make a resumed step's ratios match.
-    groups = _groups(sampler, [[0.0, 1.0, 0.5], [1.0, 0.0], [0.2, 0.9, 0.4], [0.7, 0.1]])
+    groups = sampled_groups(
+        sampler, [[0.0, 1.0, 0.5], [1.0, 0.0], [0.2, 0.9, 0.4], [0.7, 0.1]], questions=QUESTIONS
+    )
     config = RLTrainConfig(
         learning_rate=2e-2, num_gradient_steps=4, precalculate_logprobs=True, seed=3
     )
@@ -223,7 +203,9 @@ def test_a_saved_state_resumes_only_the_job_that_saved_it(
         resumed.prepare_sft(trajectories, longer, resume_from=tmp_path / "saved")
     with pytest.raises(TrainingError, match="not of this rl job"):
         resumed.prepare_rl(
-            _groups(resumed, [[0.0, 1.0]]), RLTrainConfig(), resume_from=tmp_path / "saved"
+            sampled_groups(resumed, [[0.0, 1.0]], questions=QUESTIONS),
+            RLTrainConfig(),
+            resume_from=tmp_path / "saved",
         )
     with pytest.raises(TrainingError, match=r"holds no progress\.pt"):
         resumed.prepare_sft(trajectories, config, resume_from=tmp_path / "too-early")

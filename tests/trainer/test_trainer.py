@@ -14,7 +14,7 @@ import torch
 from skytrain_backend.errors import TrainingError
 from skytrain_backend.protocol import Choice, ModelConfig, RLTrainConfig, TrajectoryGroup
 from skytrain_backend.trainer import Trainer
-from tests.fixtures.sampling import sample_choices
+from tests.fixtures.sampling import sampled_groups
 
 QUESTIONS = ["Name a color.", "Count to three.", "Say hello."]
 
@@ -23,28 +23,9 @@ def _groups(
     trainer: Trainer, rewards: list[list[float]], *, seed: int = 0, max_new_tokens: int = 8
 ) -> list[TrajectoryGroup]:
     """One group per reward list, sampled from the trainer's current policy."""
-    groups = []
-    for g, group_rewards in enumerate(rewards):
-        prompt = [{"role": "user", "content": QUESTIONS[g % len(QUESTIONS)]}]
-        choices = sample_choices(
-            trainer.policy.model,
-            trainer.policy.tokenizer,
-            prompt,
-            n=len(group_rewards),
-            max_new_tokens=max_new_tokens,
-            seed=seed + g,
-        )
-        groups.append(
-            TrajectoryGroup.model_validate(
-                {
-                    "trajectories": [
-                        {"messages_and_choices": [*prompt, choice], "reward": reward}
-                        for reward, choice in zip(group_rewards, choices, strict=True)
-                    ]
-                }
-            )
-        )
-    return groups
+    return sampled_groups(
+        trainer, rewards, questions=QUESTIONS, seed=seed, max_new_tokens=max_new_tokens
+    )
 
 
 def _train(trainer: Trainer, groups: list[TrajectoryGroup], config: RLTrainConfig) -> list[Any]:

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 import httpx
 import uvicorn
 
-from skytrain_backend import tls
 from skytrain_backend.worker.frontdoor import FrontDoor
 from tests.fixtures.tls import serve_tls
 
@@ -80,12 +79,7 @@ def front_door_before(engine_url: str) -> Iterator[httpx.Client]:
     app = FrontDoor(engine_url=engine_url, engine_api_key=None, secret=secret, max_body_bytes=1024)
     with (
         serve_tls(app) as server,
-        httpx.Client(
-            base_url=server.url,
-            verify=tls.pinned_context(server.certificate),
-            headers={"Authorization": f"Bearer {secret}"},
-            timeout=30,
-        ) as http,
+        server.client(secret=secret, timeout=30) as http,
     ):
         yield http
 

@@ -6,7 +6,6 @@ engine is needed to be reached)."""
 from __future__ import annotations
 
 import secrets
-import socket
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from skytrain_backend.db import tenants, worker_tokens
 from skytrain_backend.db.models import Model, Worker
 from skytrain_backend.scheduler import placement
 from tests.api.support import group
+from tests.fixtures.ports import free_port
 from tests.fixtures.services import ApiKey, ControlPlane
 from tests.fixtures.tls import serve_tls
 from tests.gateway.conftest import wait_until
@@ -40,12 +40,6 @@ def _health_only(secret: str) -> Starlette:
         return Response(status_code=200 if ok else 401)
 
     return Starlette(routes=[Route("/health", health)])
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.fixture
@@ -129,7 +123,7 @@ class Unreached:
 def _register_unreached(join: httpx.Client, base_model: str) -> Unreached:
     secret = secrets.token_urlsafe(24)
     credentials = tls.self_signed_certificate(["127.0.0.1"])
-    address = f"https://127.0.0.1:{_free_port()}"  # nothing listens there yet
+    address = f"https://127.0.0.1:{free_port()}"  # nothing listens there yet
     answer = _register(
         join,
         secret=secret,

@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -57,16 +58,25 @@ def test_several_nodes_without_a_usable_node_rank_are_refused(rank: str | None) 
 
 
 @pytest.mark.slow
-def test_a_failed_run_is_a_training_error_without_this_machines_paths(tmp_path: Path) -> None:
-    """A batch the ranks cannot read fails them before any model loads."""
-    trainer = ShardedTrainer(
-        str(tmp_path / "model"),
-        model_config=ModelConfig(),
+def _on_one_cpu(
+    base_model: Path, tmp_path: Path, model_config: ModelConfig, **more: Any
+) -> ShardedTrainer:
+    """A sharded trainer of one CPU process, its runs under ``tmp_path / "runs"``; ``more``
+    are ShardedTrainer's other options (``env``, ``exit_grace_s``)."""
+    return ShardedTrainer(
+        str(base_model),
+        model_config=model_config,
         adapter_dir=None,
         rendezvous=Rendezvous(gpus_per_node=1),
         work_dir=tmp_path / "runs",
         device="cpu",
+        **more,
     )
+
+
+def test_a_failed_run_is_a_training_error_without_this_machines_paths(tmp_path: Path) -> None:
+    """A batch the ranks cannot read fails them before any model loads."""
+    trainer = _on_one_cpu(tmp_path / "model", tmp_path, ModelConfig())
     bad = Trajectory.model_construct(messages_and_choices=[], reward=0.0)  # needs a message
     plan = trainer.prepare_sft([bad], SFTTrainConfig())
     with pytest.raises(TrainingError, match=r"1 processes\) failed with exit code") as raised:
@@ -93,13 +103,10 @@ def test_ranks_hung_after_their_last_word_are_stopped_and_the_job_keeps_its_outp
     hang = tmp_path / "hang"
     hang.mkdir()
     (hang / "sitecustomize.py").write_text(HANG_AT_EXIT)
-    trainer = ShardedTrainer(
-        str(tiny_model_path),
-        model_config=ModelConfig(max_seq_length=64),
-        adapter_dir=None,
-        rendezvous=Rendezvous(gpus_per_node=1),
-        work_dir=tmp_path / "runs",
-        device="cpu",
+    trainer = _on_one_cpu(
+        tiny_model_path,
+        tmp_path,
+        ModelConfig(max_seq_length=64),
         env={
             "OMP_NUM_THREADS": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(hang), os.environ.get("PYTHONPATH")])),
@@ -121,13 +128,10 @@ def test_ranks_hung_after_their_last_word_are_stopped_and_the_job_keeps_its_outp
 def test_ranks_die_with_their_torchrun(tiny_model_path: Path, tmp_path: Path) -> None:
     """torchrun starts each rank in a session of its own: a worker killed (its torchrun
     killed with it) must not leave the ranks waiting between two steps for ever."""
-    trainer = ShardedTrainer(
-        str(tiny_model_path),
-        model_config=ModelConfig(max_seq_length=64),
-        adapter_dir=None,
-        rendezvous=Rendezvous(gpus_per_node=1),
-        work_dir=tmp_path / "runs",
-        device="cpu",
+    trainer = _on_one_cpu(
+        tiny_model_path,
+        tmp_path,
+        ModelConfig(max_seq_length=64),
         env={"OMP_NUM_THREADS": "1"},
     )
     plan = trainer.prepare_sft(_answers(2), SFTTrainConfig(batch_size=1, seed=1))

@@ -4,20 +4,16 @@ worker imports none of them before ``import_unsloth_first`` runs."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+
+from tests.fixtures.imports import loaded_by_importing
 
 
 @pytest.mark.slow
 def test_the_worker_entry_point_imports_no_training_library_before_unsloth() -> None:
-    code = (
-        "import sys, skytrain_backend.cli, skytrain_backend.worker.main, "
-        "skytrain_backend.engine.options, skytrain_backend.engine.launcher; "
-        "print(sorted({'transformers', 'peft', 'trl', 'torch'} & set(sys.modules)))"
+    entry_point = (
+        "skytrain_backend.cli, skytrain_backend.worker.main, "
+        "skytrain_backend.engine.options, skytrain_backend.engine.launcher"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
-    )
-    assert result.stdout.strip() == "[]"
+    training = {"transformers", "peft", "trl", "torch"}
+    assert loaded_by_importing(entry_point, watched=training) == []
