@@ -24,19 +24,19 @@ in. Eight tenants bursting at once then keep as much work in flight as one does,
 request waits behind that, not behind eight times it. A long-poll does not count against the
 places while it waits (``Admitted.park``): it holds no CPU then; its checks and its answer do.
 
-A tenant cannot tie up what others use: a process sends one admission per tenant at a time to
-the database (the others of that tenant wait in memory, holding nothing), and admissions and
-renewals run on threads of their own, not the pool the routes share, taken in turns
-(``FairLimiter``): the next turn goes to a tenant with no other request waiting to be counted
-in (then the one with the fewest admitted and in flight), bursting tenants in turn. Releases are written on a thread of their own, one transaction at a time. The REST
-routes' counter admits one request at a time (``REST_COUNTING_TURNS``): a tenant's admissions
-are one at a time anyway, so eight tenants bursting at once cost the database, and the cores it
-shares with the process, what one tenant's burst does (one admission and one write of releases
-at a time), and a tenant with nothing in flight waits for at most the admission running. With
-four at a time, eight tenants' bursts kept four admissions and their releases running beside a
-quiet tenant's, which slowed it 8x where one tenant's burst slowed it 2x (bench/README.md). The
-gateway's counter admits ``DB_THREADS`` at a time: inference is admitted per request, at a rate
-one transaction at a time would cap.
+A tenant cannot tie up what others use: a process sends one admission per tenant at a time to the
+database (the others of that tenant wait in memory, holding nothing), and admissions and renewals
+run on threads of their own, not the pool the routes share, taken in turns (``FairLimiter``): the
+next turn goes to a tenant with no other request waiting to be counted in (then the one with the
+fewest admitted and in flight), bursting tenants in turn. Releases are written on a thread of their
+own, one transaction at a time. The REST routes' counter admits one request at a time
+(``REST_COUNTING_TURNS``): a tenant's admissions are one at a time anyway, so eight tenants
+bursting at once cost the database, and the cores it shares with the process, what one tenant's
+burst does (one admission and one write of releases at a time), and a tenant with nothing in flight
+waits for at most the admission running. With four at a time, eight tenants' bursts kept four
+admissions and their releases running beside a quiet tenant's, which slowed it 8x where one
+tenant's burst slowed it 2x (bench/README.md). The gateway's counter admits ``DB_THREADS`` at a
+time: inference is admitted per request, at a rate one transaction at a time would cap.
 """
 
 from __future__ import annotations
