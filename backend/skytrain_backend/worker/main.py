@@ -18,6 +18,7 @@ import importlib.util
 import logging
 import os
 import platform
+import random
 import secrets
 import signal
 import socket
@@ -117,7 +118,30 @@ class WorkerConfig:
         return cls(**values)
 
 
-def _free_port() -> int:
+# Where the engine's port is drawn from when the kernel's range for outgoing connections
+# leaves room below it (``engine_port``).
+ENGINE_PORTS_FROM = 10_000
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def engine_port() -> int:
+    """A loopback port free now for the engine, which binds it only once its model has loaded
+    (seconds to minutes later). Drawn below the kernel's range for outgoing connections and
+    ``bind(0)``: a port of that range is often taken meanwhile by any connection on the host
+    (the engine then fails with 'address already in use'), a port below it only by a server
+    choosing it as well."""
+    try:
+        low = int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    for _ in range(64 if low > ENGINE_PORTS_FROM + 1 else 0):
+        port = random.randrange(ENGINE_PORTS_FROM, low)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -215,7 +239,7 @@ async def run_worker(config: WorkerConfig, settings: Settings) -> None:
     options = EngineOptions.from_settings(
         settings,
         model=config.base_model,
-        port=_free_port(),
+        port=engine_port(),
         host="127.0.0.1",
         api_key=engine_key,
         served_model_name=config.base_model,
