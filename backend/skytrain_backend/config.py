@@ -19,7 +19,15 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import (
+    AliasChoices,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+)
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -829,6 +837,25 @@ def variables() -> dict[str, tuple[str, str]]:
         for name, field in cls.model_fields.items():
             found[_variable(cls.model_config.get("env_prefix", ""), name, field)] = (group, name)
     return found
+
+
+def wrong_variables(error: ValidationError) -> list[str] | None:
+    """A settings group's validation error as one line per wrong environment variable
+    (``SKYTRAIN_METRICS_PORT: Input should be a valid integer...``), never its value (it may be
+    a secret); None when ``error`` is not a settings group's."""
+    groups = {
+        getattr(holder.default_factory, "__name__", None): group
+        for group, holder in Settings.model_fields.items()
+    }
+    group = groups.get(error.title)
+    if group is None:
+        return None
+    names = {field: variable for variable, field in variables().items()}
+    lines = []
+    for item in error.errors(include_input=False, include_url=False):
+        field = str(item["loc"][0]) if item["loc"] else ""
+        lines.append(f"{names.get((group, field), f'the {group} settings')}: {item['msg']}")
+    return lines
 
 
 def _variable(prefix: str, name: str, field: FieldInfo) -> str:

@@ -12,7 +12,7 @@ know, so a generic renderer (``role_colon``) instead of its recommended one.
         tiktoken lxml pycryptodomex   # its other requirements are skytrain's already
     export TINKER_API_KEY=$(skytrain keys create --tenant me --tinker)
     python -m examples.tinker.cookbook_sl_basic --base-url http://127.0.0.1:8000 \\
-        --model /path/to/a/local/model --data conversations.jsonl --log-path /tmp/sl_basic
+        --base-model /path/to/a/local/model --data conversations.jsonl --log-path /tmp/sl_basic
 
 (``--no-deps``: tinker-cookbook 0.6.1 also requires ``tml-renderers>=0.4.1``, which only its
 Inkling and audio recipes import.) Without ``--data`` the cookbook's own example
@@ -103,21 +103,27 @@ def run(config: Any) -> list[dict[str, Any]]:
     return [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base-url", required=True, help="the skytrain control plane")
-    parser.add_argument("--model", required=True, help="a local model directory (the base model)")
+    parser.add_argument("--base-model", required=True, help="a local model directory")
     parser.add_argument("--data", type=Path, default=None, help="conversations JSONL")
     parser.add_argument("--log-path", type=Path, required=True)
-    parser.add_argument("--max-steps", type=int, default=None)
-    args = parser.parse_args()
+    parser.add_argument(
+        "--steps", type=int, default=None, help="default: every step of the recipe's epochs"
+    )
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
     logging.basicConfig(level=logging.INFO)
     config = build_config(
         base_url=args.base_url,
-        model=args.model,
+        model=args.base_model,
         data=args.data or example_conversations(),
         log_path=args.log_path,
-        max_steps=args.max_steps,
+        max_steps=args.steps,
     )
     for step in run(config):
         print(step)

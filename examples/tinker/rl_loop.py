@@ -171,7 +171,7 @@ def main(config: Config) -> list[dict[str, float]]:
         service_client.close("success").result()
 
 
-def _parse() -> Config:
+def parse_args(argv: list[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = Config()
     parser.add_argument("--base-model", default=defaults.base_model)
@@ -184,7 +184,7 @@ def _parse() -> Config:
         "--loss-fn", default=defaults.loss_fn, choices=["importance_sampling", "ppo", "cispo"]
     )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="questions and sampling")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     return Config(
         base_model=args.base_model,
         base_url=args.base_url,
@@ -200,4 +200,4 @@ def _parse() -> Config:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    main(_parse())
+    main(parse_args())

@@ -138,7 +138,7 @@ def main(config: Config) -> list[dict[str, float]]:
         service_client.close("success").result()
 
 
-def _parse() -> Config:
+def parse_args(argv: list[str] | None = None) -> Config:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = Config()
     parser.add_argument("--base-model", default=defaults.base_model)
@@ -147,7 +147,7 @@ def _parse() -> Config:
     parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
     parser.add_argument("--learning-rate", type=float, default=defaults.learning_rate)
     parser.add_argument("--lora-rank", type=int, default=defaults.lora_rank)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     return Config(
         base_model=args.base_model,
         base_url=args.base_url,
@@ -161,4 +161,4 @@ def _parse() -> Config:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    main(_parse())
+    main(parse_args())

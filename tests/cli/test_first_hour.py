@@ -119,6 +119,63 @@ def test_an_unreachable_database_is_a_few_lines_naming_it(
     assert "SKYTRAIN_DATABASE_URL" in output
 
 
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("ops:s3cret@db.internal/skytrain", None),  # no scheme: not a URL at all
+        ("mysql://ops:s3cret@db.internal/skytrain", "mysql://ops:***@db.internal/skytrain"),
+        ("postgres+psycopg://ops:s3cret@db.internal/skytrain", "postgres+psycopg://ops:***@"),
+        ("postgresql+psycopg://ops:s3cret@db.internal:port/skytrain", None),
+    ],
+    ids=["not a URL", "driver not installed", "unknown dialect", "port not a number"],
+)
+def test_a_database_url_skytrain_cannot_open_is_a_few_lines_naming_the_variable(
+    url: str, shown: str | None, tmp_path: Path
+) -> None:
+    """A mistyped SKYTRAIN_DATABASE_URL printed SQLAlchemy's traceback (about 100 lines) from
+    every command that reads the database."""
+    env = {**os.environ, "SKYTRAIN_HOME": str(tmp_path), "SKYTRAIN_DATABASE_URL": url}
+    result = subprocess.run(
+        [SKYTRAIN, "status"], env=env, capture_output=True, text=True, timeout=120
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert len(output.strip().splitlines()) <= 5, output
+    assert "SKYTRAIN_DATABASE_URL is not a database URL skytrain can open" in output
+    assert "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE" in output
+    assert "s3cret" not in output and "Traceback" not in output
+    if shown is not None:
+        assert shown in output
+
+
+@pytest.mark.parametrize(
+    ("command", "variable", "value", "said"),
+    [
+        (["status"], "SKYTRAIN_METRICS_PORT", "s3cret", "Input should be a valid integer"),
+        (["serve"], "SKYTRAIN_LOG_FORMAT", "s3cret", "Input should be 'text' or 'json'"),
+        (["workers", "list"], "SKYTRAIN_GATEWAY_DEFAULT_MAX_TOKENS", "-1", "greater than 0"),
+    ],
+    ids=["status", "serve", "workers list"],
+)
+def test_a_setting_with_a_wrong_value_is_a_few_lines_naming_its_variable(
+    command: list[str], variable: str, value: str, said: str, tmp_path: Path
+) -> None:
+    """A wrong SKYTRAIN_* value printed pydantic's traceback (about 110 lines) from whichever
+    command read the settings. Now one line names the variable and what it should be, never
+    its value (which could be a secret)."""
+    env = {**os.environ, "SKYTRAIN_HOME": str(tmp_path), variable: value}
+    result = subprocess.run(
+        [SKYTRAIN, *command], env=env, capture_output=True, text=True, timeout=120
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert len(output.strip().splitlines()) <= 5, output
+    (error,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert error.startswith(f"error: {variable}: ") and said in error
+    assert "docs/operators.md" in output
+    assert "s3cret" not in output and "Traceback" not in output
+
+
 def test_the_status_choices_are_the_protocols() -> None:
     from typing import get_args
 

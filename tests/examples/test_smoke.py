@@ -169,3 +169,17 @@ def test_every_example_takes_the_shared_flags() -> None:
     scripts = training_parser("x", None, project="p", base_model="b").parse_args(shared)
     for option in ("base_model", "name", "steps", "base_url", "api_key"):
         assert parsed[option] == getattr(scripts, option)
+
+
+def test_the_tinker_examples_take_the_base_model_steps_and_base_url_flags() -> None:
+    """The README says every example takes `--base-model` and `--steps`; the cookbook's took
+    `--model` and `--max-steps`. The Tinker SDK takes its key from TINKER_API_KEY and names no
+    model, so these three are the ones they share with the others."""
+    from examples.tinker import cookbook_sl_basic, rl_loop, sl_loop
+
+    shared = ["--base-model", "m", "--steps", "3", "--base-url", "u"]
+    for parse in (rl_loop.parse_args, sl_loop.parse_args):
+        config = parse(shared)
+        assert (config.base_model, config.num_steps, config.base_url) == ("m", 3, "u")
+    cookbook = cookbook_sl_basic.parse_args([*shared, "--log-path", "/tmp/sl_basic"])
+    assert (cookbook.base_model, cookbook.steps, cookbook.base_url) == ("m", 3, "u")

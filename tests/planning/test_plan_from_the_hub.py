@@ -78,6 +78,22 @@ def test_a_gated_model_is_planned_with_the_operators_token(loopback_hub: Loopbac
     assert plan["gpu"] == "L4:1" and plan["model"] == "meta-llama/Llama-3.1-8B-Instruct"
 
 
+def test_a_fresh_install_fits_llama_8b_on_an_l4_at_rank_8_from_the_hubs_config(
+    loopback_hub: LoopbackHub,
+) -> None:
+    """Issue 34's must-show, on empty caches: at workers' largest rank (64) an L4 refuses
+    Llama-3.1-8B; at rank 8, models' default, it fits with rows of at least 4,096 tokens."""
+    llama = ("meta-llama/Llama-3.1-8B-Instruct", "--gpu", "L4:1")
+    at_64 = _plan(loopback_hub.url, *llama, token="hf_llama_token")
+    assert at_64["fits"] is False
+    at_8 = _plan(loopback_hub.url, *llama, "--lora-rank", "8", token="hf_llama_token")
+    assert at_8["fits"] is True, at_8["reason"]
+    assert at_8["max_row_tokens"] >= 4096
+    assert {path for _, path in loopback_hub.requests} == {
+        f"/meta-llama/Llama-3.1-8B-Instruct{CONFIG_ONLY}"
+    }
+
+
 def test_a_model_the_hub_does_not_have_is_named_with_what_to_check(
     loopback_hub: LoopbackHub,
 ) -> None:

@@ -13,6 +13,8 @@ control plane's commands never load torch.
 
 from __future__ import annotations
 
+import typer
+
 from skytrain_backend.cli import control, demo, models, status, storage, workers
 from skytrain_backend.cli._common import app
 
@@ -20,4 +22,21 @@ __all__ = ["app", "control", "demo", "main", "models", "status", "storage", "wor
 
 
 def main() -> None:
-    app()
+    """``skytrain``: the app; a setting whose environment variable has a wrong value is a short
+    error naming the variable, from whichever command read the settings first."""
+    from pydantic import ValidationError
+
+    from skytrain_backend.config import wrong_variables
+
+    try:
+        app()
+    except ValidationError as exc:
+        wrong = wrong_variables(exc)
+        if wrong is None:
+            raise
+        for line in wrong:
+            typer.echo(f"error: {line}", err=True)
+        typer.echo(
+            "  fix or unset it (docs/operators.md#configuration lists every setting)", err=True
+        )
+        raise SystemExit(1) from None

@@ -70,16 +70,29 @@ def _fail(message: str) -> typer.Exit:
 
 @contextlib.contextmanager
 def _database() -> Iterator[Engine]:
-    """The settings' database; one that cannot be reached is a short error naming its URL
-    (password hidden) and what to check, not the driver's traceback."""
+    """The settings' database; one that cannot be reached, or a URL that names none skytrain
+    can open, is a short error naming its URL (password hidden) and what to check, not the
+    driver's traceback."""
     from sqlalchemy.engine import make_url
-    from sqlalchemy.exc import InterfaceError, OperationalError
+    from sqlalchemy.exc import ArgumentError, InterfaceError, OperationalError
 
     from skytrain_backend.config import get_settings
     from skytrain_backend.db.session import create_db_engine
 
     url = get_settings().storage.resolved_database_url
-    engine = create_db_engine(url)
+    try:
+        engine = create_db_engine(url)
+    except (ArgumentError, ImportError, ValueError) as exc:
+        # Unparsable, an unknown dialect, a driver that is not installed, a port that is not a
+        # number. A URL that does not parse is not shown: its password cannot be told apart.
+        try:
+            shown = f" {make_url(url).render_as_string(hide_password=True)}"
+        except (ArgumentError, ValueError):
+            shown = ""
+        raise _fail(
+            f"SKYTRAIN_DATABASE_URL is not a database URL skytrain can open{shown}: {exc}\n"
+            "  give postgresql+psycopg://USER:PASSWORD@HOST:PORT/DATABASE or sqlite:///PATH"
+        ) from None
     try:
         yield engine
     except (OperationalError, InterfaceError) as exc:
