@@ -674,7 +674,7 @@ class EngineSettings(_SettingsGroup):
     secret: str | None = Field(
         default=None,
         description="Worker: the secret its front door requires on every request (the "
-        "control plane sends it). Default: a fresh random one.",
+        "control plane sends it), 16 to 128 characters. Default: a fresh random one.",
     )
     vllm_python: str | None = Field(
         validation_alias="SKYTRAIN_VLLM_PYTHON",

@@ -7,6 +7,7 @@ from sqlalchemy.orm import Session
 
 from skytrain_backend.db.models import TrajectoryBatch
 from skytrain_backend.db.pages import PageRequest, list_page, where_given
+from skytrain_backend.db.session import staged
 from skytrain_backend.errors import NotFound
 
 
@@ -24,20 +25,20 @@ def add_batch(
     size_bytes: int = 0,
 ) -> TrajectoryBatch:
     """Stage the row; the caller commits once the object is in the store."""
-    batch = TrajectoryBatch(
-        id=batch_id,
-        model_id=model_id,
-        split=split,
-        step=step,
-        uri=uri,
-        num_groups=num_groups,
-        num_trajectories=num_trajectories,
-        metrics=metrics,
-        size_bytes=size_bytes,
+    return staged(
+        session,
+        TrajectoryBatch(
+            id=batch_id,
+            model_id=model_id,
+            split=split,
+            step=step,
+            uri=uri,
+            num_groups=num_groups,
+            num_trajectories=num_trajectories,
+            metrics=metrics,
+            size_bytes=size_bytes,
+        ),
     )
-    session.add(batch)
-    session.flush()
-    return batch
 
 
 def _model_batches(

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import Model, TrainingJob, TrainingJobEvent, utcnow
 from skytrain_backend.db.pages import PageRequest, fetch_page, list_page, where_given
+from skytrain_backend.db.session import staged
 from skytrain_backend.errors import Conflict, NotFound, RateLimited
 from skytrain_backend.protocol import TERMINAL_JOB_STATUSES, EventType, JobKind, JobStatus
 
@@ -62,24 +63,24 @@ def add_job(
 ) -> TrainingJob:
     """Stage a queued job; the caller commits once its input (``input_bytes``) is in the
     store."""
-    job = TrainingJob(
-        id=job_id,
-        model_id=model_id,
-        kind=kind,
-        status="queued",
-        config=config,
-        input_uri=input_uri,
-        input_bytes=input_bytes,
-        num_groups=num_groups,
-        num_trajectories=num_trajectories,
-        attempts=0,
-        max_attempts=max_attempts,
-        request_id=request_id,
-        cancel_requested=False,
+    return staged(
+        session,
+        TrainingJob(
+            id=job_id,
+            model_id=model_id,
+            kind=kind,
+            status="queued",
+            config=config,
+            input_uri=input_uri,
+            input_bytes=input_bytes,
+            num_groups=num_groups,
+            num_trajectories=num_trajectories,
+            attempts=0,
+            max_attempts=max_attempts,
+            request_id=request_id,
+            cancel_requested=False,
+        ),
     )
-    session.add(job)
-    session.flush()
-    return job
 
 
 def _tenant_jobs(tenant_id: str) -> Any:
@@ -119,10 +120,7 @@ def list_jobs(
 def add_event(
     session: Session, *, job_id: str, type: EventType, data: dict[str, Any]
 ) -> TrainingJobEvent:
-    event = TrainingJobEvent(job_id=job_id, type=type, data=data)
-    session.add(event)
-    session.flush()
-    return event
+    return staged(session, TrainingJobEvent(job_id=job_id, type=type, data=data))
 
 
 def cancel_job(session: Session, *, job: TrainingJob) -> TrainingJob:

@@ -30,9 +30,10 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, composite, mapped_column
 from typing_extensions import TypedDict
 
+from skytrain_backend.child_processes import ProcessIdentity
 from skytrain_backend.json_types import JSONObject
 
 ID_LENGTH = 32
@@ -539,6 +540,9 @@ class ManagedProcess(Base):
     owner_pid: Mapped[int]
     owner_start_time: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = _created_at()
+    # The process and its owner as the pairs of columns above.
+    process: Mapped[ProcessIdentity] = composite("pid", "start_time")
+    owner: Mapped[ProcessIdentity] = composite("owner_pid", "owner_start_time")
 
 
 class TenantLoad(Base):

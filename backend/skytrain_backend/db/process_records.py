@@ -26,15 +26,7 @@ def record(
     owner: ProcessIdentity,
 ) -> None:
     session.add(
-        ManagedProcess(
-            kind=kind,
-            worker_id=worker_id,
-            host=host,
-            pid=process.pid,
-            start_time=process.start_time,
-            owner_pid=owner.pid,
-            owner_start_time=owner.start_time,
-        )
+        ManagedProcess(kind=kind, worker_id=worker_id, host=host, process=process, owner=owner)
     )
     session.commit()
 
@@ -49,18 +41,6 @@ def on_host(session: Session, *, host: str) -> list[ManagedProcess]:
 
 def forget(session: Session, *, host: str, process: ProcessIdentity) -> None:
     session.execute(
-        delete(ManagedProcess).where(
-            ManagedProcess.host == host,
-            ManagedProcess.pid == process.pid,
-            ManagedProcess.start_time == process.start_time,
-        )
+        delete(ManagedProcess).where(ManagedProcess.host == host, ManagedProcess.process == process)
     )
     session.commit()
-
-
-def identity(row: ManagedProcess) -> ProcessIdentity:
-    return ProcessIdentity(row.pid, row.start_time)
-
-
-def owner(row: ManagedProcess) -> ProcessIdentity:
-    return ProcessIdentity(row.owner_pid, row.owner_start_time)

@@ -8,13 +8,15 @@ busy timeout so concurrent requests wait for the write lock instead of failing.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 SQLITE_BUSY_TIMEOUT_S = 30
+
+Row = TypeVar("Row")
 
 
 def create_db_engine(url: str, *, pool_size: int = 5, max_connections: int = 15) -> Engine:
@@ -55,3 +57,11 @@ def _configure_sqlite(dbapi_connection: Any, _record: Any) -> None:
 def session_factory(engine: Engine) -> sessionmaker[Session]:
     # Rows stay readable after commit: routes build responses from what they just wrote.
     return sessionmaker(engine, expire_on_commit=False)
+
+
+def staged(session: Session, row: Row) -> Row:
+    """``row`` added and flushed: its ids and defaults are set and a constraint it breaks
+    fails now, while the caller commits only once what the row points at exists."""
+    session.add(row)
+    session.flush()
+    return row

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 from skytrain_backend.db import tenants
 from skytrain_backend.db.models import UploadedFile
 from skytrain_backend.db.pages import PageRequest, list_page
+from skytrain_backend.db.session import staged
 from skytrain_backend.errors import NotFound
 
 
@@ -24,16 +25,16 @@ def add_file(
     """Record a file whose object is written (``size_bytes`` of SHA-256 ``sha256``); its
     bytes were taken from the tenant's storage quota as it was read
     (``tenants.StorageReservation``), which the caller commits with the row."""
-    row = UploadedFile(
-        id=file_id,
-        tenant_id=tenant_id,
-        num_trajectories=num_trajectories,
-        size_bytes=size_bytes,
-        sha256=sha256,
+    return staged(
+        session,
+        UploadedFile(
+            id=file_id,
+            tenant_id=tenant_id,
+            num_trajectories=num_trajectories,
+            size_bytes=size_bytes,
+            sha256=sha256,
+        ),
     )
-    session.add(row)
-    session.flush()
-    return row
 
 
 def get_file(session: Session, *, tenant_id: str, file_id: str) -> UploadedFile:

@@ -87,19 +87,7 @@ def serve(
             os.execve(command.argv[0], command.argv, os.environ | command.env)
         from skytrain_backend.engine.hf.server import serve as serve_hf
 
-        serve_hf(
-            options.model,
-            served_model_name=options.name,
-            host=options.host,
-            port=options.port,
-            api_key=options.api_key,
-            max_model_len=options.max_model_len,
-            max_num_seqs=options.max_num_seqs or 32,
-            dtype=options.dtype,
-            threads=options.threads,
-            max_lora_rank=options.max_lora_rank,
-            log_level=log_level,
-        )
+        serve_hf(options, log_level=log_level)
     except SkytrainError as exc:
         typer.echo(f"error: {exc.message}", err=True)
         raise typer.Exit(code=1) from None

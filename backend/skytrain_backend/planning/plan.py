@@ -450,16 +450,7 @@ class _Planner:
             room = free_per_gpu - held - lora
 
             def fits(tokens: int, checkpointing: bool) -> bool:
-                needed = activation_bytes(
-                    shape,
-                    row_tokens=tokens,
-                    chunk_size=LOGPROB_CHUNK_SIZE,
-                    dtype_bytes=2,
-                    gradient_checkpointing=checkpointing,
-                    lora_rank=self.lora_rank,
-                    lora_modules=self.lora_modules,
-                )
-                return needed <= room
+                return self.activations(tokens, checkpointing=checkpointing) <= room
 
             checkpointing = not fits(wanted_row, False)
             longest = self.longest_row(wanted_row, lambda tokens: fits(tokens, checkpointing))
@@ -512,15 +503,7 @@ class _Planner:
             + (f" (each of {trainer_gpus} trainer processes)" if trainer_gpus > 1 else ""),
         )
         if longest is None:
-            needed = activation_bytes(
-                shape,
-                row_tokens=MIN_ROW_TOKENS,
-                chunk_size=LOGPROB_CHUNK_SIZE,
-                dtype_bytes=2,
-                gradient_checkpointing=True,
-                lora_rank=self.lora_rank,
-                lora_modules=self.lora_modules,
-            )
+            needed = self.activations(MIN_ROW_TOKENS, checkpointing=True)
             return self.refuse(
                 s,
                 f"{self.model} does not fit {self.where} for training: base weights "
@@ -578,6 +561,19 @@ class _Planner:
             disk_gb=disk_gb,
             rows=self.rows,
             nodes=self.nodes,
+        )
+
+    def activations(self, row_tokens: int, *, checkpointing: bool) -> float:
+        """The activation memory of one training row of ``row_tokens`` tokens in bf16, with
+        this plan's LoRA adapter (``shapes.activation_bytes``)."""
+        return activation_bytes(
+            self.shape,
+            row_tokens=row_tokens,
+            chunk_size=LOGPROB_CHUNK_SIZE,
+            dtype_bytes=2,
+            gradient_checkpointing=checkpointing,
+            lora_rank=self.lora_rank,
+            lora_modules=self.lora_modules,
         )
 
     @staticmethod

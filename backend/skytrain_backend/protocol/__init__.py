@@ -74,6 +74,7 @@ from skytrain_backend.protocol.trajectories import (
     _message_or_choice as _message_or_choice,
 )
 from skytrain_backend.protocol.worker import (
+    ENGINE_SECRET_CHARS,
     MAX_CERTIFICATE_CHARS,
     TERMINAL_JOB_STATUSES,
     CheckpointFile,
@@ -116,6 +117,7 @@ __all__ = [
     "ART_ROW_MULTIPLE",
     "DEFAULT_EPSILON",
     "DEFAULT_LORA_TARGET_MODULES",
+    "ENGINE_SECRET_CHARS",
     "MAX_CERTIFICATE_CHARS",
     "MAX_REPLICAS",
     "MAX_SEQUENCE_LENGTH",

@@ -42,6 +42,8 @@ WorkerStatus = Literal["starting", "ready", "training", "sleeping", "draining"]
 WorkerEventType = Literal["training_started", "training_resumed", "gradient_step", "job_timeline"]
 # The largest PEM certificate a worker may register (a self-signed EC certificate is ~700 B).
 MAX_CERTIFICATE_CHARS = 16_384
+# The bounds of the secret a worker's front door requires (SKYTRAIN_ENGINE_SECRET).
+ENGINE_SECRET_CHARS = (16, 128)
 
 
 class WorkerCapacity(BaseModel):
@@ -55,7 +57,7 @@ class WorkerRegistration(BaseModel):
 
     base_model: str = Field(min_length=1, max_length=512)
     served_model_name: str = Field(min_length=1, max_length=512)
-    engine_secret: str = Field(min_length=16, max_length=128)
+    engine_secret: str = Field(min_length=ENGINE_SECRET_CHARS[0], max_length=ENGINE_SECRET_CHARS[1])
     # The worker's front door: HTTPS on this port, with this self-signed certificate (PEM).
     port: int = Field(ge=1, le=65535)
     certificate: str = Field(min_length=1, max_length=MAX_CERTIFICATE_CHARS)

@@ -187,20 +187,19 @@ class LocalProvider(Provider):
         stopped = []
         with self._sessions() as session:
             rows = process_records.on_host(session, host=self.host)
-            chosen = [row for row in rows if whose(process_records.owner(row))]
+            chosen = [row for row in rows if whose(row.owner)]
             for row in chosen:
-                identity = process_records.identity(row)
-                if stop_process(identity):
+                if stop_process(row.process):
                     logger.warning(
                         "stopped worker process %d (worker %s): its control plane (pid %d) "
                         "no longer owns it",
-                        identity.pid,
+                        row.process.pid,
                         row.worker_id,
-                        row.owner_pid,
+                        row.owner.pid,
                     )
                 if row.worker_id is not None:
                     stopped.append(row.worker_id)
-                process_records.forget(session, host=self.host, process=identity)
+                process_records.forget(session, host=self.host, process=row.process)
         return stopped
 
     def _forget(self, worker: _LocalWorker) -> None:

@@ -39,7 +39,6 @@ ROUTABLE_WORKER_STATUSES = ("ready", "training")
 @dataclass(frozen=True)
 class ServingStatus:
     state: ServingState
-    ready: bool
     message: str
     worker_id: str | None = None
     step: int | None = None
@@ -47,11 +46,16 @@ class ServingStatus:
     # Waiting because of the tenant's quota: its requests get 429 rather than 503.
     over_quota: bool = False
 
+    @property
+    def ready(self) -> bool:
+        """Whether requests are served now: the one state that says so."""
+        return self.state == "ready"
+
     def public(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("retry_after_s")
         data.pop("over_quota")
-        return data
+        return data | {"ready": self.ready}
 
 
 def is_served(worker: Worker, *, model_id: str, step: int) -> bool:
@@ -92,7 +96,6 @@ def serving_status(
         if idle_timeout_s is not None and _idle(session, model=model, timeout_s=idle_timeout_s):
             return ServingStatus(
                 state="idle",
-                ready=False,
                 # Not "loading": nothing happens until a request (or a registration) comes.
                 message=f"idle: loads on its next request ({model.entity}/{model.project}/"
                 f"{model.name} was unused for over {idle_timeout_s:.0f} s and left its worker)",
@@ -101,13 +104,12 @@ def serving_status(
         reason = placement.quota_wait(session, model=model, limits=limits) if limits else None
         if reason is not None:
             return ServingStatus(
-                state="waiting", ready=False, message=reason, retry_after_s=30.0, over_quota=True
+                state="waiting", message=reason, retry_after_s=30.0, over_quota=True
             )
         return _unplaced(session, model=model, max_workers=max_workers)
     if worker.status in ("provisioning", "starting"):
         return ServingStatus(
             state="starting",
-            ready=False,
             worker_id=worker.id,
             message=f"worker {worker.id} is starting its engine for {model.base_model}",
             retry_after_s=10.0,
@@ -120,7 +122,6 @@ def serving_status(
             # The home trains (its engine sleeps) or loads: its replicas serve meanwhile.
             return ServingStatus(
                 state="ready",
-                ready=True,
                 worker_id=elsewhere[0],
                 step=target,
                 message=f"serving step {target} on worker {', '.join(elsewhere)} while worker "
@@ -129,7 +130,6 @@ def serving_status(
     if worker.status == "sleeping":
         return ServingStatus(
             state="training",
-            ready=False,
             worker_id=worker.id,
             step=target,
             message=f"worker {worker.id} is training: its engine sleeps while a job uses the "
@@ -139,7 +139,6 @@ def serving_status(
     if not is_served(worker, model_id=model.id, step=target):
         return ServingStatus(
             state="loading",
-            ready=False,
             worker_id=worker.id,
             step=target,
             message=f"worker {worker.id} is loading step {target} of {model.entity}/"
@@ -154,9 +153,7 @@ def serving_status(
     message = f"serving step {target} on worker {worker.id}"
     if running is not None:
         message += f"; training job {running} is running"
-    return ServingStatus(
-        state="ready", ready=True, worker_id=worker.id, step=target, message=message
-    )
+    return ServingStatus(state="ready", worker_id=worker.id, step=target, message=message)
 
 
 def _ready_replicas(session: Session, *, model: Model, step: int) -> list[str]:
@@ -197,7 +194,6 @@ def _idle(session: Session, *, model: Model, timeout_s: float) -> bool:
 def _unreachable(worker: Worker, *, model: Model) -> ServingStatus:
     return ServingStatus(
         state="unreachable",
-        ready=False,
         worker_id=worker.id,
         # The address tried is the operator's (`skytrain workers list`), not the tenant's.
         message=f"worker {worker.id} for {model.base_model} is running, but the control "
@@ -216,7 +212,6 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
         # while left its worker, and its next request brings it back.
         return ServingStatus(
             state="loading",
-            ready=False,
             worker_id=room.id,
             message=f"placing {model.entity}/{model.project}/{model.name} on worker {room.id}, "
             "which loads it in a few seconds",
@@ -231,7 +226,6 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
         detail = f": {newest.status_message}" if newest.status_message else ""
         return ServingStatus(
             state="provisioning",
-            ready=False,
             worker_id=newest.id,
             message=f"starting a worker for {model.base_model} ({newest.provider}){detail}",
             retry_after_s=15.0,
@@ -250,7 +244,6 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
             tries = f" (failed launches: {hold.describe(model.base_model)})" if hold else ""
             return ServingStatus(
                 state="failed",
-                ready=False,
                 worker_id=newest.id,
                 message=f"no worker for base model {model.base_model!r} is launched: "
                 f"{said.removeprefix(placement.NOT_LAUNCHED)}{tries}",
@@ -258,7 +251,6 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
             )
         return ServingStatus(
             state="failed",
-            ready=False,
             worker_id=newest.id,
             message=f"the last worker for base model {model.base_model!r} failed to start"
             f"{held}: check that the name is right (a Hugging Face model id you may use, or a "
@@ -276,7 +268,6 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
             )
             return ServingStatus(
                 state="waiting",
-                ready=False,
                 message=wait.message,
                 retry_after_s=wait.retry_after_s,
             )
@@ -285,7 +276,6 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
     if newest is not None and newest.status in LIVE_WORKER_STATUSES:
         return ServingStatus(
             state="waiting",
-            ready=False,
             message=f"the workers for {model.base_model} hold as many models as they may "
             "(max_models): this model is placed once one of theirs goes idle (unused for "
             "SKYTRAIN_MODEL_IDLE_TIMEOUT_S), or a worker with room starts",
@@ -293,7 +283,6 @@ def _unplaced(session: Session, *, model: Model, max_workers: int | None) -> Ser
         )
     return ServingStatus(
         state="waiting",
-        ready=False,
         message=f"waiting for a worker for {model.base_model} to be placed on",
         retry_after_s=5.0,
     )
@@ -316,7 +305,6 @@ def _rank_wait(session: Session, *, model: Model) -> ServingStatus | None:
         return None
     return ServingStatus(
         state="waiting",
-        ready=False,
         message=f"the workers for {model.base_model} load LoRA ranks up to "
         f"{max(limit for limit in limits if limit is not None)} and this model's lora_rank is "
         f"{rank}: a worker for rank {rank} is launched for it (once max_workers allows)",
@@ -339,14 +327,12 @@ def _at_max_workers(session: Session, *, model: Model, max_workers: int) -> Serv
     if stopping is not None:
         return ServingStatus(
             state="waiting",
-            ready=False,
             message=f"{limit}: an idle worker is being stopped to make room, then a worker "
             f"for {model.base_model} can start",
             retry_after_s=10.0,
         )
     return ServingStatus(
         state="waiting",
-        ready=False,
         message=f"{limit}, and they have work: a worker for {model.base_model} starts once "
         "one of them has none left (its models unused for SKYTRAIN_MODEL_IDLE_TIMEOUT_S, "
         "their jobs ended) and is stopped to make room, or when the operator raises "

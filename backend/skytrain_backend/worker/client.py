@@ -34,39 +34,9 @@ from tenacity import (
     wait_exponential,
 )
 
+from skytrain_backend import protocol
 from skytrain_backend.errors import LeaseLost, ObjectDamaged, SkytrainError
-from skytrain_backend.protocol import (
-    CheckpointFile,
-    Heartbeat,
-    HeartbeatAnswer,
-    JobAttempt,
-    JobCompleted,
-    JobCompletion,
-    JobEventRecorded,
-    JobEventReport,
-    JobFailed,
-    JobFailure,
-    JobLease,
-    JobPreempted,
-    JobPreemption,
-    LeasedJob,
-    LeaseRenewed,
-    StagedFile,
-    WorkerEventType,
-    WorkerRegistered,
-    WorkerRegistration,
-)
-from skytrain_backend.protocol.tinker_ops import (
-    CheckpointFileInfo,
-    CheckpointFileList,
-    LeasedOperation,
-    LeasedRun,
-    NextOperationRequest,
-    OperationCompletion,
-    OperationFailure,
-    SaveCommit,
-    TinkerLease,
-)
+from skytrain_backend.protocol import tinker_ops
 from skytrain_backend.protocol.worker import ListedFile
 
 logger = logging.getLogger(__name__)
@@ -151,32 +121,34 @@ class ControlPlaneClient:
 
         await self._retrying(ask)
 
-    async def register(self, registration: WorkerRegistration) -> WorkerRegistered:
+    async def register(
+        self, registration: protocol.WorkerRegistration
+    ) -> protocol.WorkerRegistered:
         """Register; a worker that joined with a join token switches to the token it is given.
 
         Not retried: a join that succeeded but whose answer was lost would leave a second
         worker row behind (it is declared lost after the heartbeat timeout).
         """
         response = await self._send("POST", "/register", json=_body(registration))
-        answer = _answer(WorkerRegistered, response)
+        answer = _answer(protocol.WorkerRegistered, response)
         if answer.worker_token:
             self._http.headers["Authorization"] = f"Bearer {answer.worker_token}"
         return answer
 
-    async def heartbeat(self, build: Callable[[], Heartbeat]) -> HeartbeatAnswer:
+    async def heartbeat(self, build: Callable[[], protocol.Heartbeat]) -> protocol.HeartbeatAnswer:
         """Send what ``build`` says the worker does, built again for each try: a body retried
         after a job committed (the control plane was away meanwhile) would set the worker back
         to what it did before, its engine asleep or without the new step."""
         response = await self._retrying(
             lambda: self._send("POST", "/heartbeat", json=_body(build()))
         )
-        return _answer(HeartbeatAnswer, response)
+        return _answer(protocol.HeartbeatAnswer, response)
 
-    async def lease(self, *, wait_s: float = 0.0) -> LeasedJob | None:
+    async def lease(self, *, wait_s: float = 0.0) -> protocol.LeasedJob | None:
         """A job for this worker: the control plane answers as soon as one is queued, or
         None after ``wait_s`` (a long-poll, so a queued job reaches the worker at once)."""
         response = await self._lease("/jobs/lease", wait_s=wait_s)
-        return None if response is None else _answer(JobLease, response).job
+        return None if response is None else _answer(protocol.JobLease, response).job
 
     async def _lease(self, path: str, *, wait_s: float) -> httpx.Response | None:
         """The answer of a lease long-poll: None when nothing came within ``wait_s``."""
@@ -195,16 +167,16 @@ class ControlPlaneClient:
         read_s = None if timeout.read is None else timeout.read + wait_s
         return httpx.Timeout(timeout.connect, read=read_s, write=timeout.write, pool=timeout.pool)
 
-    async def renew(self, job_id: str, *, attempt: int) -> LeaseRenewed:
-        body = _body(JobAttempt(attempt=attempt))
+    async def renew(self, job_id: str, *, attempt: int) -> protocol.LeaseRenewed:
+        body = _body(protocol.JobAttempt(attempt=attempt))
         response = await self._retrying(
             lambda: self._send("POST", f"/jobs/{job_id}/renew", json=body)
         )
-        return _answer(LeaseRenewed, response)
+        return _answer(protocol.LeaseRenewed, response)
 
     async def renewals(
         self, job_id: str, *, attempt: int, lease_s: float, what: str
-    ) -> AsyncIterator[LeaseRenewed]:
+    ) -> AsyncIterator[protocol.LeaseRenewed]:
         """The lease renewed every third of ``lease_s``, each answer as it comes, for ever: a
         renewal that fails is logged and tried again at the next; ``LeaseLost`` ends it."""
         while True:
@@ -219,14 +191,14 @@ class ControlPlaneClient:
             yield answer
 
     async def event(
-        self, job_id: str, *, attempt: int, type: WorkerEventType, data: dict[str, Any]
-    ) -> JobEventRecorded:
+        self, job_id: str, *, attempt: int, type: protocol.WorkerEventType, data: dict[str, Any]
+    ) -> protocol.JobEventRecorded:
         """Report an event; the answer says whether the job is to stop (cancel or yield)."""
-        body = _body(JobEventReport(attempt=attempt, type=type, data=data))
+        body = _body(protocol.JobEventReport(attempt=attempt, type=type, data=data))
         response = await self._retrying(
             lambda: self._send("POST", f"/jobs/{job_id}/events", json=body)
         )
-        return _answer(JobEventRecorded, response)
+        return _answer(protocol.JobEventRecorded, response)
 
     async def download_input(self, job_id: str, target: Path) -> Path:
         return await self._retrying(lambda: self._download(f"/jobs/{job_id}/input", target))
@@ -262,15 +234,15 @@ class ControlPlaneClient:
 
     async def complete(
         self, job_id: str, *, attempt: int, step: int, metrics: dict[str, float], files: list[Path]
-    ) -> JobCompleted:
-        body = JobCompletion(
+    ) -> protocol.JobCompleted:
+        body = protocol.JobCompletion(
             attempt=attempt,
             step=step,
             metrics=metrics,
             files=await asyncio.to_thread(lambda: [staged_file(f) for f in files]),
         )
         response = await self._send("POST", f"/jobs/{job_id}/complete", json=_body(body))
-        return _answer(JobCompleted, response)
+        return _answer(protocol.JobCompleted, response)
 
     async def fail(
         self,
@@ -280,27 +252,27 @@ class ControlPlaneClient:
         error_message: str,
         retryable: bool = False,
         cancelled: bool = False,
-    ) -> JobFailed:
-        body = JobFailure(
+    ) -> protocol.JobFailed:
+        body = protocol.JobFailure(
             attempt=attempt,
             error_message=error_message,
             retryable=retryable,
             cancelled=cancelled,
         )
         response = await self._send("POST", f"/jobs/{job_id}/fail", json=_body(body))
-        return _answer(JobFailed, response)
+        return _answer(protocol.JobFailed, response)
 
     async def preempt(
         self, job_id: str, *, attempt: int, steps_done: int, files: list[Path]
-    ) -> JobPreempted:
+    ) -> protocol.JobPreempted:
         """Hand back a job asked to yield, its state in the attempt's uploaded ``files``."""
-        body = JobPreemption(
+        body = protocol.JobPreemption(
             attempt=attempt,
             steps_done=steps_done,
-            files=[CheckpointFile(name=f.name, size=f.stat().st_size) for f in files],
+            files=[protocol.CheckpointFile(name=f.name, size=f.stat().st_size) for f in files],
         )
         response = await self._send("POST", f"/jobs/{job_id}/preempt", json=_body(body))
-        return _answer(JobPreempted, response)
+        return _answer(protocol.JobPreempted, response)
 
     async def download_saved_state(self, job_id: str, directory: Path) -> Path:
         """The state the job saved when it last yielded, into ``directory``."""
@@ -317,16 +289,16 @@ class ControlPlaneClient:
 
     # --- the Tinker executor's calls (``/v1/worker/tinker/...``, ``protocol/tinker_ops.py``) ---
 
-    async def tinker_lease(self, *, wait_s: float = 0.0) -> LeasedRun | None:
+    async def tinker_lease(self, *, wait_s: float = 0.0) -> tinker_ops.LeasedRun | None:
         """A Tinker run placed on this worker, with its rebuild plan; None after ``wait_s``."""
         response = await self._lease("/tinker/lease", wait_s=wait_s)
-        return None if response is None else _answer(TinkerLease, response).run
+        return None if response is None else _answer(tinker_ops.TinkerLease, response).run
 
     async def tinker_next(
         self, job_id: str, *, attempt: int, seq_id: int, wait_s: float
-    ) -> LeasedOperation | None:
+    ) -> tinker_ops.LeasedOperation | None:
         """Operation ``seq_id`` of the run once it has arrived; None after ``wait_s``."""
-        body = _body(NextOperationRequest(attempt=attempt, seq_id=seq_id, wait_s=wait_s))
+        body = _body(tinker_ops.NextOperationRequest(attempt=attempt, seq_id=seq_id, wait_s=wait_s))
         response = await self._send(
             "POST",
             f"/tinker/runs/{job_id}/next",
@@ -335,14 +307,16 @@ class ControlPlaneClient:
         )
         if response.status_code == 204:
             return None
-        return _answer(LeasedOperation, response)
+        return _answer(tinker_ops.LeasedOperation, response)
 
-    async def tinker_operation(self, job_id: str, seq_id: int, *, attempt: int) -> LeasedOperation:
+    async def tinker_operation(
+        self, job_id: str, seq_id: int, *, attempt: int
+    ) -> tinker_ops.LeasedOperation:
         path = f"/tinker/runs/{job_id}/operations/{seq_id}"
         response = await self._retrying(
             lambda: self._send("GET", path, params={"attempt": attempt})
         )
-        return _answer(LeasedOperation, response)
+        return _answer(tinker_ops.LeasedOperation, response)
 
     async def tinker_input(self, job_id: str, seq_id: int, *, attempt: int, target: Path) -> Path:
         """An operation's input object (a forward-backward's protobuf batch) into ``target``."""
@@ -364,27 +338,29 @@ class ControlPlaneClient:
         )
 
     async def tinker_complete(
-        self, job_id: str, seq_id: int, completion: OperationCompletion
+        self, job_id: str, seq_id: int, completion: tinker_ops.OperationCompletion
     ) -> None:
         path = f"/tinker/runs/{job_id}/operations/{seq_id}/complete"
         await self._retrying(lambda: self._send("POST", path, json=_body(completion)))
 
-    async def tinker_fail(self, job_id: str, seq_id: int, failure: OperationFailure) -> None:
+    async def tinker_fail(
+        self, job_id: str, seq_id: int, failure: tinker_ops.OperationFailure
+    ) -> None:
         path = f"/tinker/runs/{job_id}/operations/{seq_id}/fail"
         await self._send("POST", path, json=_body(failure))
 
-    async def tinker_save(self, job_id: str, seq_id: int, commit: SaveCommit) -> None:
+    async def tinker_save(self, job_id: str, seq_id: int, commit: tinker_ops.SaveCommit) -> None:
         path = f"/tinker/runs/{job_id}/operations/{seq_id}/save"
         await self._retrying(lambda: self._send("POST", path, json=_body(commit)))
 
     async def tinker_checkpoint_files(
         self, job_id: str, model_id: str, step: int, *, attempt: int
-    ) -> list[CheckpointFileInfo]:
+    ) -> list[tinker_ops.CheckpointFileInfo]:
         path = f"/tinker/runs/{job_id}/checkpoints/{model_id}/{step}/files"
         response = await self._retrying(
             lambda: self._send("GET", path, params={"attempt": attempt})
         )
-        files = _answer(CheckpointFileList, response).data
+        files = _answer(tinker_ops.CheckpointFileList, response).data
         for item in files:
             if Path(item.name).name != item.name or item.name in (".", ".."):
                 raise SkytrainError(f"checkpoint {model_id}:{step} has a file named {item.name!r}")
@@ -453,7 +429,7 @@ async def until_stopped(call: Awaitable[T], stopping: asyncio.Event) -> T | None
     return None if task.cancelled() else task.result()
 
 
-def staged_file(path: Path, chunk_bytes: int = 1 << 20) -> StagedFile:
+def staged_file(path: Path, chunk_bytes: int = 1 << 20) -> protocol.StagedFile:
     """What the control plane checks the staged copy of ``path`` against before it commits."""
     sha256 = hashlib.sha256()
     size = 0
@@ -461,7 +437,7 @@ def staged_file(path: Path, chunk_bytes: int = 1 << 20) -> StagedFile:
         while chunk := handle.read(chunk_bytes):
             sha256.update(chunk)
             size += len(chunk)
-    return StagedFile(name=path.name, size=size, sha256=sha256.hexdigest())
+    return protocol.StagedFile(name=path.name, size=size, sha256=sha256.hexdigest())
 
 
 async def _file_chunks(path: Path, chunk_bytes: int = 1 << 20) -> AsyncIterator[bytes]:

@@ -36,7 +36,7 @@ from skytrain_backend.config import EngineKind, Settings
 from skytrain_backend.connections import ConnectionLimits, guarded_protocol
 from skytrain_backend.errors import ConfigurationError
 from skytrain_backend.observability.http import Observe
-from skytrain_backend.protocol import WorkerCapacity, WorkerRegistration
+from skytrain_backend.protocol import ENGINE_SECRET_CHARS, WorkerCapacity, WorkerRegistration
 from skytrain_backend.worker.agent import AgentOptions, WorkerAgent
 from skytrain_backend.worker.client import ControlPlaneClient
 from skytrain_backend.worker.engine_host import EngineHost
@@ -115,6 +115,13 @@ class WorkerConfig:
             "max_request_bytes": settings.server.max_request_bytes,
         }
         values.update(given)
+        shortest, longest = ENGINE_SECRET_CHARS
+        if not shortest <= len(values["engine_secret"]) <= longest:
+            # Checked here, not at registration: before the engine takes minutes to start.
+            raise ConfigurationError(
+                f"SKYTRAIN_ENGINE_SECRET must be {shortest} to {longest} characters long (it "
+                f"has {len(values['engine_secret'])}); unset it and the worker makes one"
+            )
         return cls(**values)
 
 

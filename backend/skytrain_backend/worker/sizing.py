@@ -83,15 +83,16 @@ class Sizing:
 
 @dataclass(frozen=True)
 class _Knobs:
-    """The numbers a setting or the plan gives (None: not given)."""
+    """The numbers a setting or the plan gives (None: not given), named as the plan's
+    fields (``WorkerPlan``)."""
 
     max_model_len: int | None
     gpu_memory_utilization: float | None
     tensor_parallel_size: int | None
     gradient_checkpointing: bool | None
     max_row_tokens: int | None
-    device_map: str | None
-    shards: int | None
+    trainer_device_map: str | None
+    trainer_shards: int | None
 
     def given(self) -> bool:
         return None not in dataclasses.astuple(self)
@@ -116,21 +117,13 @@ def _told(settings: Settings) -> _Knobs:
         tensor_parallel_size=settings.engine.tensor_parallel_size,
         gradient_checkpointing=settings.trainer.gradient_checkpointing,
         max_row_tokens=settings.trainer.max_row_tokens,
-        device_map=settings.trainer.device_map,
-        shards=settings.trainer.shards,
+        trainer_device_map=settings.trainer.device_map,
+        trainer_shards=settings.trainer.shards,
     )
 
 
 def _planned(plan: WorkerPlan) -> _Knobs:
-    return _Knobs(
-        max_model_len=plan.max_model_len,
-        gpu_memory_utilization=plan.gpu_memory_utilization,
-        tensor_parallel_size=plan.tensor_parallel_size,
-        gradient_checkpointing=plan.gradient_checkpointing,
-        max_row_tokens=plan.max_row_tokens,
-        device_map=plan.trainer_device_map,
-        shards=plan.trainer_shards,
-    )
+    return _Knobs(**{knob.name: getattr(plan, knob.name) for knob in dataclasses.fields(_Knobs)})
 
 
 def _sizing(values: _Knobs, plan: WorkerPlan | None = None) -> Sizing:
@@ -146,10 +139,10 @@ def _sizing(values: _Knobs, plan: WorkerPlan | None = None) -> Sizing:
             max_row_tokens=values.max_row_tokens,
             # The in-process trainer spreads a model it cannot hold on one GPU; a sharded
             # one (trainer_shards > 1) runs under torchrun instead (worker.sharded).
-            spread=values.device_map in ("auto", "fsdp"),
+            spread=values.trainer_device_map in ("auto", "fsdp"),
         ),
         plan=plan,
-        trainer_shards=values.shards or 1,
+        trainer_shards=values.trainer_shards or 1,
         host_memory_bytes=host * GB if host is not None else None,
     )
 

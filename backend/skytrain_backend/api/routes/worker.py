@@ -18,7 +18,7 @@ from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import or_, select
 from starlette.concurrency import run_in_threadpool
 
-from skytrain_backend import tls
+from skytrain_backend import protocol, tls
 from skytrain_backend.api import stored_files
 from skytrain_backend.api.deps import (
     NotifierDep,
@@ -52,25 +52,6 @@ from skytrain_backend.errors import (
     ObjectMissing,
 )
 from skytrain_backend.observability import metrics
-from skytrain_backend.protocol import (
-    Heartbeat,
-    HeartbeatAnswer,
-    JobAttempt,
-    JobCompleted,
-    JobCompletion,
-    JobEventRecorded,
-    JobEventReport,
-    JobFailed,
-    JobFailure,
-    JobLease,
-    JobPreempted,
-    JobPreemption,
-    LeaseRenewed,
-    ModelConfig,
-    PlacedModel,
-    WorkerRegistered,
-    WorkerRegistration,
-)
 from skytrain_backend.protocol.worker import FileListing
 from skytrain_backend.scheduler import integrity, queue
 from skytrain_backend.storage import compression, keys
@@ -86,7 +67,7 @@ HEARTBEAT_INTERVAL_S = 2.0
 SPOOL_IN_MEMORY_BYTES = 16 * 1024 * 1024
 
 
-def _endpoint(worker: Worker | None, body: WorkerRegistration, request: Request) -> str:
+def _endpoint(worker: Worker | None, body: protocol.WorkerRegistration, request: Request) -> str:
     """Where the control plane reaches the worker's front door.
 
     The worker's own ``advertise_url`` first; then the endpoint the provider found for the
@@ -138,15 +119,15 @@ def _admit(session: SessionDep, *, token: str, base_model: str) -> Worker | None
     return worker
 
 
-@router.post("/register", response_model=WorkerRegistered)
+@router.post("/register", response_model=protocol.WorkerRegistered)
 def register(
-    body: WorkerRegistration,
+    body: protocol.WorkerRegistration,
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
     scheduler: SchedulerDep,
     credentials: WorkerCredentialsDep,
-) -> WorkerRegistered:
+) -> protocol.WorkerRegistered:
     """Register with a worker token, or join with an operator's join token (``swj-...``).
 
     A worker joining with a join token gets its own worker row and token (in the answer's
@@ -193,7 +174,7 @@ def register(
         unreachable=None if problem is None else unreachable_message(endpoint, problem),
     )
     scheduler.wake()
-    return WorkerRegistered(
+    return protocol.WorkerRegistered(
         worker_id=worker.id,
         heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
         lease_s=settings.scheduler.job_lease_s,
@@ -204,8 +185,10 @@ def register(
     )
 
 
-@router.post("/heartbeat", response_model=HeartbeatAnswer)
-def heartbeat(body: Heartbeat, worker: WorkerDep, session: SessionDep) -> HeartbeatAnswer:
+@router.post("/heartbeat", response_model=protocol.HeartbeatAnswer)
+def heartbeat(
+    body: protocol.Heartbeat, worker: WorkerDep, session: SessionDep
+) -> protocol.HeartbeatAnswer:
     """Record what the worker serves; an unreachable worker is tried again first."""
     unreachable = None
     if worker.status == "unreachable" and worker.engine_endpoint and worker.engine_certificate:
@@ -225,7 +208,7 @@ def heartbeat(body: Heartbeat, worker: WorkerDep, session: SessionDep) -> Heartb
     return _assignments(session, worker=worker)
 
 
-def _assignments(session: SessionDep, *, worker: Worker) -> HeartbeatAnswer:
+def _assignments(session: SessionDep, *, worker: Worker) -> protocol.HeartbeatAnswer:
     """The models placed on the worker and the steps it should serve; jobs to cancel."""
     # Its models' homes and replicas (a draining replica still serves its requests in flight).
     replicas = select(ModelReplica.model_id).where(ModelReplica.worker_id == worker.id)
@@ -246,11 +229,11 @@ def _assignments(session: SessionDep, *, worker: Worker) -> HeartbeatAnswer:
             )
         )
         models.append(
-            PlacedModel(
+            protocol.PlacedModel(
                 model_id=model.id,
                 latest_step=latest,
                 steps=sorted({latest, *pinned}),
-                model_config_=ModelConfig.model_validate(model.config or {}),
+                model_config_=protocol.ModelConfig.model_validate(model.config or {}),
             )
         )
     cancel = session.scalars(
@@ -260,12 +243,14 @@ def _assignments(session: SessionDep, *, worker: Worker) -> HeartbeatAnswer:
             TrainingJob.cancel_requested.is_(True),
         )
     )
-    return HeartbeatAnswer(
+    return protocol.HeartbeatAnswer(
         models=models, cancel_job_ids=list(cancel), drain=worker.status == "draining"
     )
 
 
-@router.post("/jobs/lease", response_model=JobLease, responses={204: {"description": "No job"}})
+@router.post(
+    "/jobs/lease", response_model=protocol.JobLease, responses={204: {"description": "No job"}}
+)
 async def lease(
     request: Request,
     worker: WorkerDep,
@@ -273,7 +258,7 @@ async def lease(
     settings: SettingsDep,
     notifier: NotifierDep,
     wait_s: WaitS = 0.0,
-) -> Response | JobLease:
+) -> Response | protocol.JobLease:
     """Lease a queued job of a model placed on this worker: at once if there is one, else as
     soon as one is queued (or its model placed here) within ``wait_s``; 204 if none."""
     worker_id = worker.id
@@ -284,7 +269,7 @@ async def lease(
     # lease taken back because the worker left is leased again, and counted then).
     first_waits: list[float] = []
 
-    def claim() -> JobLease | None:
+    def claim() -> protocol.JobLease | None:
         try:
             current = session.get_one(Worker, worker_id)
             if current.status == "draining":
@@ -294,11 +279,11 @@ async def lease(
                 return None
             if job.attempts == 1 and job.preemptions == 0:
                 first_waits.append((utcnow() - job.created_at).total_seconds())
-            return JobLease(job=queue.job_for_worker(session, job))
+            return protocol.JobLease(job=queue.job_for_worker(session, job))
         finally:
             session.rollback()
 
-    def release(lease: JobLease) -> None:
+    def release(lease: protocol.JobLease) -> None:
         queue.unlease(session, worker_id=worker_id, job_id=lease.job.id, attempt=lease.job.attempt)
 
     leased = await long_poll(
@@ -317,10 +302,14 @@ async def lease(
     return leased
 
 
-@router.post("/jobs/{job_id}/renew", response_model=LeaseRenewed)
+@router.post("/jobs/{job_id}/renew", response_model=protocol.LeaseRenewed)
 def renew(
-    job_id: str, body: JobAttempt, worker: WorkerDep, session: SessionDep, settings: SettingsDep
-) -> LeaseRenewed:
+    job_id: str,
+    body: protocol.JobAttempt,
+    worker: WorkerDep,
+    session: SessionDep,
+    settings: SettingsDep,
+) -> protocol.LeaseRenewed:
     job = queue.renew_lease(
         session,
         worker=worker,
@@ -328,7 +317,9 @@ def renew(
         attempt=body.attempt,
         lease_s=settings.scheduler.job_lease_s,
     )
-    return LeaseRenewed(cancel_requested=job.cancel_requested, yield_requested=job.yield_requested)
+    return protocol.LeaseRenewed(
+        cancel_requested=job.cancel_requested, yield_requested=job.yield_requested
+    )
 
 
 @router.get("/jobs/{job_id}/input")
@@ -361,16 +352,16 @@ def job_input(
     return StreamingResponse(chunks, media_type="application/x-ndjson", headers=headers)
 
 
-@router.post("/jobs/{job_id}/events", status_code=201, response_model=JobEventRecorded)
+@router.post("/jobs/{job_id}/events", status_code=201, response_model=protocol.JobEventRecorded)
 def job_event(
-    job_id: str, body: JobEventReport, worker: WorkerDep, session: SessionDep
-) -> JobEventRecorded:
+    job_id: str, body: protocol.JobEventReport, worker: WorkerDep, session: SessionDep
+) -> protocol.JobEventRecorded:
     """Record an event; the answer says whether the job is to stop (a cancel, or a yield to
     another tenant's job), which the worker reads after each optimizer step."""
     job = queue.record_event(
         session, worker=worker, job_id=job_id, attempt=body.attempt, type=body.type, data=body.data
     )
-    return JobEventRecorded(
+    return protocol.JobEventRecorded(
         cancel_requested=job.cancel_requested, yield_requested=job.yield_requested
     )
 
@@ -407,15 +398,15 @@ async def upload_file(
         )
 
 
-@router.post("/jobs/{job_id}/complete", response_model=JobCompleted)
+@router.post("/jobs/{job_id}/complete", response_model=protocol.JobCompleted)
 def complete(
     job_id: str,
-    body: JobCompletion,
+    body: protocol.JobCompletion,
     worker: WorkerDep,
     session: SessionDep,
     store: StoreDep,
     settings: SettingsDep,
-) -> JobCompleted:
+) -> protocol.JobCompleted:
     checkpoint = metrics.timed_phase(
         "commit",
         lambda: queue.complete_job(
@@ -423,32 +414,36 @@ def complete(
         ),
     )
     metrics.record_job_completion(body.metrics)
-    return JobCompleted(step=checkpoint.step, checkpoint_id=checkpoint.id)
+    return protocol.JobCompleted(step=checkpoint.step, checkpoint_id=checkpoint.id)
 
 
-@router.post("/jobs/{job_id}/fail", response_model=JobFailed)
+@router.post("/jobs/{job_id}/fail", response_model=protocol.JobFailed)
 def fail(
-    job_id: str, body: JobFailure, worker: WorkerDep, session: SessionDep, scheduler: SchedulerDep
-) -> JobFailed:
+    job_id: str,
+    body: protocol.JobFailure,
+    worker: WorkerDep,
+    session: SessionDep,
+    scheduler: SchedulerDep,
+) -> protocol.JobFailed:
     job = queue.fail_job(session, body, worker=worker, job_id=job_id)
     scheduler.wake()
-    return JobFailed(status=job.status)
+    return protocol.JobFailed(status=job.status)
 
 
-@router.post("/jobs/{job_id}/preempt", response_model=JobPreempted)
+@router.post("/jobs/{job_id}/preempt", response_model=protocol.JobPreempted)
 def preempt(
     job_id: str,
-    body: JobPreemption,
+    body: protocol.JobPreemption,
     worker: WorkerDep,
     session: SessionDep,
     store: StoreDep,
     scheduler: SchedulerDep,
-) -> JobPreempted:
+) -> protocol.JobPreempted:
     """Hand back a job asked to yield, its state saved in the attempt's staged files: it is
     queued again behind the job it yielded to, and resumes from that state."""
     job = queue.preempt_job(session, body, store=store, worker=worker, job_id=job_id)
     scheduler.wake()
-    return JobPreempted(status=job.status)
+    return protocol.JobPreempted(status=job.status)
 
 
 @router.get("/jobs/{job_id}/saved-state")

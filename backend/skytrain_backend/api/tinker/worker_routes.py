@@ -31,17 +31,7 @@ from skytrain_backend.api.tinker.deps import TinkerDep
 from skytrain_backend.db import notify
 from skytrain_backend.db.models import Model, Worker
 from skytrain_backend.errors import InvalidRequest
-from skytrain_backend.protocol.tinker_ops import (
-    CheckpointFileInfo,
-    CheckpointFileList,
-    LeasedOperation,
-    LeasedRun,
-    NextOperationRequest,
-    OperationCompletion,
-    OperationFailure,
-    SaveCommit,
-    TinkerLease,
-)
+from skytrain_backend.protocol import tinker_ops
 from skytrain_backend.scheduler import integrity, queue
 from skytrain_backend.scheduler.tinker import runs, worker_ops
 
@@ -52,7 +42,9 @@ router = APIRouter(
 Attempt = Annotated[int, Query(ge=1)]
 
 
-@router.post("/lease", response_model=TinkerLease, responses={204: {"description": "No run"}})
+@router.post(
+    "/lease", response_model=tinker_ops.TinkerLease, responses={204: {"description": "No run"}}
+)
 async def lease(
     request: Request,
     worker: WorkerDep,
@@ -60,12 +52,12 @@ async def lease(
     settings: SettingsDep,
     notifier: NotifierDep,
     wait_s: WaitS = 0.0,
-) -> TinkerLease | Response:
+) -> tinker_ops.TinkerLease | Response:
     """Lease a Tinker run placed on this worker, waiting up to ``wait_s`` for one (a run is a
     ``tinker`` training job: its queuing wakes the wait like any job's)."""
     worker_id = worker.id
 
-    def claim() -> LeasedRun | None:
+    def claim() -> tinker_ops.LeasedRun | None:
         try:
             current = session.get_one(Worker, worker_id)
             if current.status == "draining":
@@ -76,7 +68,7 @@ async def lease(
         finally:
             session.rollback()
 
-    def release(run: LeasedRun) -> None:
+    def release(run: tinker_ops.LeasedRun) -> None:
         queue.unlease(session, worker_id=worker_id, job_id=run.job_id, attempt=run.attempt)
 
     run = await long_poll(
@@ -90,27 +82,27 @@ async def lease(
     )
     if run is None:
         return Response(status_code=204)
-    return TinkerLease(run=run)
+    return tinker_ops.TinkerLease(run=run)
 
 
 @router.post(
     "/runs/{job_id}/next",
-    response_model=LeasedOperation,
+    response_model=tinker_ops.LeasedOperation,
     responses={204: {"description": "Not arrived yet"}},
 )
 async def next_operation(
     job_id: str,
-    body: NextOperationRequest,
+    body: tinker_ops.NextOperationRequest,
     worker: WorkerDep,
     session: SessionDep,
     tinker: TinkerDep,
-) -> LeasedOperation | Response:
+) -> tinker_ops.LeasedOperation | Response:
     """Operation ``seq_id`` of the run, waiting up to ``wait_s`` for it to arrive (holding no
     database connection meanwhile)."""
     worker_id = worker.id
     session.rollback()
 
-    def look() -> tuple[bool, LeasedOperation | None]:
+    def look() -> tuple[bool, tinker_ops.LeasedOperation | None]:
         with tinker.sessions() as session:
             operation = worker_ops.next_operation(
                 session,
@@ -154,7 +146,7 @@ HeldDep = Annotated[worker_ops.Held, Depends(_held)]
 
 
 @router.get("/runs/{job_id}/operations/{seq_id}")
-def operation(held: HeldDep, session: SessionDep) -> LeasedOperation:
+def operation(held: HeldDep, session: SessionDep) -> tinker_ops.LeasedOperation:
     _, found = worker_ops.worker_operation(session, held)
     return worker_ops.operation_for_worker(found)
 
@@ -193,21 +185,25 @@ async def operation_output(
 
 @router.post("/runs/{job_id}/operations/{seq_id}/complete", status_code=204)
 def complete(
-    body: OperationCompletion, at: At, session: SessionDep, store: StoreDep, tinker: TinkerDep
+    body: tinker_ops.OperationCompletion,
+    at: At,
+    session: SessionDep,
+    store: StoreDep,
+    tinker: TinkerDep,
 ) -> None:
     request_id = worker_ops.complete(session, at.held(body.attempt), body, store=store)
     tinker.notify(f"request:{request_id}")
 
 
 @router.post("/runs/{job_id}/operations/{seq_id}/fail", status_code=204)
-def fail(body: OperationFailure, at: At, session: SessionDep, tinker: TinkerDep) -> None:
+def fail(body: tinker_ops.OperationFailure, at: At, session: SessionDep, tinker: TinkerDep) -> None:
     request_id = worker_ops.fail(session, at.held(body.attempt), body)
     tinker.notify(f"request:{request_id}")
 
 
 @router.post("/runs/{job_id}/operations/{seq_id}/save", status_code=204)
 def save(
-    body: SaveCommit,
+    body: tinker_ops.SaveCommit,
     at: At,
     session: SessionDep,
     store: StoreDep,
@@ -240,10 +236,10 @@ ReadablePrefix = Annotated[str, Depends(_readable_prefix)]
 
 
 @router.get("/runs/{job_id}/checkpoints/{model_id}/{step}/files")
-def checkpoint_files(prefix: ReadablePrefix, store: StoreDep) -> CheckpointFileList:
-    return CheckpointFileList(
+def checkpoint_files(prefix: ReadablePrefix, store: StoreDep) -> tinker_ops.CheckpointFileList:
+    return tinker_ops.CheckpointFileList(
         data=[
-            CheckpointFileInfo(name=info.key.removeprefix(prefix), size=info.size)
+            tinker_ops.CheckpointFileInfo(name=info.key.removeprefix(prefix), size=info.size)
             for info in store.list(prefix)
         ]
     )

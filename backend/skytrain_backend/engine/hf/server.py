@@ -28,6 +28,7 @@ from skytrain_backend.asgi import CLIENT_CLOSED_REQUEST, until_disconnected
 from skytrain_backend.config import get_settings
 from skytrain_backend.engine.hf.engine import HFEngine, SleepMode
 from skytrain_backend.engine.hf.openai_api import OpenAIServing, error_response
+from skytrain_backend.engine.options import EngineOptions
 from skytrain_backend.engine.wire import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -204,27 +205,15 @@ def default_threads() -> int:
     return max(1, (os.cpu_count() or 2) // 2)
 
 
-def serve(
-    model: str,
-    *,
-    served_model_name: str | None = None,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    api_key: str | None = None,
-    max_model_len: int | None = None,
-    max_num_seqs: int = 32,
-    dtype: str = "auto",
-    threads: int | None = None,
-    max_lora_rank: int | None = None,
-    log_level: str = "info",
-) -> None:
-    """Load ``model`` (a Hugging Face id or a directory) and serve it until interrupted."""
+def serve(options: EngineOptions, *, log_level: str = "info") -> None:
+    """Load ``options.model`` (a Hugging Face id or a directory) and serve it until
+    interrupted; of the options, the CPU engine takes all but the vLLM-only ones."""
     import torch
     import uvicorn
 
     from skytrain_backend.hub import resolve_model
 
-    torch.set_num_threads(threads or default_threads())
+    torch.set_num_threads(options.threads or default_threads())
     settings = get_settings()
     configure_logging(
         settings.observability.log_format,
@@ -233,13 +222,20 @@ def serve(
         worker_id=settings.worker.id,
     )
     engine = HFEngine(
-        resolve_model(model),
-        served_model_name=served_model_name or model,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        dtype=dtype,
-        max_lora_rank=max_lora_rank,
+        resolve_model(options.model),
+        served_model_name=options.name,
+        max_model_len=options.max_model_len,
+        max_num_seqs=options.max_num_seqs or 32,
+        dtype=options.dtype,
+        max_lora_rank=options.max_lora_rank,
     )
     # Each request's line carries the id the gateway gave it (passed on by the front door).
-    app = Observe(create_app(engine, api_key=api_key), count=False)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, log_config=None, access_log=False)
+    app = Observe(create_app(engine, api_key=options.api_key), count=False)
+    uvicorn.run(
+        app,
+        host=options.host,
+        port=options.port,
+        log_level=log_level,
+        log_config=None,
+        access_log=False,
+    )
