@@ -89,6 +89,10 @@ def test_list_and_show_commands_print_json(
     assert shown["model"] == model["id"] and shown["base_model"] == "tiny/llama"
     assert [job["id"] for job in shown["training_jobs"]] == [job_id]
     assert isinstance(json.loads(control_plane_cli("workers", "list", "--all", "--json")), list)
+    status = json.loads(control_plane_cli("status", "--json"))
+    assert status["queue"]["queued"] >= 1 and status["queue"]["oldest_wait_s"] >= 0
+    assert {"workers", "running_jobs", "last_errors", "control_planes"} <= set(status)
+    assert all(set(row) == {"when", "what", "error"} for row in status["last_errors"])
 
 
 @pytest.mark.parametrize(

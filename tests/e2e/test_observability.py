@@ -193,6 +193,16 @@ def test_metrics_logs_and_models_after_a_chat_and_a_training_job(
         if line["request_id"] == "operator-job-1" and "POST /v1/training-jobs" in line["message"]
     ]
     assert created["job_id"] == job["id"]
+    # The worker's calls for the job name it on the control plane too, and those made while it
+    # ran the job (its input, its end) go with the same request id.
+    calls = [
+        line
+        for line in _json_lines(service.log())
+        if f"/v1/worker/jobs/{job['id']}/" in line["message"]
+    ]
+    assert calls and all(line["job_id"] == job["id"] for line in calls), calls
+    ran = [line for line in calls if line["message"].split()[1].endswith(("/input", "/complete"))]
+    assert len(ran) >= 2 and {line["request_id"] for line in ran} == {"operator-job-1"}, ran
     for line in _json_lines(service.log()):
         assert set(line) >= {"time", "level", "logger", "message", "request_id", "tenant_id"}
     # Every line of every log is one JSON object: the server's, the worker's (each after it

@@ -6,6 +6,7 @@ sets a drifted total back to the sum over the rows."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 from sqlalchemy import event, select, update
@@ -79,6 +80,14 @@ def test_the_running_total_follows_every_write_and_delete_and_the_cli_recounts_i
     assert checked.exit_code == 1, checked.output
     (row,) = [line for line in checked.stdout.splitlines() if alice.name in line]
     assert "12345" in row and str(before_delete - ADAPTER_BYTES) in row
+    as_json = run_cli(lifecycle_settings, "storage", "check", "--json")
+    assert as_json.exit_code == 1, as_json.output
+    (entry,) = [t for t in json.loads(as_json.stdout)["tenants"] if t["tenant"] == alice.name]
+    assert entry == {
+        "tenant": alice.name,
+        "bytes_recorded": "12345",
+        "bytes_counted": str(before_delete - ADAPTER_BYTES),
+    }
     fixed = run_cli(lifecycle_settings, "storage", "check", "--fix-usage")
     assert "(fixed)" in fixed.stdout
     assert (

@@ -87,9 +87,14 @@ class Observe:
                     await self.app(scope, receive, send_with_id)
                 finally:
                     elapsed = time.perf_counter() - start
-                    access_logger.info(
-                        "%s %s %d %.1fms", scope["method"], scope["path"], status, elapsed * 1000
-                    )
+                    with logs.bind(job_id=_job_id(scope)):
+                        access_logger.info(
+                            "%s %s %d %.1fms",
+                            scope["method"],
+                            scope["path"],
+                            status,
+                            elapsed * 1000,
+                        )
         finally:
             if self.count:
                 route_class = observed.route_class
@@ -110,6 +115,13 @@ class Observe:
                 metrics.HTTP_DURATION.labels(
                     method=method, route=route, route_class=route_class, tenant_class=who
                 ).observe(time.perf_counter() - start)
+
+
+def _job_id(scope: Scope) -> str | None:
+    """The job a route's path names (``{job_id}``: the workers' job and Tinker run routes),
+    for the access line; else the one the request bound, if any."""
+    job_id = (scope.get("path_params") or {}).get("job_id")
+    return job_id if isinstance(job_id, str) else logs.current("job_id")
 
 
 def _route(scope: Scope) -> str:

@@ -36,6 +36,7 @@ from tenacity import (
 
 from skytrain_backend import protocol
 from skytrain_backend.errors import LeaseLost, ObjectDamaged, SkytrainError
+from skytrain_backend.observability import logs
 from skytrain_backend.protocol import tinker_ops
 from skytrain_backend.protocol.worker import ListedFile
 
@@ -54,6 +55,14 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500
 
 
+async def _with_request_id(request: httpx.Request) -> None:
+    """A call made for a job goes with the request id the job was created by (the job's
+    lines are bound to it), so the control plane's lines for it share that id."""
+    request_id = logs.current_request_id()
+    if request_id is not None:
+        request.headers.setdefault(logs.REQUEST_ID_HEADER, request_id)
+
+
 class ControlPlaneClient:
     """Calls the control plane's worker routes with the worker's token."""
 
@@ -64,6 +73,7 @@ class ControlPlaneClient:
             base_url=base_url.rstrip("/") + "/v1/worker",
             headers={"Authorization": f"Bearer {token}"},
             timeout=httpx.Timeout(timeout_s, connect=10.0),
+            event_hooks={"request": [_with_request_id]},
         )
         self._retry_for_s = retry_for_s
         self._stopping = asyncio.Event()
