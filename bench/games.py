@@ -11,7 +11,9 @@ time (setup and worker start excluded), with the machine's CPUs and load. Into
 line per seed.
 
 With ``--replot`` it runs nothing and draws the PNGs again from the tables already in
-``--results`` (for seeds run by separate invocations, side by side).
+``--results`` (for seeds run by separate invocations, side by side, or on other machines:
+``--subtitle`` then says which); a ``nan`` in a table is a value not recorded, left out of
+the curve.
 
 Usage:
     .venv/bin/python bench/games.py --tasks tic-tac-toe --seeds 0 [-- --steps 8]
@@ -95,6 +97,10 @@ def main() -> None:
     parser.add_argument(
         "--replot", action="store_true", help="only draw the PNGs from the tables in --results"
     )
+    parser.add_argument(
+        "--subtitle",
+        help="with --replot: the figure's second line (default: this machine and the arguments)",
+    )
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="arguments for skytrain demo")
     args = parser.parse_args()
     extra = [arg for arg in args.extra if arg != "--"]
@@ -106,7 +112,7 @@ def main() -> None:
                 seed: read_rows(args.results / f"games-{task}-seed{seed}.csv")
                 for seed in args.seeds
             }
-            subtitle = f"{hardware}; {' '.join(extra) or 'demo defaults'}"
+            subtitle = args.subtitle or f"{hardware}; {' '.join(extra) or 'demo defaults'}"
             plot(task, tables, args.results / f"games-{task}.png", subtitle)
         return
     print(f"{hardware}; demo arguments: {' '.join(extra) or '(defaults)'}", flush=True)

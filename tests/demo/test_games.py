@@ -197,6 +197,26 @@ def test_2048_a_game_stops_at_the_demo_turn_limit() -> None:
     assert episode.metrics()["valid"] == 1.0
 
 
+def test_2048_each_board_is_followed_by_the_directions_that_move_a_tile() -> None:
+    episode = Shaped2048Episode(GameScenario(seed=0))
+    episode.game.board = ((2, 0, 0, 0), (4, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0))
+    assert episode._prompt().endswith(
+        "Moves that change the board: right, down. Answer with one of them, like "
+        "<move>right</move>."
+    )
+    episode.step(text_choice("left"))  # no tags: refused, and a bare direction earns nothing
+    assert episode.outcome == "invalid_move" and episode.move_quality == [0.0]
+
+    played = Shaped2048Episode(GameScenario(seed=0))
+    played.step(text_choice("<move>down</move>"))
+    board, shown = played.game.board, played.messages()[-1]["content"]
+    moving = [d for d in DIRECTIONS if slide(board, d)[0] != board]
+    assert isinstance(shown, str) and shown.startswith(played.game.render())
+    assert shown.endswith(
+        f"{', '.join(moving)}. Answer with one of them, like <move>{moving[0]}</move>."
+    )
+
+
 def test_2048_a_direction_that_moves_nothing_earns_only_its_format_credit() -> None:
     episode = Shaped2048Episode(GameScenario(seed=0))
     episode.game.board = ((2, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0))

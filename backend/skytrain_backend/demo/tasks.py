@@ -19,9 +19,11 @@ model to find in minutes (SmolLM2-135M never writes a ``<move>`` tag unprompted)
   only beside an opening ``<move>`` tag. The rules and the format the game accepts are
   unchanged.
 - ``2048``: at most ``GAME_2048_TURNS`` moves; each scores 0.5 when it moves a tile, 1 when it
-  also merges tiles, and 0.4 x its format credit otherwise, summed and divided by the turn
-  limit. The game's own reward (log of the largest tile and of the board's total, -1 for an
-  invalid move) is the ``score`` column.
+  also merges tiles, and 0.4 x its format credit otherwise (the direction and the brevity
+  only beside an opening ``<move>`` tag), summed and divided by the turn limit. The game's own
+  reward (log of the largest tile and of the board's total, -1 for an invalid move) is the
+  ``score`` column. Each board is followed by the directions that move a tile and the answer
+  format with the first of them (``MOVING_DIRECTIONS``), as tic-tac-toe shows its free cells.
 - ``temporal-clue``: half the format (a quarter each for the opening and closing ``<answer>``
   tags, half the share of the four ``key: value`` lines written), half the share answered
   right (the game's own reward, the ``score`` column).
@@ -47,7 +49,7 @@ import skytrain
 from skytrain_backend.demo import task as one_word
 from skytrain_backend.games.episode import Episode, Message, Scalar
 from skytrain_backend.games.game_2048 import play as game_2048
-from skytrain_backend.games.game_2048.env import slide
+from skytrain_backend.games.game_2048.env import DIRECTIONS, slide
 from skytrain_backend.games.temporal_clue import play as temporal_clue
 from skytrain_backend.games.temporal_clue.puzzle import QUESTIONS
 from skytrain_backend.games.tic_tac_toe import play as tic_tac_toe
@@ -69,6 +71,11 @@ REFUSED_MOVE_WEIGHT = 0.4
 # free cells, and the answer format with the first of them (a bare list of cells alone taught
 # SmolLM2 to answer a bare cell, which the game refuses: bench/README.md).
 FREE_CELLS = "Free cells: {free}. Answer with one of them, like <move>{first}</move>."
+# After each 2048 board: the directions the game accepts there (one that moves no tile ends
+# the game as an unreadable answer does).
+MOVING_DIRECTIONS = (
+    "Moves that change the board: {moving}. Answer with one of them, like <move>{first}</move>."
+)
 _CELL_WORD = re.compile(r"\b[A-C][1-3]\b", re.IGNORECASE)
 _DIRECTION_WORD = re.compile(r"\b(left|right|up|down)\b", re.IGNORECASE)
 
@@ -292,16 +299,24 @@ class TicTacToeTask(GameTask[tic_tac_toe.TicTacToeScenario]):
 
 class Shaped2048Episode(game_2048.Game2048Episode):
     """The example's game, cut to ``GAME_2048_TURNS`` moves, rewarded for each valid move and
-    more for each that merges tiles."""
+    more for each that merges tiles; each board is followed by the directions that move a tile
+    (``MOVING_DIRECTIONS``)."""
 
     def __init__(self, scenario: game_2048.Game2048Scenario) -> None:
         super().__init__(scenario, max_turns=GAME_2048_TURNS)
         self.move_quality: list[float] = []
 
+    def _prompt(self) -> str:
+        board = self.game.board
+        moving = [direction for direction in DIRECTIONS if slide(board, direction)[0] != board]
+        shown = MOVING_DIRECTIONS.format(moving=", ".join(moving), first=moving[0])
+        return f"{self.game.render()}\n{shown}"
+
     def react(self, choice: Choice) -> list[Message]:
         board, text = self.game.board, choice.message.content or ""
         move = game_2048.parse_move(text)
-        quality = REFUSED_MOVE_WEIGHT * format_credit(text, "move", _DIRECTION_WORD)
+        credit = format_credit(text, "move", _DIRECTION_WORD, tag_first=True)
+        quality = REFUSED_MOVE_WEIGHT * credit
         if move is not None and (after := slide(board, move)[0]) != board:
             tiles = sum(1 for row in board for value in row if value)
             merged = sum(1 for row in after for value in row if value) < tiles
@@ -326,6 +341,8 @@ class Game2048Task(GameTask[game_2048.Game2048Scenario]):
     name = "2048"
     summary = f"2048, {GAME_2048_TURNS} moves a game"
     unit = "games"
+    # Tic-tac-toe's, measured on SmolLM2 (bench/README.md, "The seed's games").
+    recipe = Recipe(steps=8, learning_rate=2e-3)
     columns = (
         Column("valid", "valid"),
         Column("merged", "merged"),

@@ -57,7 +57,7 @@ class Game2048Episode(Episode):
         self.invalid_move = False
         super().__init__(
             system=SYSTEM_PROMPT.format(target=scenario.target),
-            user=self.game.render(),
+            user=self._prompt(),
             max_turns=max_turns,
         )
 
@@ -71,7 +71,11 @@ class Game2048Episode(Episode):
             self.finish("won")
         elif self.game.over:
             self.finish("game_over")
-        return [{"role": "user", "content": self.game.render()}]
+        return [] if self.done else [{"role": "user", "content": self._prompt()}]
+
+    def _prompt(self) -> str:
+        """What the model sees before each move: the board."""
+        return self.game.render()
 
     def reward(self) -> float:
         return score_game(self.game, invalid_move=self.invalid_move)
